@@ -1,0 +1,435 @@
+"""The DFlash block-diffusion drafter: its config and its MLX module.
+
+One definition serves inference (a context-only KV cache, one block per call)
+and training (many blocks of one sequence at once, the blocks on the batch
+axis, each with its own context mask).
+
+The drafter owns no embedding and no output head: ``bind`` attaches it to a
+target adapter, whose token embedding and lm_head it shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Fields read from config.json that must be present, in the order a user would
+# look for them.
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "num_target_layers",
+)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Z Lab's rule when a checkpoint does not list its taps: spread them from
+    layer 1 to layer N-3 of the target."""
+    n, l = num_target_layers, num_draft_layers
+    if l == 1:
+        return [1]
+    return [round(1 + i * (n - 4) / (l - 1)) for i in range(l)]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rope_scaling: dict[str, Any] | None = None
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+        """Parse a Z Lab drafter config.json (v1, sliding-window, and the
+        transformers-5 ``rope_parameters`` layouts). Raises ValueError naming
+        what is wrong."""
+        if not isinstance(cfg, dict):
+            raise ValueError("the drafter's config.json must hold a JSON object.")
+        archs = cfg.get("architectures") or []
+        if any("DFlash2" in a for a in archs):
+            raise ValueError(
+                "this is a DFlash2 drafter (architectures lists DFlash2DraftModel), "
+                "which dflash-mlx does not support yet; use a DFlash (v1) drafter."
+            )
+        dflash = cfg.get("dflash_config") or {}
+        if not dflash and "mask_token_id" not in cfg and "target_layer_ids" not in cfg:
+            raise ValueError(
+                "config.json has no dflash_config, so this is not a DFlash drafter "
+                "(a plain language model cannot be used as a drafter); pass a Z Lab "
+                "DFlash drafter such as z-lab/Qwen3-8B-DFlash-b16."
+            )
+        missing = [k for k in _REQUIRED if k not in cfg]
+        mask_id = dflash.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask_id is None:
+            missing.append("dflash_config.mask_token_id")
+        rope = cfg.get("rope_parameters") or None
+        rope_theta = cfg.get("rope_theta", (rope or {}).get("rope_theta"))
+        if rope_theta is None:
+            missing.append("rope_theta")
+        if missing:
+            raise ValueError(
+                "the drafter's config.json is missing " + ", ".join(missing)
+                + "; re-download or re-convert the checkpoint."
+            )
+
+        rope_scaling = cfg.get("rope_scaling") or rope
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
+            rope_scaling = None if rope_type == "default" else dict(rope_scaling)
+
+        n_layers = int(cfg["num_hidden_layers"])
+        layer_types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
+        if len(layer_types) != n_layers:
+            raise ValueError(
+                f"layer_types lists {len(layer_types)} layers but num_hidden_layers is "
+                f"{n_layers}; fix config.json so they agree."
+            )
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported drafter layer_types {unknown}; expected {list(LAYER_TYPES)}.")
+        sliding_window = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and not sliding_window:
+            raise ValueError(
+                "the drafter has sliding_attention layers but no sliding_window; "
+                "add sliding_window to config.json."
+            )
+
+        num_target_layers = int(cfg["num_target_layers"])
+        taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if taps is None:
+            taps = default_target_layer_ids(num_target_layers, n_layers)
+        softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+            num_target_layers=num_target_layers,
+            target_layer_ids=[int(t) for t in taps],
+            mask_token_id=int(mask_id),
+            rope_scaling=rope_scaling,
+            layer_types=layer_types,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            is_causal=cfg.get("is_causal"),
+            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The Z Lab config.json layout (what ``from_dict`` reads back)."""
+        d = asdict(self)
+        dflash = {
+            k: d.pop(k)
+            for k in (
+                "target_layer_ids",
+                "mask_token_id",
+                "input_embedding_scale",
+                "output_multiplier",
+                "final_logit_softcapping",
+            )
+        }
+        if dflash["final_logit_softcapping"] is None:
+            del dflash["final_logit_softcapping"]
+        for k in ("rope_scaling", "sliding_window", "is_causal"):
+            if d[k] is None:
+                del d[k]
+        d["dflash_config"] = {"block_size": self.block_size, **dflash}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d}
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a drafter checkpoint holds, with its shape (Z Lab names)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv, ff = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(cfg.target_layer_ids) * h),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (ff, h),
+                p + "mlp.up_proj.weight": (ff, h),
+                p + "mlp.down_proj.weight": (h, ff),
+            }
+        )
+    return shapes
+
+
+def check_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantization: dict | None = None) -> None:
+    """Raise ValueError naming missing, unexpected or misshapen tensors.
+
+    With ``quantization`` (mlx-lm's {"bits", "group_size"}), quantized linear
+    layers carry packed weights plus ``scales`` and ``biases``."""
+    want = expected_shapes(cfg)
+    bits = group = None
+    if quantization:
+        bits, group = int(quantization["bits"]), int(quantization["group_size"])
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, shape in want.items():
+        prefix = name[: -len(".weight")]
+        if bits and len(shape) == 2 and f"{prefix}.scales" in weights:
+            out, inp = shape
+            expected[name] = (out, inp * bits // 32)
+            expected[f"{prefix}.scales"] = (out, inp // group)
+            if f"{prefix}.biases" in weights:
+                expected[f"{prefix}.biases"] = (out, inp // group)
+        else:
+            expected[name] = shape
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    bad = sorted(
+        f"{k} is {tuple(weights[k].shape)}, expected {expected[k]}"
+        for k in set(expected) & set(weights)
+        if tuple(weights[k].shape) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {_short(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors {_short(extra)}")
+    if bad:
+        problems.append("misshapen tensors: " + _short(bad))
+    if problems:
+        raise ValueError(
+            "the drafter checkpoint does not match its config.json ("
+            + "; ".join(problems)
+            + "); re-download or re-convert it."
+        )
+
+
+def pair_problems(cfg: DraftConfig, hidden_size: int, vocab_size: int, num_layers: int) -> list[str]:
+    """What keeps this drafter from serving a target of the given shape."""
+    problems = []
+    if cfg.hidden_size != hidden_size:
+        problems.append(f"the drafter's hidden size is {cfg.hidden_size} but the target's is {hidden_size}")
+    if cfg.vocab_size != vocab_size:
+        problems.append(f"the drafter's vocabulary is {cfg.vocab_size} tokens but the target's is {vocab_size}")
+    if cfg.num_target_layers != num_layers:
+        problems.append(f"the drafter was trained on a {cfg.num_target_layers}-layer target but this one has {num_layers}")
+    bad = [t for t in cfg.target_layer_ids if not 0 <= t < num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} do not exist in a {num_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} is outside the target's {vocab_size}-token vocabulary")
+    return problems
+
+
+def check_pair(cfg: DraftConfig, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    problems = pair_problems(cfg, hidden_size, vocab_size, num_layers)
+    if problems:
+        raise ValueError(
+            "the drafter does not fit the target: " + "; ".join(problems)
+            + ". Use the drafter published for this target."
+        )
+
+
+def _short(items: list[str], n: int = 4) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block only; keys and values from [context ; block]."""
+
+    def __init__(self, cfg: DraftConfig, layer_type: str):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.scale = hd**-0.5
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        # Z Lab: sliding layers are causal inside the block unless told otherwise.
+        self.causal = (self.window is not None) if cfg.is_causal is None else bool(cfg.is_causal)
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+
+    def _heads(self, x, n):
+        B, L, _ = x.shape
+        return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+
+    def keys_values(self, x: mx.array, rope, offset) -> tuple[mx.array, mx.array]:
+        """Roped, normed keys and plain values of ``x`` at positions offset.."""
+        keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
+        return keys, self._heads(self.v_proj(x), self.n_kv_heads)
+
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask):
+        """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
+        int or a [B] array); ctx_keys/values: [B, kv_heads, C, head_dim]."""
+        B, L, _ = x.shape
+        queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
+        keys, values = self.keys_values(x, rope, offset)
+        if ctx_keys is not None:
+            keys = mx.concatenate([ctx_keys, keys], axis=2)
+            values = mx.concatenate([ctx_values, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_type: str):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_type)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.layers = [DraftLayer(cfg, t) for t in cfg.layer_types]
+        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            cfg.head_dim,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+        self._target = None  # a plain attribute: the target's weights are not ours
+
+    # -- binding ---------------------------------------------------------
+    def bind(self, target) -> "DFlashDraft":
+        """Share the target adapter's token embedding and output head, after
+        checking that this drafter was made for a target of its shape."""
+        check_pair(self.config, target.hidden_size, target.vocab_size, target.num_layers)
+        self._target = target
+        return self
+
+    @property
+    def target(self):
+        if self._target is None:
+            raise ValueError("the drafter is not bound to a target; call draft.bind(target) first.")
+        return self._target
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.target.embed(tokens) * self.config.input_embedding_scale
+
+    def logits(self, h: mx.array) -> mx.array:
+        logits = self.target.lm_head(h)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def context(self, taps: mx.array) -> mx.array:
+        """Context features from the target's concatenated tapped states."""
+        return self.hidden_norm(self.fc(taps))
+
+    # -- inference -------------------------------------------------------
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def extend(self, taps: mx.array, cache: list[KVCache]) -> None:
+        """Append the context keys/values of newly committed positions, given
+        their tapped target states taps: [1, S, n*H]."""
+        ctx = self.context(taps)
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset))
+
+    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[KVCache]) -> mx.array:
+        """Draft one block.
+
+        block: [1, bs] token ids [last committed, MASK, ...] at the positions
+        right after the cached context; taps: [1, S, n*H] tapped target states
+        of positions committed since the last call (None when there are none);
+        cache: from ``make_cache``, holding at least one context position.
+        Returns logits [1, bs-1, V] for block positions 1..bs-1 (position i
+        proposes the token at start + i).
+        """
+        if taps is not None and taps.shape[1]:
+            self.extend(taps, cache)
+        x = self.embed(block)
+        L = block.shape[1]
+        for layer, c in zip(self.layers, cache):
+            window = layer.self_attn.window
+            ctx_keys, ctx_values = c.keys_and_values()
+            C = kept = c.offset
+            if window is not None and C > window - 1:
+                kept = window - 1
+                ctx_keys, ctx_values = ctx_keys[..., C - kept :, :], ctx_values[..., C - kept :, :]
+            mask = block_mask(L, kept, layer.self_attn.causal, window)
+            x = layer(x, ctx_keys, ctx_values, self.rope, C, mask)
+        return self.logits(self.norm(x[:, 1:]))
+
+
+def block_mask(L: int, C: int, causal: bool, window: int | None):
+    """Boolean [L, C + L] mask for one block after C context keys, or None
+    when every query sees every key."""
+    if not causal and (window is None or C + L <= window):
+        return None
+    q = mx.arange(L)[:, None] + C
+    k = mx.arange(C + L)[None]
+    in_block = k >= C
+    visible = ~in_block | (k <= q) if causal else mx.ones((L, C + L), dtype=mx.bool_)
+    if window is not None:
+        visible = visible & (in_block | (q - k < window))
+    return visible

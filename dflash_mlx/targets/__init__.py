@@ -1,0 +1,30 @@
+"""Target adapters, one per model family mlx-lm knows by ``model_type``."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from .base import DenseTarget
+from .llama import LlamaTarget
+from .qwen3 import Qwen3Target
+
+ADAPTERS: dict[str, type[DenseTarget]] = {
+    "qwen3": Qwen3Target,
+    "llama": LlamaTarget,
+}
+
+
+def adapt(model: nn.Module) -> DenseTarget:
+    """Wrap an mlx-lm model (as returned by ``mlx_lm.load``) in its adapter."""
+    if isinstance(model, DenseTarget):
+        return model
+    model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    if model_type not in ADAPTERS:
+        raise ValueError(
+            f"target model type {model_type!r} is not supported yet; "
+            f"supported families: {', '.join(sorted(ADAPTERS))}."
+        )
+    return ADAPTERS[model_type](model)
+
+
+__all__ = ["ADAPTERS", "DenseTarget", "LlamaTarget", "Qwen3Target", "adapt"]

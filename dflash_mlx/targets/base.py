@@ -1,0 +1,81 @@
+"""The target adapter: a forward pass over mlx-lm's own layer modules that
+returns logits together with the hidden states DFlash taps, plus rollback.
+
+Nothing in mlx-lm is patched: the adapter runs the family's decoder loop
+itself, calling the model's embedding, layers, norm and head."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+
+class DenseTarget:
+    """Dense-attention decoder (``model.model.{embed_tokens, layers, norm}`` and
+    ``lm_head`` or tied embeddings), bf16 or mlx-lm-quantized alike."""
+
+    family = "dense"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner = model.model
+        args = model.args
+        self.hidden_size = int(args.hidden_size)
+        self.vocab_size = int(args.vocab_size)
+        self.num_layers = len(self.inner.layers)
+        self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(model, "lm_head")
+        self.embed_scale = 1.0
+
+    # -- pieces the drafter shares -----------------------------------------
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.inner.embed_tokens(tokens)
+        return h * self.embed_scale if self.embed_scale != 1.0 else h
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self.tied:
+            return self.inner.embed_tokens.as_linear(h)
+        return self.model.lm_head(h)
+
+    @property
+    def dtype(self):
+        return self.inner.norm.weight.dtype
+
+    # -- forward and cache ---------------------------------------------------
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.inner.layers]
+
+    def masks(self, h: mx.array, cache: list) -> list:
+        mask = create_attention_mask(h, cache[0])
+        return [mask] * self.num_layers
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: list,
+        taps: Sequence[int],
+        last_only: bool = False,
+    ) -> tuple[mx.array, mx.array]:
+        """tokens: [1, L]. Returns (logits [1, L or 1, V], hidden [1, L, len(taps)*H]),
+        hidden being the outputs of decoder layers ``taps`` (0-based, before
+        the final norm), concatenated in the order given."""
+        h = self.embed(tokens)
+        order = {layer: i for i, layer in enumerate(taps)}
+        tapped: list = [None] * len(taps)
+        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, self.masks(h, cache))):
+            h = layer(h, mask, c)
+            if i in order:
+                tapped[order[i]] = h
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.inner.norm(h))
+        return logits, mx.concatenate(tapped, axis=-1)
+
+    def rollback(self, cache: list, n: int) -> None:
+        """Forget the last ``n`` positions (no copy: the offsets move back)."""
+        if n > 0:
+            for c in cache:
+                c.trim(n)

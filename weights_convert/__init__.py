@@ -1,0 +1,1 @@
+"""Z Lab safetensors -> MLX (installed as dflash_mlx.weights_convert)."""
