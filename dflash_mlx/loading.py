@@ -1,8 +1,11 @@
-"""Loading targets and drafters from local directories or Hub repos."""
+"""Loading targets and drafters from local directories or Hub repos, and the
+registry of known target -> drafter pairs."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,33 +14,220 @@ import mlx.nn as nn
 from .draft import DFlashDraft, DraftConfig, check_weights
 from .targets import adapt
 
+# -- known pairs ---------------------------------------------------------------
 
-def resolve(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
+# Targets and the drafters Z Lab published for them (github.com/z-lab/dflash).
+_BASE_PAIRS: dict[str, str] = {
+    "Qwen/Qwen3-4B": "z-lab/Qwen3-4B-DFlash-b16",
+    "Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16",
+    "meta-llama/Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+    "Qwen/Qwen3-Coder-Next": "z-lab/Qwen3-Coder-Next-DFlash",
+    "Qwen/Qwen3.5-4B": "z-lab/Qwen3.5-4B-DFlash",
+    "Qwen/Qwen3.5-9B": "z-lab/Qwen3.5-9B-DFlash",
+    "Qwen/Qwen3.5-27B": "z-lab/Qwen3.5-27B-DFlash",
+    "Qwen/Qwen3.5-35B-A3B": "z-lab/Qwen3.5-35B-A3B-DFlash",
+    "Qwen/Qwen3.6-27B": "z-lab/Qwen3.6-27B-DFlash",
+    "Qwen/Qwen3.6-35B-A3B": "z-lab/Qwen3.6-35B-A3B-DFlash",
+    "openai/gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
+    "openai/gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
+}
+
+# The mlx-community conversions of those targets share their drafter: the
+# drafter reads the target's hidden states, which quantization leaves in place.
+_MLX_COMMUNITY: dict[str, tuple[str, ...]] = {
+    "Qwen/Qwen3-4B": ("Qwen3-4B-4bit", "Qwen3-4B-6bit", "Qwen3-4B-8bit", "Qwen3-4B-bf16"),
+    "Qwen/Qwen3-8B": ("Qwen3-8B-4bit", "Qwen3-8B-6bit", "Qwen3-8B-8bit", "Qwen3-8B-bf16"),
+    "meta-llama/Llama-3.1-8B-Instruct": (
+        "Meta-Llama-3.1-8B-Instruct-4bit",
+        "Meta-Llama-3.1-8B-Instruct-8bit",
+        "Meta-Llama-3.1-8B-Instruct-bf16",
+    ),
+}
+
+KNOWN_PAIRS: dict[str, str] = dict(_BASE_PAIRS)
+for _target, _names in _MLX_COMMUNITY.items():
+    for _name in _names:
+        KNOWN_PAIRS[f"mlx-community/{_name}"] = _BASE_PAIRS[_target]
+
+# Suffixes conversions add to a target's name (mlx-community's and others').
+_VARIANT_SUFFIX = re.compile(
+    r"(-(mlx|\d+(\.\d+)?-?bits?|bf16|fp16|fp32|float16|bfloat16|mxfp4|mxfp8|nvfp4|dwq|awq|gptq|q\d(_k)?(_[ms])?))+$"
+)
+
+
+def known_pairs() -> list[tuple[str, str]]:
+    """Every (target, drafter) pair the registry knows, targets as published
+    followed by their mlx-community conversions."""
+    return list(KNOWN_PAIRS.items())
+
+
+def _base_name(name: str) -> str:
+    """'mlx-community/Meta-Llama-3.1-8B-Instruct-4bit' -> 'llama-3.1-8b-instruct'."""
+    name = name.rstrip("/").split("/")[-1].lower()
+    name = _VARIANT_SUFFIX.sub("", name)
+    return name.removeprefix("meta-")
+
+
+def _repo_id_of(path: Path) -> str | None:
+    """The repo id of a directory inside a huggingface_hub cache
+    (.../models--org--name/snapshots/<revision>), else None."""
+    for part in path.resolve().parts[::-1]:
+        if part.startswith("models--"):
+            return part[len("models--"):].replace("--", "/")
+    return None
+
+
+def find_drafter(target: str | Path) -> str | None:
+    """The drafter repo id for a target repo id, one of its mlx-community (or
+    other quantized) conversions, or a local directory named after one; None
+    when the registry has no drafter for it."""
+    target = str(target)
+    if target in KNOWN_PAIRS:
+        return KNOWN_PAIRS[target]
+    names = [target]
+    path = Path(target).expanduser()
+    if path.is_dir():
+        names = [n for n in (_repo_id_of(path), path.resolve().name) if n]
+    for name in names:
+        if name in KNOWN_PAIRS:
+            return KNOWN_PAIRS[name]
+        base = _base_name(name)
+        for known, drafter in _BASE_PAIRS.items():
+            if _base_name(known) == base:
+                return drafter
+    return None
+
+
+def _known_pairs_text() -> str:
+    return "; ".join(f"{t} -> {d}" for t, d in _BASE_PAIRS.items())
+
+
+# -- the Hub -------------------------------------------------------------------
+
+
+def _hub_cache() -> str | None:
+    """huggingface_hub reads its environment once, at import; read it at call
+    time so HF_HUB_CACHE / HF_HOME set later still count."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_cached(repo_id: str) -> bool:
+    """Whether the Hub repo ``repo_id`` has a snapshot with a config.json in
+    the local huggingface_hub cache (so it loads offline)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache())
+    except Exception:  # an invalid repo id is simply not cached
+        return False
+    return isinstance(found, str)
+
+
+def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None) -> Path:
     """A local directory as is; otherwise a Hub repo id fetched through
-    huggingface_hub (its cache, HF_HUB_OFFLINE honoured)."""
+    huggingface_hub's cache (a progress bar while downloading; with
+    HF_HUB_OFFLINE set, only what the cache already holds)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path_or_repo} is a file; pass the model's directory or a Hub repo id.")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
+    repo = str(path_or_repo)
+    offline = hub_offline()
     try:
-        return Path(snapshot_download(str(path_or_repo), allow_patterns=allow_patterns))
-    except Exception as e:  # huggingface_hub raises many kinds
+        return Path(
+            snapshot_download(
+                repo, allow_patterns=allow_patterns, cache_dir=_hub_cache(), local_files_only=offline
+            )
+        )
+    except HFValidationError as e:
         raise ValueError(
-            f"cannot find {path_or_repo!r}: it is not a local directory and the Hub "
-            f"could not provide it ({type(e).__name__}); check the path or repo id, or "
-            "download it first while online."
+            f"{repo} is not a local directory nor a valid Hub repo id (org/name); check the path."
+        ) from e
+    except GatedRepoError as e:
+        raise ValueError(
+            f"{repo} is a gated Hub repo; accept its terms on huggingface.co and log in with `hf auth login`."
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise ValueError(
+            f"{repo} is neither a local directory nor a Hub repo you can access; check the path or "
+            "repo id (or log in with `hf auth login` for a private repo)."
+        ) from e
+    except RevisionNotFoundError as e:
+        raise ValueError(f"{repo} has no such revision on the Hub; check the repo id.") from e
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise ValueError(
+                f"{repo} is not a local directory and is not in the Hugging Face cache, and "
+                "HF_HUB_OFFLINE is set; download it once while online or unset HF_HUB_OFFLINE."
+            ) from e
+        raise ValueError(
+            f"cannot download {repo}: the Hub is unreachable and it is not in the local cache; "
+            "check your connection or pass a local directory."
+        ) from e
+    except OSError as e:
+        raise ValueError(
+            f"cannot download {repo} ({type(e).__name__}: {e}); check your connection and disk space."
         ) from e
 
 
-def read_weights(path: Path) -> dict[str, mx.array]:
+def revision_of(path: Path) -> str | None:
+    """The commit of a huggingface_hub cache snapshot directory, else None."""
+    parts = path.resolve().parts
+    if len(parts) >= 2 and parts[-2] == "snapshots" and _repo_id_of(path):
+        return parts[-1]
+    return None
+
+
+# -- reading checkpoints -------------------------------------------------------
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint: those its index names when it is
+    sharded with an index, else every *.safetensors file."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index; re-download the checkpoint.") from e
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(
+                f"{path} lacks the shard(s) {', '.join(missing)} named in {INDEX_FILE}; "
+                "re-download the checkpoint."
+            )
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in {path}; is this a model directory?")
+    return files
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
-    for f in files:
+    for f in safetensors_files(path):
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:
@@ -50,14 +240,21 @@ def read_config(path: Path) -> dict:
     if not cfg_file.is_file():
         raise ValueError(f"{path} has no config.json; pass a DFlash drafter directory or repo.")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file} is not valid JSON ({e.msg} at line {e.lineno}).") from e
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); re-download or re-convert it.") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object; re-download or re-convert it.")
+    return cfg
+
+
+DRAFT_FILES = ["*.json", "*.safetensors", "*.md"]
 
 
 def load_draft(path_or_repo: str | Path) -> DFlashDraft:
-    """A DFlash drafter from a Z Lab or converted directory, or a Hub repo."""
-    path = resolve(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.md"])
+    """A DFlash drafter from a Z Lab or converted (optionally quantized)
+    directory, or a Hub repo."""
+    path = resolve(path_or_repo, allow_patterns=DRAFT_FILES)
     raw = read_config(path)
     cfg = DraftConfig.from_dict(raw)
     weights = read_weights(path)
@@ -78,15 +275,30 @@ def load_draft(path_or_repo: str | Path) -> DFlashDraft:
     return model
 
 
-def load(path_or_repo: str, draft: str | Path | None = None, *, lazy: bool = False):
+def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False):
     """Load a target with mlx-lm and its DFlash drafter.
 
+    ``draft`` defaults to the drafter the registry knows for the target.
     Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
     it, and mlx-lm's tokenizer wrapper."""
     if draft is None:
-        raise ValueError("no drafter given; pass draft=<drafter directory or Hub repo id>.")
+        draft = find_drafter(path_or_repo)
+        if draft is None:
+            raise ValueError(
+                f"no known DFlash drafter for {path_or_repo}; pass draft=<drafter directory or Hub "
+                f"repo id> (known pairs: {_known_pairs_text()})."
+            )
     from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    model, tokenizer = mlx_lm_load(str(resolve(str(path_or_repo))), lazy=lazy)
-    drafter = load_draft(draft).bind(adapt(model))
+    # Check the drafter before paying for the target.
+    drafter = load_draft(draft)
+    target_path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    if not (target_path / "config.json").is_file():
+        raise ValueError(f"{target_path} has no config.json; pass a target model directory or repo.")
+    try:
+        model, tokenizer = mlx_lm_load(str(target_path), lazy=lazy)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"mlx-lm cannot load the target {path_or_repo} ({e}); check that it is a complete model directory.") from e
+    drafter.bind(adapt(model))
     return model, drafter, tokenizer

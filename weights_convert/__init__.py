@@ -1,1 +1,7 @@
-"""Z Lab safetensors -> MLX (installed as dflash_mlx.weights_convert)."""
+"""Z Lab safetensors -> MLX (installed as dflash_mlx.weights_convert).
+
+    from dflash_mlx.weights_convert.convert import convert
+    convert("z-lab/Qwen3-8B-DFlash-b16", "Qwen3-8B-DFlash-b16-4bit", quantize=True)
+
+The command is ``dflash_mlx.weights_convert.command.convert_command``; this
+package imports nothing heavy so the CLI starts fast."""
