@@ -429,7 +429,12 @@ def block_mask(L: int, C: int, causal: bool, window: int | None):
     q = mx.arange(L)[:, None] + C
     k = mx.arange(C + L)[None]
     in_block = k >= C
-    visible = ~in_block | (k <= q) if causal else mx.ones((L, C + L), dtype=mx.bool_)
+    if causal:
+        visible = ~in_block | (k <= q)
+    elif window is not None:
+        visible = ~in_block | (k - q < window)
+    else:
+        visible = mx.ones((L, C + L), dtype=mx.bool_)
     if window is not None:
-        visible = visible & (in_block | (q - k < window))
+        visible = visible & (q - k < window)
     return visible

@@ -300,7 +300,7 @@ class _Decoder:
                 stop = next((i for i, t in enumerate(new) if t in self.eos), None)
                 if stop is not None:
                     new = new[: stop + 1]
-                k = len(new)
+                k, cycle_bs = len(new), bs
                 # The verify pass cached [last, drafts...]; keep the first k.
                 self.target.rollback(cache.target, bs - k)
                 cache.tokens.append(last)
@@ -327,7 +327,7 @@ class _Decoder:
                         detok.add_token(t)
                 if finish is not None:
                     detok.finalize()
-                yield response(detok.last_segment, new, accepted, bs, finish)
+                yield response(detok.last_segment, new, accepted, cycle_bs, finish)
                 if n // 256 != (n - k) // 256:
                     mx.clear_cache()
         finally:

@@ -145,3 +145,15 @@ def greedy_reference(model: nn.Module, prompt: list[int], max_tokens: int, eos: 
         if token in eos:
             break
     return out
+
+
+def lean_towards_one_token(model: nn.Module, strength: float, seed: int = 99) -> nn.Module:
+    """Add one shared direction to every token embedding, so the target
+    often predicts the same token and a random drafter, which shares the
+    embedding, agrees with it part of the time: cycles then accept none,
+    some or all of their drafts."""
+    mx.random.seed(seed)
+    embed = model.model.embed_tokens
+    embed.weight = embed.weight + strength * mx.random.normal((embed.weight.shape[1],))
+    mx.eval(embed.weight)
+    return model
