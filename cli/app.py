@@ -1,11 +1,78 @@
 """The `dflash-mlx` Typer app."""
 
+from __future__ import annotations
+
+import sys
+
 import typer
+import typer.core
+from rich.text import Text
 
-app = typer.Typer(help="Lossless DFlash speculative decoding on MLX.", no_args_is_help=True)
+from .bench import EXAMPLES as BENCH_EXAMPLES, bench_command
+from .chat import EXAMPLES as CHAT_EXAMPLES, chat_command
+from .common import click_exceptions as cx, err
+from .generate import EXAMPLES as GENERATE_EXAMPLES, generate_command
+from .models import EXAMPLES as MODELS_EXAMPLES, models_command
 
 
-@app.command()
+class _Group(typer.core.TyperGroup):
+    """Usage mistakes (a bad flag value, an unknown option) end like every
+    other user error: one red sentence on stderr and exit code 1."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except cx.NoArgsIsHelpError:  # typer has printed the help already
+            rv = 0
+        except cx.UsageError as e:
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            msg = e.format_message().rstrip(".")
+            err.print(Text(f"error: {msg}{hint}.", style="bold red"), soft_wrap=True)
+            rv = 1
+        except cx.ClickException as e:
+            err.print(Text(f"error: {e.format_message()}", style="bold red"), soft_wrap=True)
+            rv = e.exit_code
+        except (cx.Abort, typer.Abort):
+            err.print(Text("aborted", style="yellow"))
+            rv = 1
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="Lossless DFlash speculative decoding on MLX: a small block-diffusion drafter proposes, "
+    "the target verifies, the output is exactly the target's.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    epilog="Run 'dflash-mlx COMMAND --help' for a command's flags and examples.",
+)
+
+app.command("generate", epilog=GENERATE_EXAMPLES)(generate_command)
+app.command("chat", epilog=CHAT_EXAMPLES)(chat_command)
+app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
+app.command("models", epilog=MODELS_EXAMPLES)(models_command)
+
+# Commands built in their own packages; the app works without them.
+try:
+    from dflash_mlx.weights_convert.command import convert_command
+except ImportError:
+    convert_command = None
+if convert_command is not None:
+    app.command("convert")(convert_command)
+
+try:
+    from dflash_mlx.train.command import train_command
+except ImportError:
+    train_command = None
+if train_command is not None:
+    app.command("train")(train_command)
+
+
+@app.command(epilog="Example:\n\n  dflash-mlx version")
 def version():
     """Print the installed version."""
     from dflash_mlx import __version__
@@ -15,3 +82,7 @@ def version():
 
 def main():
     app()
+
+
+if __name__ == "__main__":
+    main()

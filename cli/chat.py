@@ -1,0 +1,294 @@
+"""`dflash-mlx chat`: a multi-turn terminal session with live acceptance stats.
+
+The target's and the drafter's caches live across turns (make_prompt_cache):
+every turn passes the whole conversation and only its new part is prefilled.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from .common import (
+    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillProgress,
+    PrefillStepSize, Seed, SystemPrompt, Temp, TopK, TopP, UserError, Verbose, check_args, console,
+    encode_text, load_pair, render_chat, status_text, thinking_note, user_errors, uses_template,
+)
+
+EXAMPLES = """\
+Examples:
+
+  dflash-mlx chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
+
+  dflash-mlx chat --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --temp 0.6 --top-p 0.95 --enable-thinking
+
+  dflash-mlx chat --model Qwen/Qwen3-8B --system-prompt "Answer in one paragraph." --max-tokens 1024
+
+In the session: /help, /reset, /stats, /think, /quit; Ctrl-C stops a reply, Ctrl-D quits.
+"""
+
+HELP = """\
+/help    this list
+/reset   forget the conversation (and free its caches)
+/stats   acceptance by block position for this session, as a chart
+/think   turn the template's thinking section on or off
+/quit    leave (Ctrl-D too); Ctrl-C stops a reply and keeps the session"""
+
+STATUS_HZ = 30
+
+
+class ReplyView:
+    """The reply on screen as it streams: finished rows are printed for good;
+    the row being written and the status line live in a rich Live below."""
+
+    def __init__(self, out: Console):
+        self.out = out
+        self.tail = ""
+        self.status = ""
+        self.live: Optional[Live] = None
+        self.shown = 0.0
+
+    def add(self, text: str, status: str) -> None:
+        if self.live is None:
+            self.live = Live(console=self.out, transient=True, auto_refresh=False,
+                             redirect_stdout=False, redirect_stderr=False)
+            self.live.start()
+        self.tail += text
+        self.status = status
+        self._print_finished_rows()
+        now = time.monotonic()
+        if now - self.shown >= 1 / STATUS_HZ:
+            self.shown = now
+            self.live.update(Group(Text(self.tail), Text(status, style="dim")), refresh=True)
+
+    def _print_finished_rows(self) -> None:
+        if "\n" in self.tail:
+            *rows, self.tail = self.tail.split("\n")
+            for row in rows:
+                self.out.print(Text(row))
+        if Text(self.tail).cell_len >= self.out.width:
+            rows = Text(self.tail).wrap(self.out, self.out.width)
+            for row in rows[:-1]:
+                self.out.print(row)
+            self.tail = rows[-1].plain
+
+    def finish(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        if self.tail:
+            self.out.print(Text(self.tail))
+            self.tail = ""
+
+
+@dataclass
+class SessionStats:
+    replies: int = 0
+    tokens: int = 0
+    cycles: int = 0
+    committed: int = 0
+    by_position: list = field(default_factory=list)
+
+    def add(self, r) -> None:
+        self.replies += 1
+        self.tokens += r.generation_tokens
+        self.cycles += r.cycles
+        self.committed += round(r.acceptance_length * r.cycles)
+        counts = list(r.accepted_by_position)
+        if len(counts) > len(self.by_position):
+            self.by_position += [0] * (len(counts) - len(self.by_position))
+        for i, c in enumerate(counts):
+            self.by_position[i] += c
+
+
+def stats_chart(s: SessionStats, width: int = 30) -> Text:
+    """Acceptance by block position: the share of verify cycles in which the
+    draft at each position was accepted, as a bar chart."""
+    if s.cycles == 0:
+        return Text("no verify cycles yet; ask something first.", style="dim")
+    out = Text()
+    out.append(
+        f"{s.replies} repl{'y' if s.replies == 1 else 'ies'} · {s.tokens} tokens · {s.cycles} cycles · "
+        f"acceptance length {s.committed / s.cycles:.2f}\n", style="bold"
+    )
+    out.append("draft accepted, by block position (share of cycles)\n", style="dim")
+    for i, c in enumerate(s.by_position):
+        frac = c / s.cycles
+        filled = round(frac * width)
+        out.append(f"{i + 1:>4} ")
+        out.append("█" * filled, style="green")
+        out.append("·" * (width - filled), style="dim")
+        out.append(f" {frac:4.0%}\n")
+    out.rstrip()
+    return out
+
+
+class ChatSession:
+    def __init__(self, model, draft, tokenizer, *, model_name: str, max_tokens: int, temp: float, top_p: float,
+                 top_k: int, seed: Optional[int], block_size: Optional[int], system_prompt: Optional[str],
+                 ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int):
+        from dflash_mlx import make_prompt_cache
+
+        self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.model_name = model_name
+        self.sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
+                             block_size=block_size, seed=seed, prefill_step_size=prefill_step_size)
+        self.block_size = block_size or draft.config.block_size
+        self.system_prompt = system_prompt
+        self.template = uses_template(tokenizer, ignore_chat_template)
+        self.thinking = enable_thinking
+        self._make_cache = lambda: make_prompt_cache(model, draft)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self._make_cache()
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.template else []
+        self.history: list[int] = []
+        self.stats = SessionStats()
+
+    # -- one turn --------------------------------------------------------------
+    def prompt_for(self, text: str) -> list[int]:
+        if self.template:
+            return render_chat(self.tokenizer, self.messages + [{"role": "user", "content": text}], self.thinking)
+        return self.history + encode_text(self.tokenizer, text, first=not self.history)
+
+    def reply(self, text: str) -> None:
+        from dflash_mlx import stream_generate
+
+        ids = self.prompt_for(text)
+        progress = PrefillProgress()
+        view = ReplyView(console)
+        tokens: list[int] = []
+        pieces: list[str] = []
+        last = None
+        interrupted = False
+        gen = stream_generate(self.model, self.draft, self.tokenizer, ids, prompt_cache=self.cache,
+                              prompt_progress=progress, **self.sampling)
+        try:
+            try:
+                for last in gen:
+                    tokens += last.tokens
+                    pieces.append(last.text)
+                    view.add(last.text, status_text(last))
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                # Closing the generator rolls the caches back to what was committed.
+                gen.close()
+                progress.close()
+                view.finish()
+        except KeyboardInterrupt:  # a second Ctrl-C while tidying up
+            interrupted = True
+        if interrupted and last is None:
+            # Stopped inside the prefill: start the caches afresh rather than trust a half-read prompt.
+            self.cache = self._make_cache()
+        reply = "".join(pieces)
+        if tokens:
+            if self.template:
+                self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            else:
+                self.history = ids + tokens
+        if last is not None:
+            self.stats.add(last)
+        if interrupted:
+            console.print(Text("⏹ reply stopped", style="yellow"))
+        if last is not None:
+            console.print(Text("── " + status_text(last, self.block_size, final=True), style="dim"))
+
+    # -- the loop --------------------------------------------------------------
+    def banner(self) -> None:
+        mode = "chat template" if self.template else "raw text (no chat template)"
+        thinking = ", thinking on" if self.thinking else ""
+        console.print(Text(f"dflash-mlx chat · {self.model_name} · block {self.block_size} · {mode}{thinking}", style="bold"))
+        console.print(Text("/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit leaves", style="dim"))
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False when the session should end."""
+        name = line.split()[0].lower()
+        if name in ("/quit", "/exit", "/q"):
+            return False
+        if name == "/help":
+            console.print(Text(HELP, style="dim"))
+        elif name == "/reset":
+            self.reset()
+            console.print(Text("conversation cleared", style="dim"))
+        elif name == "/stats":
+            console.print(stats_chart(self.stats))
+        elif name == "/think":
+            if not (self.template and getattr(self.tokenizer, "has_thinking", False)):
+                console.print(Text("this model's chat template has no thinking section.", style="dim"))
+            self.thinking = not self.thinking
+            console.print(Text(f"thinking {'on' if self.thinking else 'off'}", style="dim"))
+        else:
+            console.print(Text(f"unknown command {name}; /help lists the commands.", style="yellow"))
+        return True
+
+    def run(self) -> None:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        tty = sys.stdout.isatty()
+        prompt = "\001\033[1;32m\002>>> \001\033[0m\002" if tty else ">>> "
+        self.banner()
+        while True:
+            try:
+                line = input(prompt).strip()
+            except EOFError:
+                console.print()
+                return
+            except KeyboardInterrupt:
+                console.print()
+                console.print(Text("(Ctrl-D or /quit to leave)", style="dim"))
+                continue
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+                continue
+            self.reply(line)
+
+
+def chat_command(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    max_tokens: MaxTokens = 512,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    block_size: BlockSize = None,
+    system_prompt: SystemPrompt = None,
+    ignore_chat_template: IgnoreChatTemplate = False,
+    enable_thinking: EnableThinking = False,
+    prefill_step_size: PrefillStepSize = 2048,
+    verbose: Verbose = False,
+):
+    """Chat with a model in the terminal, with live DFlash stats.
+
+    Replies stream token by token above a status line (tok/s, acceptance
+    length and rate, block size, memory). The caches are kept across turns,
+    so a follow-up does not re-read the conversation.
+    """
+    with user_errors(verbose):
+        check_args(max_tokens, temp, top_p, top_k, block_size)
+        if prefill_step_size < 1:
+            raise UserError(f"--prefill-step-size must be positive, got {prefill_step_size}.")
+        target, draft, tokenizer = load_pair(model, draft_model)
+        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
+        if not ignore_chat_template and not uses_template(tokenizer, False):
+            console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))
+        session = ChatSession(
+            target, draft, tokenizer, model_name=str(model or "built-in model"), max_tokens=max_tokens, temp=temp,
+            top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, system_prompt=system_prompt,
+            ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking,
+            prefill_step_size=prefill_step_size,
+        )
+        session.run()
