@@ -49,9 +49,9 @@ def convert_command(
             log=lambda msg: out.print(Text(msg, style="dim")),
         )
     except ValueError as e:
-        err.print(Text(f"error: {e}", style="bold red"))
+        err.print(Text(f"error: {e}", style="bold red"), soft_wrap=True)
         raise typer.Exit(1)
     except KeyboardInterrupt:
-        err.print(Text("interrupted; nothing was written.", style="bold red"))
+        err.print(Text("interrupted; nothing was written.", style="bold red"), soft_wrap=True)
         raise typer.Exit(130)
     out.print(Text(f"Converted {hf_path} -> {path}", style="green"))
