@@ -1,0 +1,59 @@
+"""``dflash-mlx train``: the Typer command (registered by cli/app.py as
+``app.command("train")(train_command)``). Heavy imports happen inside."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
+    if text is None or not text.strip():
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--target-layer-ids must be comma-separated integers such as 1,9,17, got {text!r}.") from None
+
+
+def train_command(
+    model: str = typer.Option(..., "--model", "-m", help="Target model: local directory or Hugging Face repo id (mlx-lm format)."),
+    data: str = typer.Option(..., "--data", help="JSONL of prompts: one {\"prompt\": ...} or {\"messages\": [...]} per line."),
+    out: str = typer.Option(..., "--out", help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts."),
+    draft_layers: int = typer.Option(5, "--draft-layers", help="Decoder layers in the drafter."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Target layers to tap, comma-separated (default: Z Lab's spread rule)."),
+    steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    blocks_per_seq: int = typer.Option(16, "--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine decay)."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Prompt + response tokens per training sequence."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."),
+    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
+    save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the drafter's init and the batch sampling."),
+) -> None:
+    """Train a DFlash drafter for a target by self-distillation."""
+    from rich.console import Console
+
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        from .trainer import TrainConfig, train
+
+        cfg = TrainConfig(
+            model=model, data=data, out=out, block_size=block_size, draft_layers=draft_layers,
+            target_layer_ids=_layer_ids(target_layer_ids), steps=steps, batch_size=batch_size,
+            blocks_per_seq=blocks_per_seq, lr=lr, seq_len=seq_len, resume=resume, seed=seed,
+            gamma=gamma, mask_token_id=mask_token_id, max_prompts=max_prompts, save_every=save_every,
+        )
+        train(cfg, console=console)
+    except ValueError as e:
+        err.print(f"[red]{e}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        err.print("[red]Interrupted; run again with --resume to continue from the last checkpoint.[/red]")
+        raise typer.Exit(130)

@@ -1,0 +1,464 @@
+"""Training a DFlash drafter against a frozen target (the DFlash recipe).
+
+One step: a batch of self-distilled sequences goes through the frozen target
+once (no cache), which gives the tapped hidden states of every position. In
+each sequence ``blocks_per_seq`` anchor positions a are sampled in the
+response; each anchor makes one block [token at a, MASK x (bs-1)] at
+positions a..a+bs-1, exactly what the drafter sees at inference when a is the
+first uncommitted position. The blocks go on the batch axis; each block sees
+the context keys/values of its own sequence at positions < a only (plus the
+window of sliding layers), through a boolean mask, and all of its own block.
+Block position i (1..bs-1) is trained to predict the target's token at a+i,
+with cross-entropy weighted by exp(-(i-1)/gamma): early positions matter most,
+since a draft is accepted only up to its first miss.
+
+The drafter is the inference module ``DFlashDraft`` itself; the target's
+embedding and lm_head are used through the bound adapter and never trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..draft import DFlashDraft, DraftConfig, default_target_layer_ids
+from .data import Sequence
+
+CHECKPOINT = "checkpoint"
+TRAIN_ARGS = "train_args.json"
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: str
+    out: str
+    block_size: int = 16
+    draft_layers: int = 5
+    target_layer_ids: list[int] | None = None
+    steps: int = 2000
+    batch_size: int = 8  # sequences per step
+    blocks_per_seq: int = 16  # anchors (blocks) sampled in each sequence per step
+    lr: float = 6e-4
+    seq_len: int = 512  # prompt + response tokens per sequence
+    resume: bool = False
+    seed: int = 0
+    gamma: float | None = None  # loss decay over block position; None: default_gamma(block_size)
+    warmup: int | None = None  # lr warmup steps; None: 4% of steps
+    save_every: int = 200
+    gen_batch: int = 32  # prompts the target answers at once
+    max_prompts: int | None = None
+    mask_token_id: int | None = None
+
+    def check(self) -> None:
+        def positive(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v}.")
+
+        for name in ("draft_layers", "steps", "batch_size", "blocks_per_seq", "save_every", "gen_batch"):
+            positive(name)
+        if self.block_size < 2:
+            raise ValueError(f"--block-size must be at least 2 (the anchor token plus one draft), got {self.block_size}.")
+        if self.seq_len < 8:
+            raise ValueError(f"--seq-len must be at least 8 tokens, got {self.seq_len}.")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}.")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"--gamma must be positive, got {self.gamma}.")
+
+
+def default_gamma(block_size: int) -> float:
+    """The decay constant of the loss weights exp(-(i-1)/gamma): the DFlash
+    paper's 7 for block 16, scaled with the number of drafted positions for
+    other block sizes (3.3 for block 8)."""
+    return 7.0 * (block_size - 1) / 15.0
+
+
+def position_weights(block_size: int, gamma: float) -> mx.array:
+    return mx.exp(-mx.arange(block_size - 1, dtype=mx.float32) / gamma)
+
+
+# -- the drafter's shape ------------------------------------------------------
+
+def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """A token id for the MASK slots of a block, and why it was chosen.
+
+    Any fixed id works (the drafter always sees [token, MASK...]), but an id the
+    data never holds keeps the block's first slot unambiguous: the tokenizer's
+    own mask token if it has one, else the first embedding row past the
+    tokenizer's vocabulary (Qwen3 pads its embedding; Z Lab's 151669 is that
+    row), else an added special token that is not EOS/BOS/pad, else the last id."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    mask = getattr(hf, "mask_token_id", None)
+    if isinstance(mask, int) and 0 <= mask < vocab_size:
+        return mask, f"the tokenizer's mask token {hf.mask_token!r}"
+    try:
+        n = len(hf)
+    except TypeError:
+        n = vocab_size
+    if n < vocab_size:
+        return n, f"the first embedding row past the tokenizer's {n} tokens (never produced by the tokenizer)"
+    used = {getattr(hf, a, None) for a in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id")}
+    used |= set(getattr(tokenizer, "eos_token_ids", []) or [])
+    added = getattr(hf, "added_tokens_decoder", {}) or {}
+    spare = sorted(i for i in added if i not in used and 0 <= i < vocab_size)
+    if spare:
+        return spare[-1], f"the unused special token {str(added[spare[-1]])!r}"
+    return vocab_size - 1, "the last token id (the vocabulary has no spare or mask token)"
+
+
+def new_draft_config(target_model, adapter, tokenizer, cfg: TrainConfig) -> tuple[DraftConfig, str]:
+    """A fresh drafter config shaped after the target: same hidden size, heads,
+    head size, MLP width, vocabulary, norm eps and RoPE; ``draft_layers`` layers."""
+    args = target_model.args
+    n = adapter.num_layers
+    if cfg.target_layer_ids:
+        taps = list(cfg.target_layer_ids)
+        bad = [t for t in taps if not 0 <= t < n]
+        if bad:
+            raise ValueError(f"--target-layer-ids {bad} do not exist in the {n}-layer target; use ids 0..{n - 1}.")
+    else:
+        taps = sorted({min(max(t, 0), n - 1) for t in default_target_layer_ids(n, cfg.draft_layers)})
+    if cfg.mask_token_id is not None:
+        if not 0 <= cfg.mask_token_id < adapter.vocab_size:
+            raise ValueError(f"--mask-token-id must be in [0, {adapter.vocab_size}), got {cfg.mask_token_id}.")
+        mask_id, why = cfg.mask_token_id, "given with --mask-token-id"
+    else:
+        mask_id, why = choose_mask_token(tokenizer, adapter.vocab_size)
+    heads = int(args.num_attention_heads)
+    rope_scaling = getattr(args, "rope_scaling", None)
+    draft_cfg = DraftConfig(
+        hidden_size=adapter.hidden_size,
+        num_hidden_layers=cfg.draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(args, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(args, "head_dim", None) or adapter.hidden_size // heads),
+        intermediate_size=int(args.intermediate_size),
+        vocab_size=adapter.vocab_size,
+        rms_norm_eps=float(args.rms_norm_eps),
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        max_position_embeddings=int(getattr(args, "max_position_embeddings", None) or 32768),
+        block_size=cfg.block_size,
+        num_target_layers=n,
+        target_layer_ids=taps,
+        mask_token_id=int(mask_id),
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,
+    )
+    return draft_cfg, f"mask token id {mask_id}: {why}"
+
+
+# -- batches ------------------------------------------------------------------
+
+def make_batch(seqs: list[Sequence], rng: np.random.Generator, cfg: TrainConfig, mask_id: int) -> dict[str, mx.array]:
+    """Sample ``batch_size`` sequences and ``blocks_per_seq`` anchors in each.
+
+    tokens [N, T] (right-padded to seq_len: the target is causal, so padding
+    never reaches a real position); block [B, bs] = [token at a, MASK...];
+    anchor [B]; seq [B] (which sequence a block belongs to); labels and
+    valid [B, bs-1] for the tokens at a+1..a+bs-1 (valid 0 past the end)."""
+    N, K, bs, T = cfg.batch_size, cfg.blocks_per_seq, cfg.block_size, cfg.seq_len
+    picks = rng.integers(0, len(seqs), size=N)
+    tokens = np.zeros((N, T), dtype=np.int32)
+    anchors = np.zeros((N, K), dtype=np.int32)
+    for r, i in enumerate(picks):
+        s = seqs[i]
+        L = len(s.tokens)
+        tokens[r, :L] = s.tokens
+        cands = np.arange(s.prompt_len, L - 1)  # the anchor's next token must exist
+        anchors[r] = rng.choice(cands, size=K, replace=len(cands) < K)
+    padded = np.concatenate([tokens, np.full((N, bs), -1, dtype=np.int32)], axis=1)
+    offs = anchors[..., None] + np.arange(1, bs)  # [N, K, bs-1]
+    labels = np.take_along_axis(padded, offs.reshape(N, -1), axis=1).reshape(N * K, bs - 1)
+    lengths = np.array([len(seqs[i].tokens) for i in picks])
+    valid = (offs < lengths[:, None, None]).reshape(N * K, bs - 1)
+    labels = np.where(valid, labels, 0)
+    block = np.full((N * K, bs), mask_id, dtype=np.int32)
+    block[:, 0] = np.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+    return {
+        "tokens": mx.array(tokens),
+        "block": mx.array(block),
+        "anchor": mx.array(anchors.reshape(-1)),
+        "seq": mx.array(np.repeat(np.arange(N, dtype=np.int32), K)),
+        "labels": mx.array(labels.astype(np.int32)),
+        "valid": mx.array(valid.astype(np.float32)),
+    }
+
+
+def training_mask(anchor: mx.array, T: int, bs: int, causal: bool, window: int | None) -> mx.array:
+    """Boolean [B, 1, bs, T + bs]: block b's query i (at position a_b + i) sees
+    context key j iff j < a_b (and a_b + i - j < window on sliding layers), and
+    the block's own keys (only those at or before it when causal): the same
+    visibility as inference's ``block_mask``."""
+    a = anchor[:, None, None]
+    q = a + mx.arange(bs)[None, :, None]
+    j = mx.arange(T)[None, None, :]
+    ctx = j < a
+    if window is not None:
+        ctx = ctx & (q - j < window)
+    ctx = mx.broadcast_to(ctx, (anchor.shape[0], bs, T))
+    if causal:
+        own = mx.broadcast_to(mx.tril(mx.ones((bs, bs), dtype=mx.bool_))[None], (anchor.shape[0], bs, bs))
+    else:
+        own = mx.ones((anchor.shape[0], bs, bs), dtype=mx.bool_)
+    return mx.concatenate([ctx, own], axis=-1)[:, None]
+
+
+def target_taps(adapter, tokens: mx.array, taps: list[int]) -> mx.array:
+    """Tapped hidden states [N, T, n*H] of the frozen target, no cache."""
+    _, hidden = adapter(tokens, [None] * adapter.num_layers, taps, last_only=True)
+    return mx.stop_gradient(hidden.astype(mx.float32))
+
+
+def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array]) -> mx.array:
+    """Logits [B, bs-1, V] of every block in the batch (see module docstring)."""
+    ctx = draft.context(taps)  # [N, T, H]
+    T = taps.shape[1]
+    block, anchor, seq = batch["block"], batch["anchor"], batch["seq"]
+    bs = block.shape[1]
+    x = draft.embed(block).astype(mx.float32)
+    masks: dict[tuple, mx.array] = {}
+    for layer in draft.layers:
+        attn = layer.self_attn
+        key = (attn.causal, attn.window)
+        if key not in masks:
+            masks[key] = training_mask(anchor, T, bs, *key)
+        keys, values = attn.keys_values(ctx, draft.rope, 0)  # [N, kv, T, hd]
+        x = layer(x, keys[seq], values[seq], draft.rope, anchor, masks[key])
+    return draft.logits(draft.norm(x[:, 1:]))
+
+
+def loss_and_stats(draft, taps, batch, weights):
+    """Weighted cross-entropy, plus the per-block accepted-prefix length of
+    the drafter's top-1 guesses (for the running acceptance estimate)."""
+    logits = draft_logits(draft, taps, batch).astype(mx.float32)
+    labels, valid = batch["labels"], batch["valid"]
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    w = weights[None] * valid
+    loss = (ce * w).sum() / mx.maximum(w.sum(), 1.0)
+    hit = (mx.argmax(logits, axis=-1) == labels).astype(mx.float32) * valid
+    accepted = mx.cumprod(hit, axis=-1).sum(axis=-1)
+    return loss, (accepted.mean(), (hit.sum(axis=0) / mx.maximum(valid.sum(axis=0), 1.0)))
+
+
+# -- checkpoints and output -----------------------------------------------------
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: dict) -> None:
+    tmp = out / (CHECKPOINT + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(draft.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
+    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
+    _replace_dir(tmp, out / CHECKPOINT)
+
+
+def load_checkpoint(out: Path, draft: DFlashDraft, optimizer) -> dict:
+    ck = out / CHECKPOINT
+    draft.load_weights(list(mx.load(str(ck / "draft.safetensors")).items()))
+    optimizer.state = tree_unflatten(list(mx.load(str(ck / "optimizer.safetensors")).items()))
+    return json.loads((ck / "state.json").read_text())
+
+
+def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
+    """config.json + model.safetensors in the Z Lab layout (``load_draft`` reads it)."""
+    cfg = draft.config.to_dict()
+    cfg["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(draft.parameters())}
+    tmp = out / ".partial"
+    tmp.mkdir(exist_ok=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    os.replace(tmp / "model.safetensors", out / "model.safetensors")
+    os.replace(tmp / "config.json", out / "config.json")
+    tmp.rmdir()
+
+
+# -- the loop -----------------------------------------------------------------------
+
+_SAME_ON_RESUME = ("block_size", "draft_layers", "target_layer_ids", "seq_len", "mask_token_id")
+
+
+def _prepare_out(cfg: TrainConfig) -> Path:
+    out = Path(cfg.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory for the drafter.")
+    if out.exists() and any(out.iterdir()) and not cfg.resume:
+        raise ValueError(f"the output directory {out} already exists; pass --resume to continue training there, or choose a new --out.")
+    out.mkdir(parents=True, exist_ok=True)
+    args_file = out / TRAIN_ARGS
+    if cfg.resume and args_file.is_file():
+        old = json.loads(args_file.read_text())
+        changed = [k for k in _SAME_ON_RESUME if k in old and old[k] != getattr(cfg, k) and getattr(cfg, k) is not None]
+        if changed:
+            k = changed[0]
+            raise ValueError(
+                f"--{k.replace('_', '-')} is {getattr(cfg, k)} but {out} was trained with {old[k]}; "
+                "resume with the same value or choose a new --out."
+            )
+        for k in ("target_layer_ids", "mask_token_id"):
+            if getattr(cfg, k) is None:
+                setattr(cfg, k, old.get(k))
+    return out
+
+
+def load_target(path_or_repo: str):
+    """(mlx-lm model, tokenizer, adapter) for --model."""
+    from mlx_lm import load as mlx_lm_load
+
+    from ..loading import resolve
+    from ..targets import adapt
+
+    path = resolve(path_or_repo)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; pass the target model's directory or Hub repo id with --model.")
+    try:
+        model, tokenizer = mlx_lm_load(str(path))
+    except Exception as e:
+        raise ValueError(f"mlx-lm could not load the target from {path} ({type(e).__name__}: {e}).") from e
+    return model, tokenizer, adapt(model)
+
+
+def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=None) -> dict[str, Any]:
+    """Run the whole recipe: self-distillation data, then ``steps`` optimizer
+    steps, checkpoints every ``save_every`` and at the end, and the drafter in
+    ``cfg.out``. ``target``: an already loaded (model, tokenizer, adapter).
+    Returns a summary (final loss, acceptance estimate, history)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .data import data_fingerprint, distill, encode_prompts, read_prompts
+
+    cfg.check()
+    console = console or Console()
+    items = read_prompts(cfg.data)  # before touching --out, so bad data leaves nothing behind
+    if cfg.max_prompts:
+        items = items[: cfg.max_prompts]
+    fresh_out = not Path(cfg.out).expanduser().exists()
+    out = _prepare_out(cfg)
+    try:
+        model, tokenizer, adapter = target or load_target(cfg.model)
+    except ValueError:
+        if fresh_out:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+    resuming = (out / CHECKPOINT / "state.json").is_file()
+    if resuming:
+        draft_cfg = DraftConfig.from_dict(json.loads((out / CHECKPOINT / "config.json").read_text()))
+        note = f"mask token id {draft_cfg.mask_token_id} (from the checkpoint)"
+    else:
+        draft_cfg, note = new_draft_config(model, adapter, tokenizer, cfg)
+    cfg.target_layer_ids, cfg.mask_token_id = list(draft_cfg.target_layer_ids), draft_cfg.mask_token_id
+    (out / TRAIN_ARGS).write_text(json.dumps(asdict(cfg), indent=2))
+    console.print(f"drafter: {draft_cfg.num_hidden_layers} layers, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {note}")
+
+    # 1. self-distillation
+    prompts = encode_prompts(items, tokenizer, max_prompt_len=cfg.seq_len // 2)
+    if not prompts:
+        raise ValueError(f"every prompt in {cfg.data} encodes to no tokens; give prompts with text.")
+    meta = {"data": data_fingerprint(cfg.data), "model": str(cfg.model), "seq_len": cfg.seq_len, "prompts": len(prompts)}
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, disable=not show_progress) as bar:
+        task = bar.add_task("target writes responses", total=len(prompts), info="")
+        seqs = distill(model, tokenizer, prompts, cfg.seq_len, out, meta, cfg.gen_batch,
+                       progress=lambda d, t: bar.update(task, completed=d))
+    seqs = [s for s in seqs if len(s.tokens) - s.prompt_len >= 2]
+    if not seqs:
+        raise ValueError("the target's responses are all shorter than 2 tokens, so there is nothing to learn; give longer prompts or a larger --seq-len.")
+
+    # 2. the drafter and its optimizer
+    mx.random.seed(cfg.seed)
+    draft = DFlashDraft(draft_cfg)
+    draft.set_dtype(mx.float32)
+    draft.bind(adapter)
+    warmup = cfg.warmup if cfg.warmup is not None else max(1, int(0.04 * cfg.steps))
+    warmup = min(warmup, cfg.steps)
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warmup),
+         optim.cosine_decay(cfg.lr, max(1, cfg.steps - warmup), cfg.lr * 0.1)],
+        [warmup],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=0.01)
+    optimizer.init(draft.trainable_parameters())
+    step, history, ema = 0, [], None
+    if resuming:
+        state = load_checkpoint(out, draft, optimizer)
+        step, history, ema = state["step"], state.get("history", []), state.get("ema")
+    weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
+    taps_ids = list(draft_cfg.target_layer_ids)
+    value_and_grad = nn.value_and_grad(draft, lambda d, t, b: loss_and_stats(d, t, b, weights))
+
+    def one_step(batch):
+        taps = target_taps(adapter, batch["tokens"], taps_ids)
+        (loss, stats), grads = value_and_grad(draft, taps, batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(draft, grads)
+        return loss, stats
+
+    console.print(f"{len(seqs)} sequences; training steps {step}..{cfg.steps} "
+                  f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)")
+    tic, done_here, by_position = time.perf_counter(), 0, None
+    with Progress(*columns, console=console, disable=not show_progress) as bar:
+        task = bar.add_task("training drafter", total=cfg.steps, completed=step, info="")
+        while step < cfg.steps:
+            rng = np.random.default_rng([cfg.seed, step])  # per-step RNG: resume is exact
+            batch = make_batch(seqs, rng, cfg, draft_cfg.mask_token_id)
+            loss, (accepted, by_pos) = one_step(batch)
+            mx.eval(loss, accepted, by_pos, draft.parameters(), optimizer.state)
+            step += 1
+            done_here += 1
+            loss_v, acc_v = loss.item(), accepted.item()
+            ema = (loss_v, acc_v) if ema is None else (0.95 * ema[0] + 0.05 * loss_v, 0.95 * ema[1] + 0.05 * acc_v)
+            by_position = by_pos.tolist()
+            history.append([step, round(loss_v, 5), round(acc_v, 4)])
+            rate = done_here / (time.perf_counter() - tic)
+            bar.update(task, completed=step, info=f"loss {ema[0]:.3f}  accept≈{1 + ema[1]:.2f}/{cfg.block_size}  {rate:.1f} step/s")
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                save_checkpoint(out, draft, optimizer, step, {"seed": cfg.seed, "history": history, "ema": ema})
+                save_draft(out, draft, _out_dtype(adapter))
+    if not (out / "model.safetensors").is_file():  # resumed an already finished run
+        save_draft(out, draft, _out_dtype(adapter))
+    summary = {
+        "out": str(out),
+        "steps": step,
+        "loss": ema[0] if ema else None,
+        "acceptance_estimate": 1 + ema[1] if ema else None,
+        "top1_by_position": by_position,
+        "history": history,
+        "sequences": len(seqs),
+    }
+    console.print(f"drafter saved to {out} (loss {summary['loss']:.3f}, estimated acceptance length "
+                  f"{summary['acceptance_estimate']:.2f} at block {cfg.block_size})" if ema else f"drafter saved to {out}")
+    return summary
+
+
+def _out_dtype(adapter):
+    """Save in the target's floating dtype (bf16 targets get bf16 drafters)."""
+    dt = adapter.dtype
+    return dt if dt in (mx.bfloat16, mx.float16, mx.float32) else mx.bfloat16

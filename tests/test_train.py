@@ -1,0 +1,211 @@
+"""The drafter trainer on tiny random targets (CPU, a minute or so in all)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from rich.console import Console
+
+from dflash_mlx import load_draft, stream_generate
+from dflash_mlx.draft import DFlashDraft, DraftConfig
+from dflash_mlx.targets import adapt
+from dflash_mlx.train.data import Sequence, read_prompts
+from dflash_mlx.train.trainer import TrainConfig, draft_logits, make_batch, target_taps, train
+from tests.tiny import draft_config, make_target, make_tokenizer, target_config, write_target
+
+VOCAB = 32
+QUIET = dict(console=Console(quiet=True), show_progress=False)
+
+
+def _prompt(rng, n):
+    return " ".join(f"w{t}" for t in rng.integers(0, VOCAB, size=n))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    tcfg = target_config(vocab=VOCAB, layers=6, hidden=64)
+    model = make_target(tcfg)
+    tok = make_tokenizer(VOCAB)
+    write_target(root / "target", tcfg, model, tok)
+    rng = np.random.default_rng(0)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": _prompt(rng, int(rng.integers(3, 10)))}) + "\n" for _ in range(64)))
+    return root
+
+
+def _cfg(tiny, out, **kw):
+    base = dict(model=str(tiny / "target"), data=str(tiny / "data.jsonl"), out=str(out), block_size=8,
+                draft_layers=2, steps=20, batch_size=4, blocks_per_seq=8, seq_len=48, lr=3e-3, save_every=10)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+# -- the training forward is the inference forward -------------------------------
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_training_blocks_match_inference(sliding):
+    tcfg = target_config(vocab=VOCAB, layers=6, hidden=64)
+    target = adapt(make_target(tcfg))
+    extra = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
+    mx.random.seed(3)
+    draft = DFlashDraft(DraftConfig.from_dict(draft_config(tcfg, layers=2, block_size=5, **extra))).bind(target)
+    rng = np.random.default_rng(1)
+    seqs = [Sequence([int(t) for t in rng.integers(0, VOCAB, size=n)], 3) for n in (20, 14)]
+    cfg = TrainConfig(model="", data="", out="", block_size=5, batch_size=2, blocks_per_seq=4, seq_len=24)
+    batch = make_batch(seqs, rng, cfg, draft.config.mask_token_id)
+    taps = target_taps(target, batch["tokens"], draft.config.target_layer_ids)
+    got = draft_logits(draft, taps, batch)
+    B = batch["block"].shape[0]
+    for b in range(B):
+        n, a = int(batch["seq"][b]), int(batch["anchor"][b])
+        cache = draft.make_cache()
+        draft.extend(taps[n : n + 1, :a], cache)
+        want = draft(batch["block"][b : b + 1], None, cache)[0]
+        assert mx.allclose(got[b], want, atol=1e-4).item(), (b, a)
+
+
+# -- it learns ------------------------------------------------------------------
+
+def _acceptance(model, draft, tok, prompts):
+    out = []
+    for p in prompts:
+        for r in stream_generate(model, draft, tok, p, max_tokens=40):
+            pass
+        out.append(r.acceptance_length)
+    return float(np.mean(out))
+
+
+def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
+    summary = train(_cfg(tiny, tmp_path / "d", steps=200, save_every=200), **QUIET)
+    losses = [h[1] for h in summary["history"]]
+    assert np.mean(losses[-30:]) < 0.6 * np.mean(losses[:10])
+
+    from mlx_lm import load
+
+    model, tok = load(str(tiny / "target"))
+    trained = load_draft(tmp_path / "d")
+    untrained = DFlashDraft(trained.config)
+    rng = np.random.default_rng(123)  # prompts the training never saw
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=6)] for _ in range(6)]
+    acc_trained = _acceptance(model, trained, tok, prompts)
+    acc_untrained = _acceptance(model, untrained, tok, prompts)
+    assert acc_trained > acc_untrained + 1.0, (acc_trained, acc_untrained)
+
+
+# -- checkpoints and output ------------------------------------------------------------
+
+def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
+    straight = train(_cfg(tiny, tmp_path / "a", steps=20), **QUIET)
+
+    import dflash_mlx.train.trainer as trainer
+
+    save = trainer.save_checkpoint
+
+    def save_then_stop(out, draft, optimizer, step, extra):
+        save(out, draft, optimizer, step, extra)
+        if step == 10:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C here
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tiny, tmp_path / "b", steps=20), **QUIET)
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    state = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 10
+    resumed = train(_cfg(tiny, tmp_path / "b", steps=20, resume=True), **QUIET)
+    assert [h[0] for h in resumed["history"]] == list(range(1, 21))
+    assert np.allclose([h[1] for h in resumed["history"]], [h[1] for h in straight["history"]], atol=1e-4)
+    a = dict(tree_flatten(load_draft(tmp_path / "a").parameters()))
+    b = dict(tree_flatten(load_draft(tmp_path / "b").parameters()))
+    assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
+    # The self-distilled data was made once and reused.
+    assert (tmp_path / "b" / "distill.jsonl").is_file()
+
+
+def test_output_is_a_zlab_drafter(tiny, tmp_path):
+    train(_cfg(tiny, tmp_path / "d", steps=5, target_layer_ids=[0, 2, 4]), **QUIET)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2, 4]
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 6
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.safetensors")) == ["model.safetensors"]
+    from dflash_mlx import load
+
+    model, draft, tok = load(str(tiny / "target"), draft=str(tmp_path / "d"))
+    from tests.tiny import greedy_reference
+
+    prompt = [3, 5, 7, 9]
+    text_ids = []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=20):
+        text_ids += r.tokens
+    assert text_ids == greedy_reference(model, prompt, 20)
+
+
+def test_chat_conversations_need_a_template(tiny, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n")
+    assert read_prompts(data) == [{"messages": [{"role": "user", "content": "w1 w2"}]}]
+    with pytest.raises(ValueError, match="no chat template"):
+        train(_cfg(tiny, tmp_path / "d", data=str(data)), **QUIET)
+
+
+# -- errors a user can cause -----------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("\n\n", "holds no prompts"),
+        ('{"prompt": "w1"}\n{"prompt": "w2",\n', "line 2 is not valid JSON"),
+        ('{"prompt": "w1"}\n{"text": 3}\n', "line 2 is neither"),
+    ],
+)
+def test_bad_data(tiny, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    if content is not None:
+        data.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        train(_cfg(tiny, tmp_path / "d", data=str(data)), **QUIET)
+    assert not (tmp_path / "d").exists()  # nothing left behind
+
+
+def test_out_exists_without_resume(tiny, tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("")
+    with pytest.raises(ValueError, match="already exists; pass --resume"):
+        train(_cfg(tiny, tmp_path / "d"), **QUIET)
+
+
+def test_resume_with_other_shape(tiny, tmp_path):
+    train(_cfg(tiny, tmp_path / "d", steps=2), **QUIET)
+    with pytest.raises(ValueError, match="--block-size is 4 but"):
+        train(_cfg(tiny, tmp_path / "d", block_size=4, resume=True), **QUIET)
+
+
+def test_bad_flags(tiny, tmp_path):
+    with pytest.raises(ValueError, match="--block-size must be at least 2"):
+        train(_cfg(tiny, tmp_path / "d", block_size=1), **QUIET)
+    with pytest.raises(ValueError, match=r"--target-layer-ids \[9\] do not exist"):
+        train(_cfg(tiny, tmp_path / "e", target_layer_ids=[9]), **QUIET)
+    with pytest.raises(ValueError, match="no config.json"):
+        train(_cfg(tiny, tmp_path / "f", model=str(tmp_path)), **QUIET)
+
+
+def test_command_prints_one_red_sentence(tiny, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from dflash_mlx.train.command import train_command
+
+    app = typer.Typer()
+    app.command("train")(train_command)
+    app.command("other")(lambda: None)
+    result = CliRunner().invoke(app, ["train", "--model", str(tiny / "target"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "d")])
+    text = result.output + (getattr(result, "stderr", "") or "")
+    assert result.exit_code == 1
+    assert "does not exist" in text and "Traceback" not in text
