@@ -32,7 +32,7 @@ class _Group(typer.core.TyperGroup):
         except cx.ClickException as e:
             err.print(Text(f"error: {e.format_message()}", style="bold red"), soft_wrap=True)
             rv = e.exit_code
-        except (cx.Abort, typer.Abort):
+        except typer.Abort:
             err.print(Text("aborted", style="yellow"))
             rv = 1
         if standalone_mode:

@@ -181,7 +181,7 @@ def bench_command(
             out = {
                 "model": target_name, "draft_model": draft_model, "device": str(mx.default_device()),
                 "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "top_k": top_k,
-                "block_size": results[0]["block_size"] if results else block_size,
+                "block_size": block_size or draft.config.block_size,
                 "results": results, "summary": summary,
             }
             typer.echo(json.dumps(out, indent=2))
@@ -204,7 +204,6 @@ def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:
         "speedup": dflash_tps / plain_tps if plain_tps else 0.0,
         "acceptance_length": mean(runs_dflash, "acceptance_length"),
         "acceptance_rate": mean(runs_dflash, "acceptance_rate"),
-        "block_size": runs_dflash[0]["block_size"],
         "plain_peak_memory_gb": max(r["peak_memory"] for r in runs_plain),
         "dflash_peak_memory_gb": max(r["peak_memory"] for r in runs_dflash),
     }

@@ -85,7 +85,7 @@ def user_errors(verbose: bool = False) -> Iterator[None]:
     traceback only with --verbose."""
     try:
         yield
-    except (typer.Exit, typer.Abort, click_exceptions.Exit, click_exceptions.Abort, click_exceptions.ClickException):
+    except (typer.Exit, typer.Abort, click_exceptions.ClickException):
         raise
     except KeyboardInterrupt:
         err.print(Text("\ninterrupted", style="yellow"))

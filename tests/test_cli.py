@@ -1,0 +1,319 @@
+"""The `dflash-mlx` app through Typer's CliRunner: every command, every
+error a user can cause (one red sentence, exit code 1, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import dflash_mlx
+from dflash_mlx import loading
+from dflash_mlx.cli import common
+from dflash_mlx.cli.app import app
+from cli_fixtures import make_tiny_pair
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("cli-models"))
+
+
+@pytest.fixture(scope="module")
+def loaded(pair):
+    return {
+        "raw": dflash_mlx.load(str(pair.target), draft=str(pair.draft)),
+        "chat": dflash_mlx.load(str(pair.chat_target), draft=str(pair.draft)),
+    }
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def run(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input, prog_name="dflash-mlx", env={"COLUMNS": "200"})
+
+
+def assert_user_error(result, *fragments):
+    assert result.exit_code == 1, (result.exit_code, result.output)
+    assert "error:" in result.stderr
+    for f in fragments:
+        assert f in " ".join(result.stderr.split()), (f, result.stderr)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and result.stderr.strip().endswith(errors[0].strip()), result.stderr  # one line, last
+
+
+def expected(loaded, kind, prompt, **kwargs):
+    model, draft, tok = loaded[kind]
+    return dflash_mlx.generate(model, draft, tok, prompt, **kwargs)
+
+
+# -- help ---------------------------------------------------------------------
+def test_root_help_lists_commands():
+    for args in ([], ["--help"]):
+        result = run(*args)
+        assert result.exit_code == 0
+        for name in ("generate", "chat", "bench", "models", "version"):
+            assert name in result.output
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "models", "version"])
+def test_every_command_help_has_examples(command):
+    result = run(command, "--help")
+    assert result.exit_code == 0
+    assert "Example" in result.output
+    assert f"dflash-mlx {command}" in result.output
+
+
+def test_version():
+    result = run("version")
+    assert result.exit_code == 0 and result.stdout.strip() == dflash_mlx.__version__
+
+
+# -- generate -----------------------------------------------------------------
+def test_generate_streams_what_the_library_generates(pair, loaded):
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "--max-tokens", 24)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=24) + "\n"
+    stats = result.stderr
+    for part in ("generated 24 tokens", "tok/s", "acceptance length", "acceptance rate", "peak memory"):
+        assert part in stats
+    assert "no chat template" in stats  # the dim note for template-less tokenizers
+
+
+def test_generate_sampled_with_seed_is_repeatable(pair, loaded):
+    args = ["generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w5 w6",
+            "-m", 20, "--temp", 0.8, "--top-p", 0.9, "--top-k", 20, "--seed", 7, "--block-size", 4]
+    result = run(*args)
+    assert result.exit_code == 0, result.output
+    want = expected(loaded, "raw", "w5 w6", max_tokens=20, temperature=0.8, top_p=0.9, top_k=20, seed=7, block_size=4)
+    assert result.stdout == want + "\n"
+
+
+def test_generate_applies_the_chat_template(pair, loaded):
+    model, draft, tok = loaded["chat"]
+    ids = tok.encode("w1 w9 w4 w2 w7 w8 w4 w3", add_special_tokens=False)  # TEMPLATE with system + user
+    result = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7 w8",
+                 "--system-prompt", "w9", "--max-tokens", 16)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == dflash_mlx.generate(model, draft, tok, ids, max_tokens=16) + "\n"
+    assert "no chat template" not in result.stderr
+
+    raw = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7 w8",
+              "--ignore-chat-template", "--max-tokens", 16)
+    assert raw.exit_code == 0
+    assert raw.stdout == expected(loaded, "chat", "w7 w8", max_tokens=16) + "\n"
+
+
+def test_generate_reads_the_prompt_from_stdin(pair, loaded):
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", "-m", 12, input="w3 w4\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected(loaded, "raw", "w3 w4", max_tokens=12) + "\n"
+
+
+def test_generate_long_prefill_in_steps(pair, loaded):
+    prompt = " ".join(f"w{i % 60}" for i in range(40))
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", prompt, "-m", 12,
+                 "--prefill-step-size", 8)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected(loaded, "raw", prompt, max_tokens=12) + "\n"
+
+
+def test_prefill_progress_bar_only_for_several_steps(monkeypatch):
+    bar = common.PrefillProgress()
+    bar(10, 10)
+    assert bar.bar is None  # one step: no bar
+    bar(4, 12)
+    assert bar.bar is not None
+    bar(12, 12)
+    assert bar.bar is None
+
+
+def test_generate_verbose_shows_the_prompt(pair):
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1", "-m", 2, "-v")
+    assert result.exit_code == 0
+    assert "prompt: 1 tokens" in result.stderr
+
+
+# -- errors ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--temp", "-1"], ["temperature must be >= 0"]),
+        (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
+        (["--top-k", "-2"], ["top_k must be a non-negative integer"]),
+        (["--block-size", "1"], ["--block-size must be at least 2"]),
+        (["--max-tokens", "0"], ["--max-tokens must be a positive integer"]),
+        (["--max-tokens", "many"], ["Invalid value for '--max-tokens'", "dflash-mlx generate --help"]),
+        (["--bogus"], ["No such option: --bogus"]),
+        (["--prefill-step-size", "0"], ["--prefill-step-size must be positive"]),
+    ],
+)
+def test_generate_bad_flags(pair, extra, fragments):
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1", *extra)
+    assert_user_error(result, *fragments)
+
+
+def test_generate_without_model_or_prompt(pair):
+    assert_user_error(run("generate", "--prompt", "w1"), "no model given", "--model")
+    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft), "no prompt given")
+    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "  "), "the prompt is empty")
+    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", input=""), "the prompt is empty")
+
+
+def test_generate_bad_paths_and_wrong_pairs(pair, tmp_path):
+    missing = tmp_path / "nowhere"
+    assert_user_error(run("generate", "--model", missing, "--draft-model", pair.draft, "--prompt", "w1"), str(missing))
+    assert_user_error(run("generate", "--model", pair.target, "--draft-model", missing, "--prompt", "w1"), str(missing))
+    # a target where a drafter belongs
+    r = run("generate", "--model", pair.target, "--draft-model", pair.target, "--prompt", "w1")
+    assert_user_error(r, "drafter")
+    # a drafter made for another target
+    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.other_draft, "--prompt", "w1"))
+    # a file where a directory belongs
+    f = tmp_path / "model.txt"
+    f.write_text("hi")
+    assert_user_error(run("generate", "--model", f, "--draft-model", pair.draft, "--prompt", "w1"), "is a file")
+
+
+def test_library_errors_are_one_sentence_and_verbose_shows_the_traceback(pair, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("the prompt holds token ids outside the target's vocabulary [0, 64).")
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", broken)
+    args = ["generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1"]
+    assert_user_error(run(*args), "outside the target's vocabulary")
+    verbose = run(*args, "--verbose")
+    assert verbose.exit_code == 1
+    assert "Traceback" in verbose.stderr and "error: the prompt holds" in verbose.stderr
+
+
+def test_unexpected_errors_have_no_traceback_without_verbose(pair, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", broken)
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1")
+    assert_user_error(result, "unexpected RuntimeError: kaboom", "--verbose")
+
+
+def test_unknown_command():
+    assert_user_error(run("frobnicate"), "No such command")
+
+
+# -- chat (not a terminal: the pty test drives the real thing) --------------------
+def test_chat_over_a_pipe(pair, loaded):
+    script = "w1 w2 w3\n/stats\n/think\n/help\n/bogus\n/reset\nw1 w2 w3\n/quit\n"
+    result = run("chat", "--model", pair.target, "--draft-model", pair.draft, "-m", 10, input=script)
+    assert result.exit_code == 0, result.output
+    want = expected(loaded, "raw", "w1 w2 w3", max_tokens=10)
+    out = result.stdout
+    assert out.count(want) == 2  # the same reply before and after /reset
+    assert "acceptance length" in out and "block position" in out  # /stats
+    assert "no thinking section" in out and "thinking on" in out  # /think
+    assert "/reset" in out and "/quit" in out  # /help
+    assert "unknown command /bogus" in out
+    assert "conversation cleared" in out
+
+
+def test_chat_with_template_keeps_the_conversation(pair, loaded):
+    model, draft, tok = loaded["chat"]
+    first = dflash_mlx.generate(model, draft, tok, tok.encode("w2 w5 w4 w3", add_special_tokens=False), max_tokens=8)
+    second_ids = tok.encode(f"w2 w5 w4 w3 {first} w4 w2 w6 w4 w3", add_special_tokens=False)
+    second = dflash_mlx.generate(model, draft, tok, second_ids, max_tokens=8)
+    result = run("chat", "--model", pair.chat_target, "--draft-model", pair.draft, "-m", 8, input="w5\nw6\n")
+    assert result.exit_code == 0, result.output  # EOF ends the session cleanly
+    assert first in result.stdout and second in result.stdout
+
+
+def test_chat_errors(pair):
+    assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.draft, "--temp", "-0.5"), "temperature")
+    assert_user_error(run("chat", "--draft-model", pair.draft), "no model given")
+    assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.other_draft))
+
+
+# -- bench ------------------------------------------------------------------------
+def test_bench_json(pair, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2"}\n\n{"turns": ["w3 w4", "w5"]}\n')
+    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "--prompts", prompts, "-m", 12, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["prompt"] for r in data["results"]] == ["w1 w2", "w3 w4"]
+    for r in data["results"]:
+        assert r["plain_tps"] > 0 and r["dflash_tps"] > 0
+        assert r["speedup"] == pytest.approx(r["dflash_tps"] / r["plain_tps"])
+        assert 1.0 <= r["acceptance_length"] <= data["block_size"]
+        assert r["identical"] is True  # greedy DFlash is the target's own greedy decoding
+        assert r["dflash_peak_memory_gb"] >= 0
+    assert data["summary"]["identical"] is True
+    assert data["block_size"] == 6
+
+
+def test_bench_table(pair, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3\nw4 [bold]w5\n")
+    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "--prompts", prompts, "-m", 8,
+                 "--repeat", 2, "--temp", 0.7, "--seed", 3)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for head in ("mlx-lm tok/s", "dflash tok/s", "speedup", "τ", "peak GB"):
+        assert head in out
+    assert "[bold]w5" in out and "all" in out
+    assert "same text" not in out  # only checked when greedy
+
+
+@pytest.mark.parametrize(
+    "content, fragments",
+    [
+        (None, ["is not a file"]),
+        ("", ["holds no prompts"]),
+        ('{"prompt": "w1"}\n{"prompt": \n', [":2 is not valid JSON"]),
+        ('{"answer": "w1"}\n', [":1 has no prompt"]),
+    ],
+)
+def test_bench_bad_prompt_files(pair, tmp_path, content, fragments):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "--prompts", path)
+    assert_user_error(result, *fragments)
+
+
+def test_bench_bad_flags(pair):
+    assert_user_error(run("bench", "--model", pair.target, "--draft-model", pair.draft, "--repeat", 0), "--repeat must be")
+    assert_user_error(run("bench", "--model", pair.target, "--draft-model", pair.draft, "--top-p", 0), "top_p")
+
+
+# -- models -----------------------------------------------------------------------
+def test_models_lists_pairs_and_cache_state(monkeypatch, tmp_path):
+    if not hasattr(loading, "known_pairs"):
+        pytest.skip("the registry is not in this build")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    result = run("models", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert {(r["target"], r["drafter"]) for r in rows} == set(loading.known_pairs())
+    assert not any(r["target_cached"] or r["drafter_cached"] for r in rows)
+    table = run("models")
+    assert table.exit_code == 0 and "z-lab/" in table.stdout
+    none = run("models", "--cached")
+    assert none.exit_code == 0 and "no pair is fully cached" in none.stdout
+
+
+def test_models_without_a_registry(monkeypatch):
+    monkeypatch.delattr(loading, "known_pairs", raising=False)
+    assert_user_error(run("models"), "no model registry")
+
+
+def test_default_model_hook(monkeypatch, pair, loaded):
+    monkeypatch.setattr(common, "default_model", lambda: str(pair.target))
+    result = run("generate", "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "-m", 6)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=6) + "\n"
