@@ -1,0 +1,128 @@
+"""`dflash-mlx chat` driven in a real pseudo-terminal: two turns, /stats,
+/reset, /quit, and a Ctrl-C mid-reply that keeps the session. What the
+user sees (replayed through a small terminal emulator) must be exactly
+what dflash_mlx.generate produces for the same prompt and seed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+import dflash_mlx  # noqa: E402
+from cli_fixtures import make_tiny_pair, screen_lines  # noqa: E402
+
+PROMPT = ">>> "
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("pty-models"))
+
+
+def spawn(pair, *flags):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TERM="xterm-256color", PYTHONUNBUFFERED="1")
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    args = ["-m", "dflash_mlx.cli.app", "chat", "--model", str(pair.target), "--draft-model", str(pair.draft), *map(str, flags)]
+    child = pexpect.spawn(sys.executable, args, env=env, dimensions=(40, 400), encoding="utf-8", timeout=60)
+    log = []
+
+    class Tee:
+        def write(self, s):
+            log.append(s)
+
+        def flush(self):
+            pass
+
+    child.logfile_read = Tee()
+    return child, log
+
+
+def reply_after(lines: list[str], user_text: str, nth: int = 0) -> str:
+    """The reply printed after the nth '>>> user_text' line, up to the stats line."""
+    starts = [i for i, line in enumerate(lines) if line == PROMPT + user_text]
+    i = starts[nth] + 1
+    out = []
+    while not lines[i].startswith("──"):
+        out.append(lines[i])
+        i += 1
+    return "\n".join(out)
+
+
+def test_two_turns_stats_reset_quit(pair):
+    model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
+    sampling = dict(max_tokens=24, temperature=0.7, top_p=0.95, seed=11)
+    first_ids = tok.encode("w1 w2 w3")
+    first_tokens = []
+    first = ""
+    for r in dflash_mlx.stream_generate(model, draft, tok, first_ids, **sampling):
+        first += r.text
+        first_tokens += r.tokens
+    # Turn two extends the whole conversation (no chat template: raw tokens).
+    second_ids = first_ids + first_tokens + tok.encode("w4 w5", add_special_tokens=False)
+    second = dflash_mlx.generate(model, draft, tok, second_ids, **sampling)
+
+    child, log = spawn(pair, "--max-tokens", 24, "--temp", 0.7, "--top-p", 0.95, "--seed", 11)
+    child.expect_exact(PROMPT)
+    child.sendline("w1 w2 w3")
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.sendline("w4 w5")
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")
+    child.expect_exact("block position")
+    child.expect_exact(PROMPT)
+    child.sendline("/reset")
+    child.expect_exact("conversation cleared")
+    child.expect_exact(PROMPT)
+    child.sendline("w1 w2 w3")  # after /reset, the first turn again
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    lines = screen_lines("".join(log))
+    assert reply_after(lines, "w1 w2 w3", 0) == first
+    assert reply_after(lines, "w4 w5") == second
+    assert reply_after(lines, "w1 w2 w3", 1) == first
+    text = "\n".join(lines)
+    assert "2 replies · 48 tokens" in text  # /stats covers the session so far
+    assert text.count("tok/s · τ") >= 3  # the final status line of each reply
+    assert "Traceback" not in text
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(pair):
+    child, log = spawn(pair, "--max-tokens", 100000, "--block-size", 4)
+    child.expect_exact(PROMPT)
+    child.sendline("w1 w2 w3")
+    child.expect_exact("tok/s · τ")  # the live status line: the reply is streaming
+    child.sendintr()
+    child.expect_exact("reply stopped")
+    child.expect_exact(PROMPT)
+    # The session goes on: its caches hold exactly what was committed.
+    child.sendline("/stats")
+    child.expect_exact("1 reply · ")
+    child.expect_exact(PROMPT)
+    child.sendline("/reset")
+    child.expect_exact(PROMPT)
+    child.sendintr()  # Ctrl-C at the prompt only reminds how to leave
+    child.expect_exact("Ctrl-D or /quit")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+    lines = screen_lines("".join(log))
+    stopped = next(i for i, line in enumerate(lines) if "reply stopped" in line)
+    assert lines[stopped + 1].startswith("── ")
+    tokens = int(lines[stopped + 1].split()[1])
+    assert 0 < tokens < 100000
+    assert "Traceback" not in "\n".join(lines)
