@@ -1,0 +1,188 @@
+"""Side-by-side decode speed on the same weights, in one process:
+plain mlx-lm decoding, dflash-mlx, and the official Z Lab MLX loop
+(`dflash.model_mlx`, if installed).
+
+    python benchmarks/speed.py --model <target dir> --draft <drafter dir>
+    python benchmarks/speed.py --shape small      # random weights, no files
+
+With random weights the drafter accepts almost nothing, so the figure is the
+cost of a cycle against a plain decoding step (the worst case); with a trained
+pair it is the real speedup. Every run prints the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+SHAPES = {
+    # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
+    "small": (256, 8, 4, 2, 64, 768, 4096, 2),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 3),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 5),
+}
+
+
+def random_pair(shape: str, tmp: Path):
+    from tiny import make_tokenizer, random_draft_weights, write_target, write_zlab_draft
+
+    h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
+    tcfg = {
+        "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": layers, "intermediate_size": ffn,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False,
+    }
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(tcfg))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    taps = [round(1 + i * (layers - 4) / (dlayers - 1)) for i in range(dlayers)]
+    dcfg = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,
+        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+        "num_target_layers": layers, "block_size": 16,
+        "dflash_config": {"target_layer_ids": taps, "mask_token_id": vocab - 1},
+    }
+    target_dir = write_target(tmp / "target", tcfg, model, make_tokenizer(64))
+    draft_dir = write_zlab_draft(tmp / "draft", dcfg, random_draft_weights(dcfg))
+    return str(target_dir), str(draft_dir)
+
+
+def timed(label, stream, n_tokens):
+    """Run a token stream to the end; decode tok/s after the first token."""
+    tic = time.perf_counter()
+    first = None
+    count = 0
+    for count_now in stream:
+        if first is None:
+            first = time.perf_counter()
+        count = count_now
+    end = time.perf_counter()
+    return {
+        "mode": label,
+        "tokens": count,
+        "ttft_s": round(first - tic, 4),
+        "decode_tps": round((count - 1) / max(end - first, 1e-9), 2),
+    }
+
+
+def plain(model, prompt, n):
+    k = 0
+    for _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)):
+        k += 1
+        yield k
+
+
+def ours(model, draft, tok, prompt, n, bs, stats):
+    from dflash_mlx import stream_generate
+
+    k = 0
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs):
+        k += len(r.tokens)
+        stats["acceptance_length"] = round(r.acceptance_length, 3)
+        yield k
+
+
+def official(model, draft, tok, prompt, n, bs):
+    from dflash.model_mlx import stream_generate as official_stream
+
+    k = 0
+    for r in official_stream(model, draft, tok, prompt, block_size=bs, max_tokens=n):
+        k += len(r.tokens)
+        if r.tokens:
+            yield k
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--draft")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from dflash_mlx import load
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.model:
+        target_dir, draft_dir = args.model, args.draft
+    else:
+        target_dir, draft_dir = random_pair(args.shape, Path(tmp.name))
+    model, draft, tok = load(target_dir, draft=draft_dir)
+    bs = args.block_size or draft.config.block_size
+    vocab = draft.config.vocab_size
+    prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(args.prompt_tokens)]
+
+    have_official = True
+    try:
+        import dflash.model_mlx as official_mod
+        from mlx_lm import load as mlx_lm_load
+
+        official_mod.snapshot_download = lambda *a, **k: draft_dir
+        their_model, _ = mlx_lm_load(target_dir)
+        their_draft = official_mod.load_draft(draft_dir)
+    except Exception as e:  # the oracle is optional here
+        print(f"official loop skipped: {e}", file=sys.stderr)
+        have_official = False
+
+    rows = []
+    for rep in range(args.repeat + 1):  # the first round warms up
+        stats: dict = {}
+        round_rows = [
+            timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens),
+            {**timed("dflash-mlx", ours(model, draft, tok, prompt, args.max_tokens, bs, stats), args.max_tokens), **stats},
+        ]
+        if have_official:
+            round_rows.append(timed("official dflash", official(their_model, their_draft, tok, prompt, args.max_tokens, bs), args.max_tokens))
+        if rep:
+            rows.extend(round_rows)
+
+    def median(mode, key):
+        vals = sorted(r[key] for r in rows if r["mode"] == mode and key in r)
+        return vals[len(vals) // 2] if vals else None
+
+    base = median("plain mlx-lm", "decode_tps")
+    summary = {
+        "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, device {mx.default_device()}",
+        "target": target_dir if args.model else f"random {args.shape}",
+        "block_size": bs,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "results": [
+            {
+                "mode": m,
+                "decode_tps": median(m, "decode_tps"),
+                "speedup_vs_plain": round(median(m, "decode_tps") / base, 3),
+                "acceptance_length": median(m, "acceptance_length"),
+            }
+            for m in dict.fromkeys(r["mode"] for r in rows)
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(summary["machine"])
+    print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, median of {args.repeat}")
+    for r in summary["results"]:
+        tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
+        print(f"{r['mode']:>16}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")
+
+
+if __name__ == "__main__":
+    main()
