@@ -18,7 +18,7 @@ from rich.text import Text
 from .common import (
     BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillProgress,
     PrefillStepSize, Seed, SystemPrompt, Temp, TopK, TopP, UserError, Verbose, check_args, console,
-    encode_text, load_pair, render_chat, status_text, thinking_note, user_errors, uses_template,
+    encode_text, load_pair, render_chat, status_text, supports_thinking, thinking_note, user_errors, uses_template,
 )
 
 EXAMPLES = """\
@@ -221,7 +221,7 @@ class ChatSession:
         elif name == "/stats":
             console.print(stats_chart(self.stats))
         elif name == "/think":
-            if not (self.template and getattr(self.tokenizer, "has_thinking", False)):
+            if not (self.template and supports_thinking(self.tokenizer)):
                 console.print(Text("this model's chat template has no thinking section.", style="dim"))
             self.thinking = not self.thinking
             console.print(Text(f"thinking {'on' if self.thinking else 'off'}", style="dim"))

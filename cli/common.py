@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import traceback
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -127,12 +126,55 @@ def resolve_model(model: Optional[str]) -> str:
 
 
 # -- loading ---------------------------------------------------------------------------
-def _rich_tqdm():
-    from tqdm import TqdmExperimentalWarning
-    from tqdm.rich import tqdm_rich
+def hub_progress_class():
+    """A tqdm class for huggingface_hub whose bars are tasks of one shared,
+    transient rich Progress on stderr (rich allows one live display at a
+    time, and a snapshot download opens several bars)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+    from tqdm.std import tqdm as std_tqdm
 
-    warnings.filterwarnings("ignore", category=TqdmExperimentalWarning)
-    return tqdm_rich
+    class HubProgress(std_tqdm):
+        shared: Optional[Progress] = None
+        open_bars = 0
+
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            kwargs["gui"] = True  # tqdm draws nothing itself; display() feeds rich
+            super().__init__(*args, **kwargs)
+            if self.disable:
+                return
+            cls = type(self)
+            if cls.shared is None:
+                cls.shared = Progress(
+                    TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                    console=err, transient=True,
+                )
+                cls.shared.start()
+            cls.open_bars += 1
+            self._task = cls.shared.add_task(self.desc or "", total=self.total)
+
+        def display(self, *args, **kwargs):
+            task = getattr(self, "_task", None)
+            if task is not None and type(self).shared is not None:
+                type(self).shared.update(task, completed=self.n, total=self.total, description=self.desc or "")
+
+        def clear(self, *args, **kwargs):
+            pass
+
+        def close(self):
+            task = getattr(self, "_task", None)
+            if task is None:
+                return super().close()
+            self.display()
+            self._task = None
+            super().close()
+            cls = type(self)
+            cls.open_bars -= 1
+            if cls.shared is not None and cls.open_bars <= 0:
+                cls.shared.stop()
+                cls.shared, cls.open_bars = None, 0
+
+    return HubProgress
 
 
 def fetch(repo: Optional[str], allow_patterns: Optional[list[str]] = None) -> None:
@@ -156,7 +198,7 @@ def fetch(repo: Optional[str], allow_patterns: Optional[list[str]] = None) -> No
         return
     try:
         err.print(Text(f"downloading {repo}", style="dim"))
-        snapshot_download(repo, allow_patterns=allow_patterns, cache_dir=cache_dir, tqdm_class=_rich_tqdm())
+        snapshot_download(repo, allow_patterns=allow_patterns, cache_dir=cache_dir, tqdm_class=hub_progress_class())
     except Exception:
         pass
 
@@ -223,8 +265,18 @@ def prompt_ids(
     return encode_text(tokenizer, prompt)
 
 
+def supports_thinking(tokenizer) -> bool:
+    """Whether the chat template has a thinking section to turn on or off."""
+    if getattr(tokenizer, "has_thinking", False):
+        return True
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and "enable_thinking" in template
+
+
 def thinking_note(tokenizer, enable_thinking: bool, ignore_chat_template: bool) -> None:
-    if enable_thinking and not (uses_template(tokenizer, ignore_chat_template) and getattr(tokenizer, "has_thinking", False)):
+    if enable_thinking and not (uses_template(tokenizer, ignore_chat_template) and supports_thinking(tokenizer)):
         note("this model's chat template has no thinking section; --enable-thinking changes nothing.")
 
 

@@ -14,13 +14,14 @@ from tiny import draft_config, make_target, make_tokenizer, random_draft_weights
 VOCAB = 64
 
 # A template over the tiny word-level vocabulary (unknown words would all
-# map to w0): w1 opens a system turn, w2 a user turn, w3 the assistant's.
+# map to w0): w1 opens a system turn, w2 a user turn, w3 the assistant's,
+# w4 ends a turn and w5 is the thinking switch.
 TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}w1 {% elif m['role'] == 'user' %}w2 {% else %}w3 {% endif %}"
     "{{ m['content'] }} w4 "
     "{% endfor %}"
-    "{% if add_generation_prompt %}w3{% endif %}"
+    "{% if add_generation_prompt %}w3{% if enable_thinking %} w5{% endif %}{% endif %}"
 )
 
 

@@ -111,6 +111,18 @@ def test_generate_applies_the_chat_template(pair, loaded):
     assert raw.stdout == expected(loaded, "chat", "w7 w8", max_tokens=16) + "\n"
 
 
+def test_generate_enable_thinking(pair, loaded):
+    model, draft, tok = loaded["chat"]
+    ids = tok.encode("w2 w7 w4 w3 w5", add_special_tokens=False)
+    result = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7",
+                 "--enable-thinking", "-m", 10)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == dflash_mlx.generate(model, draft, tok, ids, max_tokens=10) + "\n"
+    assert "changes nothing" not in result.stderr
+    raw = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w7", "--enable-thinking", "-m", 2)
+    assert raw.exit_code == 0 and "changes nothing" in raw.stderr
+
+
 def test_generate_reads_the_prompt_from_stdin(pair, loaded):
     result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", "-m", 12, input="w3 w4\n")
     assert result.exit_code == 0, result.output
@@ -231,6 +243,14 @@ def test_chat_with_template_keeps_the_conversation(pair, loaded):
     assert result.exit_code == 0, result.output  # EOF ends the session cleanly
     assert first in result.stdout and second in result.stdout
 
+    # /think switches the template's thinking section on for the next turn
+    thinking_ids = tok.encode(f"w2 w5 w4 w3 {first} w4 w2 w6 w4 w3 w5", add_special_tokens=False)
+    thinking = dflash_mlx.generate(model, draft, tok, thinking_ids, max_tokens=8)
+    result = run("chat", "--model", pair.chat_target, "--draft-model", pair.draft, "-m", 8, input="w5\n/think\nw6\n")
+    assert result.exit_code == 0, result.output
+    assert "thinking on" in result.stdout and "no thinking section" not in result.stdout
+    assert thinking in result.stdout
+
 
 def test_chat_errors(pair):
     assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.draft, "--temp", "-0.5"), "temperature")
@@ -317,3 +337,30 @@ def test_default_model_hook(monkeypatch, pair, loaded):
     result = run("generate", "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "-m", 6)
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=6) + "\n"
+
+
+# -- downloads ----------------------------------------------------------------------
+def test_hub_repo_not_cached_while_offline(pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    result = run("generate", "--model", "nobody/not-a-model", "--draft-model", pair.draft, "--prompt", "w1")
+    assert_user_error(result, "nobody/not-a-model")
+
+
+def test_download_bars_share_one_rich_progress():
+    import time
+
+    from huggingface_hub.utils.tqdm import _create_progress_bar, hf_thread_map
+
+    cls = common.hub_progress_class()
+    transfer = _create_progress_bar(cls=cls, log_level=20, name="t", desc="Downloading bytes", total=0, unit="B")
+    files = _create_progress_bar(cls=cls, log_level=20, name="f", desc="Reconstructing", total=0, unit="B")
+    files.total = 100
+    files.refresh()
+    files.update(40)
+    assert hf_thread_map(lambda x: (time.sleep(0.01), x)[1], range(4), desc="Fetching 4 files", tqdm_class=cls) == [0, 1, 2, 3]
+    assert cls.open_bars == 2 and cls.shared is not None
+    files.update(60)
+    transfer.close()
+    files.close()
+    files.close()
+    assert cls.shared is None and cls.open_bars == 0
