@@ -106,7 +106,7 @@ def _known_pairs_text() -> str:
 # -- the Hub -------------------------------------------------------------------
 
 
-def _hub_cache() -> str | None:
+def hub_cache() -> str | None:
     """huggingface_hub reads its environment once, at import; read it at call
     time so HF_HUB_CACHE / HF_HOME set later still count."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -114,6 +114,9 @@ def _hub_cache() -> str | None:
     if os.environ.get("HF_HOME"):
         return os.path.join(os.environ["HF_HOME"], "hub")
     return None
+
+
+_hub_cache = hub_cache  # the name the CLI used first
 
 
 def hub_offline() -> bool:
@@ -126,7 +129,7 @@ def is_cached(repo_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=_hub_cache())
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache())
     except Exception:  # an invalid repo id is simply not cached
         return False
     return isinstance(found, str)
@@ -155,7 +158,7 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None) -
     try:
         return Path(
             snapshot_download(
-                repo, allow_patterns=allow_patterns, cache_dir=_hub_cache(), local_files_only=offline
+                repo, allow_patterns=allow_patterns, cache_dir=hub_cache(), local_files_only=offline
             )
         )
     except HFValidationError as e:

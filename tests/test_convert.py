@@ -360,6 +360,16 @@ def test_existing_output_is_refused_without_force_and_replaced_with_it(tmp_path,
     assert leftovers(tmp_path, "mlx") == ["mlx"]
 
 
+def test_unwritable_destination(tmp_path, src, monkeypatch):
+    def denied(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(convert_module.tempfile, "mkdtemp", denied)
+    result = cli("--hf-path", src, "--mlx-path", tmp_path / "sub" / "mlx")
+    assert_clean_failure(result, "cannot write", "Permission denied", "writable")
+    assert not (tmp_path / "sub").exists()
+
+
 def test_output_over_the_source_is_refused(tmp_path, src):
     result = cli("--hf-path", src, "--mlx-path", src, "--force")
     assert_clean_failure(result, "would replace the source checkpoint")
@@ -377,14 +387,14 @@ def test_failure_while_writing_leaves_nothing(tmp_path, src, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(utils, "save_config", save_then_fail)
-    with pytest.raises(OSError):
-        convert(src, tmp_path / "new" / "mlx")
+    result = cli("--hf-path", src, "--mlx-path", tmp_path / "new" / "mlx")
+    assert_clean_failure(result, "cannot write", "No space left on device", "disk has room")
     assert not (tmp_path / "new").exists()  # not even the parent it created
     # --force over an existing directory: the old one survives the failure.
     old = tmp_path / "old"
     old.mkdir()
     (old / "keep.txt").write_text("mine")
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="No space left on device"):
         convert(src, old, force=True)
     assert (old / "keep.txt").read_text() == "mine"
     assert leftovers(tmp_path, "old") == ["old"]

@@ -51,6 +51,10 @@ def convert_command(
     except ValueError as e:
         err.print(Text(f"error: {e}", style="bold red"), soft_wrap=True)
         raise typer.Exit(1)
+    except OSError as e:  # reading a file the user cannot read, and the like
+        where = f" {e.filename}" if e.filename else ""
+        err.print(Text(f"error: cannot read{where} ({e.strerror or e}); check the path and its permissions.", style="bold red"), soft_wrap=True)
+        raise typer.Exit(1)
     except KeyboardInterrupt:
         err.print(Text("interrupted; nothing was written.", style="bold red"), soft_wrap=True)
         raise typer.Exit(130)

@@ -343,19 +343,25 @@ def convert(
     card = _card(out, src_id if from_hub else str(src.resolve()), revision_of(src), dtype_name, quant,
                  card_target, upload_repo, from_hub)
 
-    created = _first_missing_ancestor(out.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_PARTIAL}{os.getpid()}-", dir=out.parent))
+    created, tmp = _first_missing_ancestor(out.parent), None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_PARTIAL}{os.getpid()}-", dir=out.parent))
         log(f"Writing {out}")
         _write(tmp, model, config, card)
         load_draft(tmp)  # what we wrote must load as is
         _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ValueError(
+                f"cannot write {out} ({e.strerror or e}); check that its directory is writable "
+                "and the disk has room."
+            ) from e
         raise
 
     size = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
