@@ -171,6 +171,16 @@ VARIANTS = {
     "rope_parameters": dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
     "yarn": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
     "no_taps": dict(),
+    "scaled_softcapped": dict(),
+    # The keys a transformers-5 save adds around the DFlash fields (as in
+    # z-lab/Qwen3-4B-DFlash-b16's config.json).
+    "hf_layout": dict(
+        attention_bias=False, attention_dropout=0.0, auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        bos_token_id=0, eos_token_id=1, hidden_act="silu", initializer_range=0.02,
+        layer_types=["full_attention", "full_attention"], max_window_layers=2, rope_scaling=None,
+        sliding_window=None, tie_word_embeddings=False, use_cache=True, use_sliding_window=False,
+        transformers_version="5.0.0", _name_or_path="/home/zlab/ckpt",
+    ),
 }
 
 
@@ -182,6 +192,10 @@ def test_every_zlab_variant_converts(tmp_path, variant):
         del cfg["rope_theta"]
     if variant == "no_taps":
         del cfg["dflash_config"]["target_layer_ids"]
+    if variant == "scaled_softcapped":
+        cfg["dflash_config"].update(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=3.0)
+    if variant == "hf_layout":
+        cfg["dtype"] = cfg.pop("torch_dtype")
     src = zlab_draft(tmp_path / "zlab", tcfg, cfg=cfg)
     if variant == "sharded":
         shard(src, 3)
@@ -189,6 +203,11 @@ def test_every_zlab_variant_converts(tmp_path, variant):
     _ok(cli("--hf-path", src, "--mlx-path", out, "--dtype", "float32"))
     raw, conv = load_draft(src), load_draft(out)
     assert conv.config == raw.config
+    written = json.loads((out / "config.json").read_text())
+    # Every source key is kept (bar the trainer's local path), the dtype updated.
+    assert set(written) >= set(cfg) - {"_name_or_path"} and "_name_or_path" not in written
+    assert written.get("dtype", written.get("torch_dtype")) == "float32"
+    assert written["dflash_config"] == cfg["dflash_config"]
     if variant == "sliding":
         assert conv.layers[0].self_attn.window == 4
     # Long enough context that the sliding window matters.
