@@ -6,8 +6,10 @@ every turn passes the whole conversation and only its new part is prefilled.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,6 +43,20 @@ HELP = """\
 /quit    leave (Ctrl-D too); Ctrl-C stops a reply and keeps the session"""
 
 STATUS_HZ = 30
+
+
+@contextmanager
+def sigint_ignored():
+    """Hold Ctrl-C off while the caches are being rolled back."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 class ReplyView:
@@ -178,15 +194,23 @@ class ChatSession:
                     view.add(last.text, status_text(last))
             except KeyboardInterrupt:
                 interrupted = True
-            finally:
+            with sigint_ignored():
                 # Closing the generator rolls the caches back to what was committed.
                 gen.close()
                 progress.close()
+                if interrupted:
+                    # The streaming detokenizer may hold back the end of the text.
+                    rest = self._unshown(tokens, "".join(pieces))
+                    if rest:
+                        pieces.append(rest)
+                        view.add(rest, "")
                 view.finish()
-        except KeyboardInterrupt:  # a second Ctrl-C while tidying up
+        except KeyboardInterrupt:  # pressed again before the tidy-up began
             interrupted = True
-        if interrupted and last is None:
-            # Stopped inside the prefill: start the caches afresh rather than trust a half-read prompt.
+            gen.close()
+            view.finish()
+        if interrupted and not self._cache_consistent():
+            # Stopped inside the prefill: start afresh rather than trust a half-read prompt.
             self.cache = self._make_cache()
         reply = "".join(pieces)
         if tokens:
@@ -200,6 +224,16 @@ class ChatSession:
             console.print(Text("⏹ reply stopped", style="yellow"))
         if last is not None:
             console.print(Text("── " + status_text(last, self.block_size, final=True), style="dim"))
+
+    def _unshown(self, tokens: list[int], shown: str) -> str:
+        eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
+        full = self.tokenizer.decode([t for t in tokens if t not in eos])
+        return full[len(shown):] if full.startswith(shown) else ""
+
+    def _cache_consistent(self) -> bool:
+        c = self.cache
+        pending = 0 if c.pending is None else c.pending.shape[1]
+        return c.target[0].offset == len(c.tokens) == c.draft_len + pending
 
     # -- the loop --------------------------------------------------------------
     def banner(self) -> None:

@@ -98,19 +98,25 @@ def test_two_turns_stats_reset_quit(pair):
     assert "Traceback" not in text
 
 
+def stopped_reply(lines: list[str], user_text: str) -> tuple[str, int]:
+    """The text of a reply stopped with Ctrl-C, and its token count."""
+    start = lines.index(PROMPT + user_text) + 1
+    end = next(i for i in range(start, len(lines)) if "reply stopped" in lines[i])
+    assert lines[end + 1].startswith("── ")
+    return "\n".join(lines[start:end]), int(lines[end + 1].split()[1])
+
+
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(pair):
     child, log = spawn(pair, "--max-tokens", 100000, "--block-size", 4)
+    for text in ("w1 w2 w3", "w4 w5"):
+        child.expect_exact(PROMPT)
+        child.sendline(text)
+        child.expect_exact("tok/s · τ")  # the live status line: the reply is streaming
+        child.sendintr()
+        child.expect_exact("reply stopped")
     child.expect_exact(PROMPT)
-    child.sendline("w1 w2 w3")
-    child.expect_exact("tok/s · τ")  # the live status line: the reply is streaming
-    child.sendintr()
-    child.expect_exact("reply stopped")
-    child.expect_exact(PROMPT)
-    # The session goes on: its caches hold exactly what was committed.
     child.sendline("/stats")
-    child.expect_exact("1 reply · ")
-    child.expect_exact(PROMPT)
-    child.sendline("/reset")
+    child.expect_exact("2 replies · ")
     child.expect_exact(PROMPT)
     child.sendintr()  # Ctrl-C at the prompt only reminds how to leave
     child.expect_exact("Ctrl-D or /quit")
@@ -121,8 +127,15 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(pair):
     assert child.exitstatus == 0
 
     lines = screen_lines("".join(log))
-    stopped = next(i for i, line in enumerate(lines) if "reply stopped" in line)
-    assert lines[stopped + 1].startswith("── ")
-    tokens = int(lines[stopped + 1].split()[1])
-    assert 0 < tokens < 100000
     assert "Traceback" not in "\n".join(lines)
+    # What was shown is exactly what was committed: greedy decoding cut at that many tokens ...
+    model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
+    first, n1 = stopped_reply(lines, "w1 w2 w3")
+    assert 0 < n1 < 100000
+    first_ids = tok.encode("w1 w2 w3")
+    assert first == dflash_mlx.generate(model, draft, tok, first_ids, max_tokens=n1, block_size=4)
+    # ... and the next turn continues from the stopped conversation, caches intact.
+    second, n2 = stopped_reply(lines, "w4 w5")
+    second_ids = first_ids + tok.encode(first, add_special_tokens=False) + tok.encode("w4 w5", add_special_tokens=False)
+    assert len(second_ids) == len(first_ids) + n1 + 2
+    assert second == dflash_mlx.generate(model, draft, tok, second_ids, max_tokens=n2, block_size=4)
