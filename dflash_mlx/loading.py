@@ -278,6 +278,24 @@ def load_draft(path_or_repo: str | Path) -> DFlashDraft:
     return model
 
 
+def _check_family(path_or_repo: str | Path) -> None:
+    """Refuse a target family no adapter serves, reading only its config.json."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    from .targets import ADAPTERS
+
+    cfg_file = resolve(path_or_repo, allow_patterns=["config.json"]) / "config.json"
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # mlx-lm explains a broken target better
+    if model_type not in ADAPTERS and MODEL_REMAPPING.get(model_type) not in ADAPTERS:
+        raise ValueError(
+            f"target model type {model_type!r} is not supported yet; supported families: "
+            f"{', '.join(sorted(ADAPTERS))}."
+        )
+
+
 def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False):
     """Load a target with mlx-lm and its DFlash drafter.
 
@@ -294,7 +312,8 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    # Check the drafter before paying for the target.
+    # Check the target's family and the drafter before paying for the target's weights.
+    _check_family(path_or_repo)
     drafter = load_draft(draft)
     target_path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS)
     if not (target_path / "config.json").is_file():

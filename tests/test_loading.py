@@ -178,3 +178,14 @@ def test_target_without_config_is_refused(tmp_path):
     (tmp_path / "t").mkdir()
     with pytest.raises(ValueError, match="has no config.json; pass a target model directory"):
         load(tmp_path / "t", draft=zlab_draft(tmp_path / "d"))
+
+
+def test_unsupported_target_family_is_refused_before_any_weights(tmp_path, offline_hub):
+    """gpt-oss has a registered drafter but no adapter yet: one sentence, and
+    neither the drafter nor the target weights are needed to say so."""
+    cfg = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 32}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    hub_cache(offline_hub, "openai/gpt-oss-20b", tmp_path / "t")
+    with pytest.raises(ValueError, match="target model type .gpt_oss. is not supported yet; supported families: "):
+        load("openai/gpt-oss-20b")
