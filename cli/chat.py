@@ -76,23 +76,29 @@ class ReplyView:
                              redirect_stdout=False, redirect_stderr=False)
             self.live.start()
         self.tail += text
-        self.status = status
-        self._print_finished_rows()
+        rows = self._finished_rows()
+        # The live part is re-drawn under every printed row, so keep it current
+        # even when the status refresh below is skipped.
+        self.live.update(Group(Text(self.tail), Text(status, style="dim")), refresh=False)
+        for row in rows:
+            self.out.print(row)
         now = time.monotonic()
-        if now - self.shown >= 1 / STATUS_HZ:
+        if not rows and now - self.shown >= 1 / STATUS_HZ:
             self.shown = now
-            self.live.update(Group(Text(self.tail), Text(status, style="dim")), refresh=True)
+            self.live.refresh()
 
-    def _print_finished_rows(self) -> None:
+    def _finished_rows(self) -> list[Text]:
+        """Take the rows that are complete (ended by a newline, or full
+        width) off the tail."""
+        rows = []
         if "\n" in self.tail:
-            *rows, self.tail = self.tail.split("\n")
-            for row in rows:
-                self.out.print(Text(row))
+            *done, self.tail = self.tail.split("\n")
+            rows += [Text(row) for row in done]
         if Text(self.tail).cell_len >= self.out.width:
-            rows = Text(self.tail).wrap(self.out, self.out.width)
-            for row in rows[:-1]:
-                self.out.print(row)
-            self.tail = rows[-1].plain
+            wrapped = Text(self.tail).wrap(self.out, self.out.width)
+            rows += list(wrapped)[:-1]
+            self.tail = wrapped[-1].plain
+        return rows
 
     def finish(self) -> None:
         if self.live is not None:

@@ -364,3 +364,48 @@ def test_download_bars_share_one_rich_progress():
     files.close()
     files.close()
     assert cls.shared is None and cls.open_bars == 0
+
+
+# -- chat display pieces --------------------------------------------------------------
+def test_reply_view_wraps_long_lines_on_a_narrow_terminal():
+    import io
+
+    from rich.console import Console
+
+    from cli_fixtures import screen_lines
+    from dflash_mlx.cli.chat import ReplyView
+
+    buf = io.StringIO()
+    out = Console(file=buf, width=30, force_terminal=True, color_system=None, highlight=False)
+    view = ReplyView(out)
+    words = [f"w{i}" for i in range(60)]
+    text = " ".join(words[:25]) + "\n\n" + " ".join(words[25:])
+    for i in range(0, len(text), 7):
+        view.add(text[i : i + 7], f"status {i}")
+    view.finish()
+    lines = screen_lines(buf.getvalue().replace("\n", "\r\n"))  # as a pty's onlcr would
+    assert all(len(line) <= 30 for line in lines)
+    assert " ".join(lines).split() == text.split()
+    assert "" in lines  # the blank line of the reply survives
+    assert not any(line.startswith("status") for line in lines)  # the live status is transient
+
+
+def test_stats_chart():
+    from dflash_mlx.cli.chat import SessionStats, stats_chart
+
+    assert "no verify cycles" in stats_chart(SessionStats()).plain
+
+    class R:
+        generation_tokens, cycles, acceptance_length, accepted_by_position = 30, 10, 3.0, [10, 8, 2, 0]
+
+    s = SessionStats()
+    s.add(R())
+    s.add(R())
+    chart = stats_chart(s, width=10).plain.splitlines()
+    assert chart[0].startswith("2 replies · 60 tokens · 20 cycles · acceptance length 3.00")
+    assert chart[2:] == [
+        "   1 ██████████ 100%",
+        "   2 ████████··  80%",
+        "   3 ██········  20%",
+        "   4 ··········   0%",
+    ]
