@@ -21,14 +21,13 @@ from .common import (
 EXAMPLES = """\
 Examples:
 
-  dflash-mlx bench --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
+$ dflash-mlx bench --model Qwen/Qwen3-8B
 
-  dflash-mlx bench --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompts prompts.txt --max-tokens 512 --repeat 3
+$ dflash-mlx bench --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompts prompts.txt -m 512 --repeat 3
 
-  dflash-mlx bench --model Qwen/Qwen3-8B --prompts mt_bench.jsonl --block-size 8 --json > results.json
+$ dflash-mlx bench --model Qwen/Qwen3-8B --prompts mt_bench.jsonl --block-size 8 --json > results.json
 
---prompts takes one prompt per line, or JSONL with a "prompt" (or "question", "instruction", "input", "text",
-"turns") field per line.
+--prompts takes one prompt per line, or JSONL with a "prompt" (or "question", "instruction", "input", "text", "turns") field.
 """
 
 DEFAULT_PROMPTS = [

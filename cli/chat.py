@@ -26,11 +26,11 @@ from .common import (
 EXAMPLES = """\
 Examples:
 
-  dflash-mlx chat --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16
+$ dflash-mlx chat --model Qwen/Qwen3-8B
 
-  dflash-mlx chat --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --temp 0.6 --top-p 0.95 --enable-thinking
+$ dflash-mlx chat --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --temp 0.6 --top-p 0.95 --enable-thinking
 
-  dflash-mlx chat --model Qwen/Qwen3-8B --system-prompt "Answer in one paragraph." --max-tokens 1024
+$ dflash-mlx chat --model Qwen/Qwen3-8B --system-prompt "Answer in one paragraph." -m 1024
 
 In the session: /help, /reset, /stats, /think, /quit; Ctrl-C stops a reply, Ctrl-D quits.
 """

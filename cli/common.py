@@ -187,7 +187,8 @@ def fetch(repo: Optional[str], allow_patterns: Optional[list[str]] = None) -> No
 
     from dflash_mlx import loading
 
-    cache_dir = loading._hub_cache() if hasattr(loading, "_hub_cache") else None
+    hub_cache = getattr(loading, "hub_cache", None) or getattr(loading, "_hub_cache", None)
+    cache_dir = hub_cache() if hub_cache else None
     try:
         snapshot_download(repo, allow_patterns=allow_patterns, cache_dir=cache_dir, local_files_only=True)
         return
@@ -204,23 +205,24 @@ def fetch(repo: Optional[str], allow_patterns: Optional[list[str]] = None) -> No
 
 
 def load_pair(model: Optional[str], draft: Optional[str]):
-    """(model, drafter, tokenizer), with download bars and a spinner."""
+    """(model, drafter, tokenizer): Hub downloads under rich progress bars
+    (the small drafter and the target's config first, so a pair that cannot
+    work fails before the target's weights are fetched), then a spinner."""
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
     from dflash_mlx import loading
 
     target = resolve_model(model)
+    draft_repo = draft
     if draft is None and hasattr(loading, "find_drafter"):
-        try:
-            found = loading.find_drafter(target)
-        except Exception:
-            found = None
-        if isinstance(found, (str, Path)):
-            draft_repo = str(found)
-        else:
-            draft_repo = None
-    else:
-        draft_repo = draft
-    fetch(target)
-    fetch(draft_repo, ["*.json", "*.safetensors", "*.md"])
+        found = loading.find_drafter(target)
+        draft_repo = str(found) if found is not None else None
+    if draft_repo is not None:
+        fetch(draft_repo, ["*.json", "*.safetensors", "*.md"])
+        check_family = getattr(loading, "check_family", None) or getattr(loading, "_check_family", None)
+        if check_family is not None:
+            check_family(target)
+        fetch(target, DEFAULT_ALLOW_PATTERNS)
     with err.status(f"loading {target}", spinner="dots"):
         return loading.load(target, draft)
 

@@ -18,11 +18,13 @@ from .common import (
 EXAMPLES = """\
 Examples:
 
-  dflash-mlx generate --model Qwen/Qwen3-8B --draft-model z-lab/Qwen3-8B-DFlash-b16 --prompt "Write a haiku about the sea"
+$ dflash-mlx generate --model Qwen/Qwen3-8B --prompt "Write a haiku about the sea"
 
-  dflash-mlx generate --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompt "Explain RoPE" --max-tokens 512 --temp 0.7 --seed 1
+$ dflash-mlx generate --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompt "Explain RoPE" -m 512 --temp 0.7 --seed 1
 
-  cat question.txt | dflash-mlx generate --model Qwen/Qwen3-8B --prompt - --ignore-chat-template
+$ cat question.txt | dflash-mlx generate --model Qwen/Qwen3-8B --prompt - --ignore-chat-template
+
+Without --draft-model the drafter comes from the known pairs (dflash-mlx models).
 """
 
 

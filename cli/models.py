@@ -13,11 +13,11 @@ from .common import UserError, Verbose, console, user_errors
 EXAMPLES = """\
 Examples:
 
-  dflash-mlx models
+$ dflash-mlx models
 
-  dflash-mlx models --cached
+$ dflash-mlx models --cached
 
-  dflash-mlx models --json
+$ dflash-mlx models --json
 """
 
 

@@ -183,6 +183,8 @@ def test_generate_bad_paths_and_wrong_pairs(pair, tmp_path):
     missing = tmp_path / "nowhere"
     assert_user_error(run("generate", "--model", missing, "--draft-model", pair.draft, "--prompt", "w1"), str(missing))
     assert_user_error(run("generate", "--model", pair.target, "--draft-model", missing, "--prompt", "w1"), str(missing))
+    # no --draft-model, and the registry knows no drafter for this target
+    assert_user_error(run("generate", "--model", pair.target, "--prompt", "w1"), "drafter")
     # a target where a drafter belongs
     r = run("generate", "--model", pair.target, "--draft-model", pair.target, "--prompt", "w1")
     assert_user_error(r, "drafter")
