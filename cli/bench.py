@@ -185,7 +185,7 @@ def bench_command(
             }
             typer.echo(json.dumps(out, indent=2))
             return
-        _table(results, summary, target_name, str(mx.default_device()), temp == 0)
+        _table(results, summary, f"{target_name} · block {block_size or draft.config.block_size}", str(mx.default_device()), temp == 0)
 
 
 def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:

@@ -229,7 +229,8 @@ class ChatSession:
         if interrupted:
             console.print(Text("⏹ reply stopped", style="yellow"))
         if last is not None:
-            console.print(Text("── " + status_text(last, self.block_size, final=True), style="dim"))
+            limit = " · reached --max-tokens" if last.finish_reason == "length" else ""
+            console.print(Text("── " + status_text(last, self.block_size, final=True) + limit, style="dim"))
 
     def _unshown(self, tokens: list[int], shown: str) -> str:
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
