@@ -52,7 +52,7 @@ for _target, _names in _MLX_COMMUNITY.items():
 
 # Suffixes conversions add to a target's name (mlx-community's and others').
 _VARIANT_SUFFIX = re.compile(
-    r"(-(mlx|\d+(\.\d+)?-?bits?|bf16|fp16|fp32|float16|bfloat16|mxfp4|mxfp8|nvfp4|dwq|awq|gptq|q\d(_k)?(_[ms])?))+$"
+    r"(-(mlx|\d+(\.\d+)?-?bits?|bf16|fp16|fp32|fp8|float16|bfloat16|int4|int8|mxfp4|mxfp8|nvfp4|dwq|awq|gptq|q\d(_k)?(_[ms])?))+$"
 )
 
 
@@ -124,15 +124,21 @@ def hub_offline() -> bool:
 
 
 def is_cached(repo_id: str) -> bool:
-    """Whether the Hub repo ``repo_id`` has a snapshot with a config.json in
-    the local huggingface_hub cache (so it loads offline)."""
+    """Whether the Hub repo ``repo_id`` is in the local huggingface_hub cache
+    with its config.json and all its weights (so it loads offline)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
         found = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache())
     except Exception:  # an invalid repo id is simply not cached
         return False
-    return isinstance(found, str)
+    if not isinstance(found, str):
+        return False
+    try:
+        safetensors_files(Path(found).parent)
+    except ValueError:
+        return False
+    return True
 
 
 def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None) -> Path:
@@ -224,6 +230,12 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        repo = _repo_id_of(path)
+        if repo:
+            raise ValueError(
+                f"the cached copy of {repo} has no weights yet; download it again while online "
+                "(HF_HUB_OFFLINE unset)."
+            )
         raise ValueError(f"no .safetensors files in {path}; is this a model directory?")
     return files
 

@@ -30,7 +30,7 @@ from convert_fixtures import (
 from dflash_mlx import DraftConfig, load_draft
 from dflash_mlx.weights_convert import convert as convert_module
 from dflash_mlx.weights_convert.convert import convert
-from tiny import draft_config, make_target, make_tokenizer, random_draft_weights, target_config, write_target
+from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
 
 @pytest.fixture

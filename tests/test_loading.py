@@ -11,11 +11,11 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.utils import quantize_model
 
-from convert_fixtures import TCFG, draft_logits, hub_cache, shard, tiny_target, zlab_draft
+from convert_fixtures import TCFG, draft_logits, hub_cache, shard, zlab_draft
 from dflash_mlx import load, load_draft
 from dflash_mlx.loading import KNOWN_PAIRS, find_drafter, is_cached, known_pairs, read_weights, resolve
 from dflash_mlx.weights_convert.convert import convert
-from tiny import make_target, make_tokenizer, target_config, write_target
+from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
 QWEN3_8B_DRAFTER = "z-lab/Qwen3-8B-DFlash-b16"
 
@@ -189,3 +189,15 @@ def test_unsupported_target_family_is_refused_before_any_weights(tmp_path, offli
     hub_cache(offline_hub, "openai/gpt-oss-20b", tmp_path / "t")
     with pytest.raises(ValueError, match="target model type .gpt_oss. is not supported yet; supported families: "):
         load("openai/gpt-oss-20b")
+
+
+def test_a_snapshot_with_only_its_config_is_not_cached(tmp_path, offline_hub):
+    """`convert --target` and the family check fetch a target's config.json
+    alone; that must not count as having the model."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps(draft_config(TCFG)))
+    hub_cache(offline_hub, QWEN3_8B_DRAFTER, tmp_path / "c")
+    assert not is_cached(QWEN3_8B_DRAFTER)
+    with pytest.raises(ValueError, match=f"the cached copy of {QWEN3_8B_DRAFTER} has no weights yet; download it again"):
+        load_draft(QWEN3_8B_DRAFTER)
+
