@@ -369,14 +369,29 @@ def test_target_that_is_a_drafter(tmp_path, src):
 
 def test_existing_output_is_refused_without_force_and_replaced_with_it(tmp_path, src):
     out = tmp_path / "mlx"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    result = cli("--hf-path", src, "--mlx-path", out)
+    _ok(cli("--hf-path", src, "--mlx-path", out))
+    (out / "stale.txt").write_text("from an earlier conversion")
+    result = cli("--hf-path", src, "--mlx-path", out, "--dtype", "float32")
     assert_clean_failure(result, "already exists", "--force")
-    assert (out / "keep.txt").read_text() == "mine"
-    _ok(cli("--hf-path", src, "--mlx-path", out, "--force"))
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert (out / "stale.txt").is_file()
+    _ok(cli("--hf-path", src, "--mlx-path", out, "--dtype", "float32", "--force"))
+    assert not (out / "stale.txt").exists() and load_draft(out).fc.weight.dtype == mx.float32
     assert leftovers(tmp_path, "mlx") == ["mlx"]
+
+
+def test_force_never_replaces_a_directory_that_is_not_a_model(tmp_path, src):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = cli("--hf-path", src, "--mlx-path", mine, "--force")
+    assert_clean_failure(result, "holds no model (no config.json), so --force will not replace it")
+    assert (mine / "notes.txt").read_text() == "mine"
+    # An empty directory or a file may be replaced.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    for name in ("empty", "file"):
+        _ok(cli("--hf-path", src, "--mlx-path", tmp_path / name, "--force"))
+        assert (tmp_path / name / "config.json").is_file()
 
 
 def test_unwritable_destination(tmp_path, src, monkeypatch):
@@ -412,6 +427,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, src, monkeypatch):
     # --force over an existing directory: the old one survives the failure.
     old = tmp_path / "old"
     old.mkdir()
+    (old / "config.json").write_text("{}")
     (old / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="No space left on device"):
         convert(src, old, force=True)

@@ -282,8 +282,14 @@ def convert(
     check_dtype(dtype)
     quant = quantization_options(quantize, q_bits, q_group_size, q_mode)
     out = Path(mlx_path).expanduser()
-    if (out.exists() or out.is_symlink()) and not force:
-        raise ValueError(f"{out} already exists; choose another --mlx-path or pass --force to replace it.")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ValueError(f"{out} already exists; choose another --mlx-path or pass --force to replace it.")
+        if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+            raise ValueError(
+                f"{out} is a directory that holds no model (no config.json), so --force will not replace "
+                "it; choose another --mlx-path."
+            )
 
     log(f"Reading {hf_path}")
     src = resolve(hf_path, allow_patterns=DRAFT_FILES)
