@@ -5,27 +5,34 @@
     print(generate(model, draft, tokenizer, "The capital of France is", max_tokens=64))
 """
 
-from .draft import DFlashDraft, DraftConfig
-from .loading import load, load_draft
-from .speculative import (
-    GenerationResponse,
-    PromptCache,
-    generate,
-    make_prompt_cache,
-    stream_generate,
-)
+from importlib import import_module
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "DFlashDraft",
-    "DraftConfig",
-    "GenerationResponse",
-    "PromptCache",
-    "generate",
-    "load",
-    "load_draft",
-    "make_prompt_cache",
-    "stream_generate",
-    "__version__",
-]
+# Imported on first use, so that `dflash-mlx --help` does not wait for MLX,
+# mlx-lm and transformers to load.
+_EXPORTS = {
+    "DFlashDraft": "draft",
+    "DraftConfig": "draft",
+    "load": "loading",
+    "load_draft": "loading",
+    "GenerationResponse": "speculative",
+    "PromptCache": "speculative",
+    "generate": "speculative",
+    "make_prompt_cache": "speculative",
+    "stream_generate": "speculative",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

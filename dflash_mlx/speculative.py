@@ -212,12 +212,18 @@ class _Decoder:
         logits = None
         for start in range(0, len(new), step):
             chunk = new[start : start + step]
-            logits, hidden = self.target(mx.array(chunk)[None], cache.target, self.taps, last_only=True)
-            taps = hidden if cache.pending is None else mx.concatenate([cache.pending, hidden], axis=1)
-            self.draft.extend(taps, cache.draft)
-            cache.pending = None
-            cache.tokens.extend(chunk)
-            mx.eval(logits, [(c.keys, c.values) for c in cache.target + cache.draft])
+            snap = cache.snapshot()
+            try:
+                logits, hidden = self.target(mx.array(chunk)[None], cache.target, self.taps, last_only=True)
+                taps = hidden if cache.pending is None else mx.concatenate([cache.pending, hidden], axis=1)
+                self.draft.extend(taps, cache.draft)
+                cache.pending = None
+                cache.tokens.extend(chunk)
+                mx.eval(logits, [(c.keys, c.values) for c in cache.target + cache.draft])
+            except BaseException:
+                # Interrupted mid-chunk (Ctrl-C): keep the cache consistent.
+                cache.restore(snap)
+                raise
             if progress is not None:
                 progress(start + len(chunk), len(new))
         return logits[0, -1]

@@ -157,3 +157,26 @@ def test_prompt_cache_reuses_prefix_and_survives_early_stop(pair):
     other = [11, 12, 13]
     out3, _ = dflash_tokens(model, draft, tok, other, max_tokens=15, prompt_cache=cache)
     assert out3 == greedy_reference(model, other, 15)
+
+
+def test_interrupted_prefill_leaves_the_cache_consistent(pair, monkeypatch):
+    model, draft = pair
+    tok = make_tokenizer(VOCAB)
+    cache = make_prompt_cache(model, draft)
+    real_extend, calls = draft.extend, []
+
+    def interrupted(taps, c):
+        calls.append(taps.shape[1])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_extend(taps, c)
+
+    monkeypatch.setattr(draft, "extend", interrupted)
+    prompt = list(range(1, 30))
+    with pytest.raises(KeyboardInterrupt):
+        list(stream_generate(model, draft, tok, prompt, prompt_cache=cache, prefill_step_size=10))
+    monkeypatch.undo()
+    assert cache.tokens == prompt[:10]
+    assert cache.target[0].offset == cache.draft[0].offset == 10
+    out, _ = dflash_tokens(model, draft, tok, prompt, max_tokens=10, prompt_cache=cache)
+    assert out == greedy_reference(model, prompt, 10)
