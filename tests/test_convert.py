@@ -556,3 +556,29 @@ def test_the_installed_command_fails_in_one_line(tmp_path, src):
     assert lines == ["error: affine quantization cannot use 7 bits; use --q-bits 2 or 3 or 4 or 5 or 6 or 8."]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert leftovers(tmp_path, "mlx") == []
+
+
+def test_converted_directory_matches_the_official_code(tmp_path, monkeypatch):
+    """The official Z Lab MLX loader reads a converted (unquantized) directory
+    too, and computes from it what we compute from it and from the raw one."""
+    official = pytest.importorskip("dflash.model_mlx", reason="install the oracle: pip install --no-deps dflash==0.1.0")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from tiny import random_draft_weights, write_zlab_draft
+
+    # A window shorter than the context (11) but not than the block (8).
+    cfg = draft_config(TCFG, layer_types=["sliding_attention", "full_attention"], sliding_window=9)
+    cfg["dflash_config"].update(input_embedding_scale=1.3, output_multiplier=0.7, final_logit_softcapping=4.0)
+    raw = write_zlab_draft(tmp_path / "raw", cfg, random_draft_weights(cfg, seed=5), dtype=mx.float32)
+    out = convert(raw, tmp_path / "mlx")
+    # The default dtype is the stored one (float32 here), not config.json's torch_dtype (bfloat16).
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    monkeypatch.setattr(official, "snapshot_download", lambda repo, **kw: repo)
+    theirs = official.load_draft(str(out)).bind(make_target(TCFG))  # it wraps its target's layers
+    mx.random.seed(4)
+    taps = mx.random.normal((1, 11, 2 * TCFG["hidden_size"]))
+    block = mx.array([[7] + [cfg["dflash_config"]["mask_token_id"]] * (cfg["block_size"] - 1)])
+    want = theirs(block, taps, make_prompt_cache(theirs), logits_start=1)
+    for ours in (load_draft(out), load_draft(raw)):
+        got = ours.bind(tiny_target())(block, taps, ours.make_cache())
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()

@@ -277,7 +277,7 @@ def convert(
     """Convert the Z Lab drafter at ``hf_path`` (directory or Hub repo id) to
     an MLX directory at ``mlx_path``; returns that path.
 
-    ``dtype`` defaults to the checkpoint's own (config torch_dtype). Raises
+    ``dtype`` defaults to the dtype the checkpoint's tensors are stored in. Raises
     ValueError naming the fix for anything a user can get wrong."""
     check_dtype(dtype)
     quant = quantization_options(quantize, q_bits, q_group_size, q_mode)
@@ -319,8 +319,10 @@ def convert(
                 + ". Use the drafter published for this target."
             )
 
-    source_dtype = raw.get("torch_dtype") or raw.get("dtype")
-    dtype_name = dtype or (source_dtype if source_dtype in DTYPES else str(weights["fc.weight"].dtype).split(".")[-1])
+    # Default: the dtype the tensors are stored in (config.json's torch_dtype
+    # can disagree with the file; the file is what the user has).
+    stored = str(weights["fc.weight"].dtype).split(".")[-1]
+    dtype_name = dtype or (stored if stored in DTYPES else "float32")
     mx_dtype = getattr(mx, dtype_name)
     model = DFlashDraft(cfg)
     model.load_weights([(k, v.astype(mx_dtype)) for k, v in weights.items()])
