@@ -424,6 +424,7 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     console.print(f"{len(seqs)} sequences; training steps {step}..{cfg.steps} "
                   f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)")
     tic, done_here, by_position = time.perf_counter(), 0, None
+    train_start = tic
     with Progress(*columns, console=console, disable=not show_progress) as bar:
         task = bar.add_task("training drafter", total=cfg.steps, completed=step, info="")
         while step < cfg.steps:
@@ -452,6 +453,7 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
         "top1_by_position": by_position,
         "history": history,
         "sequences": len(seqs),
+        "train_seconds": time.perf_counter() - train_start,
     }
     console.print(f"drafter saved to {out} (loss {summary['loss']:.3f}, estimated acceptance length "
                   f"{summary['acceptance_estimate']:.2f} at block {cfg.block_size})" if ema else f"drafter saved to {out}")

@@ -1,0 +1,142 @@
+"""Acceptance and speed of the built-in pair on held-out prompts.
+
+    python benchmarks/bench_builtin.py                     # the shipped pair, 8 code + 8 chat prompts
+    python benchmarks/bench_builtin.py --blocks 8,16 --temps 0,0.7 --max-tokens 128
+
+Prompts come from standard-library files that the build held out of every
+training stage (scripts/builtin_corpus.py: a fixed hash split of file paths):
+code prefixes to continue, and chat requests to write a documented function.
+For each (prompt set, block size, temperature) it prints the mean acceptance
+length (tokens committed per verify cycle, bonus included), DFlash decoding
+speed and plain mlx-lm decoding speed of the same target, measured side by side
+in one process, and their ratio. Prefill is excluded from both speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def machine() -> str:
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    name = ""
+    try:
+        name = mx.device_info().get("device_name", "") if dev.type == mx.gpu else ""
+    except Exception:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        import os
+
+        cpu += f", {os.cpu_count()} cores"
+    except Exception:
+        pass
+    return f"{platform.system()} {cpu}; MLX {mx.__version__} on {dev} {name}".strip()
+
+
+def prompt_sets(tokenizer, n: int, seed: int) -> dict[str, list[list[int]]]:
+    import random
+
+    from builtin_corpus import chat_request, code_prompts, functions, stdlib_files
+
+    files = stdlib_files(held_out=True)
+    code = [tokenizer.encode(p) for p in code_prompts(files, n, seed)]
+    fns = [f for _, t in files for f in functions(t)]
+    random.Random(seed).shuffle(fns)
+    chat = [
+        tokenizer.apply_chat_template([{"role": "user", "content": chat_request(sig, doc)}], add_generation_prompt=True)
+        for sig, doc, _ in fns[:n]
+    ]
+    return {"code": code, "chat": [list(c) for c in chat]}
+
+
+def plain(model, tokenizer, prompt, max_tokens, temp, seed):
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)):
+        pass
+    return last.generation_tokens, last.generation_tokens / max(last.generation_tps, 1e-9)
+
+
+def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed):
+    from dflash_mlx import stream_generate
+
+    last = None
+    for last in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp,
+                                block_size=block, seed=seed):
+        pass
+    return last.generation_tokens, last.generation_tokens / max(last.generation_tps, 1e-9), last.acceptance_length
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
+    ap.add_argument("--draft", default=str(ROOT / "dflash_mlx" / "builtin" / "draft"))
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set (code, chat)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--blocks", default="8,16")
+    ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--sets", default="code,chat")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+
+    from dflash_mlx import load
+
+    model, draft, tok = load(args.model, draft=args.draft)
+    sets = prompt_sets(tok, args.prompts, args.seed)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    temps = [float(t) for t in args.temps.split(",")]
+    print(f"machine: {machine()}")
+    print(f"pair: {args.model} + {args.draft}; {args.prompts} held-out prompts per set, {args.max_tokens} new tokens")
+    # Warm-up: first calls build kernels and graphs.
+    warm = sets["code"][0]
+    plain(model, tok, warm, 16, 0.0, 0)
+    for b in blocks:
+        dflash(model, draft, tok, warm, 32, 0.0, b, 0)
+
+    rows = []
+    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.sets.split(","):
+        for temp in temps:
+            base_tok = base_s = 0.0
+            for i, p in enumerate(sets[name]):
+                n, s = plain(model, tok, p, args.max_tokens, temp, args.seed + i)
+                base_tok, base_s = base_tok + n, base_s + s
+            for b in blocks:
+                tok_n = sec = 0.0
+                accs = []
+                for i, p in enumerate(sets[name]):
+                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i)
+                    tok_n, sec = tok_n + n, sec + s
+                    accs.append(acc)
+                row = {
+                    "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
+                    "dflash_tps": tok_n / sec, "plain_tps": base_tok / base_s,
+                }
+                row["speedup"] = row["dflash_tps"] / row["plain_tps"]
+                rows.append(row)
+                print(f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
+                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
