@@ -187,15 +187,13 @@ def fetch(repo: Optional[str], allow_patterns: Optional[list[str]] = None) -> No
 
     from dflash_mlx import loading
 
-    hub_cache = getattr(loading, "hub_cache", None) or getattr(loading, "_hub_cache", None)
-    cache_dir = hub_cache() if hub_cache else None
+    cache_dir = loading.hub_cache()
     try:
         snapshot_download(repo, allow_patterns=allow_patterns, cache_dir=cache_dir, local_files_only=True)
         return
     except Exception:
         pass
-    offline = loading.hub_offline() if hasattr(loading, "hub_offline") else False
-    if offline:
+    if loading.hub_offline():
         return
     try:
         err.print(Text(f"downloading {repo}", style="dim"))
@@ -214,14 +212,12 @@ def load_pair(model: Optional[str], draft: Optional[str]):
 
     target = resolve_model(model)
     draft_repo = draft
-    if draft is None and hasattr(loading, "find_drafter"):
+    if draft is None:
         found = loading.find_drafter(target)
         draft_repo = str(found) if found is not None else None
     if draft_repo is not None:
         fetch(draft_repo, ["*.json", "*.safetensors", "*.md"])
-        check_family = getattr(loading, "check_family", None) or getattr(loading, "_check_family", None)
-        if check_family is not None:
-            check_family(target)
+        loading.check_family(target)
         fetch(target, DEFAULT_ALLOW_PATTERNS)
     with err.status(f"loading {target}", spinner="dots"):
         return loading.load(target, draft)

@@ -116,7 +116,6 @@ def hub_cache() -> str | None:
     return None
 
 
-_hub_cache = hub_cache  # the name the CLI used first
 
 
 def hub_offline() -> bool:
@@ -290,7 +289,7 @@ def load_draft(path_or_repo: str | Path) -> DFlashDraft:
     return model
 
 
-def _check_family(path_or_repo: str | Path) -> None:
+def check_family(path_or_repo: str | Path) -> None:
     """Refuse a target family no adapter serves, reading only its config.json."""
     from mlx_lm.utils import MODEL_REMAPPING
 
@@ -325,7 +324,7 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     # Check the target's family and the drafter before paying for the target's weights.
-    _check_family(path_or_repo)
+    check_family(path_or_repo)
     drafter = load_draft(draft)
     target_path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS)
     if not (target_path / "config.json").is_file():

@@ -131,3 +131,22 @@ def test_decode_cycles_match_official_loop(tmp_path, monkeypatch, family, bs):
     # Cycles that accepted none, some and all of their drafts were all compared.
     assert len(accepted) > 20
     assert 0 in accepted and bs - 1 in accepted and any(0 < a < bs - 1 for a in accepted), accepted
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("C,L,window", [(0, 8, 5), (3, 8, 5), (20, 6, 9), (20, 16, 4), (2, 3, None)])
+def test_block_mask_is_positional(C, L, window, causal):
+    """Z Lab's PyTorch reference masks by absolute position over context and
+    block alike: causal keys at or before the query, windowed keys less than
+    `window` positions away. (The official MLX loop leaves block keys out of
+    the window, which differs only when the window is shorter than the block;
+    published drafters use windows of 2048+ with blocks of 16.)"""
+    from dflash_mlx.draft import block_mask
+
+    mask = block_mask(L, C, causal, window)
+    got = np.ones((L, C + L), dtype=bool) if mask is None else np.array(mask)
+    for i in range(L):
+        for j in range(C + L):
+            q, k = C + i, j
+            want = (not causal or k <= q) and (window is None or (q - k < window and (causal or k - q < window)))
+            assert got[i, j] == want, (i, j)
