@@ -249,16 +249,19 @@ def read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, role: str = "drafter") -> dict:
+    """The config.json of a drafter or target directory, as a dict."""
     cfg_file = path / "config.json"
+    fix = "re-download or re-convert it" if role == "drafter" else "re-download the target"
     if not cfg_file.is_file():
-        raise ValueError(f"{path} has no config.json; pass a DFlash drafter directory or repo.")
+        what = "a DFlash drafter directory or repo" if role == "drafter" else "the target model's directory or repo id"
+        raise ValueError(f"the {role} {path} has no config.json; pass {what}.")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cfg_file} is not valid JSON ({e}); re-download or re-convert it.") from e
+        raise ValueError(f"the {role}'s {cfg_file} is not valid JSON ({e}); {fix}.") from e
     if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_file} must hold a JSON object; re-download or re-convert it.")
+        raise ValueError(f"the {role}'s {cfg_file} must hold a JSON object; {fix}.")
     return cfg
 
 

@@ -96,16 +96,7 @@ def check_dtype(dtype: str | None) -> None:
 def target_problems(cfg: DraftConfig, target: str | Path) -> list[str]:
     """What keeps the drafter ``cfg`` from serving ``target`` (a directory or
     Hub repo id); only the target's config.json is read."""
-    path = resolve(target, allow_patterns=["config.json"])
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"the target {target} has no config.json; pass the target model's directory or repo id.")
-    try:
-        tcfg = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"the target's {cfg_file} is not valid JSON ({e}); re-download the target.") from e
-    if not isinstance(tcfg, dict):
-        raise ValueError(f"the target's {cfg_file} must hold a JSON object; re-download the target.")
+    tcfg = read_config(resolve(target, allow_patterns=["config.json"]), role="target")
     if "dflash_config" in tcfg:
         raise ValueError(f"--target {target} is a DFlash drafter; pass the target model it drafts for.")
     text = tcfg.get("text_config") if isinstance(tcfg.get("text_config"), dict) else tcfg
