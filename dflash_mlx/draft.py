@@ -310,13 +310,23 @@ class DraftAttention(nn.Module):
         keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
-        int or a [B] array); ctx_keys/values: [B, kv_heads, C, head_dim]."""
+        int or a [B] array); ctx_keys/values: [B, kv_heads, C, head_dim].
+
+        With ``cache`` (inference) the context comes from the cache instead,
+        from cached position ``start`` on: the block's keys/values are written
+        after it in the cache's own buffer, attended, then dropped again, so
+        the context is never copied."""
         B, L, _ = x.shape
         queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, rope, offset)
-        if ctx_keys is not None:
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+            cache.trim(L)
+            if start:
+                keys, values = keys[..., start:, :], values[..., start:, :]
+        elif ctx_keys is not None:
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
@@ -331,8 +341,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask)
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, start)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -411,13 +421,11 @@ class DFlashDraft(nn.Module):
         L = block.shape[1]
         for layer, c in zip(self.layers, cache):
             window = layer.self_attn.window
-            ctx_keys, ctx_values = c.keys_and_values()
             C = kept = c.offset
             if window is not None and C > window - 1:
                 kept = window - 1
-                ctx_keys, ctx_values = ctx_keys[..., C - kept :, :], ctx_values[..., C - kept :, :]
             mask = block_mask(L, kept, layer.self_attn.causal, window)
-            x = layer(x, ctx_keys, ctx_values, self.rope, C, mask)
+            x = layer(x, None, None, self.rope, C, mask, cache=c, start=C - kept)
         return self.logits(self.norm(x[:, 1:]))
 
 
