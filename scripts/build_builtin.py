@@ -48,6 +48,7 @@ TARGET = dict(
 )
 SEQ = 512
 CALIBRATE = 60  # steps timed before the step count is fitted to the budget
+WARM = 10
 
 
 def log(*a):
@@ -134,7 +135,7 @@ def token_stream(tok, files, seed: int, chat: bool = True):
     return np.array(ids, dtype=np.int32), len(docs)
 
 
-def train_target(dest: Path, minutes: float, seed: int, batch: int) -> None:
+def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path | None = None) -> None:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -146,8 +147,15 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int) -> None:
     out = dest / "target"
     tok = AutoTokenizer.from_pretrained(str(out))
     t0 = time.perf_counter()
-    train_ids, n_docs = token_stream(tok, stdlib_files(), seed)
-    val_ids, _ = token_stream(tok, stdlib_files(held_out=True), seed, chat=False)
+    if corpus is not None and corpus.is_file():
+        saved = np.load(corpus)
+        train_ids, val_ids, n_docs = saved["train"].astype(np.int32), saved["val"].astype(np.int32), int(saved["docs"])
+    else:
+        train_ids, n_docs = token_stream(tok, stdlib_files(), seed)
+        val_ids, _ = token_stream(tok, stdlib_files(held_out=True), seed, chat=False)
+        if corpus is not None:
+            corpus.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(corpus, train=train_ids.astype(np.uint16), val=val_ids.astype(np.uint16), docs=n_docs)
     log(f"corpus: {len(train_ids) / 1e6:.2f}M training tokens ({n_docs} documents), "
         f"{len(val_ids) / 1e6:.2f}M held-out tokens, tokenized in {time.perf_counter() - t0:.0f}s")
 
@@ -198,8 +206,10 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int) -> None:
             losses.append((i, loss.item()))
             el = time.perf_counter() - tic
             log(f"step {i}{'/' + str(total) if total else ''} loss {losses[-1][1]:.3f} lr {lr:.2e} {el:.0f}s")
+        if i == WARM:
+            warm_tic = time.perf_counter()  # the first steps include compiling
         if total is None and i == CALIBRATE:
-            rate = i / (time.perf_counter() - tic)
+            rate = (i - WARM) / (time.perf_counter() - warm_tic)
             total = i + int((budget - (time.perf_counter() - tic)) * rate)
             log(f"{rate:.2f} steps/s: training {total} steps")
     train_s = time.perf_counter() - tic
@@ -255,9 +265,10 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
     cal = work / "calibrate"
     shutil.rmtree(cal, ignore_errors=True)
     tic = time.perf_counter()
-    first = train(cfg(cal, 30), console=console, show_progress=False)
+    first = train(cfg(cal, 40), console=console, show_progress=False)
     distill_s = time.perf_counter() - tic - first["train_seconds"]
-    rate = 30 / first["train_seconds"]
+    h = first["history"]
+    rate = 30 / (h[39][3] - h[9][3])  # the first steps include building kernels
     steps = max(50, int(rate * (minutes * 60 - (time.perf_counter() - tic))))
     log(f"self-distillation {distill_s:.0f}s for {first['sequences']} sequences; {rate:.2f} steps/s: training {steps} steps")
     run = work / "draft"
@@ -295,18 +306,20 @@ def main():
     ap.add_argument("--draft-lr", type=float, default=1e-3)
     ap.add_argument("--code-prompts", type=int, default=3000)
     ap.add_argument("--chat-prompts", type=int, default=1000)
+    ap.add_argument("--corpus", type=Path, help="token ids of the stdlib corpus (.npz): read if it exists, else made "
+                    "from this Python's stdlib and saved there (lets another machine train on the same text)")
     ap.add_argument("--smoke", action="store_true", help="a toy-sized run that only checks the script works")
     args = ap.parse_args()
     if args.smoke:
-        global SEQ, CALIBRATE
+        global SEQ, CALIBRATE, WARM
         TARGET.update(hidden_size=64, num_hidden_layers=8, intermediate_size=128, head_dim=16)
-        SEQ, CALIBRATE = 64, 5
+        SEQ, CALIBRATE, WARM = 64, 5, 2
         args.code_prompts, args.chat_prompts, args.draft_batch = 24, 8, 4
     args.dest.mkdir(parents=True, exist_ok=True)
     if args.stage in ("tokenizer", "all"):
         build_tokenizer(args.dest)
     if args.stage in ("target", "all"):
-        train_target(args.dest, args.target_minutes, args.seed, args.target_batch)
+        train_target(args.dest, args.target_minutes, args.seed, args.target_batch, args.corpus)
     if args.stage in ("draft", "all"):
         train_draft(args.dest, args.work, args.draft_minutes, args.seed, args)
 

@@ -222,6 +222,30 @@ def target_taps(adapter, tokens: mx.array, taps: list[int]) -> mx.array:
     return mx.stop_gradient(hidden.astype(mx.float32))
 
 
+def _attention(attn, x, ctx_keys, ctx_values, rope, offset, mask):
+    """``DraftAttention.__call__`` with the attention written out (same
+    projections, norms and RoPE). Training passes a per-block boolean mask of
+    shape [B, 1, L, C+L]; spelled out here, its meaning cannot depend on a
+    backend's fused kernel (the equality with inference is tested)."""
+    B, L, _ = x.shape
+    hd = attn.q_proj.weight.shape[0] // attn.n_heads
+    queries = rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=offset)
+    keys, values = attn.keys_values(x, rope, offset)
+    keys = mx.concatenate([ctx_keys, keys], axis=2)
+    values = mx.concatenate([ctx_values, values], axis=2)
+    rep = attn.n_heads // attn.n_kv_heads
+    q = (queries * attn.scale).reshape(B, attn.n_kv_heads, rep, L, hd)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, kv, rep, L, K]
+    scores = mx.where(mask[:, :, None], scores, mx.array(-1e30, dtype=scores.dtype))
+    out = mx.softmax(scores, axis=-1, precise=True) @ values[:, :, None]
+    return attn.o_proj(out.reshape(B, attn.n_heads, L, hd).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _layer(layer, x, ctx_keys, ctx_values, rope, offset, mask):
+    h = x + _attention(layer.self_attn, layer.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array]) -> mx.array:
     """Logits [B, bs-1, V] of every block in the batch (see module docstring)."""
     ctx = draft.context(taps)  # [N, T, H]
@@ -236,7 +260,7 @@ def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array])
         if key not in masks:
             masks[key] = training_mask(anchor, T, bs, *key)
         keys, values = attn.keys_values(ctx, draft.rope, 0)  # [N, kv, T, hd]
-        x = layer(x, keys[seq], values[seq], draft.rope, anchor, masks[key])
+        x = _layer(layer, x, keys[seq], values[seq], draft.rope, anchor, masks[key])
     return draft.logits(draft.norm(x[:, 1:]))
 
 
@@ -437,7 +461,7 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
             loss_v, acc_v = loss.item(), accepted.item()
             ema = (loss_v, acc_v) if ema is None else (0.95 * ema[0] + 0.05 * loss_v, 0.95 * ema[1] + 0.05 * acc_v)
             by_position = by_pos.tolist()
-            history.append([step, round(loss_v, 5), round(acc_v, 4)])
+            history.append([step, round(loss_v, 5), round(acc_v, 4), round(time.perf_counter() - train_start, 3)])
             rate = done_here / (time.perf_counter() - tic)
             bar.update(task, completed=step, info=f"loss {ema[0]:.3f}  accept≈{1 + ema[1]:.2f}/{cfg.block_size}  {rate:.1f} step/s")
             if step % cfg.save_every == 0 or step == cfg.steps:
