@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from builtin_corpus import chat_request, code_prompts, functions, stdlib_files  # noqa: E402
+from builtin_corpus import chat_request, code_prompts, functions, mixed_prompts, stdlib_files  # noqa: E402
 
 DEST = ROOT / "dflash_mlx" / "builtin"
 VOCAB = 4096
@@ -236,7 +236,8 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path
 
 def draft_data(path: Path, n_code: int, n_chat: int, seed: int) -> None:
     files = stdlib_files()
-    rows = [{"prompt": p} for p in code_prompts(files, n_code, seed)]
+    n_mixed = n_code // 2
+    rows = [{"prompt": p} for p in code_prompts(files, n_code - n_mixed, seed) + mixed_prompts(files, n_mixed, seed)]
     fns = [f for _, t in files for f in functions(t)]
     random.Random(seed).shuffle(fns)
     rows += [{"messages": [{"role": "user", "content": chat_request(sig, doc)}]} for sig, doc, _ in fns[:n_chat]]
@@ -298,14 +299,14 @@ def main():
     ap.add_argument("--dest", type=Path, default=DEST)
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "builtin")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-minutes", type=float, default=6.0)
+    ap.add_argument("--target-minutes", type=float, default=0.6)
     ap.add_argument("--target-batch", type=int, default=64)
-    ap.add_argument("--draft-minutes", type=float, default=4.0)
+    ap.add_argument("--draft-minutes", type=float, default=4.5)
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--draft-batch", type=int, default=32)
     ap.add_argument("--draft-lr", type=float, default=1e-3)
-    ap.add_argument("--code-prompts", type=int, default=3000)
-    ap.add_argument("--chat-prompts", type=int, default=1000)
+    ap.add_argument("--code-prompts", type=int, default=8000, help="half of them mixed (scripts/builtin_corpus.py)")
+    ap.add_argument("--chat-prompts", type=int, default=2000)
     ap.add_argument("--corpus", type=Path, help="token ids of the stdlib corpus (.npz): read if it exists, else made "
                     "from this Python's stdlib and saved there (lets another machine train on the same text)")
     ap.add_argument("--smoke", action="store_true", help="a toy-sized run that only checks the script works")

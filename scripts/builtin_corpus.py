@@ -87,3 +87,24 @@ def code_prompts(files: list[tuple[str, str]], n: int, seed: int, min_lines: int
         if prefix.strip() and len(prefix) < 1200:
             out.append(prefix)
     return out
+
+
+def mixed_prompts(files: list[tuple[str, str]], n: int, seed: int) -> list[str]:
+    """``n`` prefixes the target cannot have memorized: runs of 2-6 lines from
+    2-3 different files, joined, the last one cut inside a line. The target's
+    answers to these look like its answers to unseen code, which is what the
+    drafter must learn (verbatim continuations of training files do not)."""
+    rng = random.Random(seed)
+    usable = [t for _, t in files if t.count("\n") > 24]
+    out = []
+    while len(out) < n:
+        parts = []
+        for _ in range(rng.randint(2, 3)):
+            lines = rng.choice(usable).splitlines(keepends=True)
+            start = rng.randrange(0, len(lines) - 8)
+            parts.append("".join(lines[start : start + rng.randint(2, 6)]))
+        text = "".join(parts)
+        text = text[: len(text) - rng.randint(0, min(20, len(parts[-1]) - 1))]
+        if text.strip() and len(text) < 1200:
+            out.append(text)
+    return out
