@@ -209,3 +209,24 @@ def test_command_prints_one_red_sentence(tiny, tmp_path):
     text = result.output + (getattr(result, "stderr", "") or "")
     assert result.exit_code == 1
     assert "does not exist" in text and "Traceback" not in text
+
+
+# -- the built-in pair trained with this trainer ------------------------------------------
+
+def test_builtin_pair_is_lossless():
+    from dflash_mlx import builtin
+
+    if not builtin.available():
+        pytest.skip("the built-in weights are not in this checkout")
+    from dflash_mlx import load
+    from tests.tiny import greedy_reference
+
+    model, draft, tok = load(str(builtin.TARGET), draft=str(builtin.DRAFT))
+    assert draft.config.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
+    prompt = tok.encode("def read_config(path):\n    \"\"\"Return the parsed JSON file at path.\"\"\"\n")
+    got = []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=24):
+        got += r.tokens
+    assert got == greedy_reference(model, prompt, 24, set(tok.eos_token_ids))
+    chat = tok.apply_chat_template([{"role": "user", "content": "Write the Python function `def add(a, b)`."}], add_generation_prompt=True)
+    assert tok.decode(chat).endswith("<|im_start|>assistant\n")
