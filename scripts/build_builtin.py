@@ -2,10 +2,18 @@
 target trained from scratch on the Python standard library, its byte-level BPE
 tokenizer, and its DFlash drafter trained with ``dflash_mlx.train``.
 
-    python scripts/build_builtin.py all --target-minutes 6 --draft-minutes 4
+    python scripts/build_builtin.py all                 # one machine, defaults as shipped
+
+How the shipped pair was made (tokenizer and corpus on a CPU, the rest on one H200):
+
+    python scripts/build_builtin.py tokenizer
+    python scripts/build_builtin.py corpus --corpus build/corpus.npz
+    python scripts/build_builtin.py target --target-minutes 1.3 --corpus build/corpus.npz
+    python scripts/build_builtin.py draft --draft-minutes 4.3
 
 Stages (each reads what the one before wrote into --dest):
     tokenizer  byte-level BPE (4096 ids, ChatML template, <|mask|>), on CPU in a minute
+    corpus     (optional) the tokenized corpus in one .npz (--corpus), to train elsewhere on the same text
     target     Qwen3 (8 layers, hidden 256, ~7M parameters), trained for --target-minutes
     draft      self-distillation prompts + ``dflash_mlx.train`` for --draft-minutes
 
@@ -135,6 +143,22 @@ def token_stream(tok, files, seed: int, chat: bool = True):
     return np.array(ids, dtype=np.int32), len(docs)
 
 
+def load_or_make_corpus(tok, corpus: Path | None, seed: int):
+    """(training ids, held-out ids, documents): read from ``corpus`` (.npz) if
+    it exists, else tokenized from this Python's stdlib and saved there."""
+    import numpy as np
+
+    if corpus is not None and corpus.is_file():
+        saved = np.load(corpus)
+        return saved["train"].astype(np.int32), saved["val"].astype(np.int32), int(saved["docs"])
+    train_ids, n_docs = token_stream(tok, stdlib_files(), seed)
+    val_ids, _ = token_stream(tok, stdlib_files(held_out=True), seed, chat=False)
+    if corpus is not None:
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(corpus, train=train_ids.astype(np.uint16), val=val_ids.astype(np.uint16), docs=n_docs)
+    return train_ids, val_ids, n_docs
+
+
 def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path | None = None) -> None:
     import mlx.core as mx
     import mlx.nn as nn
@@ -147,15 +171,7 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path
     out = dest / "target"
     tok = AutoTokenizer.from_pretrained(str(out))
     t0 = time.perf_counter()
-    if corpus is not None and corpus.is_file():
-        saved = np.load(corpus)
-        train_ids, val_ids, n_docs = saved["train"].astype(np.int32), saved["val"].astype(np.int32), int(saved["docs"])
-    else:
-        train_ids, n_docs = token_stream(tok, stdlib_files(), seed)
-        val_ids, _ = token_stream(tok, stdlib_files(held_out=True), seed, chat=False)
-        if corpus is not None:
-            corpus.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(corpus, train=train_ids.astype(np.uint16), val=val_ids.astype(np.uint16), docs=n_docs)
+    train_ids, val_ids, n_docs = load_or_make_corpus(tok, corpus, seed)
     log(f"corpus: {len(train_ids) / 1e6:.2f}M training tokens ({n_docs} documents), "
         f"{len(val_ids) / 1e6:.2f}M held-out tokens, tokenized in {time.perf_counter() - t0:.0f}s")
 
@@ -295,13 +311,13 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["tokenizer", "target", "draft", "all"])
+    ap.add_argument("stage", choices=["tokenizer", "corpus", "target", "draft", "all"])
     ap.add_argument("--dest", type=Path, default=DEST)
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "builtin")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target-minutes", type=float, default=0.6)
+    ap.add_argument("--target-minutes", type=float, default=1.3)
     ap.add_argument("--target-batch", type=int, default=64)
-    ap.add_argument("--draft-minutes", type=float, default=4.5)
+    ap.add_argument("--draft-minutes", type=float, default=4.3)
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--draft-batch", type=int, default=32)
     ap.add_argument("--draft-lr", type=float, default=1e-3)
@@ -319,6 +335,13 @@ def main():
     args.dest.mkdir(parents=True, exist_ok=True)
     if args.stage in ("tokenizer", "all"):
         build_tokenizer(args.dest)
+    if args.stage == "corpus":
+        if args.corpus is None:
+            ap.error("the corpus stage needs --corpus PATH.npz")
+        from transformers import AutoTokenizer
+
+        ids, val, docs = load_or_make_corpus(AutoTokenizer.from_pretrained(str(args.dest / "target")), args.corpus, args.seed)
+        log(f"corpus: {len(ids) / 1e6:.2f}M training tokens ({docs} documents), {len(val) / 1e6:.2f}M held-out -> {args.corpus}")
     if args.stage in ("target", "all"):
         train_target(args.dest, args.target_minutes, args.seed, args.target_batch, args.corpus)
     if args.stage in ("draft", "all"):

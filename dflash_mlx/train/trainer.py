@@ -378,7 +378,7 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     ``cfg.out``. ``target``: an already loaded (model, tokenizer, adapter).
     Returns a summary (final loss, acceptance estimate, history)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .data import data_fingerprint, distill, encode_prompts, read_prompts
 
@@ -404,14 +404,14 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
         draft_cfg, note = new_draft_config(model, adapter, tokenizer, cfg)
     cfg.target_layer_ids, cfg.mask_token_id = list(draft_cfg.target_layer_ids), draft_cfg.mask_token_id
     (out / TRAIN_ARGS).write_text(json.dumps(asdict(cfg), indent=2))
-    console.print(f"drafter: {draft_cfg.num_hidden_layers} layers, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {note}")
+    console.print(f"drafter: {draft_cfg.num_hidden_layers} layer{'s' if draft_cfg.num_hidden_layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {note}")
 
     # 1. self-distillation
     prompts = encode_prompts(items, tokenizer, max_prompt_len=cfg.seq_len // 2)
     if not prompts:
         raise ValueError(f"every prompt in {cfg.data} encodes to no tokens; give prompts with text.")
     meta = {"data": data_fingerprint(cfg.data), "model": str(cfg.model), "seq_len": cfg.seq_len, "prompts": len(prompts)}
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
     with Progress(*columns, console=console, disable=not show_progress) as bar:
         task = bar.add_task("target writes responses", total=len(prompts), info="")
         seqs = distill(model, tokenizer, prompts, cfg.seq_len, out, meta, cfg.gen_batch,
@@ -467,7 +467,7 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
             by_position = by_pos.tolist()
             history.append([step, round(loss_v, 5), round(acc_v, 4), round(time.perf_counter() - train_start, 3)])
             rate = done_here / (time.perf_counter() - tic)
-            bar.update(task, completed=step, info=f"loss {ema[0]:.3f}  accept≈{ema[1]:.2f}/{cfg.block_size}  {rate:.1f} step/s")
+            bar.update(task, completed=step, info=f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}/{cfg.block_size} {rate:.1f} step/s")
             if step % cfg.save_every == 0 or step == cfg.steps:
                 save_checkpoint(out, draft, optimizer, step, {"seed": cfg.seed, "history": history, "ema": ema})
                 save_draft(out, draft, _out_dtype(adapter))
