@@ -152,6 +152,7 @@ def test_chat_conversations_need_a_template(tiny, tmp_path):
     assert read_prompts(data) == [{"messages": [{"role": "user", "content": "w1 w2"}]}]
     with pytest.raises(ValueError, match="no chat template"):
         train(_cfg(tiny, tmp_path / "d", data=str(data)), **QUIET)
+    assert not (tmp_path / "d").exists()
 
 
 # -- errors a user can cause -----------------------------------------------------------
@@ -192,6 +193,7 @@ def test_bad_flags(tiny, tmp_path):
         train(_cfg(tiny, tmp_path / "d", block_size=1), **QUIET)
     with pytest.raises(ValueError, match=r"--target-layer-ids \[9\] do not exist"):
         train(_cfg(tiny, tmp_path / "e", target_layer_ids=[9]), **QUIET)
+    assert not (tmp_path / "e").exists()
     with pytest.raises(ValueError, match="no config.json"):
         train(_cfg(tiny, tmp_path / "f", model=str(tmp_path)), **QUIET)
 

@@ -391,25 +391,24 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     out = _prepare_out(cfg)
     try:
         model, tokenizer, adapter = target or load_target(cfg.model)
+        resuming = (out / CHECKPOINT / "state.json").is_file()
+        if resuming:
+            draft_cfg = DraftConfig.from_dict(json.loads((out / CHECKPOINT / "config.json").read_text()))
+            note = f"mask token id {draft_cfg.mask_token_id} (from the checkpoint)"
+        else:
+            draft_cfg, note = new_draft_config(model, adapter, tokenizer, cfg)
+        prompts = encode_prompts(items, tokenizer, max_prompt_len=cfg.seq_len // 2)
+        if not prompts:
+            raise ValueError(f"every prompt in {cfg.data} encodes to no tokens; give prompts with text.")
     except ValueError:
-        if fresh_out:
+        if fresh_out:  # a mistake found before any work: leave nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
-
-    resuming = (out / CHECKPOINT / "state.json").is_file()
-    if resuming:
-        draft_cfg = DraftConfig.from_dict(json.loads((out / CHECKPOINT / "config.json").read_text()))
-        note = f"mask token id {draft_cfg.mask_token_id} (from the checkpoint)"
-    else:
-        draft_cfg, note = new_draft_config(model, adapter, tokenizer, cfg)
     cfg.target_layer_ids, cfg.mask_token_id = list(draft_cfg.target_layer_ids), draft_cfg.mask_token_id
     (out / TRAIN_ARGS).write_text(json.dumps(asdict(cfg), indent=2))
     console.print(f"drafter: {draft_cfg.num_hidden_layers} layer{'s' if draft_cfg.num_hidden_layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {note}")
 
     # 1. self-distillation
-    prompts = encode_prompts(items, tokenizer, max_prompt_len=cfg.seq_len // 2)
-    if not prompts:
-        raise ValueError(f"every prompt in {cfg.data} encodes to no tokens; give prompts with text.")
     meta = {"data": data_fingerprint(cfg.data), "model": str(cfg.model), "seq_len": cfg.seq_len, "prompts": len(prompts)}
     columns = [TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
     with Progress(*columns, console=console, disable=not show_progress) as bar:
