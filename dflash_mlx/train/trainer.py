@@ -10,7 +10,13 @@ the context keys/values of its own sequence at positions < a only (plus the
 window of sliding layers), through a boolean mask, and all of its own block.
 Block position i (1..bs-1) is trained to predict the target's token at a+i,
 with cross-entropy weighted by exp(-(i-1)/gamma): early positions matter most,
-since a draft is accepted only up to its first miss.
+since a draft is accepted only up to its first miss. gamma = 7 at block 16 (the
+DFlash paper's value), 7*(bs-1)/15 at other block sizes; --gamma overrides.
+
+The progress bar's acceptance estimate comes from the same blocks: with a_b the
+accepted prefix of block b's top-1 guesses, 1 / mean(1 / (1 + a_b)) tokens per
+verify cycle. It is measured on training sequences, so it does not show how well
+the drafter generalizes; measure that with held-out prompts (benchmarks/).
 
 The drafter is the inference module ``DFlashDraft`` itself; the target's
 embedding and lm_head are used through the bound adapter and never trained.
