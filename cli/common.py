@@ -28,9 +28,14 @@ class UserError(Exception):
 
 
 def default_model() -> Optional[str]:
-    """The target used when --model is not given; None until a built-in
-    tiny pair ships (then return its directory here)."""
-    return None
+    """The target used when --model is not given: the built-in pair shipped
+    in the package (its drafter comes from the registry)."""
+    from dflash_mlx import builtin
+
+    if not builtin.available():
+        return None
+    err.print(Text(f"no --model given: using the {builtin.NAME}", style="dim"))
+    return str(builtin.TARGET)
 
 
 # -- options (names and meanings follow mlx-lm) ---------------------------------
@@ -121,7 +126,7 @@ def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_siz
 def resolve_model(model: Optional[str]) -> str:
     model = model or default_model()
     if model is None:
-        raise UserError("no model given; pass --model <target directory or Hugging Face repo id>.")
+        raise UserError("no model given and the built-in pair is not installed; pass --model <target directory or Hugging Face repo id>.")
     return model
 
 

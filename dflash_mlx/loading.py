@@ -82,6 +82,10 @@ def find_drafter(target: str | Path) -> str | None:
     """The drafter repo id for a target repo id, one of its mlx-community (or
     other quantized) conversions, or a local directory named after one; None
     when the registry has no drafter for it."""
+    from . import builtin
+
+    if str(target) == "builtin" or Path(target).expanduser().resolve() == builtin.TARGET:
+        return str(builtin.DRAFT)
     target = str(target)
     if target in KNOWN_PAIRS:
         return KNOWN_PAIRS[target]
@@ -315,7 +319,12 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
 
     ``draft`` defaults to the drafter the registry knows for the target.
     Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
-    it, and mlx-lm's tokenizer wrapper."""
+    it, and mlx-lm's tokenizer wrapper. ``"builtin"`` names the small pair
+    shipped in the package."""
+    if str(path_or_repo) == "builtin":
+        from . import builtin
+
+        path_or_repo = builtin.TARGET
     if draft is None:
         draft = find_drafter(path_or_repo)
         if draft is None:

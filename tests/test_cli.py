@@ -172,8 +172,12 @@ def test_generate_bad_flags(pair, extra, fragments):
     assert_user_error(result, *fragments)
 
 
-def test_generate_without_model_or_prompt(pair):
+def test_generate_without_model_or_prompt(pair, monkeypatch):
+    from dflash_mlx import builtin
+
+    monkeypatch.setattr(builtin, "available", lambda: False)
     assert_user_error(run("generate", "--prompt", "w1"), "no model given", "--model")
+    monkeypatch.undo()
     assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft), "no prompt given")
     assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "  "), "the prompt is empty")
     assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", input=""), "the prompt is empty")
@@ -254,9 +258,16 @@ def test_chat_with_template_keeps_the_conversation(pair, loaded):
     assert thinking in result.stdout
 
 
-def test_chat_errors(pair):
+def test_chat_errors(pair, monkeypatch):
+    from dflash_mlx import builtin
+
     assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.draft, "--temp", "-0.5"), "temperature")
+    # Without --model the built-in target is used, which this drafter does not fit ...
+    assert_user_error(run("chat", "--draft-model", pair.draft), "does not fit the target")
+    # ... and without the built-in pair there is no model at all.
+    monkeypatch.setattr(builtin, "available", lambda: False)
     assert_user_error(run("chat", "--draft-model", pair.draft), "no model given")
+    monkeypatch.undo()
     assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.other_draft))
 
 
@@ -339,6 +350,17 @@ def test_default_model_hook(monkeypatch, pair, loaded):
     result = run("generate", "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "-m", 6)
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=6) + "\n"
+
+
+def test_without_model_the_builtin_pair_is_used_and_named():
+    from dflash_mlx import builtin, generate, load
+
+    assert builtin.available()
+    result = run("generate", "--prompt", "def add(a, b):", "--ignore-chat-template", "-m", 12)
+    assert result.exit_code == 0, result.output
+    assert "built-in" in result.stderr
+    model, draft, tok = load("builtin")
+    assert result.stdout == generate(model, draft, tok, "def add(a, b):", max_tokens=12) + "\n"
 
 
 # -- downloads ----------------------------------------------------------------------
