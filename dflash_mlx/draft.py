@@ -19,6 +19,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .stable_cache import StableKVCache
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Fields read from config.json that must be present, in the order a user would
@@ -395,8 +397,10 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(taps))
 
     # -- inference -------------------------------------------------------
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self, stable: bool = False) -> list[KVCache]:
+        """Context caches; ``stable`` ones keep attention shapes fixed between
+        buffer growths (see stable_cache)."""
+        return [StableKVCache() if stable else KVCache() for _ in self.layers]
 
     def extend(self, taps: mx.array, cache: list[KVCache]) -> None:
         """Append the context keys/values of newly committed positions, given
@@ -420,29 +424,33 @@ class DFlashDraft(nn.Module):
         x = self.embed(block)
         L = block.shape[1]
         for layer, c in zip(self.layers, cache):
-            window = layer.self_attn.window
+            window, causal = layer.self_attn.window, layer.self_attn.causal
             C = kept = c.offset
-            if window is not None and C > window - 1:
-                kept = window - 1
-            mask = block_mask(L, kept, layer.self_attn.causal, window)
+            if isinstance(c, StableKVCache):
+                # The whole buffer, fixed in shape; the mask does the windowing.
+                mask = block_mask(L, C, causal, window, total=c.capacity_for(L))
+            else:
+                if window is not None and C > window - 1:
+                    kept = window - 1
+                mask = block_mask(L, kept, causal, window)
             x = layer(x, None, None, self.rope, C, mask, cache=c, start=C - kept)
         return self.logits(self.norm(x[:, 1:]))
 
 
-def block_mask(L: int, C: int, causal: bool, window: int | None):
-    """Boolean [L, C + L] mask for one block after C context keys, or None
-    when every query sees every key."""
-    if not causal and (window is None or C + L <= window):
+def block_mask(L: int, C: int, causal: bool, window: int | None, total: int | None = None):
+    """Boolean [L, total] mask for one block after C context keys (total
+    defaults to C + L; keys past C + L are unfilled buffer), or None when
+    every query sees every key. Positions are absolute, as in Z Lab's
+    PyTorch reference: causal keys at or before the query, windowed keys
+    less than ``window`` positions from it, on either side."""
+    total = C + L if total is None else total
+    if total == C + L and not causal and (window is None or C + L <= window):
         return None
     q = mx.arange(L)[:, None] + C
-    k = mx.arange(C + L)[None]
-    in_block = k >= C
+    k = mx.arange(total)[None]
+    visible = k < C + L
     if causal:
-        visible = ~in_block | (k <= q)
-    elif window is not None:
-        visible = ~in_block | (k - q < window)
-    else:
-        visible = mx.ones((L, C + L), dtype=mx.bool_)
+        visible = visible & (k <= q)
     if window is not None:
-        visible = visible & (q - k < window)
+        visible = visible & (q - k < window) & (k - q < window)
     return visible

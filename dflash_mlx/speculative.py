@@ -18,6 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import DFlashDraft
+from .stable_cache import stable_shapes_by_default
 from .sampling import accept_greedy, accept_sampled, check_sampling, sample
 from .targets import DenseTarget, adapt
 
@@ -58,9 +59,11 @@ class PromptCache:
     pending: tapped target states of the tail of ``tokens`` that the drafter
     has not yet taken into its own cache."""
 
-    def __init__(self, target: DenseTarget, draft: DFlashDraft):
-        self.target = target.make_cache()
-        self.draft = draft.make_cache()
+    def __init__(self, target: DenseTarget, draft: DFlashDraft, stable_shapes: bool | None = None):
+        if stable_shapes is None:
+            stable_shapes = stable_shapes_by_default()
+        self.target = target.make_cache(stable_shapes)
+        self.draft = draft.make_cache(stable_shapes)
         self.tokens: list[int] = []
         self.pending: mx.array | None = None
 
@@ -95,11 +98,15 @@ def _trim(cache: list, n: int) -> None:
             c.trim(n)
 
 
-def make_prompt_cache(model, draft: DFlashDraft) -> PromptCache:
-    """A cache to pass to ``stream_generate`` across calls (multi-turn chat)."""
+def make_prompt_cache(model, draft: DFlashDraft, stable_shapes: bool | None = None) -> PromptCache:
+    """A cache to pass to ``stream_generate`` across calls (multi-turn chat).
+
+    stable_shapes: hand attention whole cache buffers (shapes fixed between
+    growths, the unfilled tail masked); by default only on MLX's CUDA
+    backend, where every new key length otherwise costs a graph rebuild."""
     target = adapt(model)
     draft.bind(target)
-    return PromptCache(target, draft)
+    return PromptCache(target, draft, stable_shapes)
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array, vocab_size: int) -> list[int]:

@@ -10,8 +10,10 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_causal_mask
 from mlx_lm.models.cache import KVCache
+
+from ..stable_cache import StableKVCache, causal_mask
 
 
 class DenseTarget:
@@ -45,12 +47,29 @@ class DenseTarget:
         return self.inner.norm.weight.dtype
 
     # -- forward and cache ---------------------------------------------------
-    def make_cache(self) -> list:
-        return [KVCache() for _ in self.inner.layers]
+    def make_cache(self, stable: bool = False) -> list:
+        """mlx-lm's KV cache, or with ``stable`` one whose attention shapes
+        change only as its buffer grows (see stable_cache)."""
+        return [StableKVCache() if stable else KVCache() for _ in self.inner.layers]
+
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for full attention."""
+        return [None] * self.num_layers
 
     def masks(self, h: mx.array, cache: list) -> list:
-        mask = create_attention_mask(h, cache[0])
-        return [mask] * self.num_layers
+        L = h.shape[1]
+        first = cache[0]
+        offset = first.offset if first is not None else 0
+        if isinstance(first, StableKVCache):
+            total = first.capacity_for(L)
+            made = {w: causal_mask(L, offset, total, w) for w in set(self.windows())}
+        else:
+            full = create_attention_mask(h, first)
+            made = {
+                w: create_causal_mask(L, offset, window_size=w) if w and offset + L > w else full
+                for w in set(self.windows())
+            }
+        return [made[w] for w in self.windows()]
 
     def __call__(
         self,
