@@ -328,9 +328,12 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
     if draft is None:
         draft = find_drafter(path_or_repo)
         if draft is None:
+            name = str(path_or_repo)
+            if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
+                raise ValueError(f"{name} does not exist; pass a model directory or a Hugging Face repo id.")
             raise ValueError(
-                f"no known DFlash drafter for {path_or_repo}; pass draft=<drafter directory or Hub "
-                f"repo id> (known pairs: {_known_pairs_text()})."
+                f"no known DFlash drafter for {name}; pass draft=<drafter directory or Hub "
+                f"repo id> (--draft-model on the command line; known pairs: {_known_pairs_text()})."
             )
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS

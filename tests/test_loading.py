@@ -201,3 +201,11 @@ def test_a_snapshot_with_only_its_config_is_not_cached(tmp_path, offline_hub):
     with pytest.raises(ValueError, match=f"the cached copy of {QWEN3_8B_DRAFTER} has no weights yet; download it again"):
         load_draft(QWEN3_8B_DRAFTER)
 
+
+
+def test_missing_local_target_is_named_before_the_registry(tmp_path):
+    from dflash_mlx import load
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match=f"{missing} does not exist; pass a model directory"):
+        load(str(missing))
