@@ -85,11 +85,12 @@ def plain(model, prompt, n):
         yield k
 
 
-def ours(model, draft, tok, prompt, n, bs, stats):
-    from dflash_mlx import stream_generate
+def ours(model, draft, tok, prompt, n, bs, stats, stable):
+    from dflash_mlx import make_prompt_cache, stream_generate
 
     k = 0
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs):
+    cache = make_prompt_cache(model, draft, stable_shapes=stable)
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs, prompt_cache=cache):
         k += len(r.tokens)
         stats["acceptance_length"] = round(r.acceptance_length, 3)
         yield k
@@ -114,6 +115,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stable-shapes", choices=["auto", "on", "off", "both"], default="auto",
+                    help="dflash-mlx caches with fixed attention shapes (default: on CUDA only); 'both' times each")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -144,10 +147,12 @@ def main():
     rows = []
     for rep in range(args.repeat + 1):  # the first round warms up
         stats: dict = {}
-        round_rows = [
-            timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens),
-            {**timed("dflash-mlx", ours(model, draft, tok, prompt, args.max_tokens, bs, stats), args.max_tokens), **stats},
-        ]
+        round_rows = [timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens)]
+        modes = {"auto": [("dflash-mlx", None)], "on": [("dflash-mlx", True)], "off": [("dflash-mlx", False)],
+                 "both": [("dflash-mlx stable", True), ("dflash-mlx exact", False)]}[args.stable_shapes]
+        for label, stable in modes:
+            run = ours(model, draft, tok, prompt, args.max_tokens, bs, stats, stable)
+            round_rows.append({**timed(label, run, args.max_tokens), **stats})
         if have_official:
             round_rows.append(timed("official dflash", official(their_model, their_draft, tok, prompt, args.max_tokens, bs), args.max_tokens))
         if rep:
@@ -181,7 +186,7 @@ def main():
     print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, median of {args.repeat}")
     for r in summary["results"]:
         tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
-        print(f"{r['mode']:>16}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")
+        print(f"{r['mode']:>18}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")
 
 
 if __name__ == "__main__":
