@@ -312,14 +312,15 @@ class DraftAttention(nn.Module):
         keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0, attend=None):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
         int or a [B] array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
         With ``cache`` (inference) the context comes from the cache instead,
         from cached position ``start`` on: the block's keys/values are written
         after it in the cache's own buffer, attended, then dropped again, so
-        the context is never copied."""
+        the context is never copied. ``attend`` replaces the fused attention
+        (same signature as mx.fast.scaled_dot_product_attention)."""
         B, L, _ = x.shape
         queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, rope, offset)
@@ -331,7 +332,8 @@ class DraftAttention(nn.Module):
         elif ctx_keys is not None:
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        attend = attend or mx.fast.scaled_dot_product_attention
+        out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -343,8 +345,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, start)
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0, attend=None):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, start, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

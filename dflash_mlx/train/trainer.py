@@ -228,28 +228,18 @@ def target_taps(adapter, tokens: mx.array, taps: list[int]) -> mx.array:
     return mx.stop_gradient(hidden.astype(mx.float32))
 
 
-def _attention(attn, x, ctx_keys, ctx_values, rope, offset, mask):
-    """``DraftAttention.__call__`` with the attention written out (same
-    projections, norms and RoPE). Training passes a per-block boolean mask of
-    shape [B, 1, L, C+L]; spelled out here, its meaning cannot depend on a
-    backend's fused kernel (the equality with inference is tested)."""
-    B, L, _ = x.shape
-    hd = attn.q_proj.weight.shape[0] // attn.n_heads
-    queries = rope(attn.q_norm(attn._heads(attn.q_proj(x), attn.n_heads)), offset=offset)
-    keys, values = attn.keys_values(x, rope, offset)
-    keys = mx.concatenate([ctx_keys, keys], axis=2)
-    values = mx.concatenate([ctx_values, values], axis=2)
-    rep = attn.n_heads // attn.n_kv_heads
-    q = (queries * attn.scale).reshape(B, attn.n_kv_heads, rep, L, hd)
+def written_out_attention(queries, keys, values, *, scale, mask):
+    """Attention spelled out (GQA, boolean mask), for the drafter's ``attend``
+    hook: training passes a per-block mask of shape [B, 1, L, C+L], and
+    written out its meaning cannot depend on a backend's fused kernel (the
+    equality with inference is tested)."""
+    B, H, L, hd = queries.shape
+    kv = keys.shape[1]
+    q = (queries * scale).reshape(B, kv, H // kv, L, hd)
     scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, kv, rep, L, K]
     scores = mx.where(mask[:, :, None], scores, mx.array(-1e30, dtype=scores.dtype))
     out = mx.softmax(scores, axis=-1, precise=True) @ values[:, :, None]
-    return attn.o_proj(out.reshape(B, attn.n_heads, L, hd).transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-def _layer(layer, x, ctx_keys, ctx_values, rope, offset, mask):
-    h = x + _attention(layer.self_attn, layer.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return out.reshape(B, H, L, hd)
 
 
 def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array]) -> mx.array:
@@ -266,7 +256,7 @@ def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array])
         if key not in masks:
             masks[key] = training_mask(anchor, T, bs, *key)
         keys, values = attn.keys_values(ctx, draft.rope, 0)  # [N, kv, T, hd]
-        x = _layer(layer, x, keys[seq], values[seq], draft.rope, anchor, masks[key])
+        x = layer(x, keys[seq], values[seq], draft.rope, anchor, masks[key], attend=written_out_attention)
     return draft.logits(draft.norm(x[:, 1:]))
 
 
