@@ -57,19 +57,19 @@ class DenseTarget:
         return [None] * self.num_layers
 
     def masks(self, h: mx.array, cache: list) -> list:
-        L = h.shape[1]
+        L, windows = h.shape[1], self.windows()
         first = cache[0]
         offset = first.offset if first is not None else 0
         if isinstance(first, StableKVCache):
             total = first.capacity_for(L)
-            made = {w: causal_mask(L, offset, total, w) for w in set(self.windows())}
+            made = {w: causal_mask(L, offset, total, w) for w in set(windows)}
         else:
             full = create_attention_mask(h, first)
             made = {
                 w: create_causal_mask(L, offset, window_size=w) if w and offset + L > w else full
-                for w in set(self.windows())
+                for w in set(windows)
             }
-        return [made[w] for w in self.windows()]
+        return [made[w] for w in windows]
 
     def __call__(
         self,
