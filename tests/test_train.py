@@ -48,8 +48,8 @@ def _cfg(tiny, out, **kw):
 
 # -- the training forward is the inference forward -------------------------------
 
-@pytest.mark.parametrize("sliding", [False, True])
-def test_training_blocks_match_inference(sliding):
+@pytest.mark.parametrize("sliding,min_block", [(False, None), (True, None), (False, 2), (True, 3)])
+def test_training_blocks_match_inference(sliding, min_block):
     tcfg = target_config(vocab=VOCAB, layers=6, hidden=64)
     target = adapt(make_target(tcfg))
     extra = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} if sliding else {}
@@ -57,17 +57,25 @@ def test_training_blocks_match_inference(sliding):
     draft = DFlashDraft(DraftConfig.from_dict(draft_config(tcfg, layers=2, block_size=5, **extra))).bind(target)
     rng = np.random.default_rng(1)
     seqs = [Sequence([int(t) for t in rng.integers(0, VOCAB, size=n)], 3) for n in (20, 14)]
-    cfg = TrainConfig(model="", data="", out="", block_size=5, batch_size=2, blocks_per_seq=4, seq_len=24)
+    cfg = TrainConfig(model="", data="", out="", block_size=5, batch_size=2, blocks_per_seq=4, seq_len=24,
+                      min_block_size=min_block)
     batch = make_batch(seqs, rng, cfg, draft.config.mask_token_id)
     taps = target_taps(target, batch["tokens"], draft.config.target_layer_ids)
     got = draft_logits(draft, taps, batch)
     B = batch["block"].shape[0]
+    lengths = batch["length"].tolist()
+    if min_block is None:
+        assert lengths == [5] * B
+    else:
+        assert min(lengths) >= min_block and len(set(lengths)) > 1
     for b in range(B):
-        n, a = int(batch["seq"][b]), int(batch["anchor"][b])
+        n, a, L = int(batch["seq"][b]), int(batch["anchor"][b]), lengths[b]
         cache = draft.make_cache()
         draft.extend(taps[n : n + 1, :a], cache)
-        want = draft(batch["block"][b : b + 1], None, cache)[0]
-        assert mx.allclose(got[b], want, atol=1e-4).item(), (b, a)
+        want = draft(batch["block"][b : b + 1, :L], None, cache)[0]  # inference with a block of length L
+        assert mx.allclose(got[b, : L - 1], want, atol=1e-4).item(), (b, a, L)
+        # positions past the block's own length carry no label
+        assert batch["valid"][b, L - 1 :].sum().item() == 0
 
 
 # -- it learns ------------------------------------------------------------------
@@ -96,6 +104,36 @@ def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
     acc_trained = _acceptance(model, trained, tok, prompts)
     acc_untrained = _acceptance(model, untrained, tok, prompts)
     assert acc_trained > acc_untrained + 1.0, (acc_trained, acc_untrained)
+
+
+def test_compiled_step_equals_plain_step(tiny, tmp_path):
+    a = train(_cfg(tiny, tmp_path / "a", steps=6, min_block_size=3), **QUIET)
+    b = train(_cfg(tiny, tmp_path / "b", steps=6, min_block_size=3, compile=False), **QUIET)
+    assert np.allclose([h[1] for h in a["history"]], [h[1] for h in b["history"]], atol=1e-4)
+    wa = dict(tree_flatten(load_draft(tmp_path / "a").parameters()))
+    wb = dict(tree_flatten(load_draft(tmp_path / "b").parameters()))
+    assert all(mx.allclose(wa[k], wb[k], atol=1e-3).item() for k in wa)
+
+
+def test_held_out_sequences_never_train(tiny, tmp_path):
+    from dflash_mlx.train.data import load_distilled
+    from dflash_mlx.train.trainer import split_held_out
+
+    summary = train(_cfg(tiny, tmp_path / "d", steps=10, save_every=5, val_fraction=0.1), **QUIET)
+    seqs = load_distilled(tmp_path / "d")
+    kept, held = split_held_out(seqs, 0.1, 0)
+    assert len(held) == round(0.1 * len(seqs)) and summary["held_out_sequences"] == len(held)
+    assert not {tuple(s.tokens) for s in held} & {tuple(s.tokens) for s in kept}
+    # measured at every checkpoint, and no training batch ever draws a held-out sequence
+    assert [h[0] for h in summary["held_out"]] == [5, 10]
+    assert 1.0 <= summary["held_out_acceptance"] <= 8.0
+    rng = np.random.default_rng(5)
+    cfg = _cfg(tiny, tmp_path / "x")
+    batch = make_batch(kept, rng, cfg, 0)
+    rows = {tuple(r[r != 0].tolist()) for r in np.array(batch["tokens"])}
+    assert not rows & {tuple(t for t in s.tokens if t != 0) for s in held}
+    none = train(_cfg(tiny, tmp_path / "e", steps=2, val_fraction=0.0), **QUIET)
+    assert none["held_out_sequences"] == 0 and none["held_out_acceptance"] is None
 
 
 # -- checkpoints and output ------------------------------------------------------------
@@ -196,6 +234,11 @@ def test_bad_flags(tiny, tmp_path):
     assert not (tmp_path / "e").exists()
     with pytest.raises(ValueError, match="no config.json"):
         train(_cfg(tiny, tmp_path / "f", model=str(tmp_path)), **QUIET)
+    with pytest.raises(ValueError, match="--min-block-size must be between 2 and --block-size"):
+        train(_cfg(tiny, tmp_path / "g", min_block_size=9), **QUIET)
+    with pytest.raises(ValueError, match=r"--val-fraction must be in \[0, 0.5\)"):
+        train(_cfg(tiny, tmp_path / "h", val_fraction=0.7), **QUIET)
+    assert not (tmp_path / "g").exists() and not (tmp_path / "h").exists()
 
 
 def test_command_prints_one_red_sentence(tiny, tmp_path):

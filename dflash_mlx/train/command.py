@@ -29,6 +29,9 @@ def train_command(
     blocks_per_seq: int = typer.Option(16, "--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step."),
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine decay)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Prompt + response tokens per training sequence."),
+    min_block_size: Optional[int] = typer.Option(None, "--min-block-size", help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only)."),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of the self-distilled sequences held out of training; the acceptance estimate on them is shown at each checkpoint."),
+    gen_batch: int = typer.Option(64, "--gen-batch", help="Prompts the target answers at once while writing the training data (larger is faster on a GPU)."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
@@ -49,6 +52,7 @@ def train_command(
             target_layer_ids=_layer_ids(target_layer_ids), steps=steps, batch_size=batch_size,
             blocks_per_seq=blocks_per_seq, lr=lr, seq_len=seq_len, resume=resume, seed=seed,
             gamma=gamma, mask_token_id=mask_token_id, max_prompts=max_prompts, save_every=save_every,
+            min_block_size=min_block_size, val_fraction=val_fraction, gen_batch=gen_batch,
         )
         train(cfg, console=console)
     except ValueError as e:
