@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from builtin_corpus import chat_request, code_prompts, functions, mixed_prompts, stdlib_files  # noqa: E402
+from builtin_corpus import (  # noqa: E402
+    chat_request, code_prompts, functions, mixed_prompts, python_files, stdlib_files, stdlib_root,
+)
 
 DEST = ROOT / "dflash_mlx" / "builtin"
 VOCAB = 4096
@@ -250,15 +252,39 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path
 
 # -- drafter ------------------------------------------------------------------------
 
-def draft_data(path: Path, n_code: int, n_chat: int, seed: int) -> None:
-    files = stdlib_files()
-    n_mixed = n_code // 2
-    rows = [{"prompt": p} for p in code_prompts(files, n_code - n_mixed, seed) + mixed_prompts(files, n_mixed, seed)]
-    fns = [f for _, t in files for f in functions(t)]
-    random.Random(seed).shuffle(fns)
-    rows += [{"messages": [{"role": "user", "content": chat_request(sig, doc)}]} for sig, doc, _ in fns[:n_chat]]
+def draft_data(path: Path, args, seed: int) -> dict:
+    """The drafter's training prompts (JSONL), and what went into them.
+
+    Code prefixes and chat requests from the stdlib's training files, plus
+    (--extra-code) the same from .py files the target never saw, such as an
+    installed package tree: the target's answers to unseen code are what the
+    drafter meets at inference, and they differ from its near-verbatim
+    continuations of the files it was trained on. Held-out stdlib files are
+    never used."""
+    stdlib = stdlib_files()
+    extra = []
+    for d in args.extra_code or []:
+        extra += [f for f in python_files(Path(d), args.extra_files, seed) if not f[0].startswith(str(stdlib_root()))]
+    pools = [("stdlib", stdlib, 1.0 - args.extra_share)] + ([("extra", extra, args.extra_share)] if extra else [])
+    if not extra:
+        pools = [("stdlib", stdlib, 1.0)]
+    rows, counts = [], {}
+    for name, files, share in pools:
+        n_code = int(args.code_prompts * share)
+        n_mixed = n_code // 2
+        code = code_prompts(files, n_code - n_mixed, seed) + mixed_prompts(files, n_mixed, seed)
+        fns = [f for _, t in files for f in functions(t)]
+        random.Random(seed).shuffle(fns)
+        chat = [{"messages": [{"role": "user", "content": chat_request(sig, doc)}]} for sig, doc, _ in fns[: int(args.chat_prompts * share)]]
+        rows += [{"prompt": p} for p in code] + chat
+        counts[name] = {"files": len(files), "code_prompts": len(code), "chat_prompts": len(chat)}
     random.Random(seed + 1).shuffle(rows)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return counts
+
+
+def _ids(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
 
 
 def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None:
@@ -268,31 +294,39 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
 
     work.mkdir(parents=True, exist_ok=True)
     data = work / "draft_data.jsonl"
-    draft_data(data, args.code_prompts, args.chat_prompts, seed)
+    sources = draft_data(data, args, seed)
+    log(f"prompts: {sources}")
     console = Console(force_terminal=False, width=120)
+    taps = _ids(args.taps)
 
     def cfg(out, steps):
         return TrainConfig(
             model=str(dest / "target"), data=str(data), out=str(out), block_size=16, draft_layers=args.draft_layers,
-            target_layer_ids=[1, 4, 6], steps=steps, batch_size=args.draft_batch, blocks_per_seq=16, seq_len=384,
-            lr=args.draft_lr, seed=seed, save_every=10**9, gen_batch=256,
+            target_layer_ids=taps, steps=steps, batch_size=args.draft_batch, blocks_per_seq=16, seq_len=args.seq_len,
+            lr=args.draft_lr, seed=seed, save_every=args.save_every, gen_batch=args.gen_batch,
+            min_block_size=args.min_block, val_fraction=args.val_fraction,
         )
 
     # Calibration run: makes the self-distilled data and times a few steps.
     cal = work / "calibrate"
-    shutil.rmtree(cal, ignore_errors=True)
     tic = time.perf_counter()
-    first = train(cfg(cal, 40), console=console, show_progress=False)
+    c = cfg(cal, 40)
+    c.resume = cal.is_dir()  # a run cut short goes on with the data already written
+    first = train(c, console=console, show_progress=False)
     distill_s = time.perf_counter() - tic - first["train_seconds"]
     h = first["history"]
     rate = 30 / (h[39][3] - h[9][3])  # the first steps include building kernels
-    steps = max(50, int(rate * (minutes * 60 - (time.perf_counter() - tic))))
-    log(f"self-distillation {distill_s:.0f}s for {first['sequences']} sequences; {rate:.2f} steps/s: training {steps} steps")
+    steps = args.draft_steps or max(50, int(rate * (minutes * 60 - (time.perf_counter() - tic))))
     run = work / "draft"
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir()
-    for f in ("distill.jsonl", "distill.meta.json"):
-        shutil.copy(cal / f, run / f)
+    if (run / "train_args.json").is_file() and not args.draft_steps:  # a run cut short keeps its step count
+        steps = json.loads((run / "train_args.json").read_text())["steps"]
+    log(f"self-distillation {distill_s:.0f}s for {first['sequences'] + first['held_out_sequences']} sequences; "
+        f"{rate:.2f} steps/s: training {steps} steps")
+    if not (run / "checkpoint").is_dir():  # a run cut short resumes where it stopped
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir()
+        for f in ("distill.jsonl", "distill.meta.json"):
+            shutil.copy(cal / f, run / f)
     c = cfg(run, steps)
     c.resume = True  # reuse the copied self-distilled data
     summary = train(c, console=console, show_progress=False)
@@ -301,10 +335,12 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
     for f in ("config.json", "model.safetensors"):
         shutil.copy(run / f, out / f)
     record(dest, "draft", {
-        "layers": args.draft_layers, "block_size": 16, "taps": [1, 4, 6], "steps": steps,
-        "batch": f"{args.draft_batch} sequences x 16 blocks", "sequences": summary["sequences"],
+        "layers": args.draft_layers, "block_size": 16, "min_block_size": args.min_block, "taps": taps, "steps": steps,
+        "batch": f"{args.draft_batch} sequences x 16 blocks", "prompts": sources, "sequences": summary["sequences"],
+        "held_out_sequences": summary["held_out_sequences"], "seq_len": args.seq_len,
         "seconds": round(summary["train_seconds"]), "distill_seconds": round(distill_s),
         "final_loss": round(summary["loss"], 3), "acceptance_estimate_b16": round(summary["acceptance_estimate"], 2),
+        "held_out_acceptance_b16": summary["held_out_acceptance"], "held_out_history": summary["held_out"],
         "machine": machine(),
     })
 
@@ -318,11 +354,23 @@ def main():
     ap.add_argument("--target-minutes", type=float, default=1.3)
     ap.add_argument("--target-batch", type=int, default=64)
     ap.add_argument("--draft-minutes", type=float, default=4.3)
-    ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--draft-batch", type=int, default=32)
+    ap.add_argument("--draft-steps", type=int, help="optimizer steps (default: as many as --draft-minutes allow)")
+    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument("--taps", default="1,3,5,7", help="target layers the drafter reads")
+    ap.add_argument("--min-block", type=int, default=4, help="blocks of random length min..16, so block sizes 4-16 all work")
+    ap.add_argument("--draft-batch", type=int, default=64)
     ap.add_argument("--draft-lr", type=float, default=1e-3)
-    ap.add_argument("--code-prompts", type=int, default=8000, help="half of them mixed (scripts/builtin_corpus.py)")
-    ap.add_argument("--chat-prompts", type=int, default=2000)
+    ap.add_argument("--seq-len", type=int, default=320, help="prompt + response tokens per distilled sequence")
+    ap.add_argument("--code-prompts", type=int, default=120000, help="half of them mixed (scripts/builtin_corpus.py)")
+    ap.add_argument("--chat-prompts", type=int, default=30000)
+    ap.add_argument("--extra-code", action="append", type=Path,
+                    help="a directory of .py files the target never saw (e.g. an installed package tree): --extra-share "
+                    "of the prompts come from it (repeatable)")
+    ap.add_argument("--extra-files", type=int, default=20000, help="at most this many files from --extra-code")
+    ap.add_argument("--extra-share", type=float, default=0.5)
+    ap.add_argument("--gen-batch", type=int, default=1024, help="prompts the target answers at once")
+    ap.add_argument("--val-fraction", type=float, default=0.02)
+    ap.add_argument("--save-every", type=int, default=1000)
     ap.add_argument("--corpus", type=Path, help="token ids of the stdlib corpus (.npz): read if it exists, else made "
                     "from this Python's stdlib and saved there (lets another machine train on the same text)")
     ap.add_argument("--smoke", action="store_true", help="a toy-sized run that only checks the script works")
@@ -331,7 +379,8 @@ def main():
         global SEQ, CALIBRATE, WARM
         TARGET.update(hidden_size=64, num_hidden_layers=8, intermediate_size=128, head_dim=16)
         SEQ, CALIBRATE, WARM = 64, 5, 2
-        args.code_prompts, args.chat_prompts, args.draft_batch = 24, 8, 4
+        args.code_prompts, args.chat_prompts, args.draft_batch, args.gen_batch = 24, 8, 4, 8
+        args.draft_layers, args.taps, args.seq_len, args.save_every = 2, "1,4,6", 96, 50
     args.dest.mkdir(parents=True, exist_ok=True)
     if args.stage in ("tokenizer", "all"):
         build_tokenizer(args.dest)

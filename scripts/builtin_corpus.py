@@ -45,6 +45,25 @@ def stdlib_files(held_out: bool = False) -> list[tuple[str, str]]:
     return out
 
 
+def python_files(root: Path, limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """(path, text) of the .py files under ``root`` (any directory: an
+    installed package tree, say), at most ``limit`` of them picked at random.
+    Only for the drafter's training prompts: text the target never saw, which
+    the target answers the way it answers a user's new code."""
+    paths = [p for p in sorted(Path(root).rglob("*.py")) if p.is_file() and 200 < p.stat().st_size <= MAX_FILE_BYTES]
+    if limit is not None and len(paths) > limit:
+        paths = sorted(random.Random(seed).sample(paths, limit))
+    out = []
+    for p in paths:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            out.append((p.as_posix(), text))
+    return out
+
+
 def functions(text: str) -> list[tuple[str, str, str]]:
     """(signature line, first docstring paragraph, source) of documented
     top-level and method functions in a module's text."""
