@@ -111,7 +111,9 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--draft")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="length of the synthetic prompt (token ids)")
+    ap.add_argument("--prompt", help="a text prompt instead (a trained pair accepts little on synthetic ids); "
+                    "'@FILE' reads it from FILE")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
@@ -130,7 +132,12 @@ def main():
     model, draft, tok = load(target_dir, draft=draft_dir)
     bs = args.block_size or draft.config.block_size
     vocab = draft.config.vocab_size
-    prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(args.prompt_tokens)]
+    if args.prompt:
+        text = Path(args.prompt[1:]).read_text() if args.prompt.startswith("@") else args.prompt
+        prompt = tok.encode(text)
+        args.prompt_tokens = len(prompt)
+    else:
+        prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(args.prompt_tokens)]
 
     have_official = True
     try:
