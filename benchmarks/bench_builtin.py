@@ -6,6 +6,10 @@
 Prompts come from standard-library files that the build held out of every
 training stage (scripts/builtin_corpus.py: a fixed hash split of file paths):
 code prefixes to continue, and chat requests to write a documented function.
+They are read from benchmarks/prompts/held_out.json (made from Python 3.11.7's
+stdlib with ``--write-prompts``), so that every machine measures the same
+prompts whatever its Python; ``--from-stdlib`` draws them from this Python's
+stdlib instead.
 For each (prompt set, block size, temperature) it prints the mean acceptance
 length (tokens committed per verify cycle, bonus included), DFlash decoding
 speed and plain mlx-lm decoding speed of the same target, measured side by side
@@ -45,20 +49,29 @@ def machine() -> str:
     return f"{platform.system()} {cpu}; MLX {mx.__version__} on {dev} {name}".strip()
 
 
-def prompt_sets(tokenizer, n: int, seed: int) -> dict[str, list[list[int]]]:
+PROMPTS = ROOT / "benchmarks" / "prompts" / "held_out.json"
+
+
+def stdlib_prompts(n: int, seed: int) -> dict[str, list[str]]:
+    """Code prefixes and chat requests (text) from this Python's held-out stdlib files."""
     import random
 
     from builtin_corpus import chat_request, code_prompts, functions, stdlib_files
 
     files = stdlib_files(held_out=True)
-    code = [tokenizer.encode(p) for p in code_prompts(files, n, seed)]
     fns = [f for _, t in files for f in functions(t)]
     random.Random(seed).shuffle(fns)
+    return {"code": code_prompts(files, n, seed), "chat": [chat_request(sig, doc) for sig, doc, _ in fns[:n]]}
+
+
+def prompt_sets(tokenizer, texts: dict[str, list[str]], n: int) -> dict[str, list[list[int]]]:
+    if any(len(v) < n for v in texts.values()):
+        raise SystemExit(f"--prompts {n}: the prompt file holds {min(len(v) for v in texts.values())} per set")
     chat = [
-        tokenizer.apply_chat_template([{"role": "user", "content": chat_request(sig, doc)}], add_generation_prompt=True)
-        for sig, doc, _ in fns[:n]
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts["chat"][:n]
     ]
-    return {"code": code, "chat": [list(c) for c in chat]}
+    return {"code": [tokenizer.encode(t) for t in texts["code"][:n]], "chat": [list(c) for c in chat]}
 
 
 def plain(model, tokenizer, prompt, max_tokens, temp, seed):
@@ -94,16 +107,25 @@ def main():
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
+    ap.add_argument("--write-prompts", action="store_true",
+                    help=f"write 32 prompts per set from this Python's stdlib to {PROMPTS.relative_to(ROOT)} and stop")
     args = ap.parse_args()
+    if args.write_prompts:
+        PROMPTS.write_text(json.dumps({"python": platform.python_version(), **stdlib_prompts(32, args.seed)}, indent=1) + "\n")
+        print(f"wrote {PROMPTS}")
+        return
 
     from dflash_mlx import load
 
     model, draft, tok = load(args.model, draft=args.draft)
-    sets = prompt_sets(tok, args.prompts, args.seed)
+    texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
+    sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
     blocks = [int(b) for b in args.blocks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     print(f"machine: {machine()}")
-    print(f"pair: {args.model} + {args.draft}; {args.prompts} held-out prompts per set, {args.max_tokens} new tokens")
+    source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
+    print(f"pair: {args.model} + {args.draft}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
     # Warm-up: first calls build kernels and graphs.
     warm = sets["code"][0]
     plain(model, tok, warm, 16, 0.0, 0)

@@ -119,6 +119,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stable-shapes", choices=["auto", "on", "off", "both"], default="auto",
                     help="dflash-mlx caches with fixed attention shapes (default: on CUDA only); 'both' times each")
+    ap.add_argument("--cold", action="store_true",
+                    help="one round and no warm-up: includes the kernel and graph builds a first request pays "
+                    "(where the stable-shape caches differ from exact-length ones on CUDA)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -152,7 +155,11 @@ def main():
         have_official = False
 
     rows = []
+    if args.cold:
+        args.repeat = 1
     for rep in range(args.repeat + 1):  # the first round warms up
+        if args.cold and rep:
+            break
         stats: dict = {}
         round_rows = [timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens)]
         modes = {"auto": [("dflash-mlx", None)], "on": [("dflash-mlx", True)], "off": [("dflash-mlx", False)],
@@ -162,7 +169,7 @@ def main():
             round_rows.append({**timed(label, run, args.max_tokens), **stats})
         if have_official:
             round_rows.append(timed("official dflash", official(their_model, their_draft, tok, prompt, args.max_tokens, bs), args.max_tokens))
-        if rep:
+        if rep or args.cold:
             rows.extend(round_rows)
 
     def median(mode, key):
@@ -190,7 +197,8 @@ def main():
         print(json.dumps(summary, indent=2))
         return
     print(summary["machine"])
-    print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, median of {args.repeat}")
+    print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
+          + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}"))
     for r in summary["results"]:
         tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
         print(f"{r['mode']:>18}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")
