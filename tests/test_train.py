@@ -166,6 +166,13 @@ def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "b" / "distill.jsonl").is_file()
 
 
+def test_resume_with_more_steps_extends_a_finished_run(tiny, tmp_path):
+    train(_cfg(tiny, tmp_path / "d", steps=4, save_every=2), **QUIET)
+    more = train(_cfg(tiny, tmp_path / "d", steps=7, save_every=2, resume=True), **QUIET)
+    assert [h[0] for h in more["history"]] == list(range(1, 8))
+    assert json.loads((tmp_path / "d" / "checkpoint" / "state.json").read_text())["step"] == 7
+
+
 def test_output_is_a_zlab_drafter(tiny, tmp_path):
     train(_cfg(tiny, tmp_path / "d", steps=5, target_layer_ids=[0, 2, 4]), **QUIET)
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -254,6 +261,29 @@ def test_command_prints_one_red_sentence(tiny, tmp_path):
     text = result.output + (getattr(result, "stderr", "") or "")
     assert result.exit_code == 1
     assert "does not exist" in text and "Traceback" not in text
+
+
+def test_command_trains_with_every_flag(tiny, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from dflash_mlx.train.command import train_command
+
+    app = typer.Typer()
+    app.command("train")(train_command)
+    app.command("other")(lambda: None)
+    out = tmp_path / "d"
+    result = CliRunner().invoke(app, [
+        "train", "--model", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out", str(out),
+        "--block-size", "6", "--min-block-size", "3", "--draft-layers", "1", "--target-layer-ids", "1,3",
+        "--steps", "3", "--batch-size", "2", "--blocks-per-seq", "4", "--lr", "1e-3", "--seq-len", "32",
+        "--val-fraction", "0.1", "--gen-batch", "16", "--save-every", "3", "--seed", "1",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "held out" in result.output and "drafter saved to" in result.output
+    args = json.loads((out / "train_args.json").read_text())
+    assert (args["min_block_size"], args["val_fraction"], args["gen_batch"], args["block_size"]) == (3, 0.1, 16, 6)
+    assert load_draft(out).config.block_size == 6
 
 
 # -- the built-in pair trained with this trainer ------------------------------------------

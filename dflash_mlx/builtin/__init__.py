@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 TARGET = ROOT / "target"
 DRAFT = ROOT / "draft"
-NAME = "dflash-mlx built-in stdlib-coder (7.3M-parameter Qwen3 target + 2-layer DFlash drafter, block 16)"
+NAME = "dflash-mlx built-in stdlib-coder (7.3M-parameter Qwen3 target + 4-layer DFlash drafter, blocks 4-16)"
 
 
 def available() -> bool:
