@@ -2,20 +2,26 @@
 target trained from scratch on the Python standard library, its byte-level BPE
 tokenizer, and its DFlash drafter trained with ``dflash_mlx.train``.
 
-    python scripts/build_builtin.py all                 # one machine, defaults as shipped
+    python scripts/build_builtin.py all --extra-code DIR   # every stage on one machine
 
 How the shipped pair was made (tokenizer and corpus on a CPU, the rest on one H200):
 
     python scripts/build_builtin.py tokenizer
     python scripts/build_builtin.py corpus --corpus build/corpus.npz
     python scripts/build_builtin.py target --target-minutes 1.3 --corpus build/corpus.npz
-    python scripts/build_builtin.py draft --draft-minutes 4.3
+    SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
+    python scripts/build_builtin.py draft --extra-code $SP --gen-batch 2048 --draft-minutes 12
+    python scripts/build_builtin.py draft --extra-code $SP --gen-batch 2048 --draft-steps 30000
+
+Each stage resumes where a run cut short left it (the last line above extended
+the finished 15,355-step run to 30,000 steps).
 
 Stages (each reads what the one before wrote into --dest):
     tokenizer  byte-level BPE (4096 ids, ChatML template, <|mask|>), on CPU in a minute
     corpus     (optional) the tokenized corpus in one .npz (--corpus), to train elsewhere on the same text
     target     Qwen3 (8 layers, hidden 256, ~7M parameters), trained for --target-minutes
-    draft      self-distillation prompts + ``dflash_mlx.train`` for --draft-minutes
+    draft      self-distillation prompts (stdlib, plus --extra-code files the target never saw)
+               + ``dflash_mlx.train`` for --draft-minutes or --draft-steps
 
 Training wants a GPU (MLX's CUDA backend or Apple silicon); the CPU works but
 gets far fewer steps in the same minutes. Steps are fitted to the time budget
@@ -353,7 +359,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-minutes", type=float, default=1.3)
     ap.add_argument("--target-batch", type=int, default=64)
-    ap.add_argument("--draft-minutes", type=float, default=4.3)
+    ap.add_argument("--draft-minutes", type=float, default=12.0)
     ap.add_argument("--draft-steps", type=int, help="optimizer steps (default: as many as --draft-minutes allow)")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--taps", default="1,3,5,7", help="target layers the drafter reads")
