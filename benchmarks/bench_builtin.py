@@ -102,7 +102,7 @@ def main():
     ap.add_argument("--draft", default=str(ROOT / "dflash_mlx" / "builtin" / "draft"))
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set (code, chat)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--blocks", default="8,16")
+    ap.add_argument("--blocks", default="8,16", help="block sizes, comma-separated; 'auto' lets dflash-mlx choose")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--seed", type=int, default=1234)
@@ -121,7 +121,7 @@ def main():
     model, draft, tok = load(args.model, draft=args.draft)
     texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
     sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = [b if b == "auto" else int(b) for b in args.blocks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"

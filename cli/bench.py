@@ -128,7 +128,7 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        check_args(max_tokens, temp, top_p, top_k, block_size)
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         texts = read_prompts(prompts) if prompts is not None else DEFAULT_PROMPTS

@@ -153,7 +153,7 @@ def stats_chart(s: SessionStats, width: int = 30) -> Text:
 
 class ChatSession:
     def __init__(self, model, draft, tokenizer, *, model_name: str, max_tokens: int, temp: float, top_p: float,
-                 top_k: int, seed: Optional[int], block_size: Optional[int], system_prompt: Optional[str],
+                 top_k: int, seed: Optional[int], block_size: int | str | None, system_prompt: Optional[str],
                  ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int):
         from dflash_mlx import make_prompt_cache
 
@@ -319,7 +319,7 @@ def chat_command(
     so a follow-up does not re-read the conversation.
     """
     with user_errors(verbose):
-        check_args(max_tokens, temp, top_p, top_k, block_size)
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be positive, got {prefill_step_size}.")
         target, draft, tokenizer = load_pair(model, draft_model)

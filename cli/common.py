@@ -57,8 +57,9 @@ TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed, for repeatable sampling.", show_default=False)]
 BlockSize = Annotated[
-    Optional[int],
-    typer.Option("--block-size", help="Tokens per verify (1 committed + drafts); defaults to the drafter's.", show_default=False),
+    Optional[str],
+    typer.Option("--block-size", help="Tokens per verify (1 committed + drafts); defaults to the drafter's. "
+                 "'auto' picks it before every cycle from the measured acceptance and cycle times.", show_default=False),
 ]
 SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)]
 IgnoreChatTemplate = Annotated[bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")]
@@ -110,17 +111,29 @@ def note(message: str) -> None:
 
 
 # -- checks before anything slow ------------------------------------------------------
-def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[int]) -> None:
+def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[str]) -> int | str | None:
+    """Checks the generation flags; returns --block-size parsed (an int, "auto" or None)."""
     from dflash_mlx.sampling import check_sampling
 
     if max_tokens < 1:
         raise UserError(f"--max-tokens must be a positive integer, got {max_tokens}.")
-    if block_size is not None and block_size < 2:
-        raise UserError(f"--block-size must be at least 2 (one committed token plus drafts), got {block_size}.")
+    parsed: int | str | None = None
+    if block_size is not None:
+        text = str(block_size).strip().lower()
+        if text == "auto":
+            parsed = "auto"
+        else:
+            try:
+                parsed = int(text)
+            except ValueError:
+                raise UserError(f"--block-size must be an integer of at least 2 or 'auto', got {block_size!r}.") from None
+            if parsed < 2:
+                raise UserError(f"--block-size must be at least 2 (one committed token plus drafts), got {parsed}.")
     try:
         check_sampling(temp, top_p, top_k)
     except ValueError as e:
         raise UserError(f"bad sampling flags (--temp/--top-p/--top-k): {e}") from None
+    return parsed
 
 
 def resolve_model(model: Optional[str]) -> str:
@@ -324,12 +337,13 @@ def stats_line(r) -> str:
     )
 
 
-def status_text(r, block_size: Optional[int] = None, final: bool = False) -> str:
+def status_text(r, block_size: int | str | None = None, final: bool = False) -> str:
     """The chat status line for a GenerationResponse."""
+    block = f"auto ({r.block_size})" if block_size == "auto" else (block_size or r.block_size)
     if r.cycles == 0 and not final:
-        return f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.0f} tok/s · block {block_size or r.block_size}"
+        return f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.0f} tok/s · block {block}"
     lead = f"{r.generation_tokens} tokens · " if final else ""
     return (
         f"{lead}{r.generation_tps:.1f} tok/s · τ {r.acceptance_length:.2f} · accept {r.acceptance_rate:.0%} · "
-        f"block {block_size or r.block_size} · {r.peak_memory:.2f} GB"
+        f"block {block} · {r.peak_memory:.2f} GB"
     )

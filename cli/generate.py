@@ -65,7 +65,7 @@ def generate_command(
     """
     with user_errors(verbose):
         text = _read_prompt(prompt)
-        check_args(max_tokens, temp, top_p, top_k, block_size)
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be positive, got {prefill_step_size}.")
         from dflash_mlx import stream_generate

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .block_size import BlockChooser
 from .draft import DFlashDraft
 from .stable_cache import stable_shapes_by_default
 from .sampling import accept_greedy, accept_sampled, check_sampling, sample
@@ -145,7 +146,10 @@ def stream_generate(
 
     prompt: a str (encoded as is, no chat template) or token ids.
     block_size: tokens per verify (last committed + block_size-1 drafts);
-    defaults to the drafter's. seed: makes a sampled run repeatable.
+    defaults to the drafter's. "auto": chosen before every cycle between 4
+    and the drafter's, from the acceptance and cycle times measured so far
+    with this drafter (dflash_mlx/block_size.py; what is learned carries over
+    to the next call); the output is the same, only the speed differs. seed: makes a sampled run repeatable.
     prompt_cache: from ``make_prompt_cache``; pass the whole conversation as
     the prompt each time and only the part not already cached is prefilled.
     prompt_progress(done, total): called after each prefill chunk.
@@ -154,8 +158,11 @@ def stream_generate(
     draft.bind(target)
     check_sampling(temperature, top_p, top_k)
     block_size = draft.config.block_size if block_size is None else block_size
-    if int(block_size) != block_size or block_size < 2:
-        raise ValueError(f"block_size must be an integer >= 2 (one committed token plus drafts), got {block_size}.")
+    auto = block_size == "auto"
+    if auto:
+        block_size = draft.config.block_size
+    if isinstance(block_size, str) or int(block_size) != block_size or block_size < 2:
+        raise ValueError(f"block_size must be an integer >= 2 (one committed token plus drafts) or 'auto', got {block_size!r}.")
     if int(max_tokens) != max_tokens or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens}.")
     if prefill_step_size < 1:
@@ -170,6 +177,7 @@ def stream_generate(
     loop = _Decoder(
         target, draft, tokenizer, prompt_cache,
         int(block_size), int(max_tokens), (temperature, top_p, int(top_k)), mx.random.key(seed),
+        BlockChooser.for_draft(draft, min(4, int(block_size)), int(block_size)) if auto else None,
     )
     return loop.run(ids, prefill_step_size, prompt_progress)
 
@@ -191,9 +199,10 @@ def generate(model, draft: DFlashDraft, tokenizer, prompt, *, verbose: bool = Fa
 
 
 class _Decoder:
-    def __init__(self, target, draft, tokenizer, cache, block_size, max_tokens, sampling, key):
+    def __init__(self, target, draft, tokenizer, cache, block_size, max_tokens, sampling, key, chooser=None):
         self.target, self.draft, self.tokenizer, self.cache = target, draft, tokenizer, cache
         self.block_size, self.max_tokens = block_size, max_tokens
+        self.chooser: BlockChooser | None = chooser
         self.temperature, self.top_p, self.top_k = sampling
         self.key = key
         self.taps = list(draft.config.target_layer_ids)
@@ -234,6 +243,9 @@ class _Decoder:
             if progress is not None:
                 progress(start + len(chunk), len(new))
         return logits[0, -1]
+
+    def _next_block(self) -> int:
+        return self.chooser.choose() if self.chooser is not None else self.block_size
 
     # -- one cycle ------------------------------------------------------------
     def _launch(self, last: int, bs: int):
@@ -299,14 +311,17 @@ class _Decoder:
         pending_response = response(detok.last_segment, [first], None, bs_max, None)
 
         snap = cache.snapshot()
-        bs = min(bs_max, self.max_tokens - n + 1)
+        bs = min(self._next_block(), self.max_tokens - n + 1)
         with mx.stream(generation_stream):
             inflight = self._launch(last, bs)
+        read_at = None
         try:
             yield pending_response
             while inflight is not None:
                 result, hidden = inflight
                 values = result.tolist()
+                now = time.perf_counter()
+                seconds, read_at = (now - read_at if read_at is not None else None), now
                 accepted, proposals = values[0], values[1:]
                 room = self.max_tokens - n
                 new = proposals[: min(accepted + 1, room)]
@@ -327,12 +342,14 @@ class _Decoder:
                 proposed += bs - 1
                 for i in range(accepted):
                     by_position[i] += 1
+                if self.chooser is not None:
+                    self.chooser.record(bs, accepted, seconds)
 
                 finish = "stop" if stop is not None else ("length" if n >= self.max_tokens else None)
                 inflight = None
                 if finish is None:
                     snap = cache.snapshot()
-                    bs = min(bs_max, self.max_tokens - n + 1)
+                    bs = min(self._next_block(), self.max_tokens - n + 1)
                     with mx.stream(generation_stream):
                         inflight = self._launch(last, bs)
                 for t in new:

@@ -96,6 +96,13 @@ def test_generate_sampled_with_seed_is_repeatable(pair, loaded):
     assert result.stdout == want + "\n"
 
 
+def test_generate_with_automatic_block_size(pair, loaded):
+    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1 w2",
+                 "-m", 30, "--block-size", "AUTO")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected(loaded, "raw", "w1 w2", max_tokens=30) + "\n"  # greedy: the same text
+
+
 def test_generate_applies_the_chat_template(pair, loaded):
     model, draft, tok = loaded["chat"]
     ids = tok.encode("w1 w9 w4 w2 w7 w8 w4 w3", add_special_tokens=False)  # TEMPLATE with system + user
@@ -161,6 +168,7 @@ def test_generate_verbose_shows_the_prompt(pair):
         (["--top-p", "1.5"], ["top_p must be in (0, 1]"]),
         (["--top-k", "-2"], ["top_k must be a non-negative integer"]),
         (["--block-size", "1"], ["--block-size must be at least 2"]),
+        (["--block-size", "fast"], ["--block-size must be an integer of at least 2 or 'auto'"]),
         (["--max-tokens", "0"], ["--max-tokens must be a positive integer"]),
         (["--max-tokens", "many"], ["Invalid value for '--max-tokens'", "dflash-mlx generate --help"]),
         (["--bogus"], ["No such option: --bogus"]),

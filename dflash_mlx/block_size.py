@@ -1,0 +1,107 @@
+"""Choosing the block size as decoding goes (``block_size="auto"``).
+
+The best block size trades what a longer block can gain against what it
+costs, and both depend on the machine and the text: on a GPU a verify of 16
+tokens costs about what one of 4 does, so the longest block wins; on a CPU
+the cost grows with the tokens, and a short block wins (BENCHMARKS.md). The
+chooser measures both while decoding and picks, before every cycle, the
+block b in [lo, hi] with the most expected tokens per second:
+
+    tokens(b) = 1 + sum_{i=1}^{b-1} S_i,   S_i = r_1 * ... * r_i,
+    seconds(b) = a + c * b,
+
+with r_i the observed chance that draft i is accepted given that the drafts
+before it were (a count with a prior of 1/2, so positions never tried are
+neither trusted nor ruled out), and a, c fitted to the measured cycle times
+(least squares over the block sizes tried, c >= 0). The first cycles probe
+hi, lo and the middle so the fit has three sizes; afterwards every
+``explore``-th cycle uses hi so the acceptance of late positions stays
+measured. Which block is used never changes the output, only the speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class BlockChooser:
+    MEMORY = 2000  # cycles of acceptance counts kept at full weight
+
+    def __init__(self, lo: int, hi: int, explore: int = 16):
+        if not 2 <= lo <= hi:
+            raise ValueError(f"block sizes must satisfy 2 <= lo <= hi, got {lo}..{hi}.")
+        self.lo, self.hi, self.explore = lo, hi, explore
+        self.reached = [0] * hi  # [i]: cycles that proposed draft i with drafts 1..i-1 accepted
+        self.hit = [0] * hi  # [i]: ... of which draft i was accepted too
+        self.times: dict[int, list[float]] = {}  # block size -> cycle seconds (first one dropped)
+        self.seen: set[int] = set()
+        self.cycles = 0
+        probe = [hi, lo, (lo + hi) // 2]
+        self.probe = list(dict.fromkeys(probe))
+
+    @classmethod
+    def for_draft(cls, draft, lo: int, hi: int) -> "BlockChooser":
+        """The chooser kept with ``draft`` for this range: what one call
+        learned (acceptance, cycle costs) the next one starts from."""
+        kept = getattr(draft, "_block_choosers", None)
+        if kept is None:
+            kept = {}
+            object.__setattr__(draft, "_block_choosers", kept)
+        if (lo, hi) not in kept:
+            kept[(lo, hi)] = cls(lo, hi)
+        return kept[(lo, hi)]
+
+    def record(self, block: int, accepted: int, seconds: float | None) -> None:
+        """One verify cycle at ``block`` accepted ``accepted`` drafts in ``seconds``."""
+        self.cycles += 1
+        for i in range(1, min(block - 1, accepted + 1) + 1):
+            self.reached[i] += 1
+            self.hit[i] += i <= accepted
+        if self.reached[1] > self.MEMORY:  # forget slowly: recent text weighs more
+            self.reached = [r / 2 for r in self.reached]
+            self.hit = [h / 2 for h in self.hit]
+        if seconds is None:
+            return
+        if block not in self.seen:  # the first cycle of a size pays its kernel builds
+            self.seen.add(block)
+            return
+        ts = self.times.setdefault(block, [])
+        ts.append(seconds)
+        del ts[:-32]
+
+    def expected_tokens(self, block: int) -> float:
+        total, s = 1.0, 1.0
+        for i in range(1, block):
+            s *= (self.hit[i] + 1) / (self.reached[i] + 2)
+            total += s
+        return total
+
+    def cost(self) -> tuple[float, float]:
+        """(a, c) of seconds(b) = a + c*b, from the median time of each size tried."""
+        pts = [(b, sorted(ts)[len(ts) // 2]) for b, ts in self.times.items() if ts]
+        if not pts:
+            return 1.0, 0.0
+        if len(pts) == 1:
+            return pts[0][1], 0.0
+        n = len(pts)
+        mb = sum(b for b, _ in pts) / n
+        mt = sum(t for _, t in pts) / n
+        var = sum((b - mb) ** 2 for b, _ in pts)
+        c = max(0.0, sum((b - mb) * (t - mt) for b, t in pts) / var) if var else 0.0
+        a = max(mt - c * mb, 1e-9)
+        return a, c
+
+    def choose(self) -> int:
+        """The block size for the next cycle."""
+        for b in self.probe:
+            if len(self.times.get(b, [])) < 2:
+                return b
+        if self.explore and self.cycles % self.explore == 0:
+            return self.hi
+        a, c = self.cost()
+        best, best_rate = self.hi, -math.inf
+        for b in range(self.hi, self.lo - 1, -1):  # ties go to the longer block
+            rate = self.expected_tokens(b) / (a + c * b)
+            if rate > best_rate + 1e-12:
+                best, best_rate = b, rate
+        return best

@@ -1,0 +1,142 @@
+"""block_size="auto": the chooser's arithmetic, and that the output stays the
+target's own while the block size changes from cycle to cycle."""
+
+import random
+
+import pytest
+
+from dflash_mlx import stream_generate
+from dflash_mlx.block_size import BlockChooser
+from tiny import draft_config, greedy_reference, lean_towards_one_token, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+
+
+def feed(chooser: BlockChooser, accept_rate: float, seconds, cycles: int, seed: int = 0) -> list[int]:
+    """Run ``cycles`` simulated cycles: each draft accepted with ``accept_rate``
+    given the ones before, a cycle of block b taking seconds(b)."""
+    rng = random.Random(seed)
+    used = []
+    for _ in range(cycles):
+        b = chooser.choose()
+        used.append(b)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < accept_rate:
+            accepted += 1
+        chooser.record(b, accepted, seconds(b))
+    return used
+
+
+def best_block(accept_rate: float, seconds, lo: int, hi: int) -> int:
+    def rate(b):
+        return sum(accept_rate**i for i in range(b)) / seconds(b)
+
+    return max(range(hi, lo - 1, -1), key=rate)
+
+
+def test_probes_long_short_and_middle_first():
+    c = BlockChooser(4, 16)
+    used = feed(c, 0.5, lambda b: 1.0, 9)
+    assert used == [16] * 3 + [4] * 3 + [10] * 3
+
+
+def test_flat_cost_picks_the_longest_block():
+    # A GPU-like machine: a cycle costs the same whatever its length.
+    c = BlockChooser(4, 16, explore=0)
+    used = feed(c, 0.8, lambda b: 0.004, 200)
+    assert used[-50:] == [16] * 50
+
+
+def test_cost_growing_with_the_block_picks_the_best_short_block():
+    # A CPU-like machine: the cost grows with the tokens verified.
+    def seconds(b):
+        return 0.010 + 0.004 * b
+
+    c = BlockChooser(4, 16, explore=0)
+    used = feed(c, 0.7, seconds, 400)
+    want = best_block(0.7, seconds, 4, 16)
+    assert want < 10
+    tail = used[-100:]
+    assert max(set(tail), key=tail.count) in (want - 1, want, want + 1)
+
+
+def test_exploration_keeps_late_positions_measured():
+    c = BlockChooser(4, 16, explore=8)
+    used = feed(c, 0.8, lambda b: 0.01 + 0.01 * b, 200)
+    late = used[50:]
+    assert max(set(late), key=late.count) == 4  # the best block on this machine
+    assert late.count(16) >= len(late) // 8 - 1  # and every 8th cycle a long one
+    before = c.reached[8]
+    feed(c, 0.8, lambda b: 0.01 + 0.01 * b, 200, seed=1)
+    assert c.reached[8] > before  # so late positions keep being measured
+
+
+def test_expected_tokens_follow_the_counts():
+    c = BlockChooser(2, 4)
+    assert c.expected_tokens(1) == 1.0
+    assert c.expected_tokens(2) == pytest.approx(1.5)  # prior 1/2 with no data
+    for _ in range(98):
+        c.record(4, 3, None)  # every draft accepted
+    assert c.expected_tokens(4) == pytest.approx(1 + 0.99 + 0.99**2 + 0.99**3)
+
+
+def test_bad_range():
+    with pytest.raises(ValueError, match="2 <= lo <= hi"):
+        BlockChooser(5, 4)
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair():
+    tcfg = target_config("qwen3", vocab=24, layers=5)
+    model = lean_towards_one_token(make_target(tcfg, seed=21), 0.36)
+    dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))
+
+
+def fresh(draft):
+    object.__setattr__(draft, "_block_choosers", {})  # forget what earlier tests taught it
+    return draft
+
+
+def test_auto_is_lossless_while_the_block_changes(agreeing_pair):
+    model, draft = agreeing_pair
+    fresh(draft)
+    tok = make_tokenizer(24)
+    rng = random.Random(5)
+    sizes = set()
+    for n in (1, 9, 40):
+        prompt = [rng.randrange(23) for _ in range(n)]
+        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=120, block_size="auto"))
+        assert [t for r in responses for t in r.tokens] == greedy_reference(model, prompt, 120)
+        # (a cycle near the end is cut to the tokens still wanted)
+        sizes |= {r.block_size for r in responses[1:] if 120 - (r.generation_tokens - len(r.tokens)) >= 16}
+        assert all(r.accepted is None or r.accepted <= r.block_size - 1 for r in responses)
+    assert len(sizes) >= 3 and min(sizes) >= 4 and max(sizes) == 16
+
+
+def test_auto_with_sampling(agreeing_pair):
+    model, draft = agreeing_pair
+    tok = make_tokenizer(24)
+    responses = list(stream_generate(model, fresh(draft), tok, [3, 4, 5], max_tokens=80, temperature=0.8,
+                                     block_size="auto", seed=7))
+    assert sum(len(r.tokens) for r in responses) == 80
+    # the probes (the stream's first cycle has no timing: it follows the prefill)
+    assert [r.block_size for r in responses[1:9]] == [16, 16, 16, 16, 4, 4, 4, 10]
+
+
+def test_what_one_call_learns_carries_to_the_next(agreeing_pair):
+    model, draft = agreeing_pair
+    tok = make_tokenizer(24)
+    list(stream_generate(model, fresh(draft), tok, [1, 2, 3], max_tokens=240, block_size="auto"))
+    chooser = BlockChooser.for_draft(draft, 4, 16)
+    cycles = chooser.cycles
+    assert cycles > 9
+    responses = list(stream_generate(model, draft, tok, [4, 5, 6], max_tokens=60, block_size="auto"))
+    assert BlockChooser.for_draft(draft, 4, 16) is chooser and chooser.cycles == cycles + len(responses) - 1
+    # no second round of probes: the first cycles already use the block chosen from what was learned
+    first = [r.block_size for r in responses[1:4]]
+    assert first != [16, 16, 16]
+
+
+def test_bad_block_size(agreeing_pair):
+    model, draft = agreeing_pair
+    with pytest.raises(ValueError, match="or 'auto'"):
+        next(stream_generate(model, draft, make_tokenizer(24), [1, 2], block_size="fast"))
