@@ -441,3 +441,14 @@ def test_stats_chart():
         "   3 ██········  20%",
         "   4 ··········   0%",
     ]
+
+
+def test_status_line_names_the_chosen_block():
+    from types import SimpleNamespace
+
+    from dflash_mlx.cli.common import status_text
+
+    r = SimpleNamespace(cycles=3, prompt_tokens=5, prompt_tps=10.0, generation_tokens=12, generation_tps=40.0,
+                        acceptance_length=4.0, acceptance_rate=0.2, block_size=6, peak_memory=0.01)
+    assert "block auto (6)" in status_text(r, "auto")
+    assert "block 8" in status_text(r, 8) and "block 6" in status_text(r)
