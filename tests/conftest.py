@@ -2,3 +2,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair():
+    """A tiny pair whose drafter is often right: whole blocks get accepted."""
+    from tiny import draft_config, lean_towards_one_token, make_draft, make_target, random_draft_weights, target_config
+
+    tcfg = target_config("qwen3", vocab=24, layers=5)
+    model = lean_towards_one_token(make_target(tcfg, seed=21), 0.36)
+    dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))

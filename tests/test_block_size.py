@@ -7,7 +7,7 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.block_size import BlockChooser
-from tiny import draft_config, greedy_reference, lean_towards_one_token, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+from tiny import greedy_reference, make_tokenizer
 
 
 def feed(chooser: BlockChooser, accept_rate: float, seconds, cycles: int, seed: int = 0) -> list[int]:
@@ -81,14 +81,6 @@ def test_expected_tokens_follow_the_counts():
 def test_bad_range():
     with pytest.raises(ValueError, match="2 <= lo <= hi"):
         BlockChooser(5, 4)
-
-
-@pytest.fixture(scope="module")
-def agreeing_pair():
-    tcfg = target_config("qwen3", vocab=24, layers=5)
-    model = lean_towards_one_token(make_target(tcfg, seed=21), 0.36)
-    dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
-    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))
 
 
 def fresh(draft):

@@ -28,15 +28,6 @@ def dflash_tokens(model, draft, tokenizer, prompt, **kw):
     return tokens, responses
 
 
-@pytest.fixture(scope="module")
-def agreeing_pair():
-    """A pair whose drafter is often right: whole blocks get accepted."""
-    tcfg = target_config("qwen3", vocab=24, layers=5)
-    model = lean_towards_one_token(make_target(tcfg, seed=21), 0.36)
-    dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
-    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))
-
-
 @pytest.mark.parametrize("which", ["pair", "agreeing_pair"])
 def test_greedy_equals_target_over_block_sizes_and_prompt_lengths(which, request):
     model, draft = request.getfixturevalue(which)
