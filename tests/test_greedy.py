@@ -8,7 +8,7 @@ import mlx.nn as nn
 import pytest
 
 from dflash_mlx import generate, make_prompt_cache, stream_generate
-from tiny import draft_config, greedy_reference, lean_towards_one_token, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
 
