@@ -228,9 +228,18 @@ def test_out_exists_without_resume(tiny, tmp_path):
 
 
 def test_resume_with_other_shape(tiny, tmp_path):
-    train(_cfg(tiny, tmp_path / "d", steps=2), **QUIET)
+    train(_cfg(tiny, tmp_path / "d", steps=2, min_block_size=3, val_fraction=0.1), **QUIET)
     with pytest.raises(ValueError, match="--block-size is 4 but"):
         train(_cfg(tiny, tmp_path / "d", block_size=4, resume=True), **QUIET)
+    with pytest.raises(ValueError, match="--val-fraction is 0.3 but"):
+        train(_cfg(tiny, tmp_path / "d", val_fraction=0.3, resume=True), **QUIET)
+    with pytest.raises(ValueError, match="--min-block-size is 2 but"):
+        train(_cfg(tiny, tmp_path / "d", min_block_size=2, resume=True), **QUIET)
+    # not given: the run's own values are kept
+    more = train(_cfg(tiny, tmp_path / "d", steps=3, resume=True), **QUIET)
+    args = json.loads((tmp_path / "d" / "train_args.json").read_text())
+    assert (args["min_block_size"], args["val_fraction"]) == (3, 0.1)
+    assert more["held_out_sequences"] == round(0.1 * (more["sequences"] + more["held_out_sequences"]))
 
 
 def test_bad_flags(tiny, tmp_path):

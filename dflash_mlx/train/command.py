@@ -30,7 +30,7 @@ def train_command(
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine decay)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Prompt + response tokens per training sequence."),
     min_block_size: Optional[int] = typer.Option(None, "--min-block-size", help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only)."),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of the self-distilled sequences held out of training; the acceptance estimate on them is shown at each checkpoint."),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of the self-distilled sequences held out of training (default 0.05; none below 20 sequences); the acceptance estimate on them is shown at each checkpoint.", show_default=False),
     gen_batch: int = typer.Option(64, "--gen-batch", help="Prompts the target answers at once while writing the training data (larger is faster on a GPU)."),
     gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."),
     mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."),

@@ -16,9 +16,12 @@ DFlash paper's value), 7*(bs-1)/15 at other block sizes; --gamma overrides.
 The progress bar's acceptance estimate comes from the same blocks: with a_b the
 accepted prefix of block b's top-1 guesses, 1 / mean(1 / (1 + a_b)) tokens per
 verify cycle. It is measured on training sequences, so it flatters a drafter that memorizes;
-the "held-out" figure beside it is the same estimate on a fixed 5% of the
-sequences (--val-fraction) that never enter a training batch, measured at
-every checkpoint: when the two drift apart, more data helps more than more steps.
+the "held-out" figure beside it is the same estimate on fixed batches drawn
+from 5% of the sequences (--val-fraction) that never enter a training batch,
+measured at every checkpoint, always with full blocks: when the two drift
+apart, more data helps more than more steps. (With --min-block-size the
+training figure covers blocks of random length, which cap it lower, so
+compare the held-out figure's trend instead.)
 
 The drafter is the inference module ``DFlashDraft`` itself; the target's
 embedding and lm_head are used through the bound adapter and never trained.
@@ -70,7 +73,7 @@ class TrainConfig:
     max_prompts: int | None = None
     mask_token_id: int | None = None
     min_block_size: int | None = None  # blocks get random lengths in [min_block_size, block_size]; None: all full
-    val_fraction: float = 0.05  # sequences held out of training to measure acceptance on unseen text
+    val_fraction: float | None = None  # share held out to measure acceptance on unseen text; None: 0.05 (or the run's, on resume)
     compile: bool = True  # compile the training step (fixed shapes: same result, faster)
 
     def check(self) -> None:
@@ -91,7 +94,7 @@ class TrainConfig:
             raise ValueError(f"--gamma must be positive, got {self.gamma}.")
         if self.min_block_size is not None and not 2 <= self.min_block_size <= self.block_size:
             raise ValueError(f"--min-block-size must be between 2 and --block-size ({self.block_size}), got {self.min_block_size}.")
-        if not 0 <= self.val_fraction < 0.5:
+        if self.val_fraction is not None and not 0 <= self.val_fraction < 0.5:
             raise ValueError(f"--val-fraction must be in [0, 0.5), got {self.val_fraction}.")
 
 
@@ -374,7 +377,8 @@ def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
 
 # -- the loop -----------------------------------------------------------------------
 
-_SAME_ON_RESUME = ("block_size", "draft_layers", "target_layer_ids", "seq_len", "mask_token_id")
+_SAME_ON_RESUME = ("block_size", "draft_layers", "target_layer_ids", "seq_len", "mask_token_id", "min_block_size", "val_fraction")
+DEFAULT_VAL_FRACTION = 0.05
 
 
 def _prepare_out(cfg: TrainConfig) -> Path:
@@ -394,9 +398,13 @@ def _prepare_out(cfg: TrainConfig) -> Path:
                 f"--{k.replace('_', '-')} is {getattr(cfg, k)} but {out} was trained with {old[k]}; "
                 "resume with the same value or choose a new --out."
             )
-        for k in ("target_layer_ids", "mask_token_id"):
+        for k in ("target_layer_ids", "mask_token_id", "min_block_size"):
             if getattr(cfg, k) is None:
                 setattr(cfg, k, old.get(k))
+        if cfg.val_fraction is None:  # a run from before the held-out split had none
+            cfg.val_fraction = old.get("val_fraction", 0.0)
+    if cfg.val_fraction is None:
+        cfg.val_fraction = DEFAULT_VAL_FRACTION
     return out
 
 
@@ -545,10 +553,11 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
         "held_out_sequences": len(held_out),
         "train_seconds": time.perf_counter() - train_start,
     }
+    lengths = f" (blocks of {cfg.min_block_size}-{cfg.block_size})" if cfg.min_block_size else ""
     held = (f", {summary['held_out_acceptance']:.2f} on {len(held_out)} held-out sequences"
             if summary["held_out_acceptance"] is not None else "")
     console.print(f"drafter saved to {out} (loss {summary['loss']:.3f}, estimated acceptance length "
-                  f"{summary['acceptance_estimate']:.2f} on training batches{held} at block {cfg.block_size})"
+                  f"{summary['acceptance_estimate']:.2f} on training batches{lengths}{held} at block {cfg.block_size})"
                   if ema else f"drafter saved to {out}")
     return summary
 
