@@ -55,7 +55,7 @@ MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens 
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed, for repeatable sampling.", show_default=False)]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed, for repeatable sampling (with a fixed --block-size).", show_default=False)]
 BlockSize = Annotated[
     Optional[str],
     typer.Option("--block-size", help="Tokens per verify (1 committed + drafts); defaults to the drafter's. "

@@ -12,11 +12,18 @@ block b in [lo, hi] with the most expected tokens per second:
 
 with r_i the observed chance that draft i is accepted given that the drafts
 before it were (a count with a prior of 1/2, so positions never tried are
-neither trusted nor ruled out), and a, c fitted to the measured cycle times
-(least squares over the block sizes tried, c >= 0). The first cycles probe
-hi, lo and the middle so the fit has three sizes; afterwards every
-``explore``-th cycle uses hi so the acceptance of late positions stays
-measured. Which block is used never changes the output, only the speed.
+neither trusted nor ruled out), and a, c fitted to the recent cycle times
+(least squares over the block sizes tried, c >= 0; a cycle's time runs from
+building its graph to reading its result, less the time the caller held the
+previous response). The first cycles probe hi, lo and the middle so the fit
+has three sizes; afterwards every ``explore``-th cycle uses hi or lo in turn,
+so the acceptance of late positions and both ends of the cost line stay
+measured. One chooser is kept per drafter object (``for_draft``), so what a
+call learns, the next call in the same process starts from.
+
+Which block is used never changes greedy output. A sampled run draws the
+same distribution whatever the blocks, but with a seed the text is fixed only
+for fixed blocks: the blocks chosen from timings change the random draws.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import math
 
 class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
+    RECENT = 256  # cycles whose times the cost fit uses
 
     def __init__(self, lo: int, hi: int, explore: int = 16):
         if not 2 <= lo <= hi:
@@ -33,8 +41,9 @@ class BlockChooser:
         self.lo, self.hi, self.explore = lo, hi, explore
         self.reached = [0] * hi  # [i]: cycles that proposed draft i with drafts 1..i-1 accepted
         self.hit = [0] * hi  # [i]: ... of which draft i was accepted too
-        self.times: dict[int, list[float]] = {}  # block size -> cycle seconds (first one dropped)
+        self.times: dict[int, list[tuple[int, float]]] = {}  # block size -> (cycle, seconds), first one dropped
         self.seen: set[int] = set()
+        self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
         probe = [hi, lo, (lo + hi) // 2]
         self.probe = list(dict.fromkeys(probe))
@@ -66,7 +75,7 @@ class BlockChooser:
             self.seen.add(block)
             return
         ts = self.times.setdefault(block, [])
-        ts.append(seconds)
+        ts.append((self.cycles, seconds))
         del ts[:-32]
 
     def expected_tokens(self, block: int) -> float:
@@ -77,8 +86,13 @@ class BlockChooser:
         return total
 
     def cost(self) -> tuple[float, float]:
-        """(a, c) of seconds(b) = a + c*b, from the median time of each size tried."""
-        pts = [(b, sorted(ts)[len(ts) // 2]) for b, ts in self.times.items() if ts]
+        """(a, c) of seconds(b) = a + c*b, from the median time of each size
+        tried in the last RECENT cycles (costs grow with the context, so old
+        times of one size must not be set against new times of another)."""
+        recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] for b, ts in self.times.items()}
+        if sum(1 for ts in recent.values() if ts) < 2:
+            recent = {b: [t for _, t in ts] for b, ts in self.times.items()}
+        pts = [(b, sorted(ts)[len(ts) // 2]) for b, ts in recent.items() if ts]
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
@@ -93,11 +107,18 @@ class BlockChooser:
 
     def choose(self) -> int:
         """The block size for the next cycle."""
+        b = self._choose()
+        self.asked[b] = self.asked.get(b, 0) + 1
+        return b
+
+    def _choose(self) -> int:
         for b in self.probe:
-            if len(self.times.get(b, [])) < 2:
+            if self.asked.get(b, 0) < 3:
                 return b
         if self.explore and self.cycles % self.explore == 0:
-            return self.hi
+            # alternately the longest and the shortest block: late positions
+            # stay measured, and both ends of the cost line stay fresh
+            return self.hi if (self.cycles // self.explore) % 2 == 0 else self.lo
         a, c = self.cost()
         best, best_rate = self.hi, -math.inf
         for b in range(self.hi, self.lo - 1, -1):  # ties go to the longer block

@@ -149,7 +149,9 @@ def stream_generate(
     defaults to the drafter's. "auto": chosen before every cycle between 4
     and the drafter's, from the acceptance and cycle times measured so far
     with this drafter (dflash_mlx/block_size.py; what is learned carries over
-    to the next call); the output is the same, only the speed differs. seed: makes a sampled run repeatable.
+    to the next call in this process). Greedy output is the same whatever the
+    block; a sampled one keeps its distribution, but with "auto" a seed no
+    longer fixes the text. seed: makes a sampled run repeatable (fixed block size).
     prompt_cache: from ``make_prompt_cache``; pass the whole conversation as
     the prompt each time and only the part not already cached is prefilled.
     prompt_progress(done, total): called after each prefill chunk.
@@ -312,16 +314,17 @@ class _Decoder:
 
         snap = cache.snapshot()
         bs = min(self._next_block(), self.max_tokens - n + 1)
+        started = time.perf_counter()
         with mx.stream(generation_stream):
             inflight = self._launch(last, bs)
-        read_at = None
         try:
+            t = time.perf_counter()
             yield pending_response
+            held = time.perf_counter() - t  # the caller's time, not the cycle's
             while inflight is not None:
                 result, hidden = inflight
                 values = result.tolist()
-                now = time.perf_counter()
-                seconds, read_at = (now - read_at if read_at is not None else None), now
+                seconds = max(time.perf_counter() - started - held, 0.0)
                 accepted, proposals = values[0], values[1:]
                 room = self.max_tokens - n
                 new = proposals[: min(accepted + 1, room)]
@@ -350,6 +353,7 @@ class _Decoder:
                 if finish is None:
                     snap = cache.snapshot()
                     bs = min(self._next_block(), self.max_tokens - n + 1)
+                    started = time.perf_counter()
                     with mx.stream(generation_stream):
                         inflight = self._launch(last, bs)
                 for t in new:
@@ -357,7 +361,9 @@ class _Decoder:
                         detok.add_token(t)
                 if finish is not None:
                     detok.finalize()
+                t = time.perf_counter()
                 yield response(detok.last_segment, new, accepted, cycle_bs, finish)
+                held = time.perf_counter() - t
                 if n // 256 != (n - k) // 256:
                     mx.clear_cache()
         finally:
