@@ -35,7 +35,7 @@ class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
     RECENT = 256  # cycles whose times the cost fit uses
 
-    def __init__(self, lo: int, hi: int, explore: int = 16):
+    def __init__(self, lo: int, hi: int, explore: int = 32):
         if not 2 <= lo <= hi:
             raise ValueError(f"block sizes must satisfy 2 <= lo <= hi, got {lo}..{hi}.")
         self.lo, self.hi, self.explore = lo, hi, explore
