@@ -29,10 +29,10 @@ def main():
     from mlx_lm import load
     from rich.console import Console
 
-    from dflash_mlx import load_draft, stream_generate
+    from dflash_mlx import load_draft
     from dflash_mlx.draft import DFlashDraft
     from dflash_mlx.train.trainer import TrainConfig, train
-    from tests.tiny import make_target, make_tokenizer, target_config, write_target
+    from tests.tiny import make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
     vocab = 32
     root = Path(tempfile.mkdtemp())
@@ -56,21 +56,13 @@ def main():
     rng = np.random.default_rng(123)
     prompts = [[int(t) for t in rng.integers(0, vocab, size=6)] for _ in range(16)]
 
-    def acceptance(draft):
-        out = []
-        for p in prompts:
-            for r in stream_generate(model, draft, tok, p, max_tokens=40):
-                pass
-            out.append(r.acceptance_length)
-        return float(np.mean(out))
-
     h = summary["history"]
     print(f"tiny target (6 layers, hidden 64, vocab 32), drafter 2 layers, block {args.block_size}, "
           f"{args.steps} steps in {seconds:.1f}s (self-distillation included) on {mx.default_device()}")
     print(f"loss: first 10 steps {np.mean([x[1] for x in h[:10]]):.3f}, last 10 steps {np.mean([x[1] for x in h[-10:]]):.3f}")
     print(f"training estimate of acceptance: {summary['acceptance_estimate']:.2f}")
-    print(f"acceptance length on 16 unseen prompts (greedy, 40 tokens): trained {acceptance(trained):.2f}, "
-          f"untrained {acceptance(untrained):.2f}")
+    print(f"acceptance length on 16 unseen prompts (greedy, 40 tokens): trained {mean_acceptance(model, trained, tok, prompts):.2f}, "
+          f"untrained {mean_acceptance(model, untrained, tok, prompts):.2f}")
 
 
 if __name__ == "__main__":

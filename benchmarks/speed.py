@@ -155,11 +155,7 @@ def main():
         have_official = False
 
     rows = []
-    if args.cold:
-        args.repeat = 1
-    for rep in range(args.repeat + 1):  # the first round warms up
-        if args.cold and rep:
-            break
+    for rep in range(1 if args.cold else args.repeat + 1):  # the first round warms up, unless --cold
         stats: dict = {}
         round_rows = [timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens)]
         modes = {"auto": [("dflash-mlx", None)], "on": [("dflash-mlx", True)], "off": [("dflash-mlx", False)],

@@ -42,7 +42,6 @@ class BlockChooser:
         self.reached = [0] * hi  # [i]: cycles that proposed draft i with drafts 1..i-1 accepted
         self.hit = [0] * hi  # [i]: ... of which draft i was accepted too
         self.times: dict[int, list[tuple[int, float]]] = {}  # block size -> (cycle, seconds), first one dropped
-        self.seen: set[int] = set()
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
         probe = [hi, lo, (lo + hi) // 2]
@@ -71,10 +70,10 @@ class BlockChooser:
             self.hit = [h / 2 for h in self.hit]
         if seconds is None:
             return
-        if block not in self.seen:  # the first cycle of a size pays its kernel builds
-            self.seen.add(block)
+        if block not in self.times:  # the first cycle of a size pays its kernel builds
+            self.times[block] = []
             return
-        ts = self.times.setdefault(block, [])
+        ts = self.times[block]
         ts.append((self.cycles, seconds))
         del ts[:-32]
 

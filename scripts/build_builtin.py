@@ -271,8 +271,9 @@ def draft_data(path: Path, args, seed: int) -> dict:
     extra = []
     for d in args.extra_code or []:
         extra += [f for f in python_files(Path(d), args.extra_files, seed) if not f[0].startswith(str(stdlib_root()))]
-    pools = [("stdlib", stdlib, 1.0 - args.extra_share)] + ([("extra", extra, args.extra_share)] if extra else [])
-    if not extra:
+    if extra:
+        pools = [("stdlib", stdlib, 1.0 - args.extra_share), ("extra", extra, args.extra_share)]
+    else:
         pools = [("stdlib", stdlib, 1.0)]
     rows, counts = [], {}
     for name, files, share in pools:

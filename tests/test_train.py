@@ -16,7 +16,7 @@ from dflash_mlx.draft import DFlashDraft, DraftConfig
 from dflash_mlx.targets import adapt
 from dflash_mlx.train.data import Sequence, read_prompts
 from dflash_mlx.train.trainer import TrainConfig, draft_logits, make_batch, target_taps, train
-from tests.tiny import draft_config, make_target, make_tokenizer, target_config, write_target
+from tests.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
 VOCAB = 32
 QUIET = dict(console=Console(quiet=True), show_progress=False)
@@ -80,15 +80,6 @@ def test_training_blocks_match_inference(sliding, min_block):
 
 # -- it learns ------------------------------------------------------------------
 
-def _acceptance(model, draft, tok, prompts):
-    out = []
-    for p in prompts:
-        for r in stream_generate(model, draft, tok, p, max_tokens=40):
-            pass
-        out.append(r.acceptance_length)
-    return float(np.mean(out))
-
-
 def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
     summary = train(_cfg(tiny, tmp_path / "d", steps=200, save_every=200), **QUIET)
     losses = [h[1] for h in summary["history"]]
@@ -101,8 +92,8 @@ def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
     untrained = DFlashDraft(trained.config)
     rng = np.random.default_rng(123)  # prompts the training never saw
     prompts = [[int(t) for t in rng.integers(0, VOCAB, size=6)] for _ in range(6)]
-    acc_trained = _acceptance(model, trained, tok, prompts)
-    acc_untrained = _acceptance(model, untrained, tok, prompts)
+    acc_trained = mean_acceptance(model, trained, tok, prompts)
+    acc_untrained = mean_acceptance(model, untrained, tok, prompts)
     assert acc_trained > acc_untrained + 1.0, (acc_trained, acc_untrained)
 
 

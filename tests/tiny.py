@@ -137,6 +137,18 @@ def write_target(path: Path, cfg: dict, model: nn.Module, tokenizer: TokenizerWr
     return path
 
 
+def mean_acceptance(model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int = 40) -> float:
+    """Mean over ``prompts`` of each greedy DFlash generation's acceptance length."""
+    from dflash_mlx import stream_generate
+
+    lengths = []
+    for p in prompts:
+        for r in stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens):
+            pass
+        lengths.append(r.acceptance_length)
+    return sum(lengths) / len(lengths)
+
+
 def greedy_reference(model: nn.Module, prompt: list[int], max_tokens: int, eos: set[int] = frozenset()) -> list[int]:
     """mlx-lm's own greedy decoding of the target, cut after the first EOS."""
     out = []

@@ -302,11 +302,9 @@ def split_held_out(seqs: list[Sequence], fraction: float, seed: int) -> tuple[li
     """(training, held-out): a fixed random ``fraction`` of the sequences (at
     least one when there are 20 or more, none below) never enters a training
     batch, to measure how the drafter does on text it has not learned."""
-    n = int(round(len(seqs) * fraction)) if len(seqs) >= 20 else 0
-    if fraction > 0 and len(seqs) >= 20:
-        n = max(1, n)
-    if n == 0:
+    if fraction <= 0 or len(seqs) < 20:
         return seqs, []
+    n = max(1, round(len(seqs) * fraction))
     order = np.random.default_rng([seed, 7]).permutation(len(seqs))
     held = set(order[:n].tolist())
     return [s for i, s in enumerate(seqs) if i not in held], [seqs[i] for i in sorted(held)]
