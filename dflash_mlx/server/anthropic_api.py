@@ -1,0 +1,142 @@
+"""The Anthropic Messages endpoint, /v1/messages: text, system, thinking,
+stop sequences and tool use, streamed as Anthropic's events or not."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import error_body
+from .job import Done, Event, Failed, Job, Usage
+from .prompts import anthropic_messages, anthropic_thinking, anthropic_tools, chat_prompt, check_context, starts_in_reasoning
+from .reply import Delta
+from .schemas import AnthropicRequest, parse_body
+from .service import Service, event_stream, sse
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def stop_reason(done: Done) -> str:
+    if done.stop_sequence is not None:
+        return "stop_sequence"
+    return STOP_REASONS.get(done.finish_reason, "end_turn")
+
+
+def usage_body(usage: Usage) -> dict:
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "dflash": usage.dflash,
+    }
+
+
+def messages_job(service: Service, body: AnthropicRequest) -> Job:
+    tools = None if (body.tool_choice or {}).get("type") == "none" else anthropic_tools(body.tools)
+    messages = anthropic_messages(body.system, body.messages)
+    ids = chat_prompt(service.tokenizer, messages, tools, service.template_kwargs(anthropic_thinking(body.thinking)))
+    check_context(ids, service.context_length)
+    job = Job(ids, service.params(body), list(body.stop_sequences or []), structured=True,
+              starts_in_reasoning=starts_in_reasoning(service.tokenizer, ids), tools=tools)
+    service.fit_to_context(job)
+    return job
+
+
+def content_blocks(delta: Delta) -> list[dict]:
+    blocks = []
+    if delta.reasoning:
+        blocks.append({"type": "thinking", "thinking": delta.reasoning, "signature": ""})
+    if delta.content:
+        blocks.append({"type": "text", "text": delta.content})
+    blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]} for c in delta.tool_calls]
+    return blocks
+
+
+def message_body(message_id: str, model: str, content: list[dict], done: Optional[Done], usage: dict) -> dict:
+    return {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": done and stop_reason(done), "stop_sequence": done and done.stop_sequence, "usage": usage,
+    }
+
+
+class _BlockStream:
+    """Anthropic's streamed content blocks: one open at a time, each started,
+    filled with deltas and stopped."""
+
+    DELTAS = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+
+    def __init__(self):
+        self.index, self.open_kind = -1, None
+
+    def _start(self, block: dict) -> str:
+        self.index += 1
+        self.open_kind = block["type"]
+        return sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start")
+
+    def close(self) -> str:
+        if self.open_kind is None:
+            return ""
+        self.open_kind = None
+        return sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")
+
+    def text(self, kind: str, text: str) -> str:
+        out = ""
+        if self.open_kind != kind:
+            out += self.close()
+            start = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+            out += self._start(start)
+        delta_type, field = self.DELTAS[kind]
+        return out + sse({"type": "content_block_delta", "index": self.index, "delta": {"type": delta_type, field: text}},
+                         "content_block_delta")
+
+    def tool_use(self, call: dict) -> str:
+        out = self.close() + self._start({"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}})
+        partial = json.dumps(call["arguments"], ensure_ascii=False)
+        out += sse({"type": "content_block_delta", "index": self.index, "delta": {"type": "input_json_delta", "partial_json": partial}},
+                   "content_block_delta")
+        return out + self.close()
+
+    def delta(self, delta: Delta) -> str:
+        out = self.text("thinking", delta.reasoning) if delta.reasoning else ""
+        out += self.text("text", delta.content) if delta.content else ""
+        return out + "".join(self.tool_use(c) for c in delta.tool_calls)
+
+
+async def message_stream(message_id: str, service: Service, job: Job, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    start = message_body(message_id, service.config.model_name, [], None,
+                         {"input_tokens": len(job.prompt), "output_tokens": 0})
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    blocks = _BlockStream()
+    async for event in events:
+        if isinstance(event, Failed):
+            yield sse(error_body(event.error.status, event.error.message), "error")
+            return
+        delta = event.delta if isinstance(event, Done) else event
+        if delta:
+            yield blocks.delta(delta)
+        if isinstance(event, Done):
+            yield blocks.close()
+            yield sse({"type": "message_delta", "delta": {"stop_reason": stop_reason(event), "stop_sequence": event.stop_sequence},
+                       "usage": usage_body(event.usage)}, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+
+
+async def messages(request: Request) -> Response:
+    service: Service = request.app.state.service
+    service.authorize(request)
+    body = await parse_body(request, AnthropicRequest)
+    service.check_model(body.model)
+    job = messages_job(service, body)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    events = await service.start(job, request)
+    if events is None:
+        return Response(status_code=499)
+    if body.stream:
+        return event_stream(job, message_stream(message_id, service, job, events))
+    delta, done = await service.collect(events)
+    return JSONResponse(message_body(message_id, service.config.model_name, content_blocks(delta), done, usage_body(done.usage)))

@@ -1,0 +1,51 @@
+"""The Starlette application and running it on uvicorn."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .anthropic_api import messages
+from .errors import EXCEPTION_HANDLERS
+from .openai_api import chat_completions, completions, models
+from .service import ServerConfig, Service
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse(request.app.state.service.health())
+
+
+def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> Starlette:
+    """The HTTP API over one loaded (model, draft, tokenizer) pair; its
+    decode worker runs while the app is being served."""
+    service = Service(model, draft, tokenizer, config or ServerConfig())
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        service.worker.start()
+        yield
+        service.worker.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    return app
+
+
+def run(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,83 @@
+"""Runs one job on the decode loop: the best prompt cache from the pool,
+stream_generate, the reply parser, events out; stops at a stop string, at
+the end, or within one cycle of the client going away."""
+
+from __future__ import annotations
+
+import logging
+
+from dflash_mlx import stream_generate
+
+from .cache_pool import PromptCachePool
+from .errors import APIError
+from .job import Done, Failed, Job, Usage
+from .reply import ReplyParser
+
+log = logging.getLogger("dflash_mlx.server")
+
+
+def dflash_figures(last, block_sizes: set[int]) -> dict:
+    """DFlash's own figures for a reply, so a client can see what happened."""
+    plain_cycles = int(getattr(last, "plain_cycles", 0) or 0)
+    return {
+        "acceptance_length": round(float(last.acceptance_length), 4),
+        "acceptance_rate": round(float(last.acceptance_rate), 4),
+        "cycles": int(last.cycles),
+        "block_sizes": sorted(block_sizes),
+        "plain_decoding": plain_cycles > 0,
+        "plain_cycles": plain_cycles,
+        "generation_tps": round(float(last.generation_tps), 2),
+        "prompt_tps": round(float(getattr(last, "prompt_tps", 0.0)), 2),
+    }
+
+
+class Decoder:
+    def __init__(self, model, draft, tokenizer, pool: PromptCachePool, block_size=None, prefill_step_size: int = 2048):
+        self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.pool = pool
+        self.block_size, self.prefill_step_size = block_size, prefill_step_size
+
+    def run(self, job: Job) -> None:
+        """Serve ``job``; every outcome, failures included, goes to its events."""
+        cache, cached = self.pool.take(job.prompt)
+        try:
+            done = self._generate(job, cache, cached)
+        except ValueError as e:  # bad generation arguments: the cache was not touched
+            self.pool.give_back(cache)
+            job.post(Failed(APIError(400, str(e))))
+            return
+        except Exception as e:  # a failure of this request only; its cache may be half-written
+            log.exception("request failed")
+            job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
+            return
+        self.pool.give_back(cache)
+        if done is not None:
+            job.post(done)
+
+    def _generate(self, job: Job, cache, cached: int):
+        p = job.params
+        parser = ReplyParser(self.tokenizer, job.stops, job.structured, job.starts_in_reasoning, job.tools)
+        responses = stream_generate(
+            self.model, self.draft, self.tokenizer, job.prompt,
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            block_size=self.block_size, prompt_cache=cache, prefill_step_size=self.prefill_step_size,
+        )
+        last, block_sizes = None, set()
+        try:
+            for last in responses:
+                block_sizes.add(last.block_size)
+                delta = parser.feed(last.text)
+                if delta:
+                    job.post(delta)
+                if parser.stopped or job.cancelled.is_set():
+                    break
+        finally:
+            responses.close()
+        if job.cancelled.is_set() or last is None:
+            return None
+        finish = "stop" if parser.stopped or last.finish_reason == "stop" else "length"
+        final = parser.finish()
+        if finish == "stop" and parser.made_tool_call:
+            finish = "tool_calls"
+        usage = Usage(last.prompt_tokens, last.generation_tokens, cached, dflash_figures(last, block_sizes))
+        return Done(finish, parser.stop_sequence, usage, final)

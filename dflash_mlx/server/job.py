@@ -1,0 +1,85 @@
+"""One request's generation as the worker sees it, and the events it sends
+back to the request's handler (thread -> event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Union
+
+from starlette.requests import Request
+
+from .errors import APIError
+from .reply import Delta
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    dflash: dict
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" (end of text or a stop string), "length" or "tool_calls"
+    stop_sequence: Optional[str]
+    usage: Usage
+    delta: Delta = field(default_factory=Delta)  # the last of the output
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+Event = Union[Delta, Done, Failed]
+
+
+@dataclass
+class GenerationParams:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: Optional[int]
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: GenerationParams
+    stops: list[str] = field(default_factory=list)
+    structured: bool = False  # split reasoning and tool calls out of the text
+    starts_in_reasoning: bool = False
+    tools: Optional[list[dict]] = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+    # -- worker thread side --
+    def post(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    # -- event loop side --
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    async def events(self, request: Optional[Request] = None, poll_s: float = 0.1) -> AsyncIterator[Event]:
+        """The job's events up to Done or Failed. With ``request``, a client
+        that goes away cancels the job (checked every ``poll_s`` while waiting)."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self._events.get(), timeout=poll_s)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    self.cancel()
+                    return
+                continue
+            yield event
+            if isinstance(event, (Done, Failed)):
+                return

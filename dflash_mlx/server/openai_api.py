@@ -1,0 +1,182 @@
+"""The OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import APIError, error_body
+from .job import Done, Event, Failed, Job, Usage
+from .prompts import chat_prompt, check_context, starts_in_reasoning, text_prompt
+from .reply import Delta
+from .schemas import ChatRequest, CompletionRequest, parse_body
+from .service import Service, event_stream, sse
+
+
+def usage_body(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "dflash": usage.dflash,
+    }
+
+
+def tool_calls_body(calls: list[dict], first_index: int = 0, streaming: bool = False) -> list[dict]:
+    out = []
+    for i, call in enumerate(calls):
+        body = {"id": call["id"], "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+        out.append({"index": first_index + i, **body} if streaming else body)
+    return out
+
+
+def _stops(stop) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _check_n(n: int) -> None:
+    if n != 1:
+        raise APIError(400, f"n: this server answers one choice per request (n=1), got {n}.", param="n")
+
+
+class _Reply:
+    """The fields every response and chunk of one reply carries."""
+
+    def __init__(self, service: Service, kind: str):
+        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = service.config.model_name
+        self.kind = kind
+
+    def body(self, choice: dict, **extra) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choice] if choice is not None else [], **extra}
+
+
+# -- chat ---------------------------------------------------------------------------
+def chat_job(service: Service, body: ChatRequest) -> Job:
+    _check_n(body.n)
+    tools = None if body.tool_choice == "none" else body.tools
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    kwargs = service.template_kwargs(body.chat_template_kwargs, body.enable_thinking)
+    ids = chat_prompt(service.tokenizer, messages, tools, kwargs)
+    check_context(ids, service.context_length)
+    job = Job(ids, service.params(body, body.max_completion_tokens), _stops(body.stop), structured=True,
+              starts_in_reasoning=starts_in_reasoning(service.tokenizer, ids), tools=tools)
+    service.fit_to_context(job)
+    return job
+
+
+def chat_message(delta: Delta) -> dict:
+    message = {"role": "assistant", "content": delta.content or None}
+    if delta.reasoning:
+        message["reasoning_content"] = message["reasoning"] = delta.reasoning
+    if delta.tool_calls:
+        message["tool_calls"] = tool_calls_body(delta.tool_calls)
+    return message
+
+
+def chat_delta(delta: Delta, tools_sent: int) -> dict:
+    out = {}
+    if delta.content:
+        out["content"] = delta.content
+    if delta.reasoning:
+        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+    if delta.tool_calls:
+        out["tool_calls"] = tool_calls_body(delta.tool_calls, tools_sent, streaming=True)
+    return out
+
+
+async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
+    yield sse(reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+    tools_sent = 0
+    async for event in events:
+        if isinstance(event, Failed):
+            yield sse(error_body(event.error.status, event.error.message))
+            return
+        delta = event.delta if isinstance(event, Done) else event
+        if delta:
+            yield sse(reply.body({"index": 0, "delta": chat_delta(delta, tools_sent), "finish_reason": None}))
+            tools_sent += len(delta.tool_calls)
+        if isinstance(event, Done):
+            yield sse(reply.body({"index": 0, "delta": {}, "finish_reason": event.finish_reason}))
+            if include_usage:
+                yield sse(reply.body(None, usage=usage_body(event.usage)))
+    yield sse("[DONE]")
+
+
+async def chat_completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    service.authorize(request)
+    body = await parse_body(request, ChatRequest)
+    service.check_model(body.model)
+    job = chat_job(service, body)
+    return await _respond(service, request, job, _Reply(service, "chat.completion"), body,
+                          lambda delta, done: {"index": 0, "message": chat_message(delta), "finish_reason": done.finish_reason,
+                                               "logprobs": None},
+                          chat_stream)
+
+
+# -- completions ------------------------------------------------------------------
+def completion_job(service: Service, body: CompletionRequest) -> Job:
+    _check_n(body.n)
+    ids = text_prompt(service.tokenizer, body.prompt)
+    check_context(ids, service.context_length)
+    job = Job(ids, service.params(body), _stops(body.stop))
+    service.fit_to_context(job)
+    return job
+
+
+async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
+    async for event in events:
+        if isinstance(event, Failed):
+            yield sse(error_body(event.error.status, event.error.message))
+            return
+        done = event if isinstance(event, Done) else None
+        text = (done.delta if done else event).content
+        if text or done:
+            yield sse(reply.body({"index": 0, "text": text, "finish_reason": done and done.finish_reason, "logprobs": None}))
+        if done and include_usage:
+            yield sse(reply.body(None, usage=usage_body(done.usage)))
+    yield sse("[DONE]")
+
+
+async def completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    service.authorize(request)
+    body = await parse_body(request, CompletionRequest)
+    service.check_model(body.model)
+    job = completion_job(service, body)
+    return await _respond(service, request, job, _Reply(service, "text_completion"), body,
+                          lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason,
+                                               "logprobs": None},
+                          completion_stream)
+
+
+# -- shared -----------------------------------------------------------------------
+async def _respond(service: Service, request: Request, job: Job, reply: _Reply, body, choice, stream) -> Response:
+    events = await service.start(job, request)
+    if events is None:  # the client left before the first token
+        return Response(status_code=499)
+    if body.stream:
+        if reply.kind == "chat.completion":
+            reply.kind = "chat.completion.chunk"
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return event_stream(job, stream(reply, events, include_usage))
+    delta, done = await service.collect(events)
+    return JSONResponse(reply.body(choice(delta, done), usage=usage_body(done.usage)))
+
+
+async def models(request: Request) -> Response:
+    service: Service = request.app.state.service
+    service.authorize(request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": service.config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx"}
+    ]})
