@@ -10,9 +10,11 @@ from rich.text import Text
 
 from .bench import EXAMPLES as BENCH_EXAMPLES, bench_command
 from .chat import EXAMPLES as CHAT_EXAMPLES, chat_command
-from .common import click_exceptions as cx, err
+from .console import click_exceptions as cx, err, print_error
+from .convert import EXAMPLES as CONVERT_EXAMPLES, convert_command
 from .generate import EXAMPLES as GENERATE_EXAMPLES, generate_command
 from .models import EXAMPLES as MODELS_EXAMPLES, models_command
+from .train import EXAMPLES as TRAIN_EXAMPLES, train_command
 
 
 class _Group(typer.core.TyperGroup):
@@ -26,11 +28,10 @@ class _Group(typer.core.TyperGroup):
             rv = 0
         except cx.UsageError as e:
             hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-            msg = e.format_message().rstrip(".")
-            err.print(Text(f"error: {msg}{hint}.", style="bold red"), soft_wrap=True)
+            print_error(f"{e.format_message().rstrip('.')}{hint}.")
             rv = 1
         except cx.ClickException as e:
-            err.print(Text(f"error: {e.format_message()}", style="bold red"), soft_wrap=True)
+            print_error(e.format_message())
             rv = e.exit_code
         except typer.Abort:
             err.print(Text("aborted", style="yellow"))
@@ -55,21 +56,8 @@ app.command("generate", epilog=GENERATE_EXAMPLES)(generate_command)
 app.command("chat", epilog=CHAT_EXAMPLES)(chat_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
 app.command("models", epilog=MODELS_EXAMPLES)(models_command)
-
-# Commands built in their own packages; the app works without them.
-try:
-    from dflash_mlx.weights_convert.command import convert_command
-except ImportError:
-    convert_command = None
-if convert_command is not None:
-    app.command("convert")(convert_command)
-
-try:
-    from dflash_mlx.train.command import train_command
-except ImportError:
-    train_command = None
-if train_command is not None:
-    app.command("train")(train_command)
+app.command("convert", epilog=CONVERT_EXAMPLES)(convert_command)
+app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
 
 
 @app.command(epilog="Example:\n\n  dflash-mlx version")

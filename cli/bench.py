@@ -12,11 +12,15 @@ from rich.markup import escape
 from rich.table import Table
 from typing_extensions import Annotated
 
-from .common import (
+from dflash_mlx.prompts import read_prompts
+
+from .console import UserError, console, err, user_errors
+from .options import (
     BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, Seed, SystemPrompt, Temp,
-    TopK, TopP, UserError, Verbose, check_args, console, err, load_pair, prompt_ids, resolve_model,
-    thinking_note, user_errors,
+    TopK, TopP, Verbose, check_args,
 )
+from .pair import load_pair, model_or_builtin
+from .prompts import prompt_ids, thinking_note
 
 EXAMPLES = """\
 Examples:
@@ -27,7 +31,7 @@ $ dflash-mlx bench --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompts 
 
 $ dflash-mlx bench --model Qwen/Qwen3-8B --prompts mt_bench.jsonl --block-size 8 --json > results.json
 
---prompts takes one prompt per line, or JSONL with a "prompt" (or "question", "instruction", "input", "text", "turns") field.
+--prompts takes one prompt per line, or JSONL with a "prompt" (or "messages", "question", "instruction", "input", "text", "turns") field.
 """
 
 DEFAULT_PROMPTS = [
@@ -36,41 +40,6 @@ DEFAULT_PROMPTS = [
     "Explain how a hash table handles collisions, in three short paragraphs.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 ]
-
-_FIELDS = ("prompt", "question", "instruction", "input", "text", "turns")
-
-
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line, or JSONL objects with a prompt field."""
-    if not path.is_file():
-        raise UserError(f"{path} is not a file; pass a text file with one prompt per line, or JSONL.")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; pass a text file with one prompt per line, or JSONL.") from None
-    prompts = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not line.lstrip().startswith("{"):
-            prompts.append(line)
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix the line or use plain text.") from None
-        value = next((obj[k] for k in _FIELDS if k in obj), None)
-        if isinstance(value, list) and value:
-            value = value[0]
-        if isinstance(value, dict):
-            value = value.get("content")
-        if not isinstance(value, str) or not value.strip():
-            raise UserError(f"{path}:{lineno} has no prompt; give it a \"prompt\" (or {', '.join(_FIELDS[1:])}) field.")
-        prompts.append(value)
-    if not prompts:
-        raise UserError(f"{path} holds no prompts; write one per line.")
-    return prompts
-
 
 def _plain(model, tokenizer, ids, max_tokens, sampler):
     import mlx.core as mx
@@ -131,17 +100,18 @@ def bench_command(
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
-        texts = read_prompts(prompts) if prompts is not None else DEFAULT_PROMPTS
+        items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
+        texts = [item.get("prompt") or item["messages"][-1]["content"] for item in items]  # as the results show them
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        target_name = resolve_model(model)
-        target, draft, tokenizer = load_pair(model, draft_model)
+        target_name = model_or_builtin(model)
+        target, draft, tokenizer = load_pair(target_name, draft_model)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         encoded = [
-            prompt_ids(tokenizer, t, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
-                       enable_thinking=enable_thinking, quiet=i > 0)
-            for i, t in enumerate(texts)
+            prompt_ids(tokenizer, item.get("prompt") or item["messages"], system_prompt=system_prompt,
+                       ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking, quiet=i > 0)
+            for i, item in enumerate(items)
         ]
         sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k)
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size)

@@ -17,11 +17,17 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from .common import (
-    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillProgress,
-    PrefillStepSize, Seed, SystemPrompt, Temp, TopK, TopP, UserError, Verbose, check_args, console,
-    encode_text, load_pair, render_chat, status_text, supports_thinking, thinking_note, user_errors, uses_template,
+from dflash_mlx.prompts import apply_chat_template, encode
+
+from .console import UserError, console, user_errors
+from .options import (
+    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillStepSize, Seed,
+    SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
+from .pair import load_pair
+from .progress import PrefillProgress
+from .prompts import supports_thinking, thinking_note, uses_template
+from .status import status_text
 
 EXAMPLES = """\
 Examples:
@@ -177,8 +183,11 @@ class ChatSession:
     # -- one turn --------------------------------------------------------------
     def prompt_for(self, text: str) -> list[int]:
         if self.template:
-            return render_chat(self.tokenizer, self.messages + [{"role": "user", "content": text}], self.thinking)
-        return self.history + encode_text(self.tokenizer, text, first=not self.history)
+            messages = self.messages + [{"role": "user", "content": text}]
+            return apply_chat_template(self.tokenizer, messages, enable_thinking=self.thinking)
+        if not self.history:
+            return encode(self.tokenizer, text)
+        return self.history + self.tokenizer.encode(text, add_special_tokens=False)
 
     def reply(self, text: str) -> None:
         from dflash_mlx import stream_generate

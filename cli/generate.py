@@ -9,11 +9,15 @@ import typer
 from rich.text import Text
 from typing_extensions import Annotated
 
-from .common import (
-    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillProgress,
-    PrefillStepSize, Seed, SystemPrompt, Temp, TopK, TopP, UserError, Verbose, check_args, err,
-    load_pair, note, prompt_ids, stats_line, thinking_note, user_errors,
+from .console import UserError, err, note, user_errors
+from .options import (
+    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, PrefillStepSize, Seed,
+    SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
+from .pair import load_pair
+from .progress import PrefillProgress
+from .prompts import prompt_ids, read_prompt, thinking_note
+from .status import stats_line
 
 EXAMPLES = """\
 Examples:
@@ -26,18 +30,6 @@ $ cat question.txt | dflash-mlx generate --model Qwen/Qwen3-8B --prompt - --igno
 
 Without --draft-model the drafter comes from the known pairs (dflash-mlx models).
 """
-
-
-def _read_prompt(prompt: Optional[str]) -> str:
-    if prompt is None:
-        raise UserError("no prompt given; pass --prompt TEXT, or --prompt - to read it from stdin.")
-    if prompt == "-":
-        prompt = sys.stdin.read()
-        if prompt.endswith("\n"):
-            prompt = prompt[:-1]
-    if not prompt.strip():
-        raise UserError("the prompt is empty; pass some text with --prompt.")
-    return prompt
 
 
 def generate_command(
@@ -64,7 +56,7 @@ def generate_command(
     acceptance length and rate, peak memory) follows on stderr.
     """
     with user_errors(verbose):
-        text = _read_prompt(prompt)
+        text = read_prompt(prompt)
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be positive, got {prefill_step_size}.")

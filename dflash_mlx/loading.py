@@ -16,22 +16,24 @@ from .targets import adapt
 
 # -- known pairs ---------------------------------------------------------------
 
-# Targets and the drafters Z Lab published for them (github.com/z-lab/dflash).
-_BASE_PAIRS: dict[str, str] = {
-    "Qwen/Qwen3-4B": "z-lab/Qwen3-4B-DFlash-b16",
-    "Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16",
-    "meta-llama/Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
-    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
-    "Qwen/Qwen3-Coder-Next": "z-lab/Qwen3-Coder-Next-DFlash",
-    "Qwen/Qwen3.5-4B": "z-lab/Qwen3.5-4B-DFlash",
-    "Qwen/Qwen3.5-9B": "z-lab/Qwen3.5-9B-DFlash",
-    "Qwen/Qwen3.5-27B": "z-lab/Qwen3.5-27B-DFlash",
-    "Qwen/Qwen3.5-35B-A3B": "z-lab/Qwen3.5-35B-A3B-DFlash",
-    "Qwen/Qwen3.6-27B": "z-lab/Qwen3.6-27B-DFlash",
-    "Qwen/Qwen3.6-35B-A3B": "z-lab/Qwen3.6-35B-A3B-DFlash",
-    "openai/gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
-    "openai/gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
+# Targets, their family (config.json's model_type), and the drafters Z Lab
+# published for them (github.com/z-lab/dflash).
+_TARGETS: dict[str, tuple[str, str]] = {
+    "Qwen/Qwen3-4B": ("qwen3", "z-lab/Qwen3-4B-DFlash-b16"),
+    "Qwen/Qwen3-8B": ("qwen3", "z-lab/Qwen3-8B-DFlash-b16"),
+    "meta-llama/Llama-3.1-8B-Instruct": ("llama", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": ("qwen3_moe", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
+    "Qwen/Qwen3-Coder-Next": ("qwen3_next", "z-lab/Qwen3-Coder-Next-DFlash"),
+    "Qwen/Qwen3.5-4B": ("qwen3_5", "z-lab/Qwen3.5-4B-DFlash"),
+    "Qwen/Qwen3.5-9B": ("qwen3_5", "z-lab/Qwen3.5-9B-DFlash"),
+    "Qwen/Qwen3.5-27B": ("qwen3_5", "z-lab/Qwen3.5-27B-DFlash"),
+    "Qwen/Qwen3.5-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+    "Qwen/Qwen3.6-27B": ("qwen3_5", "z-lab/Qwen3.6-27B-DFlash"),
+    "Qwen/Qwen3.6-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+    "openai/gpt-oss-20b": ("gpt_oss", "z-lab/gpt-oss-20b-DFlash"),
+    "openai/gpt-oss-120b": ("gpt_oss", "z-lab/gpt-oss-120b-DFlash"),
 }
+_BASE_PAIRS: dict[str, str] = {target: drafter for target, (_, drafter) in _TARGETS.items()}
 
 # The mlx-community conversions of those targets share their drafter: the
 # drafter reads the target's hidden states, which quantization leaves in place.
@@ -46,9 +48,12 @@ _MLX_COMMUNITY: dict[str, tuple[str, ...]] = {
 }
 
 KNOWN_PAIRS: dict[str, str] = dict(_BASE_PAIRS)
+# The family of every target in KNOWN_PAIRS.
+FAMILIES: dict[str, str] = {target: family for target, (family, _) in _TARGETS.items()}
 for _target, _names in _MLX_COMMUNITY.items():
     for _name in _names:
         KNOWN_PAIRS[f"mlx-community/{_name}"] = _BASE_PAIRS[_target]
+        FAMILIES[f"mlx-community/{_name}"] = FAMILIES[_target]
 
 # Suffixes conversions add to a target's name (mlx-community's and others').
 _VARIANT_SUFFIX = re.compile(
@@ -60,6 +65,14 @@ def known_pairs() -> list[tuple[str, str]]:
     """Every (target, drafter) pair the registry knows, targets as published
     followed by their mlx-community conversions."""
     return list(KNOWN_PAIRS.items())
+
+
+def why_not_runs(target: str) -> str | None:
+    """None when a known target runs today; else why not, in one sentence."""
+    family = FAMILIES[target]
+    if family_runs(family):
+        return None
+    return f"its family ({family}) has no target adapter yet."
 
 
 def _base_name(name: str) -> str:
@@ -144,10 +157,11 @@ def is_cached(repo_id: str) -> bool:
     return True
 
 
-def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None) -> Path:
+def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *, tqdm_class=None) -> Path:
     """A local directory as is; otherwise a Hub repo id fetched through
-    huggingface_hub's cache (a progress bar while downloading; with
-    HF_HUB_OFFLINE set, only what the cache already holds)."""
+    huggingface_hub's cache (with HF_HUB_OFFLINE set, only what the cache
+    already holds). ``tqdm_class`` draws the download bars (huggingface_hub's
+    own by default)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
@@ -167,7 +181,8 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None) -
     try:
         return Path(
             snapshot_download(
-                repo, allow_patterns=allow_patterns, cache_dir=hub_cache(), local_files_only=offline
+                repo, allow_patterns=allow_patterns, cache_dir=hub_cache(), local_files_only=offline,
+                tqdm_class=tqdm_class,
             )
         )
     except HFValidationError as e:
@@ -272,10 +287,10 @@ def read_config(path: Path, role: str = "drafter") -> dict:
 DRAFT_FILES = ["*.json", "*.safetensors", "*.md"]
 
 
-def load_draft(path_or_repo: str | Path) -> DFlashDraft:
+def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
     """A DFlash drafter from a Z Lab or converted (optionally quantized)
     directory, or a Hub repo."""
-    path = resolve(path_or_repo, allow_patterns=DRAFT_FILES)
+    path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
     raw = read_config(path)
     cfg = DraftConfig.from_dict(raw)
     weights = read_weights(path)
@@ -296,31 +311,57 @@ def load_draft(path_or_repo: str | Path) -> DFlashDraft:
     return model
 
 
-def check_family(path_or_repo: str | Path) -> None:
-    """Refuse a target family no adapter serves, reading only its config.json."""
+def family_runs(model_type: str | None) -> bool:
+    """Whether a target adapter serves the mlx-lm ``model_type`` (or the one
+    mlx-lm remaps it to)."""
     from mlx_lm.utils import MODEL_REMAPPING
 
     from .targets import ADAPTERS
 
-    cfg_file = resolve(path_or_repo, allow_patterns=["config.json"]) / "config.json"
+    return model_type in ADAPTERS or MODEL_REMAPPING.get(model_type) in ADAPTERS
+
+
+def unsupported_family(model_type: str | None) -> str:
+    from .targets import ADAPTERS
+
+    return f"target model type {model_type!r} is not supported yet; supported families: {', '.join(sorted(ADAPTERS))}."
+
+
+def check_family(path_or_repo: str | Path, *, tqdm_class=None) -> None:
+    """Refuse a target family no adapter serves, reading only its config.json."""
+    cfg_file = resolve(path_or_repo, allow_patterns=["config.json"], tqdm_class=tqdm_class) / "config.json"
     try:
         model_type = json.loads(cfg_file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # mlx-lm explains a broken target better
-    if model_type not in ADAPTERS and MODEL_REMAPPING.get(model_type) not in ADAPTERS:
+    if not family_runs(model_type):
+        raise ValueError(unsupported_family(model_type))
+
+
+def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None):
+    """(model, tokenizer) of a target, by mlx-lm, from a directory or Hub repo."""
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=tqdm_class)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; pass the target model's directory or Hub repo id.")
+    try:
+        return mlx_lm_load(str(path), lazy=lazy)
+    except Exception as e:
         raise ValueError(
-            f"target model type {model_type!r} is not supported yet; supported families: "
-            f"{', '.join(sorted(ADAPTERS))}."
-        )
+            f"mlx-lm cannot load the target {path_or_repo} ({type(e).__name__}: {e}); "
+            "check that it is a complete model directory."
+        ) from e
 
 
-def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False):
+def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False, tqdm_class=None):
     """Load a target with mlx-lm and its DFlash drafter.
 
     ``draft`` defaults to the drafter the registry knows for the target.
     Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
     it, and mlx-lm's tokenizer wrapper. ``"builtin"`` names the small pair
-    shipped in the package."""
+    shipped in the package. ``tqdm_class`` draws the Hub download bars."""
     if str(path_or_repo) == "builtin":
         from . import builtin
 
@@ -335,18 +376,9 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
                 f"no known DFlash drafter for {name}; pass draft=<drafter directory or Hub "
                 f"repo id> (--draft-model on the command line; known pairs: {_known_pairs_text()})."
             )
-    from mlx_lm import load as mlx_lm_load
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
     # Check the target's family and the drafter before paying for the target's weights.
-    check_family(path_or_repo)
-    drafter = load_draft(draft)
-    target_path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS)
-    if not (target_path / "config.json").is_file():
-        raise ValueError(f"{target_path} has no config.json; pass a target model directory or repo.")
-    try:
-        model, tokenizer = mlx_lm_load(str(target_path), lazy=lazy)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"mlx-lm cannot load the target {path_or_repo} ({e}); check that it is a complete model directory.") from e
+    check_family(path_or_repo, tqdm_class=tqdm_class)
+    drafter = load_draft(draft, tqdm_class=tqdm_class)
+    model, tokenizer = load_target(path_or_repo, lazy=lazy, tqdm_class=tqdm_class)
     drafter.bind(adapt(model))
     return model, drafter, tokenizer

@@ -8,17 +8,11 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import typer
 from typer.testing import CliRunner
 
+from dflash_mlx.cli.app import app
 from dflash_mlx.targets import adapt
-from dflash_mlx.weights_convert.command import convert_command
 from tiny import draft_config, make_target, random_draft_weights, target_config, write_zlab_draft
-
-# A tiny Typer app that registers the command the way the main app does.
-app = typer.Typer()
-app.command("convert")(convert_command)
-app.command("noop", hidden=True)(lambda: None)  # a second command keeps "convert" a subcommand
 
 runner = CliRunner()
 

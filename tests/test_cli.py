@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx import loading
-from dflash_mlx.cli import common
+from dflash_mlx import builtin, loading
 from dflash_mlx.cli.app import app
+from dflash_mlx.cli.progress import PrefillProgress, hub_progress_class
 from cli_fixtures import make_tiny_pair
 
 runner = CliRunner()
@@ -59,11 +59,11 @@ def test_root_help_lists_commands():
     for args in ([], ["--help"]):
         result = run(*args)
         assert result.exit_code == 0
-        for name in ("generate", "chat", "bench", "models", "version"):
+        for name in ("generate", "chat", "bench", "models", "convert", "train", "version"):
             assert name in result.output
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench", "models", "version"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "models", "convert", "train", "version"])
 def test_every_command_help_has_examples(command):
     result = run(command, "--help")
     assert result.exit_code == 0
@@ -145,7 +145,7 @@ def test_generate_long_prefill_in_steps(pair, loaded):
 
 
 def test_prefill_progress_bar_only_for_several_steps(monkeypatch):
-    bar = common.PrefillProgress()
+    bar = PrefillProgress()
     bar(10, 10)
     assert bar.bar is None  # one step: no bar
     bar(4, 12)
@@ -313,10 +313,10 @@ def test_bench_table(pair, tmp_path):
 @pytest.mark.parametrize(
     "content, fragments",
     [
-        (None, ["is not a file"]),
+        (None, ["does not exist"]),
         ("", ["holds no prompts"]),
-        ('{"prompt": "w1"}\n{"prompt": \n', [":2 is not valid JSON"]),
-        ('{"answer": "w1"}\n', [":1 has no prompt"]),
+        ('{"prompt": "w1"}\n{"prompt": \n', ["line 2 is not valid JSON"]),
+        ('{"answer": "w1"}\n', ["line 1 has no prompt"]),
     ],
 )
 def test_bench_bad_prompt_files(pair, tmp_path, content, fragments):
@@ -333,31 +333,37 @@ def test_bench_bad_flags(pair):
 
 
 # -- models -----------------------------------------------------------------------
-def test_models_lists_pairs_and_cache_state(monkeypatch, tmp_path):
-    if not hasattr(loading, "known_pairs"):
-        pytest.skip("the registry is not in this build")
+def test_models_lists_pairs_what_runs_and_cache_state(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     result = run("models", "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert {(r["target"], r["drafter"]) for r in rows} == set(loading.known_pairs())
     assert not any(r["target_cached"] or r["drafter_cached"] for r in rows)
+    runs = {r["target"] for r in rows if r["runs"]}
+    assert {"Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "mlx-community/Qwen3-8B-4bit"} <= runs
+    moe = next(r for r in rows if r["target"] == "Qwen/Qwen3-Coder-30B-A3B-Instruct")
+    assert not moe["runs"] and "qwen3_moe" in moe["why_not"]
+    assert all(r["why_not"] is None for r in rows if r["runs"])
     table = run("models")
-    assert table.exit_code == 0 and "z-lab/" in table.stdout
+    assert table.exit_code == 0 and "z-lab/" in table.stdout and "no adapter" not in table.stdout
+    assert "has no target adapter yet" in " ".join(table.stdout.split())
     none = run("models", "--cached")
     assert none.exit_code == 0 and "no pair is fully cached" in none.stdout
 
 
-def test_models_without_a_registry(monkeypatch):
-    monkeypatch.delattr(loading, "known_pairs", raising=False)
-    assert_user_error(run("models"), "no model registry")
-
-
-def test_default_model_hook(monkeypatch, pair, loaded):
-    monkeypatch.setattr(common, "default_model", lambda: str(pair.target))
+def test_without_model_the_builtin_target_is_used(monkeypatch, pair, loaded):
+    monkeypatch.setattr(builtin, "TARGET", pair.target)
     result = run("generate", "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "-m", 6)
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=6) + "\n"
+
+
+def test_bench_names_the_builtin_pair_once(monkeypatch, pair):
+    monkeypatch.setattr(builtin, "TARGET", pair.target)
+    result = run("bench", "--draft-model", pair.draft, "-m", 2, "--json")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("no --model given") == 1
 
 
 def test_without_model_the_builtin_pair_is_used_and_named():
@@ -378,24 +384,28 @@ def test_hub_repo_not_cached_while_offline(pair, monkeypatch, tmp_path):
     assert_user_error(result, "nobody/not-a-model")
 
 
-def test_download_bars_share_one_rich_progress():
+def test_download_bars_are_tasks_of_one_rich_progress():
     import time
 
     from huggingface_hub.utils.tqdm import _create_progress_bar, hf_thread_map
+    from rich.progress import Progress
 
-    cls = common.hub_progress_class()
+    progress = Progress(disable=True)
+    cls = hub_progress_class(progress)
     transfer = _create_progress_bar(cls=cls, log_level=20, name="t", desc="Downloading bytes", total=0, unit="B")
     files = _create_progress_bar(cls=cls, log_level=20, name="f", desc="Reconstructing", total=0, unit="B")
     files.total = 100
     files.refresh()
     files.update(40)
+    files.refresh()
     assert hf_thread_map(lambda x: (time.sleep(0.01), x)[1], range(4), desc="Fetching 4 files", tqdm_class=cls) == [0, 1, 2, 3]
-    assert cls.open_bars == 2 and cls.shared is not None
+    assert [(t.description, t.completed, t.total) for t in progress.tasks] == [
+        ("Downloading bytes", 0, 0), ("Reconstructing", 40, 100)]
     files.update(60)
     transfer.close()
     files.close()
     files.close()
-    assert cls.shared is None and cls.open_bars == 0
+    assert progress.tasks == []
 
 
 # -- chat display pieces --------------------------------------------------------------
@@ -446,7 +456,7 @@ def test_stats_chart():
 def test_status_line_names_the_chosen_block():
     from types import SimpleNamespace
 
-    from dflash_mlx.cli.common import status_text
+    from dflash_mlx.cli.status import status_text
 
     r = SimpleNamespace(cycles=3, prompt_tokens=5, prompt_tps=10.0, generation_tokens=12, generation_tps=40.0,
                         acceptance_length=4.0, acceptance_rate=0.2, block_size=6, peak_memory=0.01)

@@ -176,7 +176,7 @@ def test_wrong_pair_is_refused_before_loading(tmp_path):
 
 def test_target_without_config_is_refused(tmp_path):
     (tmp_path / "t").mkdir()
-    with pytest.raises(ValueError, match="has no config.json; pass a target model directory"):
+    with pytest.raises(ValueError, match="has no config.json; pass the target model.s directory"):
         load(tmp_path / "t", draft=zlab_draft(tmp_path / "d"))
 
 

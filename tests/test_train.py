@@ -14,7 +14,8 @@ from rich.console import Console
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.draft import DFlashDraft, DraftConfig
 from dflash_mlx.targets import adapt
-from dflash_mlx.train.data import Sequence, read_prompts
+from dflash_mlx.prompts import read_prompts
+from dflash_mlx.train.data import Sequence
 from dflash_mlx.train.trainer import TrainConfig, draft_logits, make_batch, target_taps, train
 from tests.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
@@ -199,7 +200,7 @@ def test_chat_conversations_need_a_template(tiny, tmp_path):
         (None, "does not exist"),
         ("\n\n", "holds no prompts"),
         ('{"prompt": "w1"}\n{"prompt": "w2",\n', "line 2 is not valid JSON"),
-        ('{"prompt": "w1"}\n{"text": 3}\n', "line 2 is neither"),
+        ('{"prompt": "w1"}\n{"text": 3}\n', "line 2 has no prompt"),
     ],
 )
 def test_bad_data(tiny, tmp_path, content, message):
@@ -249,29 +250,21 @@ def test_bad_flags(tiny, tmp_path):
 
 
 def test_command_prints_one_red_sentence(tiny, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from dflash_mlx.train.command import train_command
+    from dflash_mlx.cli.app import app
 
-    app = typer.Typer()
-    app.command("train")(train_command)
-    app.command("other")(lambda: None)
     result = CliRunner().invoke(app, ["train", "--model", str(tiny / "target"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "d")])
-    text = result.output + (getattr(result, "stderr", "") or "")
     assert result.exit_code == 1
-    assert "does not exist" in text and "Traceback" not in text
+    assert result.stderr.startswith("error: ") and "does not exist" in result.stderr
+    assert "Traceback" not in result.output
 
 
 def test_command_trains_with_every_flag(tiny, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from dflash_mlx.train.command import train_command
+    from dflash_mlx.cli.app import app
 
-    app = typer.Typer()
-    app.command("train")(train_command)
-    app.command("other")(lambda: None)
     out = tmp_path / "d"
     result = CliRunner().invoke(app, [
         "train", "--model", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out", str(out),

@@ -3,5 +3,4 @@
     from dflash_mlx.weights_convert.convert import convert
     convert("z-lab/Qwen3-8B-DFlash-b16", "Qwen3-8B-DFlash-b16-4bit", quantize=True)
 
-The command is ``dflash_mlx.weights_convert.command.convert_command``; this
-package imports nothing heavy so the CLI starts fast."""
+The command is cli/convert.py (``dflash-mlx convert``)."""

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from dflash_mlx.atomic_dir import replace_dir
 from dflash_mlx.draft import DFlashDraft, DraftConfig, check_weights, pair_problems
 from dflash_mlx.loading import (
     DRAFT_FILES,
@@ -212,25 +213,6 @@ def _write(
     (tmp / "README.md").write_text(card)
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an existing ``out`` (allowed by --force) is
-    removed only once the new directory is in place."""
-    if not (out.exists() or out.is_symlink()):
-        os.rename(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
-
-
 def upload(path: Path, repo_id: str) -> None:
     """Create (if needed) the Hub repo ``repo_id`` and upload ``path`` to it."""
     from huggingface_hub import HfApi
@@ -350,7 +332,7 @@ def convert(
         log(f"Writing {out}")
         _write(tmp, model, config, card)
         load_draft(tmp)  # what we wrote must load as is
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,8 +1,8 @@
-"""Training DFlash drafters in MLX (``dflash-mlx train``).
+"""Training DFlash drafters in MLX (the command is cli/train.py, ``dflash-mlx train``).
 
-data.py     reading prompts, the target's self-distilled responses (cached on disk)
-trainer.py  the drafter's training forward, loss, optimizer loop and checkpoints
-command.py  the Typer command ``train_command``
+data.py     the target's self-distilled responses to the prompts (cached on disk)
+forward.py  the drafter's training forward: many blocks of a sequence in one pass
+trainer.py  loss, optimizer loop, checkpoints: prepare -> fit -> summarize
 
 Kept import-light: nothing heavy is imported until a function is called.
 """

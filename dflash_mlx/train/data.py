@@ -1,4 +1,4 @@
-"""Training data: prompts from JSONL, and the target's own greedy responses.
+"""Training data: the target's own greedy responses to the prompts.
 
 Self-distillation (DFlash paper): the drafter learns to predict what the
 target itself would write, so the target first writes its greedy response to
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..prompts import apply_chat_template, encode
+
 DISTILL_FILE = "distill.jsonl"
 DISTILL_META = "distill.meta.json"
 # ``distill`` sorts the prompts by length within windows of this many batches.
@@ -28,81 +30,23 @@ class Sequence:
     prompt_len: int
 
 
-def read_prompts(path: str | Path) -> list[dict]:
-    """Parse a JSONL file whose lines are a JSON string, {"prompt": str} or
-    {"messages": [{"role", "content"}, ...]} (a chat conversation: its
-    trailing assistant turns are dropped, the target answers the rest).
-    Blank lines are skipped. Raises ValueError naming the first bad line."""
-    path = Path(path)
-    if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"the data file {path} {what}; pass a JSONL file of prompts with --data.")
-    items = []
-    with path.open(encoding="utf-8", errors="strict") as f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError:
-            raise ValueError(f"{path} is not UTF-8 text; pass a JSONL file of prompts with --data.") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n} is not valid JSON ({e.msg}); fix or remove that line.") from None
-        items.append(_item(obj, path, n))
-    if not items:
-        raise ValueError(
-            f"{path} holds no prompts; write one JSON object per line, "
-            'such as {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}.'
-        )
-    return items
-
-
-def _item(obj, path: Path, n: int) -> dict:
-    if isinstance(obj, str):
-        obj = {"prompt": obj}
-    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-        if not obj["prompt"]:
-            raise ValueError(f"{path} line {n} has an empty prompt; give it some text or remove the line.")
-        return {"prompt": obj["prompt"]}
-    if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-        messages = obj["messages"]
-        ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
-        if not ok:
-            raise ValueError(
-                f"{path} line {n}: every message needs a \"role\" and a \"content\" string; fix that line."
-            )
-        while messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        if not messages:
-            raise ValueError(f"{path} line {n} has no user turn for the target to answer; fix or remove that line.")
-        return {"messages": messages}
-    raise ValueError(
-        f"{path} line {n} is neither a prompt string, a {{\"prompt\": ...}} object nor a "
-        "{\"messages\": [...]} conversation; fix or remove that line."
-    )
-
-
 def encode_prompts(items: list[dict], tokenizer, max_prompt_len: int) -> list[list[int]]:
-    """Token ids of each prompt: plain prompts as they are (the tokenizer's
-    special tokens added, as mlx-lm does), conversations through the chat
-    template with the generation prompt. Long prompts keep their last
-    ``max_prompt_len`` tokens; empty ones are dropped."""
+    """Token ids of each item of ``dflash_mlx.prompts.read_prompts``: plain
+    prompts as they are, conversations through the chat template with the
+    generation prompt. Long prompts keep their last ``max_prompt_len``
+    tokens; empty ones are dropped."""
     out = []
     for item in items:
         if "prompt" in item:
-            ids = tokenizer.encode(item["prompt"])
+            ids = encode(tokenizer, item["prompt"])
         else:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ValueError(
                     "the data holds chat conversations but the target's tokenizer has no chat "
                     "template; use plain {\"prompt\": ...} lines or a target with a chat template."
                 )
-            ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # transformers 5 may return a BatchEncoding
-                ids = ids["input_ids"]
-        ids = list(ids)[-max_prompt_len:]
+            ids = apply_chat_template(tokenizer, item["messages"])
+        ids = ids[-max_prompt_len:]
         if ids:
             out.append(ids)
     return out

@@ -44,6 +44,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..atomic_dir import replace_dir
 from ..draft import DFlashDraft, DraftConfig, default_target_layer_ids
 from .data import Sequence
 
@@ -329,17 +330,6 @@ def held_out_acceptance(draft, adapter, seqs: list[Sequence], cfg: TrainConfig, 
 
 # -- checkpoints and output -----------------------------------------------------
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: dict) -> None:
     tmp = out / (CHECKPOINT + ".tmp")
     if tmp.exists():
@@ -349,7 +339,7 @@ def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: 
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
     (tmp / "state.json").write_text(json.dumps({"step": step, **extra}))
-    _replace_dir(tmp, out / CHECKPOINT)
+    replace_dir(tmp, out / CHECKPOINT)
 
 
 def load_checkpoint(out: Path, draft: DFlashDraft, optimizer) -> dict:
@@ -431,7 +421,8 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .data import data_fingerprint, distill, encode_prompts, read_prompts
+    from ..prompts import read_prompts
+    from .data import data_fingerprint, distill, encode_prompts
 
     cfg.check()
     console = console or Console()

@@ -1,11 +1,25 @@
-"""``dflash-mlx train``: the Typer command (registered by cli/app.py as
-``app.command("train")(train_command)``). Heavy imports happen inside."""
+"""`dflash-mlx train`: a DFlash drafter trained for a target by
+self-distillation (the trainer is dflash_mlx.train)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import typer
+
+from .console import UserError, console, user_errors
+from .options import Verbose
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx train --model Qwen/Qwen3-4B --data prompts.jsonl --out my-drafter --block-size 16 --min-block-size 4 --steps 4000
+
+$ dflash-mlx train --model Qwen/Qwen3-4B --data prompts.jsonl --out my-drafter --steps 8000 --resume
+
+--data holds one prompt per line: text, {"prompt": ...} or {"messages": [...]}. Then:
+dflash-mlx generate --model Qwen/Qwen3-4B --draft-model my-drafter --prompt "..."
+"""
 
 
 def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
@@ -14,7 +28,7 @@ def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ValueError(f"--target-layer-ids must be comma-separated integers such as 1,9,17, got {text!r}.") from None
+        raise UserError(f"--target-layer-ids must be comma-separated integers such as 1,9,17, got {text!r}.") from None
 
 
 def train_command(
@@ -38,14 +52,11 @@ def train_command(
     save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the drafter's init and the batch sampling."),
+    verbose: Verbose = False,
 ) -> None:
     """Train a DFlash drafter for a target by self-distillation."""
-    from rich.console import Console
-
-    console = Console()
-    err = Console(stderr=True)
-    try:
-        from .trainer import TrainConfig, train
+    with user_errors(verbose, interrupted="interrupted; run again with --resume to continue from the last checkpoint."):
+        from dflash_mlx.train.trainer import TrainConfig, train
 
         cfg = TrainConfig(
             model=model, data=data, out=out, block_size=block_size, draft_layers=draft_layers,
@@ -55,9 +66,3 @@ def train_command(
             min_block_size=min_block_size, val_fraction=val_fraction, gen_batch=gen_batch,
         )
         train(cfg, console=console)
-    except ValueError as e:
-        err.print(f"[red]{e}[/red]", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
-    except KeyboardInterrupt:
-        err.print("[red]Interrupted; run again with --resume to continue from the last checkpoint.[/red]")
-        raise typer.Exit(130)

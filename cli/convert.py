@@ -1,11 +1,25 @@
-"""The `dflash-mlx convert` command (registered by the CLI app as
-``app.command("convert")(convert_command)``). Heavy imports happen inside."""
+"""`dflash-mlx convert`: a Z Lab drafter checkpoint to an MLX directory
+(the converter is dflash_mlx.weights_convert)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import typer
+from rich.text import Text
+
+from .console import console, user_errors
+from .options import Verbose
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx convert --hf-path z-lab/Qwen3-8B-DFlash-b16 --mlx-path Qwen3-8B-DFlash-b16-4bit -q --target Qwen/Qwen3-8B
+
+$ dflash-mlx convert --hf-path ./Qwen3-8B-DFlash-b16 --mlx-path ./Qwen3-8B-DFlash-fp16 --dtype float16
+
+The output loads with dflash_mlx.load or --draft-model; an existing one is replaced only with --force.
+"""
 
 
 def convert_command(
@@ -25,14 +39,10 @@ def convert_command(
     ),
     upload_repo: Optional[str] = typer.Option(None, "--upload-repo", help="Hub repo to upload the result to."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+    verbose: Verbose = False,
 ):
     """Convert a Z Lab DFlash drafter checkpoint to MLX format."""
-    from rich.console import Console
-    from rich.text import Text
-
-    err = Console(stderr=True)
-    out = Console()
-    try:
+    with user_errors(verbose, interrupted="interrupted; nothing was written."):
         from dflash_mlx.weights_convert.convert import convert
 
         path = convert(
@@ -46,16 +56,6 @@ def convert_command(
             target=target,
             upload_repo=upload_repo,
             force=force,
-            log=lambda msg: out.print(Text(msg, style="dim")),
+            log=lambda msg: console.print(Text(msg, style="dim")),
         )
-    except ValueError as e:
-        err.print(Text(f"error: {e}", style="bold red"), soft_wrap=True)
-        raise typer.Exit(1)
-    except OSError as e:  # reading a file the user cannot read, and the like
-        where = f" {e.filename}" if e.filename else ""
-        err.print(Text(f"error: cannot read{where} ({e.strerror or e}); check the path and its permissions.", style="bold red"), soft_wrap=True)
-        raise typer.Exit(1)
-    except KeyboardInterrupt:
-        err.print(Text("interrupted; nothing was written.", style="bold red"), soft_wrap=True)
-        raise typer.Exit(130)
-    out.print(Text(f"Converted {hf_path} -> {path}", style="green"))
+    console.print(Text(f"Converted {hf_path} -> {path}", style="green"))

@@ -1,0 +1,69 @@
+"""Where output goes, and how a user's mistake ends: one red sentence.
+
+Streamed text goes to stdout (``console``); notes, progress, stats and errors
+to stderr (``err``). Every command runs inside ``user_errors``, and the app
+turns Typer's usage errors into the same sentence (``print_error``).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Iterator
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+try:  # typer >= 0.2x carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions
+
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+class UserError(Exception):
+    """A mistake the user can fix; shown as one red sentence."""
+
+
+def note(message: str) -> None:
+    err.print(Text(message, style="dim"), soft_wrap=True)
+
+
+def print_error(message: str) -> None:
+    err.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
+
+
+def _sentence(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror}{where}; check the path and its permissions."
+    msg = str(e).strip() or type(e).__name__
+    if isinstance(e, KeyError):
+        msg = f"missing key {msg}"
+    return msg
+
+
+@contextmanager
+def user_errors(verbose: bool = False, interrupted: str = "interrupted") -> Iterator[None]:
+    """Turn what users can cause into one red sentence and exit code 1 (a
+    traceback only with --verbose); Ctrl-C prints ``interrupted`` and exits 130."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, click_exceptions.ClickException):
+        raise
+    except KeyboardInterrupt:
+        err.print(Text(f"\n{interrupted}", style="yellow"), soft_wrap=True)
+        raise typer.Exit(130)
+    except Exception as e:
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        message = _sentence(e)
+        if not isinstance(e, (UserError, ValueError, OSError, KeyError)):  # a bug, not a user mistake
+            rerun = "" if verbose else " (rerun with --verbose for the traceback)"
+            message = f"unexpected {type(e).__name__}: {message}{rerun}"
+        print_error(message)
+        raise typer.Exit(1)

@@ -1,0 +1,67 @@
+"""The command line's prompts: --prompt (or stdin), the chat template as
+mlx-lm applies it, and the notes when a flag cannot apply. The encoding
+rules themselves live in dflash_mlx.prompts."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from dflash_mlx.prompts import apply_chat_template, encode
+
+from .console import UserError, note
+
+
+def read_prompt(prompt: Optional[str]) -> str:
+    """The text of --prompt; '-' reads it from stdin (one trailing newline dropped)."""
+    if prompt is None:
+        raise UserError("no prompt given; pass --prompt TEXT, or --prompt - to read it from stdin.")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if prompt.endswith("\n"):
+            prompt = prompt[:-1]
+    if not prompt.strip():
+        raise UserError("the prompt is empty; pass some text with --prompt.")
+    return prompt
+
+
+def uses_template(tokenizer, ignore_chat_template: bool) -> bool:
+    return not ignore_chat_template and bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def prompt_ids(
+    tokenizer,
+    prompt: str | list[dict],
+    *,
+    system_prompt: Optional[str] = None,
+    ignore_chat_template: bool = False,
+    enable_thinking: bool = False,
+    quiet: bool = False,
+) -> list[int]:
+    """A prompt (text, or a conversation's messages) through the chat template
+    as mlx-lm does, or, without one, its (last) text as is."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if uses_template(tokenizer, ignore_chat_template):
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking)
+    if not quiet and not ignore_chat_template:
+        note("the tokenizer has no chat template; using the prompt as is.")
+    if not quiet and system_prompt:
+        note("--system-prompt needs a chat template; ignored.")
+    return encode(tokenizer, messages[-1]["content"])
+
+
+def supports_thinking(tokenizer) -> bool:
+    """Whether the chat template has a thinking section to turn on or off."""
+    if getattr(tokenizer, "has_thinking", False):
+        return True
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(t) for t in template.values())
+    return isinstance(template, str) and "enable_thinking" in template
+
+
+def thinking_note(tokenizer, enable_thinking: bool, ignore_chat_template: bool) -> None:
+    if enable_thinking and not (uses_template(tokenizer, ignore_chat_template) and supports_thinking(tokenizer)):
+        note("this model's chat template has no thinking section; --enable-thinking changes nothing.")
