@@ -71,14 +71,19 @@ class Job:
 
     async def events(self, request: Optional[Request] = None, poll_s: float = 0.1) -> AsyncIterator[Event]:
         """The job's events up to Done or Failed. With ``request``, a client
-        that goes away cancels the job (checked every ``poll_s`` while waiting)."""
+        that goes away cancels the job (checked every ``poll_s``)."""
+        checked = self._loop.time()
         while True:
             try:
                 event = await asyncio.wait_for(self._events.get(), timeout=poll_s)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                event = None
+            if request is not None and self._loop.time() - checked >= poll_s:
+                checked = self._loop.time()
+                if await request.is_disconnected():
                     self.cancel()
                     return
+            if event is None:
                 continue
             yield event
             if isinstance(event, (Done, Failed)):
