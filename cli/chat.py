@@ -167,7 +167,7 @@ class ChatSession:
         self.model_name = model_name
         self.sampling = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
                              block_size=block_size, seed=seed, prefill_step_size=prefill_step_size)
-        self.block_size = block_size or draft.config.block_size
+        self.block_size = block_size or "auto"
         self.system_prompt = system_prompt
         self.template = uses_template(tokenizer, ignore_chat_template)
         self.thinking = enable_thinking
@@ -224,8 +224,10 @@ class ChatSession:
             interrupted = True
             gen.close()
             view.finish()
-        if interrupted and not self._cache_consistent():
-            # Stopped inside the prefill: start afresh rather than trust a half-read prompt.
+        if not self.cache.consistent():
+            # Never expected (the cache settles itself on any interrupt); said
+            # aloud so that a test or a user would see it.
+            console.print(Text("(prompt cache rebuilt)", style="dim"))
             self.cache = self._make_cache()
         reply = "".join(pieces)
         if tokens:
@@ -245,11 +247,6 @@ class ChatSession:
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
         full = self.tokenizer.decode([t for t in tokens if t not in eos])
         return full[len(shown):] if full.startswith(shown) else ""
-
-    def _cache_consistent(self) -> bool:
-        c = self.cache
-        pending = 0 if c.pending is None else c.pending.shape[1]
-        return c.target[0].offset == len(c.tokens) == c.draft_len + pending
 
     # -- the loop --------------------------------------------------------------
     def banner(self) -> None:

@@ -17,9 +17,9 @@ _EXPORTS = {
     "load": "loading",
     "load_draft": "loading",
     "GenerationResponse": "speculative",
-    "PromptCache": "speculative",
+    "PromptCache": "prompt_cache",
     "generate": "speculative",
-    "make_prompt_cache": "speculative",
+    "make_prompt_cache": "prompt_cache",
     "stream_generate": "speculative",
 }
 

@@ -13,22 +13,28 @@ block b in [lo, hi] with the most expected tokens per second:
 with r_i the observed chance that draft i is accepted given that the drafts
 before it were (a count with a prior of 1/2, so positions never tried are
 neither trusted nor ruled out), and a, c fitted to the recent cycle times
-(least squares over the block sizes tried, c >= 0; a cycle's time runs from
-building its graph to reading its result, less the time the caller held the
-previous response). The first cycles probe hi, lo and the middle so the fit
-has three sizes; afterwards every ``explore``-th cycle uses hi or lo in turn,
-so the acceptance of late positions and both ends of the cost line stay
-measured. One chooser is kept per drafter object (``for_draft``), so what a
-call learns, the next call in the same process starts from.
+(least squares over the block sizes tried, c >= 0; a cycle's time is the time
+between reading two cycles' results, less the time the caller held the
+response in between). A plain target step (a block of 1: no drafts) is a
+candidate too, with its own measured time: when no block pays (a drafter
+that accepts little, a very long context) the loop decodes plainly and keeps
+the drafter's context fed, so drafting resumes when it pays again.
 
-Which block is used never changes greedy output. A sampled run draws the
-same distribution whatever the blocks, but with a seed the text is fixed only
-for fixed blocks: the blocks chosen from timings change the random draws.
+The first cycles probe hi, lo, the middle and a plain step so the fit has its
+points; afterwards every ``explore``-th cycle uses hi or lo in turn, so the
+acceptance of late positions and both ends of the cost line stay measured.
+One chooser is kept per drafter object and block range (``chooser_for``, a
+registry that forgets a drafter once it is gone), so what a call learns, the
+next call in the same process starts from.
+
+Which block is used never changes the output: greedy or seeded sampling,
+the target's token at each position is fixed (sampling.py).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 
 class BlockChooser:
@@ -44,25 +50,13 @@ class BlockChooser:
         self.times: dict[int, list[tuple[int, float]]] = {}  # block size -> (cycle, seconds), first one dropped
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
-        probe = [hi, lo, (lo + hi) // 2]
+        probe = [hi, lo, (lo + hi) // 2, 1]
         self.probe = list(dict.fromkeys(probe))
-
-    @classmethod
-    def for_draft(cls, draft, lo: int, hi: int) -> "BlockChooser":
-        """The chooser kept with ``draft`` for this range: what one call
-        learned (acceptance, cycle costs) the next one starts from."""
-        kept = getattr(draft, "_block_choosers", None)
-        if kept is None:
-            kept = {}
-            object.__setattr__(draft, "_block_choosers", kept)
-        if (lo, hi) not in kept:
-            kept[(lo, hi)] = cls(lo, hi)
-        return kept[(lo, hi)]
 
     def record(self, block: int, accepted: int, seconds: float | None) -> None:
         """One verify cycle at ``block`` accepted ``accepted`` drafts in ``seconds``."""
         self.cycles += 1
-        for i in range(1, min(block - 1, accepted + 1) + 1):
+        for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
             self.reached[i] += 1
             self.hit[i] += i <= accepted
         if self.reached[1] > self.MEMORY:  # forget slowly: recent text weighs more
@@ -84,14 +78,19 @@ class BlockChooser:
             total += s
         return total
 
-    def cost(self) -> tuple[float, float]:
-        """(a, c) of seconds(b) = a + c*b, from the median time of each size
-        tried in the last RECENT cycles (costs grow with the context, so old
-        times of one size must not be set against new times of another)."""
+    def _median_times(self) -> dict[int, float]:
+        """The median time of each size tried in the last RECENT cycles (costs
+        grow with the context, so old times of one size must not be set
+        against new times of another), or of all cycles if fewer than two
+        sizes were tried lately."""
         recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] for b, ts in self.times.items()}
         if sum(1 for ts in recent.values() if ts) < 2:
             recent = {b: [t for _, t in ts] for b, ts in self.times.items()}
-        pts = [(b, sorted(ts)[len(ts) // 2]) for b, ts in recent.items() if ts]
+        return {b: sorted(ts)[len(ts) // 2] for b, ts in recent.items() if ts}
+
+    def cost(self) -> tuple[float, float]:
+        """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2)."""
+        pts = [(b, t) for b, t in self._median_times().items() if b > 1]
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
@@ -124,4 +123,31 @@ class BlockChooser:
             rate = self.expected_tokens(b) / (a + c * b)
             if rate > best_rate + 1e-12:
                 best, best_rate = b, rate
+        plain = self._median_times().get(1)
+        if plain is not None and 1.0 / plain > best_rate * 1.02:  # a clear win only
+            return 1
         return best
+
+
+_choosers: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def chooser_for(draft, lo: int, hi: int) -> BlockChooser:
+    """The chooser kept for ``draft`` and this block range: what one call
+    learned (acceptance, cycle costs) the next one starts from. The registry
+    forgets a drafter when it is garbage collected; ``forget(draft)`` starts
+    it afresh."""
+    key = id(draft)
+    entry = _choosers.get(key)
+    if entry is None or entry[0]() is not draft:
+        entry = (weakref.ref(draft, lambda _, key=key: _choosers.pop(key, None)), {})
+        _choosers[key] = entry
+    kept = entry[1]
+    if (lo, hi) not in kept:
+        kept[(lo, hi)] = BlockChooser(lo, hi)
+    return kept[(lo, hi)]
+
+
+def forget(draft) -> None:
+    """Drop what was learned with ``draft``."""
+    _choosers.pop(id(draft), None)

@@ -15,11 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .stable_cache import StableKVCache
+from .kv_cache import BufferKVCache, positions_mask
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -312,23 +311,20 @@ class DraftAttention(nn.Module):
         keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
         return keys, self._heads(self.v_proj(x), self.n_kv_heads)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0, attend=None):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
-        int or a [B] array); ctx_keys/values: [B, kv_heads, C, head_dim].
+        int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
-        With ``cache`` (inference) the context comes from the cache instead,
-        from cached position ``start`` on: the block's keys/values are written
-        after it in the cache's own buffer, attended, then dropped again, so
-        the context is never copied. ``attend`` replaces the fused attention
-        (same signature as mx.fast.scaled_dot_product_attention)."""
+        With ``cache`` (inference) the context comes from the cache instead:
+        the block's keys/values are written into the cache's buffer right
+        after its valid length, without moving it, so the context is never
+        copied and the next write replaces them. ``attend`` replaces the fused
+        attention (same signature as mx.fast.scaled_dot_product_attention)."""
         B, L, _ = x.shape
         queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
         keys, values = self.keys_values(x, rope, offset)
         if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-            cache.trim(L)
-            if start:
-                keys, values = keys[..., start:, :], values[..., start:, :]
+            keys, values = cache.write(keys, values, cache.offset)
         elif ctx_keys is not None:
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
@@ -345,8 +341,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, start=0, attend=None):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, start, attend)
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -399,19 +395,19 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(taps))
 
     # -- inference -------------------------------------------------------
-    def make_cache(self, stable: bool = False) -> list[KVCache]:
-        """Context caches; ``stable`` ones keep attention shapes fixed between
-        buffer growths (see stable_cache)."""
-        return [StableKVCache() if stable else KVCache() for _ in self.layers]
+    def make_cache(self) -> list[BufferKVCache]:
+        """Context caches, one per layer (fixed-capacity buffers whose length
+        may live on the device; see kv_cache)."""
+        return [BufferKVCache() for _ in self.layers]
 
-    def extend(self, taps: mx.array, cache: list[KVCache]) -> None:
+    def extend(self, taps: mx.array, cache: list[BufferKVCache]) -> None:
         """Append the context keys/values of newly committed positions, given
         their tapped target states taps: [1, S, n*H]."""
         ctx = self.context(taps)
         for layer, c in zip(self.layers, cache):
             c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset))
 
-    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[KVCache]) -> mx.array:
+    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache]) -> mx.array:
         """Draft one block.
 
         block: [1, bs] token ids [last committed, MASK, ...] at the positions
@@ -426,33 +422,24 @@ class DFlashDraft(nn.Module):
         x = self.embed(block)
         L = block.shape[1]
         for layer, c in zip(self.layers, cache):
-            window, causal = layer.self_attn.window, layer.self_attn.causal
-            C = kept = c.offset
-            if isinstance(c, StableKVCache):
-                # The whole buffer, fixed in shape; the mask does the windowing.
-                mask = block_mask(L, C, causal, window, total=c.capacity_for(L))
-            else:
-                if window is not None and C > window - 1:
-                    kept = window - 1
-                mask = block_mask(L, kept, causal, window)
-            x = layer(x, None, None, self.rope, C, mask, cache=c, start=C - kept)
+            attn = layer.self_attn
+            C = c.offset
+            # The whole buffer, fixed in shape: the mask hides the unfilled
+            # tail and does the windowing.
+            mask = block_mask(L, C, attn.causal, attn.window, total=c.width_after(L))
+            x = layer(x, None, None, self.rope, C, mask, cache=c)
         return self.logits(self.norm(x[:, 1:]))
 
 
-def block_mask(L: int, C: int, causal: bool, window: int | None, total: int | None = None):
-    """Boolean [L, total] mask for one block after C context keys (total
-    defaults to C + L; keys past C + L are unfilled buffer), or None when
-    every query sees every key. Positions are absolute, as in Z Lab's
-    PyTorch reference: causal keys at or before the query, windowed keys
-    less than ``window`` positions from it, on either side."""
-    total = C + L if total is None else total
-    if total == C + L and not causal and (window is None or C + L <= window):
-        return None
-    q = mx.arange(L)[:, None] + C
-    k = mx.arange(total)[None]
-    visible = k < C + L
-    if causal:
-        visible = visible & (k <= q)
-    if window is not None:
-        visible = visible & (q - k < window) & (k - q < window)
-    return visible
+def block_mask(L: int, C, causal: bool, window: int | None, total: int | None = None):
+    """Boolean [L, total] mask for one block after C context keys (C an int
+    or an array; total defaults to C + L; keys past C + L are unfilled
+    buffer), or None when every query sees every key. Positions are
+    absolute, as in Z Lab's PyTorch reference: causal keys at or before the
+    query, windowed keys less than ``window`` positions from it, on either
+    side."""
+    if total is None:
+        total = C + L
+        if not causal and (window is None or total <= window):
+            return None
+    return positions_mask(L, C, total, window, causal, limit=C + L)

@@ -143,7 +143,7 @@ def test_prompt_cache_reuses_prefix_and_survives_early_stop(pair):
     gen.close()
     assert cache.tokens == turn2 + [10] + seen[:-1]
     assert cache.target[0].offset == len(cache.tokens)
-    assert cache.draft[0].offset + (cache.pending.shape[1] if cache.pending is not None else 0) == len(cache.tokens)
+    assert cache.draft[0].offset == len(cache.tokens)
     # A different conversation after that still decodes exactly.
     other = [11, 12, 13]
     out3, _ = dflash_tokens(model, draft, tok, other, max_tokens=15, prompt_cache=cache)
@@ -173,21 +173,17 @@ def test_interrupted_prefill_leaves_the_cache_consistent(pair, monkeypatch):
     assert out == greedy_reference(model, prompt, 10)
 
 
-def test_stable_shape_caches_decode_exactly(pair, request):
-    """Caches that hand attention their whole buffer (fixed shapes, masked
-    tail; the default on CUDA) give the same output as exact-length ones."""
+def test_buffer_boundaries_decode_exactly(pair, request):
+    """Caches hand attention their whole buffer (fixed shapes between growths
+    of 256 positions, the unfilled tail masked): prompts and replies that
+    cross a growth decode exactly."""
     for model, draft in (pair, request.getfixturevalue("agreeing_pair")):
         vocab = model.args.vocab_size
         tok = make_tokenizer(vocab)
         rng = random.Random(5)
         for bs, n in [(2, 1), (5, 40), (16, 250), (16, 300)]:
             prompt = [rng.randrange(vocab - 1) for _ in range(n)]
-            cache = make_prompt_cache(model, draft, stable_shapes=True)
+            cache = make_prompt_cache(model, draft)
             tokens, _ = dflash_tokens(model, draft, tok, prompt, max_tokens=40, block_size=bs, prompt_cache=cache, prefill_step_size=64)
             assert tokens == greedy_reference(model, prompt, 40), (bs, n)
-            assert cache.target[0].keys.shape[2] % 256 == 0
-        # Sampled runs with one seed agree too.
-        a = [t for r in stream_generate(model, draft, tok, [1, 2, 3], max_tokens=30, temperature=0.8, seed=3) for t in r.tokens]
-        b = [t for r in stream_generate(model, draft, tok, [1, 2, 3], max_tokens=30, temperature=0.8, seed=3,
-                                        prompt_cache=make_prompt_cache(model, draft, stable_shapes=True)) for t in r.tokens]
-        assert a == b
+            assert all(c.keys.shape[2] % 256 == 0 for c in cache.target + cache.draft)

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.sampling import accept_sampled, target_logprobs
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.sampling import accept_proposals, gumbel_noise, pick, seed_words, target_logprobs
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 ALPHA = 1e-3
@@ -65,26 +67,52 @@ def test_target_logprobs_is_mlx_lm_chain(temperature, top_p, top_k):
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", SETTINGS)
-def test_rejection_rule_emits_target_distribution(temperature, top_p, top_k):
-    """One verify: whatever the (one-hot) draft, the first committed token is
-    distributed as p at position 0, and the second as p at position 1 given
-    the first was the draft."""
+def test_gumbel_max_pick_follows_target_distribution(temperature, top_p, top_k):
+    """The seeded Gumbel-max pick draws from the target's distribution, and
+    the noise of one (seed, position) is the same however rows are grouped."""
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal(9) * 1.5).astype(np.float32)
+    p = reference_probs(logits, temperature, top_p, top_k)
+    n = 6000
+    rows = mx.broadcast_to(mx.array(logits)[None], (n, 9))
+    counts = np.zeros(9)
+    for seed in range(2):
+        tokens = np.array(pick(rows, mx.arange(n, dtype=mx.int32), temperature, top_p, top_k, seed_words(seed)))
+        counts += np.bincount(tokens, minlength=9)
+    assert chi_square_pvalue(counts, 2 * n * p) > ALPHA
+    positions = mx.array([5, 6, 7], mx.int32)
+    together = np.array(gumbel_noise(seed_words(3), positions, 9))
+    alone = np.stack([np.array(gumbel_noise(seed_words(3), positions[i : i + 1], 9))[0] for i in range(3)])
+    np.testing.assert_array_equal(together, alone)
+    assert not np.array_equal(together[0], np.array(gumbel_noise(seed_words(4), positions[:1], 9))[0])
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", SETTINGS[:3])
+@pytest.mark.parametrize("proposal", ["one-hot", "smooth"])
+def test_general_rejection_rule_emits_target_distribution(temperature, top_p, top_k, proposal):
+    """accept_proposals (min(1, p/q), kept for drafters that propose from a
+    distribution): the first committed token is distributed as p at position
+    0, and the second as p at position 1 given the first was the draft."""
     rng = np.random.default_rng(1)
     logits = (rng.standard_normal((3, 7)) * 1.5).astype(np.float32)
     p0 = reference_probs(logits[0], temperature, top_p, top_k)
     p1 = reference_probs(logits[1], temperature, top_p, top_k)
-    for draft0 in (int(np.argmax(p0)), int(np.argsort(p0)[-2])):
-        drafts = mx.array([draft0, 2], mx.int32)
-        n = 4000
-        first, second = np.zeros(7), np.zeros(7)
-        keys = mx.random.split(mx.random.key(draft0), n)
-        for i in range(n):
-            out = accept_sampled(drafts, mx.array(logits), temperature, top_p, top_k, keys[i]).tolist()
-            first[out[1]] += 1
-            if out[0] >= 1:
-                second[out[2]] += 1
-        assert chi_square_pvalue(first, n * p0) > ALPHA
-        assert chi_square_pvalue(second, second.sum() * p1) > ALPHA
+    if proposal == "smooth":
+        q = rng.dirichlet(np.ones(7), size=2).astype(np.float32)
+    else:
+        q = np.eye(7, dtype=np.float32)[[int(np.argsort(p0)[-2]), 2]]
+    n = 4000
+    first, second = np.zeros(7), np.zeros(7)
+    keys = mx.random.split(mx.random.key(11), n)
+    draws = rng.random((n, 2))
+    for i in range(n):
+        drafts = mx.array([int(np.searchsorted(np.cumsum(q[j]), draws[i, j] * q[j].sum())) for j in range(2)], mx.int32)
+        out = accept_proposals(drafts, mx.array(q), mx.array(logits), temperature, top_p, top_k, keys[i]).tolist()
+        first[out[1]] += 1
+        if out[0] >= 1:
+            second[out[2]] += 1
+    assert chi_square_pvalue(first, n * p0) > ALPHA
+    assert chi_square_pvalue(second, second.sum() * p1) > ALPHA
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +168,35 @@ def test_seed_makes_runs_repeatable(small_pair):
 
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
+    assert run(-1) == run(2**64 - 1) and run(2**64 + 5) == run(5)  # any integer, folded
+
+
+def plain_sampled(model, prompt, max_tokens, seed, temperature, top_p, top_k):
+    """The target alone (mlx-lm's generate_step) sampling with the same noise:
+    the token at position t is the Gumbel-max pick for (seed, t)."""
+    position = [len(prompt)]
+
+    def sampler(logprobs):
+        token = pick(logprobs, mx.array(position, mx.int32), temperature, top_p, top_k, seed_words(seed))
+        position[0] += 1
+        return token
+
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler)]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.8, 1.0, 0), (1.0, 0.9, 0), (0.7, 1.0, 20)])
+def test_seeded_text_is_the_same_at_every_block_size(agreeing_pair, temperature, top_p, top_k):
+    """A seed fixes the text whatever the blocks (2..16 and auto), and it is
+    the text the target alone samples with the same noise."""
+    model, draft = agreeing_pair
+    tok = make_tokenizer(24)
+    prompt = [3, 1, 4, 1, 5]
+    for seed in (0, 1):
+        want = plain_sampled(model, prompt, 40, seed, temperature, top_p, top_k)
+        accepted = 0
+        for bs in [*range(2, 17), "auto"]:
+            responses = list(stream_generate(model, draft, tok, prompt, max_tokens=40, temperature=temperature,
+                                             top_p=top_p, top_k=top_k, block_size=bs, seed=seed))
+            assert [t for r in responses for t in r.tokens] == want, (seed, bs)
+            accepted += sum(r.accepted for r in responses[1:])
+        assert accepted > 0

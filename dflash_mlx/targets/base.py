@@ -10,10 +10,9 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_causal_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.base import create_attention_mask
 
-from ..stable_cache import StableKVCache, causal_mask
+from ..kv_cache import BufferKVCache, set_lengths
 
 
 class DenseTarget:
@@ -47,28 +46,19 @@ class DenseTarget:
         return self.inner.norm.weight.dtype
 
     # -- forward and cache ---------------------------------------------------
-    def make_cache(self, stable: bool = False) -> list:
-        """mlx-lm's KV cache, or with ``stable`` one whose attention shapes
-        change only as its buffer grows (see stable_cache)."""
-        return [StableKVCache() if stable else KVCache() for _ in self.inner.layers]
+    def make_cache(self) -> list:
+        """One cache per layer: fixed-capacity buffers whose length may live
+        on the device (see kv_cache), so a verify's rollback is decided there."""
+        return [BufferKVCache() for _ in self.inner.layers]
 
     def windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full attention."""
         return [None] * self.num_layers
 
     def masks(self, h: mx.array, cache: list) -> list:
-        L, windows = h.shape[1], self.windows()
-        first = cache[0]
-        offset = first.offset if first is not None else 0
-        if isinstance(first, StableKVCache):
-            total = first.capacity_for(L)
-            made = {w: causal_mask(L, offset, total, w) for w in set(windows)}
-        else:
-            full = create_attention_mask(h, first)
-            made = {
-                w: create_causal_mask(L, offset, window_size=w) if w and offset + L > w else full
-                for w in set(windows)
-            }
+        """Each layer's mask, made by its cache (mlx-lm's protocol)."""
+        windows = self.windows()
+        made = {w: create_attention_mask(h, cache[0], window_size=w, return_array=True) for w in set(windows)}
         return [made[w] for w in windows]
 
     def __call__(
@@ -93,8 +83,8 @@ class DenseTarget:
         logits = self.lm_head(self.inner.norm(h))
         return logits, mx.concatenate(tapped, axis=-1)
 
-    def rollback(self, cache: list, n: int) -> None:
-        """Forget the last ``n`` positions (no copy: the offsets move back)."""
-        if n > 0:
-            for c in cache:
-                c.trim(n)
+    def set_length(self, cache: list, length, bound: int | None = None) -> None:
+        """Keep the first ``length`` cached positions (an int, or an array the
+        host does not read, with ``bound`` a host-side upper bound on it):
+        rollback moves the caches' lengths, no copy."""
+        set_lengths(cache, length, bound)

@@ -1,0 +1,110 @@
+"""Generation arguments, checked once for the Python API and the CLI alike.
+
+Every rule here raises ValueError with one sentence that names the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GenerationArgs:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    block_size: int | str  # an int >= 2, or "auto"
+    seed: int  # in [0, 2**64)
+    prefill_step_size: int
+
+
+def integer(name: str, value, minimum: int | None = None) -> int:
+    """``value`` as an int: any integer type (Python, numpy, a 0-d array) or
+    an integral float; never a bool."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)) or (
+        isinstance(value, float) and not value.is_integer()
+    ):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value}.")
+    return value
+
+
+def real(name: str, value) -> float:
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def check_sampling(temperature, top_p, top_k) -> tuple[float, float, int]:
+    temperature, top_p = real("temperature", temperature), real("top_p", top_p)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    try:
+        top_k = integer("top_k", top_k, 0)
+    except ValueError:
+        raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {top_k!r}.") from None
+    return temperature, top_p, top_k
+
+
+def check_block_size(block_size, trained: int) -> int | str:
+    """None or "auto" -> "auto"; else an int in [2, trained]."""
+    if block_size is None or (isinstance(block_size, str) and block_size.strip().lower() == "auto"):
+        return "auto"
+    try:
+        bs = integer("block_size", int(block_size) if isinstance(block_size, str) else block_size)
+    except ValueError:
+        bs = None
+    if bs is None or bs < 2:
+        raise ValueError(
+            f"block_size must be an integer >= 2 (one committed token plus drafts) or 'auto', got {block_size!r}."
+        )
+    if bs > trained:
+        raise ValueError(
+            f"block_size {bs} is larger than the block the drafter was trained for ({trained}), "
+            f"whose drafts past it are noise; use at most {trained}, or 'auto'."
+        )
+    return bs
+
+
+def check_seed(seed) -> int:
+    """Any integer, folded into [0, 2**64); None draws one at random."""
+    if seed is None:
+        return random.SystemRandom().getrandbits(64)
+    return integer("seed", seed) % (1 << 64)
+
+
+def check_generation_args(
+    *,
+    max_tokens=256,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    block_size=None,
+    seed=None,
+    prefill_step_size=2048,
+    trained_block_size: int,
+) -> GenerationArgs:
+    """All of ``stream_generate``'s settings, checked and normalised."""
+    temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+    return GenerationArgs(
+        max_tokens=integer("max_tokens", max_tokens, 1),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        block_size=check_block_size(block_size, trained_block_size),
+        seed=check_seed(seed),
+        prefill_step_size=integer("prefill_step_size", prefill_step_size, 1),
+    )

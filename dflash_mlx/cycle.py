@@ -1,0 +1,82 @@
+"""One DFlash cycle as a function of device state: draft, verify, accept, keep.
+
+The state between cycles is two small arrays, ``last`` (the last committed
+token, not yet in the caches) and ``length`` (how many positions both caches
+hold), plus the caches themselves. A cycle reads and returns them without the
+host looking at any of it, so the next cycle can be built and queued while
+this one runs, as mlx-lm's plain ``generate_step`` does for single tokens:
+
+1. the drafter fills the block [last, MASK, ...] at positions length.. from
+   its context cache;
+2. the target verifies [last, drafts] in one forward, writing their keys and
+   values at positions length..length+bs-1 of its cache;
+3. the target's token at every position is picked (argmax, or the seeded
+   Gumbel-max sample) and the drafts that match count as accepted (a);
+4. the drafter's context takes the verified positions' tapped states, and
+   both caches keep length + a + 1 positions: rollback is that move, made on
+   the device.
+
+A block of 1 is a plain target step through the same machinery (no drafts;
+the drafter's context still grows, so drafting can resume at any time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .draft import DFlashDraft
+from .kv_cache import set_lengths
+from .sampling import accepted_count, pick, seed_words
+from .targets import DenseTarget
+
+
+@dataclass
+class Flight:
+    """A queued cycle: its block size and the arrays it will produce."""
+
+    block_size: int
+    result: mx.array  # [1 + bs]: accepted drafts a, then the target's tokens (first a + 1 are committed)
+    last: mx.array  # [1] the next cycle's last token
+    length: mx.array  # () the caches' length after this cycle
+
+
+class Cycle:
+    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int], seed: int):
+        self.target, self.draft, self.caches = target, draft, caches
+        self.temperature, self.top_p, self.top_k = sampling
+        self.seed = seed_words(seed) if self.temperature > 0 else None
+        self.taps = list(draft.config.target_layer_ids)
+        self.mask_id = draft.config.mask_token_id
+
+    def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
+        return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed)
+
+    def first_token(self, last_logits: mx.array, position: int) -> mx.array:
+        """The token after the prompt, from the prefill's last logits [V]."""
+        return self.pick(last_logits[None], mx.array([position], mx.int32))
+
+    def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int) -> Flight:
+        """Build a cycle's graph and queue it; nothing here waits for the
+        device. ``bound``: a host-side upper bound on ``length``."""
+        target_cache, draft_cache = self.caches.target, self.caches.draft
+        self.target.set_length(target_cache, length, bound)
+        set_lengths(draft_cache, length, bound)
+        if block_size > 1:
+            block = mx.concatenate([last, mx.full((block_size - 1,), self.mask_id, mx.int32)])[None]
+            drafts = mx.argmax(self.draft(block, None, draft_cache)[0], axis=-1).astype(mx.int32)
+            verify = mx.concatenate([last, drafts])
+        else:
+            drafts, verify = None, last
+        logits, hidden = self.target(verify[None], target_cache, self.taps)
+        # row i predicts the token at position length + i + 1
+        tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
+        accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
+        self.draft.extend(hidden, draft_cache)
+        new_length = length + accepted + 1
+        self.target.set_length(target_cache, new_length, bound + block_size)
+        set_lengths(draft_cache, new_length, bound + block_size)
+        flight = Flight(block_size, mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length)
+        mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
+        return flight

@@ -1,0 +1,136 @@
+"""The token-level DFlash loop: prefill, queue cycles, commit, stop.
+
+``decode`` yields one ``Step`` for the first token and one per verify cycle.
+Cycles are pipelined: cycle n+1 is built and queued from cycle n's device
+state before the host reads cycle n's tokens (see cycle.py), so graph
+building and kernel launches overlap the device's work. The host learns each
+cycle's tokens one cycle late; it then commits them to the prompt cache,
+checks EOS and ``max_tokens``, and a cycle queued past the end is dropped
+(the cache's lengths are settled from its committed tokens).
+
+Text, statistics and the public response live one level up, in
+speculative.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .block_size import BlockChooser
+from .cycle import Cycle, Flight
+from .draft import DFlashDraft
+from .prompt_cache import PromptCache
+from .targets import DenseTarget
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed by this step (an EOS included)
+    accepted: int | None  # drafts accepted (None for the first token)
+    block_size: int  # tokens verified (1: a plain target step)
+    finish: str | None  # "stop" (EOS), "length" (max_tokens) or None
+
+
+def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: list[int], step: int,
+            progress: Callable[[int, int], None] | None) -> mx.array:
+    """Read the part of ``ids`` the cache lacks into both caches, in chunks of
+    ``step``; returns the target's logits [V] after the last id."""
+    taps = list(draft.config.target_layer_ids)
+    new = ids[cache.keep_prefix(ids):]
+    logits = None
+    for start in range(0, len(new), step):
+        chunk = new[start : start + step]
+        logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
+        draft.extend(hidden, cache.draft)
+        mx.eval(logits, cache.arrays())
+        cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
+        if progress is not None:
+            progress(start + len(chunk), len(new))
+    return logits[0, -1]
+
+
+def decode(
+    target: DenseTarget,
+    draft: DFlashDraft,
+    cache: PromptCache,
+    ids: list[int],
+    *,
+    max_tokens: int,
+    sampling: tuple[float, float, int],
+    seed: int,
+    block: int | BlockChooser,
+    eos: set[int],
+    prefill_step_size: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Step]:
+    """Yield the first token's Step, then one per cycle, until EOS or
+    ``max_tokens``. ``block``: a fixed block size or a chooser asked before
+    every cycle. The cache holds the prompt and every committed token but the
+    last whenever a Step is yielded, and when the generator is closed."""
+    owner = object()
+    cache.claim(owner)
+    try:
+        yield from _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos,
+                           prefill_step_size, progress)
+    finally:
+        cache.release(owner)
+
+
+def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos, step, progress):
+    cycle = Cycle(target, draft, cache, sampling, seed)
+    chooser = block if isinstance(block, BlockChooser) else None
+
+    def block_for(committed_at_least: int) -> int:
+        bs = chooser.choose() if chooser is not None else block
+        return max(1, min(bs, max_tokens - committed_at_least))
+
+    with mx.stream(generation_stream):
+        last_logits = prefill(target, draft, cache, ids, step, progress)
+        last = cycle.first_token(last_logits, len(ids))
+    length = mx.array(len(ids), mx.int32)
+    first = last.item()
+    n = 1
+    if first in eos or max_tokens == 1:
+        yield Step([first], None, 1, "stop" if first in eos else "length")
+        return
+    with mx.stream(generation_stream):
+        flight: Flight = cycle.launch(block_for(n), last, length, len(ids))
+    yield Step([first], None, 1, None)
+    cache.check_owner(owner)
+    last_host, held, read_at = first, 0.0, time.perf_counter()
+    while True:
+        # Queue the next cycle before reading this one, unless this one surely ends it.
+        following = None
+        if n + 1 < max_tokens:
+            bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
+            with mx.stream(generation_stream):
+                following = cycle.launch(block_for(n + 1), flight.last, flight.length, bound)
+        values = flight.result.tolist()
+        now = time.perf_counter()
+        if chooser is not None:
+            chooser.record(flight.block_size, values[0], max(now - read_at - held, 0.0))
+        read_at = now
+        accepted, proposals = values[0], values[1:]
+        new = proposals[: min(accepted + 1, max_tokens - n)]
+        stop = next((i for i, t in enumerate(new) if t in eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+        cache.tokens.append(last_host)
+        cache.tokens.extend(new[:-1])
+        last_host = new[-1]
+        n += len(new)
+        finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
+        t = time.perf_counter()
+        yield Step(new, accepted, flight.block_size, finish)
+        held = time.perf_counter() - t
+        if finish is not None:
+            return
+        cache.check_owner(owner)
+        flight = following
+        if n // 256 != (n - len(new)) // 256:
+            mx.clear_cache()

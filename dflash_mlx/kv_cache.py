@@ -1,0 +1,144 @@
+"""A KV cache whose length may live on the device.
+
+mlx-lm's KVCache keeps its length (``offset``) as a Python int and hands
+attention exactly the filled part of its buffer. A pipelined speculative
+loop cannot: how many drafted positions a verify keeps is known only on the
+device, and the next cycle must be queued before the host reads it. This
+cache therefore
+
+- keeps a buffer of fixed capacity (grown by the host, ``reserve``, in steps
+  of ``step`` positions, ahead of any write);
+- writes new keys/values at ``offset``, a Python int or an int32 scalar
+  array, without reading it on the host;
+- hands attention its whole buffer and makes its own mask (mlx-lm's
+  ``make_mask`` protocol): positions at or past the valid length are hidden;
+- rolls back by moving ``offset``: positions past it are garbage that the
+  next write overwrites.
+
+Fixed shapes have a second benefit on MLX's CUDA backend, where attention
+with several query rows rebuilds a backend graph for every key length it has
+not seen (~30 ms each on an H200, see the project's reference notes).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def positions_mask(L: int, offset, total: int, window: int | None = None, causal: bool = True, limit=None) -> mx.array:
+    """Boolean [L, total]: which of ``total`` buffer positions each of ``L``
+    query rows at positions offset..offset+L-1 sees. Keys at or past ``limit``
+    (default offset + L) are unfilled; ``causal`` hides keys after the query;
+    ``window`` hides keys ``window`` or more positions away (before the query,
+    and after it too when not causal). ``offset`` and ``limit`` may be arrays."""
+    q = mx.arange(L)[:, None] + offset
+    k = mx.arange(total)[None]
+    visible = k < (offset + L if limit is None else limit)
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
+class BufferKVCache:
+    """Keys and values in a fixed-capacity buffer with a device-side length.
+
+    ``offset`` is the valid length (an int, or an int32 scalar array that the
+    host does not read); ``bound`` is a host-side upper bound on it, from
+    which the buffer is grown before every write, so growing never waits for
+    the device."""
+
+    step = 256
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset: int | mx.array = 0
+        self.bound = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _room(self, n: int) -> int:
+        """The capacity needed to hold ``n`` positions."""
+        return max(self.capacity, -(-n // self.step) * self.step)
+
+    def width_after(self, n: int) -> int:
+        """The buffer's length once ``n`` more positions are written."""
+        return self._room(self.bound + n)
+
+    def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
+        cap = self._room(n)
+        if cap == self.capacity:
+            return
+        B, H, _, kd = keys.shape
+        vd = values.shape[3]
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, cap, kd), keys.dtype)
+            self.values = mx.zeros((B, H, cap, vd), values.dtype)
+            return
+        pad = cap - self.capacity
+        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, pad, kd), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values, mx.zeros((B, H, pad, vd), self.values.dtype)], axis=2)
+
+    def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
+        """Keep the first ``length`` positions (rollback is this move). An
+        array length comes with ``bound``, a host-side upper bound on it."""
+        self.offset = length
+        self.bound = length if isinstance(length, int) else bound
+
+    def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
+        """Store keys/values [B, H, n, d] at positions start..start+n-1, where
+        start is ``offset`` (an int or an array), without moving it; returns
+        the whole buffers."""
+        n = keys.shape[2]
+        self._grow(self.bound + n, keys, values)
+        if isinstance(start, int):
+            self.keys[..., start : start + n, :] = keys
+            self.values[..., start : start + n, :] = values
+        else:
+            at = mx.reshape(start, (1,)).astype(mx.int32)
+            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+            self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        return self.keys, self.values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """mlx-lm's cache protocol: append at ``offset`` and return the buffers."""
+        out = self.write(keys, values, self.offset)
+        n = keys.shape[2]
+        self.offset = self.offset + n
+        self.bound += n
+        return out
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+        """The mask for ``N`` positions about to be stored by
+        ``update_and_fetch`` (mlx-lm asks before the layers run): it spans
+        the buffer as it will be after that write."""
+        return positions_mask(N, self.offset, self.width_after(N), window_size)
+
+    # mlx-lm's trimming protocol
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        self.offset = self.offset - n
+        if isinstance(self.offset, int):
+            self.bound = self.offset
+        return n
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def set_lengths(caches: list, length: int | mx.array, bound: int | None = None) -> None:
+    for c in caches:
+        c.set_length(length, bound)

@@ -1,0 +1,110 @@
+"""The caches of one conversation: what the target and the drafter have read.
+
+A PromptCache outlives a call, so a follow-up prompt that extends an earlier
+conversation re-reads only what is new. It stays exact at every moment a
+caller can observe it:
+
+- ``tokens`` lists the ids whose keys/values both caches hold at positions
+  0..len(tokens)-1 (target and drafter alike: the drafter's context is the
+  target's committed positions). Nothing ever writes below ``len(tokens)``:
+  prefill chunks and verify blocks write past it, and ``tokens`` grows only
+  once their writes are queued in full, so an exception at any point (a
+  Ctrl-C mid-prefill or mid-cycle) leaves garbage only past the end.
+- Lengths are settled from ``tokens`` whenever a generation takes the cache
+  or lets it go, so a generation that died anywhere leaves nothing behind.
+- One generation owns the cache at a time. A new call takes it over from a
+  generator still alive: that one's committed tokens stay (they are in
+  ``tokens``), its in-flight work is dropped, and it can neither continue
+  nor change the cache afterwards.
+- It belongs to one model pair and refuses another.
+"""
+
+from __future__ import annotations
+
+from .draft import DFlashDraft
+from .kv_cache import set_lengths
+from .targets import DenseTarget, adapt
+
+
+class StaleGenerationError(RuntimeError):
+    """A generator resumed after a newer call took over its prompt cache."""
+
+
+class PromptCache:
+    def __init__(self, model, draft: DFlashDraft):
+        target = adapt(model)
+        draft.bind(target)
+        self.model, self.draft_model = target.model, draft
+        self.adapter = target
+        self.target = target.make_cache()
+        self.draft = draft.make_cache()
+        self.tokens: list[int] = []
+        self.owner: object | None = None
+
+    def check_pair(self, target: DenseTarget, draft: DFlashDraft) -> None:
+        if target.model is not self.model or draft is not self.draft_model:
+            raise ValueError(
+                "this prompt cache was made for another model pair; make one for this pair "
+                "with make_prompt_cache(model, draft)."
+            )
+
+    def settle(self) -> None:
+        """Set every layer's length to ``len(tokens)``: whatever was written
+        past it (an unfinished prefill chunk, a cycle still in flight) is
+        dropped."""
+        n = len(self.tokens)
+        self.adapter.set_length(self.target, n)
+        set_lengths(self.draft, n)
+
+    def claim(self, owner: object) -> None:
+        """Make ``owner`` the only generation allowed to change the cache."""
+        self.owner = owner
+        self.settle()
+
+    def release(self, owner: object) -> None:
+        """``owner`` is done: settle the lengths unless a newer generation
+        has taken the cache meanwhile (then it is not ours to touch)."""
+        if self.owner is owner:
+            self.settle()
+            self.owner = None
+
+    def check_owner(self, owner: object) -> None:
+        if self.owner is not owner:
+            raise StaleGenerationError(
+                "a newer call took over this generation's prompt cache; what it had produced "
+                "stays in the cache, so start a new generation to continue."
+            )
+
+    def consistent(self) -> bool:
+        """Every layer of both caches holds exactly ``len(tokens)`` positions
+        (true whenever no generation owns the cache)."""
+        n = len(self.tokens)
+        return all(isinstance(c.offset, int) and c.offset == n and c.capacity >= n for c in self.target + self.draft)
+
+    def keep_prefix(self, ids: list[int]) -> int:
+        """Forget everything after the longest common prefix of ``tokens``
+        and ``ids`` (at most all of ``ids`` but its last id, which must be
+        read again for its logits); returns that prefix's length."""
+        n = 0
+        for a, b in zip(self.tokens, ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        del self.tokens[n:]
+        self.settle()
+        return n
+
+    def arrays(self) -> list:
+        """Every buffer both caches hold (what a queued cycle writes)."""
+        return [a for c in self.target + self.draft for a in c.state if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.target + self.draft)
+
+
+def make_prompt_cache(model, draft: DFlashDraft) -> PromptCache:
+    """A cache to pass to ``stream_generate`` across calls (multi-turn chat):
+    give the whole conversation as the prompt each turn and only the part
+    not already cached is read."""
+    return PromptCache(model, draft)
