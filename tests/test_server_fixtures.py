@@ -8,8 +8,6 @@ thinking sections, tool calls and known words for stop strings."""
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -93,24 +91,11 @@ def free_port() -> int:
 def serving(model, draft, tokenizer, **config):
     """A real server (uvicorn, 127.0.0.1, a free port) in a thread of this
     process; yields its base URL."""
-    import uvicorn
-
-    from dflash_mlx.server import ServerConfig, create_app
+    from dflash_mlx.server import ServerConfig, create_app, running_in_thread
 
     app = create_app(model, draft, tokenizer, ServerConfig(**{"model_name": "tiny", **config}))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+    with running_in_thread(app, port=free_port()) as url:
+        yield url
 
 
 # -- pytest fixtures (import them into a test module to use them) -----------------------

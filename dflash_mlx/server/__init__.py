@@ -9,7 +9,7 @@ messages, over the DFlash decode loop, one request at a time.
 Needs the `server` extra: pip install "dflash-mlx[server]".
 """
 
-from .app import create_app, run
+from .app import create_app, run, running_in_thread
 from .service import ServerConfig
 
-__all__ = ["ServerConfig", "create_app", "run"]
+__all__ = ["ServerConfig", "create_app", "run", "running_in_thread"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+import threading
+import time
+from contextlib import asynccontextmanager, contextmanager
+from typing import Iterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -49,3 +52,24 @@ def run(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: st
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+@contextmanager
+def running_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "warning") -> Iterator[str]:
+    """Serves ``app`` from a thread of this process (tests, benchmarks);
+    yields the base URL once it accepts connections, stops it on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="dflash-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start on {host}:{port}.")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
