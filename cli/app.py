@@ -14,6 +14,7 @@ from .console import click_exceptions as cx, err, print_error
 from .convert import EXAMPLES as CONVERT_EXAMPLES, convert_command
 from .generate import EXAMPLES as GENERATE_EXAMPLES, generate_command
 from .models import EXAMPLES as MODELS_EXAMPLES, models_command
+from .serve import EXAMPLES as SERVE_EXAMPLES, serve_command
 from .train import EXAMPLES as TRAIN_EXAMPLES, train_command
 
 
@@ -56,6 +57,7 @@ app.command("generate", epilog=GENERATE_EXAMPLES)(generate_command)
 app.command("chat", epilog=CHAT_EXAMPLES)(chat_command)
 app.command("bench", epilog=BENCH_EXAMPLES)(bench_command)
 app.command("models", epilog=MODELS_EXAMPLES)(models_command)
+app.command("serve", epilog=SERVE_EXAMPLES)(serve_command)
 app.command("convert", epilog=CONVERT_EXAMPLES)(convert_command)
 app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
 
