@@ -91,8 +91,8 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
     per_client = []
     for c in range(args.clients):
         mine = [r for r in results if r["client"] == c]
-        decode = sum(r["decode_s"] for r in mine)
-        per_client.append(sum(r["tokens"] for r in mine) / decode if decode > 0 else 0.0)
+        decode = sum(r["decode_s"] for r in mine)  # after each reply's first token, so that one is not counted
+        per_client.append(sum(max(r["tokens"] - 1, 0) for r in mine) / decode if decode > 0 else 0.0)
     ttft = sorted(r["ttft"] for r in results) or [0.0]
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
@@ -106,6 +106,21 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
     }
 
 
+def direct_tokens_per_s(pair, prompts: list[str], max_tokens: int) -> float:
+    """The same chat prompts through stream_generate in this process, one
+    after another, no HTTP: what the server's total tokens/s compares with."""
+    from dflash_mlx import stream_generate
+
+    model, draft, tokenizer = pair
+    tokens, start = 0, time.perf_counter()
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens):
+            pass
+        tokens += r.generation_tokens
+    return tokens / (time.perf_counter() - start)
+
+
 def local_server(args):
     """The pair served from a thread of this process, on a free loopback port."""
     import socket
@@ -114,6 +129,7 @@ def local_server(args):
     from dflash_mlx.server import ServerConfig, create_app, running_in_thread
 
     model, draft, tokenizer = load(args.model or "builtin", draft=args.draft_model)
+    args.pair = (model, draft, tokenizer)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,6 +154,11 @@ def main() -> None:
     server = nullcontext(args.url.rstrip("/")) if args.url else local_server(args)
     with server as url:
         report = drive(url, args)
+    if not args.url:  # the same first requests without the server, for the ratio
+        prompts = json.loads(PROMPTS.read_text())["chat"][: args.clients]
+        direct = direct_tokens_per_s(args.pair, prompts, args.max_tokens)
+        report["direct_tokens_per_s"] = round(direct, 1)
+        report["server_vs_direct"] = round(report["tokens_per_s_total"] / direct, 3)
     print(json.dumps(report, indent=2))
     if report["errors"]:
         raise SystemExit(1)

@@ -18,10 +18,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes of the keys and values a prompt cache holds (mlx-lm caches'
-    ``nbytes``); 0 where a layer's cache does not say."""
-    layers = list(getattr(cache, "target", []) or []) + list(getattr(cache, "draft", []) or [])
-    return sum(int(getattr(layer, "nbytes", 0) or 0) for layer in layers)
+    """Memory a prompt cache holds (its ``nbytes``; 0 where it does not say)."""
+    return int(getattr(cache, "nbytes", 0) or 0)
 
 
 class PromptCachePool:
