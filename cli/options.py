@@ -39,26 +39,15 @@ PrefillStepSize = Annotated[int, typer.Option("--prefill-step-size", help="Promp
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail, and a traceback on errors.")]
 
 
-def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[str]) -> int | str | None:
-    """Checks the generation flags; returns --block-size parsed (an int, "auto" or None)."""
-    from dflash_mlx.sampling import check_sampling
+def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[str],
+               seed: Optional[int] = None) -> int | str | None:
+    """Checks the generation flags with the library's own rules
+    (dflash_mlx.arguments); returns --block-size parsed (an int or "auto")."""
+    from dflash_mlx.arguments import check_generation_args
 
-    if max_tokens < 1:
-        raise UserError(f"--max-tokens must be a positive integer, got {max_tokens}.")
-    parsed: int | str | None = None
-    if block_size is not None:
-        text = str(block_size).strip().lower()
-        if text == "auto":
-            parsed = "auto"
-        else:
-            try:
-                parsed = int(text)
-            except ValueError:
-                raise UserError(f"--block-size must be an integer of at least 2 or 'auto', got {block_size!r}.") from None
-            if parsed < 2:
-                raise UserError(f"--block-size must be at least 2 (one committed token plus drafts), got {parsed}.")
     try:
-        check_sampling(temp, top_p, top_k)
+        args = check_generation_args(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
+                                     block_size=block_size, seed=seed, trained_block_size=None, flags=True)
     except ValueError as e:
-        raise UserError(f"bad sampling flags (--temp/--top-p/--top-k): {e}") from None
-    return parsed
+        raise UserError(str(e)) from None
+    return args.block_size

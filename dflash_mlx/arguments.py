@@ -1,6 +1,8 @@
 """Generation arguments, checked once for the Python API and the CLI alike.
 
-Every rule here raises ValueError with one sentence that names the fix.
+Every rule here raises ValueError with one sentence that names the fix; with
+``flags=True`` the sentence names the command line's flags (--max-tokens,
+--temp, ...) instead of the Python arguments.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ class GenerationArgs:
     block_size: int | str  # an int >= 2, or "auto"
     seed: int  # in [0, 2**64)
     prefill_step_size: int
+
+
+FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "block_size": "--block-size",
+    "seed": "--seed",
+    "prefill_step_size": "--prefill-step-size",
+}
 
 
 def integer(name: str, value, minimum: int | None = None) -> int:
@@ -59,8 +72,9 @@ def check_sampling(temperature, top_p, top_k) -> tuple[float, float, int]:
     return temperature, top_p, top_k
 
 
-def check_block_size(block_size, trained: int) -> int | str:
-    """None or "auto" -> "auto"; else an int in [2, trained]."""
+def check_block_size(block_size, trained: int | None) -> int | str:
+    """None or "auto" -> "auto"; else an int in [2, trained] (trained None:
+    not known yet, so not checked)."""
     if block_size is None or (isinstance(block_size, str) and block_size.strip().lower() == "auto"):
         return "auto"
     try:
@@ -71,7 +85,7 @@ def check_block_size(block_size, trained: int) -> int | str:
         raise ValueError(
             f"block_size must be an integer >= 2 (one committed token plus drafts) or 'auto', got {block_size!r}."
         )
-    if bs > trained:
+    if trained is not None and bs > trained:
         raise ValueError(
             f"block_size {bs} is larger than the block the drafter was trained for ({trained}), "
             f"whose drafts past it are noise; use at most {trained}, or 'auto'."
@@ -95,16 +109,25 @@ def check_generation_args(
     block_size=None,
     seed=None,
     prefill_step_size=2048,
-    trained_block_size: int,
+    trained_block_size: int | None,
+    flags: bool = False,
 ) -> GenerationArgs:
     """All of ``stream_generate``'s settings, checked and normalised."""
-    temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
-    return GenerationArgs(
-        max_tokens=integer("max_tokens", max_tokens, 1),
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        block_size=check_block_size(block_size, trained_block_size),
-        seed=check_seed(seed),
-        prefill_step_size=integer("prefill_step_size", prefill_step_size, 1),
-    )
+    try:
+        temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+        return GenerationArgs(
+            max_tokens=integer("max_tokens", max_tokens, 1),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            block_size=check_block_size(block_size, trained_block_size),
+            seed=check_seed(seed),
+            prefill_step_size=integer("prefill_step_size", prefill_step_size, 1),
+        )
+    except ValueError as e:
+        if not flags:
+            raise
+        message = str(e)
+        for name, flag in FLAGS.items():
+            message = message.replace(f"{name} must", f"{flag} must").replace(f"{name} {block_size}", f"{flag} {block_size}")
+        raise ValueError(message) from None

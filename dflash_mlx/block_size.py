@@ -40,6 +40,7 @@ import weakref
 class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
     RECENT = 256  # cycles whose times the cost fit uses
+    EVIDENCE = 16  # drafting cycles seen before plain steps may win
 
     def __init__(self, lo: int, hi: int, explore: int = 32):
         if not 2 <= lo <= hi:
@@ -124,7 +125,8 @@ class BlockChooser:
             if rate > best_rate + 1e-12:
                 best, best_rate = b, rate
         plain = self._median_times().get(1)
-        if plain is not None and 1.0 / plain > best_rate * 1.02:  # a clear win only
+        sure = self.reached[1] >= self.EVIDENCE  # enough drafting seen to give it up
+        if plain is not None and sure and 1.0 / plain > best_rate * 1.02:  # a clear win only
             return 1
         return best
 

@@ -85,31 +85,35 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
     cycle = Cycle(target, draft, cache, sampling, seed)
     chooser = block if isinstance(block, BlockChooser) else None
 
-    def block_for(committed_at_least: int) -> int:
-        bs = chooser.choose() if chooser is not None else block
-        return max(1, min(bs, max_tokens - committed_at_least))
+    def launch(bs: int, last, length, bound: int) -> Flight:
+        with mx.stream(generation_stream):
+            return cycle.launch(bs, last, length, bound)
+
+    def choose() -> int:
+        return chooser.choose() if chooser is not None else block
 
     with mx.stream(generation_stream):
         last_logits = prefill(target, draft, cache, ids, step, progress)
         last = cycle.first_token(last_logits, len(ids))
-    length = mx.array(len(ids), mx.int32)
     first = last.item()
     n = 1
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length")
         return
-    with mx.stream(generation_stream):
-        flight: Flight = cycle.launch(block_for(n), last, length, len(ids))
+    flight = launch(min(choose(), max_tokens - n + 1), last, mx.array(len(ids), mx.int32), len(ids))
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
     last_host, held, read_at = first, 0.0, time.perf_counter()
     while True:
-        # Queue the next cycle before reading this one, unless this one surely ends it.
-        following = None
+        # Queue the next cycle before reading this one, unless this one surely
+        # ends the reply. Near the end, where the block must be cut to the
+        # tokens still wanted, wait for this one's count instead.
+        following, wanted = None, None
         if n + 1 < max_tokens:
-            bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
-            with mx.stream(generation_stream):
-                following = cycle.launch(block_for(n + 1), flight.last, flight.length, bound)
+            wanted = choose()
+            if wanted <= max_tokens - (n + flight.block_size) + 1:
+                bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
+                following = launch(wanted, flight.last, flight.length, bound)
         values = flight.result.tolist()
         now = time.perf_counter()
         if chooser is not None:
@@ -131,6 +135,8 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         if finish is not None:
             return
         cache.check_owner(owner)
+        if following is None:
+            following = launch(min(wanted, max_tokens - n + 1), flight.last, flight.length, len(cache.tokens))
         flight = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()

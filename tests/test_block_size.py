@@ -6,7 +6,7 @@ import random
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import BlockChooser
+from dflash_mlx.block_size import BlockChooser, chooser_for, forget
 from tiny import greedy_reference, make_tokenizer
 
 
@@ -34,8 +34,8 @@ def best_block(accept_rate: float, seconds, lo: int, hi: int) -> int:
 
 def test_probes_long_short_and_middle_first():
     c = BlockChooser(4, 16)
-    used = feed(c, 0.5, lambda b: 1.0, 9)
-    assert used == [16] * 3 + [4] * 3 + [10] * 3
+    used = feed(c, 0.5, lambda b: 1.0, 12)
+    assert used == [16] * 3 + [4] * 3 + [10] * 3 + [1] * 3  # the last: plain target steps
     # cycles cut short (max_tokens below the block) still count as probes
     c = BlockChooser(4, 16)
     for _ in range(12):
@@ -64,6 +64,27 @@ def test_cost_growing_with_the_block_picks_the_best_short_block():
     assert max(set(tail), key=tail.count) in (want - 1, want, want + 1)
 
 
+def plain_cost(b):
+    """A drafting cycle costs a little more than a plain step, growing with the block."""
+    return 0.010 if b == 1 else 0.012 + 0.0005 * b
+
+
+def test_plain_steps_when_no_block_pays_and_drafting_resumes_when_it_does():
+    c = BlockChooser(4, 16, explore=16)
+    used = feed(c, 0.0, plain_cost, 300)  # a drafter that is never right
+    tail = used[-160:]
+    assert tail.count(1) > 0.8 * len(tail)
+    assert {4, 16} <= set(tail)  # exploration goes on
+    used = feed(c, 0.9, plain_cost, 2500, seed=3)  # the text turns predictable
+    assert used[-100:].count(1) == 0
+
+
+def test_good_acceptance_never_runs_plain_steps():
+    c = BlockChooser(4, 16, explore=16)
+    used = feed(c, 0.7, plain_cost, 300)
+    assert used[12:].count(1) == 0
+
+
 def test_exploration_keeps_late_positions_measured():
     c = BlockChooser(4, 16, explore=8)
     used = feed(c, 0.8, lambda b: 0.01 + 0.01 * b, 200)
@@ -90,7 +111,7 @@ def test_bad_range():
 
 
 def fresh(draft):
-    object.__setattr__(draft, "_block_choosers", {})  # forget what earlier tests taught it
+    forget(draft)  # what earlier tests taught it
     return draft
 
 
@@ -107,7 +128,8 @@ def test_auto_is_lossless_while_the_block_changes(agreeing_pair):
         # (a cycle near the end is cut to the tokens still wanted)
         sizes |= {r.block_size for r in responses[1:] if 120 - (r.generation_tokens - len(r.tokens)) >= 16}
         assert all(r.accepted is None or r.accepted <= r.block_size - 1 for r in responses)
-    assert len(sizes) >= 3 and min(sizes) >= 4 and max(sizes) == 16
+    drafting = sizes - {1}  # 1: the plain steps probed
+    assert len(drafting) >= 3 and min(drafting) >= 4 and max(drafting) == 16
 
 
 def test_auto_with_sampling(agreeing_pair):
@@ -116,21 +138,21 @@ def test_auto_with_sampling(agreeing_pair):
     responses = list(stream_generate(model, fresh(draft), tok, [3, 4, 5], max_tokens=80, temperature=0.8,
                                      block_size="auto", seed=7))
     assert sum(len(r.tokens) for r in responses) == 80
-    assert [r.block_size for r in responses[1:10]] == [16, 16, 16, 4, 4, 4, 10, 10, 10]  # the probes
+    assert [r.block_size for r in responses[1:13]] == [16, 16, 16, 4, 4, 4, 10, 10, 10, 1, 1, 1]  # the probes
 
 
 def test_what_one_call_learns_carries_to_the_next(agreeing_pair):
     model, draft = agreeing_pair
     tok = make_tokenizer(24)
     list(stream_generate(model, fresh(draft), tok, [1, 2, 3], max_tokens=240, block_size="auto"))
-    chooser = BlockChooser.for_draft(draft, 4, 16)
+    chooser = chooser_for(draft, 4, 16)
     cycles = chooser.cycles
     assert cycles > 9
     responses = list(stream_generate(model, draft, tok, [4, 5, 6], max_tokens=60, block_size="auto"))
-    assert BlockChooser.for_draft(draft, 4, 16) is chooser and chooser.cycles == cycles + len(responses) - 1
+    assert chooser_for(draft, 4, 16) is chooser and chooser.cycles == cycles + len(responses) - 1
     # no second round of probes: the first cycles already use the block chosen from what was learned
-    first = [r.block_size for r in responses[1:4]]
-    assert first != [16, 16, 16]
+    first = [r.block_size for r in responses[1:13]]
+    assert first != [16, 16, 16, 4, 4, 4, 10, 10, 10, 1, 1, 1][: len(first)]
 
 
 def test_bad_block_size(agreeing_pair):
@@ -146,6 +168,6 @@ def test_the_callers_time_is_not_the_cycles(agreeing_pair):
     tok = make_tokenizer(24)
     for r in stream_generate(model, fresh(draft), tok, [7, 8], max_tokens=150, block_size="auto"):
         time.sleep(0.05)  # a slow reader (say, a terminal)
-    chooser = BlockChooser.for_draft(draft, 4, 16)
+    chooser = chooser_for(draft, 4, 16)
     times = sorted(t for ts in chooser.times.values() for _, t in ts)
     assert times and times[len(times) // 2] < 0.04
