@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def main():
@@ -27,12 +23,10 @@ def main():
     import mlx.core as mx
     import numpy as np
     from mlx_lm import load
-    from rich.console import Console
-
     from dflash_mlx import load_draft
     from dflash_mlx.draft import DFlashDraft
     from dflash_mlx.train.trainer import TrainConfig, train
-    from tests.tiny import make_target, make_tokenizer, mean_acceptance, target_config, write_target
+    from dflash_mlx.tiny import make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
     vocab = 32
     root = Path(tempfile.mkdtemp())
@@ -45,8 +39,7 @@ def main():
     tic = time.perf_counter()
     summary = train(TrainConfig(model=str(root / "target"), data=str(root / "data.jsonl"), out=str(root / "out"),
                                 block_size=args.block_size, draft_layers=2, steps=args.steps, batch_size=4,
-                                blocks_per_seq=8, seq_len=48, lr=3e-3, save_every=args.steps),
-                    console=Console(quiet=True), show_progress=False)
+                                blocks_per_seq=8, seq_len=48, lr=3e-3, save_every=args.steps))
     seconds = time.perf_counter() - tic
 
     model, tok = load(str(root / "target"))

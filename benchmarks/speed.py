@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dflash_mlx.draft import default_target_layer_ids
 
 SHAPES = {
     # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
@@ -34,7 +34,7 @@ SHAPES = {
 
 
 def random_pair(shape: str, tmp: Path):
-    from tiny import make_tokenizer, random_draft_weights, write_target, write_zlab_draft
+    from dflash_mlx.tiny import make_tokenizer, random_draft_weights, write_target, write_zlab_draft
 
     h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
     tcfg = {
@@ -47,7 +47,7 @@ def random_pair(shape: str, tmp: Path):
     model = Model(ModelArgs.from_dict(tcfg))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
-    taps = [round(1 + i * (layers - 4) / (dlayers - 1)) for i in range(dlayers)]
+    taps = default_target_layer_ids(layers, dlayers)
     dcfg = {
         "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,

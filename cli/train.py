@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .console import UserError, console, user_errors
 from .options import Verbose
@@ -20,6 +21,33 @@ $ dflash-mlx train --model Qwen/Qwen3-4B --data prompts.jsonl --out my-drafter -
 --data holds one prompt per line: text, {"prompt": ...} or {"messages": [...]}. Then:
 dflash-mlx generate --model Qwen/Qwen3-4B --draft-model my-drafter --prompt "..."
 """
+
+
+class TrainingBars:
+    """The trainer's progress callback: a rich bar per stage on stdout."""
+
+    LABELS = {"distill": "target writes responses", "train": "training drafter"}
+
+    def __init__(self):
+        self.stage = None
+        self.bar = None
+
+    def __call__(self, stage: str, done: int, total: int, info: str) -> None:
+        if stage != self.stage:
+            self.close()
+            self.stage = stage
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+            )
+            self.task = self.bar.add_task(self.LABELS.get(stage, stage), total=total, info="")
+            self.bar.start()
+        self.bar.update(self.task, completed=done, total=total, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
 
 
 def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
@@ -65,4 +93,8 @@ def train_command(
             gamma=gamma, mask_token_id=mask_token_id, max_prompts=max_prompts, save_every=save_every,
             min_block_size=min_block_size, val_fraction=val_fraction, gen_batch=gen_batch,
         )
-        train(cfg, console=console)
+        bars = TrainingBars()
+        try:
+            train(cfg, log=console.print, progress=bars)
+        finally:
+            bars.close()

@@ -319,7 +319,7 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
     tic = time.perf_counter()
     c = cfg(cal, 40)
     c.resume = cal.is_dir()  # a run cut short goes on with the data already written
-    first = train(c, console=console, show_progress=False)
+    first = train(c, log=console.print)
     distill_s = time.perf_counter() - tic - first["train_seconds"]
     h = first["history"]
     rate = 30 / (h[39][3] - h[9][3])  # the first steps include building kernels
@@ -336,7 +336,7 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
             shutil.copy(cal / f, run / f)
     c = cfg(run, steps)
     c.resume = True  # reuse the copied self-distilled data
-    summary = train(c, console=console, show_progress=False)
+    summary = train(c, log=console.print)
     out = dest / "draft"
     out.mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "model.safetensors"):

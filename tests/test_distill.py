@@ -11,7 +11,7 @@ import pytest
 
 import dflash_mlx.train.data as data
 from dflash_mlx.train.data import Sequence, distill, greedy_batch, load_distilled
-from tests.tiny import greedy_reference, make_target, make_tokenizer, target_config
+from dflash_mlx.tiny import greedy_reference, make_target, make_tokenizer, target_config
 
 VOCAB = 48
 LENGTHS = [1, 40, 7, 23, 2, 15, 31, 4, 11, 40, 3, 19]

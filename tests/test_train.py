@@ -9,18 +9,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from rich.console import Console
 
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.draft import DFlashDraft, DraftConfig
 from dflash_mlx.targets import adapt
 from dflash_mlx.prompts import read_prompts
 from dflash_mlx.train.data import Sequence
-from dflash_mlx.train.trainer import TrainConfig, draft_logits, make_batch, target_taps, train
-from tests.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
+from dflash_mlx.train.forward import draft_logits, target_taps
+from dflash_mlx.train.trainer import TrainConfig, make_batch, train
+from dflash_mlx.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
 VOCAB = 32
-QUIET = dict(console=Console(quiet=True), show_progress=False)
 
 
 def _prompt(rng, n):
@@ -82,7 +81,7 @@ def test_training_blocks_match_inference(sliding, min_block):
 # -- it learns ------------------------------------------------------------------
 
 def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
-    summary = train(_cfg(tiny, tmp_path / "d", steps=200, save_every=200), **QUIET)
+    summary = train(_cfg(tiny, tmp_path / "d", steps=200, save_every=200))
     losses = [h[1] for h in summary["history"]]
     assert np.mean(losses[-30:]) < 0.6 * np.mean(losses[:10])
 
@@ -99,8 +98,8 @@ def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
 
 
 def test_compiled_step_equals_plain_step(tiny, tmp_path):
-    a = train(_cfg(tiny, tmp_path / "a", steps=6, min_block_size=3), **QUIET)
-    b = train(_cfg(tiny, tmp_path / "b", steps=6, min_block_size=3, compile=False), **QUIET)
+    a = train(_cfg(tiny, tmp_path / "a", steps=6, min_block_size=3))
+    b = train(_cfg(tiny, tmp_path / "b", steps=6, min_block_size=3, compile=False))
     assert np.allclose([h[1] for h in a["history"]], [h[1] for h in b["history"]], atol=1e-4)
     wa = dict(tree_flatten(load_draft(tmp_path / "a").parameters()))
     wb = dict(tree_flatten(load_draft(tmp_path / "b").parameters()))
@@ -111,7 +110,7 @@ def test_held_out_sequences_never_train(tiny, tmp_path):
     from dflash_mlx.train.data import load_distilled
     from dflash_mlx.train.trainer import split_held_out
 
-    summary = train(_cfg(tiny, tmp_path / "d", steps=10, save_every=5, val_fraction=0.1), **QUIET)
+    summary = train(_cfg(tiny, tmp_path / "d", steps=10, save_every=5, val_fraction=0.1))
     seqs = load_distilled(tmp_path / "d")
     kept, held = split_held_out(seqs, 0.1, 0)
     assert len(held) == round(0.1 * len(seqs)) and summary["held_out_sequences"] == len(held)
@@ -124,14 +123,14 @@ def test_held_out_sequences_never_train(tiny, tmp_path):
     batch = make_batch(kept, rng, cfg, 0)
     rows = {tuple(r[r != 0].tolist()) for r in np.array(batch["tokens"])}
     assert not rows & {tuple(t for t in s.tokens if t != 0) for s in held}
-    none = train(_cfg(tiny, tmp_path / "e", steps=2, val_fraction=0.0), **QUIET)
+    none = train(_cfg(tiny, tmp_path / "e", steps=2, val_fraction=0.0))
     assert none["held_out_sequences"] == 0 and none["held_out_acceptance"] is None
 
 
 # -- checkpoints and output ------------------------------------------------------------
 
 def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
-    straight = train(_cfg(tiny, tmp_path / "a", steps=20), **QUIET)
+    straight = train(_cfg(tiny, tmp_path / "a", steps=20))
 
     import dflash_mlx.train.trainer as trainer
 
@@ -144,11 +143,11 @@ def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny, tmp_path / "b", steps=20), **QUIET)
+        train(_cfg(tiny, tmp_path / "b", steps=20))
     monkeypatch.setattr(trainer, "save_checkpoint", save)
     state = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 10
-    resumed = train(_cfg(tiny, tmp_path / "b", steps=20, resume=True), **QUIET)
+    resumed = train(_cfg(tiny, tmp_path / "b", steps=20, resume=True))
     assert [h[0] for h in resumed["history"]] == list(range(1, 21))
     assert np.allclose([h[1] for h in resumed["history"]], [h[1] for h in straight["history"]], atol=1e-4)
     a = dict(tree_flatten(load_draft(tmp_path / "a").parameters()))
@@ -159,14 +158,14 @@ def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
 
 
 def test_resume_with_more_steps_extends_a_finished_run(tiny, tmp_path):
-    train(_cfg(tiny, tmp_path / "d", steps=4, save_every=2), **QUIET)
-    more = train(_cfg(tiny, tmp_path / "d", steps=7, save_every=2, resume=True), **QUIET)
+    train(_cfg(tiny, tmp_path / "d", steps=4, save_every=2))
+    more = train(_cfg(tiny, tmp_path / "d", steps=7, save_every=2, resume=True))
     assert [h[0] for h in more["history"]] == list(range(1, 8))
     assert json.loads((tmp_path / "d" / "checkpoint" / "state.json").read_text())["step"] == 7
 
 
 def test_output_is_a_zlab_drafter(tiny, tmp_path):
-    train(_cfg(tiny, tmp_path / "d", steps=5, target_layer_ids=[0, 2, 4]), **QUIET)
+    train(_cfg(tiny, tmp_path / "d", steps=5, target_layer_ids=[0, 2, 4]))
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [0, 2, 4]
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 6
@@ -174,7 +173,7 @@ def test_output_is_a_zlab_drafter(tiny, tmp_path):
     from dflash_mlx import load
 
     model, draft, tok = load(str(tiny / "target"), draft=str(tmp_path / "d"))
-    from tests.tiny import greedy_reference
+    from dflash_mlx.tiny import greedy_reference
 
     prompt = [3, 5, 7, 9]
     text_ids = []
@@ -188,7 +187,7 @@ def test_chat_conversations_need_a_template(tiny, tmp_path):
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n")
     assert read_prompts(data) == [{"messages": [{"role": "user", "content": "w1 w2"}]}]
     with pytest.raises(ValueError, match="no chat template"):
-        train(_cfg(tiny, tmp_path / "d", data=str(data)), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", data=str(data)))
     assert not (tmp_path / "d").exists()
 
 
@@ -208,7 +207,7 @@ def test_bad_data(tiny, tmp_path, content, message):
     if content is not None:
         data.write_text(content)
     with pytest.raises(ValueError, match=message):
-        train(_cfg(tiny, tmp_path / "d", data=str(data)), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", data=str(data)))
     assert not (tmp_path / "d").exists()  # nothing left behind
 
 
@@ -216,19 +215,22 @@ def test_out_exists_without_resume(tiny, tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("")
     with pytest.raises(ValueError, match="already exists; pass --resume"):
-        train(_cfg(tiny, tmp_path / "d"), **QUIET)
+        train(_cfg(tiny, tmp_path / "d"))
 
 
 def test_resume_with_other_shape(tiny, tmp_path):
-    train(_cfg(tiny, tmp_path / "d", steps=2, min_block_size=3, val_fraction=0.1), **QUIET)
+    train(_cfg(tiny, tmp_path / "d", steps=2, min_block_size=3, val_fraction=0.1))
     with pytest.raises(ValueError, match="--block-size is 4 but"):
-        train(_cfg(tiny, tmp_path / "d", block_size=4, resume=True), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", block_size=4, resume=True))
     with pytest.raises(ValueError, match="--val-fraction is 0.3 but"):
-        train(_cfg(tiny, tmp_path / "d", val_fraction=0.3, resume=True), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", val_fraction=0.3, resume=True))
     with pytest.raises(ValueError, match="--min-block-size is 2 but"):
-        train(_cfg(tiny, tmp_path / "d", min_block_size=2, resume=True), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", min_block_size=2, resume=True))
     # not given: the run's own values are kept
-    more = train(_cfg(tiny, tmp_path / "d", steps=3, resume=True), **QUIET)
+    cfg = _cfg(tiny, tmp_path / "d", steps=3, resume=True)
+    given = repr(cfg)
+    more = train(cfg)
+    assert repr(cfg) == given  # the run's values go to train_args.json, not into the caller's config
     args = json.loads((tmp_path / "d" / "train_args.json").read_text())
     assert (args["min_block_size"], args["val_fraction"]) == (3, 0.1)
     assert more["held_out_sequences"] == round(0.1 * (more["sequences"] + more["held_out_sequences"]))
@@ -236,16 +238,16 @@ def test_resume_with_other_shape(tiny, tmp_path):
 
 def test_bad_flags(tiny, tmp_path):
     with pytest.raises(ValueError, match="--block-size must be at least 2"):
-        train(_cfg(tiny, tmp_path / "d", block_size=1), **QUIET)
+        train(_cfg(tiny, tmp_path / "d", block_size=1))
     with pytest.raises(ValueError, match=r"--target-layer-ids \[9\] do not exist"):
-        train(_cfg(tiny, tmp_path / "e", target_layer_ids=[9]), **QUIET)
+        train(_cfg(tiny, tmp_path / "e", target_layer_ids=[9]))
     assert not (tmp_path / "e").exists()
     with pytest.raises(ValueError, match="no config.json"):
-        train(_cfg(tiny, tmp_path / "f", model=str(tmp_path)), **QUIET)
+        train(_cfg(tiny, tmp_path / "f", model=str(tmp_path)))
     with pytest.raises(ValueError, match="--min-block-size must be between 2 and --block-size"):
-        train(_cfg(tiny, tmp_path / "g", min_block_size=9), **QUIET)
+        train(_cfg(tiny, tmp_path / "g", min_block_size=9))
     with pytest.raises(ValueError, match=r"--val-fraction must be in \[0, 0.5\)"):
-        train(_cfg(tiny, tmp_path / "h", val_fraction=0.7), **QUIET)
+        train(_cfg(tiny, tmp_path / "h", val_fraction=0.7))
     assert not (tmp_path / "g").exists() and not (tmp_path / "h").exists()
 
 
@@ -287,7 +289,7 @@ def test_builtin_pair_is_lossless():
     if not builtin.available():
         pytest.skip("the built-in weights are not in this checkout")
     from dflash_mlx import load
-    from tests.tiny import greedy_reference
+    from dflash_mlx.tiny import greedy_reference
 
     model, draft, tok = load(str(builtin.TARGET), draft=str(builtin.DRAFT))
     assert draft.config.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")

@@ -2,13 +2,9 @@
 
 One step: a batch of self-distilled sequences goes through the frozen target
 once (no cache), which gives the tapped hidden states of every position. In
-each sequence ``blocks_per_seq`` anchor positions a are sampled in the
-response; each anchor makes one block [token at a, MASK x (bs-1)] at
-positions a..a+bs-1, exactly what the drafter sees at inference when a is the
-first uncommitted position. The blocks go on the batch axis; each block sees
-the context keys/values of its own sequence at positions < a only (plus the
-window of sliding layers), through a boolean mask, and all of its own block.
-Block position i (1..bs-1) is trained to predict the target's token at a+i,
+each sequence ``blocks_per_seq`` anchor positions are sampled in the
+response, and the drafter predicts the block at each of them in one pass
+(forward.py). Block position i (1..bs-1) is trained to predict the target's token at a+i,
 with cross-entropy weighted by exp(-(i-1)/gamma): early positions matter most,
 since a draft is accepted only up to its first miss. gamma = 7 at block 16 (the
 DFlash paper's value), 7*(bs-1)/15 at other block sizes; --gamma overrides.
@@ -30,13 +26,12 @@ embedding and lm_head are used through the bound adapter and never trained.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,6 +42,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..atomic_dir import replace_dir
 from ..draft import DFlashDraft, DraftConfig, default_target_layer_ids
 from .data import Sequence
+from .forward import draft_logits, target_taps
 
 CHECKPOINT = "checkpoint"
 TRAIN_ARGS = "train_args.json"
@@ -223,65 +219,6 @@ def make_batch(seqs: list[Sequence], rng: np.random.Generator, cfg: TrainConfig,
     }
 
 
-def training_mask(anchor: mx.array, length: mx.array, T: int, bs: int, causal: bool, window: int | None) -> mx.array:
-    """Boolean [B, 1, bs, T + bs]: block b's query i (at position a_b + i) sees
-    context key j iff j < a_b (and a_b + i - j < window on sliding layers), and
-    the block's own first length_b keys (only those at or before it when
-    causal): the same visibility as inference's ``block_mask`` for a block of
-    length_b (the queries past length_b have no labels)."""
-    a = anchor[:, None, None]
-    q = a + mx.arange(bs)[None, :, None]
-    j = mx.arange(T)[None, None, :]
-    ctx = j < a
-    if window is not None:
-        ctx = ctx & (q - j < window)
-    ctx = mx.broadcast_to(ctx, (anchor.shape[0], bs, T))
-    k = mx.arange(bs)
-    own = k[None, None, :] < length[:, None, None]  # [B, 1, bs]
-    if causal:
-        own = own & (k[None, None, :] <= k[None, :, None])
-    own = mx.broadcast_to(own, (anchor.shape[0], bs, bs))
-    return mx.concatenate([ctx, own], axis=-1)[:, None]
-
-
-def target_taps(adapter, tokens: mx.array, taps: list[int]) -> mx.array:
-    """Tapped hidden states [N, T, n*H] of the frozen target, no cache."""
-    _, hidden = adapter(tokens, [None] * adapter.num_layers, taps, last_only=True)
-    return mx.stop_gradient(hidden.astype(mx.float32))
-
-
-def written_out_attention(queries, keys, values, *, scale, mask):
-    """Attention spelled out (GQA, boolean mask), for the drafter's ``attend``
-    hook: training passes a per-block mask of shape [B, 1, L, C+L], and
-    written out its meaning cannot depend on a backend's fused kernel (the
-    equality with inference is tested)."""
-    B, H, L, hd = queries.shape
-    kv = keys.shape[1]
-    q = (queries * scale).reshape(B, kv, H // kv, L, hd)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, kv, rep, L, K]
-    scores = mx.where(mask[:, :, None], scores, mx.array(-1e30, dtype=scores.dtype))
-    out = mx.softmax(scores, axis=-1, precise=True) @ values[:, :, None]
-    return out.reshape(B, H, L, hd)
-
-
-def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array]) -> mx.array:
-    """Logits [B, bs-1, V] of every block in the batch (see module docstring)."""
-    ctx = draft.context(taps)  # [N, T, H]
-    T = taps.shape[1]
-    block, anchor, seq = batch["block"], batch["anchor"], batch["seq"]
-    bs = block.shape[1]
-    x = draft.embed(block).astype(mx.float32)
-    masks: dict[tuple, mx.array] = {}
-    for layer in draft.layers:
-        attn = layer.self_attn
-        key = (attn.causal, attn.window)
-        if key not in masks:
-            masks[key] = training_mask(anchor, batch["length"], T, bs, *key)
-        keys, values = attn.keys_values(ctx, draft.rope, 0)  # [N, kv, T, hd]
-        x = layer(x, keys[seq], values[seq], draft.rope, anchor, masks[key], attend=written_out_attention)
-    return draft.logits(draft.norm(x[:, 1:]))
-
-
 def loss_and_stats(draft, taps, batch, weights):
     """Weighted cross-entropy, plus the acceptance estimate: with a_b the
     accepted prefix of block b's top-1 guesses, 1 / mean(1 / (1 + a_b)) is the
@@ -368,14 +305,28 @@ def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
 _SAME_ON_RESUME = ("block_size", "draft_layers", "target_layer_ids", "seq_len", "mask_token_id", "min_block_size", "val_fraction")
 DEFAULT_VAL_FRACTION = 0.05
 
+# log(message): one line for the user. progress(stage, done, total, info): how far
+# a stage has come; the stages are "distill" (the target writes its responses) and
+# "train" (the optimizer steps; info holds the running loss and acceptance).
+Log = Callable[[str], None]
+StageProgress = Callable[[str, int, int, str], None]
 
-def _prepare_out(cfg: TrainConfig) -> Path:
+
+def _nothing(*args) -> None:
+    pass
+
+
+def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
+    """Check and create --out; returns the run's config with what it did not
+    give filled in (on --resume, from the run being resumed) and the directory.
+    ``cfg`` itself is left as it is."""
     out = Path(cfg.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for the drafter.")
     if out.exists() and any(out.iterdir()) and not cfg.resume:
         raise ValueError(f"the output directory {out} already exists; pass --resume to continue training there, or choose a new --out.")
     out.mkdir(parents=True, exist_ok=True)
+    filled = {}
     args_file = out / TRAIN_ARGS
     if cfg.resume and args_file.is_file():
         old = json.loads(args_file.read_text())
@@ -386,87 +337,90 @@ def _prepare_out(cfg: TrainConfig) -> Path:
                 f"--{k.replace('_', '-')} is {getattr(cfg, k)} but {out} was trained with {old[k]}; "
                 "resume with the same value or choose a new --out."
             )
-        for k in ("target_layer_ids", "mask_token_id", "min_block_size"):
-            if getattr(cfg, k) is None:
-                setattr(cfg, k, old.get(k))
+        filled = {k: old.get(k) for k in ("target_layer_ids", "mask_token_id", "min_block_size") if getattr(cfg, k) is None}
         if cfg.val_fraction is None:  # a run from before the held-out split had none
-            cfg.val_fraction = old.get("val_fraction", 0.0)
-    if cfg.val_fraction is None:
-        cfg.val_fraction = DEFAULT_VAL_FRACTION
-    return out
+            filled["val_fraction"] = old.get("val_fraction", 0.0)
+    if cfg.val_fraction is None and "val_fraction" not in filled:
+        filled["val_fraction"] = DEFAULT_VAL_FRACTION
+    return replace(cfg, **filled), out
 
 
-def load_target(path_or_repo: str):
-    """(mlx-lm model, tokenizer, adapter) for --model."""
-    from mlx_lm import load as mlx_lm_load
+@dataclass
+class Prepared:
+    """What ``fit`` trains from."""
 
-    from ..loading import resolve
-    from ..targets import adapt
-
-    path = resolve(path_or_repo)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json; pass the target model's directory or Hub repo id with --model.")
-    try:
-        model, tokenizer = mlx_lm_load(str(path))
-    except Exception as e:
-        raise ValueError(f"mlx-lm could not load the target from {path} ({type(e).__name__}: {e}).") from e
-    return model, tokenizer, adapt(model)
+    cfg: TrainConfig  # the run's own: every default and resumed value filled in
+    out: Path
+    adapter: Any
+    draft_cfg: DraftConfig
+    seqs: list[Sequence]  # the self-distilled sequences trained on
+    held_out: list[Sequence]  # those never trained on, to measure acceptance on
+    resuming: bool
 
 
-def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=None) -> dict[str, Any]:
-    """Run the whole recipe: self-distillation data, then ``steps`` optimizer
-    steps, checkpoints every ``save_every`` and at the end, and the drafter in
-    ``cfg.out``. ``target``: an already loaded (model, tokenizer, adapter).
-    Returns a summary (final loss, acceptance estimate, history)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+@dataclass
+class Fitted:
+    """What ``fit`` did: the steps' history and the last acceptance figures."""
 
+    steps: int
+    history: list  # [step, loss, acceptance estimate, seconds]
+    held_out: list  # [step, acceptance estimate, loss] on the held-out sequences
+    ema: tuple[float, float] | None  # running (loss, acceptance estimate)
+    top1_by_position: list | None
+    seconds: float
+
+
+def prepare(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: StageProgress = _nothing) -> Prepared:
+    """Check the config and the data, set up --out, load the target (unless
+    ``target``, an already loaded (model, tokenizer, adapter), is given),
+    shape the drafter and have the target write its responses. A mistake
+    found before any work leaves nothing behind."""
+    from ..loading import load_target
     from ..prompts import read_prompts
+    from ..targets import adapt
     from .data import data_fingerprint, distill, encode_prompts
 
     cfg.check()
-    console = console or Console()
     items = read_prompts(cfg.data)  # before touching --out, so bad data leaves nothing behind
     if cfg.max_prompts:
         items = items[: cfg.max_prompts]
     fresh_out = not Path(cfg.out).expanduser().exists()
-    out = _prepare_out(cfg)
+    cfg, out = _resolve_out(cfg)
     try:
-        model, tokenizer, adapter = target or load_target(cfg.model)
+        if target is None:
+            model, tokenizer = load_target(cfg.model)
+            target = (model, tokenizer, adapt(model))
+        model, tokenizer, adapter = target
         resuming = (out / CHECKPOINT / "state.json").is_file()
         if resuming:
             draft_cfg = DraftConfig.from_dict(json.loads((out / CHECKPOINT / "config.json").read_text()))
-            note = f"mask token id {draft_cfg.mask_token_id} (from the checkpoint)"
+            why = f"mask token id {draft_cfg.mask_token_id} (from the checkpoint)"
         else:
-            draft_cfg, note = new_draft_config(model, adapter, tokenizer, cfg)
+            draft_cfg, why = new_draft_config(model, adapter, tokenizer, cfg)
         prompts = encode_prompts(items, tokenizer, max_prompt_len=cfg.seq_len // 2)
         if not prompts:
             raise ValueError(f"every prompt in {cfg.data} encodes to no tokens; give prompts with text.")
     except ValueError:
-        if fresh_out:  # a mistake found before any work: leave nothing behind
+        if fresh_out:
             shutil.rmtree(out, ignore_errors=True)
         raise
-    cfg.target_layer_ids, cfg.mask_token_id = list(draft_cfg.target_layer_ids), draft_cfg.mask_token_id
+    cfg = replace(cfg, target_layer_ids=list(draft_cfg.target_layer_ids), mask_token_id=draft_cfg.mask_token_id)
     (out / TRAIN_ARGS).write_text(json.dumps(asdict(cfg), indent=2))
-    console.print(f"drafter: {draft_cfg.num_hidden_layers} layer{'s' if draft_cfg.num_hidden_layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {note}")
+    layers = draft_cfg.num_hidden_layers
+    log(f"drafter: {layers} layer{'s' if layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {why}")
 
-    # 1. self-distillation
     meta = {"data": data_fingerprint(cfg.data), "model": str(cfg.model), "seq_len": cfg.seq_len, "prompts": len(prompts)}
-    columns = [TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
-    with Progress(*columns, console=console, disable=not show_progress) as bar:
-        task = bar.add_task("target writes responses", total=len(prompts), info="")
-        seqs = distill(model, tokenizer, prompts, cfg.seq_len, out, meta, cfg.gen_batch,
-                       progress=lambda d, t: bar.update(task, completed=d))
+    seqs = distill(model, tokenizer, prompts, cfg.seq_len, out, meta, cfg.gen_batch,
+                   progress=lambda done, total: progress("distill", done, total, ""))
     seqs = [s for s in seqs if len(s.tokens) - s.prompt_len >= 2]
     if not seqs:
         raise ValueError("the target's responses are all shorter than 2 tokens, so there is nothing to learn; give longer prompts or a larger --seq-len.")
     seqs, held_out = split_held_out(seqs, cfg.val_fraction, cfg.seed)
+    return Prepared(cfg, out, adapter, draft_cfg, seqs, held_out, resuming)
 
-    # 2. the drafter and its optimizer
-    mx.random.seed(cfg.seed)
-    draft = DFlashDraft(draft_cfg)
-    draft.set_dtype(mx.float32)
-    draft.bind(adapter)
+
+def _optimizer(cfg: TrainConfig, draft: DFlashDraft) -> optim.Optimizer:
+    """AdamW, the learning rate warmed up linearly then decayed on a cosine."""
     warmup = cfg.warmup if cfg.warmup is not None else max(1, int(0.04 * cfg.steps))
     warmup = min(warmup, cfg.steps)
     schedule = optim.join_schedules(
@@ -476,8 +430,21 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     )
     optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=0.01)
     optimizer.init(draft.trainable_parameters())
+    return optimizer
+
+
+def fit(prep: Prepared, *, log: Log = _nothing, progress: StageProgress = _nothing) -> Fitted:
+    """The optimizer steps up to ``cfg.steps`` (from the checkpoint when
+    resuming), a checkpoint and the drafter written every ``save_every`` steps
+    and at the end."""
+    cfg, out, adapter, draft_cfg = prep.cfg, prep.out, prep.adapter, prep.draft_cfg
+    mx.random.seed(cfg.seed)
+    draft = DFlashDraft(draft_cfg)
+    draft.set_dtype(mx.float32)
+    draft.bind(adapter)
+    optimizer = _optimizer(cfg, draft)
     step, history, ema, val_history = 0, [], None, []
-    if resuming:
+    if prep.resuming:
         state = load_checkpoint(out, draft, optimizer)
         step, history, ema = state["step"], state.get("history", []), state.get("ema")
         val_history = state.get("held_out", [])
@@ -495,60 +462,71 @@ def train(cfg: TrainConfig, console=None, show_progress: bool = True, target=Non
     if cfg.compile:  # every batch has the same shapes, so this compiles once
         one_step = mx.compile(one_step, inputs=[draft.state, optimizer.state], outputs=[draft.state, optimizer.state])
 
-    def evaluate() -> dict | None:
-        return held_out_acceptance(draft, adapter, held_out, cfg, draft_cfg.mask_token_id, weights) if held_out else None
-
-    console.print(f"{len(seqs)} sequences for training, {len(held_out)} held out; training steps {step}..{cfg.steps} "
-                  f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)")
+    log(f"{len(prep.seqs)} sequences for training, {len(prep.held_out)} held out; training steps {step}..{cfg.steps} "
+        f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)")
     tic, done_here, by_position = time.perf_counter(), 0, None
-    train_start = tic
     val_note = f" held-out≈{val_history[-1][1]:.2f}" if val_history else ""
-    with Progress(*columns, console=console, disable=not show_progress) as bar:
-        task = bar.add_task("training drafter", total=cfg.steps, completed=step, info="")
-        while step < cfg.steps:
-            rng = np.random.default_rng([cfg.seed, step])  # per-step RNG: resume is exact
-            batch = make_batch(seqs, rng, cfg, draft_cfg.mask_token_id)
-            loss, (accepted, by_pos) = one_step(batch)
-            mx.eval(loss, accepted, by_pos, draft.parameters(), optimizer.state)
-            step += 1
-            done_here += 1
-            loss_v, acc_v = loss.item(), accepted.item()
-            ema = (loss_v, acc_v) if ema is None else (0.95 * ema[0] + 0.05 * loss_v, 0.95 * ema[1] + 0.05 * acc_v)
-            by_position = by_pos.tolist()
-            history.append([step, round(loss_v, 5), round(acc_v, 4), round(time.perf_counter() - train_start, 3)])
-            rate = done_here / (time.perf_counter() - tic)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                val = evaluate()
-                if val:
-                    val_history.append([step, round(val["acceptance"], 4), round(val["loss"], 5)])
-                    val_note = f" held-out≈{val['acceptance']:.2f}"
-                save_checkpoint(out, draft, optimizer, step,
-                                {"seed": cfg.seed, "history": history, "ema": ema, "held_out": val_history})
-                save_draft(out, draft, _out_dtype(adapter))
-            bar.update(task, completed=step,
-                       info=f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}{val_note} /{cfg.block_size} {rate:.1f} step/s")
+    progress("train", step, cfg.steps, "")
+    while step < cfg.steps:
+        rng = np.random.default_rng([cfg.seed, step])  # per-step RNG: resume is exact
+        batch = make_batch(prep.seqs, rng, cfg, draft_cfg.mask_token_id)
+        loss, (accepted, by_pos) = one_step(batch)
+        mx.eval(loss, accepted, by_pos, draft.parameters(), optimizer.state)
+        step += 1
+        done_here += 1
+        loss_v, acc_v = loss.item(), accepted.item()
+        ema = (loss_v, acc_v) if ema is None else (0.95 * ema[0] + 0.05 * loss_v, 0.95 * ema[1] + 0.05 * acc_v)
+        by_position = by_pos.tolist()
+        history.append([step, round(loss_v, 5), round(acc_v, 4), round(time.perf_counter() - tic, 3)])
+        rate = done_here / (time.perf_counter() - tic)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            if prep.held_out:
+                val = held_out_acceptance(draft, adapter, prep.held_out, cfg, draft_cfg.mask_token_id, weights)
+                val_history.append([step, round(val["acceptance"], 4), round(val["loss"], 5)])
+                val_note = f" held-out≈{val['acceptance']:.2f}"
+            save_checkpoint(out, draft, optimizer, step,
+                            {"seed": cfg.seed, "history": history, "ema": ema, "held_out": val_history})
+            save_draft(out, draft, _out_dtype(adapter))
+        progress("train", step, cfg.steps, f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}{val_note} /{cfg.block_size} {rate:.1f} step/s")
     if not (out / "model.safetensors").is_file():  # resumed an already finished run
         save_draft(out, draft, _out_dtype(adapter))
+    return Fitted(step, history, val_history, ema, by_position, time.perf_counter() - tic)
+
+
+def summarize(prep: Prepared, fitted: Fitted, *, log: Log = _nothing) -> dict[str, Any]:
+    """The run's summary (final loss, acceptance estimates, history), said in one line too."""
+    cfg, ema = prep.cfg, fitted.ema
     summary = {
-        "out": str(out),
-        "steps": step,
+        "out": str(prep.out),
+        "steps": fitted.steps,
         "loss": ema[0] if ema else None,
         "acceptance_estimate": ema[1] if ema else None,
-        "top1_by_position": by_position,
-        "history": history,
-        "held_out": val_history,  # [step, acceptance estimate, loss] on sequences never trained on
-        "held_out_acceptance": val_history[-1][1] if val_history else None,
-        "sequences": len(seqs),
-        "held_out_sequences": len(held_out),
-        "train_seconds": time.perf_counter() - train_start,
+        "top1_by_position": fitted.top1_by_position,
+        "history": fitted.history,
+        "held_out": fitted.held_out,  # [step, acceptance estimate, loss] on sequences never trained on
+        "held_out_acceptance": fitted.held_out[-1][1] if fitted.held_out else None,
+        "sequences": len(prep.seqs),
+        "held_out_sequences": len(prep.held_out),
+        "train_seconds": fitted.seconds,
     }
+    if not ema:
+        log(f"drafter saved to {prep.out}")
+        return summary
     lengths = f" (blocks of {cfg.min_block_size}-{cfg.block_size})" if cfg.min_block_size else ""
-    held = (f", {summary['held_out_acceptance']:.2f} on {len(held_out)} held-out sequences"
+    held = (f", {summary['held_out_acceptance']:.2f} on {len(prep.held_out)} held-out sequences"
             if summary["held_out_acceptance"] is not None else "")
-    console.print(f"drafter saved to {out} (loss {summary['loss']:.3f}, estimated acceptance length "
-                  f"{summary['acceptance_estimate']:.2f} on training batches{lengths}{held} at block {cfg.block_size})"
-                  if ema else f"drafter saved to {out}")
+    log(f"drafter saved to {prep.out} (loss {summary['loss']:.3f}, estimated acceptance length "
+        f"{summary['acceptance_estimate']:.2f} on training batches{lengths}{held} at block {cfg.block_size})")
     return summary
+
+
+def train(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: StageProgress = _nothing) -> dict[str, Any]:
+    """The whole recipe: prepare (self-distilled data), fit (``steps``
+    optimizer steps, checkpoints) and summarize; the drafter ends in
+    ``cfg.out``. ``target``: an already loaded (model, tokenizer, adapter).
+    Returns the summary (final loss, acceptance estimates, history)."""
+    prep = prepare(cfg, target=target, log=log, progress=progress)
+    return summarize(prep, fit(prep, log=log, progress=progress), log=log)
 
 
 def _out_dtype(adapter):
