@@ -134,6 +134,20 @@ class DraftConfig:
         taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
         if taps is None:
             taps = default_target_layer_ids(num_target_layers, n_layers)
+        if not taps:
+            raise ValueError("the drafter's target_layer_ids is empty; list the target layers it reads.")
+        repeated = sorted({t for t in taps if list(taps).count(t) > 1})
+        if repeated:
+            raise ValueError(
+                f"the drafter's target_layer_ids repeats {', '.join(map(str, repeated))}; "
+                "each target layer may be tapped once."
+            )
+        block_size = dflash.get("block_size", cfg.get("block_size", 16))
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(
+                f"the drafter's block_size must be an integer >= 2 (one committed token plus drafts), "
+                f"got {block_size!r}; fix config.json."
+            )
         softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
         heads = int(cfg["num_attention_heads"])
         return cls(
@@ -147,7 +161,7 @@ class DraftConfig:
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             rope_theta=float(rope_theta),
             max_position_embeddings=int(cfg["max_position_embeddings"]),
-            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+            block_size=block_size,
             num_target_layers=num_target_layers,
             target_layer_ids=[int(t) for t in taps],
             mask_token_id=int(mask_id),

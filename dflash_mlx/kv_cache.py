@@ -58,6 +58,7 @@ class BufferKVCache:
         self.values: mx.array | None = None
         self.offset: int | mx.array = 0
         self.bound = 0
+        self.floor = 0  # the least capacity to grow to (see ``align``)
 
     @property
     def capacity(self) -> int:
@@ -65,7 +66,7 @@ class BufferKVCache:
 
     def _room(self, n: int) -> int:
         """The capacity needed to hold ``n`` positions."""
-        return max(self.capacity, -(-n // self.step) * self.step)
+        return max(self.capacity, self.floor, -(-n // self.step) * self.step)
 
     def width_after(self, n: int) -> int:
         """The buffer's length once ``n`` more positions are written."""
@@ -142,3 +143,12 @@ class BufferKVCache:
 def set_lengths(caches: list, length: int | mx.array, bound: int | None = None) -> None:
     for c in caches:
         c.set_length(length, bound)
+
+
+def align(caches: list) -> None:
+    """Let layers that grew unevenly (a write interrupted between two layers)
+    grow to the same capacity on their next write, so that one mask, made by
+    the first layer's cache, fits every layer."""
+    floor = max((c.capacity for c in caches), default=0)
+    for c in caches:
+        c.floor = floor

@@ -22,7 +22,7 @@ caller can observe it:
 from __future__ import annotations
 
 from .draft import DFlashDraft
-from .kv_cache import set_lengths
+from .kv_cache import align, set_lengths
 from .targets import DenseTarget, adapt
 
 
@@ -55,6 +55,8 @@ class PromptCache:
         n = len(self.tokens)
         self.adapter.set_length(self.target, n)
         set_lengths(self.draft, n)
+        align(self.target)
+        align(self.draft)
 
     def claim(self, owner: object) -> None:
         """Make ``owner`` the only generation allowed to change the cache."""

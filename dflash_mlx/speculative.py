@@ -64,6 +64,30 @@ class GenerationResponse:
         return self.block_sizes.get(1, 0)
 
 
+def _token_ids(prompt) -> list[int]:
+    bad = ValueError("the prompt must be a string or a 1-D sequence of integer token ids (or a batch of one).")
+    if isinstance(prompt, mx.array):
+        if not mx.issubdtype(prompt.dtype, mx.integer):
+            raise bad
+        array = np.array(prompt)
+    elif isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu":
+            raise bad
+        array = prompt
+    else:
+        items = list(prompt)
+        if len(items) == 1 and isinstance(items[0], (list, tuple)):  # a batch of one
+            items = list(items[0])
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in items):
+            raise bad
+        array = np.array(items, dtype=np.int64)
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise bad
+    return [int(t) for t in array.tolist()]
+
+
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array, vocab_size: int) -> list[int]:
     """Token ids from a str (encoded as is) or from ids of any integer kind:
     a list, a numpy or an mx array, 1-D or a batch of one."""
@@ -71,12 +95,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.
         bos = tokenizer.bos_token
         ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
     else:
-        array = np.array(prompt) if isinstance(prompt, mx.array) else np.asarray(prompt, dtype=object if not len(prompt) else None)
-        if array.ndim == 2 and array.shape[0] == 1:
-            array = array[0]
-        if array.ndim != 1 or not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in array.tolist()):
-            raise ValueError("the prompt must be a string or a 1-D sequence of integer token ids (or a batch of one).")
-        ids = [int(t) for t in array.tolist()]
+        ids = _token_ids(prompt)
     if not ids:
         raise ValueError("the prompt is empty; give at least one token of text.")
     if any(not 0 <= t < vocab_size for t in ids):
