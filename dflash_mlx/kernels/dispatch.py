@@ -1,0 +1,171 @@
+"""Choose the kernel or the fused op per call; check each kernel variant once.
+
+A kernel variant (backend, dtype, head dim, window kind) is used only after it
+has matched the portable ops path on a small random case in this process. A
+build error or a mismatch sends that variant to the ops path for good, with
+one warning naming the case. After the check nothing here reads the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .kernel import BlockAttentionKernel
+from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
+
+# When the kernel beats the fused op (mx.fast.scaled_dot_product_attention with
+# the position mask that a fixed buffer needs), by query rows per key-value head
+# (GQA group x block rows): (most rows, most keys or None for any). Keys are the
+# buffer's, or kv_length when it is a Python int. Measured with
+# benchmarks/bench_attention.py on an NVIDIA H200 (MLX 0.32.4 CUDA backend), 32 q
+# / 8 kv heads, head dim 128, bf16, full buffers of 256..32768 keys: rows 8 and 16
+# won at every length (1.2x-2.2x); rows 32 won up to 3072 keys, rows 64 up to
+# 2048 (1.1x-1.6x), then lost (0.6x at 32768). More rows than 64 were not
+# measured and take the fused op. Metal has no measurement yet and borrows these;
+# `dflash-mlx doctor` times both paths on the machine it runs on.
+KERNEL_WINS = ((16, None), (64, 2048))
+
+TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+
+BUILDERS = {"metal": BlockAttentionKernel, "cuda": BlockAttentionKernel}
+
+
+@dataclass
+class CheckResult:
+    backend: str
+    dtype: str
+    head_dim: int
+    window: bool
+    ok: bool
+    detail: str
+
+    @property
+    def case(self) -> str:
+        kind = "sliding window" if self.window else "full"
+        return f"{self.backend} {self.dtype} head_dim={self.head_dim} {kind}"
+
+
+_kernels: dict[str, object] = {}
+_checks: dict[tuple, CheckResult] = {}
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu': where MLX's default device computes."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def reset() -> None:
+    """Forget built kernels and check results (tests, or after changing BUILDERS)."""
+    _kernels.clear()
+    _checks.clear()
+
+
+def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
+    """Attention of a block of query rows over a fixed-capacity K/V buffer.
+
+    queries [B, Hq, L, D]; keys, values [B, Hkv, N, D] (Hq a multiple of Hkv,
+    D in 64/128/256, one dtype of bf16/fp16/fp32). Query row i sits at
+    position q_offset + i, key j at position j; keys at j >= kv_length are
+    never attended. causal: j <= q_offset + i. window: also
+    (q_offset + i) - j < window, and j - (q_offset + i) < window when not
+    causal. sinks: per-query-head sink logits [Hq]. q_offset and kv_length may
+    be ints or one-element int arrays (never read back to the host).
+    """
+    check_inputs(queries, keys, values, q_offset, kv_length, window, sinks)
+    kw = dict(scale=scale, q_offset=q_offset, kv_length=kv_length, causal=causal, window=window, sinks=sinks)
+    where = backend()
+    keys_hint = kv_length if isinstance(kv_length, int) else keys.shape[2]
+    if where == "cpu" or not kernel_wins(queries.shape[1] // keys.shape[1] * queries.shape[2], keys_hint):
+        return ops_attention(queries, keys, values, **kw)
+    kernel = checked_kernel(where, queries.dtype, queries.shape[3], window is not None)
+    if kernel is None:
+        return ops_attention(queries, keys, values, **kw)
+    return kernel(queries, keys, values, **kw)
+
+
+def kernel_wins(rows_per_kv_head: int, keys: int) -> bool:
+    """Whether the measured table (KERNEL_WINS) picks the kernel."""
+    for most_rows, most_keys in KERNEL_WINS:
+        if rows_per_kv_head <= most_rows:
+            return most_keys is None or keys <= most_keys
+    return False
+
+
+def checked_kernel(where: str, dtype, head_dim: int, windowed: bool):
+    """The backend's kernel if this variant passed its self-check, else None."""
+    key = (where, dtype, head_dim, windowed)
+    result = _checks.get(key)
+    if result is None:
+        result = _checks[key] = self_check(where, dtype, head_dim, windowed)
+        if not result.ok:
+            warnings.warn(
+                f"dflash_mlx: the {result.case} block-attention kernel failed its self-check ({result.detail}); "
+                "using mx.fast.scaled_dot_product_attention for it instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return _kernels.get(where) if result.ok else None
+
+
+def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
+    """Run the kernel on small random cases against the ops path."""
+    name = str(dtype).split(".")[-1]
+    try:
+        kernel = _kernels.get(where)
+        if kernel is None:
+            kernel = _kernels[where] = BUILDERS[where](where)
+        worst = 0.0
+        for case in _check_cases(dtype, head_dim, windowed):
+            q, k, v, kw = case
+            got = kernel(q, k, v, **kw).astype(mx.float32)
+            want = ops_attention(q, k, v, **kw).astype(mx.float32)
+            if got.shape != want.shape:
+                return CheckResult(where, name, head_dim, windowed, False, f"output shape {got.shape} != {want.shape}")
+            err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
+            if not err == err:  # NaN
+                err = float("inf")
+            worst = max(worst, err)
+        ok = worst <= TOLERANCE[dtype]
+        detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
+        return CheckResult(where, name, head_dim, windowed, ok, detail)
+    except Exception as e:  # a build or launch error: the kernel is not used
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CheckResult(where, name, head_dim, windowed, False, f"{type(e).__name__}: {msg[:200]}")
+
+
+def _check_cases(dtype, head_dim: int, windowed: bool):
+    """Verify-like (causal, array offsets) and drafter-like (non-causal, sinks)
+    cases over a buffer with an unfilled tail and several key chunks."""
+    key = mx.random.key(head_dim)
+    kq, kk, kv, ks = mx.random.split(key, 4)
+    n, lq = 640, 7
+    q = mx.random.normal((1, 4, lq, head_dim), key=kq).astype(dtype)
+    k = mx.random.normal((1, 2, n, head_dim), key=kk).astype(dtype)
+    v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
+    sinks = mx.random.normal((4,), key=ks)
+    window = 45 if windowed else None
+    scale = head_dim ** -0.5
+    yield q, k, v, dict(scale=scale, q_offset=mx.array(500), kv_length=mx.array(500 + lq), causal=True, window=window)
+    yield q, k, v, dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window, sinks=sinks)
+
+
+def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:
+    """Check every variant on this backend (for `dflash-mlx doctor`); [] on the CPU."""
+    where = backend()
+    if where == "cpu":
+        return []
+    for dtype in dtypes:
+        for d in head_dims:
+            for windowed in (False, True):
+                checked_kernel(where, dtype, d, windowed)
+    return [r for (w, *_), r in _checks.items() if w == where]

@@ -1,0 +1,316 @@
+"""Block attention: the ops path's mask rules against a dense reference, the
+two-pass split/merge arithmetic, dispatch and fallback (a kernel that fails its
+self-check is never used), input checks, and the two kernel dialects."""
+
+import random
+import re
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source
+from dflash_mlx.kernels.kernel import BlockAttentionKernel, chunk_size, max_warps
+from dflash_mlx.kernels.ops import visible
+
+TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+
+
+def dense(q, k, v, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
+    """softmax(q k^T) v in float32 with a mask written out key by key."""
+    qo, kl = int(np.array(q_offset).reshape(())), int(np.array(kv_length).reshape(()))
+    lq, n = q.shape[2], k.shape[2]
+    g = q.shape[1] // k.shape[1]
+    mask = np.zeros((lq, n), dtype=bool)
+    for i in range(lq):
+        pos = qo + i
+        for j in range(n):
+            ok = j < kl and (not causal or j <= pos)
+            if window is not None:
+                ok = ok and pos - j < window and (causal or j - pos < window)
+            mask[i, j] = ok
+    kf = mx.repeat(k.astype(mx.float32), g, axis=1)
+    vf = mx.repeat(v.astype(mx.float32), g, axis=1)
+    s = (q.astype(mx.float32) @ kf.transpose(0, 1, 3, 2)) * scale
+    s = mx.where(mx.array(mask), s, -mx.inf)
+    if sinks is not None:
+        col = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (*s.shape[:3], 1))
+        s = mx.concatenate([col, s], axis=-1)
+    p = mx.softmax(s, axis=-1)
+    return (p[..., 1:] if sinks is not None else p) @ vf
+
+
+def exp2(x):
+    return mx.power(2.0, x)
+
+
+def two_pass(q, k, v, *, scale, q_offset, kv_length, causal, window=None, sinks=None, chunk=64):
+    """The kernels' arithmetic in mx ops: base-2 partial softmax per key chunk, then the merge."""
+    g = q.shape[1] // k.shape[1]
+    kf = mx.repeat(k.astype(mx.float32), g, axis=1)
+    vf = mx.repeat(v.astype(mx.float32), g, axis=1)
+    s = (q.astype(mx.float32) * (scale * source.LOG2E)) @ kf.transpose(0, 1, 3, 2)
+    s = mx.where(visible(q.shape[2], k.shape[2], q_offset, kv_length, causal, window), s, -mx.inf)
+    parts = []
+    for c0 in range(0, k.shape[2], chunk):
+        sc = s[..., c0 : c0 + chunk]
+        m = sc.max(axis=-1, keepdims=True)
+        p = mx.where(m == -mx.inf, 0.0, exp2(sc - m))
+        parts.append((m, p.sum(axis=-1, keepdims=True), p @ vf[:, :, c0 : c0 + chunk]))
+    top = mx.max(mx.stack([m for m, _, _ in parts]), axis=0)
+    if sinks is not None:
+        sink = (sinks.astype(mx.float32) * source.LOG2E)[None, :, None, None]
+        top = mx.maximum(top, sink)
+    num, den = 0.0, 0.0
+    for m, l, o in parts:
+        w = mx.where(m == -mx.inf, 0.0, exp2(m - top))
+        num, den = num + o * w, den + l * w
+    if sinks is not None:
+        den = den + exp2(sink - top)
+    return (num / den).astype(q.dtype)
+
+
+def random_case(rng, dtype=None, as_arrays=None):
+    d = rng.choice(source_dims())
+    hkv = rng.choice([1, 2])
+    hq = hkv * rng.choice([1, 2, 4])
+    lq = rng.randint(1, 9)
+    n = rng.choice([32, 64, 96])
+    q_offset = rng.randint(0, n - lq)
+    kv_length = rng.randint(q_offset + lq, n)  # every row sees at least its own position
+    causal = rng.random() < 0.5
+    window = rng.choice([None, None, 1, 3, 17])
+    dtype = dtype or rng.choice([mx.float32, mx.float16, mx.bfloat16])
+    seed = rng.randint(0, 1 << 30)
+    kq, kk, kv, ks = mx.random.split(mx.random.key(seed), 4)
+    q = mx.random.normal((rng.choice([1, 2]), hq, lq, d), key=kq)
+    k = mx.random.normal((q.shape[0], hkv, n, d), key=kk)
+    v = mx.random.normal((q.shape[0], hkv, n, d), key=kv)
+    sinks = mx.random.normal((hq,), key=ks) if rng.random() < 0.3 else None
+    arrays = rng.random() < 0.5 if as_arrays is None else as_arrays
+    kw = dict(
+        scale=d**-0.5,
+        q_offset=mx.array(q_offset) if arrays else q_offset,
+        kv_length=mx.array([kv_length], dtype=mx.int32) if arrays else kv_length,
+        causal=causal,
+        window=window,
+        sinks=sinks,
+    )
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), kw
+
+
+def source_dims():
+    return [64, 128]  # 256 adds nothing to the mask rules and doubles the time
+
+
+def rel_err(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
+
+
+def test_ops_path_matches_dense_reference_over_random_cases():
+    rng = random.Random(0)
+    for _ in range(80):
+        q, k, v, kw = random_case(rng)
+        got = ops_attention(q, k, v, **kw)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        assert rel_err(got, dense(q, k, v, **kw)) < TOL[q.dtype], kw
+
+
+def test_block_attention_on_cpu_is_the_ops_path():
+    rng = random.Random(1)
+    for _ in range(10):
+        q, k, v, kw = random_case(rng)
+        assert mx.array_equal(block_attention(q, k, v, **kw), ops_attention(q, k, v, **kw))
+
+
+def test_mask_corners_verify_and_drafter():
+    """Unfilled keys never count; causal hides the block's later keys; a
+    non-causal window reaches forward and backward by absolute position."""
+    m = np.array(visible(4, 12, mx.array(5), mx.array(9), True, None))
+    assert m[0].tolist() == [True] * 6 + [False] * 6
+    assert m[3].tolist() == [True] * 9 + [False] * 3
+    m = np.array(visible(4, 12, 5, 9, False, 2))
+    assert m[0].tolist() == [False] * 4 + [True] * 3 + [False] * 5  # keys 4..6 around position 5
+    assert m[3].tolist() == [False] * 7 + [True] * 2 + [False] * 3  # key 9 is unfilled
+
+
+def test_two_pass_arithmetic_matches_dense_including_sinks():
+    rng = random.Random(2)
+    for _ in range(30):
+        q, k, v, kw = random_case(rng, dtype=mx.float32)
+        for chunk in (16, 64):
+            assert rel_err(two_pass(q, k, v, chunk=chunk, **kw), dense(q, k, v, **kw)) < 1e-5
+
+
+class Recorder:
+    """A stand-in kernel: counts its calls, computes with `fn`."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, q, k, v, **kw):
+        self.calls += 1
+        return self.fn(q, k, v, **kw)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Dispatch as if MLX ran on a GPU backend named 'fake' with a kernel of our choosing."""
+    dispatch.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    built = []
+
+    def install(kernel=None, error=None):
+        def builder(where):
+            built.append(where)
+            if error is not None:
+                raise error
+            return kernel
+
+        monkeypatch.setitem(dispatch.BUILDERS, "fake", builder)
+        return built
+
+    yield install
+    dispatch.reset()
+
+
+def small_verify(dtype=mx.bfloat16, d=128):
+    q = mx.random.normal((1, 4, 5, d), key=mx.random.key(3)).astype(dtype)
+    k = mx.random.normal((1, 2, 256, d), key=mx.random.key(4)).astype(dtype)
+    return q, k, k, dict(scale=d**-0.5, q_offset=mx.array(100), kv_length=mx.array(105), causal=True)
+
+
+def test_a_correct_kernel_passes_its_check_and_is_used(fake_gpu):
+    good = Recorder(two_pass)
+    built = fake_gpu(good)
+    q, k, v, kw = small_verify()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = block_attention(q, k, v, **kw)
+        first = good.calls
+        block_attention(q, k, v, **kw)
+    assert first == 3 and good.calls == 4  # two check cases once, then one launch per call
+    assert built == ["fake"]
+    assert rel_err(out, ops_attention(q, k, v, **kw)) < TOL[mx.bfloat16]
+    (result,) = dispatch._checks.values()
+    assert result.ok and result.case == "fake bfloat16 head_dim=128 full"
+
+
+def test_a_wrong_kernel_fails_its_check_warns_once_and_is_never_used(fake_gpu):
+    wrong = Recorder(lambda q, k, v, **kw: two_pass(q, k, v, **{**kw, "causal": not kw["causal"]}))
+    fake_gpu(wrong)
+    q, k, v, kw = small_verify(mx.float16, 64)
+    with pytest.warns(RuntimeWarning, match=r"fake float16 head_dim=64 full .*failed its self-check \(max relative error"):
+        out = block_attention(q, k, v, **kw)
+    assert mx.array_equal(out, ops_attention(q, k, v, **kw))
+    first = wrong.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        out = block_attention(q, k, v, **kw)
+    assert wrong.calls == first  # never launched again
+    assert mx.array_equal(out, ops_attention(q, k, v, **kw))
+
+
+def test_a_kernel_that_does_not_build_falls_back_with_the_error_named(fake_gpu):
+    built = fake_gpu(error=RuntimeError("Failed to compile kernel: error: expected ';'"))
+    q, k, v, kw = small_verify()
+    kw["window"] = 8
+    with pytest.warns(RuntimeWarning, match=r"sliding window .*RuntimeError: Failed to compile kernel"):
+        out = block_attention(q, k, v, **kw)
+    assert mx.array_equal(out, ops_attention(q, k, v, **kw))
+    assert not dispatch._checks[("fake", mx.bfloat16, 128, True)].ok
+
+
+def test_nan_output_fails_the_check(fake_gpu):
+    fake_gpu(Recorder(lambda q, k, v, **kw: mx.full(q.shape, float("nan"), dtype=q.dtype)))
+    q, k, v, kw = small_verify(mx.float32)
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        block_attention(q, k, v, **kw)
+
+
+def test_each_variant_is_checked_separately(fake_gpu):
+    good = Recorder(two_pass)
+    fake_gpu(good)
+    q, k, v, kw = small_verify()
+    block_attention(q, k, v, **kw)
+    block_attention(q, k, v, **{**kw, "window": 16})
+    block_attention(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), **kw)
+    assert sorted(r.case for r in dispatch._checks.values()) == [
+        "fake bfloat16 head_dim=128 full",
+        "fake bfloat16 head_dim=128 sliding window",
+        "fake float16 head_dim=128 full",
+    ]
+    assert [r.case for r in dispatch.self_check_all(dtypes=(mx.float32,), head_dims=(64,))][-2:] == [
+        "fake float32 head_dim=64 full",
+        "fake float32 head_dim=64 sliding window",
+    ]
+
+
+def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu):
+    good = Recorder(two_pass)
+    fake_gpu(good)
+    assert dispatch.kernel_wins(8, 1 << 20) and dispatch.kernel_wins(64, 2048)
+    assert not dispatch.kernel_wins(64, 2049) and not dispatch.kernel_wins(65, 256)
+    q = mx.random.normal((1, 32, 16, 64)).astype(mx.bfloat16)  # 64 rows per kv head
+    k = mx.random.normal((1, 8, 4096, 64)).astype(mx.bfloat16)
+    kw = dict(scale=0.125, q_offset=4080, kv_length=4096, causal=True)
+    block_attention(q, k, k, **kw)
+    assert good.calls == 0 and not dispatch._checks  # 4096 keys: fused op, no check either
+    block_attention(q, k, k, **{**kw, "q_offset": 1000, "kv_length": 1016})  # an int length is the hint
+    assert good.calls == 3
+
+
+def test_bad_input_is_one_sentence():
+    q = mx.zeros((1, 4, 3, 64))
+    k = mx.zeros((1, 2, 32, 64))
+    kw = dict(scale=0.1, q_offset=0, kv_length=3, causal=True)
+    cases = [
+        ((mx.zeros((1, 4, 3, 96)), mx.zeros((1, 2, 32, 96)), mx.zeros((1, 2, 32, 96))), {}, "head dims"),
+        ((q, k, mx.zeros((1, 2, 31, 64))), {}, "same shape"),
+        ((mx.zeros((1, 3, 3, 64)), k, k), {}, "multiple of key-value heads"),
+        ((q, k.astype(mx.float16), k.astype(mx.float16)), {}, "one dtype"),
+        ((q[0], k, k), {}, "4-d"),
+        ((q, k, k), {"window": 0}, "window"),
+        ((q, k, k), {"q_offset": -1}, "q_offset"),
+        ((q, k, k), {"kv_length": mx.array([1.5])}, "kv_length"),
+        ((q, k, k), {"sinks": mx.zeros((2,))}, "sinks"),
+    ]
+    for args, extra, words in cases:
+        with pytest.raises(ValueError, match=words) as e:
+            block_attention(*args, **{**kw, **extra})
+        msg = str(e.value)
+        assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_both_dialects_come_from_one_body():
+    """Metal and CUDA sources differ only in header and prelude; each header
+    defines every helper the body calls (or Metal has it built in)."""
+    calls = []
+    for where in ("metal", "cuda"):
+        BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
+    metal_p, metal_m, cuda_p, cuda_m = calls
+    for m, c in ((metal_p, cuda_p), (metal_m, cuda_m)):
+        assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
+        assert m["source"].replace(source.PRELUDE["metal"], "") == c["source"].replace(source.PRELUDE["cuda"], "")
+    body = source.PARTIAL_BODY + source.MERGE_BODY
+    used = set(re.findall(r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F)\b", body))
+    for where, builtin in (("metal", {"simd_max", "simd_sum"}), ("cuda", set())):
+        hdr = source.header(where)
+        missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|\b{n}\s*\(|\b{n}\s*<)", hdr)]
+        assert not missing, (where, missing)
+    # Metal threadgroup memory: 32 KB; the kernel's stays under it for every head dim and dtype.
+    for d in (64, 128, 256):
+        for stage in (True, False):
+            nw = max_warps(d, stage)
+            used_bytes = nw * source.ROWS_PER_WARP * (d + 32) * 4 + (32 * (d + 4) * 2 if stage else 0)
+            assert 1 <= nw <= 16 and used_bytes <= 32 * 1024
+
+
+def test_chunks_are_powers_of_two_covering_the_buffer():
+    for n in (1, 100, 1024, 32768, 1 << 20):
+        for groups in (1, 8, 64, 4096):
+            c = chunk_size(n, groups)
+            assert 64 <= c <= 4096 and c & (c - 1) == 0
+    assert chunk_size(32768, 8) == 256  # 128 chunks x 8 heads = the 1024 threadgroups aimed at
