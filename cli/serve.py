@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from typing import Optional
 
 import typer
@@ -95,3 +97,9 @@ def serve_command(
         target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model)
         note(f"serving {config.model_name} on http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic)")
         run(create_app(target, draft, tokenizer, config), host=host, port=port, log_level=log_level)
+    # The server has shut down (worker joined, sockets closed). Decoding ran in
+    # a worker thread, and MLX's per-thread streams can abort the interpreter's
+    # teardown ("terminate called without an active exception"), so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

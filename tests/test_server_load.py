@@ -155,7 +155,7 @@ def test_serve_command_runs_the_builtin_pair_on_loopback():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode in (0, 130, -signal.SIGINT), proc.stdout.read()
+    assert proc.returncode == 0, proc.stdout.read()
 
 
 def test_serve_command_refuses_bad_flags():

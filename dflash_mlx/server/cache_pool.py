@@ -1,7 +1,7 @@
-"""A small pool of prompt caches: each request continues the cache that
-shares the longest prefix with its prompt, so a chat or an agent loop
-prefills only its new turn; least recently used caches go first when the
-pool is over its count or its bytes."""
+"""A small pool of prompt caches: each request continues the cache with
+the longest common prefix among those of its conversation, so a chat or an
+agent loop prefills only its new turn; least recently used caches go first
+when the pool is over its count or its bytes."""
 
 from __future__ import annotations
 
@@ -23,36 +23,44 @@ def cache_bytes(cache) -> int:
 
 
 class PromptCachePool:
-    """``take`` lends the best cache for a prompt (out of the pool while in
-    use), ``give_back`` returns it as the most recently used."""
+    """``take`` lends the cache of the conversation a prompt continues (out
+    of the pool while in use), ``give_back`` returns it as the most recently
+    used, with the length of the prompt it last served.
+
+    A prompt continues a cache when it agrees with all of that cache's last
+    prompt (what follows may differ: templates that drop an earlier reply's
+    thinking rewrite it). A prompt that leaves an earlier prompt sooner is
+    another conversation, or an edited one: it gets a fresh cache, so that it
+    does not rewind one that may still be continued."""
 
     def __init__(self, make_cache: Callable[[], object], max_count: int = 10, max_bytes: Optional[int] = None):
         self.make_cache = make_cache
         self.max_count, self.max_bytes = max_count, max_bytes
-        self.caches: list = []  # least recently used first
+        self.entries: list[tuple[object, int]] = []  # (cache, its last prompt's length), least recently used first
 
     def take(self, prompt: list[int]) -> tuple[object, int]:
-        """(cache, prompt tokens it already holds). The decode loop always
-        recomputes the prompt's last token, so at most len(prompt) - 1 count."""
+        """(cache, prompt tokens it already holds). The decode loop reads the
+        prompt's last token again, so at most len(prompt) - 1 count."""
         best, best_len = None, 0
-        for cache in self.caches:
+        for entry in self.entries:
+            cache, last_prompt = entry
             n = common_prefix(cache.tokens, prompt[:-1])
-            if n > best_len:
-                best, best_len = cache, n
+            if n > best_len and n >= last_prompt - 1:
+                best, best_len = entry, n
         if best is None:
             return self.make_cache(), 0
-        self.caches.remove(best)
-        return best, best_len
+        self.entries.remove(best)
+        return best[0], best_len
 
-    def give_back(self, cache) -> None:
-        if self.max_count < 1:
+    def give_back(self, cache, prompt_length: int) -> None:
+        if self.max_count < 1 or not cache.tokens:
             return
-        self.caches.append(cache)
-        while self.caches and (len(self.caches) > self.max_count or self._over_bytes()):
-            self.caches.pop(0)
+        self.entries.append((cache, prompt_length))
+        while self.entries and (len(self.entries) > self.max_count or self._over_bytes()):
+            self.entries.pop(0)
 
     def _over_bytes(self) -> bool:
-        return self.max_bytes is not None and sum(cache_bytes(c) for c in self.caches) > self.max_bytes
+        return self.max_bytes is not None and sum(cache_bytes(c) for c, _ in self.entries) > self.max_bytes
 
     def __len__(self) -> int:
-        return len(self.caches)
+        return len(self.entries)

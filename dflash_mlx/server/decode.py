@@ -43,14 +43,14 @@ class Decoder:
         try:
             done = self._generate(job, cache, cached)
         except ValueError as e:  # bad generation arguments: the cache was not touched
-            self.pool.give_back(cache)
+            self.pool.give_back(cache, len(job.prompt))
             job.post(Failed(APIError(400, str(e))))
             return
         except Exception as e:  # a failure of this request only; its cache may be half-written
             log.exception("request failed")
             job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
             return
-        self.pool.give_back(cache)
+        self.pool.give_back(cache, len(job.prompt))
         if done is not None:
             job.post(done)
 
