@@ -12,6 +12,7 @@ from .bench import EXAMPLES as BENCH_EXAMPLES, bench_command
 from .chat import EXAMPLES as CHAT_EXAMPLES, chat_command
 from .console import click_exceptions as cx, err, print_error
 from .convert import EXAMPLES as CONVERT_EXAMPLES, convert_command
+from .doctor import EXAMPLES as DOCTOR_EXAMPLES, doctor_command
 from .generate import EXAMPLES as GENERATE_EXAMPLES, generate_command
 from .models import EXAMPLES as MODELS_EXAMPLES, models_command
 from .serve import EXAMPLES as SERVE_EXAMPLES, serve_command
@@ -60,6 +61,7 @@ app.command("models", epilog=MODELS_EXAMPLES)(models_command)
 app.command("serve", epilog=SERVE_EXAMPLES)(serve_command)
 app.command("convert", epilog=CONVERT_EXAMPLES)(convert_command)
 app.command("train", epilog=TRAIN_EXAMPLES)(train_command)
+app.command("doctor", epilog=DOCTOR_EXAMPLES)(doctor_command)
 
 
 @app.command(epilog="Example:\n\n  dflash-mlx version")

@@ -1,0 +1,218 @@
+"""`dflash-mlx doctor`: what this machine is, whether the attention kernels
+check out on it, and how fast DFlash decodes here next to plain decoding."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+
+import typer
+from rich.console import Console
+from typing_extensions import Annotated
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx doctor
+
+$ dflash-mlx doctor --seconds 5      # a shorter decoding probe
+
+$ dflash-mlx doctor --seconds 0      # machine and kernel checks only
+"""
+
+PROMPT = "def fibonacci(n):"
+
+
+def doctor_command(
+    seconds: Annotated[
+        float,
+        typer.Option("--seconds", help="Time for the decoding probe, split between plain decoding and DFlash; 0 skips it."),
+    ] = 30.0,
+):
+    """Check this machine: MLX backend, kernel self-checks, a decoding probe.
+
+    Run it first when DFlash is slow or wrong here, and paste the block it
+    ends with into the bug report.
+    """
+    out = Console(highlight=False)
+    report: list[tuple[str, str]] = []
+
+    def line(key: str, value: str, style: str = "") -> None:
+        report.append((key, value))
+        out.print(f"  {key:<22} " + (f"[{style}]{value}[/]" if style else value), soft_wrap=True)
+
+    out.print("[bold]machine[/]")
+    for key, value in machine():
+        line(key, value)
+
+    out.print("\n[bold]block-attention kernels[/]")
+    kernels(line)
+
+    out.print("\n[bold]decoding probe[/] (built-in pair, greedy)")
+    if seconds > 0:
+        probe(line, seconds)
+    else:
+        line("probe", "skipped (--seconds 0)")
+
+    out.print("\n[bold]Paste this into a bug report:[/]")
+    width = max(len(k) for k, _ in report)
+    block = "\n".join(f"{k:<{width}}  {v}" for k, v in report)
+    out.print("```\n" + block + "\n```", markup=False, soft_wrap=True)
+
+
+def machine() -> list[tuple[str, str]]:
+    import mlx.core as mx
+
+    from dflash_mlx import __version__
+    from dflash_mlx.kernels import backend
+
+    info = _device_info(mx)
+    rows = [
+        ("dflash-mlx", __version__),
+        ("os", f"{platform.system()} {platform.release()} ({platform.machine()})"),
+        ("python", platform.python_version()),
+        ("mlx", _version("mlx", mx.__version__)),
+        ("mlx-lm", _version("mlx-lm")),
+        ("backend", f"{backend()} (default device {mx.default_device()})"),
+        ("chip", str(info.get("device_name") or _cpu_name())),
+    ]
+    mem = info.get("memory_size") or info.get("total_memory") or _ram_bytes()
+    if mem:
+        rows.append(("memory", f"{mem / 2**30:.1f} GiB"))
+    if info.get("max_recommended_working_set_size"):
+        rows.append(("gpu working set", f"{info['max_recommended_working_set_size'] / 2**30:.1f} GiB"))
+    return rows
+
+
+def kernels(line) -> None:
+    from dflash_mlx.kernels import backend, self_check_all
+
+    where = backend()
+    if where == "cpu":
+        line("kernels", "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention")
+        return
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the table below says the same, once per case
+            results = self_check_all()
+    except Exception as e:  # doctor reports, it does not crash
+        line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
+        return
+    for r in results:
+        line(f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", ("ok, " if r.ok else "FAILED (fused op used), ") + r.detail,
+             "green" if r.ok else "red")
+    failed = sum(not r.ok for r in results)
+    line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
+    try:
+        for keys in (1024, 4096):
+            fused, kernel = time_attention(keys)
+            line(f"attention {keys // 1024}k keys", f"fused {fused:.3f} ms, kernel {kernel:.3f} ms (16 rows, 32/8 heads, d128, bf16)"
+                 if kernel is not None else f"fused {fused:.3f} ms, kernel not usable")
+    except Exception as e:
+        line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
+
+
+def time_attention(keys: int, reps: int = 20):
+    """Fused op vs kernel (ms per call) at the verify shape the dispatch table was measured on."""
+    import mlx.core as mx
+
+    from dflash_mlx.kernels import backend, ops_attention
+    from dflash_mlx.kernels.dispatch import checked_kernel
+
+    q = mx.random.normal((1, 32, 16, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, keys, 128)).astype(mx.bfloat16)
+    kw = dict(scale=128**-0.5, q_offset=mx.array(keys - 16), kv_length=mx.array(keys), causal=True)
+    kernel = checked_kernel(backend(), mx.bfloat16, 128, False)
+
+    def ms(fn):
+        mx.eval(fn())
+        tic = time.perf_counter()
+        mx.eval([fn() for _ in range(reps)])
+        return (time.perf_counter() - tic) / reps * 1e3
+
+    fused = ms(lambda: ops_attention(q, k, k, **kw))
+    return fused, (ms(lambda: kernel(q, k, k, **kw)) if kernel is not None else None)
+
+
+def probe(line, seconds: float) -> None:
+    """Plain decoding and DFlash on the built-in pair, each for half the time."""
+    try:
+        import mlx_lm
+
+        from dflash_mlx import load, stream_generate
+
+        model, draft, tokenizer = load("builtin")
+        for warm in (mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=8),
+                     stream_generate(model, draft, tokenizer, PROMPT, max_tokens=8)):
+            _run(warm, seconds)  # compile and warm both paths before timing them
+        budget = seconds / 2
+        plain = _run(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=4096), budget)
+        dflash = _run(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=4096), budget)
+    except Exception as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        line("probe", f"failed: {type(e).__name__}: {e} ({where.filename}:{where.lineno} in {where.name})", "red")
+        return
+    line("plain decoding", f"{plain.generation_tps:.1f} tok/s ({plain.generation_tokens} tokens)")
+    line("dflash", f"{dflash.generation_tps:.1f} tok/s ({dflash.generation_tokens} tokens, "
+         f"acceptance length {dflash.acceptance_length:.2f}, block {draft.config.block_size})")
+    ratio = dflash.generation_tps / max(plain.generation_tps, 1e-9)
+    line("dflash / plain", f"{ratio:.2f}x", "green" if ratio >= 1 else "yellow")
+
+
+def _run(responses, budget: float):
+    """The last response from a stream, stopping once `budget` seconds have passed."""
+    tic, last = time.perf_counter(), None
+    for last in responses:
+        if time.perf_counter() - tic > budget:
+            break
+    responses.close()
+    if last is None:
+        raise RuntimeError("the generator produced nothing")
+    return last
+
+
+def _version(dist: str, fallback: str | None = None) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return fallback or "not installed"
+
+
+def _device_info(mx) -> dict:
+    try:
+        return dict(mx.device_info())
+    except Exception:
+        try:
+            return dict(mx.metal.device_info())
+        except Exception:
+            return {}
+
+
+def _cpu_name() -> str:
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5).stdout.strip()
+        except Exception:
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for row in f:
+                if row.startswith("model name"):
+                    return row.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -1,0 +1,61 @@
+"""`dflash-mlx doctor` through the registered app: machine, kernel checks,
+a short probe, and the block for a bug report."""
+
+import re
+
+import mlx.core as mx
+from typer.testing import CliRunner
+
+from dflash_mlx.cli.app import app
+from dflash_mlx.cli import doctor
+from dflash_mlx.kernels import dispatch
+
+
+def run(*args):
+    result = CliRunner().invoke(app, ["doctor", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_doctor_reports_machine_kernels_probe_and_a_paste_block():
+    out = run("--seconds", "1")
+    for key in ("dflash-mlx", "os", "python", "mlx", "mlx-lm", "backend", "chip", "memory"):
+        assert re.search(rf"^  {re.escape(key)} +\S", out, re.M), key
+    assert f"  mlx                    {mx.__version__}" in out
+    assert "backend                cpu" in out
+    assert "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention" in out
+    plain = re.search(r"plain decoding +([\d.]+) tok/s \((\d+) tokens\)", out)
+    dflash = re.search(r"dflash +([\d.]+) tok/s \((\d+) tokens, acceptance length ([\d.]+), block (\d+)\)", out)
+    assert plain and dflash and float(plain[1]) > 0 and float(dflash[1]) > 0 and float(dflash[3]) >= 1
+    assert re.search(r"dflash / plain +[\d.]+x", out)
+    paste = out.split("Paste this into a bug report:")[1]
+    block = paste.split("```")[1]
+    assert "mlx-lm" in block and "plain decoding" in block and "dflash / plain" in block
+
+
+def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
+    """On a GPU backend each (dtype, head dim, window) variant gets a line; a
+    failed one says the fused op is used. Simulated here with a kernel that
+    fails the float32 checks."""
+    from test_kernels import two_pass
+
+    def fake(q, k, v, **kw):
+        out = two_pass(q, k, v, **kw)
+        return out + 1 if q.dtype == mx.float32 else out
+
+    dispatch.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
+    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: fake)
+    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
+    try:
+        out = run("--seconds", "0")
+    finally:
+        dispatch.reset()
+    checks = re.findall(r"^  check (\w+) d(\d+)( win)? +(ok|FAILED)", out, re.M)
+    assert len(checks) == 18  # 3 dtypes x 3 head dims x (full, window)
+    assert all((status == "FAILED") == (dtype == "float32") for dtype, _, _, status in checks)
+    assert "FAILED (fused op used), max relative error" in out
+    assert "kernel checks          12 of 18 passed" in out
+    assert "attention 1k keys      fused 0.500 ms, kernel 0.250 ms" in out
+    assert "probe                  skipped (--seconds 0)" in out
