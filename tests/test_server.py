@@ -8,7 +8,6 @@ import json
 import anthropic
 import httpx
 import openai
-import pytest
 
 from dflash_mlx import generate, stream_generate
 from test_server_fixtures import chat_pair, chat_server, scripted_pair, scripted_server  # noqa: F401

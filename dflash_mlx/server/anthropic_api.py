@@ -14,7 +14,7 @@ from .errors import error_body
 from .job import Done, Event, Failed, Job, Usage
 from .prompts import anthropic_messages, anthropic_thinking, anthropic_tools, chat_prompt, check_context, starts_in_reasoning
 from .reply import Delta
-from .schemas import AnthropicRequest, parse_body
+from .schemas import AnthropicRequest
 from .service import Service, event_stream, sse
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -128,9 +128,7 @@ async def message_stream(message_id: str, service: Service, job: Job, events: As
 
 async def messages(request: Request) -> Response:
     service: Service = request.app.state.service
-    service.authorize(request)
-    body = await parse_body(request, AnthropicRequest)
-    service.check_model(body.model)
+    body = await service.accept(request, AnthropicRequest)
     job = messages_job(service, body)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     events = await service.start(job, request)

@@ -14,7 +14,7 @@ from .errors import APIError, error_body
 from .job import Done, Event, Failed, Job, Usage
 from .prompts import chat_prompt, check_context, starts_in_reasoning, text_prompt
 from .reply import Delta
-from .schemas import ChatRequest, CompletionRequest, parse_body
+from .schemas import ChatRequest, CompletionRequest
 from .service import Service, event_stream, sse
 
 
@@ -114,9 +114,7 @@ async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage
 
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    service.authorize(request)
-    body = await parse_body(request, ChatRequest)
-    service.check_model(body.model)
+    body = await service.accept(request, ChatRequest)
     job = chat_job(service, body)
     return await _respond(service, request, job, _Reply(service, "chat.completion"), body,
                           lambda delta, done: {"index": 0, "message": chat_message(delta), "finish_reason": done.finish_reason,
@@ -150,9 +148,7 @@ async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    service.authorize(request)
-    body = await parse_body(request, CompletionRequest)
-    service.check_model(body.model)
+    body = await service.accept(request, CompletionRequest)
     job = completion_job(service, body)
     return await _respond(service, request, job, _Reply(service, "text_completion"), body,
                           lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason,

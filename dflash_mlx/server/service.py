@@ -18,7 +18,7 @@ from .decode import Decoder
 from .errors import APIError
 from .job import Done, Event, Failed, GenerationParams, Job
 from .reply import Delta
-from .schemas import Sampling
+from .schemas import Sampling, parse_body
 from .worker import Worker
 
 
@@ -58,6 +58,13 @@ class Service:
         self.worker = Worker(Decoder(model, draft, tokenizer, pool, config.block_size, config.prefill_step_size))
 
     # -- checks --------------------------------------------------------------------
+    async def accept(self, request: Request, schema: type[Sampling]) -> Sampling:
+        """The request's body once the key, the JSON and the model are checked."""
+        self.authorize(request)
+        body = await parse_body(request, schema)
+        self.check_model(body.model)
+        return body
+
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
         if key is None:
