@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import sys
 
+import pexpect
 import pytest
 
-pexpect = pytest.importorskip("pexpect")
-
-import dflash_mlx  # noqa: E402
-from cli_fixtures import make_tiny_pair, screen_lines  # noqa: E402
+import dflash_mlx
+from cli_fixtures import make_tiny_pair, screen_lines
 
 PROMPT = ">>> "
 
