@@ -43,8 +43,11 @@ class Flight:
 
 
 class Cycle:
+    compile_graphs = False  # trace each block size once with mx.compile (see _run_compiled)
+
     def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int], seed: int):
         self.target, self.draft, self.caches = target, draft, caches
+        self.compiled, self._compiled = self.compile_graphs, {}
         self.temperature, self.top_p, self.top_k = sampling
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
@@ -60,6 +63,15 @@ class Cycle:
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
         device. ``bound``: a host-side upper bound on ``length``."""
+        if self.compiled:
+            result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
+        else:
+            result, new_last, new_length = self._build(block_size, last, length, bound)
+        flight = Flight(block_size, result, new_last, new_length)
+        mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
+        return flight
+
+    def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int):
         target_cache, draft_cache = self.caches.target, self.caches.draft
         self.target.set_length(target_cache, length, bound)
         set_lengths(draft_cache, length, bound)
@@ -77,6 +89,26 @@ class Cycle:
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)
         set_lengths(draft_cache, new_length, bound + block_size)
-        flight = Flight(block_size, mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length)
-        mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
-        return flight
+        return mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length
+
+    def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
+        """The same graph through mx.compile: traced once per block size and
+        buffer shape, then replayed without Python, its elementwise chains fused."""
+        layers = self.caches.target + self.caches.draft
+        for c in layers:
+            c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
+        fn = self._compiled.get(block_size)
+        if fn is None:
+            def step(last, length, *buffers):
+                for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
+                    c.keys, c.values = k, v
+                out = self._build(block_size, last, length, bound)
+                return (*out, *[a for c in layers for a in (c.keys, c.values)])
+
+            fn = self._compiled[block_size] = mx.compile(step)
+        result, new_last, new_length, *buffers = fn(last, length, *[a for c in layers for a in (c.keys, c.values)])
+        for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
+            c.keys, c.values = k, v
+        self.target.set_length(self.caches.target, new_length, bound + block_size)
+        set_lengths(self.caches.draft, new_length, bound + block_size)
+        return result, new_last, new_length

@@ -86,6 +86,12 @@ class BufferKVCache:
         self.keys = mx.concatenate([self.keys, mx.zeros((B, H, pad, kd), self.keys.dtype)], axis=2)
         self.values = mx.concatenate([self.values, mx.zeros((B, H, pad, vd), self.values.dtype)], axis=2)
 
+    def reserve(self, n: int) -> None:
+        """Grow a buffer already made to hold ``n`` positions (the layer's
+        next write would grow it anyway; this grows it ahead)."""
+        if self.keys is not None:
+            self._grow(n, self.keys, self.values)
+
     def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
         """Keep the first ``length`` positions (rollback is this move). An
         array length comes with ``bound``, a host-side upper bound on it."""

@@ -1,0 +1,214 @@
+"""What a DFlash cycle costs against a plain decoding step, and where the time goes.
+
+    python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024,4096 --blocks 4,8,16 --tau 6.5
+    python benchmarks/cycle.py --shape qwen3-8b --quantize 4 --blocks 4,8,16
+    python benchmarks/cycle.py --shape qwen3-8b --cold        # a fresh process's first request
+
+Random weights at a model's shapes (nothing to download): the drafter accepts
+almost nothing, so every cycle commits about one token and tok/s is 1 / cycle
+time. For each prompt length it reports, per mode:
+
+- plain step ms: mlx-lm's own pipelined decoding (``generate_step``);
+- cycle ms: a DFlash cycle in the real loop (``stream_generate``);
+- host ms: the loop's own work per cycle, building and queuing the next
+  cycle's graph (Python, then the backend encoding kernels in async_eval);
+- wait ms: the time per cycle the host waits for the device's result;
+  pipelining works when this is well above zero, i.e. the host is done with
+  cycle n+1 before the device finishes cycle n;
+- synced verify / draft ms: each piece built, then evaluated alone and waited
+  for (kernel launches and device time, no overlap);
+- cycle in plain steps, and the projected speedup tau x step / cycle for the
+  acceptance ``--tau`` (Z Lab's Qwen3-8B figures: ~6.5 math, ~4.3 chat).
+
+Prints the machine; ``--json`` for a record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.cycle import Cycle
+
+SHAPES = {
+    # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
+    "small": (256, 8, 4, 2, 64, 768, 4096, 2),
+    "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, 5),
+    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 5),
+}
+
+
+def random_pair(shape: str, quantize: int | None):
+    from dflash_mlx import DFlashDraft, DraftConfig
+    from dflash_mlx.draft import default_target_layer_ids
+    from dflash_mlx.targets import adapt
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+
+    h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
+    model = Model(ModelArgs.from_dict({
+        "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": layers, "intermediate_size": ffn,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False,
+    }))
+    model.set_dtype(mx.bfloat16)
+    if quantize:
+        nn.quantize(model, group_size=64, bits=quantize)
+    mx.eval(model.parameters())
+    draft = DFlashDraft(DraftConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,
+        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+        "num_target_layers": layers, "block_size": 16,
+        "dflash_config": {"target_layer_ids": default_target_layer_ids(layers, dlayers), "mask_token_id": vocab - 1},
+    }))
+    draft.set_dtype(mx.bfloat16)
+    mx.eval(draft.parameters())
+    draft.bind(adapt(model))
+    return model, draft
+
+
+def plain_step_ms(model, prompt: list[int], steps: int) -> float:
+    times = []
+    for _ in generate_step(mx.array(prompt), model, max_tokens=steps + 1, sampler=lambda x: mx.argmax(x, axis=-1)):
+        times.append(time.perf_counter())
+    return 1000 * (times[-1] - times[0]) / (len(times) - 1)
+
+
+class LaunchClock:
+    """Time spent in Cycle.launch (the host's work per cycle)."""
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+        self.real = Cycle.launch
+        clock = self
+
+        def launch(cycle, *args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return clock.real(cycle, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - tic
+                clock.calls += 1
+
+        Cycle.launch = launch
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+
+def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock: LaunchClock) -> dict:
+    from dflash_mlx import stream_generate
+
+    clock.reset()
+    marks, n = [], 0
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, block_size=block):
+        marks.append(time.perf_counter())
+        n = r.cycles
+    cycle_s = (marks[-1] - marks[0]) / max(n, 1)
+    host_s = clock.seconds / max(clock.calls, 1)
+    return {"cycle_ms": 1000 * cycle_s, "host_ms": 1000 * host_s, "wait_ms": 1000 * max(cycle_s - host_s, 0.0), "cycles": n}
+
+
+def synced_pieces(model, draft, prompt, block: int) -> dict:
+    """Verify and draft passes at this context, each built then evaluated alone."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode import prefill
+    from dflash_mlx.targets import adapt
+
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, prompt, 2048, None)
+    taps = list(draft.config.target_layer_ids)
+    mask = draft.config.mask_token_id
+    out = {}
+    for name in ("verify", "draft"):
+        build, run = [], []
+        for _ in range(6):
+            cache.settle()
+            length = mx.array(len(prompt), mx.int32)
+            for c in cache.target + cache.draft:
+                c.set_length(length, len(prompt))
+            tic = time.perf_counter()
+            if name == "verify":
+                logits, hidden = target(mx.array([[1] * block]), cache.target, taps)
+                y = [logits, hidden]
+            else:
+                y = [draft(mx.array([[1] + [mask] * (block - 1)]), None, cache.draft)]
+            mid = time.perf_counter()
+            mx.eval(y)
+            end = time.perf_counter()
+            build.append(mid - tic)
+            run.append(end - mid)
+        out[f"{name}_build_ms"] = 1000 * sorted(build[1:])[2]
+        out[f"{name}_synced_ms"] = 1000 * (sorted(build[1:])[2] + sorted(run[1:])[2])
+    cache.settle()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
+    ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
+    ap.add_argument("--blocks", default="16", help="comma-separated block sizes")
+    ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
+    ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for the projected speedup")
+    ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
+    ap.add_argument("--compile", action="store_true", help="trace each cycle with mx.compile")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from dflash_mlx.tiny import make_tokenizer
+
+    Cycle.compile_graphs = args.compile
+    model, draft = random_pair(args.shape, args.quantize)
+    tokenizer = make_tokenizer(64)
+    vocab = draft.config.vocab_size
+    clock = LaunchClock()
+    rows = []
+    for P in [int(p) for p in args.prompt_tokens.split(",")]:
+        prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(P)]
+        if not args.cold:
+            plain_step_ms(model, prompt, 8)
+            for block in [int(b) for b in args.blocks.split(",")]:
+                dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
+        step = plain_step_ms(model, prompt, args.cycles)
+        for block in [int(b) for b in args.blocks.split(",")]:
+            row = {"prompt_tokens": P, "block": block, "plain_step_ms": step}
+            row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
+            row.update(synced_pieces(model, draft, prompt, block))
+            row["cycle_in_plain_steps"] = row["cycle_ms"] / step
+            row["projected_speedup"] = args.tau * step / row["cycle_ms"]
+            rows.append(row)
+    record = {
+        "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, "
+                   f"device {mx.default_device()}",
+        "shape": args.shape + (f" {args.quantize}-bit" if args.quantize else " bf16"),
+        "mode": "cold (first request)" if args.cold else "warm",
+        "compiled": args.compile,
+        "tau": args.tau,
+        "rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return
+    print(record["machine"])
+    print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
+    print(f"{'prompt':>6} {'block':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+          f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
+    for r in record["rows"]:
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+              f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
+              f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
