@@ -26,11 +26,12 @@ MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens 
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed, for repeatable sampling (with a fixed --block-size).", show_default=False)]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed (any integer): fixes a sampled reply's text, whatever the block size.", show_default=False)]
 BlockSize = Annotated[
     Optional[str],
-    typer.Option("--block-size", help="Tokens per verify (1 committed + drafts); defaults to the drafter's. "
-                 "'auto' picks it before every cycle from the measured acceptance and cycle times.", show_default=False),
+    typer.Option("--block-size", help="Tokens per verify (1 committed + drafts), at most the drafter's trained block. "
+                 "Default 'auto': picked before every cycle (plain steps included) from the measured acceptance and "
+                 "cycle times.", show_default=False),
 ]
 SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)]
 IgnoreChatTemplate = Annotated[bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")]
