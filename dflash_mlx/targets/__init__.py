@@ -5,12 +5,19 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from .base import DenseTarget
+from .gemma import Gemma3Target, Gemma4Target
+from .gpt_oss import GptOssTarget
 from .llama import LlamaTarget
 from .qwen3 import Qwen3Target
+from .qwen3_moe import Qwen3MoeTarget
 
 ADAPTERS: dict[str, type[DenseTarget]] = {
     "qwen3": Qwen3Target,
     "llama": LlamaTarget,
+    "qwen3_moe": Qwen3MoeTarget,
+    "gpt_oss": GptOssTarget,
+    "gemma3_text": Gemma3Target,
+    "gemma4_text": Gemma4Target,
 }
 
 
@@ -27,4 +34,4 @@ def adapt(model: nn.Module) -> DenseTarget:
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "DenseTarget", "LlamaTarget", "Qwen3Target", "adapt"]
+__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "LlamaTarget", "Qwen3MoeTarget", "Qwen3Target", "adapt"]

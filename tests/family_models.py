@@ -1,0 +1,109 @@
+"""Tiny random targets in each family's own mlx-lm config layout (what a
+converted checkpoint's config.json holds), for the family tests."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+
+def _common(family: str, vocab: int, layers: int, hidden: int) -> dict:
+    return {
+        "model_type": family,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+
+
+def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 64, **extra) -> dict:
+    cfg = _common(family, vocab, layers, hidden)
+    if family == "qwen3_moe":
+        cfg.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                   moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden, norm_topk_prob=True)
+    elif family == "gpt_oss":
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=hidden // 2, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        del cfg["tie_word_embeddings"]
+    elif family == "gemma3_text":
+        cfg.update(intermediate_size=2 * hidden, query_pre_attn_scalar=hidden // 4, sliding_window=8,
+                   sliding_window_pattern=3, rope_local_base_freq=10000.0)
+    elif family == "gemma4_text":
+        cfg.update(intermediate_size=2 * hidden, global_head_dim=hidden // 2, num_kv_shared_layers=2,
+                   hidden_size_per_layer_input=32, vocab_size_per_layer_input=vocab, sliding_window=8,
+                   sliding_window_pattern=3, final_logit_softcapping=4.0, tie_word_embeddings=True)
+    elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        cfg.update(intermediate_size=2 * hidden, linear_num_value_heads=4, linear_num_key_heads=2,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   full_attention_interval=2, partial_rotary_factor=0.5)
+        if family == "qwen3_5":
+            cfg["rope_parameters"] = {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        if family in ("qwen3_5_moe", "qwen3_next"):
+            cfg.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                       moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+                       norm_topk_prob=True)
+    else:
+        raise ValueError(family)
+    cfg.update(extra)
+    return cfg
+
+
+def make_family_target(cfg: dict, seed: int = 0) -> nn.Module:
+    """An mlx-lm model of ``cfg``'s family with random float32 weights, its
+    norms sharpened so greedy choices are far from ties."""
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    params = dict(tree_flatten(model.parameters()))
+    final = next(k for k in params if k.endswith("model.norm.weight"))
+    # Gemma 3 scales by 1 + weight; the others by weight.
+    params[final] = mx.full(params[final].shape, 2.0 if cfg["model_type"] == "gemma3_text" else 3.0)
+    for k, v in params.items():
+        if k.endswith(".sinks"):  # gpt-oss attention sinks: away from zero so they count
+            params[k] = mx.random.normal(v.shape)
+    model.update(tree_unflatten(list(params.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+class ScriptedDraft:
+    """Mixed into a DFlash drafter (see ``scripted``): its proposals follow a
+    script, the sequence the target will produce, each position right or
+    deliberately wrong by a fixed random pattern, so cycles accept every
+    count from none to the whole block. Its context cache still grows
+    through the real ``extend``, and the script is read on the device at the
+    cache's length, as the real drafter reads its position."""
+
+    script: mx.array
+    right: mx.array
+
+    def set_script(self, sequence: list[int], p_right: float = 0.7, seed: int = 0) -> None:
+        n = len(sequence) + 64
+        mx.random.seed(seed)
+        self.script = mx.array(sequence + [0] * 64, mx.int32)
+        self.right = mx.random.uniform(shape=(n,)) < p_right
+
+    def __call__(self, block: mx.array, taps, cache) -> mx.array:
+        if taps is not None and taps.shape[1]:
+            self.extend(taps, cache)
+        bs = block.shape[1]
+        at = mx.minimum(cache[0].offset + 1 + mx.arange(bs - 1), self.script.shape[0] - 1)
+        want = self.script[at]
+        proposal = mx.where(self.right[at], want, (want + 1) % self.config.vocab_size)
+        return 10.0 * mx.eye(self.config.vocab_size)[proposal][None]
+
+
+def scripted(draft):
+    """The drafter ``draft``, its proposals now scripted."""
+    draft.__class__ = type("Scripted" + type(draft).__name__, (ScriptedDraft, type(draft)), {})
+    return draft
