@@ -85,12 +85,11 @@ def plain(model, prompt, n):
         yield k
 
 
-def ours(model, draft, tok, prompt, n, bs, stats, stable):
-    from dflash_mlx import make_prompt_cache, stream_generate
+def ours(model, draft, tok, prompt, n, bs, stats):
+    from dflash_mlx import stream_generate
 
     k = 0
-    cache = make_prompt_cache(model, draft, stable_shapes=stable)
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs, prompt_cache=cache):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs):
         k += len(r.tokens)
         stats["acceptance_length"] = round(r.acceptance_length, 3)
         yield k
@@ -115,13 +114,12 @@ def main():
     ap.add_argument("--prompt", help="a text prompt instead (a trained pair accepts little on synthetic ids); "
                     "'@FILE' reads it from FILE")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--block-size", default="16,auto", help="comma-separated block sizes for dflash-mlx (ints or 'auto'); "
+                    "the official loop runs the first integer one")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--stable-shapes", choices=["auto", "on", "off", "both"], default="auto",
-                    help="dflash-mlx caches with fixed attention shapes (default: on CUDA only); 'both' times each")
     ap.add_argument("--cold", action="store_true",
                     help="one round and no warm-up: includes the kernel and graph builds a first request pays "
-                    "(where the stable-shape caches differ from exact-length ones on CUDA)")
+                    "(kernel builds, graph builds on CUDA)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -133,7 +131,8 @@ def main():
     else:
         target_dir, draft_dir = random_pair(args.shape, Path(tmp.name))
     model, draft, tok = load(target_dir, draft=draft_dir)
-    bs = args.block_size or draft.config.block_size
+    blocks = [b if b == "auto" else int(b) for b in args.block_size.split(",")]
+    bs = next((b for b in blocks if b != "auto"), draft.config.block_size)
     vocab = draft.config.vocab_size
     if args.prompt:
         text = Path(args.prompt[1:]).read_text() if args.prompt.startswith("@") else args.prompt
@@ -158,11 +157,9 @@ def main():
     for rep in range(1 if args.cold else args.repeat + 1):  # the first round warms up, unless --cold
         stats: dict = {}
         round_rows = [timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens)]
-        modes = {"auto": [("dflash-mlx", None)], "on": [("dflash-mlx", True)], "off": [("dflash-mlx", False)],
-                 "both": [("dflash-mlx stable", True), ("dflash-mlx exact", False)]}[args.stable_shapes]
-        for label, stable in modes:
-            run = ours(model, draft, tok, prompt, args.max_tokens, bs, stats, stable)
-            round_rows.append({**timed(label, run, args.max_tokens), **stats})
+        for block in blocks:
+            run = ours(model, draft, tok, prompt, args.max_tokens, block, stats)
+            round_rows.append({**timed(f"dflash-mlx {block}", run, args.max_tokens), **stats})
         if have_official:
             round_rows.append(timed("official dflash", official(their_model, their_draft, tok, prompt, args.max_tokens, bs), args.max_tokens))
         if rep or args.cold:

@@ -127,6 +127,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(pair):
 
     lines = screen_lines("".join(log))
     assert "Traceback" not in "\n".join(lines)
+    assert "prompt cache rebuilt" not in "\n".join(lines)  # the cache settles itself after Ctrl-C
     # What was shown is exactly what was committed: greedy decoding cut at that many tokens ...
     model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
     first, n1 = stopped_reply(lines, "w1 w2 w3")
