@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from dflash_mlx.kernels import backend, ops_attention, self_check_all
+from dflash_mlx.kernels import backend, block_attention, ops_attention, self_check_all
 from dflash_mlx.kernels.dispatch import _kernels, checked_kernel
 
 
@@ -70,7 +70,10 @@ def main() -> int:
     except Exception as e:
         print(f"kernel build/launch error:\n{e}", flush=True)
 
+    tic = time.perf_counter()
     checks = self_check_all()
+    report["self_check_seconds"] = time.perf_counter() - tic
+    print(f"{len(checks)} self-checks (build + 2 cases each) took {report['self_check_seconds']:.1f} s", flush=True)
     report["self_checks"] = [dict(case=c.case, ok=c.ok, detail=c.detail) for c in checks]
     for c in checks:
         print(f"self-check {c.case:45s} {'ok' if c.ok else 'FAILED'}  {c.detail}", flush=True)
@@ -134,6 +137,24 @@ def main() -> int:
         t_kernel = timed(lambda: kernel(q, k, v, **kw))
         report["partly_filled"].append(dict(buffer=buf, kv_length=valid, fused_mask_ms=t_mask, kernel_ms=t_kernel))
         print(f"{valid} valid keys in a {buf} buffer, 16 rows: fused+mask {t_mask:.3f} ms, kernel {t_kernel:.3f} ms", flush=True)
+    # Through block_attention (dispatch included) at verify and drafter shapes, buffer capacity
+    # a multiple of 256 above the valid length, offsets as device arrays.
+    report["dispatch"] = []
+    print(f"\n{'case':34s} {'block_attention ms':>18} {'ops path ms':>12}")
+    for name, hq, hkv, lq, cap, valid, causal, window in (
+        ("verify 16 rows, 1k", 32, 8, 16, 1280, 1100, True, None),
+        ("verify 16 rows, 4k", 32, 8, 16, 4352, 4100, True, None),
+        ("verify 4 rows, 8k", 32, 8, 4, 8448, 8200, True, None),
+        ("drafter 16 rows, 1k", 32, 8, 16, 1280, 1100, False, None),
+        ("drafter 16 rows window 2048, 16k", 32, 8, 16, 16640, 16400, False, 2048),
+        ("GQA 8, 16 rows, 1k", 64, 8, 16, 1280, 1100, True, None),
+    ):
+        q, k, v = make(1, hq, hkv, lq, cap, 128, mx.bfloat16)
+        kw = dict(scale=128**-0.5, q_offset=mx.array(valid - lq), kv_length=mx.array(valid), causal=causal, window=window)
+        t_ba = timed(lambda: block_attention(q, k, v, **kw))
+        t_ops = timed(lambda: ops_attention(q, k, v, **kw))
+        report["dispatch"].append(dict(case=name, block_attention_ms=t_ba, ops_ms=t_ops))
+        print(f"{name:34s} {t_ba:18.3f} {t_ops:12.3f}", flush=True)
     _write(args.out, report)
     return 0
 

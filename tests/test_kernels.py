@@ -248,9 +248,10 @@ def test_each_variant_is_checked_separately(fake_gpu):
     ]
 
 
-def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu):
+def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu, monkeypatch):
     good = Recorder(two_pass)
     fake_gpu(good)
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((16, None), (64, 2048)))
     assert dispatch.kernel_wins(8, 1 << 20) and dispatch.kernel_wins(64, 2048)
     assert not dispatch.kernel_wins(64, 2049) and not dispatch.kernel_wins(65, 256)
     q = mx.random.normal((1, 32, 16, 64)).astype(mx.bfloat16)  # 64 rows per kv head
@@ -259,6 +260,8 @@ def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu):
     block_attention(q, k, k, **kw)
     assert good.calls == 0 and not dispatch._checks  # 4096 keys: fused op, no check either
     block_attention(q, k, k, **{**kw, "q_offset": 1000, "kv_length": 1016})  # an int length is the hint
+    assert good.calls == 3
+    block_attention(q, k, k, **{**kw, "q_offset": 1000, "kv_length": mx.array(1016)})  # an array: the buffer's 4096
     assert good.calls == 3
 
 

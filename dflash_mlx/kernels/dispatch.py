@@ -21,12 +21,13 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 # (GQA group x block rows): (most rows, most keys or None for any). Keys are the
 # buffer's, or kv_length when it is a Python int. Measured with
 # benchmarks/bench_attention.py on an NVIDIA H200 (MLX 0.32.4 CUDA backend), 32 q
-# / 8 kv heads, head dim 128, bf16, full buffers of 256..32768 keys: rows 8 and 16
-# won at every length (1.2x-2.2x); rows 32 won up to 3072 keys, rows 64 up to
-# 2048 (1.1x-1.6x), then lost (0.6x at 32768). More rows than 64 were not
-# measured and take the fused op. Metal has no measurement yet and borrows these;
-# `dflash-mlx doctor` times both paths on the machine it runs on.
-KERNEL_WINS = ((16, None), (64, 2048))
+# / 8 kv heads, head dim 128, bf16, full buffers of 256..32768 keys: 8 and 16 rows
+# per kv head won at every length (1.2x-2.2x; through block_attention, 4 block rows
+# over 8k keys: 0.104 vs 0.143 ms). 32 and 64 rows won only up to 2-3k keys
+# (1.1x-1.6x), lost through block_attention at 1k keys (0.102 vs 0.082 ms) and
+# lost above (0.6x at 32k), so they take the fused op. Metal has no measurement yet
+# and borrows this; `dflash-mlx doctor` times both paths on the machine it runs on.
+KERNEL_WINS = ((16, None),)
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 

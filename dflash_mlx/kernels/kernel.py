@@ -100,5 +100,7 @@ def chunk_size(n: int, groups: int) -> int:
 
 def _int1(x):
     if isinstance(x, mx.array):
-        return x.reshape((1,)).astype(mx.int32)
+        if x.ndim != 1:
+            x = x.reshape((1,))
+        return x if x.dtype == mx.int32 else x.astype(mx.int32)
     return mx.array([x], dtype=mx.int32)
