@@ -7,6 +7,7 @@ import mlx.nn as nn
 from .base import DenseTarget
 from .gemma import Gemma3Target, Gemma4Target
 from .gpt_oss import GptOssTarget
+from .hybrid import HybridTarget, Qwen3_5MoeTarget, Qwen3NextTarget
 from .llama import LlamaTarget
 from .qwen3 import Qwen3Target
 from .qwen3_moe import Qwen3MoeTarget
@@ -18,6 +19,9 @@ ADAPTERS: dict[str, type[DenseTarget]] = {
     "gpt_oss": GptOssTarget,
     "gemma3_text": Gemma3Target,
     "gemma4_text": Gemma4Target,
+    "qwen3_5": HybridTarget,
+    "qwen3_5_moe": Qwen3_5MoeTarget,
+    "qwen3_next": Qwen3NextTarget,
 }
 
 
@@ -34,4 +38,4 @@ def adapt(model: nn.Module) -> DenseTarget:
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "LlamaTarget", "Qwen3MoeTarget", "Qwen3Target", "adapt"]
+__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "HybridTarget", "LlamaTarget", "Qwen3MoeTarget", "Qwen3NextTarget", "Qwen3_5MoeTarget", "Qwen3Target", "adapt"]
