@@ -38,6 +38,8 @@ class HybridCache(list):
             if s >= n:
                 continue
             seq[s:] = ids.tolist()[: n - s]
+        if len(seq) < n:
+            raise LookupError(f"positions up to {n} were never written")
         self.log = [(0, mx.array(seq[:n], mx.int32))] if n else []
         return seq[:n]
 
