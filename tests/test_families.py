@@ -91,3 +91,12 @@ def test_quantized_target(family):
     prompt = list(range(1, 30))
     tokens, _ = run(model, draft, prompt, max_tokens=24, block_size=4)
     assert tokens == greedy_reference(model, prompt, 24)
+
+
+def test_the_registry_says_runs_only_for_tested_families():
+    from dflash_mlx.loading import FAMILIES as REGISTRY, family_runs, why_not_runs
+
+    tested = {"qwen3", "llama", *FAMILIES, "qwen3_5", "qwen3_5_moe", "qwen3_next"}  # test_greedy, here, test_hybrid
+    assert set(ADAPTERS) == tested
+    for target, family in REGISTRY.items():
+        assert family_runs(family) == (family in tested) and (why_not_runs(target) is None) == (family in tested)

@@ -1,0 +1,160 @@
+"""Target families on a GPU: a DFlash cycle in plain decode steps, and the
+hybrid rollback's own cost, at real shapes with random weights.
+
+    PYTHONPATH=$PWD python benchmarks/families.py [--small] [--out results.json]
+
+Shapes: a Qwen3.5-9B-like hybrid (gated delta-net layers, full attention
+every 4th) and a gpt-oss-20b-like MoE (32 experts, top 4, sliding layers with
+sinks), each in bf16 and 4-bit. For each it times
+
+- plain: mlx-lm's own decoding (generate_step), ms per token;
+- cycle: one DFlash verify cycle (drafter + target over a block + rollback)
+  at block sizes 4, 8, 16, through the library's own loop, in ms and in
+  plain decode steps (random drafter: the cycle's cost does not depend on how
+  many drafts are accepted);
+- rollback (hybrid): re-running the kept steps of every delta-net layer
+  after a verify at each block size, ms per cycle, alone.
+
+Needs only mlx, mlx-lm and this repository. --small runs tiny shapes (a CPU
+smoke test in float32; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import stream_generate
+from dflash_mlx.targets import adapt
+from dflash_mlx.targets.recurrent import DeltaCache
+from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights
+
+
+def qwen35_9b(small: bool) -> dict:
+    if small:
+        h, layers, vocab = 128, 8, 512
+        heads, kv, hd, vh, kh, kd, vd, inter = 4, 2, 32, 4, 2, 32, 32, 256
+    else:
+        h, layers, vocab = 4096, 32, 248320
+        heads, kv, hd, vh, kh, kd, vd, inter = 16, 4, 256, 32, 16, 128, 128, 12288
+    return {
+        "model_type": "qwen3_5", "hidden_size": h, "num_hidden_layers": layers, "vocab_size": vocab,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
+        "linear_num_value_heads": vh, "linear_num_key_heads": kh, "linear_key_head_dim": kd,
+        "linear_value_head_dim": vd, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "rope_parameters": {"type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    }
+
+
+def gpt_oss_20b(small: bool) -> dict:
+    if small:
+        h, layers, vocab, heads, kv, hd, experts, inter = 128, 4, 512, 8, 2, 16, 8, 128
+    else:
+        h, layers, vocab, heads, kv, hd, experts, inter = 2880, 24, 201088, 64, 8, 64, 32, 2880
+    return {
+        "model_type": "gpt_oss", "hidden_size": h, "num_hidden_layers": layers, "vocab_size": vocab,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "sliding_window": 128, "rope_theta": 150000,
+        "rms_norm_eps": 1e-5, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+    }
+
+
+def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(dict(cfg)))
+    model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+    mx.eval(model.parameters())
+    n = cfg["num_hidden_layers"]
+    taps = sorted({1, n // 2, n - 2})
+    dcfg = draft_config(cfg, layers=1 if cfg["hidden_size"] < 1024 else 5, block_size=16, taps=taps)
+    draft = make_draft(dcfg, random_draft_weights(dcfg))
+    draft.set_dtype(dtype)
+    if bits:
+        nn.quantize(draft, group_size=64, bits=bits)
+    mx.eval(draft.parameters())
+    return model, draft
+
+
+def plain_ms(model, prompt, n: int) -> float:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n + 4, sampler=lambda x: mx.argmax(x, axis=-1))
+    for _ in range(4):
+        next(steps)
+    t = time.perf_counter()
+    for _ in range(n):
+        next(steps)
+    return (time.perf_counter() - t) * 1000 / n
+
+
+def cycle_ms(model, draft, tok, prompt, bs: int, n: int) -> float:
+    stamps = []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, block_size=bs):
+        stamps.append((time.perf_counter(), r.cycles if hasattr(r, "cycles") else len(stamps)))
+    (t0, c0), (t1, c1) = stamps[2], stamps[-1]
+    return (t1 - t0) * 1000 / max(c1 - c0, 1)
+
+
+def rollback_ms(model, prompt, bs: int, reps: int) -> float | None:
+    target = adapt(model)
+    cache = target.make_cache()
+    deltas = [c for c in cache if isinstance(c, DeltaCache)]
+    if not deltas:
+        return None
+    target(mx.array(prompt)[None], cache, [0])
+    length = mx.array(len(prompt), mx.int32)
+    target.set_length(cache, length, len(prompt))
+    target(mx.array(prompt[:bs])[None], cache, [0])
+    mx.eval([c.pending.state for c in deltas])
+    s = mx.array(bs // 2, mx.int32)
+    mx.eval([c.pending.after(s) for c in deltas])
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval([c.pending.after(s) for c in deltas])
+    return (time.perf_counter() - t) * 1000 / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--blocks", default="4,8,16")
+    args = parser.parse_args()
+    n = 3 if args.small else 32
+    blocks = [int(b) for b in args.blocks.split(",")]
+    results = {"machine": f"{platform.node()} {platform.machine()} {mx.default_device()}", "mlx": mx.__version__, "rows": []}
+    print(results["machine"])
+    for name, shape in (("qwen3.5-9b-like", qwen35_9b), ("gpt-oss-20b-like", gpt_oss_20b)):
+        cfg = shape(args.small)
+        for bits in (None, 4):
+            # MLX's CPU backend gathers MoE experts in float32 only.
+            model, draft = build(cfg, bits, mx.float32 if args.small else mx.bfloat16)
+            tok = make_tokenizer(cfg["vocab_size"])
+            prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else 256)]
+            plain = plain_ms(model, prompt, n)
+            row = {"model": name, "weights": f"{bits}-bit" if bits else "bf16", "plain_ms": plain, "blocks": {}}
+            for bs in blocks:
+                c = cycle_ms(model, draft, tok, prompt, bs, n)
+                rb = rollback_ms(model, prompt, bs, 10)
+                row["blocks"][bs] = {"cycle_ms": c, "cycle_in_steps": c / plain, "rollback_ms": rb}
+                print(f"{name:18} {row['weights']:5} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                      f" = {c / plain:4.2f} steps" + (f", rollback {rb:.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else ""))
+            results["rows"].append(row)
+            del model, draft
+            mx.clear_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
