@@ -12,6 +12,7 @@ import dflash_mlx
 from dflash_mlx import builtin, loading
 from dflash_mlx.cli.app import app
 from dflash_mlx.cli.progress import PrefillProgress, hub_progress_class
+from dflash_mlx.targets import ADAPTERS
 from cli_fixtures import make_tiny_pair
 
 runner = CliRunner()
@@ -341,14 +342,16 @@ def test_models_lists_pairs_what_runs_and_cache_state(monkeypatch, tmp_path):
     rows = json.loads(result.stdout)
     assert {(r["target"], r["drafter"]) for r in rows} == set(loading.known_pairs())
     assert not any(r["target_cached"] or r["drafter_cached"] for r in rows)
-    runs = {r["target"] for r in rows if r["runs"]}
-    assert {"Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "mlx-community/Qwen3-8B-4bit"} <= runs
-    moe = next(r for r in rows if r["target"] == "Qwen/Qwen3-Coder-30B-A3B-Instruct")
-    assert not moe["runs"] and "qwen3_moe" in moe["why_not"]
-    assert all(r["why_not"] is None for r in rows if r["runs"])
+    assert all(r["runs"] == (loading.FAMILIES[r["target"]] in ADAPTERS) for r in rows)
+    assert all((r["why_not"] is None) == r["runs"] for r in rows)
     table = run("models")
-    assert table.exit_code == 0 and "z-lab/" in table.stdout and "no adapter" not in table.stdout
-    assert "has no target adapter yet" in " ".join(table.stdout.split())
+    assert table.exit_code == 0 and "z-lab/" in table.stdout
+    # A family without an adapter is marked, with the reason.
+    monkeypatch.delitem(ADAPTERS, "llama")
+    rows = json.loads(run("models", "--json").stdout)
+    llama = next(r for r in rows if r["target"] == "meta-llama/Llama-3.1-8B-Instruct")
+    assert not llama["runs"] and llama["why_not"] == "its family (llama) has no target adapter yet."
+    assert "its family (llama) has no target adapter yet." in " ".join(run("models").stdout.split())
     none = run("models", "--cached")
     assert none.exit_code == 0 and "no pair is fully cached" in none.stdout
 
