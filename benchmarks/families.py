@@ -141,12 +141,12 @@ def main() -> None:
             tok = make_tokenizer(cfg["vocab_size"])
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else 256)]
             plain = plain_ms(model, prompt, n)
-            row = {"model": name, "weights": f"{bits}-bit" if bits else "bf16", "plain_ms": plain, "blocks": {}}
+            row = {"model": name, "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"), "plain_ms": plain, "blocks": {}}
             for bs in blocks:
                 c = cycle_ms(model, draft, tok, prompt, bs, n)
                 rb = rollback_ms(model, prompt, bs, 10)
                 row["blocks"][bs] = {"cycle_ms": c, "cycle_in_steps": c / plain, "rollback_ms": rb}
-                print(f"{name:18} {row['weights']:5} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
                       f" = {c / plain:4.2f} steps" + (f", rollback {rb:.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else ""))
             results["rows"].append(row)
             del model, draft
