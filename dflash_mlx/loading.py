@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .draft import DFlashDraft, DraftConfig, check_weights
+from .draft import DFlashDraft
+from .draft2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
 
 # -- known pairs ---------------------------------------------------------------
@@ -30,6 +30,9 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "Qwen/Qwen3.5-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.5-35B-A3B-DFlash"),
     "Qwen/Qwen3.6-27B": ("qwen3_5", "z-lab/Qwen3.6-27B-DFlash"),
     "Qwen/Qwen3.6-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+    # DFlash 2 drafters (Z Lab mirrors of incoai's).
+    "Qwen/Qwen3.8-27B": ("qwen3_5", "z-lab/Qwen3.8-27B-DFlash2"),
+    "meta-models/Muse-Glimmer-30B": ("muse_glimmer", "z-lab/Muse-Glimmer-30B-DFlash2"),
     "openai/gpt-oss-20b": ("gpt_oss", "z-lab/gpt-oss-20b-DFlash"),
     "openai/gpt-oss-120b": ("gpt_oss", "z-lab/gpt-oss-120b-DFlash"),
 }
@@ -38,6 +41,8 @@ _BASE_PAIRS: dict[str, str] = {target: drafter for target, (_, drafter) in _TARG
 # The mlx-community conversions of those targets share their drafter: the
 # drafter reads the target's hidden states, which quantization leaves in place.
 _MLX_COMMUNITY: dict[str, tuple[str, ...]] = {
+    "Qwen/Qwen3.8-27B": ("Qwen3.8-27B-4bit", "Qwen3.8-27B-8bit"),
+    "meta-models/Muse-Glimmer-30B": ("Muse-Glimmer-30B-4bit",),
     "Qwen/Qwen3-4B": ("Qwen3-4B-4bit", "Qwen3-4B-6bit", "Qwen3-4B-8bit", "Qwen3-4B-bf16"),
     "Qwen/Qwen3-8B": ("Qwen3-8B-4bit", "Qwen3-8B-6bit", "Qwen3-8B-8bit", "Qwen3-8B-bf16"),
     "meta-llama/Llama-3.1-8B-Instruct": (
@@ -288,23 +293,16 @@ DRAFT_FILES = ["*.json", "*.safetensors", "*.md"]
 
 
 def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
-    """A DFlash drafter from a Z Lab or converted (optionally quantized)
-    directory, or a Hub repo."""
+    """A DFlash (v1 or DFlash 2) drafter from a Z Lab or converted
+    (optionally quantized) directory, or a Hub repo."""
     path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
     raw = read_config(path)
-    cfg = DraftConfig.from_dict(raw)
-    weights = read_weights(path)
+    cfg = parse_draft_config(raw)  # DFlash 2 drafters get their own config and module
     quantization = raw.get("quantization")
-    check_weights(weights, cfg, quantization)
-    model = DFlashDraft(cfg)
+    weights = check_draft_weights(read_weights(path), cfg, quantization)
+    model = draft_model(cfg)
     if quantization:
-        nn.quantize(
-            model,
-            group_size=int(quantization["group_size"]),
-            bits=int(quantization["bits"]),
-            mode=quantization.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
+        quantize_like(model, weights, quantization)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     model.eval()

@@ -26,7 +26,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.atomic_dir import replace_dir
-from dflash_mlx.draft import DFlashDraft, DraftConfig, check_weights, pair_problems
+from dflash_mlx.draft import DFlashDraft, DraftConfig, pair_problems
+from dflash_mlx.draft2 import check_draft_weights, draft_model, parse_draft_config
 from dflash_mlx.loading import (
     DRAFT_FILES,
     KNOWN_PAIRS,
@@ -272,9 +273,8 @@ def convert(
         raise ValueError(
             f"{hf_path} is already a quantized MLX drafter; convert from the original Z Lab checkpoint instead."
         )
-    cfg = DraftConfig.from_dict(raw)
-    weights = read_weights(src)
-    check_weights(weights, cfg)
+    cfg = parse_draft_config(raw)  # v1 or DFlash 2
+    weights = check_draft_weights(read_weights(src), cfg)  # DFlash 2 codebooks gain .weight
     not_float = sorted(k for k, v in weights.items() if not mx.issubdtype(v.dtype, mx.floating))
     if not_float:
         raise ValueError(
@@ -296,7 +296,7 @@ def convert(
     stored = str(weights["fc.weight"].dtype).split(".")[-1]
     dtype_name = dtype or (stored if stored in DTYPES else "float32")
     mx_dtype = getattr(mx, dtype_name)
-    model = DFlashDraft(cfg)
+    model = draft_model(cfg)
     model.load_weights([(k, v.astype(mx_dtype)) for k, v in weights.items()])
     config = {k: v for k, v in raw.items() if k not in ("_name_or_path", "quantization_config")}
     if "torch_dtype" in config or "dtype" not in config:
