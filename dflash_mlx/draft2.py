@@ -245,7 +245,7 @@ class CandidateSelector(nn.Module):
         # Pair scores with the anchor at position 0, and every candidate-to-
         # candidate transition after it, in one batched product.
         first = succ[0] @ (pred[0] * proj[0])  # [k]
-        trans = (pred[1:].reshape(n - 1, self.top_k, -1) * proj[1:, None]) @ succ[1:].transpose(0, 2, 1)  # [n-1, k, k]
+        trans = (pred[1:].reshape(n - 1, self.top_k, pred.shape[-1]) * proj[1:, None]) @ succ[1:].transpose(0, 2, 1)  # [n-1, k, k]
         keys = mx.random.split(key, n) if (temperature > 0 and key is not None) else [None] * n
         picks, q_rows = [], []
         prev = None
