@@ -124,16 +124,12 @@ def check_draft_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantiza
         quantize_like(model, weights, quantization)
     want = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters()) if _is_dflash2_tensor(k)}
     have = {k: tuple(v.shape) for k, v in weights.items() if _is_dflash2_tensor(k)}
-    problems = []
-    missing = sorted(_shown(k) for k in set(want) - set(have))
-    extra = sorted(_shown(k) for k in set(have) - set(want))
-    bad = sorted(f"{_shown(k)} is {have[k]}, expected {want[k]}" for k in set(want) & set(have) if want[k] != have[k])
-    if missing:
-        problems.append(f"missing tensors {_short(missing)}")
-    if extra:
-        problems.append(f"unexpected tensors {_short(extra)}")
-    if bad:
-        problems.append("misshapen tensors: " + _short(bad))
+    found = {
+        "missing tensors": sorted(_shown(k) for k in set(want) - set(have)),
+        "unexpected tensors": sorted(_shown(k) for k in set(have) - set(want)),
+        "misshapen tensors:": sorted(f"{_shown(k)} is {have[k]}, expected {want[k]}" for k in set(want) & set(have) if want[k] != have[k]),
+    }
+    problems = [f"{what} {_short(names)}" for what, names in found.items() if names]
     if problems:
         raise ValueError(
             "the DFlash 2 drafter checkpoint does not match its config.json ("

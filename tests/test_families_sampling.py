@@ -7,12 +7,12 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
-from dflash_mlx import stream_generate
 from family_models import family_config, make_family_target
+from mlx.utils import tree_flatten
 from test_sampling import ALPHA, chi_square_pvalue, sequence_distribution
 from tiny import draft_config, make_draft, make_tokenizer, random_draft_weights
+
+from dflash_mlx import stream_generate
 
 
 class WithVocab:
