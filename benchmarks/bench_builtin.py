@@ -74,26 +74,32 @@ def prompt_sets(tokenizer, texts: dict[str, list[str]], n: int) -> dict[str, lis
     return {"code": [tokenizer.encode(t) for t in texts["code"][:n]], "chat": [list(c) for c in chat]}
 
 
+def decode_time(responses):
+    """Tokens after the first and the seconds they took (prefill and the
+    first token excluded, the same clock for both loops), and the last response."""
+    first = last = None
+    for last in responses:
+        if first is None:
+            first = time.perf_counter()
+    return last.generation_tokens - 1, time.perf_counter() - first, last
+
+
 def plain(model, tokenizer, prompt, max_tokens, temp, seed):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)):
-        pass
-    return last.generation_tokens, last.generation_tokens / max(last.generation_tps, 1e-9)
+    n, seconds, _ = decode_time(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)))
+    return n, seconds
 
 
 def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed):
     from dflash_mlx import stream_generate
 
-    last = None
-    for last in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp,
-                                block_size=block, seed=seed):
-        pass
-    return last.generation_tokens, last.generation_tokens / max(last.generation_tps, 1e-9), last.acceptance_length
+    n, seconds, last = decode_time(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
+                                                   temperature=temp, block_size=block, seed=seed))
+    return n, seconds, last.acceptance_length
 
 
 def main():

@@ -9,9 +9,13 @@ almost nothing, so every cycle commits about one token and tok/s is 1 / cycle
 time. For each prompt length it reports, per mode:
 
 - plain step ms: mlx-lm's own pipelined decoding (``generate_step``);
-- cycle ms: a DFlash cycle in the real loop (``stream_generate``);
+- cycle ms: a DFlash cycle in the real loop (``stream_generate``), the median
+  (the mean, which includes the one-off rebuilds when a cache buffer grows, is
+  in the --json record);
 - host ms: the loop's own work per cycle, building and queuing the next
-  cycle's graph (Python, then the backend encoding kernels in async_eval);
+  cycle's graph (Python, then the backend encoding kernels in async_eval),
+  split in the --json record into the drafter's and the target's graph
+  building and async_eval;
 - wait ms: the time per cycle the host waits for the device's result;
   pipelining works when this is well above zero, i.e. the host is done with
   cycle n+1 before the device finishes cycle n;
@@ -83,25 +87,40 @@ def plain_step_ms(model, prompt: list[int], steps: int) -> float:
 
 
 class LaunchClock:
-    """Time spent in Cycle.launch (the host's work per cycle)."""
+    """Time spent in Cycle.launch (the host's work per cycle), and inside it
+    in the drafter's and the target's graph building and in mx.async_eval."""
+
+    PARTS = ("draft", "target", "async_eval")
 
     def __init__(self):
-        self.seconds, self.calls = 0.0, 0
-        self.real = Cycle.launch
-        clock = self
+        from dflash_mlx.draft import DFlashDraft
+        from dflash_mlx.targets.base import DenseTarget
 
-        def launch(cycle, *args, **kwargs):
+        self.reset()
+        self._wrap(Cycle, "launch", "launch")
+        self._wrap(DFlashDraft, "__call__", "draft")
+        self._wrap(DenseTarget, "__call__", "target")
+        self._wrap(mx, "async_eval", "async_eval")
+
+    def _wrap(self, owner, name, part):
+        real, clock = getattr(owner, name), self
+
+        def timed(*args, **kwargs):
             tic = time.perf_counter()
             try:
-                return clock.real(cycle, *args, **kwargs)
+                return real(*args, **kwargs)
             finally:
-                clock.seconds += time.perf_counter() - tic
-                clock.calls += 1
+                clock.seconds[part] = clock.seconds.get(part, 0.0) + time.perf_counter() - tic
+                if part == "launch":
+                    clock.calls += 1
 
-        Cycle.launch = launch
+        setattr(owner, name, timed)
 
     def reset(self):
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls = {}, 0
+
+    def per_cycle_ms(self, part: str) -> float:
+        return 1000 * self.seconds.get(part, 0.0) / max(self.calls, 1)
 
 
 def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock: LaunchClock) -> dict:
@@ -112,9 +131,13 @@ def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock
     for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, block_size=block):
         marks.append(time.perf_counter())
         n = r.cycles
-    cycle_s = (marks[-1] - marks[0]) / max(n, 1)
-    host_s = clock.seconds / max(clock.calls, 1)
-    return {"cycle_ms": 1000 * cycle_s, "host_ms": 1000 * host_s, "wait_ms": 1000 * max(cycle_s - host_s, 0.0), "cycles": n}
+    gaps = sorted(b - a for a, b in zip(marks[1:], marks[2:]))
+    cycle_s = gaps[len(gaps) // 2]  # the median: a buffer growth's one-off rebuilds show in the mean
+    mean_s = (marks[-1] - marks[0]) / max(n, 1)
+    host_s = clock.per_cycle_ms("launch") / 1000
+    return {"cycle_ms": 1000 * cycle_s, "mean_cycle_ms": 1000 * mean_s, "host_ms": 1000 * host_s,
+            "wait_ms": 1000 * max(mean_s - host_s, 0.0), "cycles": n,
+            **{f"host_{p}_ms": clock.per_cycle_ms(p) for p in LaunchClock.PARTS}}
 
 
 def synced_pieces(model, draft, prompt, block: int) -> dict:
@@ -162,13 +185,14 @@ def main():
     ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for the projected speedup")
     ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
-    ap.add_argument("--compile", action="store_true", help="trace each cycle with mx.compile")
+    ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
+                    help="trace each cycle with mx.compile (default: on a GPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from dflash_mlx.tiny import make_tokenizer
 
-    Cycle.compile_graphs = args.compile
+    Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
@@ -177,14 +201,15 @@ def main():
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(P)]
         if not args.cold:
-            plain_step_ms(model, prompt, 8)
+            plain_step_ms(model, prompt, args.cycles)
             for block in [int(b) for b in args.blocks.split(",")]:
-                dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
+                dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
         for block in [int(b) for b in args.blocks.split(",")]:
             row = {"prompt_tokens": P, "block": block, "plain_step_ms": step}
             row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
             row.update(synced_pieces(model, draft, prompt, block))
+            clock.reset()
             row["cycle_in_plain_steps"] = row["cycle_ms"] / step
             row["projected_speedup"] = args.tau * step / row["cycle_ms"]
             rows.append(row)

@@ -120,10 +120,15 @@ def main():
     ap.add_argument("--cold", action="store_true",
                     help="one round and no warm-up: includes the kernel and graph builds a first request pays "
                     "(kernel builds, graph builds on CUDA)")
+    ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
+                    help="dflash-mlx's cycle through mx.compile (default: on a GPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from dflash_mlx import load
+    from dflash_mlx.cycle import Cycle
+
+    Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
 
     tmp = tempfile.TemporaryDirectory()
     if args.model:

@@ -1,7 +1,7 @@
 """Choosing the block size as decoding goes (``block_size="auto"``).
 
 The best block size trades what a longer block can gain against what it
-costs, and both depend on the machine and the text: on a GPU a verify of 16
+costs (the candidates: lo, hi and the multiples of 4 between), and both depend on the machine and the text: on a GPU a verify of 16
 tokens costs about what one of 4 does, so the longest block wins; on a CPU
 the cost grows with the tokens, and a short block wins (BENCHMARKS.md). The
 chooser measures both while decoding and picks, before every cycle, the
@@ -42,16 +42,22 @@ class BlockChooser:
     RECENT = 256  # cycles whose times the cost fit uses
     EVIDENCE = 16  # drafting cycles seen before plain steps may win
 
+    STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
+
     def __init__(self, lo: int, hi: int, explore: int = 32):
         if not 2 <= lo <= hi:
             raise ValueError(f"block sizes must satisfy 2 <= lo <= hi, got {lo}..{hi}.")
         self.lo, self.hi, self.explore = lo, hi, explore
+        # A few sizes, not every one: each size is a graph of its own to build
+        # (and to trace, where cycles are compiled), while the rate varies
+        # smoothly with the block.
+        self.sizes = sorted({lo, hi, *range(-(-lo // self.STEP) * self.STEP, hi, self.STEP)}, reverse=True)
         self.reached = [0] * hi  # [i]: cycles that proposed draft i with drafts 1..i-1 accepted
         self.hit = [0] * hi  # [i]: ... of which draft i was accepted too
         self.times: dict[int, list[tuple[int, float]]] = {}  # block size -> (cycle, seconds), first one dropped
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
-        probe = [hi, lo, (lo + hi) // 2, 1]
+        probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
 
     def record(self, block: int, accepted: int, seconds: float | None) -> None:
@@ -120,7 +126,7 @@ class BlockChooser:
             return self.hi if (self.cycles // self.explore) % 2 == 0 else self.lo
         a, c = self.cost()
         best, best_rate = self.hi, -math.inf
-        for b in range(self.hi, self.lo - 1, -1):  # ties go to the longer block
+        for b in self.sizes:  # longest first: ties go to the longer block
             rate = self.expected_tokens(b) / (a + c * b)
             if rate > best_rate + 1e-12:
                 best, best_rate = b, rate

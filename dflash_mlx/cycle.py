@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .draft import DFlashDraft
-from .kv_cache import set_lengths
+from .kv_cache import BufferKVCache, set_lengths
 from .sampling import accepted_count, pick, seed_words
 from .targets import DenseTarget
 
@@ -43,11 +43,19 @@ class Flight:
 
 
 class Cycle:
-    compile_graphs = False  # trace each block size once with mx.compile (see _run_compiled)
+    # Trace each block size once with mx.compile (see _run_compiled): None
+    # means on a GPU, where launching kernels is what a cycle's host time is
+    # spent on; the CPU builds its compiled kernels with a C++ compiler.
+    compile_graphs: bool | None = None
 
     def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int], seed: int):
         self.target, self.draft, self.caches = target, draft, caches
-        self.compiled, self._compiled = self.compile_graphs, {}
+        compiled = self.compile_graphs
+        if compiled is None:
+            compiled = mx.default_device().type == mx.DeviceType.gpu
+        # Only caches that are plain buffers can be handed to a compiled graph.
+        buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
+        self.compiled, self._compiled = compiled and buffers, {}
         self.temperature, self.top_p, self.top_k = sampling
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
