@@ -31,7 +31,8 @@ $ dflash-mlx bench --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompts 
 
 $ dflash-mlx bench --model Qwen/Qwen3-8B --prompts mt_bench.jsonl --block-size 8 --json > results.json
 
---prompts takes one prompt per line, or JSONL with a "prompt" (or "messages", "question", "instruction", "input", "text", "turns") field.
+--prompts takes one prompt per line, or JSONL with a "prompt" (or "messages", "question", "instruction", "input", "text", "turns") field;
+MT-Bench's "turns" are asked in order, each after the reply to the one before. Without --model the built-in pair runs.
 """
 
 DEFAULT_PROMPTS = [
@@ -101,18 +102,24 @@ def bench_command(
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
-        texts = [item.get("prompt") or item["messages"][-1]["content"] for item in items]  # as the results show them
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
         target_name = model_or_builtin(model)
         target, draft, tokenizer = load_pair(target_name, draft_model)
+        check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft)
+        if model is None or model == "builtin":
+            target_name, draft_name = "builtin", draft_model or "builtin"
+        else:
+            from dflash_mlx.loading import find_drafter
+
+            draft_name = draft_model or find_drafter(target_name)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
-        encoded = [
-            prompt_ids(tokenizer, item.get("prompt") or item["messages"], system_prompt=system_prompt,
-                       ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking, quiet=i > 0)
-            for i, item in enumerate(items)
-        ]
+        notes = iter([False])  # the template notes once, for the first prompt
+
+        def encode(prompt):
+            return prompt_ids(tokenizer, prompt, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
+                              enable_thinking=enable_thinking, quiet=next(notes, True))
         sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k)
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size)
 
@@ -131,24 +138,34 @@ def bench_command(
                       console=err, transient=True) as bar:
             warm = min(max_tokens, 16)
             task = bar.add_task("warm-up", total=2)
-            plain(encoded[0], warm, 0)
+            first = items[0]
+            ids = encode(first.get("prompt") or first["messages"])
+            plain(ids, warm, 0)
             bar.advance(task)
-            dflash(encoded[0], warm, 0)
+            dflash(ids, warm, 0)
             bar.advance(task)
-            task = bar.add_task("bench", total=2 * repeat * len(encoded))
-            for text, ids in zip(texts, encoded):
-                runs_plain, runs_dflash = [], []
-                for run in range(repeat):
-                    runs_plain.append(plain(ids, max_tokens, run))
-                    bar.advance(task)
-                    runs_dflash.append(dflash(ids, max_tokens, run))
-                    bar.advance(task)
-                results.append(_summarise(text, ids, runs_plain, runs_dflash, temp == 0))
+            task = bar.add_task("bench", total=2 * repeat * sum(len(item.get("turns", [0])) for item in items))
+            for item in items:
+                # MT-Bench's turns: each asked after the reply to the one before (DFlash's reply, which at
+                # --temp 0 is the target's own).
+                messages = list(item.get("messages", []))
+                for turn in item.get("turns", [item.get("prompt")]):
+                    if turn is not None:
+                        messages.append({"role": "user", "content": turn})
+                    ids = encode(messages)
+                    runs_plain, runs_dflash = [], []
+                    for run in range(repeat):
+                        runs_plain.append(plain(ids, max_tokens, run))
+                        bar.advance(task)
+                        runs_dflash.append(dflash(ids, max_tokens, run))
+                        bar.advance(task)
+                    results.append(_summarise(messages[-1]["content"], ids, runs_plain, runs_dflash, temp == 0))
+                    messages.append({"role": "assistant", "content": runs_dflash[0]["text"]})
 
         summary = _overall(results)
         if as_json:
             out = {
-                "model": target_name, "draft_model": draft_model, "device": str(mx.default_device()),
+                "model": target_name, "draft_model": draft_name, "device": str(mx.default_device()),
                 "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "top_k": top_k,
                 "block_size": block_size or draft.config.block_size,
                 "results": results, "summary": summary,

@@ -3,16 +3,21 @@ the checks of their values that run before anything slow."""
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 from typing_extensions import Annotated
 
 from .console import UserError
 
+BUILTIN_HELP = "Left out (or 'builtin'): the small built-in pair shipped with dflash-mlx, offline."
+
 Model = Annotated[
     Optional[str],
-    typer.Option("--model", help="Target model: a local directory or a Hugging Face repo id.", show_default=False),
+    typer.Option("--model", help=f"Target model: a local directory or a Hugging Face repo id. {BUILTIN_HELP}",
+                 show_default=False),
 ]
 DraftModel = Annotated[
     Optional[str],
@@ -22,9 +27,18 @@ DraftModel = Annotated[
         show_default=False,
     ),
 ]
+AdapterPath = Annotated[
+    Optional[str],
+    typer.Option("--adapter-path", help="LoRA adapters for the target (a directory written by mlx_lm.lora).",
+                 show_default=False),
+]
+TrustRemoteCode = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Let the target's tokenizer run code from its repo.")
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate per reply.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
+MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling: drop tokens less likely than this share of the most likely one; 0 keeps all.")]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed (any integer): fixes a sampled reply's text, whatever the block size.", show_default=False)]
 BlockSize = Annotated[
@@ -33,22 +47,82 @@ BlockSize = Annotated[
                  "Default 'auto': picked before every cycle (plain steps included) from the measured acceptance and "
                  "cycle times.", show_default=False),
 ]
+NumDraftTokens = Annotated[
+    Optional[int],
+    typer.Option("--num-draft-tokens", help="mlx-lm's name: N drafted tokens per verify, the same as --block-size N+1.",
+                 show_default=False),
+]
+ExtraEosToken = Annotated[
+    Optional[List[str]],
+    typer.Option("--extra-eos-token", help="Another token (text or id) that ends a reply; repeat for several.", metavar="<str>",
+                 show_default=False),
+]
 SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)]
 IgnoreChatTemplate = Annotated[bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")]
 EnableThinking = Annotated[bool, typer.Option("--enable-thinking", help="Let chat templates that have it emit a thinking section.")]
-PrefillStepSize = Annotated[int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step.", hidden=True)]
+ChatTemplateConfig = Annotated[
+    Optional[str],
+    typer.Option("--chat-template-config", "--chat-template-args",
+                 help='Extra arguments for the chat template, as a JSON object, e.g. \'{"enable_thinking": false}\'.',
+                 show_default=False),
+]
+PromptCacheFile = Annotated[
+    Optional[Path],
+    typer.Option("--prompt-cache-file", help="A prefix cached by `dflash-mlx cache-prompt` for this model pair; "
+                 "the prompt continues it.", show_default=False),
+]
+PrefillStepSize = Annotated[int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step (lower: less peak memory).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail, and a traceback on errors.")]
 
 
 def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[str],
-               seed: Optional[int] = None) -> int | str | None:
+               seed: Optional[int] = None, *, min_p: float = 0.0, num_draft_tokens: Optional[int] = None,
+               prefill_step_size: int = 2048, draft=None) -> int | str | None:
     """Checks the generation flags with the library's own rules
-    (dflash_mlx.arguments); returns --block-size parsed (an int or "auto")."""
+    (dflash_mlx.arguments); returns the block size (an int or "auto") from
+    --block-size or --num-draft-tokens. With ``draft`` loaded, a block past
+    its trained one is refused too."""
     from dflash_mlx.arguments import check_generation_args
 
+    if num_draft_tokens is not None:
+        if block_size is not None:
+            raise UserError("--num-draft-tokens N is --block-size N+1; pass one of them, not both.")
+        if num_draft_tokens < 1:
+            raise UserError(f"--num-draft-tokens must be a positive integer, got {num_draft_tokens}.")
+        block_size = str(num_draft_tokens + 1)
     try:
-        args = check_generation_args(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-                                     block_size=block_size, seed=seed, trained_block_size=None, flags=True)
+        args = check_generation_args(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     block_size=block_size, seed=seed, prefill_step_size=prefill_step_size,
+                                     trained_block_size=None if draft is None else draft.config.block_size,
+                                     flags=True)
     except ValueError as e:
         raise UserError(str(e)) from None
     return args.block_size
+
+
+def template_args(text: Optional[str]) -> dict:
+    """--chat-template-config (alias --chat-template-args): a JSON object of
+    extra arguments for the chat template."""
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--chat-template-config (--chat-template-args) is not valid JSON ({e.msg}); pass an object such as "
+                        '\'{"enable_thinking": false}\'.') from None
+    if not isinstance(extra, dict):
+        raise UserError('--chat-template-config (--chat-template-args) must be a JSON object such as \'{"enable_thinking": false}\'.')
+    return extra
+
+
+def add_eos_tokens(tokenizer, tokens: Optional[List[str]]) -> None:
+    """--extra-eos-token: each a token's text or id, added to the tokenizer's EOS set."""
+    for token in tokens or ():
+        try:
+            tokenizer.add_eos_token(token)
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
+                            "pass one token's exact text or its id.") from None
+        if not 0 <= max(tokenizer.eos_token_ids) < tokenizer.vocab_size:
+            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
+                            "pass one token's exact text or its id.")

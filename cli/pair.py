@@ -13,18 +13,21 @@ from .progress import hub_progress_class
 
 
 def model_or_builtin(model: Optional[str]) -> str:
-    """--model, or the built-in pair shipped in the package (said once)."""
-    if model is not None:
+    """--model, or the built-in pair shipped in the package when it is left
+    out (said once) or is 'builtin'."""
+    if model is not None and model != "builtin":
         return model
     from dflash_mlx import builtin
 
     if not builtin.available():
         raise UserError("no model given and the built-in pair is not installed; pass --model <target directory or Hugging Face repo id>.")
-    note(f"no --model given: using the {builtin.NAME}")
+    if model is None:
+        note(f"no --model given: using the {builtin.NAME}")
     return str(builtin.TARGET)
 
 
-def load_pair(model: Optional[str], draft: Optional[str]):
+def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optional[str] = None,
+              trust_remote_code: bool = False):
     """(model, drafter, tokenizer) for --model (see ``model_or_builtin``) and
     --draft-model. dflash_mlx.load fetches the drafter and the target's config
     first, so a pair that cannot work fails before the target's weights are
@@ -36,4 +39,23 @@ def load_pair(model: Optional[str], draft: Optional[str]):
     columns = (SpinnerColumn(), TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         progress.add_task(f"loading {model}", total=None)
-        return loading.load(model, draft, tqdm_class=hub_progress_class(progress))
+        return loading.load(model, draft, tqdm_class=hub_progress_class(progress), adapter_path=adapter_path,
+                            trust_remote_code=trust_remote_code, flags=True)
+
+
+def context_length(model) -> Optional[int]:
+    """The target's context length (max_position_embeddings in its config), if it says."""
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def room_for_reply(model, prompt_tokens: int, max_tokens: int) -> tuple[int, Optional[str]]:
+    """(tokens the reply may have, what limits it): --max-tokens, or the room
+    the target's context length leaves after the prompt, whichever is less."""
+    n = context_length(model)
+    if n is None or prompt_tokens + max_tokens <= n:
+        return max_tokens, f"--max-tokens {max_tokens}"
+    if prompt_tokens >= n:
+        raise UserError(f"the prompt ({prompt_tokens} tokens) fills the target's context of {n} positions; "
+                        "shorten it (or /reset the conversation).")
+    return n - prompt_tokens, f"the target's context length ({n} positions)"

@@ -17,7 +17,12 @@ def read_prompt(prompt: Optional[str]) -> str:
     if prompt is None:
         raise UserError("no prompt given; pass --prompt TEXT, or --prompt - to read it from stdin.")
     if prompt == "-":
-        prompt = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"the prompt on stdin is not UTF-8 text (byte {e.start} is not); "
+                            "convert it first, e.g. with iconv -t UTF-8.") from None
         if prompt.endswith("\n"):
             prompt = prompt[:-1]
     if not prompt.strip():
@@ -36,6 +41,8 @@ def prompt_ids(
     system_prompt: Optional[str] = None,
     ignore_chat_template: bool = False,
     enable_thinking: bool = False,
+    template_kwargs: Optional[dict] = None,
+    prefill_response: Optional[str] = None,
     quiet: bool = False,
 ) -> list[int]:
     """A prompt (text, or a conversation's messages) through the chat template
@@ -44,11 +51,14 @@ def prompt_ids(
     if uses_template(tokenizer, ignore_chat_template):
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        return apply_chat_template(tokenizer, messages, enable_thinking=enable_thinking)
+        kwargs = {"enable_thinking": enable_thinking, **(template_kwargs or {})}
+        return apply_chat_template(tokenizer, messages, prefill=prefill_response, **kwargs)
     if not quiet and not ignore_chat_template:
         note("the tokenizer has no chat template; using the prompt as is.")
-    if not quiet and system_prompt:
-        note("--system-prompt needs a chat template; ignored.")
+    for flag, given in (("--system-prompt", system_prompt), ("--prefill-response", prefill_response),
+                        ("--chat-template-config", template_kwargs)):
+        if not quiet and given:
+            note(f"{flag} needs a chat template; ignored.")
     return encode(tokenizer, messages[-1]["content"])
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -12,7 +11,10 @@ import typer
 from typing_extensions import Annotated
 
 from .console import UserError, note, user_errors
-from .options import BlockSize, DraftModel, MaxTokens, Model, PrefillStepSize, Seed, Temp, TopK, TopP, Verbose, check_args
+from .options import (
+    BlockSize, ChatTemplateConfig, DraftModel, MaxTokens, Model, PrefillStepSize, Seed, Temp, TopK, TopP, Verbose,
+    check_args, template_args,
+)
 from .pair import load_pair, model_or_builtin
 
 EXAMPLES = """\
@@ -41,18 +43,6 @@ def parse_size(text: Optional[str]) -> Optional[int]:
     return int(float(m.group(1)) * scale)
 
 
-def parse_template_args(text: Optional[str]) -> dict:
-    if not text:
-        return {}
-    try:
-        args = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"--chat-template-args must be a JSON object, e.g. '{{\"enable_thinking\": false}}' ({e}).") from None
-    if not isinstance(args, dict):
-        raise UserError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'.")
-    return args
-
-
 def serve_command(
     model: Model = None,
     draft_model: DraftModel = None,
@@ -67,7 +57,7 @@ def serve_command(
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY').", show_default=False)] = None,
     prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Most prompt caches kept for reuse across requests; 0 keeps none.")] = 10,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False)] = None,
-    chat_template_args: Annotated[Optional[str], typer.Option("--chat-template-args", help="JSON arguments for the chat template, e.g. '{\"enable_thinking\": false}'.", show_default=False)] = None,
+    chat_template_args: ChatTemplateConfig = None,
     model_name: Annotated[Optional[str], typer.Option("--model-name", help="The model id clients send and /v1/models lists; defaults to --model, or 'builtin'.", show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")] = "info",
     prefill_step_size: PrefillStepSize = 2048,
@@ -91,7 +81,7 @@ def serve_command(
         config = ServerConfig(
             model_name=model_name or model or "builtin", max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
             seed=seed, block_size=block, prefill_step_size=prefill_step_size, api_key=api_key,
-            chat_template_args=parse_template_args(chat_template_args), prompt_cache_size=prompt_cache_size,
+            chat_template_args=template_args(chat_template_args), prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=parse_size(prompt_cache_bytes),
         )
         target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model)

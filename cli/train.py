@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .console import UserError, console, user_errors
 from .options import Verbose
+from .pair import model_or_builtin
 
 EXAMPLES = """\
 Examples:
@@ -17,6 +18,8 @@ Examples:
 $ dflash-mlx train --model Qwen/Qwen3-4B --data prompts.jsonl --out my-drafter --block-size 16 --min-block-size 4 --steps 4000
 
 $ dflash-mlx train --model Qwen/Qwen3-4B --data prompts.jsonl --out my-drafter --steps 8000 --resume
+
+$ dflash-mlx train --data prompts.jsonl --out builtin-drafter --steps 200   # a new drafter for the built-in target
 
 --data holds one prompt per line: text, {"prompt": ...} or {"messages": [...]}. Then:
 dflash-mlx generate --model Qwen/Qwen3-4B --draft-model my-drafter --prompt "..."
@@ -60,7 +63,7 @@ def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def train_command(
-    model: str = typer.Option(..., "--model", "-m", help="Target model: local directory or Hugging Face repo id (mlx-lm format)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Target model: local directory or Hugging Face repo id (mlx-lm format). Left out (or 'builtin'): the built-in target.", show_default=False),
     data: str = typer.Option(..., "--data", help="JSONL of prompts: one {\"prompt\": ...} or {\"messages\": [...]} per line."),
     out: str = typer.Option(..., "--out", help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts."),
@@ -87,7 +90,7 @@ def train_command(
         from dflash_mlx.train.trainer import TrainConfig, train
 
         cfg = TrainConfig(
-            model=model, data=data, out=out, block_size=block_size, draft_layers=draft_layers,
+            model=model_or_builtin(model), data=data, out=out, block_size=block_size, draft_layers=draft_layers,
             target_layer_ids=_layer_ids(target_layer_ids), steps=steps, batch_size=batch_size,
             blocks_per_seq=blocks_per_seq, lr=lr, seq_len=seq_len, resume=resume, seed=seed,
             gamma=gamma, mask_token_id=mask_token_id, max_prompts=max_prompts, save_every=save_every,

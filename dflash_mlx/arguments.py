@@ -19,6 +19,7 @@ class GenerationArgs:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     block_size: int | str  # an int >= 2, or "auto"
     seed: int  # in [0, 2**64)
     prefill_step_size: int
@@ -29,6 +30,7 @@ FLAGS = {
     "temperature": "--temp",
     "top_p": "--top-p",
     "top_k": "--top-k",
+    "min_p": "--min-p",
     "block_size": "--block-size",
     "seed": "--seed",
     "prefill_step_size": "--prefill-step-size",
@@ -59,17 +61,19 @@ def real(name: str, value) -> float:
     return float(value)
 
 
-def check_sampling(temperature, top_p, top_k) -> tuple[float, float, int]:
-    temperature, top_p = real("temperature", temperature), real("top_p", top_p)
+def check_sampling(temperature, top_p, top_k, min_p=0.0) -> tuple[float, float, int, float]:
+    temperature, top_p, min_p = real("temperature", temperature), real("top_p", top_p), real("min_p", min_p)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {min_p}.")
     try:
         top_k = integer("top_k", top_k, 0)
     except ValueError:
         raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {top_k!r}.") from None
-    return temperature, top_p, top_k
+    return temperature, top_p, top_k, min_p
 
 
 def check_block_size(block_size, trained: int | None) -> int | str:
@@ -106,6 +110,7 @@ def check_generation_args(
     temperature=0.0,
     top_p=1.0,
     top_k=0,
+    min_p=0.0,
     block_size=None,
     seed=None,
     prefill_step_size=2048,
@@ -114,12 +119,13 @@ def check_generation_args(
 ) -> GenerationArgs:
     """All of ``stream_generate``'s settings, checked and normalised."""
     try:
-        temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+        temperature, top_p, top_k, min_p = check_sampling(temperature, top_p, top_k, min_p)
         return GenerationArgs(
             max_tokens=integer("max_tokens", max_tokens, 1),
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            min_p=min_p,
             block_size=check_block_size(block_size, trained_block_size),
             seed=check_seed(seed),
             prefill_step_size=integer("prefill_step_size", prefill_step_size, 1),

@@ -121,10 +121,6 @@ def find_drafter(target: str | Path) -> str | None:
     return None
 
 
-def _known_pairs_text() -> str:
-    return "; ".join(f"{t} -> {d}" for t, d in _BASE_PAIRS.items())
-
-
 # -- the Hub -------------------------------------------------------------------
 
 
@@ -172,6 +168,8 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *
         return path
     if path.exists():
         raise ValueError(f"{path_or_repo} is a file; pass the model's directory or a Hub repo id.")
+    if looks_local(path_or_repo):
+        raise ValueError(f"{path_or_repo} does not exist; check the path (a Hub repo id looks like org/name).")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -219,6 +217,18 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *
         raise ValueError(
             f"cannot download {repo} ({type(e).__name__}: {e}); check your connection and disk space."
         ) from e
+
+
+def looks_local(name: str | Path) -> bool:
+    """Whether a model argument names a local path rather than a Hub repo id
+    (org/name): it starts with /, ., ~ or holds more than one /."""
+    name = str(name)
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name)
+
+
+def is_drafter_config(cfg: dict) -> bool:
+    """Whether a config.json is a DFlash drafter's (what DraftConfig reads)."""
+    return bool(cfg.get("dflash_config")) or any("DFlash" in str(a) for a in cfg.get("architectures") or [])
 
 
 def revision_of(path: Path) -> str | None:
@@ -325,58 +335,101 @@ def unsupported_family(model_type: str | None) -> str:
     return f"target model type {model_type!r} is not supported yet; supported families: {', '.join(sorted(ADAPTERS))}."
 
 
-def check_family(path_or_repo: str | Path, *, tqdm_class=None) -> None:
-    """Refuse a target family no adapter serves, reading only its config.json."""
-    cfg_file = resolve(path_or_repo, allow_patterns=["config.json"], tqdm_class=tqdm_class) / "config.json"
+def check_target(path_or_repo: str | Path, *, tqdm_class=None, flags: bool = False) -> None:
+    """Refuse, reading only its config.json (and before any drafter is
+    fetched), a target that cannot run: a family no adapter serves (known
+    from the registry without a download), a directory that is not a model,
+    or a DFlash drafter where the target belongs."""
+    name = str(path_or_repo)
+    if name in FAMILIES and not family_runs(FAMILIES[name]):
+        raise ValueError(unsupported_family(FAMILIES[name]))
+    path = resolve(path_or_repo, allow_patterns=["config.json"], tqdm_class=tqdm_class)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        if Path(name).expanduser().is_dir():
+            raise ValueError(f"{name} is not a model directory (it has no config.json); pass the directory "
+                             "holding the target's config.json and weights, or a Hub repo id.")
+        return  # load_target says what the repo lacks
     try:
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
         return  # mlx-lm explains a broken target better
+    if not isinstance(cfg, dict):
+        return
+    if is_drafter_config(cfg):
+        where = "--draft-model, and its target as --model" if flags else "draft=, and its target first"
+        raise ValueError(f"{name} is a DFlash drafter, not a target model; pass it as {where}.")
+    model_type = cfg.get("model_type")
     if not family_runs(model_type):
         raise ValueError(unsupported_family(model_type))
 
 
-def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None):
-    """(model, tokenizer) of a target, by mlx-lm, from a directory or Hub repo."""
+def check_adapter_path(adapter_path: str | Path) -> None:
+    path = Path(adapter_path).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no adapter_config.json"
+        raise ValueError(f"the adapter path {adapter_path} {what}; pass the directory mlx_lm.lora wrote "
+                         "(adapter_config.json and adapters.safetensors).")
+
+
+def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None,
+                adapter_path: str | Path | None = None, trust_remote_code: bool = False):
+    """(model, tokenizer) of a target, by mlx-lm, from a directory or Hub repo;
+    ``adapter_path``: LoRA adapters (mlx_lm.lora's) applied to it."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    if adapter_path is not None:
+        check_adapter_path(adapter_path)
     path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS, tqdm_class=tqdm_class)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; pass the target model's directory or Hub repo id.")
     try:
-        return mlx_lm_load(str(path), lazy=lazy)
+        return mlx_lm_load(
+            str(path), lazy=lazy, adapter_path=None if adapter_path is None else str(adapter_path),
+            tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
+            trust_remote_code=trust_remote_code,
+        )
     except Exception as e:
+        what = f"the target {path_or_repo}" + ("" if adapter_path is None else f" with the adapters in {adapter_path}")
         raise ValueError(
-            f"mlx-lm cannot load the target {path_or_repo} ({type(e).__name__}: {e}); "
-            "check that it is a complete model directory."
+            f"mlx-lm cannot load {what} ({type(e).__name__}: {e}); check that it is a complete model directory."
         ) from e
 
 
-def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False, tqdm_class=None):
+def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False, tqdm_class=None,
+         adapter_path: str | Path | None = None, trust_remote_code: bool = False, flags: bool = False):
     """Load a target with mlx-lm and its DFlash drafter.
 
     ``draft`` defaults to the drafter the registry knows for the target.
     Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
     it, and mlx-lm's tokenizer wrapper. ``"builtin"`` names the small pair
-    shipped in the package. ``tqdm_class`` draws the Hub download bars."""
+    shipped in the package. ``adapter_path``: LoRA adapters for the target
+    (mlx-lm's); ``trust_remote_code``: for its tokenizer. ``tqdm_class``
+    draws the Hub download bars; ``flags``: errors name the command line's
+    flags instead of the Python arguments."""
     if str(path_or_repo) == "builtin":
         from . import builtin
 
         path_or_repo = builtin.TARGET
+    if adapter_path is not None:
+        check_adapter_path(adapter_path)
+    # The target's config and the drafter are checked before paying for the
+    # target's weights; a local target before the registry, a Hub one after it
+    # (no download for a target without a drafter).
+    local = Path(str(path_or_repo)).expanduser().exists() or looks_local(path_or_repo)
+    if local:
+        check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
     if draft is None:
         draft = find_drafter(path_or_repo)
         if draft is None:
-            name = str(path_or_repo)
-            if name.startswith(("/", ".", "~")) and not Path(name).expanduser().exists():
-                raise ValueError(f"{name} does not exist; pass a model directory or a Hugging Face repo id.")
-            raise ValueError(
-                f"no known DFlash drafter for {name}; pass draft=<drafter directory or Hub "
-                f"repo id> (--draft-model on the command line; known pairs: {_known_pairs_text()})."
-            )
-    # Check the target's family and the drafter before paying for the target's weights.
-    check_family(path_or_repo, tqdm_class=tqdm_class)
+            how = ("pass its drafter with --draft-model (`dflash-mlx models` lists the known pairs)" if flags else
+                   "pass draft=<drafter directory or Hub repo id> (known_pairs() lists the known pairs)")
+            raise ValueError(f"no known DFlash drafter for {path_or_repo}; {how}.")
+    if not local:
+        check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
     drafter = load_draft(draft, tqdm_class=tqdm_class)
-    model, tokenizer = load_target(path_or_repo, lazy=lazy, tqdm_class=tqdm_class)
+    model, tokenizer = load_target(path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path,
+                                   trust_remote_code=trust_remote_code)
     drafter.bind(adapt(model))
     return model, drafter, tokenizer

@@ -23,20 +23,30 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
-def apply_chat_template(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], prefill: str | None = None, **template_kwargs) -> list[int]:
     """A conversation through the tokenizer's chat template, with the
-    generation prompt (the assistant's turn opened), as token ids."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    generation prompt (the assistant's turn opened), as token ids. ``prefill``
+    starts the assistant's reply with that text, which the model continues
+    (mlx-lm's --prefill-response)."""
+    if prefill is not None:
+        messages = [*messages, {"role": "assistant", "content": prefill}]
+        template_kwargs = {**template_kwargs, "continue_final_message": True}
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=prefill is None, **template_kwargs
+    )
     return encode(tokenizer, text)
 
 
 def read_prompts(path: str | Path) -> list[dict]:
     """The prompts in a file, one per non-blank line, each ``{"prompt": str}``
     or ``{"messages": [...]}`` (a conversation whose trailing assistant turns
-    are dropped, so the model answers the rest). A line is plain text, a JSON
-    string, or a JSON object with a ``messages`` list or a prompt field
-    (``PROMPT_FIELDS``; of a ``turns`` list the first). Raises ValueError
-    naming the first bad line."""
+    are dropped, so the model answers the rest). A line is plain text (one
+    that starts with ``{`` but is not JSON too, unless it opens like a JSON
+    object, ``{"``), a JSON string, or a JSON object with a ``messages`` list
+    or a prompt field (``PROMPT_FIELDS``). A ``turns`` list (MT-Bench) gives
+    its first turn as ``prompt`` and all of them as ``turns``, for callers
+    that run the conversation turn by turn. Raises ValueError naming the
+    first bad line."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -61,7 +71,10 @@ def _item(line: str, path: Path, n: int) -> dict:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not valid JSON ({e.msg}); fix or remove that line.") from None
+            if not text[1:].lstrip().startswith('"'):  # plain text that happens to open with a brace
+                obj = line
+            else:
+                raise ValueError(f"{where} is not valid JSON ({e.msg}); fix or remove that line.") from None
     elif text.startswith('"'):
         try:
             obj = json.loads(text)
@@ -74,8 +87,10 @@ def _item(line: str, path: Path, n: int) -> dict:
     if isinstance(obj.get("messages"), list):
         return {"messages": _messages(obj["messages"], where)}
     value = next((obj[k] for k in PROMPT_FIELDS if k in obj), None)
+    turns = None
     if isinstance(value, list) and value:
-        value = value[0]
+        turns = [t.get("content") if isinstance(t, dict) else t for t in value]
+        value = turns[0]
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str):
@@ -83,6 +98,10 @@ def _item(line: str, path: Path, n: int) -> dict:
         raise ValueError(f'{where} has no prompt; give it a "prompt" string (or {fields}), or fix or remove that line.')
     if not value.strip():
         raise ValueError(f"{where} has an empty prompt; give it some text or remove the line.")
+    if turns is not None and len(turns) > 1:
+        if not all(isinstance(t, str) and t.strip() for t in turns):
+            raise ValueError(f"{where} has a turn without text; give every turn some text, or fix that line.")
+        return {"prompt": value, "turns": turns}
     return {"prompt": value}
 
 

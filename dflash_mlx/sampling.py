@@ -1,8 +1,8 @@
 """The target's sampling and the lossless acceptance rules, on the device.
 
 The target's distribution is mlx-lm's: log-softmax of the logits, then top-p
-(on the temperature-1 distribution), then top-k, then softmax of the result
-divided by the temperature (mlx_lm.sample_utils.make_sampler).
+(on the temperature-1 distribution), then min-p, then top-k, then softmax of
+the result divided by the temperature (mlx_lm.sample_utils.make_sampler).
 
 Sampling uses the Gumbel-max trick with noise fixed by (seed, position): the
 token at absolute position t is
@@ -27,16 +27,19 @@ propose from a distribution q.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
-def target_logprobs(logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0) -> mx.array:
+def target_logprobs(logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0) -> mx.array:
     """Unnormalised log-probabilities of the target's sampling distribution
     (rows of ``logits``), with filtered tokens at -inf. temperature > 0."""
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if 0 < top_p < 1:
         logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0:
+        logprobs = apply_min_p(logprobs, min_p)
     if 0 < top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, int(top_k))
     return logprobs * (1.0 / temperature)
@@ -68,12 +71,13 @@ def gumbel_noise(seed: mx.array, positions: mx.array, vocab: int) -> mx.array:
     return -mx.log(-mx.log(u))
 
 
-def pick(logits: mx.array, positions: mx.array, temperature: float, top_p: float, top_k: int, seed: mx.array | None) -> mx.array:
+def pick(logits: mx.array, positions: mx.array, temperature: float, top_p: float, top_k: int, seed: mx.array | None,
+         min_p: float = 0.0) -> mx.array:
     """The target's token at each of ``positions`` from its logits rows
     [R, V]: the argmax at temperature 0, else its seeded Gumbel-max sample."""
     if temperature == 0:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
-    scores = target_logprobs(logits, temperature, top_p, top_k) + gumbel_noise(seed, positions, logits.shape[-1])
+    scores = target_logprobs(logits, temperature, top_p, top_k, min_p) + gumbel_noise(seed, positions, logits.shape[-1])
     return mx.argmax(scores, axis=-1).astype(mx.int32)
 
 

@@ -111,6 +111,7 @@ def stream_generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     block_size: int | None = None,
     seed: int | None = None,
     prompt_cache: PromptCache | None = None,
@@ -120,7 +121,7 @@ def stream_generate(
     """Generate with DFlash, yielding a GenerationResponse for the first token
     and one per verify cycle. Output is exactly the target's own: its greedy
     decoding at temperature 0, its sampling distribution (mlx-lm's
-    temperature, top-p, top-k) otherwise. Arguments are checked before this
+    temperature, top-p, min-p, top-k) otherwise. Arguments are checked before this
     returns (ValueError with one sentence).
 
     prompt: a str (encoded as is, no chat template) or token ids.
@@ -138,8 +139,8 @@ def stream_generate(
     target = adapt(model)
     draft.bind(target)
     args = check_generation_args(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, block_size=block_size,
-        seed=seed, prefill_step_size=prefill_step_size, trained_block_size=draft.config.block_size,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        block_size=block_size, seed=seed, prefill_step_size=prefill_step_size, trained_block_size=draft.config.block_size,
     )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -151,10 +152,17 @@ def stream_generate(
     block = chooser_for(draft, min(4, hi), hi) if args.block_size == "auto" else args.block_size
     steps = decode(
         target, draft, prompt_cache, ids, max_tokens=args.max_tokens,
-        sampling=(args.temperature, args.top_p, args.top_k), seed=args.seed, block=block,
+        sampling=_sampling(args), seed=args.seed, block=block,
         eos=set(tokenizer.eos_token_ids), prefill_step_size=args.prefill_step_size, progress=prompt_progress,
     )
     return _responses(target, tokenizer, steps, len(ids), hi)
+
+
+def _sampling(args) -> tuple:
+    """decode's sampling tuple: (temperature, top_p, top_k), and min_p when it filters."""
+    if args.min_p > 0 and args.temperature > 0:
+        return (args.temperature, args.top_p, args.top_k, args.min_p)
+    return (args.temperature, args.top_p, args.top_k)
 
 
 def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:

@@ -173,7 +173,7 @@ def test_generate_verbose_shows_the_prompt(pair):
         (["--max-tokens", "0"], ["--max-tokens must be a positive integer"]),
         (["--max-tokens", "many"], ["Invalid value for '--max-tokens'", "dflash-mlx generate --help"]),
         (["--bogus"], ["No such option: --bogus"]),
-        (["--prefill-step-size", "0"], ["--prefill-step-size must be positive"]),
+        (["--prefill-step-size", "0"], ["--prefill-step-size must be a positive integer"]),
     ],
 )
 def test_generate_bad_flags(pair, extra, fragments):
@@ -288,7 +288,8 @@ def test_bench_json(pair, tmp_path):
                  "--block-size", 6, "--json")  # a fixed block: auto's choices follow the machine's timings
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert [r["prompt"] for r in data["results"]] == ["w1 w2", "w3 w4"]
+    assert [r["prompt"] for r in data["results"]] == ["w1 w2", "w3 w4", "w5"]  # every MT-Bench turn
+    assert data["draft_model"] == str(pair.draft)
     for r in data["results"]:
         assert r["plain_tps"] > 0 and r["dflash_tps"] > 0
         assert r["speedup"] == pytest.approx(r["dflash_tps"] / r["plain_tps"])
@@ -368,6 +369,8 @@ def test_bench_names_the_builtin_pair_once(monkeypatch, pair):
     result = run("bench", "--draft-model", pair.draft, "-m", 2, "--json")
     assert result.exit_code == 0, result.output
     assert result.stderr.count("no --model given") == 1
+    data = json.loads(result.stdout)
+    assert data["model"] == "builtin" and data["draft_model"] == str(pair.draft)
 
 
 def test_without_model_the_builtin_pair_is_used_and_named():
