@@ -7,11 +7,13 @@ host looking at any of it, so the next cycle can be built and queued while
 this one runs, as mlx-lm's plain ``generate_step`` does for single tokens:
 
 1. the drafter fills the block [last, MASK, ...] at positions length.. from
-   its context cache;
+   its context cache (a DFlash 2 drafter through its candidate selector);
 2. the target verifies [last, drafts] in one forward, writing their keys and
    values at positions length..length+bs-1 of its cache;
 3. the target's token at every position is picked (argmax, or the seeded
-   Gumbel-max sample) and the drafts that match count as accepted (a);
+   Gumbel-max sample) and the drafts that match count as accepted (a); drafts
+   sampled from a distribution q (DFlash 2's selector) are accepted by the
+   general rule instead, min(1, p/q);
 4. the drafter's context takes the verified positions' tapped states, and
    both caches keep length + a + 1 positions: rollback is that move, made on
    the device.
@@ -28,7 +30,7 @@ import mlx.core as mx
 
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
-from .sampling import accepted_count, pick, seed_words
+from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
 from .targets import DenseTarget
 
 
@@ -60,6 +62,9 @@ class Cycle:
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
         self.mask_id = draft.config.mask_token_id
+        # A DFlash 2 drafter proposes through its candidate selector (greedy,
+        # or sampled with its distribution q at temperature > 0).
+        self.selects = hasattr(draft, "propose")
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
         return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed)
@@ -83,16 +88,27 @@ class Cycle:
         target_cache, draft_cache = self.caches.target, self.caches.draft
         self.target.set_length(target_cache, length, bound)
         set_lengths(draft_cache, length, bound)
+        drafts, q, key = None, None, None
         if block_size > 1:
             block = mx.concatenate([last, mx.full((block_size - 1,), self.mask_id, mx.int32)])[None]
-            drafts = mx.argmax(self.draft(block, None, draft_cache)[0], axis=-1).astype(mx.int32)
+            if self.selects:
+                if self.temperature > 0:
+                    key, k_draft = mx.random.split(position_key(self.seed, length))
+                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft if key is not None else None)
+            else:
+                drafts = mx.argmax(self.draft(block, None, draft_cache)[0], axis=-1).astype(mx.int32)
             verify = mx.concatenate([last, drafts])
         else:
-            drafts, verify = None, last
+            verify = last
         logits, hidden = self.target(verify[None], target_cache, self.taps)
-        # row i predicts the token at position length + i + 1
-        tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
-        accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
+        if q is not None:
+            # sampled proposals: the general rule, min(1, p/q)
+            kept = accept_proposals(drafts, q, logits[0], self.temperature, self.top_p, self.top_k, key)
+            accepted, tokens = kept[0], kept[1:]
+        else:
+            # row i predicts the token at position length + i + 1
+            tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
+            accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         self.draft.extend(hidden, draft_cache)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)

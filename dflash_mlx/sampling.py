@@ -71,6 +71,14 @@ def gumbel_noise(seed: mx.array, positions: mx.array, vocab: int) -> mx.array:
     return -mx.log(-mx.log(u))
 
 
+def position_key(seed: mx.array, position: mx.array) -> mx.array:
+    """A key for mx.random (uint32 [2]) fixed by ``seed`` and a position
+    that may live on the device: for draws that belong to a cycle rather
+    than to a token (a drafter that samples its proposals)."""
+    pos = position.astype(mx.uint32)
+    return mx.stack([_mix(seed[0] ^ _mix(pos)), _mix(seed[1] + pos * mx.array(0x9E3779B9, mx.uint32))])
+
+
 def pick(logits: mx.array, positions: mx.array, temperature: float, top_p: float, top_k: int, seed: mx.array | None,
          min_p: float = 0.0) -> mx.array:
     """The target's token at each of ``positions`` from its logits rows

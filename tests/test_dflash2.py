@@ -32,7 +32,7 @@ from dflash_mlx.draft2 import CODEBOOKS, DFlash2Draft, Draft2Config
 from dflash_mlx.sampling import accept_proposals
 from dflash_mlx.targets import adapt
 
-dflash_official = pytest.importorskip("dflash.model_mlx", reason="install the oracle: pip install --no-deps dflash==0.1.0")
+import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 
 TCFG = target_config("qwen3", vocab=40, layers=6)
 
@@ -389,5 +389,33 @@ def test_sampled_selector_with_the_general_rule_keeps_the_target_distribution(tm
         out, a, r = sampled_selector_decode(target, draft, prompt, length, temperature, seed)
         observed[index[tuple(out)]] += 1
         accepted, rejected = accepted + a, rejected + r
+    assert accepted > n // 10 and rejected > n // 10
+    assert chi_square_pvalue(observed, n * expected) > 1e-3
+
+
+def test_the_loop_samples_through_the_selector_and_keeps_the_target_distribution(tmp_path):
+    """stream_generate with a DFlash 2 drafter at temperature > 0: drafts
+    sampled by the selector, accepted by min(1, p/q), the sequences follow
+    the target's own distribution."""
+    from dflash_mlx import stream_generate
+    from tiny import make_tokenizer
+
+    tcfg = target_config("qwen3", vocab=6, layers=3, hidden=32)
+    model = make_target(tcfg, seed=7)
+    model.update({"model": {"norm": {"weight": mx.full((32,), 1.5)}}})
+    cfg = dflash2_config(tcfg, layers=1, block_size=3, taps=(1,), mask_token_id=5, selector_top_k=3, selector_rank=16)
+    draft = load_draft(write_zlab_draft(tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), dtype=mx.float32))
+    tok = make_tokenizer(6)
+    prompt, length, n, temperature = [1, 2, 3], 3, 700, 1.0
+    seqs, expected = sequence_distribution(model, prompt, length, temperature, 1.0, 0)
+    index = {s: i for i, s in enumerate(seqs)}
+    observed = np.zeros(len(seqs))
+    accepted = rejected = 0
+    for seed in range(n):
+        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=temperature,
+                                         block_size=3, seed=seed))
+        observed[index[tuple(t for r in responses for t in r.tokens)]] += 1
+        accepted += sum(r.accepted for r in responses[1:])
+        rejected += sum(r.accepted < r.block_size - 1 for r in responses[1:])
     assert accepted > n // 10 and rejected > n // 10
     assert chi_square_pvalue(observed, n * expected) > 1e-3
