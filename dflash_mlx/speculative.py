@@ -23,6 +23,7 @@ from .block_size import chooser_for
 from .decode import decode
 from .draft import DFlashDraft
 from .prompt_cache import PromptCache, make_prompt_cache
+from .prompts import encode
 from .targets import adapt
 
 
@@ -92,8 +93,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.
     """Token ids from a str (encoded as is) or from ids of any integer kind:
     a list, a numpy or an mx array, 1-D or a batch of one."""
     if isinstance(prompt, str):
-        bos = tokenizer.bos_token
-        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        ids = encode(tokenizer, prompt)
     else:
         ids = _token_ids(prompt)
     if not ids:
