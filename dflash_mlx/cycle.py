@@ -50,7 +50,7 @@ class Cycle:
     # spent on; the CPU builds its compiled kernels with a C++ compiler.
     compile_graphs: bool | None = None
 
-    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int], seed: int):
+    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int, float], seed: int):
         self.target, self.draft, self.caches = target, draft, caches
         compiled = self.compile_graphs
         if compiled is None:
@@ -58,7 +58,7 @@ class Cycle:
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled, self._compiled = compiled and buffers, {}
-        self.temperature, self.top_p, self.top_k = sampling
+        self.temperature, self.top_p, self.top_k, self.min_p = sampling
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
         self.mask_id = draft.config.mask_token_id
@@ -67,7 +67,7 @@ class Cycle:
         self.selects = hasattr(draft, "propose")
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
-        return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed)
+        return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
 
     def first_token(self, last_logits: mx.array, position: int) -> mx.array:
         """The token after the prompt, from the prefill's last logits [V]."""
@@ -103,7 +103,7 @@ class Cycle:
         logits, hidden = self.target(verify[None], target_cache, self.taps)
         if q is not None:
             # sampled proposals: the general rule, min(1, p/q)
-            kept = accept_proposals(drafts, q, logits[0], self.temperature, self.top_p, self.top_k, key)
+            kept = accept_proposals(drafts, q, logits[0], self.temperature, self.top_p, self.top_k, key, self.min_p)
             accepted, tokens = kept[0], kept[1:]
         else:
             # row i predicts the token at position length + i + 1

@@ -61,7 +61,7 @@ def decode(
     ids: list[int],
     *,
     max_tokens: int,
-    sampling: tuple[float, float, int],
+    sampling: tuple[float, float, int, float],
     seed: int,
     block: int | BlockChooser,
     eos: set[int],

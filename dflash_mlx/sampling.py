@@ -103,6 +103,7 @@ def accept_proposals(
     top_p: float,
     top_k: int,
     key: mx.array,
+    min_p: float = 0.0,
 ) -> mx.array:
     """Speculative rejection sampling for drafts [bs-1] drawn from proposal
     distributions q [bs-1, V]: accept d_i with probability min(1, p(d_i) /
@@ -111,7 +112,7 @@ def accept_proposals(
     [bs, V] the target's verify logits. Returns [1 + bs]: the number a of
     accepted drafts, then tokens whose first a + 1 are committed."""
     bs = logits.shape[0]
-    logprobs = target_logprobs(logits, temperature, top_p, top_k)
+    logprobs = target_logprobs(logits, temperature, top_p, top_k, min_p)
     p = mx.softmax(logprobs, axis=-1)
     p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]

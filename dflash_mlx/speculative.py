@@ -159,10 +159,8 @@ def stream_generate(
 
 
 def _sampling(args) -> tuple:
-    """decode's sampling tuple: (temperature, top_p, top_k), and min_p when it filters."""
-    if args.min_p > 0 and args.temperature > 0:
-        return (args.temperature, args.top_p, args.top_k, args.min_p)
-    return (args.temperature, args.top_p, args.top_k)
+    """decode's sampling tuple: (temperature, top_p, top_k, min_p)."""
+    return (args.temperature, args.top_p, args.top_k, args.min_p)
 
 
 def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:
