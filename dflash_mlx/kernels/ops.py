@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..kv_cache import positions_mask
+
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -47,17 +49,9 @@ def check_inputs(queries, keys, values, q_offset, kv_length, window, sinks) -> N
 
 
 def visible(rows: int, keys: int, q_offset, kv_length, causal: bool, window: int | None) -> mx.array:
-    """Boolean [rows, keys]: which key each query row attends to (see block_attention)."""
-    pos = mx.arange(rows, dtype=mx.int32)[:, None] + _scalar(q_offset)
-    j = mx.arange(keys, dtype=mx.int32)[None, :]
-    mask = j < _scalar(kv_length)
-    if causal:
-        mask = mask & (j <= pos)
-    if window is not None:
-        mask = mask & (pos - j < window)
-        if not causal:
-            mask = mask & (j - pos < window)
-    return mask
+    """Boolean [rows, keys]: which key each query row attends to (see
+    block_attention); the caches' own rule (kv_cache.positions_mask)."""
+    return positions_mask(rows, _scalar(q_offset), keys, window, causal, limit=_scalar(kv_length))
 
 
 def ops_attention(queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
