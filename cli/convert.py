@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -58,4 +60,14 @@ def convert_command(
             force=force,
             log=lambda msg: console.print(Text(msg, style="dim")),
         )
+        _usual_mode(Path(path))
     console.print(Text(f"Converted {hf_path} -> {path}", style="green"))
+
+
+def _usual_mode(path: Path) -> None:
+    """The converter writes under a private temporary directory (mode 0700);
+    give the result the mode a new directory gets here (0755 with the usual umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    if path.is_dir():
+        path.chmod(0o777 & ~mask)

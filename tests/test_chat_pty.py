@@ -139,3 +139,45 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(pair):
     second_ids = first_ids + tok.encode(first, add_special_tokens=False) + tok.encode("w4 w5", add_special_tokens=False)
     assert len(second_ids) == len(first_ids) + n1 + 2
     assert second == dflash_mlx.generate(model, draft, tok, second_ids, max_tokens=n2, block_size=4)
+
+
+def test_a_paste_is_one_message_and_typed_ahead_keys_are_not_echoed(pair):
+    model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
+    child, log = spawn(pair, "--max-tokens", 12, "--block-size", 4)
+    child.expect_exact(PROMPT)
+    child.send("\x1b[200~w1 w2\nw3\x1b[201~\r")  # a bracketed paste of two lines, then Enter
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.send("w4 w5\nw6\n")  # an unbracketed paste: both lines arrive at once
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    text = "\n".join(screen_lines("".join(log)))
+    assert text.count("── ") == 2 and "Traceback" not in text  # two messages, two replies
+    first_ids = tok.encode("w1 w2\nw3")
+    first = []
+    for r in dflash_mlx.stream_generate(model, draft, tok, first_ids, max_tokens=12, block_size=4):
+        first += r.tokens
+    assert dflash_mlx.generate(model, draft, tok, first_ids, max_tokens=12, block_size=4) in text
+    second_ids = first_ids + first + tok.encode("w4 w5\nw6", add_special_tokens=False)
+    assert dflash_mlx.generate(model, draft, tok, second_ids, max_tokens=12, block_size=4) in text
+
+    child, log = spawn(pair, "--max-tokens", 200, "--block-size", 4)
+    child.expect_exact(PROMPT)
+    child.sendline("w1 w2 w3")
+    child.expect_exact("tok/s · τ")  # streaming
+    child.send("qqq")  # typed while the reply streams
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.expect_exact("qqq")  # ... waiting at the next prompt
+    child.sendline(" w4")
+    child.expect_exact("── ")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    raw = "".join(log)
+    assert "qqq" not in raw[raw.index("w1 w2 w3") : raw.index("── ")]  # the terminal did not echo them into the reply
+    assert PROMPT + "qqq w4" in screen_lines(raw)
