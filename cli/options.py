@@ -116,13 +116,16 @@ def template_args(text: Optional[str]) -> dict:
 
 
 def add_eos_tokens(tokenizer, tokens: Optional[List[str]]) -> None:
-    """--extra-eos-token: each a token's text or id, added to the tokenizer's EOS set."""
+    """--extra-eos-token: each a token's exact text or its id, added to the tokenizer's EOS set."""
     for token in tokens or ():
         try:
-            tokenizer.add_eos_token(token)
-        except (ValueError, KeyError, TypeError):
-            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
-                            "pass one token's exact text or its id.") from None
-        if not 0 <= max(tokenizer.eos_token_ids) < tokenizer.vocab_size:
+            token_id = int(token)
+        except ValueError:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            unk = getattr(tokenizer, "unk_token_id", None)
+            if token_id is not None and token_id == unk and token != getattr(tokenizer, "unk_token", None):
+                token_id = None  # an unknown text maps to the unknown token
+        if token_id is None or token_id < 0:
             raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
                             "pass one token's exact text or its id.")
+        tokenizer.add_eos_token(str(token_id))

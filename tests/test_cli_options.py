@@ -320,3 +320,15 @@ def test_chat_save_and_resume(pair, tmp_path, kind):
     assert_user_error(chat(pair, "--resume", tmp_path / "none.json", input=""), "does not exist")
     (tmp_path / "bad.json").write_text('{"messages": [{"role": "robot"}]}')
     assert_user_error(chat(pair, "--resume", tmp_path / "bad.json", input=""), "no list of messages")
+
+
+def test_min_p_reaches_the_reply(pair, loaded):
+    model, draft, tok = loaded["raw"]
+    args = dict(max_tokens=24, temperature=1.5, seed=3)
+    result = gen(pair, "--prompt", "w1 w2", "-m", 24, "--temp", 1.5, "--min-p", 0.3, "--seed", 3)
+    assert result.exit_code == 0, result.output
+    want = dflash_mlx.generate(model, draft, tok, "w1 w2", min_p=0.3, **args)
+    assert result.stdout == want + "\n"
+    assert want != dflash_mlx.generate(model, draft, tok, "w1 w2", **args)  # the filter changed the sample
+    # the seeded text is the same at every block size (the target's own draws, filtered by min-p)
+    assert want == dflash_mlx.generate(model, draft, tok, "w1 w2", min_p=0.3, block_size=2, **args)
