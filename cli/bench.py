@@ -16,8 +16,8 @@ from dflash_mlx.prompts import read_prompts
 
 from .console import UserError, console, err, user_errors
 from .options import (
-    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, Model, Seed, SystemPrompt, Temp,
-    TopK, TopP, Verbose, check_args,
+    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed,
+    SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
 from .pair import load_pair, model_or_builtin
 from .prompts import prompt_ids, thinking_note
@@ -82,9 +82,11 @@ def bench_command(
     repeat: Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; tok/s is the mean.")] = 1,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
     top_k: TopK = 0,
     seed: Seed = 0,
     block_size: BlockSize = None,
+    num_draft_tokens: NumDraftTokens = None,
     system_prompt: SystemPrompt = None,
     ignore_chat_template: IgnoreChatTemplate = False,
     enable_thinking: EnableThinking = False,
@@ -98,7 +100,8 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        block_size = check_args(max_tokens, temp, top_p, top_k, block_size)
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p,
+                                num_draft_tokens=num_draft_tokens)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
@@ -107,7 +110,7 @@ def bench_command(
 
         target_name = model_or_builtin(model)
         target, draft, tokenizer = load_pair(target_name, draft_model)
-        check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft)
+        check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
         if model is None or model == "builtin":
             target_name, draft_name = "builtin", draft_model or "builtin"
         else:
@@ -120,8 +123,8 @@ def bench_command(
         def encode(prompt):
             return prompt_ids(tokenizer, prompt, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
                               enable_thinking=enable_thinking, quiet=next(notes, True))
-        sampler = make_sampler(temp=temp, top_p=top_p, top_k=top_k)
-        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, block_size=block_size)
+        sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
 
         def plain(ids, n, run):
             if seed is not None:
@@ -166,7 +169,7 @@ def bench_command(
         if as_json:
             out = {
                 "model": target_name, "draft_model": draft_name, "device": str(mx.default_device()),
-                "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "top_k": top_k,
+                "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "min_p": min_p, "top_k": top_k,
                 "block_size": block_size or draft.config.block_size,
                 "results": results, "summary": summary,
             }

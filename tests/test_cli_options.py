@@ -332,3 +332,11 @@ def test_min_p_reaches_the_reply(pair, loaded):
     assert want != dflash_mlx.generate(model, draft, tok, "w1 w2", **args)  # the filter changed the sample
     # the seeded text is the same at every block size (the target's own draws, filtered by min-p)
     assert want == dflash_mlx.generate(model, draft, tok, "w1 w2", min_p=0.3, block_size=2, **args)
+
+
+def test_bench_takes_min_p_and_num_draft_tokens(pair):
+    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "-m", 6, "--min-p", 0.2, "--temp", 0.8,
+                 "--num-draft-tokens", 3, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["min_p"] == 0.2 and data["block_size"] == 4
