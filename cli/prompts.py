@@ -21,7 +21,7 @@ def read_prompt(prompt: Optional[str]) -> str:
         try:
             prompt = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"the prompt on stdin is not UTF-8 text (byte {e.start} is not); "
+            raise UserError(f"the prompt on stdin is not UTF-8 text (at byte {e.start}); "
                             "convert it first, e.g. with iconv -t UTF-8.") from None
         if prompt.endswith("\n"):
             prompt = prompt[:-1]
