@@ -41,6 +41,7 @@ class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
     RECENT = 256  # cycles whose times the cost fit uses
     EVIDENCE = 16  # drafting cycles seen before plain steps may win
+    SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -75,6 +76,8 @@ class BlockChooser:
             self.times[block] = []
             return
         ts = self.times[block]
+        if len(ts) >= 3 and seconds > self.SPIKE * sorted(t for _, t in ts)[len(ts) // 2]:
+            return  # a one-off build (a grown cache's new shapes, a trace), not the size's cost
         ts.append((self.cycles, seconds))
         del ts[:-32]
 

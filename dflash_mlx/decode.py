@@ -100,20 +100,18 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length")
         return
-    flight = launch(min(choose(), max_tokens - n + 1), last, mx.array(len(ids), mx.int32), len(ids))
+    flight = launch(choose(), last, mx.array(len(ids), mx.int32), len(ids))
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
     last_host, held, read_at = first, 0.0, time.perf_counter()
     while True:
         # Queue the next cycle before reading this one, unless this one surely
-        # ends the reply. Near the end, where the block must be cut to the
-        # tokens still wanted, wait for this one's count instead.
-        following, wanted = None, None
+        # ends the reply. Blocks are not cut near the end (a cut block would
+        # be one more graph to build): what passes max_tokens is dropped.
+        following = None
         if n + 1 < max_tokens:
-            wanted = choose()
-            if wanted <= max_tokens - (n + flight.block_size) + 1:
-                bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
-                following = launch(wanted, flight.last, flight.length, bound)
+            bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
+            following = launch(choose(), flight.last, flight.length, bound)
         values = flight.result.tolist()
         now = time.perf_counter()
         if chooser is not None:
@@ -130,13 +128,11 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         n += len(new)
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
         t = time.perf_counter()
-        yield Step(new, accepted, flight.block_size, finish)
+        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish)
         held = time.perf_counter() - t
         if finish is not None:
             return
         cache.check_owner(owner)
-        if following is None:
-            following = launch(min(wanted, max_tokens - n + 1), flight.last, flight.length, len(cache.tokens))
         flight = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()
