@@ -327,7 +327,7 @@ def test_missing_source(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     _bad(tmp_path, "z-lab/Nope-DFlash", fragments=["not in the Hugging Face cache", "HF_HUB_OFFLINE"])
-    _bad(tmp_path, tmp_path / "no" / "such" / "dir", fragments=["not a local directory nor a valid Hub repo id"])
+    _bad(tmp_path, tmp_path / "no" / "such" / "dir", fragments=["does not exist; check the path"])
 
 
 @pytest.mark.parametrize(

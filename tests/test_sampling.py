@@ -137,7 +137,7 @@ def sequence_distribution(model, prompt, length, temperature, top_p, top_k):
     return seqs, np.array([math.prod(probs[s[:i]][s[i]] for i in range(length)) for s in seqs])
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (0.7, 1.0, 3), (1.0, 0.8, 4)])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.8, 4)])
 def test_generated_sequences_follow_target_distribution(small_pair, temperature, top_p, top_k):
     model, draft, tok = small_pair
     prompt, length, n = [1, 2, 3], 4, 1500
