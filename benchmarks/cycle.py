@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import tempfile
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn

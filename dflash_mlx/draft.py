@@ -431,18 +431,22 @@ class DFlashDraft(nn.Module):
         Returns logits [1, bs-1, V] for block positions 1..bs-1 (position i
         proposes the token at start + i).
         """
+        return self.logits(self.hidden_states(block, taps, cache))
+
+    def hidden_states(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache]) -> mx.array:
+        """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
+        arguments as for ``__call__``)."""
         if taps is not None and taps.shape[1]:
             self.extend(taps, cache)
         x = self.embed(block)
         L = block.shape[1]
         for layer, c in zip(self.layers, cache):
             attn = layer.self_attn
-            C = c.offset
             # The whole buffer, fixed in shape: the mask hides the unfilled
             # tail and does the windowing.
-            mask = block_mask(L, C, attn.causal, attn.window, total=c.width_after(L))
-            x = layer(x, None, None, self.rope, C, mask, cache=c)
-        return self.logits(self.norm(x[:, 1:]))
+            mask = block_mask(L, c.offset, attn.causal, attn.window, total=c.width_after(L))
+            x = layer(x, None, None, self.rope, c.offset, mask, cache=c)
+        return self.norm(x[:, 1:])
 
 
 def block_mask(L: int, C, causal: bool, window: int | None, total: int | None = None):

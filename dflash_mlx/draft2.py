@@ -25,7 +25,6 @@ from .draft import (
     DraftConfig,
     DraftLayer,
     _short,
-    block_mask,
     check_weights,
 )
 
@@ -264,23 +263,6 @@ class DFlash2Draft(DFlashDraft):
         super().__init__(cfg)
         self.layers = [Draft2Layer(cfg, t) for t in cfg.layer_types]
         self.candidate_selector = CandidateSelector(cfg)
-
-    def hidden_states(self, block: mx.array, taps: mx.array | None, cache) -> mx.array:
-        """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
-        arguments as for ``__call__``)."""
-        if taps is not None and taps.shape[1]:
-            self.extend(taps, cache)
-        x = self.embed(block)
-        L = block.shape[1]
-        for layer, c in zip(self.layers, cache):
-            attn = layer.self_attn
-            mask = block_mask(L, c.offset, attn.causal, attn.window, total=c.width_after(L))
-            x = layer(x, None, None, self.rope, c.offset, mask, cache=c)
-        return self.norm(x[:, 1:])
-
-    def __call__(self, block: mx.array, taps: mx.array | None, cache) -> mx.array:
-        """Logits [1, bs-1, V] of block positions 1..bs-1, as DFlashDraft's."""
-        return self.logits(self.hidden_states(block, taps, cache))
 
     def propose(self, block: mx.array, taps: mx.array | None, cache, temperature: float = 0.0, key: mx.array | None = None):
         """The selector's drafts for block positions 1..bs-1 and their

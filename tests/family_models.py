@@ -9,21 +9,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from dflash_mlx.tiny import target_config
+
 
 def _common(family: str, vocab: int, layers: int, hidden: int) -> dict:
-    return {
-        "model_type": family,
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": hidden // 4,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
+    """The dense qwen3 layout's shared fields, relabelled for ``family``."""
+    cfg = target_config("qwen3", vocab=vocab, layers=layers, hidden=hidden)
+    for key in ("architectures", "intermediate_size", "torch_dtype"):
+        del cfg[key]
+    return {**cfg, "model_type": family}
 
 
 def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 64, **extra) -> dict:

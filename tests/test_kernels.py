@@ -214,7 +214,7 @@ def test_a_wrong_kernel_fails_its_check_warns_once_and_is_never_used(fake_gpu):
 
 
 def test_a_kernel_that_does_not_build_falls_back_with_the_error_named(fake_gpu):
-    built = fake_gpu(error=RuntimeError("Failed to compile kernel: error: expected ';'"))
+    fake_gpu(error=RuntimeError("Failed to compile kernel: error: expected ';'"))
     q, k, v, kw = small_verify()
     kw["window"] = 8
     with pytest.warns(RuntimeWarning, match=r"sliding window .*RuntimeError: Failed to compile kernel"):
