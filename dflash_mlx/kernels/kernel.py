@@ -29,19 +29,12 @@ class BlockAttentionKernel:
         self.backend = backend
         factory = factory or make_factory(backend)
         hdr = source.header(backend)
-        self.partial = factory(
-            name="dflash_block_attn_partial",
-            input_names=source.PARTIAL_INPUTS,
-            output_names=source.PARTIAL_OUTPUTS,
-            source=source.partial_source(backend),
-            header=hdr,
-        )
-        self.merge = factory(
-            name="dflash_block_attn_merge",
-            input_names=source.MERGE_INPUTS,
-            output_names=source.MERGE_OUTPUTS,
-            source=source.merge_source(backend),
-            header=hdr,
+        self.partial, self.merge = (
+            factory(name=f"dflash_block_attn_{stage}", input_names=inputs, output_names=outputs, source=body, header=hdr)
+            for stage, inputs, outputs, body in (
+                ("partial", source.PARTIAL_INPUTS, source.PARTIAL_OUTPUTS, source.partial_source(backend)),
+                ("merge", source.MERGE_INPUTS, source.MERGE_OUTPUTS, source.merge_source(backend)),
+            )
         )
         self._params: dict[float, mx.array] = {}
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)

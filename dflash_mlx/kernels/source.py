@@ -205,25 +205,11 @@ PARTIAL_BODY = """
       TG_BARRIER();
       if (k < hi) {
         const TG_PTR T* kp = ks + lane * (D + 4);
-        for (int d = 0; d < D; d += 4) {
-          float kv[4];
-          load4(kp + d, kv);
-          for (int rr = 0; rr < RW; ++rr) {
-            const TG_PTR float* qr = qs + (warp * RW + rr) * D + d;
-            s[rr] += qr[0] * kv[0] + qr[1] * kv[1] + qr[2] * kv[2] + qr[3] * kv[3];
-          }
-        }
+        SCORE_KEY
       }
     } else if (k < hi) {
       const DEV T* kp = kbase + size_t(k) * D;
-      for (int d = 0; d < D; d += 4) {
-        float kv[4];
-        load4(kp + d, kv);
-        for (int rr = 0; rr < RW; ++rr) {
-          const TG_PTR float* qr = qs + (warp * RW + rr) * D + d;
-          s[rr] += qr[0] * kv[0] + qr[1] * kv[1] + qr[2] * kv[2] + qr[3] * kv[3];
-        }
-      }
+      SCORE_KEY
     }
     float p[RW];
     for (int rr = 0; rr < RW; ++rr) {
@@ -282,6 +268,17 @@ PARTIAL_BODY = """
 """
 
 # Template constants: T (output dtype), D, HAS_SINKS.
+# One key's dot product with each of the warp's query rows (kp: the key,
+# in threadgroup or device memory; the two pointer kinds differ on Metal).
+SCORE_KEY = """for (int d = 0; d < D; d += 4) {
+        float kv[4];
+        load4(kp + d, kv);
+        for (int rr = 0; rr < RW; ++rr) {
+          const TG_PTR float* qr = qs + (warp * RW + rr) * D + d;
+          s[rr] += qr[0] * kv[0] + qr[1] * kv[1] + qr[2] * kv[2] + qr[3] * kv[3];
+        }
+      }"""
+
 MERGE_INPUTS = ["o_part", "m_part", "l_part", "sinks"]
 MERGE_OUTPUTS = ["out"]
 MERGE_BODY = """
@@ -314,7 +311,7 @@ def header(backend: str) -> str:
 
 
 def partial_source(backend: str) -> str:
-    return PRELUDE[backend] + PARTIAL_BODY
+    return PRELUDE[backend] + PARTIAL_BODY.replace("SCORE_KEY", SCORE_KEY)
 
 
 def merge_source(backend: str) -> str:
