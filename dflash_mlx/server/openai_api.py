@@ -112,14 +112,23 @@ async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage
     yield sse("[DONE]")
 
 
-async def chat_completions(request: Request) -> Response:
-    service: Service = request.app.state.service
-    body = await service.accept(request, ChatRequest)
-    job = chat_job(service, body)
-    return await _respond(service, request, job, _Reply(service, "chat.completion"), body,
-                          lambda delta, done: {"index": 0, "message": chat_message(delta), "finish_reason": done.finish_reason,
-                                               "logprobs": None},
-                          chat_stream)
+def _endpoint(schema, make_job, kind: str, choice, stream):
+    """A POST handler: the body checked against ``schema``, a job made from
+    it, the reply streamed or whole (``choice`` shapes one whole choice)."""
+
+    async def handler(request: Request) -> Response:
+        service: Service = request.app.state.service
+        body = await service.accept(request, schema)
+        return await _respond(service, request, make_job(service, body), _Reply(service, kind), body, choice, stream)
+
+    return handler
+
+
+chat_completions = _endpoint(
+    ChatRequest, chat_job, "chat.completion",
+    lambda delta, done: {"index": 0, "message": chat_message(delta), "finish_reason": done.finish_reason, "logprobs": None},
+    chat_stream,
+)
 
 
 # -- completions ------------------------------------------------------------------
@@ -146,14 +155,11 @@ async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include
     yield sse("[DONE]")
 
 
-async def completions(request: Request) -> Response:
-    service: Service = request.app.state.service
-    body = await service.accept(request, CompletionRequest)
-    job = completion_job(service, body)
-    return await _respond(service, request, job, _Reply(service, "text_completion"), body,
-                          lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason,
-                                               "logprobs": None},
-                          completion_stream)
+completions = _endpoint(
+    CompletionRequest, completion_job, "text_completion",
+    lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason, "logprobs": None},
+    completion_stream,
+)
 
 
 # -- shared -----------------------------------------------------------------------
