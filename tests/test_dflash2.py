@@ -372,12 +372,18 @@ def sampled_selector_decode(target, draft, prompt, length, temperature, seed):
     return seq[len(prompt): len(prompt) + length], accepted, rejected
 
 
-def test_sampled_selector_with_the_general_rule_keeps_the_target_distribution(tmp_path):
+def small_sampling_pair(tmp_path):
+    """A 6-token target and a DFlash 2 drafter over it, for chi-square tests."""
     tcfg = target_config("qwen3", vocab=6, layers=3, hidden=32)
     model = make_target(tcfg, seed=7)
     model.update({"model": {"norm": {"weight": mx.full((32,), 1.5)}}})
     cfg = dflash2_config(tcfg, layers=1, block_size=3, taps=(1,), mask_token_id=5, selector_top_k=3, selector_rank=16)
     draft = load_draft(write_zlab_draft(tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), dtype=mx.float32))
+    return model, draft
+
+
+def test_sampled_selector_with_the_general_rule_keeps_the_target_distribution(tmp_path):
+    model, draft = small_sampling_pair(tmp_path)
     target = adapt(model)
     draft.bind(target)
     prompt, length, n, temperature = [1, 2, 3], 3, 700, 1.0
@@ -400,11 +406,7 @@ def test_the_loop_samples_through_the_selector_and_keeps_the_target_distribution
     from dflash_mlx import stream_generate
     from tiny import make_tokenizer
 
-    tcfg = target_config("qwen3", vocab=6, layers=3, hidden=32)
-    model = make_target(tcfg, seed=7)
-    model.update({"model": {"norm": {"weight": mx.full((32,), 1.5)}}})
-    cfg = dflash2_config(tcfg, layers=1, block_size=3, taps=(1,), mask_token_id=5, selector_top_k=3, selector_rank=16)
-    draft = load_draft(write_zlab_draft(tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), dtype=mx.float32))
+    model, draft = small_sampling_pair(tmp_path)
     tok = make_tokenizer(6)
     prompt, length, n, temperature = [1, 2, 3], 3, 700, 1.0
     seqs, expected = sequence_distribution(model, prompt, length, temperature, 1.0, 0)
