@@ -76,7 +76,7 @@ class Cycle:
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
         device. ``bound``: a host-side upper bound on ``length``."""
-        if self.compiled:
+        if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
             result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
         else:
             result, new_last, new_length = self._build(block_size, last, length, bound)

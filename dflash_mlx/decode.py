@@ -23,6 +23,7 @@ from mlx_lm.generate import generation_stream
 
 from .block_size import BlockChooser
 from .cycle import Cycle, Flight
+from . import kv_cache_quantized as kvq
 from .draft import DFlashDraft
 from .prompt_cache import PromptCache
 from .targets import DenseTarget
@@ -43,14 +44,16 @@ def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: li
     taps = list(draft.config.target_layer_ids)
     new = ids[cache.keep_prefix(ids):]
     logits = None
-    for start in range(0, len(new), step):
-        chunk = new[start : start + step]
+    done = 0
+    for chunk in kvq.prefill_chunks(cache, new, step):
         logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
         draft.extend(hidden, cache.draft)
         mx.eval(logits, cache.arrays())
         cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
+        kvq.maybe_quantize(cache)
+        done += len(chunk)
         if progress is not None:
-            progress(start + len(chunk), len(new))
+            progress(done, len(new))
     return logits[0, -1]
 
 
@@ -100,7 +103,7 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length")
         return
-    flight = launch(choose(), last, mx.array(len(ids), mx.int32), len(ids))
+    flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids))
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
     last_host, held, read_at = first, 0.0, time.perf_counter()
@@ -111,7 +114,9 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         following = None
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
-            following = launch(choose(), flight.last, flight.length, bound)
+            bs = choose()
+            if kvq.may_queue(cache, bound, bs):  # (not if it might straddle the start of KV quantization)
+                following = launch(bs, flight.last, flight.length, bound)
         values = flight.result.tolist()
         now = time.perf_counter()
         if chooser is not None:
@@ -133,6 +138,8 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         if finish is not None:
             return
         cache.check_owner(owner)
+        if following is None:  # held back above: queued now, from the exact length
+            following = launch(kvq.ready(cache, bs), flight.last, flight.length, len(cache.tokens))
         flight = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()

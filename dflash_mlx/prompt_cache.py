@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from .draft import DFlashDraft
 from .kv_cache import align, set_lengths
+from .kv_cache_quantized import check_settings
 from .targets import DenseTarget, adapt
 
 
@@ -31,8 +32,13 @@ class StaleGenerationError(RuntimeError):
 
 
 class PromptCache:
-    def __init__(self, model, draft: DFlashDraft):
+    def __init__(self, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
+                 quantized_kv_start: int = 0):
         target = adapt(model)
+        check_settings(target, kv_bits, kv_group_size, quantized_kv_start)
+        # a quantized target cache (kv_cache_quantized): the token loop converts
+        # the target's layers once the cache holds quantized_kv_start positions
+        self.kv_bits, self.kv_group_size, self.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
         draft.bind(target)
         self.model, self.draft_model = target.model, draft
         self.adapter = target
@@ -105,8 +111,11 @@ class PromptCache:
         return sum(c.nbytes for c in self.target + self.draft)
 
 
-def make_prompt_cache(model, draft: DFlashDraft) -> PromptCache:
+def make_prompt_cache(model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
+                      quantized_kv_start: int = 0) -> PromptCache:
     """A cache to pass to ``stream_generate`` across calls (multi-turn chat):
     give the whole conversation as the prompt each turn and only the part
-    not already cached is read."""
-    return PromptCache(model, draft)
+    not already cached is read. ``kv_bits`` etc.: quantize the target's
+    keys/values as mlx-lm's QuantizedKVCache does, once the cache holds
+    ``quantized_kv_start`` positions (same spellings and semantics)."""
+    return PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
