@@ -1,0 +1,135 @@
+"""The quantized target KV cache (kv_bits, kv_group_size, quantized_kv_start):
+greedy DFlash equals mlx-lm's own greedy decoding with its QuantizedKVCache
+under the same settings, token for token; prompt-cache turns and interrupts
+stay exact; the cache is smaller."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.kv_cache import BufferKVCache
+from dflash_mlx.kv_cache_quantized import QuantizedBufferKVCache
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+
+VOCAB = 48
+STEP = 16  # prefill chunk, the same for DFlash and mlx-lm
+
+
+@pytest.fixture(scope="module")
+def qpair():
+    tcfg = target_config("qwen3", vocab=VOCAB, hidden=128)  # head_dim 32: mlx-lm quantizes along it
+    model = make_target(tcfg, seed=3)
+    dcfg = draft_config(tcfg, layers=2, block_size=16)
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+
+
+def reference(model, prompt, n, kv_bits=None, kv_group_size=32, quantized_kv_start=0):
+    """mlx-lm's greedy decoding with its own (quantized) KV cache."""
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1),
+                                        kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                        quantized_kv_start=quantized_kv_start, prefill_step_size=STEP)]
+
+
+def run(pair, prompt, cache, n, block_size):
+    model, draft = pair
+    tok = make_tokenizer(VOCAB)
+    return [t for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=block_size,
+                                       prompt_cache=cache, prefill_step_size=STEP) for t in r.tokens]
+
+
+@pytest.mark.parametrize("bits,start", [(4, 0), (8, 20), (2, 10), (4, 40)])
+def test_greedy_equals_mlx_lm_with_its_quantized_cache(qpair, bits, start):
+    model, draft = qpair
+    rng = random.Random(bits * 100 + start)
+    differs = 0
+    for i, length in enumerate([1, 17, 45]):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(length)]
+        want = reference(model, prompt, 40, bits, 32, start)
+        differs += want != reference(model, prompt, 40)
+        for bs in ([2, 16] if i != 1 else [5]):
+            cache = make_prompt_cache(model, draft, kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
+            assert run(qpair, prompt, cache, 40, bs) == want, (bits, start, length, bs)
+            if length >= start:  # quantized by the prefill at the latest
+                assert all(type(c) is QuantizedBufferKVCache and c.bits == bits for c in cache.target)
+            assert all(type(c) is BufferKVCache for c in cache.draft) and cache.consistent()
+    if bits <= 4:
+        assert differs  # the quantized cache changed mlx-lm's own output: the comparison is not vacuous
+
+
+def test_the_cache_stays_unquantized_below_the_start(qpair):
+    model, draft = qpair
+    prompt = [3, 1, 4, 1, 5]
+    cache = make_prompt_cache(model, draft, kv_bits=4, kv_group_size=32, quantized_kv_start=1000)
+    assert run(qpair, prompt, cache, 20, 8) == reference(model, prompt, 20, 4, 32, 1000) == reference(model, prompt, 20)
+    assert all(type(c) is BufferKVCache for c in cache.target)
+
+
+@pytest.mark.parametrize("start", [0, 20])
+def test_prompt_cache_turns_stay_exact(qpair, start):
+    """Each turn continues the cache; mlx-lm reads the whole conversation
+    afresh (its first chunk, where quantizing starts, is the same)."""
+    model, draft = qpair
+    rng = random.Random(start)
+    cache = make_prompt_cache(model, draft, kv_bits=4, kv_group_size=32, quantized_kv_start=start)
+    conversation = [rng.randrange(VOCAB - 1) for _ in range(40)]
+    for turn, bs in enumerate([4, 16, 3]):
+        want = reference(model, conversation, 16, 4, 32, start)
+        assert run(qpair, conversation, cache, 16, bs) == want, turn
+        assert cache.consistent()
+        conversation += want + [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 9))]
+
+
+def test_an_interrupt_at_any_write_leaves_the_cache_exact(qpair, monkeypatch):
+    model, draft = qpair
+    tok = make_tokenizer(VOCAB)
+    rng = random.Random(7)
+    cache = make_prompt_cache(model, draft, kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    conversation = [rng.randrange(VOCAB - 1) for _ in range(30)]
+    for trial in range(5):
+        conversation += [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 30))]
+        count, at = [0], rng.randrange(1, 60)
+        with monkeypatch.context() as m:
+            for cls in (BufferKVCache, QuantizedBufferKVCache):
+                def write(cache, keys, values, start, real=cls.write):
+                    count[0] += 1
+                    if count[0] == at:
+                        raise KeyboardInterrupt
+                    return real(cache, keys, values, start)
+
+                m.setattr(cls, "write", write)
+            got = []
+            with pytest.raises(KeyboardInterrupt):
+                for r in stream_generate(model, draft, tok, conversation, max_tokens=30, prompt_cache=cache,
+                                         block_size=rng.choice([4, 16]), prefill_step_size=STEP):
+                    got += r.tokens
+                raise KeyboardInterrupt  # finished before its moment: still a valid trial
+        assert cache.consistent(), trial
+        assert cache.tokens == (conversation + got)[: len(cache.tokens)]
+        conversation += got + [rng.randrange(VOCAB - 1)]
+        want = reference(model, conversation, 12, 4, 32, 0)
+        assert run(qpair, conversation, cache, 12, 6) == want, trial
+        conversation += want
+
+
+def test_the_quantized_cache_is_smaller(qpair):
+    model, draft = qpair
+    prompt = [i % (VOCAB - 1) for i in range(700)]
+    sizes = {}
+    for bits in (None, 8, 4):
+        cache = make_prompt_cache(model, draft, kv_bits=bits, kv_group_size=32)
+        run(qpair, prompt, cache, 2, 2)
+        sizes[bits] = sum(c.nbytes for c in cache.target)
+    # float32 keys/values, a float32 scale and bias per 32: 8 bits 1/4 + 1/16, 4 bits 1/8 + 1/16
+    assert sizes[8] <= 0.3125 * sizes[None] and sizes[4] <= 0.1875 * sizes[None]
+
+
+def test_bad_settings_are_refused_in_one_sentence(qpair):
+    model, draft = qpair
+    for kw, words in [({"kv_bits": 7}, "kv_bits must be one of"), ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be"),
+                      ({"kv_bits": 4, "kv_group_size": 128}, "does not divide the target's head dimension 32"),
+                      ({"kv_bits": 4, "quantized_kv_start": -1}, "quantized_kv_start must be 0 or more")]:
+        with pytest.raises(ValueError, match=words):
+            make_prompt_cache(model, draft, **kw)
