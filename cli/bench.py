@@ -19,6 +19,7 @@ from .options import (
     BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed,
     SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
+from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
 from .pair import load_pair, model_or_builtin
 from .prompts import prompt_ids, thinking_note
 
@@ -42,13 +43,13 @@ DEFAULT_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 ]
 
-def _plain(model, tokenizer, ids, max_tokens, sampler):
+def _plain(model, tokenizer, ids, max_tokens, sampler, **kv):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as lm_stream_generate
 
     mx.reset_peak_memory()
     text, last = [], None
-    for last in lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler):
+    for last in lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **kv):
         text.append(last.text)
     return {"tokens": last.generation_tokens, "tps": last.generation_tps, "prompt_tps": last.prompt_tps,
             "peak_memory": last.peak_memory, "text": "".join(text)}
@@ -90,6 +91,9 @@ def bench_command(
     system_prompt: SystemPrompt = None,
     ignore_chat_template: IgnoreChatTemplate = False,
     enable_thinking: EnableThinking = False,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")] = False,
     verbose: Verbose = False,
 ):
@@ -102,6 +106,7 @@ def bench_command(
     with user_errors(verbose):
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p,
                                 num_draft_tokens=num_draft_tokens)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
@@ -124,15 +129,20 @@ def bench_command(
             return prompt_ids(tokenizer, prompt, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
                               enable_thinking=enable_thinking, quiet=next(notes, True))
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        plain_kv = {} if kv_bits is None else dict(kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                                   quantized_kv_start=quantized_kv_start)  # the same cache for mlx-lm
+        kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start)  # refuses a target it cannot serve
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
 
         def plain(ids, n, run):
             if seed is not None:
                 mx.random.seed(seed + run)
-            return _plain(target, tokenizer, ids, n, sampler)
+            return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
 
         def dflash(ids, n, run):
-            return _dflash(target, draft, tokenizer, ids, n, seed=None if seed is None else seed + run, **sampling)
+            cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start)  # (a fresh one each run)
+            return _dflash(target, draft, tokenizer, ids, n, seed=None if seed is None else seed + run, prompt_cache=cache,
+                           **sampling)
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 

@@ -33,6 +33,7 @@ from .options import (
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
+from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompts import supports_thinking, thinking_note, uses_template
@@ -254,7 +255,8 @@ class ChatSession:
     def __init__(self, model, draft, tokenizer, *, model_name: str, max_tokens: int, temp: float, top_p: float,
                  top_k: int, seed: Optional[int], block_size: int | str | None, system_prompt: Optional[str],
                  ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int, min_p: float = 0.0,
-                 template_kwargs: Optional[dict] = None, cache_file: Optional[Path] = None, prefix: str = ""):
+                 template_kwargs: Optional[dict] = None, cache_file: Optional[Path] = None, prefix: str = "",
+                 kv: tuple = (None, 64, 0)):
         from dflash_mlx import make_prompt_cache
 
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
@@ -269,7 +271,8 @@ class ChatSession:
         self.thinking = bool(self.template_kwargs.pop("enable_thinking", enable_thinking))
         self.prefix = prefix
         self.cache_file = cache_file
-        self._make_cache = lambda: make_prompt_cache(model, draft)
+        self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start
+        self._make_cache = lambda: kv_cache(model, draft, None, *kv) or make_prompt_cache(model, draft)
         self.reset()
 
     def reset(self) -> None:
@@ -325,7 +328,7 @@ class ChatSession:
             console.print(Text(str(e), style="yellow"))
             return
         if first and self.cache_file is not None:
-            self.cache = open_cache(self.cache_file, self.model, self.draft, ids)
+            self.cache = kv_cache(self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids), *self.kv)
         progress = PrefillProgress()
         view = ReplyView(console)
         tokens: list[int] = []
@@ -473,6 +476,9 @@ def chat_command(
         Optional[Path], typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False)
     ] = None,
     prefill_step_size: PrefillStepSize = 2048,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
     verbose: Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
@@ -486,6 +492,7 @@ def chat_command(
         flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags)
         kwargs = template_args(chat_template_config)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start)
         conversation = None if resume is None else load_conversation(resume)
         prefix = ""
         if prompt_cache_file is not None:
@@ -504,7 +511,7 @@ def chat_command(
             top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, system_prompt=system_prompt,
             ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking,
             prefill_step_size=prefill_step_size, min_p=min_p, template_kwargs=kwargs,
-            cache_file=prompt_cache_file, prefix=prefix,
+            cache_file=prompt_cache_file, prefix=prefix, kv=(kv_bits, kv_group_size, quantized_kv_start),
         )
         if conversation is not None:
             session.resume(conversation)

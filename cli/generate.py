@@ -17,6 +17,7 @@ from .options import (
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
+from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompts import prompt_ids, read_prompt, thinking_note
@@ -66,6 +67,9 @@ def generate_command(
     trust_remote_code: TrustRemoteCode = False,
     prompt_cache_file: PromptCacheFile = None,
     prefill_step_size: PrefillStepSize = 2048,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
     verbose: Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
@@ -84,6 +88,7 @@ def generate_command(
         flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size)
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
         kwargs = template_args(chat_template_config)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start)
         from dflash_mlx import stream_generate
 
         target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
@@ -97,6 +102,7 @@ def generate_command(
             enable_thinking=enable_thinking, template_kwargs=kwargs, prefill_response=prefill_response,
         )
         cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids)
+        cache = kv_cache(target, draft, cache, kv_bits, kv_group_size, quantized_kv_start)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
         reply_tokens, limit = room_for_reply(target, len(ids), max_tokens)

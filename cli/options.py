@@ -129,3 +129,48 @@ def add_eos_tokens(tokenizer, tokens: Optional[List[str]]) -> None:
             raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
                             "pass one token's exact text or its id.")
         tokenizer.add_eos_token(str(token_id))
+
+
+KvBits = Annotated[
+    Optional[int],
+    typer.Option("--kv-bits", help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8), as mlx-lm's "
+                 "QuantizedKVCache does; lossless against mlx-lm with the same settings. Default: not quantized.",
+                 show_default=False),
+]
+KvGroupSize = Annotated[int, typer.Option("--kv-group-size", help="Group size for KV cache quantization (32, 64 or 128).")]
+QuantizedKvStart = Annotated[
+    int, typer.Option("--quantized-kv-start", help="With --kv-bits: quantize once the cache holds this many tokens "
+                      "(mlx-lm's default, 5000).")
+]
+
+
+def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> None:
+    """--kv-bits, --kv-group-size, --quantized-kv-start: the values, before anything loads."""
+    from dflash_mlx.kv_cache_quantized import BITS, GROUP_SIZES
+
+    if kv_bits is not None and kv_bits not in BITS:
+        raise UserError(f"--kv-bits must be one of {', '.join(map(str, BITS))}, got {kv_bits}.")
+    if kv_group_size not in GROUP_SIZES:
+        raise UserError(f"--kv-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {kv_group_size}.")
+    if quantized_kv_start < 0:
+        raise UserError(f"--quantized-kv-start must be 0 or more, got {quantized_kv_start}.")
+
+
+def kv_cache(target, draft, cache, kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int):
+    """The prompt cache to run with: ``cache`` (or a new one) set to quantize
+    the target's KV cache per --kv-bits; None when there is nothing to set."""
+    if kv_bits is None:
+        return cache
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.kv_cache_quantized import check_settings
+    from dflash_mlx.targets import adapt
+
+    try:
+        if cache is None:
+            return make_prompt_cache(target, draft, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                     quantized_kv_start=quantized_kv_start)
+        check_settings(adapt(target), kv_bits, kv_group_size, quantized_kv_start)
+    except ValueError as e:
+        raise UserError(str(e).replace("kv_bits", "--kv-bits").replace("kv_group_size", "--kv-group-size")) from None
+    cache.kv_bits, cache.kv_group_size, cache.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
+    return cache

@@ -133,3 +133,37 @@ def test_bad_settings_are_refused_in_one_sentence(qpair):
                       ({"kv_bits": 4, "quantized_kv_start": -1}, "quantized_kv_start must be 0 or more")]:
         with pytest.raises(ValueError, match=words):
             make_prompt_cache(model, draft, **kw)
+
+
+def test_cli_kv_flags(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import dflash_mlx
+    from dflash_mlx.cli.app import app
+    from tiny import write_target, write_zlab_draft
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tcfg = target_config("qwen3", vocab=VOCAB, hidden=128)
+    write_target(tmp_path / "t", tcfg, make_target(tcfg, seed=3), make_tokenizer(VOCAB))
+    dcfg = draft_config(tcfg, layers=2, block_size=8)
+    write_zlab_draft(tmp_path / "d", dcfg, random_draft_weights(dcfg, seed=4))
+
+    def cli(*args):
+        return CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
+                                        "--ignore-chat-template", "-p", "a b c", "-m", "24", "--block-size", "4", *args],
+                                  prog_name="dflash-mlx", env={"COLUMNS": "200"})
+
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    result = cli("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")
+    assert result.exit_code == 0, result.output
+    model, draft, tok = dflash_mlx.load(str(tmp_path / "t"), draft=str(tmp_path / "d"))
+    want = dflash_mlx.generate(model, draft, tok, "a b c", max_tokens=24, block_size=4,
+                               prompt_cache=make_prompt_cache(model, draft, **kv))
+    assert result.stdout.strip() == want.strip()
+    for args, words in [(["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8, got 7."),
+                        (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128"),
+                        (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be 0 or more"),
+                        (["--kv-bits", "4", "--kv-group-size", "128"], "--kv-group-size 128 does not divide the target's head dimension 32.")]:
+        result = cli(*args)
+        assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
+        assert "Traceback" not in result.output
