@@ -141,12 +141,14 @@ def write_target(path: Path, cfg: dict, model: nn.Module, tokenizer: TokenizerWr
 
 
 def mean_acceptance(model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int = 40) -> float:
-    """Mean over ``prompts`` of each greedy DFlash generation's acceptance length."""
+    """Mean over ``prompts`` of each greedy DFlash generation's acceptance
+    length, at the drafter's own block (not ``auto``, whose choices follow
+    the machine's timings)."""
     from dflash_mlx import stream_generate
 
     lengths = []
     for p in prompts:
-        for r in stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens):
+        for r in stream_generate(model, draft, tokenizer, p, max_tokens=max_tokens, block_size=draft.config.block_size):
             pass
         lengths.append(r.acceptance_length)
     return sum(lengths) / len(lengths)
