@@ -43,26 +43,23 @@ def positions_mask(L: int, offset, total: int, window: int | None = None, causal
     return visible
 
 
-class BufferKVCache:
-    """Keys and values in a fixed-capacity buffer with a device-side length.
+class DeviceLengthCache:
+    """What every cache with a device-side length shares: the bookkeeping.
 
     ``offset`` is the valid length (an int, or an int32 scalar array that the
     host does not read); ``bound`` is a host-side upper bound on it, from
     which the buffer is grown before every write, so growing never waits for
-    the device."""
+    the device. Subclasses hold the storage: ``capacity``, ``_grow``,
+    ``write``, ``state`` and ``nbytes``."""
 
     step = 256
 
     def __init__(self):
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys = None
+        self.values = None
         self.offset: int | mx.array = 0
         self.bound = 0
         self.floor = 0  # the least capacity to grow to (see ``align``)
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
 
     def _room(self, n: int) -> int:
         """The capacity needed to hold ``n`` positions."""
@@ -71,20 +68,6 @@ class BufferKVCache:
     def width_after(self, n: int) -> int:
         """The buffer's length once ``n`` more positions are written."""
         return self._room(self.bound + n)
-
-    def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
-        cap = self._room(n)
-        if cap == self.capacity:
-            return
-        B, H, _, kd = keys.shape
-        vd = values.shape[3]
-        if self.keys is None:
-            self.keys = mx.zeros((B, H, cap, kd), keys.dtype)
-            self.values = mx.zeros((B, H, cap, vd), values.dtype)
-            return
-        pad = cap - self.capacity
-        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, pad, kd), self.keys.dtype)], axis=2)
-        self.values = mx.concatenate([self.values, mx.zeros((B, H, pad, vd), self.values.dtype)], axis=2)
 
     def reserve(self, n: int) -> None:
         """Grow a buffer already made to hold ``n`` positions (the layer's
@@ -98,22 +81,7 @@ class BufferKVCache:
         self.offset = length
         self.bound = length if isinstance(length, int) else bound
 
-    def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
-        """Store keys/values [B, H, n, d] at positions start..start+n-1, where
-        start is ``offset`` (an int or an array), without moving it; returns
-        the whole buffers."""
-        n = keys.shape[2]
-        self._grow(self.bound + n, keys, values)
-        if isinstance(start, int):
-            self.keys[..., start : start + n, :] = keys
-            self.values[..., start : start + n, :] = values
-        else:
-            at = mx.reshape(start, (1,)).astype(mx.int32)
-            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
-            self.values = mx.slice_update(self.values, values, at, axes=(2,))
-        return self.keys, self.values
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
         """mlx-lm's cache protocol: append at ``offset`` and return the buffers."""
         out = self.write(keys, values, self.offset)
         n = keys.shape[2]
@@ -136,6 +104,43 @@ class BufferKVCache:
         if isinstance(self.offset, int):
             self.bound = self.offset
         return n
+
+
+class BufferKVCache(DeviceLengthCache):
+    """Keys and values in a fixed-capacity buffer with a device-side length."""
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
+        cap = self._room(n)
+        if cap == self.capacity:
+            return
+        B, H, _, kd = keys.shape
+        vd = values.shape[3]
+        if self.keys is None:
+            self.keys = mx.zeros((B, H, cap, kd), keys.dtype)
+            self.values = mx.zeros((B, H, cap, vd), values.dtype)
+            return
+        pad = cap - self.capacity
+        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, pad, kd), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values, mx.zeros((B, H, pad, vd), self.values.dtype)], axis=2)
+
+    def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
+        """Store keys/values [B, H, n, d] at positions start..start+n-1, where
+        start is ``offset`` (an int or an array), without moving it; returns
+        the whole buffers."""
+        n = keys.shape[2]
+        self._grow(self.bound + n, keys, values)
+        if isinstance(start, int):
+            self.keys[..., start : start + n, :] = keys
+            self.values[..., start : start + n, :] = values
+        else:
+            at = mx.reshape(start, (1,)).astype(mx.int32)
+            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+            self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        return self.keys, self.values
 
     @property
     def state(self):

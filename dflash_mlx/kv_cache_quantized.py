@@ -28,24 +28,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kv_cache import BufferKVCache, positions_mask
+from .kv_cache import BufferKVCache, DeviceLengthCache
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-class QuantizedBufferKVCache:
-    """BufferKVCache's interface over quantized buffers: ``keys`` and
+class QuantizedBufferKVCache(DeviceLengthCache):
+    """BufferKVCache's scheme over quantized buffers: ``keys`` and
     ``values`` are tuples (packed uint32, scales, biases), each [B, H, capacity, ...]."""
 
-    step = 256
-
     def __init__(self, group_size: int = 64, bits: int = 8):
-        self.keys: tuple | None = None
-        self.values: tuple | None = None
-        self.offset: int | mx.array = 0
-        self.bound = 0
-        self.floor = 0
+        super().__init__()
         self.group_size, self.bits = group_size, bits
 
     @classmethod
@@ -62,12 +56,6 @@ class QuantizedBufferKVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
 
-    def _room(self, n: int) -> int:
-        return max(self.capacity, self.floor, -(-n // self.step) * self.step)
-
-    def width_after(self, n: int) -> int:
-        return self._room(self.bound + n)
-
     def _grow(self, n: int, like: tuple, like_v: tuple) -> None:
         cap = self._room(n)
         if cap == self.capacity:
@@ -80,14 +68,6 @@ class QuantizedBufferKVCache:
             return tuple(mx.concatenate([a, mx.zeros((*a.shape[:2], pad, a.shape[3]), a.dtype)], axis=2) for a in buf)
 
         self.keys, self.values = grown(self.keys, like), grown(self.values, like_v)
-
-    def reserve(self, n: int) -> None:
-        if self.keys is not None:
-            self._grow(n, self.keys, self.values)
-
-    def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
-        self.offset = length
-        self.bound = length if isinstance(length, int) else bound
 
     def write(self, keys: mx.array, values: mx.array, start) -> tuple[tuple, tuple]:
         """Quantize keys/values [B, H, n, d] and store them at start..start+n-1."""
@@ -104,25 +84,6 @@ class QuantizedBufferKVCache:
             self.keys = tuple(mx.slice_update(a, b, at, axes=(2,)) for a, b in zip(self.keys, qk))
             self.values = tuple(mx.slice_update(a, b, at, axes=(2,)) for a, b in zip(self.values, qv))
         return self.keys, self.values
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[tuple, tuple]:
-        out = self.write(keys, values, self.offset)
-        n = keys.shape[2]
-        self.offset = self.offset + n
-        self.bound += n
-        return out
-
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
-        return positions_mask(N, self.offset, self.width_after(N), window_size)
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        self.offset = self.offset - n
-        if isinstance(self.offset, int):
-            self.bound = self.offset
-        return n
 
     @property
     def state(self) -> tuple:
