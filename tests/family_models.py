@@ -9,7 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx.tiny import target_config
+from dflash_mlx import stream_generate
+from dflash_mlx.tiny import greedy_reference, make_tokenizer, target_config
 
 
 def _common(family: str, vocab: int, layers: int, hidden: int) -> dict:
@@ -101,3 +102,30 @@ def scripted(draft):
     """The drafter ``draft``, its proposals now scripted."""
     draft.__class__ = type("Scripted" + type(draft).__name__, (ScriptedDraft, type(draft)), {})
     return draft
+
+
+def run(model, draft, prompt, script=None, *, vocab: int, **kw):
+    """DFlash's tokens and responses with a scripted drafter; ``script``: the
+    reply the drafter proposes (right at most positions), None for mlx-lm's
+    greedy reply."""
+    draft.set_script(prompt + (script if script is not None else greedy_reference(model, prompt, kw["max_tokens"])))
+    responses = list(stream_generate(model, draft, make_tokenizer(vocab, eos=kw.pop("eos", None)), prompt, **kw))
+    return [t for r in responses for t in r.tokens], responses
+
+
+def greedy_over_blocks(model, draft, vocab: int, lengths, blocks, prefill_step_size: int) -> set[int]:
+    """Greedy DFlash == mlx-lm's greedy decoding, block sizes ``blocks`` over
+    prompts of ``lengths`` in turn; returns the accepted counts seen."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in lengths]
+    refs = [greedy_reference(model, p, 32) for p in prompts]
+    accepted = set()
+    for i, bs in enumerate(blocks):
+        k = i % len(prompts)
+        tokens, responses = run(model, draft, prompts[k], refs[k], vocab=vocab, max_tokens=32, block_size=bs,
+                                prefill_step_size=prefill_step_size)
+        assert tokens == refs[k], (bs, len(prompts[k]))
+        accepted |= {r.accepted for r in responses[1:]}
+    return accepted

@@ -372,6 +372,23 @@ def sampled_selector_decode(target, draft, prompt, length, temperature, seed):
     return seq[len(prompt): len(prompt) + length], accepted, rejected
 
 
+def check_sequence_distribution(model, sample, n: int = 700) -> None:
+    """``sample(prompt, length, seed)`` -> (tokens, accepted, rejected), n
+    seeds at temperature 1: both branches of the rule are taken, and the
+    sequences follow the target's own distribution (chi-square, 1e-3)."""
+    prompt, length = [1, 2, 3], 3
+    seqs, expected = sequence_distribution(model, prompt, length, 1.0, 1.0, 0)
+    index = {s: i for i, s in enumerate(seqs)}
+    observed = np.zeros(len(seqs))
+    accepted = rejected = 0
+    for seed in range(n):
+        out, a, r = sample(prompt, length, seed)
+        observed[index[tuple(out)]] += 1
+        accepted, rejected = accepted + a, rejected + r
+    assert accepted > n // 10 and rejected > n // 10
+    assert chi_square_pvalue(observed, n * expected) > 1e-3
+
+
 def small_sampling_pair(tmp_path):
     """A 6-token target and a DFlash 2 drafter over it, for chi-square tests."""
     tcfg = target_config("qwen3", vocab=6, layers=3, hidden=32)
@@ -386,17 +403,7 @@ def test_sampled_selector_with_the_general_rule_keeps_the_target_distribution(tm
     model, draft = small_sampling_pair(tmp_path)
     target = adapt(model)
     draft.bind(target)
-    prompt, length, n, temperature = [1, 2, 3], 3, 700, 1.0
-    seqs, expected = sequence_distribution(model, prompt, length, temperature, 1.0, 0)
-    index = {s: i for i, s in enumerate(seqs)}
-    observed = np.zeros(len(seqs))
-    accepted = rejected = 0
-    for seed in range(n):
-        out, a, r = sampled_selector_decode(target, draft, prompt, length, temperature, seed)
-        observed[index[tuple(out)]] += 1
-        accepted, rejected = accepted + a, rejected + r
-    assert accepted > n // 10 and rejected > n // 10
-    assert chi_square_pvalue(observed, n * expected) > 1e-3
+    check_sequence_distribution(model, lambda prompt, length, seed: sampled_selector_decode(target, draft, prompt, length, 1.0, seed))
 
 
 def test_the_loop_samples_through_the_selector_and_keeps_the_target_distribution(tmp_path):
@@ -408,16 +415,11 @@ def test_the_loop_samples_through_the_selector_and_keeps_the_target_distribution
 
     model, draft = small_sampling_pair(tmp_path)
     tok = make_tokenizer(6)
-    prompt, length, n, temperature = [1, 2, 3], 3, 700, 1.0
-    seqs, expected = sequence_distribution(model, prompt, length, temperature, 1.0, 0)
-    index = {s: i for i, s in enumerate(seqs)}
-    observed = np.zeros(len(seqs))
-    accepted = rejected = 0
-    for seed in range(n):
-        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=temperature,
+
+    def sample(prompt, length, seed):
+        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=1.0,
                                          block_size=3, seed=seed))
-        observed[index[tuple(t for r in responses for t in r.tokens)]] += 1
-        accepted += sum(r.accepted for r in responses[1:])
-        rejected += sum(r.accepted < r.block_size - 1 for r in responses[1:])
-    assert accepted > n // 10 and rejected > n // 10
-    assert chi_square_pvalue(observed, n * expected) > 1e-3
+        return ([t for r in responses for t in r.tokens], sum(r.accepted for r in responses[1:]),
+                sum(r.accepted < r.block_size - 1 for r in responses[1:]))
+
+    check_sequence_distribution(model, sample)

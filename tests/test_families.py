@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx import make_prompt_cache
 from dflash_mlx.targets import ADAPTERS, adapt
-from family_models import family_config, make_family_target, scripted
-from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
+from family_models import family_config, greedy_over_blocks, make_family_target, run, scripted
+from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 VOCAB = 48
 FAMILIES = ["qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text"]
@@ -26,14 +26,6 @@ def make_pair(family: str, seed: int = 1, quantize: bool = False):
         mx.eval(model.parameters())
     dcfg = draft_config(cfg, layers=1, block_size=16)
     return model, scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1)))
-
-
-def run(model, draft, prompt, script=None, **kw):
-    """DFlash's tokens and responses; ``script``: the reply the drafter proposes
-    (right at most positions), None for mlx-lm's greedy reply."""
-    draft.set_script(prompt + (script if script is not None else greedy_reference(model, prompt, kw["max_tokens"])))
-    responses = list(stream_generate(model, draft, make_tokenizer(VOCAB, eos=kw.pop("eos", None)), prompt, **kw))
-    return [t for r in responses for t in r.tokens], responses
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -50,16 +42,8 @@ def test_every_family_is_registered():
 
 def test_greedy_equals_mlx_lm(pair):
     model, draft = pair
-    rng = random.Random(0)
     # Prompts past the sliding window (8) and past a buffer growth (256).
-    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (1, 11, 300)]
-    refs = [greedy_reference(model, p, 32) for p in prompts]
-    accepted = set()
-    for i, bs in enumerate((2, 4, 7, 16)):
-        k = i % len(prompts)
-        tokens, responses = run(model, draft, prompts[k], refs[k], max_tokens=32, block_size=bs, prefill_step_size=45)
-        assert tokens == refs[k], (bs, len(prompts[k]))
-        accepted |= {r.accepted for r in responses[1:]}
+    accepted = greedy_over_blocks(model, draft, VOCAB, (1, 11, 300), (2, 4, 7, 16), prefill_step_size=45)
     assert set(range(7)) <= accepted  # rollbacks of every short length
 
 
@@ -69,19 +53,19 @@ def test_eos_and_prompt_cache_across_turns(pair):
     prompt = [rng.randrange(VOCAB - 1) for _ in range(20)]
     ref = greedy_reference(model, prompt, 30)
     eos = ref[len(ref) // 2]
-    tokens, responses = run(model, draft, prompt, ref, max_tokens=30, block_size=5, eos=eos)
+    tokens, responses = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=30, block_size=5, eos=eos)
     assert tokens == greedy_reference(model, prompt, 30, eos={eos})
     assert responses[-1].finish_reason == "stop"
 
     cache = make_prompt_cache(model, draft)
-    out1, _ = run(model, draft, prompt, max_tokens=12, block_size=6, prompt_cache=cache)
+    out1, _ = run(model, draft, prompt, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache)
     assert out1 == ref[:12]
     turn2 = prompt + out1 + [3, 4, 5]
-    out2, _ = run(model, draft, turn2, max_tokens=16, block_size=3, prompt_cache=cache)
+    out2, _ = run(model, draft, turn2, vocab=VOCAB, max_tokens=16, block_size=3, prompt_cache=cache)
     assert out2 == greedy_reference(model, turn2, 16)
     # An edit inside the conversation: the cache keeps the common prefix.
     turn3 = prompt[:9] + [7] + prompt[10:]
-    out3, _ = run(model, draft, turn3, max_tokens=10, block_size=9, prompt_cache=cache)
+    out3, _ = run(model, draft, turn3, vocab=VOCAB, max_tokens=10, block_size=9, prompt_cache=cache)
     assert out3 == greedy_reference(model, turn3, 10)
 
 
@@ -89,7 +73,7 @@ def test_eos_and_prompt_cache_across_turns(pair):
 def test_quantized_target(family):
     model, draft = make_pair(family, seed=5, quantize=True)
     prompt = list(range(1, 30))
-    tokens, _ = run(model, draft, prompt, max_tokens=24, block_size=4)
+    tokens, _ = run(model, draft, prompt, vocab=VOCAB, max_tokens=24, block_size=4)
     assert tokens == greedy_reference(model, prompt, 24)
 
 

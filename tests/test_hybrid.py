@@ -15,7 +15,7 @@ from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kv_cache import BufferKVCache
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
-from family_models import family_config, make_family_target, scripted
+from family_models import family_config, greedy_over_blocks, make_family_target, run, scripted
 from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
@@ -28,12 +28,6 @@ def make_pair(family: str, seed: int = 1, **extra):
     model = make_family_target(cfg, seed)
     dcfg = draft_config(cfg, layers=1, block_size=16)
     return model, scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1)))
-
-
-def run(model, draft, prompt, script=None, **kw):
-    draft.set_script(prompt + (script if script is not None else greedy_reference(model, prompt, kw["max_tokens"])))
-    responses = list(stream_generate(model, draft, make_tokenizer(VOCAB, eos=kw.pop("eos", None)), prompt, **kw))
-    return [t for r in responses for t in r.tokens], responses
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -79,15 +73,7 @@ def test_rollback_at_every_accepted_count_equals_plain_decoding(family):
 
 def test_greedy_equals_mlx_lm(pair):
     model, draft = pair
-    rng = random.Random(0)
-    prompts = [[rng.randrange(VOCAB - 1) for _ in range(n)] for n in (1, 12, 300)]
-    refs = [greedy_reference(model, p, 32) for p in prompts]
-    accepted = set()
-    for i, bs in enumerate((2, 3, 8, 16)):
-        k = i % len(prompts)
-        tokens, responses = run(model, draft, prompts[k], refs[k], max_tokens=32, block_size=bs, prefill_step_size=100)
-        assert tokens == refs[k], (bs, len(prompts[k]))
-        accepted |= {r.accepted for r in responses[1:]}
+    accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 300), (2, 3, 8, 16), prefill_step_size=100)
     assert set(range(5)) <= accepted and max(accepted) >= 7  # short rollbacks and long blocks kept
 
 
@@ -97,20 +83,20 @@ def test_eos_and_prompt_cache_across_turns(pair):
     prompt = [rng.randrange(VOCAB - 1) for _ in range(25)]
     ref = greedy_reference(model, prompt, 30)
     eos = ref[len(ref) // 2]
-    tokens, responses = run(model, draft, prompt, ref, max_tokens=30, block_size=5, eos=eos)
+    tokens, responses = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=30, block_size=5, eos=eos)
     assert tokens == greedy_reference(model, prompt, 30, eos={eos})
     assert responses[-1].finish_reason == "stop"
 
     cache = make_prompt_cache(model, draft)
-    out1, _ = run(model, draft, prompt, ref, max_tokens=12, block_size=6, prompt_cache=cache, prefill_step_size=10)
+    out1, _ = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache, prefill_step_size=10)
     assert out1 == ref[:12]
     turn2 = prompt + out1 + [3, 4, 5]
-    out2, _ = run(model, draft, turn2, max_tokens=16, block_size=4, prompt_cache=cache)
+    out2, _ = run(model, draft, turn2, vocab=VOCAB, max_tokens=16, block_size=4, prompt_cache=cache)
     assert out2 == greedy_reference(model, turn2, 16)
     # The same prompt again (its last id is read again), then an edit early
     # in the conversation: states no write kept, re-read from a checkpoint.
     for turn in (turn2, turn2[:7] + [1] + turn2[8:], prompt[:3]):
-        out, _ = run(model, draft, turn, max_tokens=10, block_size=7, prompt_cache=cache)
+        out, _ = run(model, draft, turn, vocab=VOCAB, max_tokens=10, block_size=7, prompt_cache=cache)
         assert out == greedy_reference(model, turn, 10)
         assert cache.consistent()
 
@@ -158,7 +144,7 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
         assert got == ref[: len(got)]
         conversation += got + [rng.randrange(VOCAB - 1)]
         want = greedy_reference(model, conversation, 10)
-        out, _ = run(model, draft, conversation, want, max_tokens=10, block_size=block_size, prompt_cache=cache)
+        out, _ = run(model, draft, conversation, want, vocab=VOCAB, max_tokens=10, block_size=block_size, prompt_cache=cache)
         assert out == want, trial
         conversation += want
 
