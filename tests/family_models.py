@@ -129,3 +129,18 @@ def greedy_over_blocks(model, draft, vocab: int, lengths, blocks, prefill_step_s
         assert tokens == refs[k], (bs, len(prompts[k]))
         accepted |= {r.accepted for r in responses[1:]}
     return accepted
+
+
+def check_eos(model, draft, vocab: int, prompt_length: int) -> tuple[list[int], list[int]]:
+    """An EOS the target emits half-way stops DFlash exactly where mlx-lm
+    stops; returns the prompt and mlx-lm's 30-token greedy reply (no EOS)."""
+    import random
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(vocab - 1) for _ in range(prompt_length)]
+    ref = greedy_reference(model, prompt, 30)
+    eos = ref[len(ref) // 2]
+    tokens, responses = run(model, draft, prompt, ref, vocab=vocab, max_tokens=30, block_size=5, eos=eos)
+    assert tokens == greedy_reference(model, prompt, 30, eos={eos})
+    assert responses[-1].finish_reason == "stop"
+    return prompt, ref

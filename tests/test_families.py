@@ -3,7 +3,6 @@ gemma4_text): greedy DFlash output equals mlx-lm's own greedy decoding token
 for token, over block sizes, prompt lengths past the sliding window, an EOS,
 a prompt cache reused across turns, and 4-bit weights."""
 
-import random
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -11,7 +10,7 @@ import pytest
 
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.targets import ADAPTERS, adapt
-from family_models import family_config, greedy_over_blocks, make_family_target, run, scripted
+from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 VOCAB = 48
@@ -49,13 +48,7 @@ def test_greedy_equals_mlx_lm(pair):
 
 def test_eos_and_prompt_cache_across_turns(pair):
     model, draft = pair
-    rng = random.Random(3)
-    prompt = [rng.randrange(VOCAB - 1) for _ in range(20)]
-    ref = greedy_reference(model, prompt, 30)
-    eos = ref[len(ref) // 2]
-    tokens, responses = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=30, block_size=5, eos=eos)
-    assert tokens == greedy_reference(model, prompt, 30, eos={eos})
-    assert responses[-1].finish_reason == "stop"
+    prompt, ref = check_eos(model, draft, VOCAB, 20)
 
     cache = make_prompt_cache(model, draft)
     out1, _ = run(model, draft, prompt, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache)

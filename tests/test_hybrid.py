@@ -15,7 +15,7 @@ from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kv_cache import BufferKVCache
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
-from family_models import family_config, greedy_over_blocks, make_family_target, run, scripted
+from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
 from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
@@ -79,13 +79,7 @@ def test_greedy_equals_mlx_lm(pair):
 
 def test_eos_and_prompt_cache_across_turns(pair):
     model, draft = pair
-    rng = random.Random(3)
-    prompt = [rng.randrange(VOCAB - 1) for _ in range(25)]
-    ref = greedy_reference(model, prompt, 30)
-    eos = ref[len(ref) // 2]
-    tokens, responses = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=30, block_size=5, eos=eos)
-    assert tokens == greedy_reference(model, prompt, 30, eos={eos})
-    assert responses[-1].finish_reason == "stop"
+    prompt, ref = check_eos(model, draft, VOCAB, 25)
 
     cache = make_prompt_cache(model, draft)
     out1, _ = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache, prefill_step_size=10)
