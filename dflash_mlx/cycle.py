@@ -88,13 +88,13 @@ class Cycle:
         target_cache, draft_cache = self.caches.target, self.caches.draft
         self.target.set_length(target_cache, length, bound)
         set_lengths(draft_cache, length, bound)
-        drafts, q, key = None, None, None
+        drafts, q, key, k_draft = None, None, None, None
         if block_size > 1:
             block = mx.concatenate([last, mx.full((block_size - 1,), self.mask_id, mx.int32)])[None]
             if self.selects:
                 if self.temperature > 0:
                     key, k_draft = mx.random.split(position_key(self.seed, length))
-                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft if key is not None else None)
+                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft)
             else:
                 drafts = mx.argmax(self.draft(block, None, draft_cache)[0], axis=-1).astype(mx.int32)
             verify = mx.concatenate([last, drafts])
@@ -123,6 +123,8 @@ class Cycle:
             c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
         fn = self._compiled.get(block_size)
         if fn is None:
+            # (``bound`` inside only sizes buffers, reserved above for every
+            # call, so the value this trace captures serves later calls too)
             def step(last, length, *buffers):
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
                     c.keys, c.values = k, v
