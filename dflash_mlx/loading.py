@@ -33,6 +33,8 @@ _TARGETS: dict[str, tuple[str, str]] = {
     # DFlash 2 drafters (Z Lab mirrors of incoai's).
     "Qwen/Qwen3.8-27B": ("qwen3_5", "z-lab/Qwen3.8-27B-DFlash2"),
     "meta-models/Muse-Glimmer-30B": ("muse_glimmer", "z-lab/Muse-Glimmer-30B-DFlash2"),
+    # config.json says gemma4: the multimodal checkpoint, served through its text model.
+    "google/gemma-4-31B-it": ("gemma4", "z-lab/gemma-4-31B-it-DFlash"),
     "openai/gpt-oss-20b": ("gpt_oss", "z-lab/gpt-oss-20b-DFlash"),
     "openai/gpt-oss-120b": ("gpt_oss", "z-lab/gpt-oss-120b-DFlash"),
 }

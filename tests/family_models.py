@@ -21,7 +21,19 @@ def _common(family: str, vocab: int, layers: int, hidden: int) -> dict:
     return {**cfg, "model_type": family}
 
 
+# The multimodal checkpoints' model_type -> their text model's.
+WRAPPED = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+
+
 def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 64, **extra) -> dict:
+    if family in WRAPPED:
+        # As the published checkpoints hold it: the text model's fields under
+        # text_config, the vocabulary at the top, a vision tower's config too.
+        text = family_config(WRAPPED[family], vocab, layers, hidden, **extra)
+        del text["vocab_size"]
+        return {"architectures": [f"{family.capitalize()}ForConditionalGeneration"], "model_type": family,
+                "text_config": text, "vocab_size": vocab,
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16, "num_hidden_layers": 1}}
     cfg = _common(family, vocab, layers, hidden)
     if family == "qwen3_moe":
         cfg.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -37,6 +49,11 @@ def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 6
         cfg.update(intermediate_size=2 * hidden, global_head_dim=hidden // 2, num_kv_shared_layers=2,
                    hidden_size_per_layer_input=32, vocab_size_per_layer_input=vocab, sliding_window=8,
                    sliding_window_pattern=3, final_logit_softcapping=4.0, tie_word_embeddings=True)
+    elif family == "muse_glimmer":
+        # [local x3, global] from the default pattern; a multiplier and a cap
+        # that both change the logits.
+        cfg.update(intermediate_size=2 * hidden, sliding_window=8, qk_scale_factor=2.0, output_multiplier=0.5,
+                   final_logit_softcapping=4.0)
     elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         cfg.update(intermediate_size=2 * hidden, linear_num_value_heads=4, linear_num_key_heads=2,
                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -62,7 +79,7 @@ def make_family_target(cfg: dict, seed: int = 0) -> nn.Module:
     params = dict(tree_flatten(model.parameters()))
     final = next(k for k in params if k.endswith("model.norm.weight"))
     # Gemma 3 scales by 1 + weight; the others by weight.
-    params[final] = mx.full(params[final].shape, 2.0 if cfg["model_type"] == "gemma3_text" else 3.0)
+    params[final] = mx.full(params[final].shape, 2.0 if cfg["model_type"].startswith("gemma3") else 3.0)
     for k, v in params.items():
         if k.endswith(".sinks"):  # gpt-oss attention sinks: away from zero so they count
             params[k] = mx.random.normal(v.shape)

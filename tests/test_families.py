@@ -1,5 +1,5 @@
 """The MoE and sliding-window families (qwen3_moe, gpt_oss, gemma3_text,
-gemma4_text): greedy DFlash output equals mlx-lm's own greedy decoding token
+gemma4_text, muse_glimmer): greedy DFlash output equals mlx-lm's own greedy decoding token
 for token, over block sizes, prompt lengths past the sliding window, an EOS,
 a prompt cache reused across turns, and 4-bit weights."""
 
@@ -14,7 +14,7 @@ from family_models import check_eos, family_config, greedy_over_blocks, make_fam
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 VOCAB = 48
-FAMILIES = ["qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text"]
+FAMILIES = ["qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text", "muse_glimmer"]
 
 
 def make_pair(family: str, seed: int = 1, quantize: bool = False):
@@ -70,10 +70,24 @@ def test_quantized_target(family):
     assert tokens == greedy_reference(model, prompt, 24)
 
 
+def test_muse_glimmer_shares_the_raw_embedding_and_head_with_the_drafter():
+    """The target's forward normalizes the embeddings and scales and caps the
+    logits (as mlx-lm's model does); the drafter gets the raw table and head,
+    as Z Lab's reference feeds it (its own config holds the multiplier/cap)."""
+    model, _ = make_pair("muse_glimmer")
+    target, tokens = adapt(model), mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
+    assert mx.array_equal(target.embed(tokens), model.model.embed_tokens(tokens)).item()
+    h = mx.random.normal((1, 2, 64))
+    assert mx.allclose(target.lm_head(h), model.lm_head(h)).item()
+    logits, _ = target(tokens, target.make_cache(), [1])
+    assert mx.allclose(logits, model(tokens), atol=1e-5).item()
+    assert mx.abs(logits).max().item() < 4.0  # the cap is applied
+
+
 def test_the_registry_says_runs_only_for_tested_families():
     from dflash_mlx.loading import FAMILIES as REGISTRY, family_runs, why_not_runs
 
-    tested = {"qwen3", "llama", *FAMILIES, "qwen3_5", "qwen3_5_moe", "qwen3_next"}  # test_greedy, here, test_hybrid
+    tested = {"qwen3", "llama", *FAMILIES, "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_next"}  # test_greedy, here, test_families_wrappers, test_hybrid
     assert set(ADAPTERS) == tested
     for target, family in REGISTRY.items():
         assert family_runs(family) == (family in tested) and (why_not_runs(target) is None) == (family in tested)

@@ -9,6 +9,7 @@ from .gemma import Gemma3Target, Gemma4Target
 from .gpt_oss import GptOssTarget
 from .hybrid import HybridTarget, Qwen3_5MoeTarget, Qwen3NextTarget
 from .llama import LlamaTarget
+from .muse_glimmer import MuseGlimmerTarget
 from .qwen3 import Qwen3Target
 from .qwen3_moe import Qwen3MoeTarget
 
@@ -18,7 +19,10 @@ ADAPTERS: dict[str, type[DenseTarget]] = {
     "qwen3_moe": Qwen3MoeTarget,
     "gpt_oss": GptOssTarget,
     "gemma3_text": Gemma3Target,
+    "gemma3": Gemma3Target,  # the multimodal checkpoints: their text model
     "gemma4_text": Gemma4Target,
+    "gemma4": Gemma4Target,
+    "muse_glimmer": MuseGlimmerTarget,
     "qwen3_5": HybridTarget,
     "qwen3_5_moe": Qwen3_5MoeTarget,
     "qwen3_next": Qwen3NextTarget,
@@ -38,4 +42,4 @@ def adapt(model: nn.Module) -> DenseTarget:
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "HybridTarget", "LlamaTarget", "Qwen3MoeTarget", "Qwen3NextTarget", "Qwen3_5MoeTarget", "Qwen3Target", "adapt"]
+__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "HybridTarget", "LlamaTarget", "MuseGlimmerTarget", "Qwen3MoeTarget", "Qwen3NextTarget", "Qwen3_5MoeTarget", "Qwen3Target", "adapt"]

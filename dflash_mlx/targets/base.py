@@ -17,18 +17,22 @@ from ..kv_cache import BufferKVCache, set_lengths
 
 class DenseTarget:
     """Dense-attention decoder (``model.model.{embed_tokens, layers, norm}`` and
-    ``lm_head`` or tied embeddings), bf16 or mlx-lm-quantized alike."""
+    ``lm_head`` or tied embeddings), bf16 or mlx-lm-quantized alike. A
+    multimodal wrapper (mlx-lm's ``gemma3``, ``gemma4``, ``qwen3_5``: the text
+    model as ``model.language_model``, the vision tower dropped at load) is
+    served through its text model."""
 
     family = "dense"
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.inner = model.model
-        args = model.args
+        self.model = model  # what mlx-lm loaded: the prompt cache's identity
+        self.text = getattr(model, "language_model", model)
+        self.inner = self.text.model
+        args = self.text.args
         self.hidden_size = int(args.hidden_size)
         self.vocab_size = int(args.vocab_size)
         self.num_layers = len(self.inner.layers)
-        self.tied = bool(getattr(args, "tie_word_embeddings", False)) or not hasattr(model, "lm_head")
+        self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
 
     # -- pieces the drafter shares -----------------------------------------
@@ -39,7 +43,7 @@ class DenseTarget:
     def lm_head(self, h: mx.array) -> mx.array:
         if self.tied:
             return self.inner.embed_tokens.as_linear(h)
-        return self.model.lm_head(h)
+        return self.text.lm_head(h)
 
     @property
     def dtype(self):
@@ -71,7 +75,7 @@ class DenseTarget:
         """tokens: [1, L]. Returns (logits [1, L or 1, V], hidden [1, L, len(taps)*H]),
         hidden being the outputs of decoder layers ``taps`` (0-based, before
         the final norm), concatenated in the order given."""
-        h = self.embed(tokens)
+        h = self.first_input(tokens)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
         for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, self.masks(h, cache))):
@@ -80,8 +84,17 @@ class DenseTarget:
                 tapped[order[i]] = h
         if last_only:
             h = h[:, -1:]
-        logits = self.lm_head(self.inner.norm(h))
-        return logits, mx.concatenate(tapped, axis=-1)
+        return self.logits(self.inner.norm(h)), mx.concatenate(tapped, axis=-1)
+
+    def first_input(self, tokens: mx.array) -> mx.array:
+        """The first layer's input; ``embed`` unless the family transforms it
+        further than what the drafter shares."""
+        return self.embed(tokens)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The target's logits from its final normed states; ``lm_head``
+        unless the family scales them past what the drafter shares."""
+        return self.lm_head(h)
 
     def set_length(self, cache: list, length, bound: int | None = None) -> None:
         """Keep the first ``length`` cached positions (an int, or an array the

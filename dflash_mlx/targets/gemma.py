@@ -1,4 +1,5 @@
-"""Gemma 3 and Gemma 4 text models: mlx-lm's ``gemma3_text`` and ``gemma4_text``.
+"""Gemma 3 and Gemma 4: mlx-lm's ``gemma3_text`` and ``gemma4_text``, and the
+multimodal ``gemma3`` / ``gemma4`` checkpoints (their text model, wrapped).
 
 What sets them apart from the dense loop: embeddings scaled by sqrt(hidden)
 (the drafter's block embeddings too), sliding-window layers (a plain buffer
@@ -23,7 +24,7 @@ class Gemma3Target(DenseTarget):
 
     def __init__(self, model):
         super().__init__(model)
-        self.tied = bool(getattr(model, "tie_word_embeddings", False)) or "lm_head" not in model
+        self.tied = bool(getattr(self.text, "tie_word_embeddings", False)) or "lm_head" not in self.text
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.inner.embed_tokens(tokens)
@@ -40,8 +41,8 @@ class Gemma4Target(DenseTarget):
 
     def __init__(self, model):
         super().__init__(model)
-        self.tied = bool(model.tie_word_embeddings)
-        self.softcap = model.final_logit_softcapping
+        self.tied = bool(self.text.tie_word_embeddings)
+        self.softcap = self.text.final_logit_softcapping
         self.types = [layer.layer_type for layer in self.inner.layers]
         self.with_kv = sum(layer.self_attn.has_kv for layer in self.inner.layers)
 

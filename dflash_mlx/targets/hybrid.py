@@ -63,22 +63,9 @@ class HybridTarget(DenseTarget):
     family = "qwen3_5"
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.text = getattr(model, "language_model", model)  # qwen3_5 wraps a text model
-        self.inner = self.text.model
-        args = self.text.args
-        self.hidden_size = int(args.hidden_size)
-        self.vocab_size = int(args.vocab_size)
-        self.num_layers = len(self.inner.layers)
-        self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
-        self.embed_scale = 1.0
+        super().__init__(model)  # qwen3_5 wraps a text model
         self.linear = [layer.is_linear for layer in self.inner.layers]
         self.first_attention = self.linear.index(False)
-
-    def lm_head(self, h: mx.array) -> mx.array:
-        if self.tied:
-            return self.inner.embed_tokens.as_linear(h)
-        return self.text.lm_head(h)
 
     def make_cache(self) -> HybridCache:
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)
