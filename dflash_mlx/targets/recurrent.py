@@ -15,6 +15,15 @@ both with ``s`` an array the host never reads, so a cycle's rollback is
 decided on the device. A re-run reads the layer's small recurrence inputs
 only, never its weights.
 
+That is the ``replay`` rollback (the default). The other known way,
+``per-step``, keeps the state after every step of a verify instead: the
+recurrence runs one step at a time (the same arithmetic, so the same
+states), and keeping ``s`` steps is a take of state ``s`` among them, again
+with ``s`` on the device. It trades the re-run for writing T states (a
+verify's states are dropped once it is cut: older writes replay). Choose
+with ``DeltaCache.rollback`` (or per cache); benchmarks/families.py
+``--rollback replay,per-step`` times both at real shapes.
+
 ``set_length`` with a Python int (the prompt cache settling after an
 interrupt, a dropped cycle or a shortened conversation) finds the state at
 exactly that length among the current state, the last writes and a few
@@ -33,8 +42,27 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 
+ROLLBACKS = ("replay", "per-step")
+
+
 def _value(n) -> int:
     return n if isinstance(n, int) else int(n.item())
+
+
+def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
+    """mlx-lm's ``gated_delta_update`` one step at a time: the outputs
+    [B, T, Hv, Dv] and the T+1 states before and after each step."""
+    if state is None:
+        B, _, _, Dk = q.shape
+        state = mx.zeros((B, *v.shape[-2:], Dk), mx.float32)
+    states, ys = [state], []
+    for t in range(q.shape[1]):
+        one = slice(t, t + 1)
+        y, state = gated_delta_update(q[:, one], k[:, one], v[:, one], a[:, one], b[:, one], layer.A_log,
+                                      layer.dt_bias, state, use_kernel=not layer.training)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), states
 
 
 @dataclass
@@ -51,6 +79,7 @@ class Write:
     b: mx.array
     state0: mx.array | None  # the recurrent state before the write
     state: mx.array  # ... and after all T steps
+    states: list[mx.array] | None = None  # per-step rollback: the state after each of 0..T steps
 
     @property
     def steps(self) -> int:
@@ -68,6 +97,8 @@ class Write:
                 return conv, self.state0
         else:
             conv = mx.take(self.conv_input, s + mx.arange(keep), axis=1)
+        if self.states is not None:
+            return conv, self.states[s] if isinstance(s, int) else mx.take(mx.stack(self.states), s, axis=0)
         mask = (mx.arange(self.steps) < s)[None]
         layer = self.layer
         _, state = gated_delta_update(self.q, self.k, self.v, self.a, self.b, layer.A_log, layer.dt_bias,
@@ -86,8 +117,13 @@ class DeltaCache:
     # Longer writes (prefill chunks) keep no inputs, only a checkpoint before
     # them: their inputs would cost far more memory than their states.
     longest_write = 64
+    rollback = "replay"  # or "per-step" (see the module's doc); per cache: DeltaCache(rollback=...)
 
-    def __init__(self):
+    def __init__(self, rollback: str | None = None):
+        if rollback is not None:
+            if rollback not in ROLLBACKS:
+                raise ValueError(f"unknown rollback {rollback!r}; choose one of: {', '.join(ROLLBACKS)}.")
+            self.rollback = rollback
         self.conv: mx.array | None = None  # the convolution state [1, K-1, C]
         self.ssm: mx.array | None = None  # the recurrent state [1, Hv, Dv, Dk]
         self.offset: int | mx.array = 0
@@ -125,10 +161,15 @@ class DeltaCache:
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
-        out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm,
-                                        use_kernel=not layer.training)
+        states = None
+        if self.rollback == "per-step" and T <= self.longest_write:
+            out, states = per_step_update(q, k, v, a, b, layer, self.ssm)
+            state = states[-1]
+        else:
+            out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm,
+                                            use_kernel=not layer.training)
         if T <= self.longest_write:
-            self.pending = Write(self.offset, layer, conv_input, q, k, v, a, b, self.ssm, state)
+            self.pending = Write(self.offset, layer, conv_input, q, k, v, a, b, self.ssm, state, states)
         self.offset = self.offset + T
         self.bound += T
         self.conv, self.ssm = conv_input[:, T:], state
@@ -139,6 +180,7 @@ class DeltaCache:
         """Keep the pending write whole (a write followed by another, as
         prefill chunks are)."""
         if self.pending is not None:
+            self.pending.states = None  # T states are too many to keep: an older write replays
             self.writes.append(self.pending)
             self.pending = None
 
