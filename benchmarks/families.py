@@ -12,8 +12,15 @@ sinks), each in bf16 and 4-bit. For each it times
   at block sizes 4, 8, 16, through the library's own loop, in ms and in
   plain decode steps (random drafter: the cycle's cost does not depend on how
   many drafts are accepted);
-- rollback (hybrid): re-running the kept steps of every delta-net layer
-  after a verify at each block size, ms per cycle, alone.
+- rollback (hybrid), for each strategy of ``--rollback`` (default both):
+  what keeping the first half of a verify's steps adds to the delta-net
+  layers' own verify work, ms per cycle, summed over the layers: for
+  ``replay`` the re-run of the kept steps from the saved state, for
+  ``per-step`` running the recurrence one step at a time, keeping every
+  state, and taking the kept one. The hybrid's cycle is timed under each
+  strategy too.
+
+    PYTHONPATH=$PWD python benchmarks/families.py --rollback replay,per-step --out rollback.json
 
 Needs only mlx, mlx-lm and this repository. --small runs tiny shapes (a CPU
 smoke test in float32; its numbers mean nothing).
@@ -34,7 +41,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import stream_generate
 from dflash_mlx.targets import adapt
-from dflash_mlx.targets.recurrent import DeltaCache
+from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights
 
 
@@ -104,23 +111,40 @@ def cycle_ms(model, draft, tok, prompt, bs: int, n: int) -> float:
     return (t1 - t0) * 1000 / max(c1 - c0, 1)
 
 
-def rollback_ms(model, prompt, bs: int, reps: int) -> float | None:
+def rollback_ms(model, prompt, bs: int, reps: int, strategies: list[str]) -> dict[str, float] | None:
+    """Per strategy: the delta-net layers' verify of ``bs`` steps then a cut
+    to half of them, less the same verify with replay's bookkeeping and no
+    cut (the plain work); ms per cycle, over all the layers."""
     target = adapt(model)
     cache = target.make_cache()
-    deltas = [c for c in cache if isinstance(c, DeltaCache)]
+    deltas = [(c, layer.linear_attn) for c, layer in zip(cache, target.inner.layers) if isinstance(c, DeltaCache)]
     if not deltas:
         return None
     target(mx.array(prompt)[None], cache, [0])
-    length = mx.array(len(prompt), mx.int32)
-    target.set_length(cache, length, len(prompt))
-    target(mx.array(prompt[:bs])[None], cache, [0])
-    mx.eval([c.pending.state for c in deltas])
-    s = mx.array(bs // 2, mx.int32)
-    mx.eval([c.pending.after(s) for c in deltas])
-    t = time.perf_counter()
-    for _ in range(reps):
-        mx.eval([c.pending.after(s) for c in deltas])
-    return (time.perf_counter() - t) * 1000 / reps
+    mx.eval([c.state for c, _ in deltas])
+    n = len(prompt)
+    x = (0.1 * mx.random.normal((1, bs, target.hidden_size))).astype(target.dtype)
+
+    def verify(strategy: str, cut: bool) -> float:
+        def once():
+            out = []
+            for c0, layer in deltas:
+                c = DeltaCache(strategy)
+                c.conv, c.ssm, c.offset, c.bound = c0.conv, c0.ssm, n, n
+                y = c.forward(layer, x)
+                if cut:
+                    c.set_length(mx.array(n + bs // 2, mx.int32), n + bs)
+                out += [y, c.conv, c.ssm]
+            mx.eval(out)
+
+        once()
+        t = time.perf_counter()
+        for _ in range(reps):
+            once()
+        return (time.perf_counter() - t) * 1000 / reps
+
+    plain = verify("replay", cut=False)
+    return {strategy: verify(strategy, cut=True) - plain for strategy in strategies}
 
 
 def main() -> None:
@@ -128,10 +152,17 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--blocks", default="4,8,16")
+    parser.add_argument("--rollback", default=",".join(ROLLBACKS),
+                        help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})")
     args = parser.parse_args()
+    strategies = [r.strip() for r in args.rollback.split(",") if r.strip()]
+    unknown = [r for r in strategies if r not in ROLLBACKS]
+    if unknown or not strategies:
+        parser.error(f"--rollback takes {', '.join(ROLLBACKS)} (comma-separated), not {args.rollback!r}.")
     n = 3 if args.small else 32
     blocks = [int(b) for b in args.blocks.split(",")]
-    results = {"machine": f"{platform.node()} {platform.machine()} {mx.default_device()}", "mlx": mx.__version__, "rows": []}
+    default_rollback = DeltaCache.rollback
+    results = {"rollback_default": default_rollback, "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}", "mlx": mx.__version__, "rows": []}
     print(results["machine"])
     for name, shape in (("qwen3.5-9b-like", qwen35_9b), ("gpt-oss-20b-like", gpt_oss_20b)):
         cfg = shape(args.small)
@@ -142,12 +173,18 @@ def main() -> None:
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else 256)]
             plain = plain_ms(model, prompt, n)
             row = {"model": name, "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"), "plain_ms": plain, "blocks": {}}
+            hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
             for bs in blocks:
-                c = cycle_ms(model, draft, tok, prompt, bs, n)
-                rb = rollback_ms(model, prompt, bs, 10)
-                row["blocks"][bs] = {"cycle_ms": c, "cycle_in_steps": c / plain, "rollback_ms": rb}
-                print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
-                      f" = {c / plain:4.2f} steps" + (f", rollback {rb:.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else ""))
+                rb = rollback_ms(model, prompt, bs, 3 if args.small else 10, strategies)
+                cell = row["blocks"][bs] = {"rollback_ms": rb, "cycle_ms": {}, "cycle_in_steps": {}}
+                for strategy in strategies if hybrid else ["-"]:
+                    DeltaCache.rollback = strategy if hybrid else DeltaCache.rollback
+                    c = cycle_ms(model, draft, tok, prompt, bs, n)
+                    cell["cycle_ms"][strategy], cell["cycle_in_steps"][strategy] = c, c / plain
+                    print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                          f" = {c / plain:4.2f} steps" + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
+                                                          f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
+                DeltaCache.rollback = default_rollback
             results["rows"].append(row)
             del model, draft
             mx.clear_cache()
