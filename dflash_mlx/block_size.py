@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 import weakref
 
+import mlx.nn as nn
+
 
 class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
@@ -162,3 +164,28 @@ def chooser_for(draft, lo: int, hi: int) -> BlockChooser:
 def forget(draft) -> None:
     """Drop what was learned with ``draft``."""
     _choosers.pop(id(draft), None)
+
+
+# Z Lab advises blocks of at most 5 when a DFlash 2 drafter runs with a
+# quantized target or drafter: quantization shifts the target's states and
+# logits away from those the drafter was trained on, and its late positions
+# are rarely accepted. The range starts at 2 so that the chooser may still go
+# short (its candidates are then 2, 4, 5 and a plain step).
+QUANTIZED_DFLASH2_RANGE = (2, 5)
+
+
+def _quantized(module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in module.named_modules())
+
+
+def auto_range(target, draft) -> tuple[int, int]:
+    """The block range ``block_size="auto"`` chooses in for this pair
+    (``target``: the adapter or the mlx-lm model): (2, 5) for a DFlash 2
+    drafter (one with ``propose``) when the target or the drafter is
+    quantized, else (4, the drafter's trained block); never past the trained
+    block."""
+    hi = draft.config.block_size
+    if hasattr(draft, "propose") and (_quantized(getattr(target, "model", target)) or _quantized(draft)):
+        lo, top = QUANTIZED_DFLASH2_RANGE
+        return min(lo, hi), min(top, hi)
+    return min(4, hi), hi

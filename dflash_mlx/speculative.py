@@ -19,7 +19,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .arguments import check_generation_args
-from .block_size import chooser_for
+from .block_size import auto_range, chooser_for
 from .decode import decode
 from .draft import DFlashDraft
 from .prompt_cache import PromptCache, make_prompt_cache
@@ -149,7 +149,7 @@ def stream_generate(
         prompt_cache = make_prompt_cache(target.model, draft)
     prompt_cache.check_pair(target, draft)
     hi = draft.config.block_size
-    block = chooser_for(draft, min(4, hi), hi) if args.block_size == "auto" else args.block_size
+    block = chooser_for(draft, *auto_range(target, draft)) if args.block_size == "auto" else args.block_size
     steps = decode(
         target, draft, prompt_cache, ids, max_tokens=args.max_tokens,
         sampling=_sampling(args), seed=args.seed, block=block,
