@@ -112,6 +112,9 @@ def main():
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                    help="run both models in this dtype (the weights are stored in bf16; on a Linux CPU, MLX's "
+                         "float32 matrix products go through BLAS, see BENCHMARKS.md)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -125,13 +128,19 @@ def main():
     from dflash_mlx import load
 
     model, draft, tok = load(args.model, draft=args.draft)
+    if args.dtype:
+        import mlx.core as mx
+
+        for m in (model, draft):
+            m.set_dtype(getattr(mx, args.dtype))
+        mx.eval(model.parameters(), draft.parameters())
     texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
     sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
     blocks = [b if b == "auto" else int(b) for b in args.blocks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
-    print(f"pair: {args.model} + {args.draft}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
+    print(f"pair: {args.model} + {args.draft} ({args.dtype or 'stored dtype'}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
     # Warm-up: first calls build kernels and graphs.
     warm = sets["code"][0]
     plain(model, tok, warm, 16, 0.0, 0)
