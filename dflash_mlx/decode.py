@@ -45,7 +45,7 @@ def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: li
     new = ids[cache.keep_prefix(ids):]
     logits = None
     done = 0
-    for chunk in kvq.prefill_chunks(cache, new, step):
+    for chunk in cache.chunks(new, step):
         logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
         draft.extend(hidden, cache.draft)
         mx.eval(logits, cache.arrays())

@@ -13,8 +13,8 @@ positions (maybe_quantize_kv_cache, after every forward): a position is
 computed against a quantized cache exactly when the forward that reads it
 starts at or past that point. The token loop keeps to that rule:
 
-- ``prefill_chunks`` cuts a prompt as mlx-lm does (all but the last id in
-  chunks, then the last one alone) while the cache is not yet quantized;
+- ``PromptCache.chunks`` cuts a prompt as mlx-lm does (all but the last id
+  in chunks, then the last one alone) while the cache is not yet quantized;
 - ``maybe_quantize`` converts the target caches after each chunk and before
   each cycle once the cache holds enough positions (one list assignment, so
   an interrupt leaves either all layers converted or none);
@@ -126,15 +126,6 @@ def maybe_quantize(cache) -> None:
     n = len(cache.tokens)
     if pending(cache) and n > 0 and n >= cache.quantized_kv_start:
         cache.target[:] = [QuantizedBufferKVCache.from_buffer(c, cache.kv_group_size, cache.kv_bits) for c in cache.target]
-
-
-def prefill_chunks(cache, new: list[int], step: int) -> list[list[int]]:
-    """How to cut the ids to prefill: as before, or, while quantization is
-    pending, as mlx-lm does (all but the last in chunks of ``step``, then the last)."""
-    if not pending(cache):
-        return [new[i : i + step] for i in range(0, len(new), step)]
-    head = new[:-1]
-    return [head[i : i + step] for i in range(0, len(head), step)] + [new[-1:]]
 
 
 def may_queue(cache, bound: int, block_size: int) -> bool:

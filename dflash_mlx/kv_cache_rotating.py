@@ -1,0 +1,224 @@
+"""A bounded target KV cache (``max_kv_size``) with a device-side length.
+
+mlx-lm bounds its cache with RotatingKVCache(max_size=M, keep=4) (its
+make_prompt_cache, used by generate_step when max_kv_size is given). What a
+position sees there depends on how it was read:
+
+- a prompt chunk of S > 1 tokens starting at position P (``_update_concat``)
+  attends to [the cache in temporal order, the chunk], the old part being
+  positions 0..P-1 while P < M and the 4 kept positions plus the last M-5
+  otherwise, through a sliding-window mask of M over that array (so the
+  chunk's first rows still see some kept positions and later rows none);
+- a single token (``_update_in_place``: the prompt's last token, every
+  decoded one) sees the 4 kept positions and the last M-4 up to itself.
+
+This cache reproduces both, exactly:
+
+- keys/values live in a ring of ``keep + window`` slots: positions 0..keep-1
+  in the first slots for good, position p >= keep in slot
+  keep + (p - keep) % window. ``window`` is M - keep plus the largest verify
+  block less one, so writing a block never overwrites a position that a row
+  of it, or of the block after a rollback, still needs: rollback stays a move
+  of the (device-side) length, as in kv_cache.DeviceLengthCache.
+- a write at a host-known length of more than one token is a prompt chunk:
+  attention gets mlx-lm's concatenated array (gathered from the ring) and
+  its mask; the ring keeps what fits.
+- any other write (one token, or a verify block at a device-side length,
+  whose rows are positions mlx-lm decodes one at a time) goes to the ring,
+  and the mask the cache makes shows each row the kept positions and the
+  last M - keep up to itself, from the position each slot holds.
+
+The drafter's context is bounded to match by DraftWindowCache: it keeps the
+last ``window`` positions or more, dropping older ones in steps (a copy),
+their keys turned back by RoPE's shift so that relative positions, all the
+drafter sees, are kept. It only changes proposals, never the output.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .kv_cache import BufferKVCache, DeviceLengthCache, positions_mask
+
+KEEP = 4  # mlx-lm's make_prompt_cache: RotatingKVCache(max_size=max_kv_size, keep=4)
+
+
+def check_max_kv_size(adapter, max_kv_size: int | None, kv_bits: int | None) -> None:
+    """Refuse, in one sentence, a bound this target cannot use."""
+    if max_kv_size is None:
+        return
+    if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size <= KEEP:
+        raise ValueError(f"max_kv_size must be an integer above {KEEP} (the first {KEEP} positions are always kept), "
+                         f"not {max_kv_size}.")
+    if kv_bits is not None:
+        raise ValueError("max_kv_size and kv_bits cannot be combined (mlx-lm cannot quantize its rotating cache "
+                         "either); drop one of them.")
+    plain = adapter.family in ("dense", "llama", "qwen3", "qwen3_moe") and all(w is None for w in adapter.windows())
+    if not plain:
+        raise ValueError(f"max_kv_size is not supported for {adapter.family} targets; run without it.")
+
+
+class RotatingBufferKVCache(DeviceLengthCache):
+    """mlx-lm's RotatingKVCache(max_size, keep) semantics in a ring buffer
+    with a device-side length; ``slack``: the largest block written at a
+    device-side length."""
+
+    def __init__(self, max_size: int, slack: int, keep: int = KEEP):
+        super().__init__()
+        self.max_size, self.keep = max_size, keep
+        self.window = max_size - keep + max(slack, 1) - 1
+        self.written = 0  # host bound on the positions ever written: beyond keep + window, the ring has wrapped
+
+    @property
+    def slots(self) -> int:
+        return self.keep + self.window
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.slots
+
+    def width_after(self, n: int) -> int:
+        return self.slots
+
+    @property
+    def wrapped(self) -> bool:
+        """Some position was overwritten: the cache can no longer be cut back
+        exactly (mlx-lm's RotatingKVCache is trimmable only before this too)."""
+        return self.written > self.slots
+
+    def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
+        if self.keys is None:
+            B, H, _, kd = keys.shape
+            self.keys = mx.zeros((B, H, self.slots, kd), keys.dtype)
+            self.values = mx.zeros((B, H, self.slots, values.shape[3]), values.dtype)
+
+    def slot(self, positions):
+        """The slot of each position (ints, numpy or mx arrays)."""
+        k = self.keep
+        if isinstance(positions, mx.array):
+            return mx.where(positions < k, positions, k + (positions - k) % self.window)
+        positions = np.asarray(positions)
+        return np.where(positions < k, positions, k + (positions - k) % self.window)
+
+    def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
+        """Store keys/values [B, H, n, d] at positions start.. (n at most
+        ``window``), in their slots; returns the whole ring."""
+        n = keys.shape[2]
+        self._grow(n, keys, values)
+        idx = self.slot(start + mx.arange(n))
+        self.keys[..., idx, :] = keys
+        self.values[..., idx, :] = values
+        self.written = max(self.written, self.bound + n)
+        return self.keys, self.values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        if n == 1 or not isinstance(self.offset, int):
+            return super().update_and_fetch(keys, values)
+        # a prompt chunk: mlx-lm's _update_concat
+        P = self.offset
+        old = self._temporal(P)
+        if len(old):
+            at = mx.array(self.slot(old))
+            full_k = mx.concatenate([mx.take(self.keys, at, axis=2), keys], axis=2)
+            full_v = mx.concatenate([mx.take(self.values, at, axis=2), values], axis=2)
+        else:
+            full_k, full_v = keys, values
+        positions = P + np.arange(n)
+        kept = np.nonzero((positions < self.keep) | (positions >= P + n - self.window))[0]
+        self._grow(n, keys, values)
+        idx = mx.array(self.slot(positions[kept]))
+        rows = mx.array(kept)
+        self.keys[..., idx, :] = mx.take(keys, rows, axis=2)
+        self.values[..., idx, :] = mx.take(values, rows, axis=2)
+        self.written = max(self.written, P + n)
+        self.offset, self.bound = P + n, P + n
+        return full_k, full_v
+
+    def _temporal(self, P: int) -> np.ndarray:
+        """The positions mlx-lm's cache holds, in order, before a chunk at P."""
+        M, k = self.max_size, self.keep
+        if P <= M - 1:
+            return np.arange(P)
+        return np.concatenate([np.arange(k), np.arange(P - (M - 1 - k), P)])
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+        if N > 1 and isinstance(self.offset, int):  # a prompt chunk: mlx-lm's mask over its concatenated array
+            held = min(self.offset, self.max_size - 1)
+            return positions_mask(N, held, held + N, self.max_size)
+        return self.ring_mask(self.offset, N)
+
+    def ring_mask(self, start, N: int) -> mx.array:
+        """[N, slots]: rows at positions start..start+N-1 (just written) each
+        see the kept positions and the last max_size - keep up to themselves."""
+        k, W = self.keep, self.window
+        end = start + N
+        s = mx.arange(self.slots)
+        held = mx.where(s < k, s, (end - 1) - ((end - 1 - s) % W))  # the latest position written to each slot
+        filled = mx.where(s < k, s < end, held >= k)
+        q = start + mx.arange(N)[:, None]
+        return filled & (held <= q) & ((held < k) | (held > q - (self.max_size - k)))
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def shift_rope(rope, x: mx.array, delta: int) -> mx.array | None:
+    """Keys [B, H, T, d] roped at positions p turned into keys roped at
+    p + delta (a rotation per frequency), or None for a RoPE this cannot shift."""
+    dims, traditional = getattr(rope, "dims", None), getattr(rope, "traditional", None)
+    if dims is None or traditional is None:
+        return None
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is None and not hasattr(rope, "base"):
+        return None
+    B, H, T, d = x.shape
+    flat = x.reshape(B * H * T, 1, d)  # one row each: every key turned by the same delta
+    if freqs is not None:
+        out = mx.fast.rope(flat, dims, traditional=traditional, base=None, scale=1.0, offset=delta, freqs=freqs)
+    else:
+        out = mx.fast.rope(flat, dims, traditional=traditional, base=rope.base, scale=rope.scale, offset=delta)
+    return out.reshape(B, H, T, d)
+
+
+class DraftWindowCache(BufferKVCache):
+    """The drafter's context cache, holding the last ``window`` to
+    ``window + step`` positions. Lengths given to ``set_length`` are the
+    target's (absolute); ``base`` positions were dropped from the front, so
+    ``offset`` (what the drafter uses for RoPE and its mask) is length - base,
+    and kept keys are turned back by ``base`` positions."""
+
+    def __init__(self, window: int, rope):
+        super().__init__()
+        self.window, self.rope = window, rope
+        self.base = 0
+
+    def set_length(self, length, bound: int | None = None) -> None:
+        if isinstance(length, int):
+            if length < self.base:
+                raise ValueError("the drafter's context no longer holds this position; rebuild the prompt cache.")
+            super().set_length(length - self.base)
+        else:
+            super().set_length(length - self.base, bound - self.base)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = keys.shape[2]
+        if self.keys is not None and self.bound + n > self.window + self.step:
+            # (at a device-side length n is a verify block, far less than window: what
+            # is dropped is surely held)
+            drop = min(self.bound + n - self.window, self.bound)
+            kept_k = shift_rope(self.rope, self.keys[..., drop:self.bound, :], -drop)
+            if kept_k is not None:
+                pad = [(0, 0), (0, 0), (0, self.capacity - (self.bound - drop)), (0, 0)]
+                keys = shift_rope(self.rope, keys, -drop)
+                # one assignment: an interrupt leaves the cache as it was or compacted in full
+                self.keys, self.values, self.base, self.offset, self.bound = (
+                    mx.pad(kept_k, pad), mx.pad(self.values[..., drop:self.bound, :], pad), self.base + drop,
+                    self.offset - drop, self.bound - drop)
+        return super().update_and_fetch(keys, values)

@@ -1,0 +1,125 @@
+"""The bounded target KV cache (max_kv_size): greedy DFlash equals mlx-lm's
+own greedy decoding with max_kv_size (its RotatingKVCache, keep=4) token for
+token, for prompts shorter and longer than the bound, replies running well
+past it, several blocks and prefill steps; turns give what mlx-lm gives when
+it reuses its own cache; memory stays bounded, the drafter's included."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.kv_cache_rotating import DraftWindowCache, RotatingBufferKVCache
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+
+VOCAB = 48
+M = 24  # max_kv_size
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tcfg = target_config("qwen3", vocab=VOCAB, hidden=64)
+    model = make_target(tcfg, seed=5)
+    dcfg = draft_config(tcfg, layers=2, block_size=16)
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=6))
+
+
+def greedy(x):
+    return mx.argmax(x, axis=-1)
+
+
+def reference(model, prompt, n, step, max_kv_size=M, cache=None):
+    """mlx-lm's greedy decoding, bounded by max_kv_size (or continuing ``cache``)."""
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=greedy, max_kv_size=max_kv_size,
+                                        prompt_cache=cache, prefill_step_size=step)]
+
+
+def run(pair, prompt, cache, n, block_size, step):
+    model, draft = pair
+    return [t for r in stream_generate(model, draft, make_tokenizer(VOCAB), prompt, max_tokens=n, block_size=block_size,
+                                       prompt_cache=cache, prefill_step_size=step) for t in r.tokens]
+
+
+@pytest.mark.parametrize("step", [2048, 7])
+def test_greedy_equals_mlx_lm_with_its_rotating_cache(pair, step):
+    model, draft = pair
+    rng = random.Random(step)
+    differs = 0
+    for length in (1, 10, 24, 60):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(length)]
+        want = reference(model, prompt, 70, step)
+        differs += want != reference(model, prompt, 70, step, max_kv_size=None)
+        for bs in ((2, 5, 16) if length in (10, 60) else (5,)):
+            cache = make_prompt_cache(model, draft, max_kv_size=M)
+            assert run(pair, prompt, cache, 70, bs, step) == want, (length, bs)
+            assert cache.consistent()
+            assert all(type(c) is RotatingBufferKVCache for c in cache.target)
+    assert differs  # the bound changed mlx-lm's own output: the comparison is not vacuous
+
+
+def test_auto_block_and_long_replies(pair):
+    model, draft = pair
+    prompt = [5, 9, 2, 7, 1, 3]
+    want = reference(model, prompt, 150, 2048)
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    assert run(pair, prompt, cache, 150, None, 2048) == want
+
+
+def test_memory_stays_bounded(pair):
+    model, draft = pair
+    sizes = []
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    conversation = [1, 2, 3]
+    for turn in range(4):
+        conversation += run(pair, conversation, cache, 150, 4, 2048) + [7]
+        sizes.append((sum(c.nbytes for c in cache.target), sum(c.nbytes for c in cache.draft)))
+    assert len(set(s[0] for s in sizes)) == 1  # the target's ring: allocated once
+    assert max(s[1] for s in sizes) == sizes[1][1]  # the drafter's context stops growing
+    ring = cache.target[0]
+    assert ring.capacity == M + 16 - 1 < len(cache.tokens) // 4
+    assert all(type(c) is DraftWindowCache and c.base > 0 and c.capacity <= -(-(ring.slots + 256 + 16) // 256) * 256 for c in cache.draft)
+
+
+@pytest.mark.parametrize("step", [2048, 5])
+def test_turns_give_what_mlx_lm_gives_reusing_its_cache(pair, step):
+    """Each turn gives the whole conversation; mlx-lm is given each turn's
+    new tokens with its own cache, as mlx_lm.chat does."""
+    model, draft = pair
+    rng = random.Random(step + 1)
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    theirs = mlx_prompt_cache(model, max_kv_size=M)
+    conversation, new = [], [rng.randrange(VOCAB - 1) for _ in range(9)]
+    for turn, bs in enumerate([4, 16, 3, 7]):
+        want = reference(model, new, 20, step, cache=theirs)
+        conversation += new
+        assert run(pair, conversation, cache, 20, bs, step) == want, turn
+        assert cache.consistent() and cache.tokens == conversation + want[:-1]
+        conversation += want
+        new = [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 12))]
+
+
+def test_a_prompt_that_leaves_the_conversation_is_read_afresh(pair):
+    model, draft = pair
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    first = [3, 1, 4, 1, 5, 9, 2, 6]
+    got = run(pair, first, cache, 40, 4, 2048)  # the ring wraps
+    assert cache.target[0].wrapped
+    other = first[:5] + [8, 8]
+    assert run(pair, other, cache, 30, 5, 2048) == reference(model, other, 30, 2048)
+    # not wrapped yet: cut back exactly
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    run(pair, first, cache, 3, 4, 2048)
+    assert not cache.target[0].wrapped
+    assert run(pair, other, cache, 30, 5, 2048) == reference(model, other, 30, 2048)
+    assert got
+
+
+def test_bad_settings_are_refused_in_one_sentence(pair):
+    model, draft = pair
+    for kw, words in [({"max_kv_size": 4}, "max_kv_size must be an integer above 4"),
+                      ({"max_kv_size": 64, "kv_bits": 4}, "max_kv_size and kv_bits cannot be combined")]:
+        with pytest.raises(ValueError, match=words):
+            make_prompt_cache(model, draft, **kw)
