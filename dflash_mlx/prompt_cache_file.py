@@ -11,8 +11,13 @@ the pair that loads it. What a loaded cache decodes is exactly what the same
 prompt decodes without it: the cache holds the keys and values that reading
 the prefix again would write.
 
-Only attention caches (BufferKVCache) are saved; a hybrid target's
-delta-net layers are refused for now.
+A quantized target cache (``kv_bits``) is saved as it is, each layer's
+packed keys, scales and biases (``target.{i}.keys.0`` ...), with its settings
+in the metadata (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``);
+a file loads only under the settings it was made with, since what a
+position holds depends on them. A bounded cache (``max_kv_size``) is not
+saved: its ring depends on the bound and the block; make the file without it.
+A hybrid target's delta-net layers are refused for now.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from mlx.utils import tree_flatten
 
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache
+from .kv_cache_quantized import QuantizedBufferKVCache
 from .prompt_cache import PromptCache
 from .targets import adapt
 
@@ -64,11 +70,31 @@ def pair_fingerprint(model, draft: DFlashDraft) -> str:
 
 
 def _attention_caches(cache: PromptCache) -> None:
-    if not all(isinstance(c, BufferKVCache) for c in cache.target + cache.draft):
+    if cache.max_kv_size is not None:
+        raise ValueError("a bounded prompt cache (max_kv_size) cannot be saved to a file; "
+                         "make the file without max_kv_size.")
+    if not all(type(c) in (BufferKVCache, QuantizedBufferKVCache) for c in cache.target + cache.draft):
         raise ValueError(
             "prompt-cache files hold attention caches only, and this target has recurrent (delta-net) layers; "
             "run without a prompt-cache file."
         )
+
+
+def kv_settings(cache: PromptCache) -> tuple:
+    """(kv_bits, kv_group_size, quantized_kv_start): None, None, None when not quantized."""
+    if cache.kv_bits is None:
+        return None, None, None
+    return cache.kv_bits, cache.kv_group_size, cache.quantized_kv_start
+
+
+def _kv_meta(bits, group, start) -> dict[str, str]:
+    return {} if bits is None else {"kv_bits": str(bits), "kv_group_size": str(group), "quantized_kv_start": str(start)}
+
+
+def _describe(bits, group, start) -> str:
+    if bits is None:
+        return "no KV quantization"
+    return f"kv_bits {bits}, kv_group_size {group}, quantized_kv_start {start}"
 
 
 def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
@@ -84,11 +110,14 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
     arrays = {}
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i, c in enumerate(layers):
-            arrays[f"{role}.{i}.keys"] = c.keys[..., :n, :]
-            arrays[f"{role}.{i}.values"] = c.values[..., :n, :]
+            for name, buf in (("keys", c.keys), ("values", c.values)):
+                if isinstance(buf, tuple):  # quantized: packed, scales, biases
+                    arrays.update({f"{role}.{i}.{name}.{j}": a[..., :n, :] for j, a in enumerate(buf)})
+                else:
+                    arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
-                fingerprint=pair_fingerprint(cache.model, cache.draft_model))
+                fingerprint=pair_fingerprint(cache.model, cache.draft_model), **_kv_meta(*kv_settings(cache)))
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
     mx.save_safetensors(str(tmp), arrays, metadata=meta)
@@ -112,12 +141,14 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return meta
 
 
-def load_prompt_cache(path: str | Path, model, draft: DFlashDraft) -> tuple[PromptCache, dict[str, str]]:
+def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
+                      quantized_kv_start: int = 0) -> tuple[PromptCache, dict[str, str]]:
     """A PromptCache for ``model`` and ``draft`` holding what ``path`` saved,
-    and the file's metadata. A file made for another pair is refused."""
+    and the file's metadata. A file made for another pair, or with other KV
+    cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused."""
     meta = read_metadata(path)
     arrays = mx.load(str(path))
-    cache = PromptCache(model, draft)
+    cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
     _attention_caches(cache)
     if meta.get("fingerprint") != pair_fingerprint(model, draft):
         made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
@@ -125,14 +156,27 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft) -> tuple[Prom
             f"{path} was made for another model pair{f' ({made})' if made else ''}; "
             "make a prompt cache for this pair with `dflash-mlx cache-prompt`."
         )
+    made = (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"])) if "kv_bits" in meta \
+        else (None, None, None)
+    if made != kv_settings(cache):
+        raise ValueError(f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
+                         "use the settings it was made with, or make it again with these.")
     tokens = [int(t) for t in json.loads(meta["tokens"])]
     n = len(tokens)
+    if made[0] is not None and f"target.0.keys.0" in arrays:  # quantized when it was saved
+        cache.target[:] = [QuantizedBufferKVCache(made[1], made[0]) for _ in cache.target]
+
+    def padded(a: mx.array, room: int) -> mx.array:
+        return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
+
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i, c in enumerate(layers):
-            keys, values = arrays[f"{role}.{i}.keys"], arrays[f"{role}.{i}.values"]
             room = -(-n // c.step) * c.step
-            pad = [(0, 0), (0, 0), (0, room - n), (0, 0)]
-            c.keys, c.values = mx.pad(keys, pad), mx.pad(values, pad)
+            if isinstance(c, QuantizedBufferKVCache):
+                c.keys, c.values = (tuple(padded(arrays[f"{role}.{i}.{name}.{j}"], room) for j in range(3))
+                                    for name in ("keys", "values"))
+            else:
+                c.keys, c.values = (padded(arrays[f"{role}.{i}.{name}"], room) for name in ("keys", "values"))
             c.set_length(n)
     mx.eval(cache.arrays())
     cache.tokens = tokens

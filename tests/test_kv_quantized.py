@@ -167,3 +167,49 @@ def test_cli_kv_flags(tmp_path, monkeypatch):
         result = cli(*args)
         assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
         assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("start", [0, 30, 100])
+def test_a_quantized_cache_saved_and_loaded_decodes_the_same(qpair, tmp_path, start):
+    from dflash_mlx.prompt_cache_file import load_prompt_cache, save_prompt_cache
+
+    model, draft = qpair
+    rng = random.Random(start + 5)
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=start)
+    prefix = [rng.randrange(VOCAB - 1) for _ in range(50)]
+    cache = make_prompt_cache(model, draft, **kv)
+    run(qpair, prefix, cache, 1, 2)
+    save_prompt_cache(tmp_path / "c.safetensors", cache)
+    loaded, meta = load_prompt_cache(tmp_path / "c.safetensors", model, draft, **kv)
+    assert meta["kv_bits"] == "4" and loaded.tokens == prefix and loaded.consistent()
+    assert [type(c) for c in loaded.target] == [type(c) for c in cache.target]
+    prompt = prefix + [rng.randrange(VOCAB - 1) for _ in range(9)]
+    fresh = make_prompt_cache(model, draft, **kv)
+    run(qpair, prefix, fresh, 1, 2)  # the same prefix read first, then the rest: as the file's user does
+    assert run(qpair, prompt, loaded, 30, 5) == run(qpair, prompt, fresh, 30, 5)
+    for other, words in [({}, "was made with kv_bits 4, kv_group_size 32, quantized_kv_start %d, not no KV quantization" % start),
+                         ({**kv, "kv_bits": 8}, "not kv_bits 8, kv_group_size 32")]:
+        with pytest.raises(ValueError, match=words):
+            load_prompt_cache(tmp_path / "c.safetensors", model, draft, **other)
+
+
+@pytest.mark.parametrize("start", [32, 40])
+def test_a_start_reached_after_the_first_turn_matches_mlx_lm_reusing_its_cache(qpair, start):
+    """mlx_lm.chat's way: its cache kept across turns, each turn's new tokens
+    read in chunks after the last reply's tokens, decoded one at a time
+    (the start falls right after the first reply, or in the next turn)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+    model, draft = qpair
+    rng = random.Random(start)
+    cache = make_prompt_cache(model, draft, kv_bits=2, kv_group_size=32, quantized_kv_start=start)
+    theirs = mlx_prompt_cache(model)
+    conversation, new = [], [rng.randrange(VOCAB - 1) for _ in range(20)]
+    for turn, (bs, following) in enumerate([(4, 24), (16, 10), (3, 5)]):
+        want = [t for t, _ in generate_step(mx.array(new), model, max_tokens=12, sampler=lambda x: mx.argmax(x, axis=-1),
+                                            prompt_cache=theirs, kv_bits=2, kv_group_size=32,
+                                            quantized_kv_start=start, prefill_step_size=STEP)]
+        conversation += new
+        assert run(qpair, conversation, cache, 12, bs) == want, turn
+        conversation += want
+        new = [rng.randrange(VOCAB - 1) for _ in range(following)]
