@@ -19,7 +19,7 @@ from .options import (
     BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed,
     SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
-from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
+from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
 from .pair import load_pair, model_or_builtin
 from .prompts import prompt_ids, thinking_note
 
@@ -94,6 +94,7 @@ def bench_command(
     kv_bits: KvBits = None,
     kv_group_size: KvGroupSize = 64,
     quantized_kv_start: QuantizedKvStart = 5000,
+    max_kv_size: MaxKvSize = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")] = False,
     verbose: Verbose = False,
 ):
@@ -106,7 +107,7 @@ def bench_command(
     with user_errors(verbose):
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p,
                                 num_draft_tokens=num_draft_tokens)
-        check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
@@ -131,7 +132,9 @@ def bench_command(
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         plain_kv = {} if kv_bits is None else dict(kv_bits=kv_bits, kv_group_size=kv_group_size,
                                                    quantized_kv_start=quantized_kv_start)  # the same cache for mlx-lm
-        kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start)  # refuses a target it cannot serve
+        if max_kv_size is not None:
+            plain_kv["max_kv_size"] = max_kv_size
+        kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # refuses a target it cannot serve
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
 
         def plain(ids, n, run):
@@ -140,7 +143,7 @@ def bench_command(
             return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
 
         def dflash(ids, n, run):
-            cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start)  # (a fresh one each run)
+            cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # (a fresh one each run)
             return _dflash(target, draft, tokenizer, ids, n, seed=None if seed is None else seed + run, prompt_cache=cache,
                            **sampling)
 

@@ -14,8 +14,8 @@ from typing_extensions import Annotated
 
 from .console import UserError, console, note, user_errors
 from .options import (
-    AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, Model, PrefillStepSize, SystemPrompt,
-    TrustRemoteCode, Verbose, template_args,
+    AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, KvBits, KvGroupSize, Model, PrefillStepSize,
+    QuantizedKvStart, SystemPrompt, TrustRemoteCode, Verbose, check_kv, flag_names, kv_cache, template_args,
 )
 from .pair import context_length, load_pair, model_or_builtin
 from .progress import PrefillProgress
@@ -31,7 +31,8 @@ $ dflash-mlx generate --model Qwen/Qwen3-8B --prompt-cache-file manual.safetenso
 $ dflash-mlx cache-prompt --system-prompt "You answer in Python only." --prompt "Task: " --prompt-cache-file py.safetensors
 
 The file's prefix is the start of the first user message (after --system-prompt); a later --prompt continues it.
-A file made for another model pair is refused.
+A file made for another model pair, or with other --kv-bits settings, is refused; --kv-bits here caches
+the prefix quantized (give generate and chat the same --kv-bits, --kv-group-size, --quantized-kv-start).
 """
 
 
@@ -59,12 +60,16 @@ def read_cache_file(path: Path) -> dict:
             "template_kwargs": json.loads(meta.get("template_kwargs") or "{}")}
 
 
-def open_cache(path: Path, target, draft, ids: list[int]):
-    """The PromptCache the file holds, for this pair (another pair's file is
-    refused), with a note when the prompt reuses less than all of it."""
+def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64, 0)):
+    """The PromptCache the file holds, for this pair (another pair's file, or
+    one made with other --kv-bits settings ``kv``, is refused), with a note
+    when the prompt reuses less than all of it."""
     from dflash_mlx.prompt_cache_file import load_prompt_cache
 
-    cache, _ = load_prompt_cache(path, target, draft)
+    try:
+        cache, _ = load_prompt_cache(path, target, draft, *kv)
+    except ValueError as e:
+        raise UserError(flag_names(str(e))) from None
     shared = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
     if shared < len(cache.tokens) - 1:
         note(f"the prompt shares only {shared} of the {len(cache.tokens)} cached tokens (another system prompt or "
@@ -87,6 +92,9 @@ def cache_prompt_command(
     adapter_path: AdapterPath = None,
     trust_remote_code: TrustRemoteCode = False,
     prefill_step_size: PrefillStepSize = 2048,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
     verbose: Verbose = False,
 ):
     """Cache a prompt prefix (a long system prompt or document) in a file.
@@ -103,6 +111,7 @@ def cache_prompt_command(
         kwargs = template_args(chat_template_config)
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be a positive integer, got {prefill_step_size}.")
+        check_kv(kv_bits, kv_group_size, quantized_kv_start)
         from dflash_mlx import make_prompt_cache, stream_generate
         from dflash_mlx.prompt_cache_file import save_prompt_cache
 
@@ -114,7 +123,7 @@ def cache_prompt_command(
         limit = context_length(target)
         if limit is not None and len(ids) >= limit:
             raise UserError(f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it.")
-        cache = make_prompt_cache(target, draft)
+        cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(target, draft)
         progress = PrefillProgress()
         try:
             for _ in stream_generate(target, draft, tokenizer, ids, max_tokens=1, prompt_cache=cache,

@@ -33,7 +33,7 @@ from .options import (
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
-from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
+from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, flag_names, kv_cache
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompts import supports_thinking, thinking_note, uses_template
@@ -256,7 +256,7 @@ class ChatSession:
                  top_k: int, seed: Optional[int], block_size: int | str | None, system_prompt: Optional[str],
                  ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int, min_p: float = 0.0,
                  template_kwargs: Optional[dict] = None, cache_file: Optional[Path] = None, prefix: str = "",
-                 kv: tuple = (None, 64, 0)):
+                 kv: tuple = (None, 64, 0, None)):
         from dflash_mlx import make_prompt_cache
 
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
@@ -271,7 +271,7 @@ class ChatSession:
         self.thinking = bool(self.template_kwargs.pop("enable_thinking", enable_thinking))
         self.prefix = prefix
         self.cache_file = cache_file
-        self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start
+        self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
         self._make_cache = lambda: kv_cache(model, draft, None, *kv) or make_prompt_cache(model, draft)
         self.reset()
 
@@ -279,7 +279,10 @@ class ChatSession:
         if self.cache_file is not None:
             from dflash_mlx.prompt_cache_file import load_prompt_cache
 
-            self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft)
+            try:
+                self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft, *self.kv[:3])
+            except ValueError as e:
+                raise ValueError(flag_names(str(e))) from None
         else:
             self.cache = self._make_cache()
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.template else []
@@ -323,12 +326,13 @@ class ChatSession:
             text = self.prefix + text  # a prompt-cache file's prefix opens the first message
         ids = self.prompt_for(text)
         try:
-            max_tokens, limit = room_for_reply(self.model, len(ids), self.max_tokens)
+            max_tokens, limit = room_for_reply(self.model, len(ids), self.max_tokens, bounded=self.kv[3] is not None)
         except UserError as e:
             console.print(Text(str(e), style="yellow"))
             return
         if first and self.cache_file is not None:
-            self.cache = kv_cache(self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids), *self.kv)
+            self.cache = kv_cache(self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
+                                  *self.kv)
         progress = PrefillProgress()
         view = ReplyView(console)
         tokens: list[int] = []
@@ -479,6 +483,7 @@ def chat_command(
     kv_bits: KvBits = None,
     kv_group_size: KvGroupSize = 64,
     quantized_kv_start: QuantizedKvStart = 5000,
+    max_kv_size: MaxKvSize = None,
     verbose: Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
@@ -492,7 +497,7 @@ def chat_command(
         flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags)
         kwargs = template_args(chat_template_config)
-        check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         conversation = None if resume is None else load_conversation(resume)
         prefix = ""
         if prompt_cache_file is not None:
@@ -511,7 +516,7 @@ def chat_command(
             top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, system_prompt=system_prompt,
             ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking,
             prefill_step_size=prefill_step_size, min_p=min_p, template_kwargs=kwargs,
-            cache_file=prompt_cache_file, prefix=prefix, kv=(kv_bits, kv_group_size, quantized_kv_start),
+            cache_file=prompt_cache_file, prefix=prefix, kv=(kv_bits, kv_group_size, quantized_kv_start, max_kv_size),
         )
         if conversation is not None:
             session.resume(conversation)

@@ -17,7 +17,7 @@ from .options import (
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
-from .options import KvBits, KvGroupSize, QuantizedKvStart, check_kv, kv_cache
+from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompts import prompt_ids, read_prompt, thinking_note
@@ -70,6 +70,7 @@ def generate_command(
     kv_bits: KvBits = None,
     kv_group_size: KvGroupSize = 64,
     quantized_kv_start: QuantizedKvStart = 5000,
+    max_kv_size: MaxKvSize = None,
     verbose: Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
@@ -88,7 +89,7 @@ def generate_command(
         flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size)
         block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
         kwargs = template_args(chat_template_config)
-        check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         from dflash_mlx import stream_generate
 
         target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
@@ -101,11 +102,12 @@ def generate_command(
             tokenizer, text, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
             enable_thinking=enable_thinking, template_kwargs=kwargs, prefill_response=prefill_response,
         )
-        cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids)
-        cache = kv_cache(target, draft, cache, kv_bits, kv_group_size, quantized_kv_start)
+        kv = (kv_bits, kv_group_size, quantized_kv_start)
+        cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids, kv)
+        cache = kv_cache(target, draft, cache, *kv, max_kv_size)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
-        reply_tokens, limit = room_for_reply(target, len(ids), max_tokens)
+        reply_tokens, limit = room_for_reply(target, len(ids), max_tokens, bounded=max_kv_size is not None)
         progress = PrefillProgress()
         last = None
         out = sys.stdout

@@ -144,9 +144,28 @@ QuantizedKvStart = Annotated[
 ]
 
 
-def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int) -> None:
-    """--kv-bits, --kv-group-size, --quantized-kv-start: the values, before anything loads."""
+NO_BOUNDED_FILE = "a prompt-cache file holds an unbounded cache; run without --max-kv-size to use it."
+
+MaxKvSize = Annotated[
+    Optional[int],
+    typer.Option("--max-kv-size", help="Bound the target's KV cache to this many tokens, as mlx-lm's rotating cache "
+                 "does (the first 4 and the latest kept); lossless against mlx-lm with the same bound, and replies "
+                 "may then run past the target's context length. Default: unbounded.", show_default=False),
+]
+
+
+def flag_names(message: str) -> str:
+    """A library sentence in the CLI's words: kv_bits -> --kv-bits ..."""
+    for name in ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size"):
+        message = message.replace(name, "--" + name.replace("_", "-"))
+    return message
+
+
+def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int, max_kv_size: Optional[int] = None,
+             cache_file: Optional[Path] = None) -> None:
+    """--kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size: the values, before anything loads."""
     from dflash_mlx.kv_cache_quantized import BITS, GROUP_SIZES
+    from dflash_mlx.kv_cache_rotating import KEEP
 
     if kv_bits is not None and kv_bits not in BITS:
         raise UserError(f"--kv-bits must be one of {', '.join(map(str, BITS))}, got {kv_bits}.")
@@ -154,23 +173,34 @@ def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
         raise UserError(f"--kv-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {kv_group_size}.")
     if quantized_kv_start < 0:
         raise UserError(f"--quantized-kv-start must be 0 or more, got {quantized_kv_start}.")
+    if max_kv_size is not None and max_kv_size <= KEEP:
+        raise UserError(f"--max-kv-size must be more than {KEEP} (the first {KEEP} tokens are always kept), got {max_kv_size}.")
+    if max_kv_size is not None and kv_bits is not None:
+        raise UserError("--max-kv-size and --kv-bits cannot be combined (mlx-lm cannot quantize its rotating cache "
+                        "either); drop one of them.")
+    if max_kv_size is not None and cache_file is not None:
+        raise UserError(NO_BOUNDED_FILE)
 
 
-def kv_cache(target, draft, cache, kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int):
-    """The prompt cache to run with: ``cache`` (or a new one) set to quantize
-    the target's KV cache per --kv-bits; None when there is nothing to set."""
-    if kv_bits is None:
-        return cache
+def kv_cache(target, draft, cache, kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int,
+             max_kv_size: Optional[int] = None):
+    """The prompt cache to run with: ``cache`` (one loaded from a file, made
+    with these settings) or a new one set per --kv-bits / --max-kv-size; None
+    when there is nothing to set."""
     from dflash_mlx import make_prompt_cache
     from dflash_mlx.kv_cache_quantized import check_settings
+    from dflash_mlx.kv_cache_rotating import check_max_kv_size
     from dflash_mlx.targets import adapt
 
     try:
-        if cache is None:
-            return make_prompt_cache(target, draft, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                     quantized_kv_start=quantized_kv_start)
-        check_settings(adapt(target), kv_bits, kv_group_size, quantized_kv_start)
+        if cache is not None:
+            if max_kv_size is not None:
+                raise UserError(NO_BOUNDED_FILE)
+            check_settings(adapt(target), kv_bits, kv_group_size, quantized_kv_start)
+            return cache
+        if kv_bits is None and max_kv_size is None:
+            return None
+        return make_prompt_cache(target, draft, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                 quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
     except ValueError as e:
-        raise UserError(str(e).replace("kv_bits", "--kv-bits").replace("kv_group_size", "--kv-group-size")) from None
-    cache.kv_bits, cache.kv_group_size, cache.quantized_kv_start = kv_bits, kv_group_size, quantized_kv_start
-    return cache
+        raise UserError(flag_names(str(e))) from None

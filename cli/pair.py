@@ -49,10 +49,11 @@ def context_length(model) -> Optional[int]:
     return n if isinstance(n, int) and n > 0 else None
 
 
-def room_for_reply(model, prompt_tokens: int, max_tokens: int) -> tuple[int, Optional[str]]:
+def room_for_reply(model, prompt_tokens: int, max_tokens: int, bounded: bool = False) -> tuple[int, Optional[str]]:
     """(tokens the reply may have, what limits it): --max-tokens, or the room
-    the target's context length leaves after the prompt, whichever is less."""
-    n = context_length(model)
+    the target's context length leaves after the prompt, whichever is less
+    (not when --max-kv-size bounds the cache: then only --max-tokens)."""
+    n = None if bounded else context_length(model)
     if n is None or prompt_tokens + max_tokens <= n:
         return max_tokens, f"--max-tokens {max_tokens}"
     if prompt_tokens >= n:

@@ -123,3 +123,55 @@ def test_bad_settings_are_refused_in_one_sentence(pair):
                       ({"max_kv_size": 64, "kv_bits": 4}, "max_kv_size and kv_bits cannot be combined")]:
         with pytest.raises(ValueError, match=words):
             make_prompt_cache(model, draft, **kw)
+
+
+def test_cli_max_kv_size(tmp_path, monkeypatch):
+    """--max-kv-size on generate: the API's output, no stop at the target's
+    context length (here 40 positions), and mistakes in one sentence."""
+    from typer.testing import CliRunner
+
+    import dflash_mlx
+    from dflash_mlx.cli.app import app
+    from tiny import write_target, write_zlab_draft
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tcfg = {**target_config("qwen3", vocab=VOCAB, hidden=128), "max_position_embeddings": 40}  # head_dim 32
+    write_target(tmp_path / "t", tcfg, make_target(tcfg, seed=5), make_tokenizer(VOCAB))
+    dcfg = draft_config(tcfg, layers=2, block_size=8)
+    write_zlab_draft(tmp_path / "d", dcfg, random_draft_weights(dcfg, seed=6))
+
+    def cli(*args, command="generate"):
+        return CliRunner().invoke(app, [command, "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
+                                        "--ignore-chat-template", "-p", "a b c", *args],
+                                  prog_name="dflash-mlx", env={"COLUMNS": "200"})
+
+    result = cli("-m", "60", "--block-size", "4", "--max-kv-size", str(M))
+    assert result.exit_code == 0, result.output
+    model, draft, tok = dflash_mlx.load(str(tmp_path / "t"), draft=str(tmp_path / "d"))
+    want = dflash_mlx.generate(model, draft, tok, "a b c", max_tokens=60, block_size=4,
+                               prompt_cache=make_prompt_cache(model, draft, max_kv_size=M))
+    assert result.stdout.strip() == want.strip()
+    assert "context" not in result.stderr and "60 tokens" in result.stderr
+    unbounded = cli("-m", "60", "--block-size", "4")
+    assert unbounded.exit_code == 0 and "the target's context length (40 positions)" in " ".join(unbounded.stderr.split())
+    for args, words in [(["--max-kv-size", "4"], "--max-kv-size must be more than 4"),
+                        (["--max-kv-size", "64", "--kv-bits", "4"], "--max-kv-size and --kv-bits cannot be combined")]:
+        result = cli(*args)
+        assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
+        assert "Traceback" not in result.output
+    # a quantized prefix cached, then used with its settings; other settings refused
+    kv = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    made = CliRunner().invoke(app, ["cache-prompt", "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
+                                    "--ignore-chat-template", "-p", "x y z w", "--prompt-cache-file",
+                                    str(tmp_path / "q.safetensors"), *kv], prog_name="dflash-mlx")
+    assert made.exit_code == 0, made.output
+    used = cli("-m", "8", "--block-size", "4", "--prompt-cache-file", str(tmp_path / "q.safetensors"), *kv)
+    assert used.exit_code == 0, used.output
+    fresh = cli("-m", "8", "--block-size", "4", *kv, "-p", "x y z wa b c")
+    refused = cli("-m", "8", "--prompt-cache-file", str(tmp_path / "q.safetensors"))
+    assert refused.exit_code == 1 and "was made with --kv-bits 8, --kv-group-size 32, --quantized-kv-start 0, not no KV " \
+        "quantization; use the settings it was made with" in " ".join(refused.stderr.split()), refused.output
+    assert fresh.exit_code == 0 and used.stdout
+    bounded = cli("-m", "8", "--prompt-cache-file", str(tmp_path / "q.safetensors"), "--max-kv-size", "64")
+    assert bounded.exit_code == 1 and "a prompt-cache file holds an unbounded cache; run without --max-kv-size to use it." \
+        in " ".join(bounded.stderr.split())
