@@ -175,3 +175,20 @@ def test_cli_max_kv_size(tmp_path, monkeypatch):
     bounded = cli("-m", "8", "--prompt-cache-file", str(tmp_path / "q.safetensors"), "--max-kv-size", "64")
     assert bounded.exit_code == 1 and "a prompt-cache file holds an unbounded cache; run without --max-kv-size to use it." \
         in " ".join(bounded.stderr.split())
+
+
+def test_a_reply_stopped_early_keeps_the_turns_exact(pair):
+    """A reply closed after a few cycles (a Ctrl-C) leaves the bounded cache
+    exact: the next turn still gives what mlx-lm gives reusing its cache."""
+    model, draft = pair
+    cache = make_prompt_cache(model, draft, max_kv_size=M)
+    theirs = mlx_prompt_cache(model, max_kv_size=M)
+    conversation, new = [], [3, 1, 4, 1, 5, 9, 2, 6]
+    for turn, cycles in enumerate([9, 4, 12]):
+        gen = stream_generate(model, draft, make_tokenizer(VOCAB), conversation + new, max_tokens=60, block_size=5,
+                              prompt_cache=cache, prefill_step_size=5)
+        got = [t for _, r in zip(range(cycles), gen) for t in r.tokens]
+        gen.close()
+        assert cache.consistent() and got == reference(model, new, len(got), 5, cache=theirs), turn
+        conversation += new + got
+        new = [7, 7, turn]
