@@ -3,10 +3,14 @@ multimodal ``gemma3`` / ``gemma4`` checkpoints (their text model, wrapped).
 
 What sets them apart from the dense loop: embeddings scaled by sqrt(hidden)
 (the drafter's block embeddings too), sliding-window layers (a plain buffer
-each, the window in the mask), and for Gemma 4 a final logit softcap (in
-``lm_head``, so the drafter's logits get it as well), per-layer input
-embeddings, and trailing layers that reuse an earlier layer's keys/values
-(they keep no cache of their own)."""
+each, the window in the mask), and for Gemma 4 a final logit softcap,
+per-layer input embeddings, and trailing layers that reuse an earlier layer's
+keys/values (they keep no cache of their own).
+
+The softcap is the target's own (``logits``), not the shared ``lm_head``'s:
+the drafter gets the raw head, as Z Lab's reference and the official MLX code
+feed it (Hugging Face caps in the causal-LM forward), and applies only its
+own config's ``final_logit_softcapping``, so it is never capped twice."""
 
 from __future__ import annotations
 
@@ -49,8 +53,8 @@ class Gemma4Target(DenseTarget):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens) * self.inner.embed_scale
 
-    def lm_head(self, h: mx.array) -> mx.array:
-        logits = super().lm_head(h)
+    def logits(self, h: mx.array) -> mx.array:
+        logits = self.lm_head(h)
         if self.softcap is not None:
             logits = mx.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -91,4 +95,4 @@ class Gemma4Target(DenseTarget):
                 tapped[order[i]] = h
         if last_only:
             h = h[:, -1:]
-        return self.lm_head(inner.norm(h)), mx.concatenate(tapped, axis=-1)
+        return self.logits(inner.norm(h)), mx.concatenate(tapped, axis=-1)
