@@ -15,14 +15,18 @@ both with ``s`` an array the host never reads, so a cycle's rollback is
 decided on the device. A re-run reads the layer's small recurrence inputs
 only, never its weights.
 
-That is the ``replay`` rollback (the default). The other known way,
-``per-step``, keeps the state after every step of a verify instead: the
+That is the ``replay`` rollback. The other known way, ``per-step`` (the
+default), keeps the state after every step of a verify instead: the
 recurrence runs one step at a time (the same arithmetic, so the same
 states), and keeping ``s`` steps is a take of state ``s`` among them, again
 with ``s`` on the device. It trades the re-run for writing T states (a
 verify's states are dropped once it is cut: older writes replay). Choose
 with ``DeltaCache.rollback`` (or per cache); benchmarks/families.py
-``--rollback replay,per-step`` times both at real shapes.
+``--rollback replay,per-step`` times both at real shapes: on an H200 at
+Qwen3.5-9B-like shapes (bf16) per-step's rollback cost 3.8 against 9.3 ms a
+cycle at block 4 and 22 against 42 ms at block 16 (BENCHMARKS.md). Only
+writes of at most ``per_step_longest`` steps (verify blocks) keep their
+states: a prefill chunk's would cost far more memory than its re-run.
 
 ``set_length`` with a Python int (the prompt cache settling after an
 interrupt, a dropped cycle or a shortened conversation) finds the state at
@@ -117,7 +121,8 @@ class DeltaCache:
     # Longer writes (prefill chunks) keep no inputs, only a checkpoint before
     # them: their inputs would cost far more memory than their states.
     longest_write = 64
-    rollback = "replay"  # or "per-step" (see the module's doc); per cache: DeltaCache(rollback=...)
+    rollback = "per-step"  # or "replay" (see the module's doc); per cache: DeltaCache(rollback=...)
+    per_step_longest = 16  # writes this long or shorter keep their per-step states
 
     def __init__(self, rollback: str | None = None):
         if rollback is not None:
@@ -162,7 +167,7 @@ class DeltaCache:
         ]
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
         states = None
-        if self.rollback == "per-step" and T <= self.longest_write:
+        if self.rollback == "per-step" and T <= self.per_step_longest:
             out, states = per_step_update(q, k, v, a, b, layer, self.ssm)
             state = states[-1]
         else:
