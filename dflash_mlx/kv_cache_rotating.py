@@ -83,9 +83,14 @@ class RotatingBufferKVCache(DeviceLengthCache):
 
     @property
     def wrapped(self) -> bool:
-        """Some position was overwritten: the cache can no longer be cut back
-        exactly (mlx-lm's RotatingKVCache is trimmable only before this too)."""
-        return self.written > self.slots
+        """The cache can no longer be cut back exactly: a position at or past
+        max_size was written (it saw only part of its past, a part that
+        depends on how it was read, alone or in a chunk, so a fresh read of
+        the same prefix may differ), or one was overwritten. mlx-lm's
+        RotatingKVCache is trimmable only while it holds fewer than max_size
+        positions too. (Written counts verify positions later rejected: a
+        cut back it refuses is read afresh, never wrong.)"""
+        return self.written > self.max_size
 
     def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
         if self.keys is None:
