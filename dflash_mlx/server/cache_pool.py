@@ -18,8 +18,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """Memory a prompt cache holds (its ``nbytes``; 0 where it does not say)."""
+    """Memory a prompt cache holds (its ``nbytes``: every buffer allocated,
+    quantized ones with their scales and biases, a bounded one's whole ring;
+    0 where it does not say)."""
     return int(getattr(cache, "nbytes", 0) or 0)
+
+
+def can_cut_back(cache) -> bool:
+    """Whether the cache keeps every position it read: not a bounded one
+    (max_kv_size) whose ring has wrapped, which a prompt that does not extend
+    it in full would have to read afresh."""
+    return getattr(cache, "max_kv_size", None) is None or not cache.target[0].wrapped
 
 
 class PromptCachePool:
@@ -31,7 +40,8 @@ class PromptCachePool:
     prompt (what follows may differ: templates that drop an earlier reply's
     thinking rewrite it). A prompt that leaves an earlier prompt sooner is
     another conversation, or an edited one: it gets a fresh cache, so that it
-    does not rewind one that may still be continued."""
+    does not rewind one that may still be continued. A bounded cache that has
+    wrapped is continued only by a prompt that extends it in full."""
 
     def __init__(self, make_cache: Callable[[], object], max_count: int = 10, max_bytes: Optional[int] = None):
         self.make_cache = make_cache
@@ -45,7 +55,7 @@ class PromptCachePool:
         for entry in self.entries:
             cache, last_prompt = entry
             n = common_prefix(cache.tokens, prompt[:-1])
-            if n > best_len and n >= last_prompt - 1:
+            if n > best_len and n >= last_prompt - 1 and (n == len(cache.tokens) or can_cut_back(cache)):
                 best, best_len = entry, n
         if best is None:
             return self.make_cache(), 0

@@ -36,6 +36,11 @@ class ServerConfig:
     chat_template_args: dict = field(default_factory=dict)
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
+    # every prompt cache of the pool is made with these (make_prompt_cache's meanings)
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    max_kv_size: Optional[int] = None
 
 
 def context_length(model) -> Optional[int]:
@@ -53,8 +58,15 @@ def _presented_key(request: Request) -> Optional[str]:
 class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
         self.tokenizer, self.config = tokenizer, config
-        self.context_length = context_length(model)
-        pool = PromptCachePool(lambda: make_prompt_cache(model, draft), config.prompt_cache_size, config.prompt_cache_bytes)
+        # a bounded cache (max_kv_size) runs past the context length, as the CLI's do
+        self.context_length = None if config.max_kv_size is not None else context_length(model)
+
+        def new_cache():
+            return make_prompt_cache(model, draft, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
+                                     quantized_kv_start=config.quantized_kv_start, max_kv_size=config.max_kv_size)
+
+        new_cache()  # settings this pair cannot use: a ValueError now, not on every request
+        pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes)
         self.worker = Worker(Decoder(model, draft, tokenizer, pool, config.block_size, config.prefill_step_size))
 
     # -- checks --------------------------------------------------------------------
