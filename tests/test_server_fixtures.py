@@ -132,3 +132,27 @@ def chat_server(chat_pair):
 def scripted_server(scripted_pair):
     with serving(*scripted_pair) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def kv_pair(tmp_path_factory):
+    """A tiny chat pair whose head dimension (32) takes KV quantization
+    (group size 32) and whose context is short (64 positions), on disk for
+    the command and loaded: (target dir, draft dir, (model, draft, tokenizer))."""
+    from cli_fixtures import TEMPLATE, VOCAB
+    from tiny import make_tokenizer
+
+    from dflash_mlx import load
+
+    root = tmp_path_factory.mktemp("kv-pair")
+    cfg = {**target_config(vocab=VOCAB, hidden=128, layers=2), "max_position_embeddings": KV_PAIR_CONTEXT}
+    tokenizer = make_tokenizer(VOCAB)
+    tokenizer._tokenizer.chat_template = TEMPLATE
+    write_target(root / "target", cfg, make_target(cfg, seed=7), tokenizer)
+    dcfg = draft_config(cfg, layers=1, block_size=4)
+    write_zlab_draft(root / "draft", dcfg, random_draft_weights(dcfg, seed=8))
+    mx.clear_cache()
+    return root / "target", root / "draft", load(str(root / "target"), draft=str(root / "draft"))
+
+
+KV_PAIR_CONTEXT = 64

@@ -161,6 +161,7 @@ def test_serve_command_runs_the_builtin_pair_on_loopback():
 def test_serve_command_refuses_bad_flags():
     env = {**os.environ, "COLUMNS": "200"}
     for flags, words in ((["--port", "0"], "--port"), (["--prompt-cache-bytes", "lots"], "--prompt-cache-bytes"),
-                         (["--chat-template-args", "{bad"], "--chat-template-args"), (["--temp", "-1"], "temp")):
+                         (["--chat-template-args", "{bad"], "--chat-template-args"), (["--temp", "-1"], "temp"),
+                         (["--kv-bits", "4", "--max-kv-size", "64"], "--max-kv-size and --kv-bits cannot be combined")):
         run = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.app", "serve", *flags], capture_output=True, text=True, env=env, timeout=60)
         assert run.returncode == 1 and words in run.stderr, (flags, run.stderr)
