@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from ..kv_cache import BufferKVCache, set_lengths
+from .fused import block
 
 
 class DenseTarget:
@@ -23,6 +24,9 @@ class DenseTarget:
     served through its text model."""
 
     family = "dense"
+    # Run each layer with its q/k/v and gate/up products fused (fused.py):
+    # families whose layers are mlx-lm's plain qwen3/llama blocks.
+    fuse_projections = False
 
     def __init__(self, model: nn.Module):
         self.model = model  # what mlx-lm loaded: the prompt cache's identity
@@ -34,6 +38,7 @@ class DenseTarget:
         self.num_layers = len(self.inner.layers)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
+        self.blocks = [block(layer) for layer in self.inner.layers] if self.fuse_projections else list(self.inner.layers)
 
     # -- pieces the drafter shares -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -78,7 +83,7 @@ class DenseTarget:
         h = self.first_input(tokens)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
-        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, self.masks(h, cache))):
+        for i, (layer, c, mask) in enumerate(zip(self.blocks, cache, self.masks(h, cache))):
             h = layer(h, mask, c)
             if i in order:
                 tapped[order[i]] = h

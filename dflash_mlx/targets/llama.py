@@ -8,6 +8,7 @@ from .base import DenseTarget
 
 class LlamaTarget(DenseTarget):
     family = "llama"
+    fuse_projections = True
 
     def windows(self):
         window = getattr(self.inner, "sliding_window", None)

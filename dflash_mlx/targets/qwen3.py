@@ -5,3 +5,4 @@ from .base import DenseTarget
 
 class Qwen3Target(DenseTarget):
     family = "qwen3"
+    fuse_projections = True

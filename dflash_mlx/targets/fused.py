@@ -1,0 +1,130 @@
+"""Dense decoder layers with fused projections: q, k and v as one matrix
+product, gate and up as another.
+
+A verify pass multiplies a few rows by every weight matrix of the target, and
+at real model sizes the cycle is bound by the host launching those products
+(benchmarks/host_cost.py: on MLX's CUDA backend a 16-row product costs the
+host ~25 us to launch, a 1-row one ~7 us, an elementwise kernel ~4 us). A
+layer of mlx-lm's qwen3 or llama has seven; fused, four, with the same
+arithmetic per output element (each output is still one row of one weight
+matrix times the input).
+
+Fusing concatenates the weights once per layer, then makes each of mlx-lm's
+own projections a view of its rows of the fused matrix (MLX slices share the
+buffer), so memory does not grow and the model still runs in mlx-lm
+unchanged. ``block`` runs a layer with them; it is mlx-lm's TransformerBlock
+forward (qwen3: q/k norms; llama: optional biases) with the products fused.
+Layers that are not plain (a LoRA adapter, mixed quantization) are run by
+their own module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import scaled_dot_product_attention
+
+FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama")
+
+
+@dataclass
+class FusedProjections:
+    qkv: nn.Module
+    qkv_splits: list[int]  # where k and v start in qkv's output
+    gate_up: nn.Module
+    ffn: int  # where up starts in gate_up's output
+
+
+_fused: dict[int, tuple[weakref.ref, FusedProjections | None]] = {}
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear layer whose output is ``linears``' outputs side by side, or
+    None if they differ in kind, input size, bias or quantization. Each of
+    ``linears`` is left holding views of its rows of the fused arrays."""
+    kind = type(linears[0])
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(m) is not kind for m in linears):
+        return None
+    names = sorted(k for k, v in linears[0].items() if isinstance(v, mx.array))
+    if any(sorted(k for k, v in m.items() if isinstance(v, mx.array)) != names for m in linears):
+        return None
+    if any(m.weight.shape[1:] != linears[0].weight.shape[1:] for m in linears):
+        return None
+    if kind is nn.QuantizedLinear:
+        spec = lambda m: (m.group_size, m.bits, getattr(m, "mode", "affine"))  # noqa: E731
+        if any(spec(m) != spec(linears[0]) for m in linears):
+            return None
+    fused = kind.__new__(kind)  # its arrays are set below
+    nn.Module.__init__(fused)
+    if kind is nn.QuantizedLinear:
+        fused.group_size, fused.bits = linears[0].group_size, linears[0].bits
+        fused.mode = getattr(linears[0], "mode", "affine")
+    rows = [m.weight.shape[0] for m in linears]
+    for name in names:
+        whole = mx.concatenate([m[name] for m in linears], axis=0)
+        mx.eval(whole)
+        fused[name] = whole
+        start = 0
+        for m, n in zip(linears, rows):
+            m[name] = whole[start : start + n]
+            start += n
+    mx.eval([m.parameters() for m in linears])
+    if kind is nn.QuantizedLinear:
+        fused.freeze()
+    return fused
+
+
+def projections(layer: nn.Module) -> FusedProjections | None:
+    """The fused projections of an mlx-lm qwen3/llama layer, made once per
+    layer object (later calls, a new adapter of the same model, reuse them);
+    None for a layer that cannot be fused."""
+    key = id(layer)
+    entry = _fused.get(key)
+    if entry is not None and entry[0]() is layer:
+        return entry[1]
+    made = None
+    if type(layer).__module__ in FUSABLE_BLOCKS:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
+        if gate_up is not None:
+            # (a quantized weight packs along its columns: rows are still outputs)
+            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+            made = FusedProjections(qkv, [nq, nq + nk], gate_up, mlp.gate_proj.weight.shape[0])
+    _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made)
+    return made
+
+
+def block(layer: nn.Module) -> Callable:
+    """``layer``'s forward (h, mask, cache) -> h, through fused projections
+    where the layer allows, else the layer itself."""
+    fused = projections(layer)
+    if fused is None:
+        return layer
+
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q, k, v = mx.split(fused.qkv(x), fused.qkv_splits, axis=-1)
+        q = q.reshape(B, L, attn.n_heads, -1)
+        k = k.reshape(B, L, attn.n_kv_heads, -1)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        gate, up = mx.split(fused.gate_up(layer.post_attention_layernorm(h)), [fused.ffn], axis=-1)
+        return h + mlp.down_proj(swiglu(gate, up))
+
+    return forward

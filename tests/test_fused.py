@@ -1,0 +1,91 @@
+"""Fused q/k/v and gate/up projections for qwen3/llama targets
+(dflash_mlx/targets/fused.py): the same logits and taps as mlx-lm's own
+layers, no extra memory, the model still mlx-lm's, and layers that cannot be
+fused run as they are."""
+
+import gc
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.tuner.lora import LoRALinear
+
+from dflash_mlx.targets import adapt
+from dflash_mlx.targets.fused import projections
+from tiny import greedy_reference, make_target, target_config
+
+VOCAB = 40
+
+
+def unfused_forward(target, tokens, taps):
+    """The adapter's forward through mlx-lm's own layer modules."""
+    target.blocks = list(target.inner.layers)
+    cache = target.make_cache()
+    return target(tokens, cache, taps)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_fused_forward_equals_mlx_lm_layers(family, bits):
+    model = make_target(target_config(family, vocab=VOCAB, layers=3, hidden=128), seed=5)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]])
+    fused = adapt(model)
+    assert all(projections(layer) is not None for layer in model.model.layers)
+    # prefill, then a verify-like block over the cache
+    cache = fused.make_cache()
+    logits, hidden = fused(tokens[:, :7], cache, [0, 2])
+    logits2, hidden2 = fused(tokens[:, 7:], cache, [0, 2])
+    plain = adapt(model)
+    plain.blocks = list(plain.inner.layers)
+    pcache = plain.make_cache()
+    want, want_h = plain(tokens[:, :7], pcache, [0, 2])
+    want2, want_h2 = plain(tokens[:, 7:], pcache, [0, 2])
+    for got, ref in ((logits, want), (hidden, want_h), (logits2, want2), (hidden2, want_h2)):
+        assert got.shape == ref.shape
+        assert mx.array_equal(got, ref).item()  # the same arithmetic per output element
+
+
+def test_fusing_keeps_memory_and_leaves_mlx_lm_decoding_unchanged():
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=2, hidden=512), seed=6)
+    prompt = [5, 7, 11, 13]
+    before = greedy_reference(model, prompt, 12)
+    gc.collect()
+    mx.clear_cache()
+    used = mx.get_active_memory()
+    weights = sum(v.nbytes for layer in model.model.layers for v in _arrays(layer))
+    adapt(model)
+    gc.collect()
+    mx.clear_cache()
+    # The projections are views of the fused matrices: no second copy.
+    assert mx.get_active_memory() - used < 0.05 * weights
+    assert greedy_reference(model, prompt, 12) == before
+
+
+def test_fusing_happens_once_per_layer():
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=2), seed=7)
+    first = [projections(layer) for layer in adapt(model).inner.layers]
+    again = [projections(layer) for layer in adapt(model).inner.layers]
+    assert all(a is b for a, b in zip(first, again))
+
+
+def test_a_layer_with_a_lora_adapter_runs_as_it_is():
+    model = make_target(target_config("llama", vocab=VOCAB, layers=2), seed=8)
+    attn = model.model.layers[1].self_attn
+    attn.q_proj = LoRALinear.from_base(attn.q_proj, r=4)
+    attn.q_proj.lora_b = mx.random.normal(attn.q_proj.lora_b.shape) * 0.1
+    target = adapt(model)
+    assert projections(model.model.layers[0]) is not None
+    assert projections(model.model.layers[1]) is None
+    assert target.blocks[1] is model.model.layers[1]
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    got, _ = target(tokens, target.make_cache(), [0])
+    want = model(tokens)
+    assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item()
+
+
+def _arrays(module):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(module.parameters())]
