@@ -25,9 +25,9 @@ def cache_bytes(cache) -> int:
 
 
 def can_cut_back(cache) -> bool:
-    """Whether the cache keeps every position it read: not a bounded one
-    (max_kv_size) whose ring has wrapped, which a prompt that does not extend
-    it in full would have to read afresh."""
+    """Whether the cache can be cut back to a shorter prefix: not a bounded
+    one (max_kv_size) that says it has ``wrapped`` (PromptCache.keep_prefix
+    would read such a prompt afresh, so it would not be continued at all)."""
     return getattr(cache, "max_kv_size", None) is None or not cache.target[0].wrapped
 
 
@@ -40,8 +40,8 @@ class PromptCachePool:
     prompt (what follows may differ: templates that drop an earlier reply's
     thinking rewrite it). A prompt that leaves an earlier prompt sooner is
     another conversation, or an edited one: it gets a fresh cache, so that it
-    does not rewind one that may still be continued. A bounded cache that has
-    wrapped is continued only by a prompt that extends it in full."""
+    does not rewind one that may still be continued. A bounded cache that cannot
+    be cut back is continued only by a prompt that extends it in full."""
 
     def __init__(self, make_cache: Callable[[], object], max_count: int = 10, max_bytes: Optional[int] = None):
         self.make_cache = make_cache
