@@ -440,12 +440,16 @@ class DFlashDraft(nn.Module):
             self.extend(taps, cache)
         x = self.embed(block)
         L = block.shape[1]
+        masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
         for layer, c in zip(self.layers, cache):
             attn = layer.self_attn
             # The whole buffer, fixed in shape: the mask hides the unfilled
             # tail and does the windowing.
-            mask = block_mask(L, c.offset, attn.causal, attn.window, total=c.width_after(L))
-            x = layer(x, None, None, self.rope, c.offset, mask, cache=c)
+            length = c.offset if isinstance(c.offset, int) else id(c.offset)
+            kind = (attn.causal, attn.window, c.width_after(L), length)
+            if kind not in masks:
+                masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
+            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c)
         return self.norm(x[:, 1:])
 
 
