@@ -185,10 +185,15 @@ def main():
     ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
     ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
                     help="trace each cycle with mx.compile (default: on a GPU)")
+    ap.add_argument("--fuse", choices=["on", "off", "both"], default="on",
+                    help="fused q/k/v and gate/up products in the target's layers (the default), plain "
+                         "mlx-lm layers, or both side by side in one run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from dflash_mlx.tiny import make_tokenizer
+
+    from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
 
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
@@ -203,14 +208,18 @@ def main():
             for block in [int(b) for b in args.blocks.split(",")]:
                 dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
-        for block in [int(b) for b in args.blocks.split(",")]:
-            row = {"prompt_tokens": P, "block": block, "plain_step_ms": step}
-            row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
-            row.update(synced_pieces(model, draft, prompt, block))
-            clock.reset()
-            row["cycle_in_plain_steps"] = row["cycle_ms"] / step
-            row["projected_speedup"] = args.tau * step / row["cycle_ms"]
-            rows.append(row)
+        for fuse in ([True, False] if args.fuse == "both" else [args.fuse == "on"]):
+            DenseTarget.fuse_projections = fuse
+            for block in [int(b) for b in args.blocks.split(",")]:
+                row = {"prompt_tokens": P, "block": block, "fused": fuse, "plain_step_ms": step}
+                if args.fuse == "both":  # a warm-up of this setting's graphs
+                    dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
+                row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
+                row.update(synced_pieces(model, draft, prompt, block))
+                clock.reset()
+                row["cycle_in_plain_steps"] = row["cycle_ms"] / step
+                row["projected_speedup"] = args.tau * step / row["cycle_ms"]
+                rows.append(row)
     record = {
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, "
                    f"device {mx.default_device()}",
@@ -225,10 +234,10 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
           f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
               f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
               f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
 
