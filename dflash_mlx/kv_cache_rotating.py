@@ -22,7 +22,11 @@ This cache reproduces both, exactly:
   of the (device-side) length, as in kv_cache.DeviceLengthCache.
 - a write at a host-known length of more than one token is a prompt chunk:
   attention gets mlx-lm's concatenated array (gathered from the ring) and
-  its mask; the ring keeps what fits.
+  its mask; the ring keeps what fits, written only once the chunk is
+  committed (the next write, or a length set at or past its end): a chunk
+  longer than the slack overwrites positions the cache still needs at the
+  chunk's start, so one interrupted, the length set back to its start,
+  leaves the ring as it was.
 - any other write (one token, or a verify block at a device-side length,
   whose rows are positions mlx-lm decodes one at a time) goes to the ring,
   and the mask the cache makes shows each row the kept positions and the
@@ -69,6 +73,7 @@ class RotatingBufferKVCache(DeviceLengthCache):
         self.max_size, self.keep = max_size, keep
         self.window = max_size - keep + max(slack, 1) - 1
         self.written = 0  # host bound on the positions ever written: beyond keep + window, the ring has wrapped
+        self.staged = None  # a prompt chunk's ring writes, made once it is committed: (end, slots, keys, values)
 
     @property
     def slots(self) -> int:
@@ -117,7 +122,26 @@ class RotatingBufferKVCache(DeviceLengthCache):
         self.written = max(self.written, self.bound + n)
         return self.keys, self.values
 
+    def _commit(self) -> None:
+        """Write the staged chunk into the ring (idempotent until it is
+        cleared, so an interrupt inside leaves it to be done again)."""
+        end, idx, keys, values = self.staged
+        self.keys[..., idx, :] = keys
+        self.values[..., idx, :] = values
+        self.written = max(self.written, end)
+        self.staged = None
+
+    def set_length(self, length, bound: int | None = None) -> None:
+        if self.staged is not None:
+            if isinstance(length, int) and length < self.staged[0]:
+                self.staged = None  # an unfinished chunk (an interrupt): dropped, the ring as it was before it
+            else:
+                self._commit()
+        super().set_length(length, bound)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.staged is not None:
+            self._commit()
         n = keys.shape[2]
         if n == 1 or not isinstance(self.offset, int):
             return super().update_and_fetch(keys, values)
@@ -133,11 +157,9 @@ class RotatingBufferKVCache(DeviceLengthCache):
         positions = P + np.arange(n)
         kept = np.nonzero((positions < self.keep) | (positions >= P + n - self.window))[0]
         self._grow(n, keys, values)
-        idx = mx.array(self.slot(positions[kept]))
         rows = mx.array(kept)
-        self.keys[..., idx, :] = mx.take(keys, rows, axis=2)
-        self.values[..., idx, :] = mx.take(values, rows, axis=2)
-        self.written = max(self.written, P + n)
+        self.staged = (P + n, mx.array(self.slot(positions[kept])), mx.take(keys, rows, axis=2),
+                       mx.take(values, rows, axis=2))
         self.offset, self.bound = P + n, P + n
         return full_k, full_v
 
@@ -167,7 +189,7 @@ class RotatingBufferKVCache(DeviceLengthCache):
 
     @property
     def state(self):
-        return self.keys, self.values
+        return (self.keys, self.values) + (self.staged[2:] if self.staged is not None else ())
 
     @property
     def nbytes(self) -> int:
