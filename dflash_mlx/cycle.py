@@ -42,6 +42,7 @@ class Flight:
     result: mx.array  # [1 + bs]: accepted drafts a, then the target's tokens (first a + 1 are committed)
     last: mx.array  # [1] the next cycle's last token
     length: mx.array  # () the caches' length after this cycle
+    launch_seconds: float = 0.0  # the host's time building and queuing it
 
 
 class Cycle:

@@ -89,8 +89,11 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
     chooser = block if isinstance(block, BlockChooser) else None
 
     def launch(bs: int, last, length, bound: int) -> Flight:
+        tic = time.perf_counter()
         with mx.stream(generation_stream):
-            return cycle.launch(bs, last, length, bound)
+            flight = cycle.launch(bs, last, length, bound)
+        flight.launch_seconds = time.perf_counter() - tic
+        return flight
 
     def choose() -> int:
         return chooser.choose() if chooser is not None else block
@@ -106,7 +109,7 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
     flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids))
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
-    last_host, held, read_at = first, 0.0, time.perf_counter()
+    last_host = first
     while True:
         # Queue the next cycle before reading this one, unless this one surely
         # ends the reply. Blocks are not cut near the end (a cut block would
@@ -117,11 +120,14 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
             bs = choose()
             if kvq.may_queue(cache, bound, bs):  # (not if it might straddle the start of KV quantization)
                 following = launch(bs, flight.last, flight.length, bound)
+        tic = time.perf_counter()
         values = flight.result.tolist()
-        now = time.perf_counter()
         if chooser is not None:
-            chooser.record(flight.block_size, values[0], max(now - read_at - held, 0.0))
-        read_at = now
+            # A cycle's cost: building and queuing it, plus waiting for its
+            # result once the next one is queued. (The time between two reads
+            # would be the next cycle's launch wherever launching is the bound,
+            # as on a CPU, where queuing a graph computes most of it.)
+            chooser.record(flight.block_size, values[0], flight.launch_seconds + time.perf_counter() - tic)
         accepted, proposals = values[0], values[1:]
         new = proposals[: min(accepted + 1, max_tokens - n)]
         stop = next((i for i, t in enumerate(new) if t in eos), None)
@@ -132,9 +138,7 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         last_host = new[-1]
         n += len(new)
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
-        t = time.perf_counter()
         yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish)
-        held = time.perf_counter() - t
         if finish is not None:
             return
         cache.check_owner(owner)

@@ -171,3 +171,30 @@ def test_the_callers_time_is_not_the_cycles(agreeing_pair):
     chooser = chooser_for(draft, 4, 16)
     times = sorted(t for ts in chooser.times.values() for _, t in ts)
     assert times and times[len(times) // 2] < 0.04
+
+
+def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch):
+    """A cycle whose launch is the bound (the host's graph building on a GPU,
+    most of the work on a CPU) is charged to its own size, not to the cycle
+    read just before it was queued."""
+    import time
+
+    from dflash_mlx.cycle import Cycle
+
+    model, draft = agreeing_pair
+    real = Cycle.launch
+    cost = {1: 0.02, 4: 0.08, 8: 0.16, 16: 0.32}  # seconds of host time per block size, far apart
+
+    def slow_launch(self, block_size, *args):
+        time.sleep(cost[block_size])
+        return real(self, block_size, *args)
+
+    monkeypatch.setattr(Cycle, "launch", slow_launch)
+    chooser = chooser_for(fresh(draft), 4, 16)
+    seen = []
+    record = chooser.record
+    monkeypatch.setattr(chooser, "record", lambda b, a, s: seen.append((b, s)) or record(b, a, s))
+    list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=40, block_size="auto"))
+    assert {b for b, _ in seen} >= {1, 4, 8, 16}  # the probes, which change size from cycle to cycle
+    for b, s in seen:
+        assert cost[b] <= s < cost[b] + 0.05, (b, s)
