@@ -36,7 +36,7 @@ def verify_then_cut(target, strategy: str, prompt, block, accepted: int):
     length = mx.array(len(prompt), mx.int32)
     target.set_length(cache, length, len(prompt))
     target(mx.array(block)[None], cache, [0])
-    held = [c.pending.states and len(c.pending.states) for c in cache if isinstance(c, DeltaCache)]
+    held = [None if c.pending.states is None else c.pending.states.shape[0] for c in cache if isinstance(c, DeltaCache)]
     target.set_length(cache, length + accepted + 1, len(prompt) + len(block))
     return [c for c in cache if isinstance(c, DeltaCache)], held
 

@@ -55,7 +55,10 @@ def _value(n) -> int:
 
 def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
     """mlx-lm's ``gated_delta_update`` one step at a time: the outputs
-    [B, T, Hv, Dv] and the T+1 states before and after each step."""
+    [B, T, Hv, Dv], the T+1 states before and after each step stacked
+    [T+1, B, Hv, Dv, Dk] (one buffer: a cut takes from it without another
+    copy, and the steps' own arrays are let go once it is computed), and the
+    last state on its own (the cache's next state must not hold the stack)."""
     if state is None:
         B, _, _, Dk = q.shape
         state = mx.zeros((B, *v.shape[-2:], Dk), mx.float32)
@@ -66,7 +69,7 @@ def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
                                       layer.dt_bias, state, use_kernel=not layer.training)
         ys.append(y)
         states.append(state)
-    return mx.concatenate(ys, axis=1), states
+    return mx.concatenate(ys, axis=1), mx.stack(states), state
 
 
 @dataclass
@@ -83,7 +86,7 @@ class Write:
     b: mx.array
     state0: mx.array | None  # the recurrent state before the write
     state: mx.array  # ... and after all T steps
-    states: list[mx.array] | None = None  # per-step rollback: the state after each of 0..T steps
+    states: mx.array | None = None  # per-step rollback: the states after 0..T steps, stacked [T+1, ...]
 
     @property
     def steps(self) -> int:
@@ -102,7 +105,7 @@ class Write:
         else:
             conv = mx.take(self.conv_input, s + mx.arange(keep), axis=1)
         if self.states is not None:
-            return conv, self.states[s] if isinstance(s, int) else mx.take(mx.stack(self.states), s, axis=0)
+            return conv, self.states[s] if isinstance(s, int) else mx.take(self.states, s, axis=0)
         mask = (mx.arange(self.steps) < s)[None]
         layer = self.layer
         _, state = gated_delta_update(self.q, self.k, self.v, self.a, self.b, layer.A_log, layer.dt_bias,
@@ -168,8 +171,7 @@ class DeltaCache:
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
         states = None
         if self.rollback == "per-step" and T <= self.per_step_longest:
-            out, states = per_step_update(q, k, v, a, b, layer, self.ssm)
-            state = states[-1]
+            out, states, state = per_step_update(q, k, v, a, b, layer, self.ssm)
         else:
             out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm,
                                             use_kernel=not layer.training)
