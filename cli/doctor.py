@@ -53,6 +53,9 @@ def doctor_command(
     out.print("\n[bold]block-attention kernels[/]")
     kernels(line)
 
+    out.print("\n[bold]matrix products[/] (a verify multiplies a block of rows; one row is a plain step)")
+    products(line)
+
     out.print("\n[bold]decoding probe[/] (built-in pair, greedy)")
     if seconds > 0:
         probe(line, seconds)
@@ -117,6 +120,52 @@ def kernels(line) -> None:
                  if kernel is not None else f"fused {fused:.3f} ms, kernel not usable")
     except Exception as e:
         line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
+
+
+# Above this, 16 rows cost so many plain steps that no drafter can win.
+SLOW_ROWS = 4.0
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def products(line) -> None:
+    """How a 16-row matrix product costs against a 1-row one, per dtype: a
+    verify's cost against a plain step's. On a CPU whose BLAS does not
+    amortize rows (MLX's Linux wheel ships the reference BLAS), say what helps."""
+    from dflash_mlx.kernels import backend
+
+    try:
+        ratios = {name: product_scaling(name) for name in ("bfloat16", "float32")}
+    except Exception as e:  # doctor reports, it does not crash
+        line("16 rows / 1 row", f"could not run: {type(e).__name__}: {e}", "red")
+        return
+    slow = min(ratios.values()) > SLOW_ROWS
+    line("16 rows / 1 row", ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + " (1024 x 1024)",
+         "yellow" if slow else "")
+    if slow and backend() == "cpu":
+        hint = ("a verify of 16 tokens costs many plain steps here, so DFlash runs slower than plain decoding "
+                "on this CPU; use a GPU (Apple silicon) for speed")
+        if sys.platform.startswith("linux"):
+            hint += (f"; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian: libopenblas0) "
+                     f"and run with LD_PRELOAD={OPENBLAS} and float32 weights (mlx_lm.convert --dtype float32)")
+        line("hint", hint, "yellow")
+
+
+def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:
+    """Seconds of a [16, n] x [n, n] product over a [1, n] x [n, n] one."""
+    import mlx.core as mx
+
+    w = mx.random.normal((n, n)).astype(getattr(mx, dtype))
+    rows = {b: mx.random.normal((b, n)).astype(w.dtype) for b in (1, 16)}
+    mx.eval(w, rows)
+
+    def seconds(x):
+        mx.eval(x @ w)
+        tic = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(x @ w)
+        return time.perf_counter() - tic
+
+    return seconds(rows[16]) / seconds(rows[1])
 
 
 def time_attention(keys: int, reps: int = 20):

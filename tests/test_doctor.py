@@ -28,6 +28,7 @@ def test_doctor_reports_machine_kernels_probe_and_a_paste_block():
     dflash = re.search(r"dflash +([\d.]+) tok/s \((\d+) tokens, acceptance length ([\d.]+), block (\d+)\)", out)
     assert plain and dflash and float(plain[1]) > 0 and float(dflash[1]) > 0 and float(dflash[3]) >= 1
     assert re.search(r"dflash / plain +[\d.]+x", out)
+    assert re.search(r"16 rows / 1 row +bfloat16 [\d.]+x, float32 [\d.]+x", out)
     paste = out.split("Paste this into a bug report:")[1]
     block = paste.split("```")[1]
     assert "mlx-lm" in block and "plain decoding" in block and "dflash / plain" in block
@@ -59,3 +60,16 @@ def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
     assert "kernel checks          12 of 18 passed" in out
     assert "attention 1k keys      fused 0.500 ms, kernel 0.250 ms" in out
     assert "probe                  skipped (--seconds 0)" in out
+
+
+def test_doctor_says_when_row_costs_rule_dflash_out(monkeypatch):
+    """A CPU whose 16-row products cost many 1-row ones gets a hint naming
+    the cause and the fix; one that amortizes rows gets none."""
+    monkeypatch.setattr(doctor, "product_scaling", lambda dtype: {"bfloat16": 8.0, "float32": 12.0}[dtype])
+    out = run("--seconds", "0")
+    assert "16 rows / 1 row        bfloat16 8.0x, float32 12.0x" in out
+    assert "DFlash runs slower than plain decoding on this CPU" in out
+    assert "LD_PRELOAD=" in out and "reference BLAS" in out
+    monkeypatch.setattr(doctor, "product_scaling", lambda dtype: {"bfloat16": 8.0, "float32": 1.5}[dtype])
+    out = run("--seconds", "0")
+    assert "float32 1.5x" in out and "hint" not in out
