@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--blocks", default="4,8,16")
+    parser.add_argument("--models", default="qwen3.5-9b-like,gpt-oss-20b-like", help="which shapes, comma-separated")
+    parser.add_argument("--bits", default="16,4", help="weights: 16 (bf16) and/or 4 (mlx-lm 4-bit), comma-separated")
     parser.add_argument("--rollback", default=",".join(ROLLBACKS),
                         help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})")
     args = parser.parse_args()
@@ -164,9 +166,14 @@ def main() -> None:
     default_rollback = DeltaCache.rollback
     results = {"rollback_default": default_rollback, "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}", "mlx": mx.__version__, "rows": []}
     print(results["machine"])
-    for name, shape in (("qwen3.5-9b-like", qwen35_9b), ("gpt-oss-20b-like", gpt_oss_20b)):
-        cfg = shape(args.small)
-        for bits in (None, 4):
+    shapes = {"qwen3.5-9b-like": qwen35_9b, "gpt-oss-20b-like": gpt_oss_20b}
+    chosen = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not chosen or any(m not in shapes for m in chosen):
+        parser.error(f"--models takes {', '.join(shapes)} (comma-separated), not {args.models!r}.")
+    weights = [None if b.strip() == "16" else int(b) for b in args.bits.split(",") if b.strip()]
+    for name in chosen:
+        cfg = shapes[name](args.small)
+        for bits in weights:
             # MLX's CPU backend gathers MoE experts in float32 only.
             model, draft = build(cfg, bits, mx.float32 if args.small else mx.bfloat16)
             tok = make_tokenizer(cfg["vocab_size"])
