@@ -35,13 +35,18 @@ This cache reproduces both, exactly:
 The drafter's context is bounded to match by DraftWindowCache: it keeps the
 last ``window`` positions or more, dropping older ones in steps (a copy),
 their keys turned back by RoPE's shift so that relative positions, all the
-drafter sees, are kept. It only changes proposals, never the output.
+drafter sees, are kept. It only changes proposals, never the output. A
+drafter whose RoPE has no fixed rotation per position (mlx-lm's dynamic NTK
+scaling, or a class this does not know) is refused: its context could not be
+bounded.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import rope_utils
 
 from .kv_cache import BufferKVCache, DeviceLengthCache, positions_mask
 
@@ -196,21 +201,33 @@ class RotatingBufferKVCache(DeviceLengthCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def shift_rope(rope, x: mx.array, delta: int) -> mx.array | None:
+def _rotation(rope):
+    """(dims, traditional, base, scale, freqs) of the rotation ``rope`` gives
+    a key at each position, for mlx-lm's RoPE classes (rope_utils), or None
+    where there is no fixed one (DynamicNTKScalingRoPE: its base grows with
+    the context length) or the class is unknown."""
+    kind = type(rope)
+    if kind is nn.RoPE:
+        return rope.dims, rope.traditional, rope.base, rope.scale, None
+    if kind is rope_utils.SuScaledRoPE:  # (its input scaling is not a rotation: kept keys already carry it)
+        return rope.dim, False, None, 1.0, rope._freqs
+    fixed = tuple(getattr(rope_utils, n) for n in ("Llama3RoPE", "YarnRoPE", "ProportionalRoPE") if hasattr(rope_utils, n))
+    if kind in fixed:  # (Yarn's mscale, like SuScaled's, was applied before the rotation)
+        return rope.dims, rope.traditional, None, 1.0, rope._freqs
+    return None
+
+
+def can_shift(rope) -> bool:
+    return _rotation(rope) is not None
+
+
+def shift_rope(rope, x: mx.array, delta: int) -> mx.array:
     """Keys [B, H, T, d] roped at positions p turned into keys roped at
-    p + delta (a rotation per frequency), or None for a RoPE this cannot shift."""
-    dims, traditional = getattr(rope, "dims", None), getattr(rope, "traditional", None)
-    if dims is None or traditional is None:
-        return None
-    freqs = getattr(rope, "_freqs", None)
-    if freqs is None and not hasattr(rope, "base"):
-        return None
+    p + delta (a rotation per frequency); ``rope`` must pass can_shift."""
+    dims, traditional, base, scale, freqs = _rotation(rope)
     B, H, T, d = x.shape
     flat = x.reshape(B * H * T, 1, d)  # one row each: every key turned by the same delta
-    if freqs is not None:
-        out = mx.fast.rope(flat, dims, traditional=traditional, base=None, scale=1.0, offset=delta, freqs=freqs)
-    else:
-        out = mx.fast.rope(flat, dims, traditional=traditional, base=rope.base, scale=rope.scale, offset=delta)
+    out = mx.fast.rope(flat, dims, traditional=traditional, base=base, scale=scale, offset=delta, freqs=freqs)
     return out.reshape(B, H, T, d)
 
 
@@ -222,6 +239,9 @@ class DraftWindowCache(BufferKVCache):
     and kept keys are turned back by ``base`` positions."""
 
     def __init__(self, window: int, rope):
+        if not can_shift(rope):
+            raise ValueError(f"max_kv_size cannot bound this drafter's context: its RoPE ({type(rope).__name__}) "
+                             "cannot move kept keys to new positions; run without max_kv_size.")
         super().__init__()
         self.window, self.rope = window, rope
         self.base = 0
@@ -241,11 +261,10 @@ class DraftWindowCache(BufferKVCache):
             # is dropped is surely held)
             drop = min(self.bound + n - self.window, self.bound)
             kept_k = shift_rope(self.rope, self.keys[..., drop:self.bound, :], -drop)
-            if kept_k is not None:
-                pad = [(0, 0), (0, 0), (0, self.capacity - (self.bound - drop)), (0, 0)]
-                keys = shift_rope(self.rope, keys, -drop)
-                # one assignment: an interrupt leaves the cache as it was or compacted in full
-                self.keys, self.values, self.base, self.offset, self.bound = (
-                    mx.pad(kept_k, pad), mx.pad(self.values[..., drop:self.bound, :], pad), self.base + drop,
-                    self.offset - drop, self.bound - drop)
+            pad = [(0, 0), (0, 0), (0, self.capacity - (self.bound - drop)), (0, 0)]
+            keys = shift_rope(self.rope, keys, -drop)
+            # one assignment: an interrupt leaves the cache as it was or compacted in full
+            self.keys, self.values, self.base, self.offset, self.bound = (
+                mx.pad(kept_k, pad), mx.pad(self.values[..., drop:self.bound, :], pad), self.base + drop,
+                self.offset - drop, self.bound - drop)
         return super().update_and_fetch(keys, values)
