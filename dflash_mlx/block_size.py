@@ -37,6 +37,7 @@ import math
 import weakref
 
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 
 class BlockChooser:
@@ -175,7 +176,11 @@ QUANTIZED_DFLASH2_RANGE = (2, 5)
 
 
 def _quantized(module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in module.named_modules())
+    """Any layer of ``module`` holds quantized weights: nn's QuantizedLinear
+    and QuantizedEmbedding, mlx-lm's QuantizedSwitchLinear (a MoE's experts)
+    and any other layer packing its weight with ``scales`` beside it."""
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
+               or ("scales" in m and "weight" in m) for _, m in module.named_modules())
 
 
 def auto_range(target, draft) -> tuple[int, int]:

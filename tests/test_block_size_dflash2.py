@@ -59,3 +59,19 @@ def test_auto_with_a_quantized_target_and_a_dflash2_drafter(tmp_path):
         seen.update(responses[-1].block_sizes)  # this call's cycles per block size
     assert seen and max(seen) <= 5 and 2 in seen  # auto chose within 2..5 (its probes: 5, 2, 4, a plain step)
     assert chooser_for(draft, 2, 5).cycles == sum(seen.values())
+
+
+def test_a_moe_target_with_quantized_experts(tmp_path):
+    """A qwen3_moe target whose experts are mlx-lm's QuantizedSwitchLinear
+    counts as quantized, even when its experts are all that is quantized."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from family_models import family_config, make_family_target
+
+    cfg = {**family_config("qwen3_moe", vocab=VOCAB, layers=5, hidden=64), "tie_word_embeddings": False}
+    model = make_family_target(cfg, seed=21)
+    assert auto_range(model, dflash2(tmp_path, "d")) == (4, 16)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    assert auto_range(model, dflash2(tmp_path, "d")) == (2, 5)
+    assert auto_range(adapt(model), dflash2(tmp_path, "d")) == (2, 5)
