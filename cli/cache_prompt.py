@@ -53,11 +53,17 @@ def prefix_ids(tokenizer, prefix: str, system_prompt: Optional[str], template: b
 def read_cache_file(path: Path) -> dict:
     """The prefix a prompt-cache file holds: its text, system prompt and
     template settings (from the file's metadata), checked before any load."""
-    from dflash_mlx.prompt_cache_file import read_metadata
+    from dflash_mlx.prompt_cache_file import damaged, read_metadata
 
     meta = read_metadata(path)
+    try:
+        template_kwargs = json.loads(meta.get("template_kwargs") or "{}")
+    except ValueError:
+        template_kwargs = None
+    if not isinstance(template_kwargs, dict):
+        raise damaged(path, "its chat template settings are not a JSON object")
     return {"prompt": meta.get("prompt", ""), "system_prompt": meta.get("system_prompt") or None,
-            "template_kwargs": json.loads(meta.get("template_kwargs") or "{}")}
+            "template_kwargs": template_kwargs}
 
 
 def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64, 0)):

@@ -124,30 +124,74 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
     tmp.replace(path)  # never a half-written file under the real name
 
 
-def read_metadata(path: str | Path) -> dict[str, str]:
-    """The metadata of a prompt-cache file (checked to be one)."""
+def damaged(path, what: str) -> ValueError:
+    """The sentence for a prompt-cache file that is one but was edited or cut."""
+    return ValueError(f"{path} is damaged ({what}); make it again with `dflash-mlx cache-prompt`.")
+
+
+def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata of a prompt-cache file, its metadata checked."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ValueError(f"the prompt-cache file {path} {what}; make one with `dflash-mlx cache-prompt`.")
     try:
-        _, meta = mx.load(str(path), return_metadata=True)
+        arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception:
-        raise ValueError(f"{path} is not a safetensors file; make a prompt cache with `dflash-mlx cache-prompt`.") from None
-    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a safetensors file, or is cut short; make a prompt cache with "
+                         "`dflash-mlx cache-prompt`.") from None
+    if not isinstance(arrays, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`.")
     if meta.get("version") != VERSION:
         raise ValueError(f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again.")
-    return meta
+    try:
+        tokens = json.loads(meta["tokens"])
+    except (KeyError, ValueError):
+        raise damaged(path, "its metadata has no readable token ids") from None
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int and t >= 0 for t in tokens):
+        raise damaged(path, "its token ids are not a list of ids")
+    settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
+    if any(v is not None for v in settings):
+        if not all(v is not None and v.isdigit() for v in settings):
+            raise damaged(path, "its KV quantization settings are incomplete or not numbers")
+    return arrays, meta
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The metadata of a prompt-cache file (checked to be one)."""
+    return _open(path)[1]
+
+
+def _tensors(path, arrays: dict[str, mx.array], name: str, quantized: bool, n: int,
+             heads: tuple[int, int] | None = None) -> mx.array | tuple:
+    """One layer's keys or values, as saved (a packed triple when quantized),
+    checked to hold ``n`` positions of one sequence (``heads``: the (heads,
+    head dim) they must have, where known)."""
+    names = [f"{name}.{j}" for j in range(3)] if quantized else [name]
+    missing = [k for k in names if k not in arrays]
+    if missing:
+        raise damaged(path, f"the tensor {missing[0]} is missing")
+    parts = [arrays[k] for k in names]
+    for j, (k, a) in enumerate(zip(names, parts)):
+        dtype_ok = a.dtype == mx.uint32 if quantized and j == 0 else mx.issubdtype(a.dtype, mx.floating)
+        shape_ok = a.ndim == 4 and a.shape[0] == 1 and a.shape[2] == n and a.shape[:3] == parts[0].shape[:3]
+        if shape_ok and heads is not None:
+            shape_ok = (a.shape[1], a.shape[3]) == heads
+        if not (dtype_ok and shape_ok):
+            kind = str(a.dtype).removeprefix("mlx.core.")
+            raise damaged(path, f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
+                                 f"hold {n} cached positions for this pair")
+    return tuple(parts) if quantized else parts[0]
 
 
 def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
                       quantized_kv_start: int = 0) -> tuple[PromptCache, dict[str, str]]:
     """A PromptCache for ``model`` and ``draft`` holding what ``path`` saved,
     and the file's metadata. A file made for another pair, or with other KV
-    cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused."""
-    meta = read_metadata(path)
-    arrays = mx.load(str(path))
+    cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused;
+    so is a damaged one (edited metadata, a tensor missing or of another
+    shape), each in one sentence."""
+    arrays, meta = _open(path)
     cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
     _attention_caches(cache)
     if meta.get("fingerprint") != pair_fingerprint(model, draft):
@@ -161,9 +205,26 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
     if made != kv_settings(cache):
         raise ValueError(f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
                          "use the settings it was made with, or make it again with these.")
-    tokens = [int(t) for t in json.loads(meta["tokens"])]
+    tokens = json.loads(meta["tokens"])
     n = len(tokens)
-    if made[0] is not None and f"target.0.keys.0" in arrays:  # quantized when it was saved
+    if max(tokens) >= cache.adapter.vocab_size:
+        raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")
+    # a quantized cache's target is saved packed once it held quantized_kv_start positions
+    packed = made[0] is not None and "target.0.keys.0" in arrays
+    cfg = draft.config
+    expected, loaded = set(), {}
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i in range(len(layers)):
+            quantized = packed and role == "target"
+            heads = (cfg.num_key_value_heads, cfg.head_dim) if role == "draft" else None
+            for name in ("keys", "values"):
+                key = f"{role}.{i}.{name}"
+                loaded[key] = _tensors(path, arrays, key, quantized, n, heads)
+                expected.update([f"{key}.{j}" for j in range(3)] if quantized else [key])
+    extra = sorted(set(arrays) - expected)
+    if extra:
+        raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
+    if packed:
         cache.target[:] = [QuantizedBufferKVCache(made[1], made[0]) for _ in cache.target]
 
     def padded(a: mx.array, room: int) -> mx.array:
@@ -172,11 +233,11 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i, c in enumerate(layers):
             room = -(-n // c.step) * c.step
+            k, v = loaded[f"{role}.{i}.keys"], loaded[f"{role}.{i}.values"]
             if isinstance(c, QuantizedBufferKVCache):
-                c.keys, c.values = (tuple(padded(arrays[f"{role}.{i}.{name}.{j}"], room) for j in range(3))
-                                    for name in ("keys", "values"))
+                c.keys, c.values = (tuple(padded(a, room) for a in parts) for parts in (k, v))
             else:
-                c.keys, c.values = (padded(arrays[f"{role}.{i}.{name}"], room) for name in ("keys", "values"))
+                c.keys, c.values = padded(k, room), padded(v, room)
             c.set_length(n)
     mx.eval(cache.arrays())
     cache.tokens = tokens
