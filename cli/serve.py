@@ -94,6 +94,7 @@ def serve_command(
             quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
         )
         target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model)
+        check_args(max_tokens, temp, top_p, top_k, block_size, draft=draft)  # a block past the trained one
         try:
             app = create_app(target, draft, tokenizer, config)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)

@@ -142,3 +142,22 @@ def test_serve_refuses_bad_kv_settings_in_one_sentence(kv_pair):
         said = " ".join(result.stderr.split())
         assert result.exit_code == 1 and words in said, (flags, result.output)
         assert "Traceback" not in result.output and "serving" not in said
+
+
+def test_serve_refuses_a_block_past_the_trained_one_in_one_sentence(kv_pair, monkeypatch):
+    """As generate and chat do once the pair is loaded (the drafter was trained with blocks of 4)."""
+    import dflash_mlx.server
+
+    def run(*args, **kwargs):  # a refusal that failed ends here, not in a server that waits
+        raise RuntimeError("the server was started")
+
+    monkeypatch.setattr(dflash_mlx.server, "run", run)
+    target, draft, _ = kv_pair
+    result = cli("serve", "--model", str(target), "--draft-model", str(draft), "--port", "1", "--block-size", "9")
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and said == ("error: --block-size 9 is larger than the block the drafter was trained "
+                                              "for (4), whose drafts past it are noise; use at most 4, or 'auto'."), \
+        result.output
+    assert "Traceback" not in result.output and "serving" not in said
+    generated = cli("generate", "--model", str(target), "--draft-model", str(draft), "-p", "w1", "--block-size", "9")
+    assert generated.exit_code == 1 and " ".join(generated.stderr.split()) == said  # the same sentence
