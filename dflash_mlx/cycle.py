@@ -43,6 +43,7 @@ class Flight:
     last: mx.array  # [1] the next cycle's last token
     length: mx.array  # () the caches' length after this cycle
     launch_seconds: float = 0.0  # the host's time building and queuing it
+    new_shape: bool = False  # the first cycle of its block size and buffer width: it paid one-off builds
 
 
 class Cycle:
@@ -66,6 +67,7 @@ class Cycle:
         # A DFlash 2 drafter proposes through its candidate selector (greedy,
         # or sampled with its distribution q at temperature > 0).
         self.selects = hasattr(draft, "propose")
+        self._shapes: set[tuple[int, int]] = set()  # (block size, buffer width) seen
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
         return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
@@ -77,11 +79,16 @@ class Cycle:
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
         device. ``bound``: a host-side upper bound on ``length``."""
+        # A block size meeting a buffer width for the first time builds new
+        # graphs (a trace, where compiled; the backend's kernels): not its cost.
+        shape = (block_size, self.caches.draft[0].width_after(block_size))
+        new_shape = shape not in self._shapes
+        self._shapes.add(shape)
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
             result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
         else:
             result, new_last, new_length = self._build(block_size, last, length, bound)
-        flight = Flight(block_size, result, new_last, new_length)
+        flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape)
         mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
         return flight
 

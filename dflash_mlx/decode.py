@@ -127,7 +127,9 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
             # result once the next one is queued. (The time between two reads
             # would be the next cycle's launch wherever launching is the bound,
             # as on a CPU, where queuing a graph computes most of it.)
-            chooser.record(flight.block_size, values[0], flight.launch_seconds + time.perf_counter() - tic)
+            # A cycle that built new graphs is no measure of its size's cost.
+            cost = None if flight.new_shape else flight.launch_seconds + time.perf_counter() - tic
+            chooser.record(flight.block_size, values[0], cost)
         accepted, proposals = values[0], values[1:]
         new = proposals[: min(accepted + 1, max_tokens - n)]
         stop = next((i for i, t in enumerate(new) if t in eos), None)
