@@ -4,7 +4,6 @@ short) is refused in one sentence: a ValueError through the API, "error:
 ..." and exit 1 through the CLI, never a traceback."""
 
 import json
-import os
 
 import mlx.core as mx
 import pytest
