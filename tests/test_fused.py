@@ -47,6 +47,17 @@ def test_fused_forward_equals_mlx_lm_layers(family, bits):
         assert mx.array_equal(got, ref).item()  # the same arithmetic per output element
 
 
+def test_fused_forward_without_a_cache_equals_mlx_lm_layers():
+    """The trainer reads a whole sequence's taps with no cache."""
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=3, hidden=128), seed=9)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    target = adapt(model)
+    got = target(tokens, [None] * target.num_layers, [0, 2])
+    target.blocks = list(target.inner.layers)
+    want = target(tokens, [None] * target.num_layers, [0, 2])
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
 def test_fusing_keeps_memory_and_leaves_mlx_lm_decoding_unchanged():
     model = make_target(target_config("qwen3", vocab=VOCAB, layers=2, hidden=512), seed=6)
     prompt = [5, 7, 11, 13]

@@ -120,8 +120,11 @@ def block(layer: nn.Module) -> Callable:
             q, k = q_norm(q), k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
+        if cache is not None:
+            q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)
+        else:  # a whole sequence at once (the trainer's taps)
+            q, k = attn.rope(q), attn.rope(k)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         gate, up = mx.split(fused.gate_up(layer.post_attention_layernorm(h)), [fused.ffn], axis=-1)
