@@ -21,6 +21,11 @@ sinks), each in bf16 and 4-bit. For each it times
   strategy too.
 
     PYTHONPATH=$PWD python benchmarks/families.py --rollback replay,per-step --out rollback.json
+    PYTHONPATH=$PWD python benchmarks/families.py --models gpt-oss-20b-like --bits 4 --official
+
+``--official`` times the official Z Lab MLX loop's cycle beside ours (same shapes, its own copy of
+the target, a random drafter of the same shape in Z Lab's layout); ``--models`` and ``--bits``
+choose what to run.
 
 Needs only mlx, mlx-lm and this repository. --small runs tiny shapes (a CPU
 smoke test in float32; its numbers mean nothing).
@@ -33,7 +38,9 @@ import importlib
 import json
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,7 +49,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import stream_generate
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
-from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights
+from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
 
 
 def qwen35_9b(small: bool) -> dict:
@@ -75,22 +82,62 @@ def gpt_oss_20b(small: bool) -> dict:
     }
 
 
-def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
+def target(cfg: dict, bits: int | None, dtype=mx.bfloat16):
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(dict(cfg)))
     model.set_dtype(dtype)
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
+    return model
+
+
+def drafter_config(cfg: dict) -> dict:
     n = cfg["num_hidden_layers"]
-    taps = sorted({1, n // 2, n - 2})
-    dcfg = draft_config(cfg, layers=1 if cfg["hidden_size"] < 1024 else 5, block_size=16, taps=taps)
-    draft = make_draft(dcfg, random_draft_weights(dcfg))
+    return draft_config(cfg, layers=1 if cfg["hidden_size"] < 1024 else 5, block_size=16, taps=sorted({1, n // 2, n - 2}))
+
+
+def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
+    model = target(cfg, bits, dtype)
+    draft = make_draft(drafter_config(cfg), random_draft_weights(drafter_config(cfg)))
     draft.set_dtype(dtype)
     if bits:
         nn.quantize(draft, group_size=64, bits=bits)
     mx.eval(draft.parameters())
     return model, draft
+
+
+def official_cycle_ms(cfg: dict, bits: int | None, dtype, tok, prompt, bs: int, n: int) -> float | None:
+    """The official Z Lab MLX loop's cycle (``dflash.model_mlx``) on a target
+    of its own (it wraps the layers, and patches the delta-net class), with a
+    random drafter of the same shape written in Z Lab's layout; None where the
+    package is missing or the loop cannot run the family."""
+    try:
+        import dflash.model_mlx as official
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        dcfg = drafter_config(cfg)
+        path = write_zlab_draft(Path(d) / "draft", dcfg, random_draft_weights(dcfg), dtype=dtype)
+        official.snapshot_download = lambda *a, **k: str(path)  # a local directory, not a Hub id
+        try:
+            draft = official.load_draft(str(path))
+            mx.eval(draft.parameters())  # read before the directory goes
+        except Exception as e:
+            print(f"official loop: its drafter did not load ({type(e).__name__}: {e})", file=sys.stderr)
+            return None
+    if bits:
+        nn.quantize(draft, group_size=64, bits=bits)
+    model = target(cfg, bits, dtype)
+    stamps = []
+    try:
+        for r in official.stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=n * bs):
+            if r.tokens:
+                stamps.append(time.perf_counter())
+    except Exception as e:
+        print(f"official loop: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return (stamps[-1] - stamps[2]) * 1000 / max(len(stamps) - 3, 1)
 
 
 def plain_ms(model, prompt, n: int) -> float:
@@ -154,6 +201,8 @@ def main() -> None:
     parser.add_argument("--blocks", default="4,8,16")
     parser.add_argument("--models", default="qwen3.5-9b-like,gpt-oss-20b-like", help="which shapes, comma-separated")
     parser.add_argument("--bits", default="16,4", help="weights: 16 (bf16) and/or 4 (mlx-lm 4-bit), comma-separated")
+    parser.add_argument("--official", action="store_true",
+                        help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)")
     parser.add_argument("--rollback", default=",".join(ROLLBACKS),
                         help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})")
     args = parser.parse_args()
@@ -192,6 +241,11 @@ def main() -> None:
                           f" = {c / plain:4.2f} steps" + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
                                                           f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
                 DeltaCache.rollback = default_rollback
+                if args.official:
+                    o = official_cycle_ms(cfg, bits, mx.float32 if args.small else mx.bfloat16, tok, prompt, bs, n)
+                    cell["official_cycle_ms"] = o
+                    print(f"{name:18} {row['weights']:7} official loop, block {bs:2}: " +
+                          (f"cycle {o:7.2f} ms = {o / plain:4.2f} steps" if o is not None else "did not run"))
             results["rows"].append(row)
             del model, draft
             mx.clear_cache()
