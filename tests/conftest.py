@@ -2,6 +2,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Commands render through rich, which wraps at the terminal's width (80 when
+# there is none): a wide one keeps long temporary paths (pytest-xdist's
+# popen-gwN folders) on one line, so what a test looks for is not cut.
+os.environ["COLUMNS"] = "240"
 
 import pytest  # noqa: E402
 
