@@ -100,3 +100,20 @@ def _arrays(module):
     from mlx.utils import tree_flatten
 
     return [v for _, v in tree_flatten(module.parameters())]
+
+
+def test_new_weights_or_a_quantization_are_fused_again():
+    """Fused copies never go stale: weights loaded, or the model quantized,
+    after a first adapter make the next adapter fuse afresh."""
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=2, hidden=128), seed=10)
+    tokens = mx.array([[2, 7, 1, 8, 2, 8]])
+    first = [projections(layer) for layer in adapt(model).inner.layers]
+    attn = model.model.layers[0].self_attn
+    model.load_weights([("model.layers.0.self_attn.k_proj.weight", mx.random.normal(attn.k_proj.weight.shape))], strict=False)
+    nn.quantize(model.model.layers[1], group_size=32, bits=4)
+    target = adapt(model)
+    assert all(projections(layer) is not f for layer, f in zip(model.model.layers, first))
+    got = target(tokens, target.make_cache(), [0, 1])
+    target.blocks = list(target.inner.layers)
+    want = target(tokens, target.make_cache(), [0, 1])
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -40,7 +40,8 @@ class FusedProjections:
     ffn: int  # where up starts in gate_up's output
 
 
-_fused: dict[int, tuple[weakref.ref, FusedProjections | None]] = {}
+# id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
+_fused: dict[int, tuple[weakref.ref, FusedProjections | None, tuple]] = {}
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module | None:
@@ -81,11 +82,13 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
 
 def projections(layer: nn.Module) -> FusedProjections | None:
     """The fused projections of an mlx-lm qwen3/llama layer, made once per
-    layer object (later calls, a new adapter of the same model, reuse them);
-    None for a layer that cannot be fused."""
+    layer object and kept while its projections are the ones they were made
+    from (later calls, a new adapter of the same model, reuse them; new
+    weights, a LoRA adapter or a quantization since make them again); None
+    for a layer that cannot be fused."""
     key = id(layer)
     entry = _fused.get(key)
-    if entry is not None and entry[0]() is layer:
+    if entry is not None and entry[0]() is layer and _unchanged(entry[2], _sources(layer)):
         return entry[1]
     made = None
     if type(layer).__module__ in FUSABLE_BLOCKS:
@@ -96,8 +99,21 @@ def projections(layer: nn.Module) -> FusedProjections | None:
             # (a quantized weight packs along its columns: rows are still outputs)
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             made = FusedProjections(qkv, [nq, nq + nk], gate_up, mlp.gate_proj.weight.shape[0])
-    _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made)
+    _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made, _sources(layer))
     return made
+
+
+def _sources(layer: nn.Module) -> tuple:
+    """The projection modules of a layer and the arrays they hold now."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    return tuple(x for m in mods if isinstance(m, nn.Module)
+                 for x in (m, *(m[k] for k in sorted(m) if isinstance(m[k], mx.array))))
+
+
+def _unchanged(then: tuple, now: tuple) -> bool:
+    return len(then) == len(now) and all(a is b for a, b in zip(then, now))
 
 
 def block(layer: nn.Module) -> Callable:
