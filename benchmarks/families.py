@@ -99,7 +99,8 @@ def drafter_config(cfg: dict) -> dict:
 
 def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
     model = target(cfg, bits, dtype)
-    draft = make_draft(drafter_config(cfg), random_draft_weights(drafter_config(cfg)))
+    dcfg = drafter_config(cfg)
+    draft = make_draft(dcfg, random_draft_weights(dcfg))
     draft.set_dtype(dtype)
     if bits:
         nn.quantize(draft, group_size=64, bits=bits)

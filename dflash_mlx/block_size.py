@@ -15,8 +15,8 @@ before it were (a count with a prior of 1/2, so positions never tried are
 neither trusted nor ruled out), and a, c fitted to the recent cycle times
 (least squares over the block sizes tried, c >= 0; a cycle's time is the
 host's time building and queuing it plus the time waited for its result, see
-decode.py: the caller's time between responses is not in it). A plain target step (a block of 1: no drafts) is a
-candidate too, with its own measured time: when no block pays (a drafter
+decode.py: the caller's time between responses is not in it). A plain
+target step (a block of 1: no drafts) is a candidate too, with its own measured time: when no block pays (a drafter
 that accepts little, a very long context) the loop decodes plainly and keeps
 the drafter's context fed, so drafting resumes when it pays again.
 

@@ -124,10 +124,10 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
         values = flight.result.tolist()
         if chooser is not None:
             # A cycle's cost: building and queuing it, plus waiting for its
-            # result once the next one is queued. (The time between two reads
+            # result once the next one is queued (the time between two reads
             # would be the next cycle's launch wherever launching is the bound,
-            # as on a CPU, where queuing a graph computes most of it.)
-            # A cycle that built new graphs is no measure of its size's cost.
+            # as on a CPU, where queuing a graph computes most of it); none for
+            # a cycle that built new graphs, no measure of its size's cost.
             cost = None if flight.new_shape else flight.launch_seconds + time.perf_counter() - tic
             chooser.record(flight.block_size, values[0], cost)
         accepted, proposals = values[0], values[1:]
