@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kv_cache import BufferKVCache, DeviceLengthCache
+from .kv_cache import BufferKVCache, DeviceLengthCache, put_positions
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -80,9 +80,9 @@ class QuantizedBufferKVCache(DeviceLengthCache):
                 for a, b in zip(buf, new):
                     a[..., start : start + n, :] = b
         else:
-            at = mx.reshape(start, (1,)).astype(mx.int32)
-            self.keys = tuple(mx.slice_update(a, b, at, axes=(2,)) for a, b in zip(self.keys, qk))
-            self.values = tuple(mx.slice_update(a, b, at, axes=(2,)) for a, b in zip(self.values, qv))
+            at = start + mx.arange(n)
+            self.keys = tuple(put_positions(a, b, at) for a, b in zip(self.keys, qk))
+            self.values = tuple(put_positions(a, b, at) for a, b in zip(self.values, qv))
         return self.keys, self.values
 
     @property

@@ -48,7 +48,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import rope_utils
 
-from .kv_cache import BufferKVCache, DeviceLengthCache, positions_mask
+from .kv_cache import BufferKVCache, DeviceLengthCache, positions_mask, put_positions
 
 KEEP = 4  # mlx-lm's make_prompt_cache: RotatingKVCache(max_size=max_kv_size, keep=4)
 
@@ -122,8 +122,8 @@ class RotatingBufferKVCache(DeviceLengthCache):
         n = keys.shape[2]
         self._grow(n, keys, values)
         idx = self.slot(start + mx.arange(n))
-        self.keys[..., idx, :] = keys
-        self.values[..., idx, :] = values
+        self.keys = put_positions(self.keys, keys, idx)
+        self.values = put_positions(self.values, values, idx)
         self.written = max(self.written, self.bound + n)
         return self.keys, self.values
 
@@ -131,8 +131,8 @@ class RotatingBufferKVCache(DeviceLengthCache):
         """Write the staged chunk into the ring (idempotent until it is
         cleared, so an interrupt inside leaves it to be done again)."""
         end, idx, keys, values = self.staged
-        self.keys[..., idx, :] = keys
-        self.values[..., idx, :] = values
+        self.keys = put_positions(self.keys, keys, idx)
+        self.values = put_positions(self.values, values, idx)
         self.written = max(self.written, end)
         self.staged = None
 
