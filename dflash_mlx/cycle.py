@@ -24,9 +24,11 @@ the drafter's context still grows, so drafting can resume at any time).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
@@ -44,6 +46,41 @@ class Flight:
     length: mx.array  # () the caches' length after this cycle
     launch_seconds: float = 0.0  # the host's time building and queuing it
     new_shape: bool = False  # the first cycle of its block size and buffer width: it paid one-off builds
+
+
+@dataclass
+class Traces:
+    """What one model pair's cycles keep across calls: the compiled cycles
+    (one per block size and sampling setting) and the (block size, buffer
+    width) pairs met so far, whose graphs the backend has built. Valid while
+    the pair's weights are the arrays they were made with (``weights``, held
+    so that their ids stay theirs): compiled graphs hold weights as
+    constants, so new weights (a LoRA adapter, a training step, a
+    quantization) start afresh."""
+
+    weights: list
+    compiled: dict = field(default_factory=dict)
+    shapes: set = field(default_factory=set)
+    # what a trace reads when it runs: the call's cycle, caches and bound
+    now: dict = field(default_factory=dict)
+
+
+_traces: dict[int, tuple[weakref.ref, Traces]] = {}
+
+
+def traces_for(target: DenseTarget, draft: DFlashDraft) -> Traces:
+    """The traces kept for this pair (see Traces); forgotten with the drafter."""
+    weights = [a for m in (target.model, draft) for _, a in tree_flatten(m.parameters())]
+    key = id(draft)
+    entry = _traces.get(key)
+    if entry is None or entry[0]() is not draft or not _same(entry[1].weights, weights):
+        entry = (weakref.ref(draft, lambda _, key=key: _traces.pop(key, None)), Traces(weights))
+        _traces[key] = entry
+    return entry[1]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class Cycle:
@@ -67,7 +104,7 @@ class Cycle:
         # A DFlash 2 drafter proposes through its candidate selector (greedy,
         # or sampled with its distribution q at temperature > 0).
         self.selects = hasattr(draft, "propose")
-        self._shapes: set[tuple[int, int]] = set()  # (block size, buffer width) seen
+        self.traces = traces_for(target, draft)
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
         return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
@@ -82,8 +119,8 @@ class Cycle:
         # A block size meeting a buffer width for the first time builds new
         # graphs (a trace, where compiled; the backend's kernels): not its cost.
         shape = (block_size, self.caches.draft[0].width_after(block_size))
-        new_shape = shape not in self._shapes
-        self._shapes.add(shape)
+        new_shape = shape not in self.traces.shapes
+        self.traces.shapes.add(shape)
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
             result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
         else:
@@ -124,23 +161,36 @@ class Cycle:
         return mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length
 
     def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
-        """The same graph through mx.compile: traced once per block size and
-        buffer shape, then replayed without Python, its elementwise chains fused."""
+        """The same graph through mx.compile: traced once per block size,
+        sampling setting and buffer shape for the pair (kept across calls,
+        see Traces), then replayed without Python, its elementwise chains
+        fused. The trace reads the call's cycle, caches and bound from
+        ``traces.now``, so a retrace (new buffer shapes) in a later call
+        builds that call's graph; the seed is an input, not a constant."""
         layers = self.caches.target + self.caches.draft
         for c in layers:
             c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
-        fn = self._compiled.get(block_size)
+        now = self.traces.now
+        now.update(cycle=self, layers=layers, bound=bound)
+        key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None)
+        fn = self.traces.compiled.get(key)
         if fn is None:
-            # (``bound`` inside only sizes buffers, reserved above for every
-            # call, so the value this trace captures serves later calls too)
-            def step(last, length, *buffers):
+            def step(last, length, seed, *buffers):
+                cycle, layers = now["cycle"], now["layers"]
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
                     c.keys, c.values = k, v
-                out = self._build(block_size, last, length, bound)
+                kept_seed = cycle.seed
+                cycle.seed = seed if kept_seed is not None else None
+                try:
+                    # (``bound`` inside only sizes buffers, reserved above for every call)
+                    out = cycle._build(block_size, last, length, now["bound"])
+                finally:
+                    cycle.seed = kept_seed
                 return (*out, *[a for c in layers for a in (c.keys, c.values)])
 
-            fn = self._compiled[block_size] = mx.compile(step)
-        result, new_last, new_length, *buffers = fn(last, length, *[a for c in layers for a in (c.keys, c.values)])
+            fn = self.traces.compiled[key] = mx.compile(step)
+        seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
+        result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)

@@ -1,0 +1,75 @@
+"""Compiled cycles (mx.compile, the default on a GPU) run here on the CPU:
+the same tokens as the target alone, traces kept across calls and prompt
+caches, the seed an input of the trace, and new weights never meeting an
+old trace."""
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.cycle import Cycle, traces_for
+from dflash_mlx.targets import adapt
+from test_sampling import plain_sampled
+from tiny import greedy_reference, make_tokenizer
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setattr(Cycle, "compile_graphs", True)
+
+
+def tokens(model, draft, prompt, **kw):
+    return [t for r in stream_generate(model, draft, make_tokenizer(24), prompt, **kw) for t in r.tokens]
+
+
+def test_compiled_greedy_equals_target_across_calls_and_caches(compiled, agreeing_pair):
+    model, draft = agreeing_pair
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8], [9] * 40]
+    first = traces_for(adapt(model), draft)
+    for block in (4, 16, "auto"):
+        for prompt in prompts:
+            cache = make_prompt_cache(model, draft)
+            want = greedy_reference(model, prompt, 40)
+            assert tokens(model, draft, prompt, max_tokens=40, block_size=block, prompt_cache=cache) == want, block
+            # a second turn on the same cache replays the traces
+            more = prompt + want + [5, 6]
+            got = tokens(model, draft, more, max_tokens=24, block_size=block, prompt_cache=cache)
+            assert got == greedy_reference(model, more, 24), block
+    kept = traces_for(adapt(model), draft)
+    assert kept is first and {k[0] for k in kept.compiled} >= {4, 16}
+
+
+def test_seed_is_an_input_of_the_trace(compiled, agreeing_pair):
+    """One trace serves every seed: each call's text is the target's own
+    sample with that call's noise (a seed baked into the trace would repeat
+    the first call's text)."""
+    model, draft = agreeing_pair
+    prompt = [3, 1, 4, 1, 5]
+    texts = []
+    for seed in (0, 1, 2):
+        got = tokens(model, draft, prompt, max_tokens=30, temperature=0.8, seed=seed, block_size=8)
+        assert got == plain_sampled(model, prompt, 30, seed, 0.8, 1.0, 0), seed
+        texts.append(got)
+    assert len({tuple(t) for t in texts}) > 1
+    keys = [k for k in traces_for(adapt(model), draft).compiled if k[0] == 8 and k[-1]]
+    assert len(keys) == 1  # one sampled trace for block 8, replayed for each seed
+
+
+def test_new_weights_start_new_traces(compiled):
+    """Compiled graphs hold weights as constants: after the target's weights
+    change, output follows the new weights."""
+    from tiny import draft_config, lean_towards_one_token, make_draft, make_target, random_draft_weights, target_config
+
+    tcfg = target_config("qwen3", vocab=24, layers=3)
+    model = lean_towards_one_token(make_target(tcfg, seed=31), 0.36)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=32))
+    prompt = [1, 2, 3, 4]
+    assert tokens(model, draft, prompt, max_tokens=24, block_size=8) == greedy_reference(model, prompt, 24)
+    before = traces_for(adapt(model), draft)
+    head = model.lm_head
+    head.weight = head.weight[::-1]  # a different head: different text
+    mx.eval(head.weight)
+    want = greedy_reference(model, prompt, 24)
+    assert tokens(model, draft, prompt, max_tokens=24, block_size=8) == want
+    assert traces_for(adapt(model), draft) is not before
