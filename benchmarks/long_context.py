@@ -10,7 +10,8 @@ synced (built, evaluated alone, waited for), median of 7:
   attention calls over the cache buffer), as the verify's layers call it;
 - kernel attention: the same through ``dflash_mlx.kernels.block_attention``
   (GPU only);
-- cache writes: every layer's key and value written at a device offset;
+- cache writes: every layer's key and value written at a device offset, as
+  the cache writes them (kv_cache.put_positions);
 - plain step: mlx-lm's one-token forward at the same context.
 
 What grows with the context between two lengths is what a long-context cycle
@@ -41,7 +42,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     from dflash_mlx import make_prompt_cache
     from dflash_mlx.decode import prefill
     from dflash_mlx.kernels import block_attention
-    from dflash_mlx.kv_cache import positions_mask
+    from dflash_mlx.kv_cache import positions_mask, put_positions
     from dflash_mlx.targets import adapt
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
@@ -82,12 +83,12 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     new_k = mx.random.normal((1, kv, block, hd)).astype(mx.bfloat16)
     bufs = [[mx.zeros((1, kv, cap, hd), mx.bfloat16) for _ in range(2)] for _ in range(layers)]
     mx.eval(new_k, bufs)
-    at = mx.reshape(length, (1,))
+    at = length + mx.arange(block)
 
-    def writes():
+    def writes():  # as the cache writes at a device offset
         for pair in bufs:
-            pair[0] = mx.slice_update(pair[0], new_k, at, axes=(2,))
-            pair[1] = mx.slice_update(pair[1], new_k, at, axes=(2,))
+            pair[0] = put_positions(pair[0], new_k, at)
+            pair[1] = put_positions(pair[1], new_k, at)
         return bufs
 
     out["cache_writes_ms"] = timed(writes)
