@@ -79,6 +79,11 @@ def traces_for(target: DenseTarget, draft: DFlashDraft) -> Traces:
     return entry[1]
 
 
+def forget_traces(draft: DFlashDraft) -> None:
+    """Drop the traces kept for ``draft``'s pair: the next call builds afresh."""
+    _traces.pop(id(draft), None)
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 

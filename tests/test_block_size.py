@@ -7,6 +7,7 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.block_size import BlockChooser, chooser_for, forget
+from dflash_mlx.cycle import forget_traces
 from tiny import greedy_reference, make_tokenizer
 
 
@@ -205,6 +206,7 @@ def test_a_cycle_that_built_new_graphs_is_not_timed(agreeing_pair, monkeypatch):
     (a trace where cycles are compiled): auto learns acceptance from it but
     not the size's cost."""
     model, draft = agreeing_pair
+    forget_traces(draft)  # graphs earlier tests built are built: start as a fresh process does
     chooser = chooser_for(fresh(draft), 4, 16)
     seen = []
     record = chooser.record

@@ -1,0 +1,128 @@
+"""What attention costs inside a real verify, against the same calls in isolation.
+
+    python benchmarks/verify_attention.py --shape qwen3-8b --prompt-tokens 1024,16384
+
+First the layers' attention calls alone: 36 fused attention calls (16 query
+rows, 32/8 heads, head dim 128) over one cache-sized buffer, with the
+verify's boolean mask and without. Then the target's verify of a 16-token
+block at each prompt length (cache writes left out, so that only attention
+differs between the rows), with attention
+
+- as is: the fused op with the cache's mask;
+- contiguous q: the same after copying the queries to a contiguous layout;
+- no mask: the fused op without a mask (wrong output; a timing only);
+- kernel: ``dflash_mlx.kernels.block_attention`` forced onto its kernel (GPU);
+- skipped: attention replaced by its queries (what the rest of the verify costs).
+
+Synced, median of 7, ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import mlx.core as mx
+
+from cycle import SHAPES, random_pair
+
+FUSED = mx.fast.scaled_dot_product_attention
+
+
+def timed(fn, repeat: int = 7) -> float:
+    times = []
+    for _ in range(repeat + 1):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return 1000 * sorted(times[1:])[repeat // 2]
+
+
+def isolated(shape: str, capacity: int, block: int) -> dict:
+    from dflash_mlx.kv_cache import positions_mask
+
+    _, layers, heads, kv, hd, *_ = SHAPES[shape]
+    k = mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16)
+    v = mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16)
+    q = mx.random.normal((1, heads, block, hd)).astype(mx.bfloat16)
+    mask = positions_mask(block, mx.array(capacity - block), capacity)
+    mx.eval(k, v, q, mask)
+    return {name: timed(lambda m=m: [FUSED(q, k, v, scale=hd ** -0.5, mask=m) for _ in range(layers)])
+            for name, m in (("isolated, mask", mask), ("isolated, no mask", None))}
+
+
+def in_verify(model, draft, P: int, block: int) -> dict:
+    from dflash_mlx import kv_cache, make_prompt_cache
+    from dflash_mlx.decode import prefill
+    from dflash_mlx.kernels import block_attention, dispatch
+    from dflash_mlx.targets import adapt
+
+    target = adapt(model)
+    taps = list(draft.config.target_layer_ids)
+    prompt = [(i * 7919) % (draft.config.vocab_size - 2) + 1 for i in range(P)]
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, prompt, 2048, None)
+    length = mx.array(P, mx.int32)
+    real_write, real_table = kv_cache.BufferKVCache.write, dispatch.KERNEL_WINS
+
+    def no_write(self, keys, values, start):
+        self._grow(self.bound + keys.shape[2], keys, values)
+        return self.keys, self.values
+
+    def attention(variant):
+        def attend(q, k, v, scale, mask=None, **kw):
+            if variant == "skipped":
+                return q
+            if variant == "contiguous q":
+                q = mx.contiguous(q)
+            if variant == "no mask":
+                mask = None
+            if variant == "kernel":
+                mx.fast.scaled_dot_product_attention = FUSED  # its fallback calls the fused op
+                try:
+                    return block_attention(q, k, v, scale=scale, q_offset=length, kv_length=length + q.shape[2], causal=True)
+                finally:
+                    mx.fast.scaled_dot_product_attention = attend
+            return FUSED(q, k, v, scale=scale, mask=mask, **kw)
+        return attend
+
+    variants = ["as is", "contiguous q", "no mask", "skipped"]
+    if mx.default_device() == mx.gpu:
+        variants.insert(3, "kernel")
+    out = {}
+    kv_cache.BufferKVCache.write = no_write
+    dispatch.KERNEL_WINS = ((10**6, None),)  # the kernel for any rows
+    try:
+        for variant in variants:
+            def run():
+                for c in cache.target:
+                    c.set_length(length, P)
+                mx.fast.scaled_dot_product_attention = attention(variant)
+                try:
+                    return target(mx.array([[1] * block]), cache.target, taps)
+                finally:
+                    mx.fast.scaled_dot_product_attention = FUSED
+            out[f"verify, {variant}"] = timed(run)
+    finally:
+        kv_cache.BufferKVCache.write, dispatch.KERNEL_WINS = real_write, real_table
+    out["capacity"] = cache.target[0].capacity
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--prompt-tokens", default="1024,16384")
+    ap.add_argument("--block", type=int, default=16)
+    args = ap.parse_args()
+    print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}")
+    model, draft = random_pair(args.shape, None)
+    for P in [int(p) for p in args.prompt_tokens.split(",")]:
+        row = in_verify(model, draft, P, args.block)
+        row.update(isolated(args.shape, row["capacity"], args.block))
+        print(f"prompt {P}: " + ", ".join(f"{k} {v:.2f}" if k != "capacity" else f"{k} {v}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
