@@ -188,6 +188,8 @@ def main():
     ap.add_argument("--fuse", choices=["on", "off", "both"], default="on",
                     help="fused q/k/v and gate/up products in the target's layers (the default), plain "
                          "mlx-lm layers, or both side by side in one run")
+    ap.add_argument("--fuse-draft", choices=["on", "off", "both"], default="on",
+                    help="fused products in the drafter's layers (the default), its modules, or both")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -208,11 +210,14 @@ def main():
             for block in [int(b) for b in args.blocks.split(",")]:
                 dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
-        for fuse in ([True, False] if args.fuse == "both" else [args.fuse == "on"]):
+        settings = [(t, d) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
+                    for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])]
+        for fuse, fuse_draft in settings:
             DenseTarget.fuse_projections = fuse
+            type(draft).fuse_projections = fuse_draft
             for block in [int(b) for b in args.blocks.split(",")]:
-                row = {"prompt_tokens": P, "block": block, "fused": fuse, "plain_step_ms": step}
-                if args.fuse == "both":  # a warm-up of this setting's graphs
+                row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft, "plain_step_ms": step}
+                if len(settings) > 1:  # a warm-up of this setting's graphs
                     dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
                 row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
                 row.update(synced_pieces(model, draft, prompt, block))
@@ -234,10 +239,10 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
           f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
               f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
               f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
 

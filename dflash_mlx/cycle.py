@@ -70,6 +70,7 @@ _traces: dict[int, tuple[weakref.ref, Traces]] = {}
 
 def traces_for(target: DenseTarget, draft: DFlashDraft) -> Traces:
     """The traces kept for this pair (see Traces); forgotten with the drafter."""
+    draft.fused_projections()  # (fusing makes the layers' projections views: their weights after it)
     weights = [a for m in (target.model, draft) for _, a in tree_flatten(m.parameters())]
     key = id(draft)
     entry = _traces.get(key)
@@ -177,7 +178,8 @@ class Cycle:
             c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
         now = self.traces.now
         now.update(cycle=self, layers=layers, bound=bound)
-        key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None)
+        key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None,
+               self.target.fuse_projections, self.draft.fuse_projections)
         fn = self.traces.compiled.get(key)
         if fn is None:
             def step(last, length, seed, *buffers):

@@ -19,6 +19,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kv_cache import BufferKVCache, positions_mask
+from .targets.fused import projections
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -320,12 +321,16 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def keys_values(self, x: mx.array, rope, offset) -> tuple[mx.array, mx.array]:
-        """Roped, normed keys and plain values of ``x`` at positions offset.."""
-        keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=offset)
-        return keys, self._heads(self.v_proj(x), self.n_kv_heads)
+    def keys_values(self, x: mx.array, rope, offset, fused=None) -> tuple[mx.array, mx.array]:
+        """Roped, normed keys and plain values of ``x`` at positions offset..
+        (``fused``: the layer's FusedProjections, k and v from one product)."""
+        k, v = fused.keys_values(x) if fused is not None else (self.k_proj(x), self.v_proj(x))
+        return self._keys(k, rope, offset), self._heads(v, self.n_kv_heads)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None):
+    def _keys(self, k: mx.array, rope, offset) -> mx.array:
+        return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
+
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
         int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
@@ -333,10 +338,12 @@ class DraftAttention(nn.Module):
         the block's keys/values are written into the cache's buffer right
         after its valid length, without moving it, so the context is never
         copied and the next write replaces them. ``attend`` replaces the fused
-        attention (same signature as mx.fast.scaled_dot_product_attention)."""
+        attention (same signature as mx.fast.scaled_dot_product_attention);
+        ``fused``, the layer's FusedProjections, makes q/k/v one product."""
         B, L, _ = x.shape
-        queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=offset)
-        keys, values = self.keys_values(x, rope, offset)
+        q, k, v = fused.qkv(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        queries = rope(self.q_norm(self._heads(q, self.n_heads)), offset=offset)
+        keys, values = self._keys(k, rope, offset), self._heads(v, self.n_kv_heads)
         if cache is not None:
             keys, values = cache.write(keys, values, cache.offset)
         elif ctx_keys is not None:
@@ -355,8 +362,12 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend)
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
+        """``fused``: this layer's FusedProjections (targets/fused.py), which
+        run q/k/v as one product and gate/up as another; None: the modules."""
+        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused)
+        if fused is not None:
+            return h + fused.mlp(self.mlp, self.post_attention_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -409,6 +420,18 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(taps))
 
     # -- inference -------------------------------------------------------
+    # Inference runs each layer with q/k/v as one product and gate/up as
+    # another (and the context's k/v as one), as the target's layers do: at
+    # real sizes a cycle is bound by launching products (targets/fused.py).
+    fuse_projections = True
+
+    def fused_projections(self) -> list:
+        """Each layer's FusedProjections (None where its projections cannot
+        be fused: mixed kinds or quantizations), or None for all with fusing off."""
+        if not self.fuse_projections:
+            return [None] * len(self.layers)
+        return [projections(layer) for layer in self.layers]
+
     def make_cache(self) -> list[BufferKVCache]:
         """Context caches, one per layer (fixed-capacity buffers whose length
         may live on the device; see kv_cache)."""
@@ -418,8 +441,8 @@ class DFlashDraft(nn.Module):
         """Append the context keys/values of newly committed positions, given
         their tapped target states taps: [1, S, n*H]."""
         ctx = self.context(taps)
-        for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset))
+        for layer, c, fused in zip(self.layers, cache, self.fused_projections()):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset, fused))
 
     def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache]) -> mx.array:
         """Draft one block.
@@ -441,7 +464,7 @@ class DFlashDraft(nn.Module):
         x = self.embed(block)
         L = block.shape[1]
         masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
-        for layer, c in zip(self.layers, cache):
+        for layer, c, fused in zip(self.layers, cache, self.fused_projections()):
             attn = layer.self_attn
             # The whole buffer, fixed in shape: the mask hides the unfilled
             # tail and does the windowing.
@@ -449,7 +472,7 @@ class DFlashDraft(nn.Module):
             kind = (attn.causal, attn.window, c.width_after(L), length)
             if kind not in masks:
                 masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
-            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c)
+            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=fused)
         return self.norm(x[:, 1:])
 
 

@@ -200,14 +200,15 @@ class Draft2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(cfg)
         self.mlp_conv = GroupedDynamicConv(cfg)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         h = self.input_layernorm(x)
         dyn = self.attention_conv.dynamic(h)
-        a = self.self_attn(self.attention_conv(h, dyn, 0), ctx_keys, ctx_values, rope, offset, mask, cache, attend)
+        a = self.self_attn(self.attention_conv(h, dyn, 0), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused)
         x = x + self.attention_conv(a, dyn, 1)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.dynamic(h)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(h, dyn, 0)), dyn, 1)
+        mixed = self.mlp_conv(h, dyn, 0)
+        return x + self.mlp_conv(fused.mlp(self.mlp, mixed) if fused is not None else self.mlp(mixed), dyn, 1)
 
 
 class CandidateSelector(nn.Module):

@@ -29,15 +29,33 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 
-FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama")
+# mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
+# projection names; their forward takes the fused projections, draft.py)
+FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama", "dflash_mlx.draft", "dflash_mlx.draft2")
 
 
 @dataclass
 class FusedProjections:
-    qkv: nn.Module
-    qkv_splits: list[int]  # where k and v start in qkv's output
+    kvq: nn.Module  # k, v and q side by side, in that order
+    kvq_splits: list[int]  # where v and q start in kvq's output
+    kv: nn.Module  # the first rows of kvq (a view): keys and values alone, for the drafter's context
     gate_up: nn.Module
     ffn: int  # where up starts in gate_up's output
+
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The q, k and v projections of x, from one product."""
+        k, v, q = mx.split(self.kvq(x), self.kvq_splits, axis=-1)
+        return q, k, v
+
+    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The k and v projections of x alone, from one product."""
+        k, v = mx.split(self.kv(x), self.kvq_splits[:1], axis=-1)
+        return k, v
+
+    def mlp(self, mlp: nn.Module, x: mx.array) -> mx.array:
+        """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product."""
+        gate, up = mx.split(self.gate_up(x), [self.ffn], axis=-1)
+        return mlp.down_proj(swiglu(gate, up))
 
 
 # id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
@@ -80,6 +98,23 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
     return fused
 
 
+def first_rows(linear: nn.Module, n: int) -> nn.Module:
+    """A linear layer of the same kind whose arrays are views of ``linear``'s
+    first ``n`` output rows (its first outputs, no copy)."""
+    kind = type(linear)
+    view = kind.__new__(kind)
+    nn.Module.__init__(view)
+    for name in ("group_size", "bits", "mode"):
+        if name in linear.__dict__:
+            setattr(view, name, linear.__dict__[name])
+    for name, value in linear.items():
+        if isinstance(value, mx.array):
+            view[name] = value[:n]
+    if kind is nn.QuantizedLinear:
+        view.freeze()
+    return view
+
+
 def projections(layer: nn.Module) -> FusedProjections | None:
     """The fused projections of an mlx-lm qwen3/llama layer, made once per
     layer object and kept while its projections are the ones they were made
@@ -93,12 +128,13 @@ def projections(layer: nn.Module) -> FusedProjections | None:
     made = None
     if type(layer).__module__ in FUSABLE_BLOCKS:
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
+        kvq = fuse([attn.k_proj, attn.v_proj, attn.q_proj])
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if kvq is not None else None
         if gate_up is not None:
             # (a quantized weight packs along its columns: rows are still outputs)
-            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-            made = FusedProjections(qkv, [nq, nq + nk], gate_up, mlp.gate_proj.weight.shape[0])
+            nk, nv = attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
+            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up,
+                                    mlp.gate_proj.weight.shape[0])
     _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made, _sources(layer))
     return made
 
@@ -129,7 +165,7 @@ def block(layer: nn.Module) -> Callable:
     def forward(h: mx.array, mask, cache) -> mx.array:
         x = layer.input_layernorm(h)
         B, L, _ = x.shape
-        q, k, v = mx.split(fused.qkv(x), fused.qkv_splits, axis=-1)
+        q, k, v = fused.qkv(x)
         q = q.reshape(B, L, attn.n_heads, -1)
         k = k.reshape(B, L, attn.n_kv_heads, -1)
         if q_norm is not None:
@@ -143,7 +179,6 @@ def block(layer: nn.Module) -> Callable:
             q, k = attn.rope(q), attn.rope(k)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        gate, up = mx.split(fused.gate_up(layer.post_attention_layernorm(h)), [fused.ffn], axis=-1)
-        return h + mlp.down_proj(swiglu(gate, up))
+        return h + fused.mlp(mlp, layer.post_attention_layernorm(h))
 
     return forward

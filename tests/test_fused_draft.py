@@ -1,0 +1,84 @@
+"""The drafters' fused products (q/k/v and gate/up as one product each, the
+context's k/v as one): the same logits and context caches as the layers'
+own modules, for DFlash and DFlash 2 drafters, bf16 and quantized, with no
+extra memory."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx import load_draft
+from dflash_mlx.targets import adapt
+from test_dflash2 import TCFG, dflash2_config, random_dflash2_weights
+from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config, write_zlab_draft
+
+
+def dflash_pair(bits):
+    tcfg = target_config("qwen3", vocab=40, layers=4, hidden=128)
+    model = make_target(tcfg, seed=7)
+    dcfg = draft_config(tcfg, layers=2, block_size=8, taps=[0, 3])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=8))
+    if bits:
+        nn.quantize(draft, group_size=32, bits=bits)
+    return model, draft
+
+
+def dflash2_pair(tmp_path):
+    cfg = dflash2_config(TCFG)
+    path = write_zlab_draft(tmp_path / "zlab", cfg, random_dflash2_weights(cfg), dtype=mx.float32)
+    return make_target(TCFG, seed=11), load_draft(str(path))
+
+
+def draft_twice(model, draft, block):
+    """Logits and context caches of two blocks (the second after more
+    context), with the fused products and with the modules."""
+    target = adapt(model)
+    draft.bind(target)
+    H = target.hidden_size * len(draft.config.target_layer_ids)
+    mx.random.seed(3)
+    taps = [mx.random.normal((1, n, H)).astype(target.dtype) for n in (9, 3)]
+    out = {}
+    for fuse in (True, False):
+        draft.fuse_projections = fuse
+        cache = draft.make_cache()
+        logits = [draft(block, taps[0], cache), draft(block, taps[1], cache)]
+        out[fuse] = logits + [a for c in cache for a in (c.keys, c.values)]
+    del draft.fuse_projections  # back to the class default
+    return out
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_fused_dflash_drafter_equals_its_modules(bits):
+    model, draft = dflash_pair(bits)
+    before = sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
+    block = mx.array([[5] + [draft.config.mask_token_id] * 7])
+    out = draft_twice(model, draft, block)
+    assert all(f is not None for f in draft.fused_projections())  # the fused path ran
+    for got, want in zip(out[True], out[False]):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+    # the layers' projections are views of the fused rows: no extra parameters
+    assert sum(v.nbytes for _, v in tree_flatten(draft.parameters())) == before
+
+
+def test_fused_dflash2_drafter_equals_its_modules(tmp_path):
+    model, draft = dflash2_pair(tmp_path)
+    block = mx.array([[5] + [draft.config.mask_token_id] * 5])
+    out = draft_twice(model, draft, block)
+    assert all(f is not None for f in draft.fused_projections())
+    for got, want in zip(out[True], out[False]):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+
+
+def test_new_drafter_weights_are_fused_again():
+    """Weights loaded after fusing (a training step, a checkpoint) are the
+    ones the fused products use."""
+    model, draft = dflash_pair(None)
+    block = mx.array([[5] + [draft.config.mask_token_id] * 7])
+    draft_twice(model, draft, block)  # fuses
+    fresh = random_draft_weights(draft_config(target_config("qwen3", vocab=40, layers=4, hidden=128),
+                                              layers=2, block_size=8, taps=[0, 3]), seed=99)
+    draft.load_weights(list(fresh.items()))
+    out = draft_twice(model, draft, block)
+    for got, want in zip(out[True], out[False]):
+        assert mx.array_equal(got, want).item()
