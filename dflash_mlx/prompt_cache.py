@@ -147,10 +147,12 @@ class PromptCache:
         first = []
         if self.reply_next and (self.max_kv_size is not None or kvq.pending(self)):
             first, new = [new[:1]], new[1:]
+        def pieces(ids: list[int]) -> list[list[int]]:
+            return [ids[i : i + step] for i in range(0, len(ids), step)]
+
         if self.max_kv_size is None and not kvq.pending(self):
-            return first + [new[i : i + step] for i in range(0, len(new), step)]
-        head = new[:-1]
-        return first + [head[i : i + step] for i in range(0, len(head), step)] + ([new[-1:]] if new else [])
+            return first + pieces(new)
+        return first + pieces(new[:-1]) + ([new[-1:]] if new else [])
 
     def arrays(self) -> list:
         """Every buffer both caches hold (what a queued cycle writes)."""
