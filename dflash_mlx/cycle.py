@@ -62,6 +62,7 @@ class Traces:
     compiled: dict = field(default_factory=dict)
     shapes: set = field(default_factory=set)
     # what a trace reads when it runs: the call's cycle, caches and bound
+    # (set for the length of one compiled call)
     now: dict = field(default_factory=dict)
 
 
@@ -197,7 +198,10 @@ class Cycle:
 
             fn = self.traces.compiled[key] = mx.compile(step)
         seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
-        result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
+        try:
+            result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
+        finally:
+            now.clear()  # the call's caches are not held past it
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)

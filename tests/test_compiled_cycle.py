@@ -73,3 +73,18 @@ def test_new_weights_start_new_traces(compiled):
     want = greedy_reference(model, prompt, 24)
     assert tokens(model, draft, prompt, max_tokens=24, block_size=8) == want
     assert traces_for(adapt(model), draft) is not before
+
+
+def test_kept_traces_do_not_hold_a_calls_cache(compiled, agreeing_pair):
+    """The traces outlive the call; the prompt cache it used does not."""
+    import gc
+    import weakref
+
+    model, draft = agreeing_pair
+    cache = make_prompt_cache(model, draft)
+    tokens(model, draft, [3, 1, 4], max_tokens=12, block_size=4, prompt_cache=cache)
+    assert not traces_for(adapt(model), draft).now
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None
