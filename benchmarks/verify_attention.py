@@ -3,8 +3,10 @@
     python benchmarks/verify_attention.py --shape qwen3-8b --prompt-tokens 1024,16384
 
 First the layers' attention calls alone: 36 fused attention calls (16 query
-rows, 32/8 heads, head dim 128) over one cache-sized buffer, with the
-verify's boolean mask and without. Then the target's verify of a 16-token
+rows, 32/8 heads, head dim 128) over cache-sized buffers, with the verify's
+boolean mask and without, reading one buffer or one buffer per call
+(``--buffers``): in a verify each layer reads its own, and the calls over one
+buffer ran ~3x faster than the verify's own (BENCHMARKS.md, session 5). Then the target's verify of a 16-token
 block at each prompt length (cache writes left out, so that only attention
 differs between the rows), with attention
 
@@ -39,17 +41,21 @@ def timed(fn, repeat: int = 7) -> float:
     return 1000 * sorted(times[1:])[repeat // 2]
 
 
-def isolated(shape: str, capacity: int, block: int) -> dict:
+def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
+    """The layers' attention calls alone, over ``buffers`` distinct key/value
+    buffers in turn (1: every call reads the same one; the layers' count: a
+    buffer per layer, as in a verify)."""
     from dflash_mlx.kv_cache import positions_mask
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
-    k = mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16)
-    v = mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16)
+    ks = [mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16) for _ in range(buffers)]
+    vs = [mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16) for _ in range(buffers)]
     q = mx.random.normal((1, heads, block, hd)).astype(mx.bfloat16)
     mask = positions_mask(block, mx.array(capacity - block), capacity)
-    mx.eval(k, v, q, mask)
-    return {name: timed(lambda m=m: [FUSED(q, k, v, scale=hd ** -0.5, mask=m) for _ in range(layers)])
-            for name, m in (("isolated, mask", mask), ("isolated, no mask", None))}
+    mx.eval(ks, vs, q, mask)
+    return {f"isolated over {buffers} buffers, {name}": timed(
+                lambda m=m: [FUSED(q, ks[i % buffers], vs[i % buffers], scale=hd ** -0.5, mask=m) for i in range(layers)])
+            for name, m in (("mask", mask), ("no mask", None))}
 
 
 def in_verify(model, draft, P: int, block: int) -> dict:
@@ -115,12 +121,15 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--buffers", default="1,36",
+                    help="comma-separated counts of distinct buffers for the isolated calls (a verify has one a layer)")
     args = ap.parse_args()
     print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}")
     model, draft = random_pair(args.shape, None)
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         row = in_verify(model, draft, P, args.block)
-        row.update(isolated(args.shape, row["capacity"], args.block))
+        for n in [int(b) for b in args.buffers.split(",")]:
+            row.update(isolated(args.shape, row["capacity"], args.block, n))
         print(f"prompt {P}: " + ", ".join(f"{k} {v:.2f}" if k != "capacity" else f"{k} {v}" for k, v in row.items()), flush=True)
 
 
