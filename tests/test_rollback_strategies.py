@@ -51,17 +51,20 @@ def test_both_rollbacks_leave_the_same_states_as_plain_decoding(model, monkeypat
         replay, held = verify_then_cut(target, "replay", prompt, block, accepted)
         assert held == [None] * len(replay)
         # The per-step cut is a take among the verify's states: no re-run.
-        reruns = []
-        real = recurrent.gated_delta_update
+        reruns, steps = [], []
+        real, real_steps = recurrent.gated_delta_update, recurrent.gated_delta_ops
         monkeypatch.setattr(recurrent, "gated_delta_update", lambda *a, **k: reruns.append(a[0].shape[1]) or real(*a, **k))
+        monkeypatch.setattr(recurrent, "gated_delta_ops", lambda *a, **k: steps.append(a[0].shape[1]) or real_steps(*a, **k))
         per_step, held = verify_then_cut(target, "per-step", prompt, block, accepted)
         monkeypatch.undo()
         assert held == [B + 1] * len(per_step)
         # The prefill (longer than a verify block) in one call, and once more
         # where the cycle names its length (a replay: it kept no states); the
-        # verify one step per call, and none at its cut.
+        # verify one recurrence step per call (its gates made once), and
+        # none at its cut.
         assert len(prompt) > DeltaCache.per_step_longest
-        assert reruns == [len(prompt)] * 2 * len(per_step) + [1] * len(per_step) * B
+        assert reruns == [len(prompt)] * 2 * len(per_step)
+        assert steps == [1] * len(per_step) * B
         want = model.make_cache()
         model(mx.array(prompt + block[: accepted + 1])[None], cache=want)
         want = [w for w, linear in zip(want, target.linear) if linear]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_kernel, gated_delta_ops, gated_delta_update, normalize_qk
 
 
 ROLLBACKS = ("replay", "per-step")
@@ -58,18 +58,35 @@ def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
     [B, T, Hv, Dv], the T+1 states before and after each step stacked
     [T+1, B, Hv, Dv, Dk] (one buffer: a cut takes from it without another
     copy, and the steps' own arrays are let go once it is computed), and the
-    last state on its own (the cache's next state must not hold the stack)."""
+    last state on its own (the cache's next state must not hold the stack).
+
+    The gates and, off the Metal kernel, the key heads' repeat for the value
+    heads are made once for the block, as ``gated_delta_update`` makes them
+    once for its whole input: per step they were about six more kernels per
+    step and layer, most of the per-step rollback's cost at block 16."""
+    B, _, _, Dk = q.shape
     if state is None:
-        B, _, _, Dk = q.shape
         state = mx.zeros((B, *v.shape[-2:], Dk), mx.float32)
+    beta, g = mx.sigmoid(b), compute_g(layer.A_log, a, layer.dt_bias)
+    kernel = _metal_kernel(k, layer)
+    if not kernel and (repeat := v.shape[-2] // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    step = gated_delta_kernel if kernel else gated_delta_ops
     states, ys = [state], []
     for t in range(q.shape[1]):
         one = slice(t, t + 1)
-        y, state = gated_delta_update(q[:, one], k[:, one], v[:, one], a[:, one], b[:, one], layer.A_log,
-                                      layer.dt_bias, state, use_kernel=not layer.training)
+        y, state = step(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state)
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), mx.stack(states), state
+
+
+def _metal_kernel(k: mx.array, layer: nn.Module) -> bool:
+    """Whether ``gated_delta_update`` would run its Metal kernel here (its own
+    rule, mlx-lm 0.32): the same steps must run the same arithmetic."""
+    Dk = k.shape[-1]
+    return (not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available()
+            and Dk >= 32 and Dk % 32 == 0)
 
 
 @dataclass
