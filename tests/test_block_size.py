@@ -184,7 +184,10 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
 
     model, draft = agreeing_pair
     real = Cycle.launch
-    cost = {1: 0.02, 4: 0.08, 8: 0.16, 16: 0.32}  # seconds of host time per block size, far apart
+    # seconds of host time per block size, 3x apart, so that a cycle charged
+    # with any other size's cost falls outside its own bounds below even on
+    # a loaded machine
+    cost = {1: 0.01, 4: 0.06, 8: 0.18, 16: 0.54}
 
     def slow_launch(self, block_size, *args):
         time.sleep(cost[block_size])
@@ -198,7 +201,7 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=40, block_size="auto"))
     assert {b for b, s in seen if s is not None} >= {1, 4, 8, 16}  # the probes change size from cycle to cycle
     for b, s in seen:
-        assert s is None or cost[b] <= s < cost[b] + 0.05, (b, s)
+        assert s is None or cost[b] <= s < 1.7 * cost[b] + 0.03, (b, s)
 
 
 def test_a_cycle_that_built_new_graphs_is_not_timed(agreeing_pair, monkeypatch):
