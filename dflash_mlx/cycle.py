@@ -24,8 +24,11 @@ the drafter's context still grows, so drafting can resume at any time).
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -51,31 +54,59 @@ class Flight:
 @dataclass
 class Traces:
     """What one model pair's cycles keep across calls: the compiled cycles
-    (one per block size and sampling setting) and the (block size, buffer
-    width) pairs met so far, whose graphs the backend has built. Valid while
-    the pair's weights are the arrays they were made with (``weights``, held
-    so that their ids stay theirs): compiled graphs hold weights as
-    constants, so new weights (a LoRA adapter, a training step, a
-    quantization) start afresh."""
+    (one per block size and sampling setting, each holding a trace per
+    buffer width) and the (block size, buffer width) pairs met so far, whose
+    graphs the backend has built. Valid while the pair's weights are the
+    arrays they were made with (``weights``, held so that their ids stay
+    theirs; the old ones are let go at the next call): compiled graphs hold
+    weights as constants, so new weights (a LoRA adapter, a training step, a
+    quantization) start afresh.
+
+    Bounded: the ``most_settings`` settings used last are kept, and a
+    setting's compiled cycle starts afresh after ``most_widths`` buffer
+    widths (a long conversation), so a server meeting many sampling
+    settings and lengths does not grow without end."""
 
     weights: list
-    compiled: dict = field(default_factory=dict)
+    compiled: OrderedDict = field(default_factory=OrderedDict)  # key -> (compiled step, widths it traced)
     shapes: set = field(default_factory=set)
     # what a trace reads when it runs: the call's cycle, caches and bound
-    # (set for the length of one compiled call)
+    # (set for the length of one compiled call, under ``lock``)
     now: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    most_settings = 16
+    most_widths = 32
+
+    def compiled_step(self, key: tuple, width: int, make) -> Callable:
+        """The compiled cycle for ``key`` (made by ``make`` when missing, too
+        wide, or evicted), marked as used last."""
+        fn, widths = self.compiled.get(key, (None, set()))
+        if fn is None or (width not in widths and len(widths) >= self.most_widths):
+            fn, widths = make(), set()
+        widths.add(width)
+        self.compiled[key] = (fn, widths)
+        self.compiled.move_to_end(key)
+        while len(self.compiled) > self.most_settings:
+            self.compiled.popitem(last=False)
+        return fn
 
 
 _traces: dict[int, tuple[weakref.ref, Traces]] = {}
 
 
 def traces_for(target: DenseTarget, draft: DFlashDraft) -> Traces:
-    """The traces kept for this pair (see Traces); forgotten with the drafter."""
+    """The traces kept for this pair (see Traces); forgotten with the drafter.
+    New weights also remake the target's fused layers, so an adapter kept
+    across them (``adapt`` returns one it is given) does not run old ones."""
     draft.fused_projections()  # (fusing makes the layers' projections views: their weights after it)
     weights = [a for m in (target.model, draft) for _, a in tree_flatten(m.parameters())]
     key = id(draft)
     entry = _traces.get(key)
     if entry is None or entry[0]() is not draft or not _same(entry[1].weights, weights):
+        if entry is not None and entry[0]() is draft:
+            target.make_blocks()
+            weights = [a for m in (target.model, draft) for _, a in tree_flatten(m.parameters())]
         entry = (weakref.ref(draft, lambda _, key=key: _traces.pop(key, None)), Traces(weights))
         _traces[key] = entry
     return entry[1]
@@ -103,7 +134,7 @@ class Cycle:
             compiled = mx.default_device().type == mx.DeviceType.gpu
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
-        self.compiled, self._compiled = compiled and buffers, {}
+        self.compiled = compiled and buffers
         self.temperature, self.top_p, self.top_k, self.min_p = sampling
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
@@ -177,12 +208,12 @@ class Cycle:
         layers = self.caches.target + self.caches.draft
         for c in layers:
             c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
-        now = self.traces.now
-        now.update(cycle=self, layers=layers, bound=bound)
+        traces = self.traces
+        now = traces.now
         key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None,
                self.target.fuse_projections, self.draft.fuse_projections)
-        fn = self.traces.compiled.get(key)
-        if fn is None:
+
+        def make():
             def step(last, length, seed, *buffers):
                 cycle, layers = now["cycle"], now["layers"]
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
@@ -196,12 +227,16 @@ class Cycle:
                     cycle.seed = kept_seed
                 return (*out, *[a for c in layers for a in (c.keys, c.values)])
 
-            fn = self.traces.compiled[key] = mx.compile(step)
+            return mx.compile(step)
+
         seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
-        try:
-            result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
-        finally:
-            now.clear()  # the call's caches are not held past it
+        with traces.lock:  # one thread's trace never reads another's caches
+            fn = traces.compiled_step(key, layers[0].capacity, make)
+            try:
+                now.update(cycle=self, layers=layers, bound=bound)
+                result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
+            finally:
+                now.clear()  # the call's caches are not held past it
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)

@@ -88,3 +88,36 @@ def test_kept_traces_do_not_hold_a_calls_cache(compiled, agreeing_pair):
     del cache
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("compile_graphs", [True, False])
+def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, monkeypatch):
+    """``adapt`` returns an adapter it is given; after the model is quantized
+    under it, its fused layers follow the new weights (they used to keep
+    the old bf16 products)."""
+    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+
+    monkeypatch.setattr(Cycle, "compile_graphs", compile_graphs)
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
+    model = make_target(tcfg, seed=41)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=42))
+    target = adapt(model)
+    prompt = [1, 2, 3, 4]
+    assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == greedy_reference(model, prompt, 20)
+    import mlx.nn as nn
+    nn.quantize(model, group_size=32, bits=4)
+    want = greedy_reference(model, prompt, 20)
+    assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == want
+
+
+def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
+    """A server meeting many sampling settings keeps the latest few."""
+    from dflash_mlx.cycle import Traces
+
+    model, draft = agreeing_pair
+    monkeypatch.setattr(Traces, "most_settings", 2)
+    for temperature in (0.5, 0.6, 0.7):
+        tokens(model, draft, [3, 1, 4], max_tokens=8, temperature=temperature, seed=0, block_size=4)
+    kept = traces_for(adapt(model), draft).compiled
+    assert [k[1] for k in kept] == [0.6, 0.7]

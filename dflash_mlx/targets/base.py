@@ -38,6 +38,11 @@ class DenseTarget:
         self.num_layers = len(self.inner.layers)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
+        self.make_blocks()
+
+    def make_blocks(self) -> None:
+        """The layers' forwards: fused products where a layer allows (made
+        from its projections as they are now), else the layers themselves."""
         self.blocks = [block(layer) for layer in self.inner.layers] if self.fuse_projections else list(self.inner.layers)
 
     # -- pieces the drafter shares -----------------------------------------

@@ -83,7 +83,8 @@ def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
 
 def _metal_kernel(k: mx.array, layer: nn.Module) -> bool:
     """Whether ``gated_delta_update`` would run its Metal kernel here (its own
-    rule, mlx-lm 0.32): the same steps must run the same arithmetic."""
+    rule in mlx-lm 0.32, which pyproject.toml pins below 0.33: check it again
+    on a bump): the same steps must run the same arithmetic."""
     Dk = k.shape[-1]
     return (not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available()
             and Dk >= 32 and Dk % 32 == 0)
