@@ -7,7 +7,7 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.block_size import BlockChooser, chooser_for, forget
-from dflash_mlx.cycle import forget_traces
+from dflash_mlx.traces import forget_traces
 from tiny import greedy_reference, make_tokenizer
 
 

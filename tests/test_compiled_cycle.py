@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cycle import Cycle, traces_for
+from dflash_mlx.cycle import Cycle
+from dflash_mlx.traces import traces_for
 from dflash_mlx.targets import adapt
 from test_sampling import plain_sampled
 from tiny import greedy_reference, make_tokenizer
@@ -113,7 +114,7 @@ def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, mo
 
 def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
     """A server meeting many sampling settings keeps the latest few."""
-    from dflash_mlx.cycle import Traces
+    from dflash_mlx.traces import Traces
 
     model, draft = agreeing_pair
     monkeypatch.setattr(Traces, "most_settings", 2)
