@@ -78,41 +78,37 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
         spec = lambda m: (m.group_size, m.bits, getattr(m, "mode", "affine"))  # noqa: E731
         if any(spec(m) != spec(linears[0]) for m in linears):
             return None
-    fused = kind.__new__(kind)  # its arrays are set below
-    nn.Module.__init__(fused)
-    if kind is nn.QuantizedLinear:
-        fused.group_size, fused.bits = linears[0].group_size, linears[0].bits
-        fused.mode = getattr(linears[0], "mode", "affine")
+    wholes = {name: mx.concatenate([m[name] for m in linears], axis=0) for name in names}
+    mx.eval(wholes)
     rows = [m.weight.shape[0] for m in linears]
-    for name in names:
-        whole = mx.concatenate([m[name] for m in linears], axis=0)
-        mx.eval(whole)
-        fused[name] = whole
+    for name, whole in wholes.items():
         start = 0
         for m, n in zip(linears, rows):
             m[name] = whole[start : start + n]
             start += n
     mx.eval([m.parameters() for m in linears])
-    if kind is nn.QuantizedLinear:
-        fused.freeze()
-    return fused
+    return _linear_like(linears[0], wholes)
 
 
 def first_rows(linear: nn.Module, n: int) -> nn.Module:
     """A linear layer of the same kind whose arrays are views of ``linear``'s
     first ``n`` output rows (its first outputs, no copy)."""
-    kind = type(linear)
-    view = kind.__new__(kind)
-    nn.Module.__init__(view)
-    for name in ("group_size", "bits", "mode"):
-        if name in linear.__dict__:
-            setattr(view, name, linear.__dict__[name])
-    for name, value in linear.items():
-        if isinstance(value, mx.array):
-            view[name] = value[:n]
+    return _linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
+
+
+def _linear_like(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A linear layer of ``like``'s kind and quantization holding ``arrays``."""
+    kind = type(like)
+    made = kind.__new__(kind)  # no weights of its own: ``arrays`` are them
+    nn.Module.__init__(made)
     if kind is nn.QuantizedLinear:
-        view.freeze()
-    return view
+        made.group_size, made.bits = like.group_size, like.bits
+        made.mode = getattr(like, "mode", "affine")
+    for name, value in arrays.items():
+        made[name] = value
+    if kind is nn.QuantizedLinear:
+        made.freeze()
+    return made
 
 
 def projections(layer: nn.Module) -> FusedProjections | None:
