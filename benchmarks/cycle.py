@@ -77,6 +77,34 @@ def random_pair(shape: str, quantize: int | None):
     return model, draft
 
 
+def synthetic_prompt(vocab: int, n: int) -> list[int]:
+    """``n`` token ids spread over the vocabulary (nothing to tokenize)."""
+    return [(i * 7919) % (vocab - 2) + 1 for i in range(n)]
+
+
+def prefilled(model, draft, prompt: list[int]):
+    """The pair's adapter and a prompt cache holding ``prompt``."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode import prefill
+    from dflash_mlx.targets import adapt
+
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, prompt, 2048, None)
+    return target, cache
+
+
+def synced_ms(fn, repeat: int = 7) -> float:
+    """The median ms of ``repeat`` runs of ``fn`` evaluated and waited for
+    (after one untimed run)."""
+    times = []
+    for _ in range(repeat + 1):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return 1000 * sorted(times[1:])[repeat // 2]
+
+
 def plain_step_ms(model, prompt: list[int], steps: int) -> float:
     times = []
     for _ in generate_step(mx.array(prompt), model, max_tokens=steps + 1, sampler=lambda x: mx.argmax(x, axis=-1)):
@@ -140,13 +168,7 @@ def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock
 
 def synced_pieces(model, draft, prompt, block: int) -> dict:
     """Verify and draft passes at this context, each built then evaluated alone."""
-    from dflash_mlx import make_prompt_cache
-    from dflash_mlx.decode import prefill
-    from dflash_mlx.targets import adapt
-
-    target = adapt(model)
-    cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, prompt, 2048, None)
+    target, cache = prefilled(model, draft, prompt)
     taps = list(draft.config.target_layer_ids)
     mask = draft.config.mask_token_id
     out = {}
@@ -204,7 +226,7 @@ def main():
     clock = LaunchClock()
     rows = []
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
-        prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(P)]
+        prompt = synthetic_prompt(vocab, P)
         if not args.cold:
             plain_step_ms(model, prompt, args.cycles)
             for block in [int(b) for b in args.blocks.split(",")]:

@@ -22,35 +22,19 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import mlx.core as mx
 
-from cycle import SHAPES, random_pair
-
-
-def timed(fn, repeat: int = 7) -> float:
-    times = []
-    for _ in range(repeat + 1):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return 1000 * sorted(times[1:])[repeat // 2]
+from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
 
 
 def pieces(model, draft, shape: str, P: int, block: int) -> dict:
-    from dflash_mlx import make_prompt_cache
-    from dflash_mlx.decode import prefill
     from dflash_mlx.kernels import block_attention
     from dflash_mlx.kv_cache import positions_mask, put_positions
-    from dflash_mlx.targets import adapt
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
-    vocab = draft.config.vocab_size
-    prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(P)]
-    target = adapt(model)
-    cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, prompt, 2048, None)
+    prompt = synthetic_prompt(draft.config.vocab_size, P)
+    target, cache = prefilled(model, draft, prompt)
     taps = list(draft.config.target_layer_ids)
     length = mx.array(P, mx.int32)
 
@@ -61,7 +45,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
         logits, hidden = target(mx.array([[1] * block]), cache.target, taps)
         return [logits, hidden]
 
-    out = {"prompt_tokens": P, "verify_ms": timed(verify)}
+    out = {"prompt_tokens": P, "verify_ms": synced_ms(verify)}
     cache.settle()
     first = cache.target[0]
     cap = first.width_after(block)
@@ -75,9 +59,9 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
         mask = positions_mask(block, length, cap)
         return [mx.fast.scaled_dot_product_attention(q, k_buf, v_buf, scale=scale, mask=mask) for _ in range(layers)]
 
-    out["attention_ms"] = timed(attention)
+    out["attention_ms"] = synced_ms(attention)
     if mx.default_device() == mx.gpu:
-        out["kernel_attention_ms"] = timed(lambda: [
+        out["kernel_attention_ms"] = synced_ms(lambda: [
             block_attention(q, k_buf, v_buf, scale=scale, q_offset=length, kv_length=length + block, causal=True)
             for _ in range(layers)])
     new_k = mx.random.normal((1, kv, block, hd)).astype(mx.bfloat16)
@@ -91,7 +75,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
             pair[1] = put_positions(pair[1], new_k, at)
         return bufs
 
-    out["cache_writes_ms"] = timed(writes)
+    out["cache_writes_ms"] = synced_ms(writes)
     del bufs
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
     lm = lm_cache(model)
@@ -102,19 +86,28 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
             c.offset = P
         return model(mx.array([[1]]), cache=lm)
 
-    out["plain_step_ms"] = timed(plain)
+    out["plain_step_ms"] = synced_ms(plain)
     out["capacity"] = cap
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a long-context measurement (this one, verify_attention.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
-    args = ap.parse_args()
+    return ap
+
+
+def machine(args) -> str:
+    return f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}"
+
+
+def main():
+    args = parser(__doc__).parse_args()
     model, draft = random_pair(args.shape, None)
-    print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}")
+    print(machine(args))
     cols = ["prompt_tokens", "capacity", "plain_step_ms", "verify_ms", "attention_ms", "kernel_attention_ms",
             "cache_writes_ms"]
     print(" ".join(f"{c:>20}" for c in cols))

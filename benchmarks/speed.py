@@ -23,6 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
+from cycle import synthetic_prompt
+
 from dflash_mlx.draft import default_target_layer_ids
 
 SHAPES = {
@@ -144,7 +146,7 @@ def main():
         prompt = tok.encode(text)
         args.prompt_tokens = len(prompt)
     else:
-        prompt = [(i * 7919) % (vocab - 2) + 1 for i in range(args.prompt_tokens)]
+        prompt = synthetic_prompt(vocab, args.prompt_tokens)
 
     have_official = True
     try:

@@ -21,24 +21,13 @@ Synced, median of 7, ms.
 
 from __future__ import annotations
 
-import argparse
-import platform
-import time
 
 import mlx.core as mx
 
-from cycle import SHAPES, random_pair
+from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
+from long_context import machine, parser
 
 FUSED = mx.fast.scaled_dot_product_attention
-
-
-def timed(fn, repeat: int = 7) -> float:
-    times = []
-    for _ in range(repeat + 1):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return 1000 * sorted(times[1:])[repeat // 2]
 
 
 def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
@@ -53,22 +42,17 @@ def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
     q = mx.random.normal((1, heads, block, hd)).astype(mx.bfloat16)
     mask = positions_mask(block, mx.array(capacity - block), capacity)
     mx.eval(ks, vs, q, mask)
-    return {f"isolated over {buffers} buffers, {name}": timed(
+    return {f"isolated over {buffers} buffers, {name}": synced_ms(
                 lambda m=m: [FUSED(q, ks[i % buffers], vs[i % buffers], scale=hd ** -0.5, mask=m) for i in range(layers)])
             for name, m in (("mask", mask), ("no mask", None))}
 
 
 def in_verify(model, draft, P: int, block: int) -> dict:
-    from dflash_mlx import kv_cache, make_prompt_cache
-    from dflash_mlx.decode import prefill
+    from dflash_mlx import kv_cache
     from dflash_mlx.kernels import block_attention, dispatch
-    from dflash_mlx.targets import adapt
 
-    target = adapt(model)
+    target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
     taps = list(draft.config.target_layer_ids)
-    prompt = [(i * 7919) % (draft.config.vocab_size - 2) + 1 for i in range(P)]
-    cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, prompt, 2048, None)
     length = mx.array(P, mx.int32)
     real_write, real_table = kv_cache.BufferKVCache.write, dispatch.KERNEL_WINS
 
@@ -109,7 +93,7 @@ def in_verify(model, draft, P: int, block: int) -> dict:
                     return target(mx.array([[1] * block]), cache.target, taps)
                 finally:
                     mx.fast.scaled_dot_product_attention = FUSED
-            out[f"verify, {variant}"] = timed(run)
+            out[f"verify, {variant}"] = synced_ms(run)
     finally:
         kv_cache.BufferKVCache.write, dispatch.KERNEL_WINS = real_write, real_table
     out["capacity"] = cache.target[0].capacity
@@ -117,14 +101,11 @@ def in_verify(model, draft, P: int, block: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    ap.add_argument("--prompt-tokens", default="1024,16384")
-    ap.add_argument("--block", type=int, default=16)
+    ap = parser(__doc__)
     ap.add_argument("--buffers", default="1,36",
                     help="comma-separated counts of distinct buffers for the isolated calls (a verify has one a layer)")
     args = ap.parse_args()
-    print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}")
+    print(machine(args))
     model, draft = random_pair(args.shape, None)
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         row = in_verify(model, draft, P, args.block)
