@@ -24,6 +24,9 @@ from dflash_mlx.kernels import backend, block_attention, ops_attention, self_che
 from dflash_mlx.kernels.dispatch import _kernels, checked_kernel
 
 
+CHUNKS = (128, 256, 512, 1024, 2048, 4096)
+
+
 def rel_err(a, b) -> float:
     a, b = a.astype(mx.float32), b.astype(mx.float32)
     return (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
@@ -97,6 +100,10 @@ def main() -> int:
         ("d64 fp16 B=2", 2, 16, 4, 8, 2048, 64, mx.float16, 1500, 1508, True, None),
         ("d256 fp32", 1, 8, 2, 5, 2048, 256, mx.float32, 1000, 1005, True, None),
         ("MHA d128 L=32", 1, 8, 8, 32, 2048, 128, mx.bfloat16, 1000, 1032, True, None),
+        ("GQA 8 L=16 (2 row tiles)", 1, 64, 8, 16, 4096, 128, mx.bfloat16, 4000, 4016, True, None),
+        ("fp16 d128 L=16 16k", 1, 32, 8, 16, 16384, 128, mx.float16, 16368, 16384, True, None),
+        ("d256 bf16 window", 1, 8, 2, 16, 4096, 256, mx.bfloat16, 3000, 3016, True, 1024),
+        ("d64 bf16 L=1", 1, 32, 8, 1, 4096, 64, mx.bfloat16, 4095, 4096, True, None),
     ]
     report["correctness"] = []
     for name, b, hq, hkv, lq, n, d, dtype, qo, kl, causal, window in cases:
@@ -127,6 +134,17 @@ def main() -> int:
             print(f"{n:6d} {lq:4d} {t_mask:14.3f} {t_causal:16.3f} {t_kernel:10.3f} {t_mask / t_kernel:7.2f}x", flush=True)
         wins = [r["keys"] for r in report["speed"] if r["rows"] == lq and r["kernel_ms"] < r["fused_mask_ms"]]
         print(f"rows {lq}: kernel beats fused+mask up to {max(wins) if wins else 0} keys (full buffer)", flush=True)
+
+    # Keys per threadgroup (the chunk) at the verify shape: what the default picks against the others.
+    report["chunks"] = []
+    if not args.quick:
+        print(f"\n{'keys':>6} " + " ".join(f"{'C=' + str(c):>9}" for c in CHUNKS) + "   (16 rows, kernel ms)")
+        for n in (4096, 16384, 32768):
+            q, k, v = make(1, 32, 8, 16, n, 128, mx.bfloat16, seed=n)
+            kw = dict(scale=128**-0.5, q_offset=mx.array(n - 16), kv_length=mx.array(n), causal=True)
+            row = {c: timed(lambda c=c: kernel(q, k, v, chunk=c, **kw)) for c in CHUNKS}
+            report["chunks"].append(dict(keys=n, **{str(c): t for c, t in row.items()}))
+            print(f"{n:6d} " + " ".join(f"{t:9.3f}" for t in row.values()), flush=True)
 
     # Buffers holding fewer valid keys: the kernel reads the valid part only.
     report["partly_filled"] = []

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source
+from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source, source_tiles
 from dflash_mlx.kernels.kernel import BlockAttentionKernel, chunk_size, max_warps
 from dflash_mlx.kernels.ops import visible
 
@@ -293,7 +293,7 @@ def test_both_dialects_come_from_one_body():
     calls = []
     for where in ("metal", "cuda"):
         BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
-    metal_p, metal_m, cuda_p, cuda_m = calls
+    metal_p, metal_t, metal_m, cuda_p, cuda_t, cuda_m = calls
     for m, c in ((metal_p, cuda_p), (metal_m, cuda_m)):
         assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
         assert m["source"].replace(source.PRELUDE["metal"], "") == c["source"].replace(source.PRELUDE["cuda"], "")
@@ -303,8 +303,18 @@ def test_both_dialects_come_from_one_body():
         hdr = source.header(where)
         missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|\b{n}\s*\(|\b{n}\s*<)", hdr)]
         assert not missing, (where, missing)
-    # Metal threadgroup memory: 32 KB; the kernel's stays under it for every head dim and dtype.
+    # The matrix-unit pass: one shared body; only the tile products and the
+    # fragment coordinates are the dialect's, and each dialect defines them all.
+    assert metal_t["name"] == cuda_t["name"] and metal_t["input_names"] == cuda_t["input_names"]
+    holes = ("COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V")
+    shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM", source_tiles.BODY)
+    for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
+        assert all(part.strip("\n") in t["source"] for part in shared)
+        assert all(getattr(source_tiles, h)[where].strip() in t["source"] for h in holes)
+        assert source_tiles.OUT[where] in t["source"]
+    # Metal threadgroup memory: 32 KB; the kernels stay under it for every head dim and dtype.
     for d in (64, 128, 256):
+        assert 2 * source_tiles.keys_per_tile(d) * (d + 8) * 2 <= 32 * 1024 and source_tiles.keys_per_tile(d) % 16 == 0
         for stage in (True, False):
             nw = max_warps(d, stage)
             used_bytes = nw * source.ROWS_PER_WARP * (d + 32) * 4 + (32 * (d + 4) * 2 if stage else 0)

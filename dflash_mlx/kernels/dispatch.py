@@ -102,6 +102,13 @@ def kernel_wins(rows_per_kv_head: int, keys: int) -> bool:
     return False
 
 
+def passed_kernel(where: str, dtype, head_dim: int, windowed: bool):
+    """The backend's kernel if this variant has already passed its self-check,
+    else None; never runs a check (so it is safe inside a compiled trace)."""
+    result = _checks.get((where, dtype, head_dim, windowed))
+    return _kernels.get(where) if result is not None and result.ok else None
+
+
 def checked_kernel(where: str, dtype, head_dim: int, windowed: bool):
     """The backend's kernel if this variant passed its self-check, else None."""
     key = (where, dtype, head_dim, windowed)

@@ -6,10 +6,12 @@ import math
 
 import mlx.core as mx
 
-from . import source
+from . import source, source_tiles
 
 THREADS_TARGET = 1024  # threadgroups pass 1 aims for; enough to fill an H200's 132 SMs several times
 THREADGROUP_BYTES = 28 * 1024  # under the 32 KB of threadgroup memory Apple GPUs allow
+TILE_GROUPS_TARGET = 256  # threadgroups the matrix-unit pass aims for: each holds 64 rows, and fewer
+# chunks mean fewer partial outputs written and merged
 
 
 def make_factory(backend: str):
@@ -22,42 +24,56 @@ def make_factory(backend: str):
 
 
 class BlockAttentionKernel:
-    """The pair of kernels for one backend; compiled by MLX per template
-    (dtype, head dim, warps, chunk, causal, window, sinks) on first launch."""
+    """The kernels for one backend: the partial pass on the matrix units
+    (bf16, fp16) or in SIMT arithmetic (fp32), then the merge; compiled by MLX
+    per template (dtype, head dim, warps, chunk, causal, window, sinks) on
+    first launch."""
 
     def __init__(self, backend: str, factory=None):
         self.backend = backend
         factory = factory or make_factory(backend)
         hdr = source.header(backend)
-        self.partial, self.merge = (
-            factory(name=f"dflash_block_attn_{stage}", input_names=inputs, output_names=outputs, source=body, header=hdr)
-            for stage, inputs, outputs, body in (
-                ("partial", source.PARTIAL_INPUTS, source.PARTIAL_OUTPUTS, source.partial_source(backend)),
-                ("merge", source.MERGE_INPUTS, source.MERGE_OUTPUTS, source.merge_source(backend)),
+        self.partial, self.partial_tiles, self.merge = (
+            factory(name=f"dflash_block_attn_{stage}", input_names=inputs, output_names=outputs, source=body, header=h)
+            for stage, inputs, outputs, body, h in (
+                ("partial", source.PARTIAL_INPUTS, source.PARTIAL_OUTPUTS, source.partial_source(backend), hdr),
+                (
+                    "partial_tiles",
+                    source.PARTIAL_INPUTS,
+                    source.PARTIAL_OUTPUTS,
+                    source_tiles.partial_source(source.PRELUDE[backend], backend),
+                    hdr + source_tiles.header(backend),
+                ),
+                ("merge", source.MERGE_INPUTS, source.MERGE_OUTPUTS, source.merge_source(backend), hdr),
             )
         )
         self._params: dict[float, mx.array] = {}
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)
 
-    def __call__(self, queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
+    def __call__(self, queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None, chunk=None):
+        """chunk: keys per threadgroup, a multiple of 64 (default: chosen from
+        the shape; benchmarks/bench_attention.py sweeps it)."""
         b, hq, lq, d = queries.shape
         hkv, n = keys.shape[1], keys.shape[2]
         rows = (hq // hkv) * lq
-        rw = source.ROWS_PER_WARP
-        stage = queries.dtype != mx.float32
-        warps = min(max_warps(d, stage), -(-rows // rw))
+        tiles = queries.dtype != mx.float32
+        if tiles:
+            rw = source_tiles.ROWS_PER_WARP
+            warps = min(source_tiles.MOST_WARPS, -(-rows // rw))
+        else:
+            rw = source.ROWS_PER_WARP
+            warps = min(max_warps(d, True), -(-rows // rw))
         row_tiles = -(-rows // (warps * rw))
-        chunk = chunk_size(n, b * hkv * row_tiles)
+        groups = b * hkv * row_tiles
+        chunk = chunk or (chunk_size(n, groups, TILE_GROUPS_TARGET) if tiles else chunk_size(n, groups))
         nch = -(-n // chunk)
         params = self._params.get(scale)
         if params is None:
             params = self._params[scale] = mx.array([scale * source.LOG2E], dtype=mx.float32)
-        o_part, m_part, l_part = self.partial(
+        common = [("T", queries.dtype), ("D", d), ("NW", warps), ("C", chunk), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
+        o_part, m_part, l_part = (self.partial_tiles if tiles else self.partial)(
             inputs=[queries, keys, values, _int1(q_offset), _int1(kv_length), params],
-            template=[
-                ("T", queries.dtype), ("D", d), ("NW", warps), ("RW", rw), ("C", chunk),
-                ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0)), ("STAGE", stage),
-            ],
+            template=common + ([("KT", source_tiles.keys_per_tile(d))] if tiles else [("RW", rw), ("STAGE", False)]),
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),
             output_shapes=[(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)],
@@ -83,10 +99,10 @@ def max_warps(d: int, stage: bool) -> int:
     return max(1, min(16, (THREADGROUP_BYTES - tile) // per_warp))
 
 
-def chunk_size(n: int, groups: int) -> int:
-    """Keys per chunk: a power of two from 64 to 4096 giving about
-    THREADS_TARGET threadgroups, so few template variants get compiled."""
-    want = max(1, THREADS_TARGET // max(groups, 1))
+def chunk_size(n: int, groups: int, target: int = THREADS_TARGET) -> int:
+    """Keys per chunk: a power of two from 64 to 4096 giving about `target`
+    threadgroups, so few template variants get compiled."""
+    want = max(1, target // max(groups, 1))
     c = 1 << max(6, math.ceil(math.log2(max(1, -(-n // want)))))
     return min(c, 4096)
 

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from ..kv_cache import BufferKVCache, set_lengths
+from .attention import prepare
 from .fused import block
 
 
@@ -43,7 +44,17 @@ class DenseTarget:
     def make_blocks(self) -> None:
         """The layers' forwards: fused products where a layer allows (made
         from its projections as they are now), else the layers themselves."""
-        self.blocks = [block(layer) for layer in self.inner.layers] if self.fuse_projections else list(self.inner.layers)
+        if not self.fuse_projections:
+            self.blocks = list(self.inner.layers)
+            return
+        windows = self.windows()
+        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        prepare(self.dtype, self.head_dim, windows)
+
+    @property
+    def head_dim(self) -> int:
+        args = self.text.args
+        return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
 
     # -- pieces the drafter shares -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:

@@ -27,7 +27,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import scaled_dot_product_attention
+from .attention import attention
 
 # mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
 # projection names; their forward takes the fused projections, draft.py)
@@ -148,9 +148,10 @@ def _unchanged(then: tuple, now: tuple) -> bool:
     return len(then) == len(now) and all(a is b for a, b in zip(then, now))
 
 
-def block(layer: nn.Module) -> Callable:
+def block(layer: nn.Module, window: int | None = None) -> Callable:
     """``layer``'s forward (h, mask, cache) -> h, through fused projections
-    where the layer allows, else the layer itself."""
+    where the layer allows, else the layer itself. ``window``: the layer's
+    sliding window (None: full attention), which its mask also carries."""
     fused = projections(layer)
     if fused is None:
         return layer
@@ -168,12 +169,13 @@ def block(layer: nn.Module) -> Callable:
             q, k = q_norm(q), k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        start = None if cache is None else cache.offset
         if cache is not None:
-            q, k = attn.rope(q, offset=cache.offset), attn.rope(k, offset=cache.offset)
+            q, k = attn.rope(q, offset=start), attn.rope(k, offset=start)
             k, v = cache.update_and_fetch(k, v)
         else:  # a whole sequence at once (the trainer's taps)
             q, k = attn.rope(q), attn.rope(k)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        out = attention(q, k, v, cache=cache, scale=attn.scale, mask=mask, start=start, window=window)
         h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         return h + fused.mlp(mlp, layer.post_attention_layernorm(h))
 

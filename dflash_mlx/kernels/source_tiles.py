@@ -1,0 +1,359 @@
+"""Pass 1 of block attention on the GPU's matrix units: one body, two dialects.
+
+For 2-byte dtypes (bf16, fp16) the partial pass runs its two products,
+scores = Q K^T and out += P V, as 16 x 8 tiles on the matrix units
+(``mma.sync`` m16n8k16 on CUDA, ``simdgroup_matrix`` 8 x 8 pairs on Metal).
+fp32 keeps the SIMT body of source.py; the merge pass is shared.
+
+One threadgroup per (row tile, key chunk, batch x kv head) holds up to 64
+query rows of one key-value head, so each key and value is read once per
+chunk for all of them (a verify block of 16 rows at GQA 4 is 64 rows). Each
+warp (simdgroup) owns 16 rows. A tile of KT keys and their values is staged in
+threadgroup memory by the whole threadgroup; rows past the valid range are
+zero-filled, so the unfilled tail of a buffer is never read and never meets a
+product.
+
+Every thread holds the same four elements of each 16 x 8 score tile in both
+dialects: rows ``fr`` and ``fr + 8``, columns ``fc`` and ``fc + 1`` (only the
+formulas for fr and fc differ). So the mask, the online softmax and the
+stores are written once below; the dialects supply the tile products
+(``LOAD_Q``, ``SCORES``, ``SCALE_OUT``, ``P_TIMES_V``), the element of an
+output tile (``OUT(nt, e)``) and the reductions over a row's four threads.
+"""
+
+from __future__ import annotations
+
+HEADER = {
+    "metal": """
+#include <metal_simdgroup_matrix>
+typedef simdgroup_matrix<float, 8, 8> tile8;
+// The thread's two elements of an 8 x 8 tile (row fr, columns fc and fc + 1).
+inline thread float2& el(thread tile8& m) { return reinterpret_cast<thread float2&>(m.thread_elements()); }
+inline float row_max4(float v) {
+  v = metal::max(v, simd_shuffle_xor(v, ushort(1)));
+  return metal::max(v, simd_shuffle_xor(v, ushort(8)));
+}
+inline float row_sum4(float v) {
+  v += simd_shuffle_xor(v, ushort(1));
+  return v + simd_shuffle_xor(v, ushort(8));
+}
+template <typename U> inline void copy8(threadgroup U* dst, const device U* src) {
+  for (int i = 0; i < 8; ++i) dst[i] = src[i];
+}
+template <typename U> inline void zero8(threadgroup U* dst) {
+  for (int i = 0; i < 8; ++i) dst[i] = U(0);
+}
+""",
+    "cuda": """
+__device__ __forceinline__ float row_max4(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float row_sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+template <typename U> __device__ __forceinline__ void copy8(U* dst, const U* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+template <typename U> __device__ __forceinline__ void zero8(U* dst) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ unsigned int ld2(const void* p) { return *reinterpret_cast<const unsigned int*>(p); }
+__device__ __forceinline__ unsigned int shared_addr(const void* p) {
+  unsigned int a;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+// Four 8 x 8 matrices of 16-bit values, transposed, as the B operands of two m16n8k16 products.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_addr(p)));
+}
+template <typename U> __device__ __forceinline__ unsigned int pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned int pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned int*>(&v);
+}
+template <> __device__ __forceinline__ unsigned int pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned int*>(&v);
+}
+// c (16 x 8, fp32) += a (16 x 16) . b (16 x 8), 16-bit inputs.
+template <typename U> __device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+""",
+}
+
+# The thread's place in a 16 x 8 tile: rows fr and fr + 8, columns fc and fc + 1.
+COORDS = {
+    "metal": """
+  const int fr = ((lane >> 2) & 4) + ((lane >> 1) & 3);
+  const int fc = ((lane >> 2) & 2) * 2 + (lane & 1) * 2;
+""",
+    "cuda": """
+  const int fr = lane >> 2;
+  const int fc = 2 * (lane & 3);
+""",
+}
+
+# Q's 16 rows x D as product operands (qa, qb: the thread's two rows' data).
+LOAD_Q = {
+    "metal": """
+  tile8 qt[2][D / 8];
+  for (int kk = 0; kk < D / 8; ++kk) {
+    const int c = kk * 8 + fc;
+    el(qt[0][kk])[0] = live_a ? float(qa[c]) : 0.0f;
+    el(qt[0][kk])[1] = live_a ? float(qa[c + 1]) : 0.0f;
+    el(qt[1][kk])[0] = live_b ? float(qb[c]) : 0.0f;
+    el(qt[1][kk])[1] = live_b ? float(qb[c + 1]) : 0.0f;
+  }
+  tile8 ot[2][D / 8];
+  for (int nt = 0; nt < D / 8; ++nt) {
+    ot[0][nt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    ot[1][nt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+""",
+    "cuda": """
+  unsigned int qf[D / 16][4];
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + fc;
+    qf[kk][0] = live_a ? ld2(qa + c) : 0u;
+    qf[kk][1] = live_b ? ld2(qb + c) : 0u;
+    qf[kk][2] = live_a ? ld2(qa + c + 8) : 0u;
+    qf[kk][3] = live_b ? ld2(qb + c + 8) : 0u;
+  }
+  float ot[D / 8][4];
+  for (int nt = 0; nt < D / 8; ++nt) ot[nt][0] = ot[nt][1] = ot[nt][2] = ot[nt][3] = 0.0f;
+""",
+}
+
+# s[t][e]: the scores of the staged keys t * 8 + fc + (e & 1) for row fr (e < 2) or fr + 8.
+SCORES = {
+    "metal": """
+    for (int t = 0; t < NT; ++t) {
+      tile8 sa = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      tile8 sb = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int kk = 0; kk < D / 8; ++kk) {
+        tile8 kt;  // K^T: row = head-dim element, column = key
+        el(kt)[0] = float(ks[(t * 8 + fc) * DP + kk * 8 + fr]);
+        el(kt)[1] = float(ks[(t * 8 + fc + 1) * DP + kk * 8 + fr]);
+        simdgroup_multiply_accumulate(sa, qt[0][kk], kt, sa);
+        simdgroup_multiply_accumulate(sb, qt[1][kk], kt, sb);
+      }
+      s[t][0] = el(sa)[0];
+      s[t][1] = el(sa)[1];
+      s[t][2] = el(sb)[0];
+      s[t][3] = el(sb)[1];
+    }
+""",
+    "cuda": """
+    for (int t = 0; t < NT; ++t) {
+      s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const TG_PTR T* kp = ks + (t * 8 + fr) * DP + kk * 16 + fc;
+        mma16816<T>(s[t], qf[kk], ld2(kp), ld2(kp + 8));
+      }
+    }
+""",
+}
+
+SCALE_OUT = {
+    "metal": """
+    for (int nt = 0; nt < D / 8; ++nt) {
+      el(ot[0][nt]) *= corr_a;
+      el(ot[1][nt]) *= corr_b;
+    }
+""",
+    "cuda": """
+    for (int nt = 0; nt < D / 8; ++nt) {
+      ot[nt][0] *= corr_a; ot[nt][1] *= corr_a;
+      ot[nt][2] *= corr_b; ot[nt][3] *= corr_b;
+    }
+""",
+}
+
+# out += P V over the staged tile; P is s after the softmax.
+P_TIMES_V = {
+    "metal": """
+    for (int t = 0; t < NT; ++t) {
+      tile8 pa, pb;
+      el(pa)[0] = s[t][0];
+      el(pa)[1] = s[t][1];
+      el(pb)[0] = s[t][2];
+      el(pb)[1] = s[t][3];
+      for (int nt = 0; nt < D / 8; ++nt) {
+        tile8 vt;  // V: row = key, column = head-dim element
+        el(vt)[0] = float(vs[(t * 8 + fr) * DP + nt * 8 + fc]);
+        el(vt)[1] = float(vs[(t * 8 + fr) * DP + nt * 8 + fc + 1]);
+        simdgroup_multiply_accumulate(ot[0][nt], pa, vt, ot[0][nt]);
+        simdgroup_multiply_accumulate(ot[1][nt], pb, vt, ot[1][nt]);
+      }
+    }
+""",
+    "cuda": """
+    for (int j = 0; j < NT / 2; ++j) {
+      const unsigned int pf[4] = {
+          pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
+          pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]), pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
+      for (int nt = 0; nt < D / 8; nt += 2) {
+        unsigned int vf[4];
+        ldmatrix_x4_trans(vf, vs + (j * 16 + (lane & 15)) * DP + nt * 8 + (lane >> 4) * 8);
+        mma16816<T>(ot[nt], pf, vf[0], vf[1]);
+        mma16816<T>(ot[nt + 1], pf, vf[2], vf[3]);
+      }
+    }
+""",
+}
+
+OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}
+
+# Template constants: T (bf16 or fp16), D (head dim), NW (warps of 16 rows),
+# KT (keys per staged tile, a multiple of 16), C (keys per chunk), CAUSAL,
+# WINDOW (0 = none). Inputs and outputs are those of source.PARTIAL_*.
+BODY = """
+  constexpr int DP = D + 8;  // staged row pitch: rows stay 16-byte aligned and fall on distinct banks
+  constexpr int NT = KT / 8;
+  const int Lq = queries_shape[2];
+  const int HQ = queries_shape[1];
+  const int HKV = keys_shape[1];
+  const int NK = keys_shape[2];
+  const int G = HQ / HKV;
+  const int R = G * Lq;
+  const int nch = (NK + C - 1) / C;
+  const int b = tg_z / HKV;
+  const int hk = tg_z % HKV;
+  const int chunk = tg_y;
+  const int qoff = q_offset[0];
+  const int kvlen = kv_length[0] < NK ? kv_length[0] : NK;
+  const float qscale = params[0];
+
+  TG_MEM TG_ALIGN T ks[KT * DP];
+  TG_MEM TG_ALIGN T vs[KT * DP];
+COORDS
+  const int rt0 = tg_x * NW * 16;
+  const int ra = rt0 + warp * 16 + fr;
+  const int rb = ra + 8;
+  const bool live_a = ra < R;
+  const bool live_b = rb < R;
+  const int pos_a = qoff + (live_a ? ra % Lq : 0);
+  const int pos_b = qoff + (live_b ? rb % Lq : 0);
+  const DEV T* qa = queries + ((size_t(b) * HQ + hk * G + (live_a ? ra / Lq : 0)) * Lq + (live_a ? ra % Lq : 0)) * D;
+  const DEV T* qb = queries + ((size_t(b) * HQ + hk * G + (live_b ? rb / Lq : 0)) * Lq + (live_b ? rb % Lq : 0)) * D;
+LOAD_Q
+  // The key range is the threadgroup's (all its rows), so every warp runs the same tiles.
+  const int rt1 = rt0 + NW * 16 < R ? rt0 + NW * 16 : R;
+  int pmin = 2147483647;
+  int pmax = -2147483647;
+  for (int r = rt0; r < rt1; ++r) {
+    const int p_ = qoff + r % Lq;
+    pmin = p_ < pmin ? p_ : pmin;
+    pmax = p_ > pmax ? p_ : pmax;
+  }
+  int lo = chunk * C;
+  int hi = lo + C < kvlen ? lo + C : kvlen;
+  if (CAUSAL && hi > pmax + 1) hi = pmax + 1;
+  if (WINDOW > 0) {
+    if (lo < pmin - WINDOW + 1) lo = pmin - WINDOW + 1;
+    if (!CAUSAL && hi > pmax + WINDOW) hi = pmax + WINDOW;
+  }
+
+  float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sum
+  const size_t head = (size_t(b) * HKV + hk) * size_t(NK) * D;
+  float s[NT][4];
+  for (int k0 = lo; k0 < hi; k0 += KT) {
+    TG_BARRIER();
+    for (int e = tid; e < KT * (D / 8); e += NW * 32) {
+      const int row = e / (D / 8);
+      const int col = (e % (D / 8)) * 8;
+      if (k0 + row < hi) {
+        copy8(ks + row * DP + col, keys + head + size_t(k0 + row) * D + col);
+        copy8(vs + row * DP + col, values + head + size_t(k0 + row) * D + col);
+      } else {
+        zero8(ks + row * DP + col);
+        zero8(vs + row * DP + col);
+      }
+    }
+    TG_BARRIER();
+SCORES
+    float mx_a = NEG_INF, mx_b = NEG_INF;
+    for (int t = 0; t < NT; ++t) {
+      for (int e = 0; e < 4; ++e) {
+        const int k = k0 + t * 8 + fc + (e & 1);
+        const int p_ = e < 2 ? pos_a : pos_b;
+        bool vis = (e < 2 ? live_a : live_b) && k < hi;
+        if (CAUSAL) vis = vis && k <= p_;
+        if (WINDOW > 0) {
+          vis = vis && p_ - k < WINDOW;
+          if (!CAUSAL) vis = vis && k - p_ < WINDOW;
+        }
+        s[t][e] = vis ? s[t][e] * qscale : NEG_INF;
+        if (e < 2) mx_a = bk_max(mx_a, s[t][e]); else mx_b = bk_max(mx_b, s[t][e]);
+      }
+    }
+    const float mn_a = bk_max(m_a, row_max4(mx_a));
+    const float mn_b = bk_max(m_b, row_max4(mx_b));
+    const float corr_a = mn_a == NEG_INF ? 1.0f : bk_exp2(m_a - mn_a);
+    const float corr_b = mn_b == NEG_INF ? 1.0f : bk_exp2(m_b - mn_b);
+    float sum_a = 0.0f, sum_b = 0.0f;
+    for (int t = 0; t < NT; ++t) {
+      for (int e = 0; e < 4; ++e) {
+        const float mn = e < 2 ? mn_a : mn_b;
+        const float p = (mn == NEG_INF || s[t][e] == NEG_INF) ? 0.0f : bk_exp2(s[t][e] - mn);
+        s[t][e] = p;
+        if (e < 2) sum_a += p; else sum_b += p;
+      }
+    }
+    l_a = l_a * corr_a + sum_a;
+    l_b = l_b * corr_b + sum_b;
+    m_a = mn_a;
+    m_b = mn_b;
+SCALE_OUT
+P_TIMES_V
+  }
+  l_a = row_sum4(l_a);
+  l_b = row_sum4(l_b);
+
+  for (int h = 0; h < 2; ++h) {
+    const int r = h ? rb : ra;
+    if (!(h ? live_b : live_a)) continue;
+    const size_t row = (size_t(b) * HQ + hk * G + r / Lq) * Lq + r % Lq;
+    const size_t idx = row * nch + chunk;
+    for (int nt = 0; nt < D / 8; ++nt) {
+      for (int e = 2 * h; e < 2 * h + 2; ++e) o_part[idx * D + nt * 8 + fc + (e & 1)] = OUT_ELEM;
+    }
+    if (fc == 0) {
+      m_part[idx] = h ? m_b : m_a;
+      l_part[idx] = h ? l_b : l_a;
+    }
+  }
+"""
+
+ROWS_PER_WARP = 16
+MOST_WARPS = 4  # 64 rows: a verify block of 16 at GQA 4 in one threadgroup
+
+
+def keys_per_tile(d: int) -> int:
+    """Keys staged at a time: K and V tiles of 8 KB each in 2-byte dtypes,
+    17 KB with the pitch, under the 32 KB of threadgroup memory a Mac allows."""
+    return 4096 // d
+
+
+def header(backend: str) -> str:
+    return HEADER[backend]
+
+
+def partial_source(prelude: str, backend: str) -> str:
+    body = BODY
+    for name, part in (("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES), ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V)):
+        body = body.replace(f"\n{name}\n", "\n" + part[backend].strip("\n") + "\n")
+    return prelude + body.replace("OUT_ELEM", OUT[backend])

@@ -1,0 +1,45 @@
+"""A layer's attention over its cache: the block-attention kernel where it
+pays, mlx-lm's attention everywhere else.
+
+The kernel (dflash_mlx.kernels) takes the valid length instead of a mask, so
+it reads only the filled part of a buffer and needs no mask array. It is used
+for a plain buffer cache (``BufferKVCache``; quantized and rotating caches
+keep mlx-lm's path), on a GPU, where the measured table says it wins for the
+call's rows and keys, and only once its variant has passed its self-check.
+The check reads results back to the host, so it runs when a target's layers
+are made (``prepare``), never inside a compiled cycle: a variant not checked
+by then takes mlx-lm's path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention
+
+from ..kernels import dispatch
+from ..kv_cache import BufferKVCache
+
+
+def prepare(dtype, head_dim: int, windows) -> None:
+    """Check the kernel variants a target's layers will ask for (its dtype,
+    head dim, full and/or sliding layers), so that ``attention`` can use them."""
+    where = dispatch.backend()
+    if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
+        return
+    for windowed in sorted({w is not None for w in windows}):
+        dispatch.checked_kernel(where, dtype, head_dim, windowed)
+
+
+def attention(queries, keys, values, *, cache, scale: float, mask, start, window: int | None = None) -> mx.array:
+    """Attention of the ``L`` new rows written at ``start`` (an int or a device
+    scalar) over the cache's buffers ``keys``/``values`` (returned by its
+    ``update_and_fetch``), causal, within ``window`` when given."""
+    if type(cache) is BufferKVCache and start is not None:
+        where = dispatch.backend()
+        rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+        if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2]):
+            kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
+            if kernel is not None:
+                return kernel(queries, keys, values, scale=scale, q_offset=start,
+                              kv_length=start + queries.shape[2], causal=True, window=window)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
