@@ -104,6 +104,7 @@ def main() -> int:
         ("fp16 d128 L=16 16k", 1, 32, 8, 16, 16384, 128, mx.float16, 16368, 16384, True, None),
         ("d256 bf16 window", 1, 8, 2, 16, 4096, 256, mx.bfloat16, 3000, 3016, True, 1024),
         ("d64 bf16 L=1", 1, 32, 8, 1, 4096, 64, mx.bfloat16, 4095, 4096, True, None),
+        ("prefill-sized L=2048", 1, 32, 8, 2048, 4096, 128, mx.bfloat16, 2048, 4096, True, None),
     ]
     report["correctness"] = []
     for name, b, hq, hkv, lq, n, d, dtype, qo, kl, causal, window in cases:

@@ -245,7 +245,7 @@ def main():
         for fuse, fuse_draft, attention in settings:
             DenseTarget.fuse_projections = fuse
             type(draft).fuse_projections = fuse_draft
-            dispatch.KERNEL_WINS = {"table": table, "kernel": ((1 << 30, None),), "fused": ()}[attention]
+            dispatch.KERNEL_WINS = {"table": table, "kernel": ((256, 0),), "fused": ()}[attention]
             forget_traces(draft)  # compiled cycles hold the attention they were traced with
             for block in [int(b) for b in args.blocks.split(",")]:
                 row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft,

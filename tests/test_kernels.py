@@ -251,9 +251,9 @@ def test_each_variant_is_checked_separately(fake_gpu):
 def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu, monkeypatch):
     good = Recorder(two_pass)
     fake_gpu(good)
-    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((16, None), (64, 2048)))
-    assert dispatch.kernel_wins(8, 1 << 20) and dispatch.kernel_wins(64, 2048)
-    assert not dispatch.kernel_wins(64, 2049) and not dispatch.kernel_wins(65, 256)
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((16, 0), (64, 2048)))
+    assert dispatch.kernel_wins(8, 1) and dispatch.kernel_wins(8, 1 << 20) and dispatch.kernel_wins(64, 2048)
+    assert not dispatch.kernel_wins(64, 2047) and not dispatch.kernel_wins(65, 1 << 20)
     q = mx.random.normal((1, 32, 16, 64)).astype(mx.bfloat16)  # 64 rows per kv head
     k = mx.random.normal((1, 8, 4096, 64)).astype(mx.bfloat16)
     kw = dict(scale=0.125, q_offset=4080, kv_length=4096, causal=True)

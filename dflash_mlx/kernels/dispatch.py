@@ -18,16 +18,11 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
 # When the kernel beats the fused op (mx.fast.scaled_dot_product_attention with
 # the position mask that a fixed buffer needs), by query rows per key-value head
-# (GQA group x block rows): (most rows, most keys or None for any). Keys are the
-# buffer's, or kv_length when it is a Python int. Measured with
-# benchmarks/bench_attention.py on an NVIDIA H200 (MLX 0.32.4 CUDA backend), 32 q
-# / 8 kv heads, head dim 128, bf16, full buffers of 256..32768 keys: 8 and 16 rows
-# per kv head won at every length (1.2x-2.2x; through block_attention, 4 block rows
-# over 8k keys: 0.104 vs 0.143 ms). 32 and 64 rows won only up to 2-3k keys
-# (1.1x-1.6x), lost through block_attention at 1k keys (0.102 vs 0.082 ms) and
-# lost above (0.6x at 32k), so they take the fused op. Metal has no measurement yet
-# and borrows this; `dflash-mlx doctor` times both paths on the machine it runs on.
-KERNEL_WINS = ((16, None),)
+# (GQA group x block rows): (most rows, fewest keys). The first entry whose rows
+# cover the call decides; keys are the buffer's, or kv_length when it is a
+# Python int. Provisional, to be set from benchmarks/bench_attention.py and
+# benchmarks/cycle.py --attention table,fused on an NVIDIA H200.
+KERNEL_WINS = ((16, 0), (64, 4096))
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -96,9 +91,9 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
 
 def kernel_wins(rows_per_kv_head: int, keys: int) -> bool:
     """Whether the measured table (KERNEL_WINS) picks the kernel."""
-    for most_rows, most_keys in KERNEL_WINS:
+    for most_rows, fewest_keys in KERNEL_WINS:
         if rows_per_kv_head <= most_rows:
-            return most_keys is None or keys <= most_keys
+            return keys >= fewest_keys
     return False
 
 

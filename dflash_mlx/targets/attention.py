@@ -31,9 +31,10 @@ def prepare(dtype, head_dim: int, windows) -> None:
 
 
 def attention(queries, keys, values, *, cache, scale: float, mask, start, window: int | None = None) -> mx.array:
-    """Attention of the ``L`` new rows written at ``start`` (an int or a device
-    scalar) over the cache's buffers ``keys``/``values`` (returned by its
-    ``update_and_fetch``), causal, within ``window`` when given."""
+    """Attention of the new rows written at ``start`` (an int or a device
+    scalar) over the cache's buffers ``keys``/``values``, called after the
+    cache's ``update_and_fetch`` (so its offset is the valid length); causal,
+    within ``window`` when given."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
@@ -41,5 +42,5 @@ def attention(queries, keys, values, *, cache, scale: float, mask, start, window
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
                 return kernel(queries, keys, values, scale=scale, q_offset=start,
-                              kv_length=start + queries.shape[2], causal=True, window=window)
+                              kv_length=cache.offset, causal=True, window=window)
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
