@@ -248,7 +248,7 @@ def test_each_variant_is_checked_separately(fake_gpu):
     ]
 
 
-def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu, monkeypatch):
+def test_the_measured_table_picks_by_rows_and_keys(fake_gpu, monkeypatch):
     good = Recorder(two_pass)
     fake_gpu(good)
     monkeypatch.setattr(dispatch, "KERNEL_WINS", ((16, 0), (64, 2048)))
@@ -256,12 +256,12 @@ def test_the_measured_table_sends_large_cases_to_the_fused_op(fake_gpu, monkeypa
     assert not dispatch.kernel_wins(64, 2047) and not dispatch.kernel_wins(65, 1 << 20)
     q = mx.random.normal((1, 32, 16, 64)).astype(mx.bfloat16)  # 64 rows per kv head
     k = mx.random.normal((1, 8, 4096, 64)).astype(mx.bfloat16)
-    kw = dict(scale=0.125, q_offset=4080, kv_length=4096, causal=True)
-    block_attention(q, k, k, **kw)
-    assert good.calls == 0 and not dispatch._checks  # 4096 keys: fused op, no check either
-    block_attention(q, k, k, **{**kw, "q_offset": 1000, "kv_length": 1016})  # an int length is the hint
-    assert good.calls == 3
-    block_attention(q, k, k, **{**kw, "q_offset": 1000, "kv_length": mx.array(1016)})  # an array: the buffer's 4096
+    kw = dict(scale=0.125, q_offset=1000, kv_length=1016, causal=True)
+    block_attention(q, k, k, **kw)  # an int length is the hint: 1016 keys, the fused op, no check either
+    assert good.calls == 0 and not dispatch._checks
+    block_attention(q, k, k, **{**kw, "kv_length": mx.array(1016)})  # an array: the buffer's 4096 keys
+    assert good.calls == 3  # the check's two cases, then the call
+    block_attention(mx.concatenate([q, q], axis=1), k, k, **kw)  # 128 rows per kv head: past the table
     assert good.calls == 3
 
 
