@@ -1,0 +1,175 @@
+"""Device time per kernel, under Nsight Compute: what the GPU itself spends.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file ncu.csv \\
+        python benchmarks/gpu_time.py attention > cases.txt
+    ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
+    python benchmarks/gpu_time.py summarize ncu.csv cases.txt
+
+Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost of
+encoding it (tens of microseconds for a custom kernel), which at these sizes is
+as large as the kernel itself; benchmarks/bench_attention.py therefore times
+the launch as much as the work. Here only the profiled regions run under the
+profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
+``summarize`` adds up the kernels' device time per case and per kernel name.
+
+- ``attention``: 16 query rows (32/8 heads, head dim 128, bf16) over a full
+  buffer of 4k, 16k, 32k keys, one distinct buffer per call as in a verify's
+  36 layers: the fused op with a shared mask, and the block-attention kernel
+  at several chunk sizes.
+- ``verify``: one 16-token verify of a target at a model's shapes (random
+  weights) after a prompt of each length, attention through the kernel and
+  through the fused op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import os
+import sys
+from collections import defaultdict
+
+import mlx.core as mx
+
+from cycle import SHAPES, prefilled, random_pair, synthetic_prompt
+
+LAYERS = 36
+
+
+def cudart():
+    """The CUDA runtime, for cudaProfilerStart/Stop."""
+    for d in sys.path + ["/usr/local/cuda/lib64"]:
+        for path in sorted(glob.glob(os.path.join(d, "**", "libcudart.so*"), recursive=True)):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return ctypes.CDLL("libcudart.so")
+
+
+_marker = None
+
+
+def marker() -> mx.array:
+    """A one-thread kernel with a name of its own that opens each profiled case."""
+    global _marker
+    if _marker is None:
+        _marker = mx.fast.cuda_kernel(name="dflash_case_marker", input_names=["x"], output_names=["y"],
+                                      source="y[0] = x[0];")
+    return _marker(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                   output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+
+
+def profiled(name: str, fn) -> None:
+    """Run ``fn`` once unprofiled (building its graphs), then once profiled
+    after a marker kernel, naming the case on stdout."""
+    mx.eval(fn())
+    mx.synchronize()
+    print(f"case {name}", flush=True)
+    rt = cudart()
+    rt.cudaProfilerStart()
+    mx.eval(marker())
+    mx.eval(fn())
+    mx.synchronize()
+    rt.cudaProfilerStop()
+
+
+def attention_cases() -> None:
+    from dflash_mlx.kernels import dispatch
+    from dflash_mlx.kernels.kernel import BlockAttentionKernel
+    from dflash_mlx.kv_cache import positions_mask
+
+    kernel = BlockAttentionKernel(dispatch.backend())
+    for n in (4096, 16384, 32768):
+        ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
+        vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
+        q = mx.random.normal((1, 32, 16, 128)).astype(mx.bfloat16)
+        start = mx.array(n - 16, mx.int32)
+        mask = positions_mask(16, start, n)
+        mx.eval(ks, vs, q, mask)
+        profiled(f"fused+mask {n}", lambda: [mx.fast.scaled_dot_product_attention(
+            q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
+        for chunk in (None, 256, 512, 1024, 4096):
+            profiled(f"kernel C={chunk or 'default'} {n}", lambda c=chunk: [kernel(
+                q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + 16, causal=True, chunk=c)
+                for i in range(LAYERS)])
+        del ks, vs
+
+
+def verify_cases(shape: str, prompts: list[int], block: int) -> None:
+    from dflash_mlx.kernels import dispatch
+
+    model, draft = random_pair(shape, None)
+    taps = list(draft.config.target_layer_ids)
+    table = dispatch.KERNEL_WINS
+    for P in prompts:
+        target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
+        length = mx.array(P, mx.int32)
+
+        def verify():
+            for c in cache.target:
+                c.set_length(length, P)
+            return target(mx.array([[1] * block]), cache.target, taps)
+
+        for name, wins in (("kernel", ((256, 0),)), ("fused", ())):
+            dispatch.KERNEL_WINS = wins
+            profiled(f"verify {name} {P}", verify)
+        dispatch.KERNEL_WINS = table
+        del target, cache
+
+
+def summarize(path: str, names_path: str) -> None:
+    """Device time per case, and per kernel name within it, from ncu's CSV
+    (cases split at the marker kernel) and the case names the run printed."""
+    with open(names_path) as f:
+        names = iter([line[5:].strip() for line in f if line.startswith("case ")])
+    cases: dict[str, dict[str, float]] = {}
+    current = None
+    with open(path) as f:
+        lines = f.read().splitlines()
+    header = None
+    for line in lines:
+        if line.startswith('"ID"'):
+            header = next(csv.reader([line]))
+            continue
+        if header is None or not line.startswith('"'):
+            continue
+        row = dict(zip(header, next(csv.reader([line]))))
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit"), 1.0)
+        name = row["Kernel Name"].split("(")[0][:60]
+        if "dflash_case_marker" in name:
+            current = next(names, f"case {len(cases)}")
+            cases[current] = defaultdict(float)
+            continue
+        if current is None:
+            continue
+        cases[current][name] += float(row["Metric Value"].replace(",", "")) * scale
+    for case, kernels in cases.items():
+        total = sum(kernels.values())
+        print(f"{case}: {total / 1000:.3f} ms device time")
+        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {us / 1000:8.3f} ms  {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["attention", "verify", "summarize"])
+    ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--prompt-tokens", default="1024,16384")
+    ap.add_argument("--block", type=int, default=16)
+    args = ap.parse_args()
+    if args.what == "summarize":
+        summarize(*args.paths)
+    elif args.what == "attention":
+        attention_cases()
+    else:
+        verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
+
+
+if __name__ == "__main__":
+    main()
