@@ -139,7 +139,7 @@ def summarize(path: str, names_path: str) -> None:
         row = dict(zip(header, next(csv.reader([line]))))
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit"), 1.0)
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[row["Metric Unit"]]
         name = row["Kernel Name"].split("(")[0][:60]
         if "dflash_case_marker" in name:
             current = next(names, f"case {len(cases)}")

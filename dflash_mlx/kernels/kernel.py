@@ -10,9 +10,13 @@ from . import source, source_tiles
 
 THREADS_TARGET = 1024  # threadgroups pass 1 aims for; enough to fill an H200's 132 SMs several times
 THREADGROUP_BYTES = 28 * 1024  # under the 32 KB of threadgroup memory Apple GPUs allow
-TILE_GROUPS_TARGET = 32  # threadgroups the matrix-unit pass aims for: each holds 64 rows, and
-# fewer chunks mean fewer partials written and merged (H200, 16 rows over 4k-32k keys: chunks of
-# 1024-4096 keys ran 1.1-1.7x faster than chunks of 128-256)
+# The matrix-unit pass aims for TILE_GROUPS_TARGET threadgroups with chunks of at least
+# TILE_CHUNK_FLOOR keys. Device time (benchmarks/gpu_time.py attention, H200, 16 rows over
+# 36 distinct buffers) was lowest at 256 / 512 / 1024 keys a chunk for 4k / 16k / 32k keys,
+# i.e. 128-256 threadgroups: fewer leave the GPU's bandwidth idle (4096-key chunks ran
+# 2.4-5.8x slower), more make the merge read more partials.
+TILE_GROUPS_TARGET = 256
+TILE_CHUNK_FLOOR = 256
 
 
 def make_factory(backend: str):
@@ -66,7 +70,10 @@ class BlockAttentionKernel:
             warps = min(max_warps(d, True), -(-rows // rw))
         row_tiles = -(-rows // (warps * rw))
         groups = b * hkv * row_tiles
-        chunk = chunk or (chunk_size(n, groups, TILE_GROUPS_TARGET) if tiles else chunk_size(n, groups))
+        if tiles:
+            chunk = chunk or max(TILE_CHUNK_FLOOR, chunk_size(n, groups, TILE_GROUPS_TARGET))
+        else:
+            chunk = chunk or chunk_size(n, groups)
         nch = -(-n // chunk)
         params = self._params.get(scale)
         if params is None:
