@@ -67,7 +67,7 @@ class BlockAttentionKernel:
             warps = min(source_tiles.MOST_WARPS, -(-rows // rw))
         else:
             rw = source.ROWS_PER_WARP
-            warps = min(max_warps(d, True), -(-rows // rw))
+            warps = min(max_warps(d), -(-rows // rw))
         row_tiles = -(-rows // (warps * rw))
         groups = b * hkv * row_tiles
         if tiles:
@@ -81,7 +81,7 @@ class BlockAttentionKernel:
         common = [("T", queries.dtype), ("D", d), ("NW", warps), ("C", chunk), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
         o_part, m_part, l_part = (self.partial_tiles if tiles else self.partial)(
             inputs=[queries, keys, values, _int1(q_offset), _int1(kv_length), params],
-            template=common + ([("KT", source_tiles.keys_per_tile(d))] if tiles else [("RW", rw), ("STAGE", False)]),
+            template=common + ([("KT", source_tiles.keys_per_tile(d))] if tiles else [("RW", rw)]),
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),
             output_shapes=[(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)],
@@ -99,12 +99,11 @@ class BlockAttentionKernel:
         return out
 
 
-def max_warps(d: int, stage: bool) -> int:
-    """Warps per threadgroup: up to 16, within THREADGROUP_BYTES of query rows
-    (fp32) and one staged 32-key tile (2-byte dtypes)."""
-    tile = 32 * (d + 4) * 2 if stage else 0
-    per_warp = source.ROWS_PER_WARP * (d + source.SIMD) * 4  # query rows and probabilities, fp32
-    return max(1, min(16, (THREADGROUP_BYTES - tile) // per_warp))
+def max_warps(d: int) -> int:
+    """Warps per threadgroup of the SIMT pass: up to 16, within
+    THREADGROUP_BYTES of query rows and probabilities (fp32)."""
+    per_warp = source.ROWS_PER_WARP * (d + source.SIMD) * 4
+    return max(1, min(16, THREADGROUP_BYTES // per_warp))
 
 
 def chunk_size(n: int, groups: int, target: int = THREADS_TARGET) -> int:

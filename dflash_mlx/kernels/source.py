@@ -6,14 +6,15 @@ header (types, warp primitives, barriers) and the prelude (thread and
 threadgroup indices) differ. What is measured and checked on an NVIDIA GPU is
 therefore what a Mac runs, name for name.
 
-Pass 1, ``partial``: one threadgroup per (row tile, key chunk, batch x kv head).
-Each simdgroup (warp) owns RW query rows of one GQA group, lanes own keys:
+Pass 1, ``partial`` (fp32; bf16 and fp16 run source_tiles.py's pass 1 on the
+matrix units instead): one threadgroup per (row tile, key chunk, batch x kv
+head). Each simdgroup (warp) owns RW query rows of one GQA group, lanes own keys:
 scores for 32 keys at a time, an online softmax in base 2, then lanes own
 head-dim slices for P @ V. It writes an unnormalised partial output and its
 running max and sum per (row, chunk). Keys >= kv_length, and those the causal
 or window rules hide, are never read.
 
-Pass 2, ``merge``: one threadgroup per query row, one thread per head-dim
+Pass 2, ``merge`` (every dtype): one threadgroup per query row, one thread per head-dim
 element; it rescales the chunks' partials to a common max (and adds the
 attention sink to the denominator) and writes the output in the input dtype.
 """
@@ -121,8 +122,7 @@ PRELUDE = {
 }
 
 # Template constants: T (dtype), D (head dim), NW (warps), RW (rows per warp),
-# C (keys per chunk), CAUSAL, WINDOW (0 = none), STAGE (keys through
-# threadgroup memory; 2-byte dtypes, which fit the 32 KB a Mac allows). Shapes are read at run time.
+# C (keys per chunk), CAUSAL, WINDOW (0 = none). Shapes are read at run time.
 PARTIAL_INPUTS = ["queries", "keys", "values", "q_offset", "kv_length", "params"]
 PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
 PARTIAL_BODY = """
@@ -143,7 +143,6 @@ PARTIAL_BODY = """
   const float qscale = params[0];
 
   TG_MEM float qs[NW * RW * D];
-  TG_MEM TG_ALIGN T ks[STAGE ? 32 * (D + 4) : 4];
   TG_MEM TG_ALIGN float ps[NW * RW * 32];
   int pos[RW];
   bool live[RW];
@@ -195,19 +194,7 @@ PARTIAL_BODY = """
     const int k = k0 + lane;
     float s[RW];
     for (int rr = 0; rr < RW; ++rr) s[rr] = 0.0f;
-    if (STAGE) {  // the tile's keys through threadgroup memory, read coalesced
-      TG_BARRIER();
-      for (int e = tid; e < 8 * D; e += NW * 32) {
-        const int row = e / (D / 4);
-        const int col = (e % (D / 4)) * 4;
-        if (k0 + row < hi) copy4(ks + row * (D + 4) + col, kbase + size_t(k0 + row) * D + col);
-      }
-      TG_BARRIER();
-      if (k < hi) {
-        const TG_PTR T* kp = ks + lane * (D + 4);
-        SCORE_KEY
-      }
-    } else if (k < hi) {
+    if (k < hi) {
       const DEV T* kp = kbase + size_t(k) * D;
       SCORE_KEY
     }
