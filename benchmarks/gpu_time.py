@@ -12,10 +12,10 @@ the launch as much as the work. Here only the profiled regions run under the
 profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
 ``summarize`` adds up the kernels' device time per case and per kernel name.
 
-- ``attention``: 16 query rows (32/8 heads, head dim 128, bf16) over a full
-  buffer of 4k, 16k, 32k keys, one distinct buffer per call as in a verify's
-  36 layers: the fused op with a shared mask, and the block-attention kernel
-  at several chunk sizes.
+- ``attention``: ``--rows`` query rows (32/8 heads, head dim 128, bf16) over
+  a full buffer of ``--keys`` keys, one distinct buffer per call as in a
+  verify's 36 layers: the fused op with a shared mask, and the block-attention
+  kernel at ``--chunks`` sizes (``0``: its own choice).
 - ``verify``: one 16-token verify of a target at a model's shapes (random
   weights) after a prompt of each length, attention through the kernel and
   through the fused op.
@@ -76,25 +76,26 @@ def profiled(name: str, fn) -> None:
     rt.cudaProfilerStop()
 
 
-def attention_cases() -> None:
+def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None]) -> None:
     from dflash_mlx.kernels import dispatch
     from dflash_mlx.kernels.kernel import BlockAttentionKernel
     from dflash_mlx.kv_cache import positions_mask
 
     kernel = BlockAttentionKernel(dispatch.backend())
-    for n in (4096, 16384, 32768):
+    for n in keys:
         ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
-        q = mx.random.normal((1, 32, 16, 128)).astype(mx.bfloat16)
-        start = mx.array(n - 16, mx.int32)
-        mask = positions_mask(16, start, n)
-        mx.eval(ks, vs, q, mask)
-        profiled(f"fused+mask {n}", lambda: [mx.fast.scaled_dot_product_attention(
-            q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
-        for chunk in (None, 256, 512, 1024, 4096):
-            profiled(f"kernel C={chunk or 'default'} {n}", lambda c=chunk: [kernel(
-                q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + 16, causal=True, chunk=c)
-                for i in range(LAYERS)])
+        for L in rows:
+            q = mx.random.normal((1, 32, L, 128)).astype(mx.bfloat16)
+            start = mx.array(n - L, mx.int32)
+            mask = positions_mask(L, start, n)
+            mx.eval(ks, vs, q, mask)
+            profiled(f"fused+mask {L} rows {n}", lambda: [mx.fast.scaled_dot_product_attention(
+                q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
+            for chunk in chunks:
+                profiled(f"kernel C={chunk or 'default'} {L} rows {n}", lambda c=chunk: [kernel(
+                    q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + L, causal=True, chunk=c)
+                    for i in range(LAYERS)])
         del ks, vs
 
 
@@ -162,11 +163,15 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
+    ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
+    ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
     args = ap.parse_args()
     if args.what == "summarize":
         summarize(*args.paths)
     elif args.what == "attention":
-        attention_cases()
+        ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)])
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
 
