@@ -157,9 +157,11 @@ class Recorder:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Dispatch as if MLX ran on a GPU backend named 'fake' with a kernel of our choosing."""
+    """Dispatch as if MLX ran on a GPU backend named 'fake' with a kernel of our
+    choosing, which the table picks for any call (a test may set its own)."""
     dispatch.reset()
     monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((1 << 30, 0),))
     built = []
 
     def install(kernel=None, error=None):
@@ -251,9 +253,10 @@ def test_each_variant_is_checked_separately(fake_gpu):
 def test_the_measured_table_picks_by_rows_and_keys(fake_gpu, monkeypatch):
     good = Recorder(two_pass)
     fake_gpu(good)
-    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((16, 0), (64, 2048)))
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((2, None), (16, 0), (64, 2048)))
     assert dispatch.kernel_wins(8, 1) and dispatch.kernel_wins(8, 1 << 20) and dispatch.kernel_wins(64, 2048)
     assert not dispatch.kernel_wins(64, 2047) and not dispatch.kernel_wins(65, 1 << 20)
+    assert not dispatch.kernel_wins(1, 1 << 20) and not dispatch.kernel_wins(2, 1 << 20)
     q = mx.random.normal((1, 32, 16, 64)).astype(mx.bfloat16)  # 64 rows per kv head
     k = mx.random.normal((1, 8, 4096, 64)).astype(mx.bfloat16)
     kw = dict(scale=0.125, q_offset=1000, kv_length=1016, causal=True)

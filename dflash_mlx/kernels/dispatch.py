@@ -18,14 +18,18 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
 # When the kernel beats the fused op (mx.fast.scaled_dot_product_attention with
 # the position mask that a fixed buffer needs), by query rows per key-value head
-# (GQA group x block rows): (most rows, fewest keys). The first entry whose rows
-# cover the call decides; keys are the buffer's, or kv_length when it is a
-# Python int. Measured on an NVIDIA H200 (MLX 0.32.4 CUDA), device time
-# (benchmarks/gpu_time.py): 64 rows (a 16-token verify at GQA 4) over 36 distinct
-# buffers, kernel / fused op with a shared mask, 2.1 / 6.1 ms at 4k keys, 3.6 / 19.2
-# at 16k, 5.4 / 36.6 at 32k; a whole verify at 1k keys 10.1 / 9.8 ms (even). Up to 16
-# rows the kernel won at every length (session 4). More rows (GQA 8) are unmeasured.
-KERNEL_WINS = ((16, 0), (64, 2048))
+# (GQA group x block rows): (most rows, fewest keys, None: never). The first entry
+# whose rows cover the call decides; keys are the buffer's, or kv_length when it is
+# a Python int. Measured on an NVIDIA H200 (MLX 0.32.4 CUDA), device time of 36
+# calls over distinct buffers (benchmarks/gpu_time.py attention), kernel / fused op:
+#   4 rows (one decode row at GQA 4): 2.2 / 1.1 ms at 512 keys, 3.3 / 2.7 at 4k: never;
+#   16 rows: 2.4 / 1.8 at 1k, 2.7 / 2.9 at 2k, 3.1 / 5.1 at 4k;
+#   64 rows (a 16-token verify at GQA 4): 1.6 / 2.4 at 1k, 1.8 / 4.0 at 2k, 2.3 / 6.2
+#   at 4k, 3.6 / 19.2 at 16k, 5.4 / 36.6 at 32k.
+# The kernel also costs the host about twice the fused op's launch (two kernels),
+# which a short-context cycle, bound by launches, pays in full: hence 2k keys, not 1k.
+# More rows (GQA 8) are unmeasured and keep the fused op.
+KERNEL_WINS = ((4, None), (64, 2048))
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -96,7 +100,7 @@ def kernel_wins(rows_per_kv_head: int, keys: int) -> bool:
     """Whether the measured table (KERNEL_WINS) picks the kernel."""
     for most_rows, fewest_keys in KERNEL_WINS:
         if rows_per_kv_head <= most_rows:
-            return keys >= fewest_keys
+            return fewest_keys is not None and keys >= fewest_keys
     return False
 
 
