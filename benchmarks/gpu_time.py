@@ -12,7 +12,7 @@ the launch as much as the work. Here only the profiled regions run under the
 profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
 ``summarize`` adds up the kernels' device time per case and per kernel name.
 
-- ``attention``: ``--rows`` query rows (32/8 heads, head dim 128, bf16) over
+- ``attention``: ``--rows`` query rows (``--query-heads``/8 heads, head dim 128, bf16) over
   a full buffer of ``--keys`` keys, one distinct buffer per call as in a
   verify's 36 layers: the fused op with a shared mask, and the block-attention
   kernel at ``--chunks`` sizes (``0``: its own choice).
@@ -76,7 +76,7 @@ def profiled(name: str, fn) -> None:
     rt.cudaProfilerStop()
 
 
-def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None]) -> None:
+def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], query_heads: int = 32) -> None:
     from dflash_mlx.kernels import dispatch
     from dflash_mlx.kernels.kernel import BlockAttentionKernel
     from dflash_mlx.kv_cache import positions_mask
@@ -86,14 +86,14 @@ def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None]) 
         ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         for L in rows:
-            q = mx.random.normal((1, 32, L, 128)).astype(mx.bfloat16)
+            q = mx.random.normal((1, query_heads, L, 128)).astype(mx.bfloat16)
             start = mx.array(n - L, mx.int32)
             mask = positions_mask(L, start, n)
             mx.eval(ks, vs, q, mask)
-            profiled(f"fused+mask {L} rows {n}", lambda: [mx.fast.scaled_dot_product_attention(
+            profiled(f"fused+mask {L} rows {query_heads}/8 heads {n}", lambda: [mx.fast.scaled_dot_product_attention(
                 q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
             for chunk in chunks:
-                profiled(f"kernel C={chunk or 'default'} {L} rows {n}", lambda c=chunk: [kernel(
+                profiled(f"kernel C={chunk or 'default'} {L} rows {query_heads}/8 heads {n}", lambda c=chunk: [kernel(
                     q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + L, causal=True, chunk=c)
                     for i in range(LAYERS)])
         del ks, vs
@@ -165,13 +165,14 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
+    ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")
     ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
     args = ap.parse_args()
     if args.what == "summarize":
         summarize(*args.paths)
     elif args.what == "attention":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)])
+        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
 
