@@ -11,6 +11,7 @@ target adapter, whose token embedding and lm_head it shares.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kv_cache import BufferKVCache, positions_mask
+from .targets.attention import attention as cache_attention
+from .targets.attention import prepare as prepare_attention
 from .targets.fused import projections
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -395,6 +398,7 @@ class DFlashDraft(nn.Module):
         checking that this drafter was made for a target of its shape."""
         check_pair(self.config, target.hidden_size, target.vocab_size, target.num_layers)
         self._target = target
+        prepare_attention(target.dtype, self.config.head_dim, [layer.self_attn.window for layer in self.layers])
         return self
 
     @property
@@ -464,6 +468,7 @@ class DFlashDraft(nn.Module):
         x = self.embed(block)
         L = block.shape[1]
         masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
+        ends = {}  # the context's length with the block, one per length
         for layer, c, fused in zip(self.layers, cache, self.fused_projections()):
             attn = layer.self_attn
             # The whole buffer, fixed in shape: the mask hides the unfilled
@@ -472,7 +477,13 @@ class DFlashDraft(nn.Module):
             kind = (attn.causal, attn.window, c.width_after(L), length)
             if kind not in masks:
                 masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
-            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=fused)
+            if length not in ends:
+                ends[length] = c.offset + L
+            # the block-attention kernel where it pays (the block is written right after the
+            # context, positions offset..offset+L-1), else the fused op with the mask
+            attend = partial(cache_attention, cache=c, start=c.offset, length=ends[length],
+                             causal=attn.causal, window=attn.window)
+            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=fused, attend=attend)
         return self.norm(x[:, 1:])
 
 

@@ -1,8 +1,9 @@
-"""The verify's attention through the block-attention kernel
-(dflash_mlx/targets/attention.py), on a stand-in GPU backend whose "kernel"
-records its calls and computes through the ops path (the contract's
-reference): a fused qwen3/llama layer calls it with the cache's start and
-valid length where the table picks it, decoding stays exactly mlx-lm's, the
+"""The verify's and the drafter's attention through the block-attention
+kernel (dflash_mlx/targets/attention.py), on a stand-in GPU backend whose
+"kernel" records its calls and computes through the ops path (the contract's
+reference): a fused qwen3/llama layer and a drafter layer call it with their
+cache's start and valid length where the table picks it, decoding stays
+exactly mlx-lm's, the
 check runs when the target's layers are made, and a kernel that fails its
 check, or a cache the kernel does not read, never reaches it."""
 
@@ -57,7 +58,7 @@ def decode(model, draft, prompt, **kw):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_verify_attention_goes_through_the_kernel_and_stays_exact(fake_gpu, family):
+def test_attention_goes_through_the_kernel_and_stays_exact(fake_gpu, family):
     kernel = fake_gpu(RecordingKernel())
     model, draft = pair(family, seed=11)
     adapt(model)  # the variant's check runs here, once
@@ -66,14 +67,16 @@ def test_verify_attention_goes_through_the_kernel_and_stays_exact(fake_gpu, fami
         prompt = [rng.randrange(VOCAB - 1) for _ in range(n)]
         kernel.calls.clear()
         assert decode(model, draft, prompt, block_size=block, prefill_step_size=16) == greedy_reference(model, prompt, 24)
-        starts = []
+        starts, drafts = [], []
         for c in kernel.calls:
             start, length = (x.item() if isinstance(x, mx.array) else x for x in (c["q_offset"], c["kv_length"]))
-            assert c["causal"] and c["window"] is None and length == start + c["rows"]
-            starts.append(start)
-        # the prompt's 16-token chunks from position 0 (32 rows per kv head at GQA 2, within
-        # the table), then the verifies past the prompt
-        assert set(range(0, n, 16)) <= set(starts) and max(starts) >= n
+            assert c["window"] is None and length == start + c["rows"]
+            (starts if c["causal"] else drafts).append((start, c["rows"]))
+        # the target's: the prompt's 16-token chunks from position 0 (32 rows per kv head at
+        # GQA 2, within the table), then the verifies past the prompt
+        assert {s for s, _ in starts} >= set(range(0, n, 16)) and max(s for s, _ in starts) >= n
+        # the drafter's: its non-causal block right after the committed context, every cycle
+        assert drafts and all(rows == block and start >= n for start, rows in drafts)
 
 
 def test_the_check_runs_when_the_layers_are_made_not_inside_a_cycle(fake_gpu):
@@ -104,8 +107,9 @@ def test_outside_the_table_or_over_a_quantized_cache_the_fused_op_runs(fake_gpu,
     adapt(model)
     calls = len(kernel.calls)
     tokens = decode(model, draft, prompt, block_size=4, prompt_cache=make_prompt_cache(model, draft, **kv))
-    # no verify (4 rows) reaches the kernel; a quantized cache may read its plain prompt there first
-    assert not [c for c in kernel.calls[calls:] if c["rows"] == 4]
+    # no verify (4 causal rows) reaches the kernel; a quantized cache may read its plain prompt
+    # there first, and the drafter's own cache stays a plain buffer
+    assert not [c for c in kernel.calls[calls:] if c["rows"] == 4 and c["causal"]]
     assert len(kernel.calls) == calls or kv
     if not kv:
         assert tokens == greedy_reference(model, prompt, 24)

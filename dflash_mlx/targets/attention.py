@@ -1,5 +1,5 @@
-"""A layer's attention over its cache: the block-attention kernel where it
-pays, mlx-lm's attention everywhere else.
+"""A layer's attention over its cache, a target's or a drafter's: the
+block-attention kernel where it pays, mlx-lm's attention everywhere else.
 
 The kernel (dflash_mlx.kernels) takes the valid length instead of a mask, so
 it reads only the filled part of a buffer and needs no mask array. It is used
@@ -30,11 +30,14 @@ def prepare(dtype, head_dim: int, windows) -> None:
         dispatch.checked_kernel(where, dtype, head_dim, windowed)
 
 
-def attention(queries, keys, values, *, cache, scale: float, mask, start, window: int | None = None) -> mx.array:
-    """Attention of the new rows written at ``start`` (an int or a device
-    scalar) over the cache's buffers ``keys``/``values``, called after the
-    cache's ``update_and_fetch`` (so its offset is the valid length); causal,
-    within ``window`` when given."""
+def attention(queries, keys, values, *, cache, scale: float, mask, start, length=None, causal: bool = True,
+              window: int | None = None) -> mx.array:
+    """Attention of the rows written at ``start`` (an int or a device scalar)
+    over the cache's buffers ``keys``/``values``; ``mask`` is what mlx-lm's
+    path needs for the same thing. ``length``: the valid length with those
+    rows (default: the cache's offset, which its ``update_and_fetch`` has
+    moved past them). Causal or not (the drafter's block), within ``window``
+    when given."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
@@ -42,5 +45,5 @@ def attention(queries, keys, values, *, cache, scale: float, mask, start, window
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
                 return kernel(queries, keys, values, scale=scale, q_offset=start,
-                              kv_length=cache.offset, causal=True, window=window)
+                              kv_length=cache.offset if length is None else length, causal=causal, window=window)
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
