@@ -81,7 +81,7 @@ class BlockAttentionKernel:
         common = [("T", queries.dtype), ("D", d), ("NW", warps), ("C", chunk), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
         o_part, m_part, l_part = (self.partial_tiles if tiles else self.partial)(
             inputs=[queries, keys, values, _int1(q_offset), _int1(kv_length), params],
-            template=common + ([("KT", source_tiles.keys_per_tile(d))] if tiles else [("RW", rw)]),
+            template=common + ([("KT", source_tiles.keys_per_tile(d, self.backend))] if tiles else [("RW", rw)]),
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),
             output_shapes=[(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)],
