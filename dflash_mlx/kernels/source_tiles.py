@@ -40,7 +40,7 @@ inline float row_sum4(float v) {
 // Staging: eight elements into threadgroup memory (zeros where not valid); Metal copies
 // at once, so committing and waiting are no-ops.
 template <typename U> inline void stage8(threadgroup U* dst, const device U* src, bool valid) {
-  for (int i = 0; i < 8; ++i) dst[i] = valid ? src[i] : U(0);
+  for (int i = 0; i < 8; ++i) dst[i] = valid ? src[i] : static_cast<U>(0.0f);
 }
 inline void stage_commit() {}
 template <int N> inline void stage_wait() {}
