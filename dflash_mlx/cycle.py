@@ -68,6 +68,8 @@ class Cycle:
         # A DFlash 2 drafter proposes through its candidate selector (greedy,
         # or sampled with its distribution q at temperature > 0).
         self.selects = hasattr(draft, "propose")
+        # The drafter's fused projections, checked for staleness once per call, not twice a cycle.
+        self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
@@ -103,9 +105,9 @@ class Cycle:
             if self.selects:
                 if self.temperature > 0:
                     key, k_draft = mx.random.split(position_key(self.seed, length))
-                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft)
+                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft, self.draft_fused)
             else:
-                drafts = mx.argmax(self.draft(block, None, draft_cache)[0], axis=-1).astype(mx.int32)
+                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused)[0], axis=-1).astype(mx.int32)
             verify = mx.concatenate([last, drafts])
         else:
             verify = last
@@ -118,7 +120,7 @@ class Cycle:
             # row i predicts the token at position length + i + 1
             tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
-        self.draft.extend(hidden, draft_cache)
+        self.draft.extend(hidden, draft_cache, self.draft_fused)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)
         set_lengths(draft_cache, new_length, bound + block_size)

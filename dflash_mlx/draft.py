@@ -441,35 +441,40 @@ class DFlashDraft(nn.Module):
         may live on the device; see kv_cache)."""
         return [BufferKVCache() for _ in self.layers]
 
-    def extend(self, taps: mx.array, cache: list[BufferKVCache]) -> None:
+    def extend(self, taps: mx.array, cache: list[BufferKVCache], fused: list | None = None) -> None:
         """Append the context keys/values of newly committed positions, given
-        their tapped target states taps: [1, S, n*H]."""
+        their tapped target states taps: [1, S, n*H] (``fused``: the layers'
+        fused projections if the caller holds them, see ``fused_projections``)."""
         ctx = self.context(taps)
-        for layer, c, fused in zip(self.layers, cache, self.fused_projections()):
+        for layer, c, fused in zip(self.layers, cache, self.fused_projections() if fused is None else fused):
             c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset, fused))
 
-    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache]) -> mx.array:
+    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None) -> mx.array:
         """Draft one block.
 
         block: [1, bs] token ids [last committed, MASK, ...] at the positions
         right after the cached context; taps: [1, S, n*H] tapped target states
         of positions committed since the last call (None when there are none);
         cache: from ``make_cache``, holding at least one context position.
+        fused: the layers' fused projections, as ``fused_projections`` makes
+        them (a decode call's Cycle makes them once; None: made here).
         Returns logits [1, bs-1, V] for block positions 1..bs-1 (position i
         proposes the token at start + i).
         """
-        return self.logits(self.hidden_states(block, taps, cache))
+        return self.logits(self.hidden_states(block, taps, cache, fused))
 
-    def hidden_states(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache]) -> mx.array:
+    def hidden_states(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache],
+                      fused: list | None = None) -> mx.array:
         """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
         arguments as for ``__call__``)."""
+        fused = self.fused_projections() if fused is None else fused
         if taps is not None and taps.shape[1]:
-            self.extend(taps, cache)
+            self.extend(taps, cache, fused)
         x = self.embed(block)
         L = block.shape[1]
         masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
         ends = {}  # the context's length with the block, one per length
-        for layer, c, fused in zip(self.layers, cache, self.fused_projections()):
+        for layer, c, fused in zip(self.layers, cache, fused):
             attn = layer.self_attn
             # The whole buffer, fixed in shape: the mask hides the unfilled
             # tail and does the windowing.

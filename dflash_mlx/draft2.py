@@ -265,7 +265,8 @@ class DFlash2Draft(DFlashDraft):
         self.layers = [Draft2Layer(cfg, t) for t in cfg.layer_types]
         self.candidate_selector = CandidateSelector(cfg)
 
-    def propose(self, block: mx.array, taps: mx.array | None, cache, temperature: float = 0.0, key: mx.array | None = None):
+    def propose(self, block: mx.array, taps: mx.array | None, cache, temperature: float = 0.0, key: mx.array | None = None,
+                fused: list | None = None):
         """The selector's drafts for block positions 1..bs-1 and their
         proposal distribution: (drafts [bs-1] int32, q [bs-1, V] float32),
         q None at temperature 0 (the drafts are then the selector's greedy
@@ -273,7 +274,7 @@ class DFlash2Draft(DFlashDraft):
         verify_logits, ...)``: row i of q is the distribution draft i was
         drawn from given drafts 0..i-1, zero outside position i's top-k.
         ``key`` seeds the draws (the global generator when None)."""
-        hidden = self.hidden_states(block, taps, cache)
+        hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
         drafts, candidates, q = self.candidate_selector(hidden[0], logits[0], block[0, 0], temperature, key)
         if q is not None:

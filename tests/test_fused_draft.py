@@ -82,3 +82,21 @@ def test_new_drafter_weights_are_fused_again():
     out = draft_twice(model, draft, block)
     for got, want in zip(out[True], out[False]):
         assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("which", ["dflash", "dflash2"])
+def test_a_decode_call_checks_the_drafters_fused_products_once_not_every_cycle(which, tmp_path, monkeypatch):
+    """Each check walks every layer's projections: a call makes them once for
+    all its cycles (the prompt's chunks, read before, check their own)."""
+    from dflash_mlx import stream_generate
+    from tiny import greedy_reference, make_tokenizer
+
+    model, draft = dflash_pair(None) if which == "dflash" else dflash2_pair(tmp_path)
+    calls = []
+    real = type(draft).fused_projections
+    monkeypatch.setattr(type(draft), "fused_projections", lambda self: calls.append(1) or real(self))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = list(stream_generate(model, draft, make_tokenizer(model.args.vocab_size), prompt, max_tokens=40, block_size=4))
+    cycles = len(out)
+    assert [t for r in out for t in r.tokens] == greedy_reference(model, prompt, 40)
+    assert cycles >= 10 and len(calls) <= 3  # the prompt's one chunk, the call's Cycle (and a retrace's rebind)
