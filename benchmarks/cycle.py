@@ -43,34 +43,51 @@ from dflash_mlx.cycle import Cycle
 SHAPES = {
     # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
     "small": (256, 8, 4, 2, 64, 768, 4096, 2),
+    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 3),
     "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, 5),
     "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 5),
 }
 
 
-def random_pair(shape: str, quantize: int | None):
-    from dflash_mlx import DFlashDraft, DraftConfig
+def configs(shape: str) -> tuple[dict, dict]:
+    """The qwen3 target's and the DFlash drafter's configs at a model's shapes
+    (SHAPES), as their config.json files would hold them."""
     from dflash_mlx.draft import default_target_layer_ids
-    from dflash_mlx.targets import adapt
-    from mlx_lm.models.qwen3 import Model, ModelArgs
 
     h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
-    model = Model(ModelArgs.from_dict({
+    target = {
         "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": layers, "intermediate_size": ffn,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
         "vocab_size": vocab, "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False,
-    }))
-    model.set_dtype(mx.bfloat16)
-    if quantize:
-        nn.quantize(model, group_size=64, bits=quantize)
-    mx.eval(model.parameters())
-    draft = DFlashDraft(DraftConfig.from_dict({
+    }
+    draft = {
         "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,
         "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
         "num_target_layers": layers, "block_size": 16,
         "dflash_config": {"target_layer_ids": default_target_layer_ids(layers, dlayers), "mask_token_id": vocab - 1},
-    }))
+    }
+    return target, draft
+
+
+def random_target(shape: str, quantize: int | None = None):
+    """An mlx-lm qwen3 model at a model's shapes, random bf16 weights (or quantized)."""
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(configs(shape)[0]))
+    model.set_dtype(mx.bfloat16)
+    if quantize:
+        nn.quantize(model, group_size=64, bits=quantize)
+    mx.eval(model.parameters())
+    return model
+
+
+def random_pair(shape: str, quantize: int | None):
+    from dflash_mlx import DFlashDraft, DraftConfig
+    from dflash_mlx.targets import adapt
+
+    model = random_target(shape, quantize)
+    draft = DFlashDraft(DraftConfig.from_dict(configs(shape)[1]))
     draft.set_dtype(mx.bfloat16)
     mx.eval(draft.parameters())
     draft.bind(adapt(model))

@@ -23,41 +23,15 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from cycle import synthetic_prompt
-
-from dflash_mlx.draft import default_target_layer_ids
-
-SHAPES = {
-    # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
-    "small": (256, 8, 4, 2, 64, 768, 4096, 2),
-    "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 3),
-    "qwen3-8b": (4096, 36, 32, 8, 128, 12288, 151936, 5),
-}
+from cycle import SHAPES, configs, random_target, synthetic_prompt
 
 
 def random_pair(shape: str, tmp: Path):
+    """The pair at a model's shapes written as checkpoints (the official loop loads from disk)."""
     from dflash_mlx.tiny import make_tokenizer, random_draft_weights, write_target, write_zlab_draft
 
-    h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
-    tcfg = {
-        "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": layers, "intermediate_size": ffn,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
-        "vocab_size": vocab, "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False,
-    }
-    from mlx_lm.models.qwen3 import Model, ModelArgs
-
-    model = Model(ModelArgs.from_dict(tcfg))
-    model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
-    taps = default_target_layer_ids(layers, dlayers)
-    dcfg = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,
-        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
-        "num_target_layers": layers, "block_size": 16,
-        "dflash_config": {"target_layer_ids": taps, "mask_token_id": vocab - 1},
-    }
-    target_dir = write_target(tmp / "target", tcfg, model, make_tokenizer(64))
+    tcfg, dcfg = configs(shape)
+    target_dir = write_target(tmp / "target", tcfg, random_target(shape), make_tokenizer(64))
     draft_dir = write_zlab_draft(tmp / "draft", dcfg, random_draft_weights(dcfg))
     return str(target_dir), str(draft_dir)
 
