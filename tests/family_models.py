@@ -105,9 +105,9 @@ class ScriptedDraft:
         self.script = mx.array(sequence + [0] * 64, mx.int32)
         self.right = mx.random.uniform(shape=(n,)) < p_right
 
-    def __call__(self, block: mx.array, taps, cache) -> mx.array:
+    def __call__(self, block: mx.array, taps, cache, fused=None) -> mx.array:
         if taps is not None and taps.shape[1]:
-            self.extend(taps, cache)
+            self.extend(taps, cache, fused)
         bs = block.shape[1]
         at = mx.minimum(cache[0].offset + 1 + mx.arange(bs - 1), self.script.shape[0] - 1)
         want = self.script[at]
