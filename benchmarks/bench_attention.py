@@ -27,6 +27,9 @@ from dflash_mlx.kernels.dispatch import _kernels, checked_kernel
 CHUNKS = (128, 256, 512, 1024, 2048, 4096)
 
 
+STAGINGS = ((16, 2), (16, 4), (32, 2), (32, 3), (32, 4), (64, 2), (64, 3))
+
+
 def rel_err(a, b) -> float:
     a, b = a.astype(mx.float32), b.astype(mx.float32)
     return (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
@@ -116,6 +119,21 @@ def main() -> int:
             err = rel_err(kernel(q, k, v, **kw), ops_attention(q, k, v, **kw))
         report["correctness"].append(dict(case=name, keys=n, rows=lq, head_dim=d, dtype=str(dtype), rel_err=err))
         print(f"check {name:22s} N={n:6d} L={lq:2d} D={d:3d} {str(dtype):14s} max rel err {err:.2e}", flush=True)
+
+    # The matrix-unit pass's staging variants (keys per tile x buffers) over the corners
+    # where tiles are partly masked: an unfilled tail, a window, the drafter's block.
+    if where == "cuda":
+        for name, b, hq, hkv, lq, n, d, dtype, qo, kl, causal, window in cases:
+            if d != 128 or dtype != mx.bfloat16 or n > 8192:
+                continue
+            q, k, v = make(b, hq, hkv, lq, n, d, dtype)
+            kw = dict(scale=d**-0.5, q_offset=mx.array(qo), kv_length=mx.array(kl), causal=causal, window=window)
+            want = ops_attention(q, k, v, **kw)
+            for kt, st in STAGINGS:
+                err = rel_err(kernel(q, k, v, tile_keys=kt, stages=st, **kw), want)
+                report["correctness"].append(dict(case=f"{name} KT={kt} ST={st}", keys=n, rows=lq, head_dim=d,
+                                                  dtype=str(dtype), rel_err=err))
+                print(f"check {name:22s} KT={kt:3d} ST={st} max rel err {err:.2e}", flush=True)
 
     # Speed: 32/8 heads, D 128, bf16, verify (causal) on a full buffer. "fused+mask" is what
     # block_attention falls back to (a fixed buffer needs the mask); "fused causal" is the

@@ -76,7 +76,8 @@ def profiled(name: str, fn) -> None:
     rt.cudaProfilerStop()
 
 
-def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], query_heads: int = 32) -> None:
+def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], query_heads: int = 32,
+                    stagings: list[tuple[int | None, int | None]] = ((None, None),)) -> None:
     from dflash_mlx.kernels import dispatch
     from dflash_mlx.kernels.kernel import BlockAttentionKernel
     from dflash_mlx.kv_cache import positions_mask
@@ -86,16 +87,20 @@ def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], 
         ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         for L in rows:
-            q = mx.random.normal((1, query_heads, L, 128)).astype(mx.bfloat16)
+            # a transposed view, as a layer's rotated query is
+            q = mx.random.normal((1, L, query_heads, 128)).astype(mx.bfloat16).transpose(0, 2, 1, 3)
             start = mx.array(n - L, mx.int32)
             mask = positions_mask(L, start, n)
             mx.eval(ks, vs, q, mask)
             profiled(f"fused+mask {L} rows {query_heads}/8 heads {n}", lambda: [mx.fast.scaled_dot_product_attention(
                 q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
             for chunk in chunks:
-                profiled(f"kernel C={chunk or 'default'} {L} rows {query_heads}/8 heads {n}", lambda c=chunk: [kernel(
-                    q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + L, causal=True, chunk=c)
-                    for i in range(LAYERS)])
+                for kt, st in stagings:
+                    staged = f" KT={kt} ST={st}" if kt or st else ""
+                    profiled(f"kernel C={chunk or 'default'}{staged} {L} rows {query_heads}/8 heads {n}",
+                             lambda c=chunk, kt=kt, st=st: [kernel(
+                                 q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + L, causal=True,
+                                 chunk=c, tile_keys=kt, stages=st) for i in range(LAYERS)])
         del ks, vs
 
 
@@ -167,12 +172,16 @@ def main():
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
     ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")
     ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
+    ap.add_argument("--staging", default="0x0",
+                    help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)")
     args = ap.parse_args()
     if args.what == "summarize":
         summarize(*args.paths)
     elif args.what == "attention":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads)
+        stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]
+        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads,
+                        stagings)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
 

@@ -295,8 +295,9 @@ def test_both_dialects_come_from_one_body():
     defines every helper the body calls (or Metal has it built in)."""
     calls = []
     for where in ("metal", "cuda"):
-        BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
-    metal_p, metal_t, metal_m, cuda_p, cuda_t, cuda_m = calls
+        kernel = BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
+        kernel.partial_tiles(source_tiles.staging_bytes(128, *source_tiles.staging(128, where)))
+    metal_p, metal_m, metal_t, cuda_p, cuda_m, cuda_t = calls
     for m, c in ((metal_p, cuda_p), (metal_m, cuda_m)):
         assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
         assert m["source"].replace(source.PRELUDE["metal"], "") == c["source"].replace(source.PRELUDE["cuda"], "")
@@ -309,18 +310,25 @@ def test_both_dialects_come_from_one_body():
     # The matrix-unit pass: one shared body; only the tile products and the
     # fragment coordinates are the dialect's, and each dialect defines them all.
     assert metal_t["name"] == cuda_t["name"] and metal_t["input_names"] == cuda_t["input_names"]
-    holes = ("COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V")
+    holes = ("STAGING", "COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V")
     shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM", source_tiles.BODY)
     for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
         assert all(part.strip("\n") in t["source"] for part in shared)
         assert all(getattr(source_tiles, h)[where].strip() in t["source"] for h in holes)
         assert source_tiles.OUT[where] in t["source"]
+    # The partial passes read queries through their strides, so no copy is made of them.
+    for t in (metal_p, metal_t, cuda_p, cuda_t):
+        assert t["ensure_row_contiguous"] is False and "queries_strides" in t["source"]
     # Metal threadgroup memory: 32 KB; the kernels stay under it for every head dim and dtype.
+    # CUDA's staging is dynamic shared memory of the size the kernel object asks for.
+    assert cuda_t["shared_memory"] == source_tiles.staging_bytes(128, *source_tiles.staging(128, "cuda"))
     for d in (64, 128, 256):
-        # two staged tiles of keys and values, 2-byte elements, the pitch d + 8
-        metal, cuda = (source_tiles.keys_per_tile(d, where) for where in ("metal", "cuda"))
-        assert 2 * 2 * metal * (d + 8) * 2 <= 32 * 1024 and metal % 8 == 0
-        assert 2 * 2 * cuda * (d + 8) * 2 <= 48 * 1024 and cuda % 16 == 0  # CUDA's static shared memory
+        (kt_m, st_m), (kt_c, st_c) = (source_tiles.staging(d, where) for where in ("metal", "cuda"))
+        assert source_tiles.staging_bytes(d, kt_m, st_m) <= 32 * 1024 and kt_m % 8 == 0
+        assert source_tiles.staging_bytes(d, kt_c, st_c) <= 227 * 1024 and kt_c % 16 == 0
+        assert source_tiles.staging_bytes(d, 32, 3) == 3 * 2 * 32 * (d + 8) * 2  # keys and values, pitch d + 8
+        with pytest.raises(ValueError, match="multiple of 16"):
+            source_tiles.staging(d, "cuda", tile_keys=24)
         nw = max_warps(d)
         assert 1 <= nw <= 16 and nw * source.ROWS_PER_WARP * (d + 32) * 4 <= 32 * 1024
 

@@ -155,19 +155,21 @@ def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
 
 
 def _check_cases(dtype, head_dim: int, windowed: bool):
-    """Verify-like (causal, array offsets) and drafter-like (non-causal, sinks)
-    cases over a buffer with an unfilled tail and several key chunks."""
+    """Verify-like (causal, array offsets, the query a transposed view as a
+    layer's rotated query is) and drafter-like (non-causal, sinks) cases over a
+    buffer with an unfilled tail and several key chunks."""
     key = mx.random.key(head_dim)
     kq, kk, kv, ks = mx.random.split(key, 4)
     n, lq = 640, 7
-    q = mx.random.normal((1, 4, lq, head_dim), key=kq).astype(dtype)
+    q = mx.random.normal((1, lq, 4, head_dim), key=kq).astype(dtype).transpose(0, 2, 1, 3)
     k = mx.random.normal((1, 2, n, head_dim), key=kk).astype(dtype)
     v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
     sinks = mx.random.normal((4,), key=ks)
     window = 45 if windowed else None
     scale = head_dim ** -0.5
     yield q, k, v, dict(scale=scale, q_offset=mx.array(500), kv_length=mx.array(500 + lq), causal=True, window=window)
-    yield q, k, v, dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window, sinks=sinks)
+    yield mx.contiguous(q), k, v, dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window,
+                                        sinks=sinks)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:

@@ -20,9 +20,11 @@ TILE_CHUNK_FLOOR = 256
 
 
 def make_factory(backend: str):
-    """mx.fast.metal_kernel or mx.fast.cuda_kernel, called with the same arguments."""
+    """mx.fast.metal_kernel or mx.fast.cuda_kernel, called with the same
+    arguments (``shared_memory``: CUDA's dynamic shared memory; Metal's
+    kernels declare theirs)."""
     if backend == "metal":
-        return lambda **kw: mx.fast.metal_kernel(**kw)
+        return lambda shared_memory=0, **kw: mx.fast.metal_kernel(**kw)
     if backend == "cuda":
         return lambda **kw: mx.fast.cuda_kernel(**kw)
     raise ValueError(f"no kernel dialect for backend {backend!r}; use 'metal' or 'cuda'.")
@@ -31,33 +33,44 @@ def make_factory(backend: str):
 class BlockAttentionKernel:
     """The kernels for one backend: the partial pass on the matrix units
     (bf16, fp16) or in SIMT arithmetic (fp32), then the merge; compiled by MLX
-    per template (dtype, head dim, warps, chunk, causal, window, sinks) on
+    per template (dtype, head dim, warps, staging, causal, window, sinks) on
     first launch."""
 
     def __init__(self, backend: str, factory=None):
         self.backend = backend
-        factory = factory or make_factory(backend)
+        self._factory = factory or make_factory(backend)
         hdr = source.header(backend)
-        self.partial, self.partial_tiles, self.merge = (
-            factory(name=f"dflash_block_attn_{stage}", input_names=inputs, output_names=outputs, source=body, header=h)
-            for stage, inputs, outputs, body, h in (
-                ("partial", source.PARTIAL_INPUTS, source.PARTIAL_OUTPUTS, source.partial_source(backend), hdr),
-                (
-                    "partial_tiles",
-                    source.PARTIAL_INPUTS,
-                    source.PARTIAL_OUTPUTS,
-                    source_tiles.partial_source(source.PRELUDE[backend], backend),
-                    hdr + source_tiles.header(backend),
-                ),
-                ("merge", source.MERGE_INPUTS, source.MERGE_OUTPUTS, source.merge_source(backend), hdr),
-            )
-        )
+        # The partial passes read the queries through their strides (no copy of a
+        # rotated, transposed query); keys and values are made contiguous below.
+        self.partial = self._factory(
+            name="dflash_block_attn_partial", input_names=source.PARTIAL_INPUTS, output_names=source.PARTIAL_OUTPUTS,
+            source=source.partial_source(backend), header=hdr, ensure_row_contiguous=False)
+        self.merge = self._factory(
+            name="dflash_block_attn_merge", input_names=source.MERGE_INPUTS, output_names=source.MERGE_OUTPUTS,
+            source=source.merge_source(backend), header=hdr)
+        self._tiles_source = source_tiles.partial_source(source.PRELUDE[backend], backend)
+        self._tiles_header = hdr + source_tiles.header(backend)
+        self._tiles: dict[int, object] = {}
         self._params: dict[float, mx.array] = {}
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)
 
-    def __call__(self, queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None, chunk=None):
-        """chunk: keys per threadgroup, a multiple of 64 (default: chosen from
-        the shape; benchmarks/bench_attention.py sweeps it)."""
+    def partial_tiles(self, staging_bytes: int):
+        """The matrix-unit pass with ``staging_bytes`` of staging memory (one
+        kernel object per size: CUDA fixes dynamic shared memory per object)."""
+        kernel = self._tiles.get(staging_bytes)
+        if kernel is None:
+            kernel = self._tiles[staging_bytes] = self._factory(
+                name="dflash_block_attn_partial_tiles", input_names=source.PARTIAL_INPUTS,
+                output_names=source.PARTIAL_OUTPUTS, source=self._tiles_source, header=self._tiles_header,
+                ensure_row_contiguous=False, shared_memory=staging_bytes)
+        return kernel
+
+    def __call__(self, queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None, chunk=None,
+                 tile_keys=None, stages=None):
+        """chunk: keys per threadgroup; tile_keys, stages:
+        keys per staged tile and staging buffers of the matrix-unit pass
+        (defaults: chosen from the shape and backend; benchmarks sweep them).
+        The result is a [B, Hq, L, D] view of a [B, L, Hq, D] array."""
         b, hq, lq, d = queries.shape
         hkv, n = keys.shape[1], keys.shape[2]
         rows = (hq // hkv) * lq
@@ -70,18 +83,24 @@ class BlockAttentionKernel:
             warps = min(max_warps(d), -(-rows // rw))
         row_tiles = -(-rows // (warps * rw))
         groups = b * hkv * row_tiles
-        if tiles:
-            chunk = chunk or max(TILE_CHUNK_FLOOR, chunk_size(n, groups, TILE_GROUPS_TARGET))
+        if chunk:
+            nch = -(-n // chunk)
+        elif tiles:
+            nch = tile_chunks(n, groups)
         else:
-            chunk = chunk or chunk_size(n, groups)
-        nch = -(-n // chunk)
+            nch = -(-n // chunk_size(n, groups))
         params = self._params.get(scale)
         if params is None:
             params = self._params[scale] = mx.array([scale * source.LOG2E], dtype=mx.float32)
-        common = [("T", queries.dtype), ("D", d), ("NW", warps), ("C", chunk), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
-        o_part, m_part, l_part = (self.partial_tiles if tiles else self.partial)(
-            inputs=[queries, keys, values, _int1(q_offset), _int1(kv_length), params],
-            template=common + ([("KT", source_tiles.keys_per_tile(d, self.backend))] if tiles else [("RW", rw)]),
+        common = [("T", queries.dtype), ("D", d), ("NW", warps), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
+        if tiles:
+            kt, st = source_tiles.staging(d, self.backend, tile_keys, stages)
+            partial, extra = self.partial_tiles(source_tiles.staging_bytes(d, kt, st)), [("KT", kt), ("ST", st)]
+        else:
+            partial, extra = self.partial, [("RW", rw)]
+        o_part, m_part, l_part = partial(
+            inputs=[queries, mx.contiguous(keys), mx.contiguous(values), _int1(q_offset), _int1(kv_length), params],
+            template=common + extra,
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),
             output_shapes=[(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)],
@@ -93,10 +112,10 @@ class BlockAttentionKernel:
             template=[("T", queries.dtype), ("D", d), ("HAS_SINKS", has_sinks)],
             grid=(d * b * hq * lq, 1, 1),  # rows along x: y allows only 65535 threadgroups
             threadgroup=(d, 1, 1),
-            output_shapes=[queries.shape],
+            output_shapes=[(b, lq, hq, d)],
             output_dtypes=[queries.dtype],
         )
-        return out
+        return out.transpose(0, 2, 1, 3)
 
 
 def max_warps(d: int) -> int:
@@ -104,6 +123,13 @@ def max_warps(d: int) -> int:
     THREADGROUP_BYTES of query rows and probabilities (fp32)."""
     per_warp = source.ROWS_PER_WARP * (d + source.SIMD) * 4
     return max(1, min(16, THREADGROUP_BYTES // per_warp))
+
+
+def tile_chunks(n: int, groups: int) -> int:
+    """Key chunks of the matrix-unit pass: TILE_GROUPS_TARGET threadgroups in
+    all, no chunk under TILE_CHUNK_FLOOR keys (the kernel reads the count from
+    its grid, so any count compiles once)."""
+    return max(1, min(-(-TILE_GROUPS_TARGET // max(groups, 1)), -(-n // TILE_CHUNK_FLOOR)))
 
 
 def chunk_size(n: int, groups: int, target: int = THREADS_TARGET) -> int:

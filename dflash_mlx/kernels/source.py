@@ -17,6 +17,12 @@ or window rules hide, are never read.
 Pass 2, ``merge`` (every dtype): one threadgroup per query row, one thread per head-dim
 element; it rescales the chunks' partials to a common max (and adds the
 attention sink to the denominator) and writes the output in the input dtype.
+
+Layouts are those of mx.fast.scaled_dot_product_attention's callers, so no
+copy comes before or after: queries are read through their strides (a rotated
+query is a transposed view of the projection), and the output is written as
+[B, L, Hq, D], handed back as its [B, Hq, L, D] transpose, so the layer's
+transpose back and reshape are free.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ SIMD = 32
 HEADER = {
     "metal": """
 #define DEV device
+typedef int64_t idx_t;  // strides, element offsets
 #define TG_MEM threadgroup
 #define TG_PTR threadgroup
 #define TG_ALIGN
@@ -52,13 +59,20 @@ template <typename U> inline void copy4(threadgroup U* dst, const device U* src)
 """,
     "cuda": """
 #define DEV
+typedef long long idx_t;  // strides, element offsets
 #define TG_MEM __shared__
 #define TG_PTR
 #define TG_ALIGN __align__(16)
 #define WARP_BARRIER() __syncwarp()
 #define TG_BARRIER() __syncthreads()
 #define NEG_INF (-cuda::std::numeric_limits<float>::infinity())
-__device__ __forceinline__ float bk_exp2(float x) { return exp2f(x); }
+// One MUFU instruction (exp2f adds range fixes for denormal results, which a
+// softmax weight does not need); 2^-inf = 0.
+__device__ __forceinline__ float bk_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float bk_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -110,6 +124,7 @@ PRELUDE = {
   const int tg_x = int(threadgroup_position_in_grid.x);
   const int tg_y = int(threadgroup_position_in_grid.y);
   const int tg_z = int(threadgroup_position_in_grid.z);
+  const int n_tg_y = int(threadgroups_per_grid.y);
 """,
     "cuda": """
   const int tid = int(threadIdx.x);
@@ -118,11 +133,13 @@ PRELUDE = {
   const int tg_x = int(blockIdx.x);
   const int tg_y = int(blockIdx.y);
   const int tg_z = int(blockIdx.z);
+  const int n_tg_y = int(gridDim.y);
 """,
 }
 
 # Template constants: T (dtype), D (head dim), NW (warps), RW (rows per warp),
-# C (keys per chunk), CAUSAL, WINDOW (0 = none). Shapes are read at run time.
+# CAUSAL, WINDOW (0 = none). Shapes and the key chunks (the grid's y) are read at
+# run time, so a growing buffer does not compile new variants.
 PARTIAL_INPUTS = ["queries", "keys", "values", "q_offset", "kv_length", "params"]
 PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
 PARTIAL_BODY = """
@@ -133,7 +150,8 @@ PARTIAL_BODY = """
   const int NK = keys_shape[2];
   const int G = HQ / HKV;
   const int R = G * Lq;
-  const int nch = (NK + C - 1) / C;
+  const int nch = n_tg_y;  // key chunks: the grid's y
+  const int C = (NK + nch - 1) / nch;
   const int b = tg_z / HKV;
   const int hk = tg_z % HKV;
   const int chunk = tg_y;
@@ -152,9 +170,9 @@ PARTIAL_BODY = """
     const int i = live[rr] ? r % Lq : 0;
     const int hq = hk * G + (live[rr] ? r / Lq : 0);
     pos[rr] = qoff + i;
-    const DEV T* qp = queries + ((size_t(b) * HQ + hq) * Lq + i) * D;
+    const DEV T* qp = queries + b * queries_strides[0] + hq * queries_strides[1] + i * queries_strides[2];
     for (int d = lane; d < D; d += 32) {
-      qs[(warp * RW + rr) * D + d] = live[rr] ? to_float(qp[d]) * qscale : 0.0f;
+      qs[(warp * RW + rr) * D + d] = live[rr] ? to_float(qp[d * queries_strides[3]]) * qscale : 0.0f;
     }
   }
   WARP_BARRIER();
@@ -272,24 +290,39 @@ MERGE_BODY = """
   const int HQ = m_part_shape[1];
   const int Lq = m_part_shape[2];
   const int nch = m_part_shape[3];
-  const size_t row = size_t(tg_x);
+  const size_t row = size_t(tg_x);  // (batch, head, position) of the partials
   const int d = tid;
+  const size_t bh = row / Lq;
+  const size_t at = ((bh / HQ * Lq + row % Lq) * HQ + bh % HQ) * D + d;  // out is [B, Lq, HQ, D]
   const float sink = HAS_SINKS ? to_float(sinks[(row / Lq) % HQ]) * LOG2E_F : 0.0f;
+  const DEV float* mp = m_part + row * nch;
+  const DEV float* lp = l_part + row * nch;
+  const DEV float* op = o_part + row * nch * D + d;
+  // Four chunks a step, so four loads are in flight rather than one.
   float mx_ = HAS_SINKS ? sink : NEG_INF;
-  for (int c = 0; c < nch; ++c) mx_ = bk_max(mx_, m_part[row * nch + c]);
+  int c = 0;
+  for (; c + 4 <= nch; c += 4) mx_ = bk_max(bk_max(mx_, bk_max(mp[c], mp[c + 1])), bk_max(mp[c + 2], mp[c + 3]));
+  for (; c < nch; ++c) mx_ = bk_max(mx_, mp[c]);
   float num = 0.0f;
   float den = 0.0f;
   if (mx_ != NEG_INF) {
-    for (int c = 0; c < nch; ++c) {
-      const float mc = m_part[row * nch + c];
-      if (mc == NEG_INF) continue;
-      const float w = bk_exp2(mc - mx_);
-      den += l_part[row * nch + c] * w;
-      num += o_part[(row * nch + c) * D + d] * w;
+    // A chunk nothing was visible in (m = -inf) weighs 0.
+#define CHUNK_WEIGHT(m_) ((m_) == NEG_INF ? 0.0f : bk_exp2((m_) - mx_))
+    for (c = 0; c + 4 <= nch; c += 4) {
+      const float w0 = CHUNK_WEIGHT(mp[c]), w1 = CHUNK_WEIGHT(mp[c + 1]);
+      const float w2 = CHUNK_WEIGHT(mp[c + 2]), w3 = CHUNK_WEIGHT(mp[c + 3]);
+      den += lp[c] * w0 + lp[c + 1] * w1 + lp[c + 2] * w2 + lp[c + 3] * w3;
+      num += op[c * D] * w0 + op[(c + 1) * D] * w1 + op[(c + 2) * D] * w2 + op[(c + 3) * D] * w3;
     }
+    for (; c < nch; ++c) {
+      const float w = CHUNK_WEIGHT(mp[c]);
+      den += lp[c] * w;
+      num += op[c * D] * w;
+    }
+#undef CHUNK_WEIGHT
     if (HAS_SINKS) den += bk_exp2(sink - mx_);
   }
-  out[row * D + d] = from_float<T>(den > 0.0f ? num / den : 0.0f);
+  out[at] = from_float<T>(den > 0.0f ? num / den : 0.0f);
 """
 
 

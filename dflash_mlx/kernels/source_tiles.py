@@ -11,14 +11,17 @@ chunk for all of them (a verify block of 16 rows at GQA 4 is 64 rows). Each
 warp (simdgroup) owns 16 rows. A tile of KT keys and their values is staged in
 threadgroup memory by the whole threadgroup; rows past the valid range are
 zero-filled, so the unfilled tail of a buffer is never read and never meets a
-product.
+product. ST such tiles are staged at once: on CUDA the next tiles' loads
+(cp.async) are in flight while one is computed; Metal copies at once. Tiles
+that every row sees whole (most of a long context) skip the mask.
 
 Every thread holds the same four elements of each 16 x 8 score tile in both
 dialects: rows ``fr`` and ``fr + 8``, columns ``fc`` and ``fc + 1`` (only the
 formulas for fr and fc differ). So the mask, the online softmax and the
-stores are written once below; the dialects supply the tile products
-(``LOAD_Q``, ``SCORES``, ``SCALE_OUT``, ``P_TIMES_V``), the element of an
-output tile (``OUT(nt, e)``) and the reductions over a row's four threads.
+stores are written once below; the dialects supply the staging memory
+(``STAGING``), the tile products (``LOAD_Q``, ``SCORES``, ``SCALE_OUT``,
+``P_TIMES_V``), the element of an output tile (``OUT(nt, e)``) and the
+reductions over a row's four threads.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ HEADER = {
 typedef simdgroup_matrix<float, 8, 8> tile8;
 // The thread's two elements of an 8 x 8 tile (row fr, columns fc and fc + 1).
 inline thread float2& el(thread tile8& m) { return reinterpret_cast<thread float2&>(m.thread_elements()); }
+inline bool warp_any(bool p) { return simd_any(p); }
 inline float row_max4(float v) {
   v = metal::max(v, simd_shuffle_xor(v, ushort(1)));
   return metal::max(v, simd_shuffle_xor(v, ushort(8)));
@@ -46,6 +50,7 @@ inline void stage_commit() {}
 template <int N> inline void stage_wait() {}
 """,
     "cuda": """
+__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 __device__ __forceinline__ float row_max4(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -54,11 +59,14 @@ __device__ __forceinline__ float row_sum4(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
-__device__ __forceinline__ unsigned int ld2(const void* p) { return *reinterpret_cast<const unsigned int*>(p); }
+// Two 16-bit elements `stride` apart, packed as one product operand.
+template <typename U> __device__ __forceinline__ unsigned int ld2s(const U* p, idx_t stride) {
+  const unsigned int lo = *reinterpret_cast<const unsigned short*>(p);
+  const unsigned int hi = *reinterpret_cast<const unsigned short*>(p + stride);
+  return lo | (hi << 16);
+}
 __device__ __forceinline__ unsigned int shared_addr(const void* p) {
-  unsigned int a;
-  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }
 // Staging: 16 bytes into shared memory without waiting (cp.async; zeros where not valid),
 // so the next tile's loads are in flight while this one is computed.
@@ -67,7 +75,13 @@ template <typename U> __device__ __forceinline__ void stage8(U* dst, const U* sr
 }
 __device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
-// Four 8 x 8 matrices of 16-bit values, transposed, as the B operands of two m16n8k16 products.
+// Four 8 x 8 matrices of 16-bit values as the B operands of two m16n8k16 products
+// (lane l gives the address of row l % 8 of matrix l / 8): rows of K as they are,
+// rows of V transposed.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_addr(p)));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_addr(p)));
@@ -113,11 +127,11 @@ LOAD_Q = {
     "metal": """
   tile8 qt[2][D / 8];
   for (int kk = 0; kk < D / 8; ++kk) {
-    const int c = kk * 8 + fc;
-    el(qt[0][kk])[0] = live_a ? float(qa[c]) : 0.0f;
-    el(qt[0][kk])[1] = live_a ? float(qa[c + 1]) : 0.0f;
-    el(qt[1][kk])[0] = live_b ? float(qb[c]) : 0.0f;
-    el(qt[1][kk])[1] = live_b ? float(qb[c + 1]) : 0.0f;
+    const idx_t c = kk * 8 + fc;
+    el(qt[0][kk])[0] = live_a ? float(qa[c * qsd]) : 0.0f;
+    el(qt[0][kk])[1] = live_a ? float(qa[(c + 1) * qsd]) : 0.0f;
+    el(qt[1][kk])[0] = live_b ? float(qb[c * qsd]) : 0.0f;
+    el(qt[1][kk])[1] = live_b ? float(qb[(c + 1) * qsd]) : 0.0f;
   }
   tile8 ot[2][D / 8];
   for (int nt = 0; nt < D / 8; ++nt) {
@@ -128,11 +142,11 @@ LOAD_Q = {
     "cuda": """
   unsigned int qf[D / 16][4];
   for (int kk = 0; kk < D / 16; ++kk) {
-    const int c = kk * 16 + fc;
-    qf[kk][0] = live_a ? ld2(qa + c) : 0u;
-    qf[kk][1] = live_b ? ld2(qb + c) : 0u;
-    qf[kk][2] = live_a ? ld2(qa + c + 8) : 0u;
-    qf[kk][3] = live_b ? ld2(qb + c + 8) : 0u;
+    const idx_t c = kk * 16 + fc;
+    qf[kk][0] = live_a ? ld2s(qa + c * qsd, qsd) : 0u;
+    qf[kk][1] = live_b ? ld2s(qb + c * qsd, qsd) : 0u;
+    qf[kk][2] = live_a ? ld2s(qa + (c + 8) * qsd, qsd) : 0u;
+    qf[kk][3] = live_b ? ld2s(qb + (c + 8) * qsd, qsd) : 0u;
   }
   float ot[D / 8][4];
   for (int nt = 0; nt < D / 8; ++nt) ot[nt][0] = ot[nt][1] = ot[nt][2] = ot[nt][3] = 0.0f;
@@ -161,9 +175,12 @@ SCORES = {
     "cuda": """
     for (int t = 0; t < NT; ++t) {
       s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const TG_PTR T* kp = kb + (t * 8 + fr) * DP + kk * 16 + fc;
-        mma16816<T>(s[t], qf[kk], ld2(kp), ld2(kp + 8));
+      for (int kk = 0; kk < D / 16; kk += 2) {
+        // keys t * 8 .. + 7 against head dims kk * 16 .. + 31: four 8 x 8 matrices
+        unsigned int kf[4];
+        ldmatrix_x4(kf, kb + (t * 8 + (lane & 7)) * DP + (kk + (lane >> 4)) * 16 + ((lane >> 3) & 1) * 8);
+        mma16816<T>(s[t], qf[kk], kf[0], kf[1]);
+        mma16816<T>(s[t], qf[kk + 1], kf[2], kf[3]);
       }
     }
 """,
@@ -217,21 +234,37 @@ P_TIMES_V = {
 """,
 }
 
+# ST staging buffers of KT keys and KT values: static on Metal (under its 32 KB),
+# dynamic shared memory on CUDA (sized by the launch, past the 48 KB static limit).
+STAGING = {
+    "metal": """
+  threadgroup T ks[ST * KT * DP];
+  threadgroup T vs[ST * KT * DP];
+""",
+    "cuda": """
+  extern __shared__ __align__(16) unsigned char stage_mem[];
+  T* ks = reinterpret_cast<T*>(stage_mem);
+  T* vs = ks + ST * KT * DP;
+""",
+}
+
 OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}
 
 # Template constants: T (bf16 or fp16), D (head dim), NW (warps of 16 rows),
-# KT (keys per staged tile, a multiple of 16), C (keys per chunk), CAUSAL,
-# WINDOW (0 = none). Inputs and outputs are those of source.PARTIAL_*.
+# KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none);
+# the key chunks are the grid's y. Inputs and outputs are those of source.PARTIAL_*.
 BODY = """
   constexpr int DP = D + 8;  // staged row pitch: rows stay 16-byte aligned and fall on distinct banks
   constexpr int NT = KT / 8;
+  constexpr float RESCALE = 8.0f;
   const int Lq = queries_shape[2];
   const int HQ = queries_shape[1];
   const int HKV = keys_shape[1];
   const int NK = keys_shape[2];
   const int G = HQ / HKV;
   const int R = G * Lq;
-  const int nch = (NK + C - 1) / C;
+  const int nch = n_tg_y;  // key chunks: the grid's y
+  const int C = (NK + nch - 1) / nch;
   const int b = tg_z / HKV;
   const int hk = tg_z % HKV;
   const int chunk = tg_y;
@@ -239,8 +272,7 @@ BODY = """
   const int kvlen = kv_length[0] < NK ? kv_length[0] : NK;
   const float qscale = params[0];
 
-  TG_MEM TG_ALIGN T ks[2 * KT * DP];
-  TG_MEM TG_ALIGN T vs[2 * KT * DP];
+STAGING
 COORDS
   const int rt0 = tg_x * NW * 16;
   const int ra = rt0 + warp * 16 + fr;
@@ -249,8 +281,11 @@ COORDS
   const bool live_b = rb < R;
   const int pos_a = qoff + (live_a ? ra % Lq : 0);
   const int pos_b = qoff + (live_b ? rb % Lq : 0);
-  const DEV T* qa = queries + ((size_t(b) * HQ + hk * G + (live_a ? ra / Lq : 0)) * Lq + (live_a ? ra % Lq : 0)) * D;
-  const DEV T* qb = queries + ((size_t(b) * HQ + hk * G + (live_b ? rb / Lq : 0)) * Lq + (live_b ? rb % Lq : 0)) * D;
+  const idx_t qsd = queries_strides[3];
+  const DEV T* qa = queries + b * queries_strides[0] + (hk * G + (live_a ? ra / Lq : 0)) * queries_strides[1]
+                    + (live_a ? ra % Lq : 0) * queries_strides[2];
+  const DEV T* qb = queries + b * queries_strides[0] + (hk * G + (live_b ? rb / Lq : 0)) * queries_strides[1]
+                    + (live_b ? rb % Lq : 0) * queries_strides[2];
 LOAD_Q
   // The key range is the threadgroup's (all its rows), so every warp runs the same tiles.
   const int rt1 = rt0 + NW * 16 < R ? rt0 + NW * 16 : R;
@@ -270,67 +305,117 @@ LOAD_Q
   }
 
   float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sum
-  const size_t head = (size_t(b) * HKV + hk) * size_t(NK) * D;
+  const idx_t head = (idx_t(b) * HKV + hk) * idx_t(NK) * D;
   float s[NT][4];
-  // Two staging buffers: iteration `it` stages the tile at kn into buffer it & 1 and
-  // computes the tile staged before it, so one tile's loads overlap the other's products.
-  for (int kn = lo, it = 0; kn - KT < hi; kn += KT, ++it) {
-    if (kn < hi) {
-      TG_PTR T* kd = ks + (it & 1) * KT * DP;
-      TG_PTR T* vd = vs + (it & 1) * KT * DP;
-      for (int e = tid; e < KT * (D / 8); e += NW * 32) {
-        const int row = e / (D / 8);
-        const int col = (e % (D / 8)) * 8;
-        const bool valid = kn + row < hi;
-        const size_t at = head + (valid ? size_t(kn + row) * D + col : 0);
-        stage8(kd + row * DP + col, keys + at, valid);
-        stage8(vd + row * DP + col, values + at, valid);
-      }
-      stage_commit();
-    }
-    if (kn == lo) continue;
-    const int k0 = kn - KT;
-    if (kn < hi) stage_wait<1>(); else stage_wait<0>();
-    TG_BARRIER();
-    const TG_PTR T* kb = ks + ((it - 1) & 1) * KT * DP;
-    const TG_PTR T* vb = vs + ((it - 1) & 1) * KT * DP;
-SCORES
-    float mx_a = NEG_INF, mx_b = NEG_INF;
-    for (int t = 0; t < NT; ++t) {
-      for (int e = 0; e < 4; ++e) {
-        const int k = k0 + t * 8 + fc + (e & 1);
-        const int p_ = e < 2 ? pos_a : pos_b;
-        bool vis = (e < 2 ? live_a : live_b) && k < hi;
-        if (CAUSAL) vis = vis && k <= p_;
-        if (WINDOW > 0) {
-          vis = vis && p_ - k < WINDOW;
-          if (!CAUSAL) vis = vis && k - p_ < WINDOW;
-        }
-        s[t][e] = vis ? s[t][e] * qscale : NEG_INF;
-        if (e < 2) mx_a = bk_max(mx_a, s[t][e]); else mx_b = bk_max(mx_b, s[t][e]);
-      }
-    }
-    const float mn_a = bk_max(m_a, row_max4(mx_a));
-    const float mn_b = bk_max(m_b, row_max4(mx_b));
-    const float corr_a = mn_a == NEG_INF ? 1.0f : bk_exp2(m_a - mn_a);
-    const float corr_b = mn_b == NEG_INF ? 1.0f : bk_exp2(m_b - mn_b);
-    float sum_a = 0.0f, sum_b = 0.0f;
-    for (int t = 0; t < NT; ++t) {
-      for (int e = 0; e < 4; ++e) {
-        const float mn = e < 2 ? mn_a : mn_b;
-        const float p = (mn == NEG_INF || s[t][e] == NEG_INF) ? 0.0f : bk_exp2(s[t][e] - mn);
-        s[t][e] = p;
-        if (e < 2) sum_a += p; else sum_b += p;
-      }
-    }
-    l_a = l_a * corr_a + sum_a;
-    l_b = l_b * corr_b + sum_b;
-    m_a = mn_a;
-    m_b = mn_b;
-SCALE_OUT
-P_TIMES_V
-    TG_BARRIER();
+  // ST staging buffers: while tile `it` is computed, tiles it + 1 .. it + ST - 1 are
+  // loading (cp.async on CUDA; Metal copies at once, so there the buffers only take
+  // turns). Every iteration commits one group, empty or not, so the wait counts hold.
+  const int ntiles = lo < hi ? (hi - lo + KT - 1) / KT : 0;
+  // A tile is KT rows of D / 8 pieces of 16 bytes. Thread tid stages piece
+  // tid % (D / 8) of rows tid / (D / 8), + ROWS_PER_PASS, ... of every tile.
+  constexpr int ROW_PIECES = D / 8;
+  constexpr int ROWS_PER_PASS = NW * 32 / ROW_PIECES;
+  static_assert(KT % ROWS_PER_PASS == 0, "a tile is a whole number of passes");
+  const int srow = tid / ROW_PIECES;
+  const int scol = (tid % ROW_PIECES) * 8;
+  const DEV T* kfirst = keys + head;  // a readable address for rows past the end
+  const DEV T* vfirst = values + head;
+  const DEV T* kthread = kfirst + idx_t(srow) * D + scol;
+  const DEV T* vthread = vfirst + idx_t(srow) * D + scol;
+#define STAGE_TILE(i)                                                              \
+  {                                                                                \
+    const int k_ = lo + (i) * KT;                                                  \
+    const DEV T* kg = kthread + idx_t(k_) * D;                                     \
+    const DEV T* vg = vthread + idx_t(k_) * D;                                     \
+    TG_PTR T* kd = ks + ((i) % ST) * KT * DP + srow * DP + scol;                   \
+    TG_PTR T* vd = vs + ((i) % ST) * KT * DP + srow * DP + scol;                   \
+    for (int j = 0; j < KT / ROWS_PER_PASS; ++j) {                                 \
+      const bool valid = k_ + srow + j * ROWS_PER_PASS < hi;                       \
+      stage8(kd + j * ROWS_PER_PASS * DP, valid ? kg + j * ROWS_PER_PASS * D : kfirst, valid); \
+      stage8(vd + j * ROWS_PER_PASS * DP, valid ? vg + j * ROWS_PER_PASS * D : vfirst, valid); \
+    }                                                                              \
   }
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < ntiles) STAGE_TILE(i);
+    stage_commit();
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    stage_wait<ST - 2>();
+    TG_BARRIER();  // tile it is staged, and every warp is done with tile it - 1's buffer
+    if (it + ST - 1 < ntiles) STAGE_TILE(it + ST - 1);
+    stage_commit();
+    const int k0 = lo + it * KT;
+    const TG_PTR T* kb = ks + (it % ST) * KT * DP;
+    const TG_PTR T* vb = vs + (it % ST) * KT * DP;
+    // A tile every row sees whole (most of a long context) skips the mask.
+    const bool whole = k0 + KT <= hi && (!CAUSAL || k0 + KT - 1 <= pmin) &&
+                       (WINDOW == 0 || (pmax - k0 < WINDOW && (CAUSAL || k0 + KT - 1 - pmin < WINDOW)));
+SCORES
+    // Scores stay unscaled until the exponent (qscale > 0 keeps their order), so
+    // scaling and subtracting the max are one fused multiply-add.
+    float mx_a = NEG_INF, mx_b = NEG_INF;
+    if (whole) {
+      for (int t = 0; t < NT; ++t) {
+        mx_a = bk_max(mx_a, bk_max(s[t][0], s[t][1]));
+        mx_b = bk_max(mx_b, bk_max(s[t][2], s[t][3]));
+      }
+    } else {
+      for (int t = 0; t < NT; ++t) {
+        for (int e = 0; e < 4; ++e) {
+          const int k = k0 + t * 8 + fc + (e & 1);
+          const int p_ = e < 2 ? pos_a : pos_b;
+          bool vis = (e < 2 ? live_a : live_b) && k < hi;
+          if (CAUSAL) vis = vis && k <= p_;
+          if (WINDOW > 0) {
+            vis = vis && p_ - k < WINDOW;
+            if (!CAUSAL) vis = vis && k - p_ < WINDOW;
+          }
+          s[t][e] = vis ? s[t][e] : NEG_INF;
+          if (e < 2) mx_a = bk_max(mx_a, s[t][e]); else mx_b = bk_max(mx_b, s[t][e]);
+        }
+      }
+    }
+    // The running max moves only when a row's scores pass it by more than RESCALE
+    // (base 2): until then probabilities stay under 2^RESCALE and the output is not
+    // rescaled, which most tiles of a long context skip. Decided per warp.
+    const float top_a = row_max4(mx_a) * qscale;
+    const float top_b = row_max4(mx_b) * qscale;
+    if (warp_any(top_a > m_a + RESCALE || top_b > m_b + RESCALE)) {
+      const float mn_a = bk_max(m_a, top_a);
+      const float mn_b = bk_max(m_b, top_b);
+      const float corr_a = mn_a == NEG_INF ? 1.0f : bk_exp2(m_a - mn_a);
+      const float corr_b = mn_b == NEG_INF ? 1.0f : bk_exp2(m_b - mn_b);
+      l_a *= corr_a;
+      l_b *= corr_b;
+      m_a = mn_a;
+      m_b = mn_b;
+SCALE_OUT
+    }
+    float sum_a = 0.0f, sum_b = 0.0f;
+    if (whole) {
+      for (int t = 0; t < NT; ++t) {
+        s[t][0] = bk_exp2(s[t][0] * qscale - m_a);
+        s[t][1] = bk_exp2(s[t][1] * qscale - m_a);
+        s[t][2] = bk_exp2(s[t][2] * qscale - m_b);
+        s[t][3] = bk_exp2(s[t][3] * qscale - m_b);
+        sum_a += s[t][0] + s[t][1];
+        sum_b += s[t][2] + s[t][3];
+      }
+    } else {
+      for (int t = 0; t < NT; ++t) {
+        for (int e = 0; e < 4; ++e) {
+          const float m = e < 2 ? m_a : m_b;
+          const float p = (m != NEG_INF && s[t][e] != NEG_INF) ? bk_exp2(s[t][e] * qscale - m) : 0.0f;
+          s[t][e] = p;
+          if (e < 2) sum_a += p; else sum_b += p;
+        }
+      }
+    }
+    l_a += sum_a;
+    l_b += sum_b;
+P_TIMES_V
+  }
+#undef STAGE_TILE
   l_a = row_sum4(l_a);
   l_b = row_sum4(l_b);
 
@@ -353,11 +438,30 @@ ROWS_PER_WARP = 16
 MOST_WARPS = 4  # 64 rows: a verify block of 16 at GQA 4 in one threadgroup
 
 
-def keys_per_tile(d: int, backend: str) -> int:
-    """Keys per staged tile. Two tiles of keys and values are staged at a
-    time: 35 KB at 8 KB a tile (CUDA, under its 48 KB of static shared
-    memory), 17 KB at 4 KB a tile on Metal (under the 32 KB a Mac allows)."""
-    return (4096 if backend == "cuda" else 2048) // d
+# Keys per staged tile by head dim, and staging buffers, by backend. Metal: two
+# tiles of 4 KB of keys and 4 KB of values, 17 KB with the pitch, under the 32 KB
+# of threadgroup memory a Mac allows. CUDA: dynamic shared memory (up to 227 KB);
+# 64 keys at head dims 64 and 128 (device time on an H200, benchmarks/gpu_time.py
+# attention --staging: 64 x 2 ran 12-15% under 32 x 2 at 16k-32k keys, more
+# buffers did not help), 16 at 256, where the output's registers leave no room.
+TILE_KEYS = {"metal": {64: 32, 128: 16, 256: 8}, "cuda": {64: 64, 128: 64, 256: 16}}
+STAGES = {"metal": 2, "cuda": 2}
+
+
+def staging(d: int, backend: str, tile_keys: int | None = None, stages: int | None = None) -> tuple[int, int]:
+    """(keys per staged tile, staging buffers) for head dim ``d``; the
+    arguments override the backend's defaults (benchmarks sweep them)."""
+    kt = tile_keys or TILE_KEYS[backend][d]
+    st = stages or STAGES[backend]
+    step = 16 if backend == "cuda" else 8  # CUDA's P V product takes 16 keys at a time
+    if kt < step or kt % step or st < 2:
+        raise ValueError(f"staging: keys per tile must be a multiple of {step} and stages at least 2, got {kt} and {st}.")
+    return kt, st
+
+
+def staging_bytes(d: int, kt: int, st: int) -> int:
+    """Threadgroup memory of ``st`` staged tiles of ``kt`` keys and values (2-byte elements, pitch d + 8)."""
+    return 2 * st * kt * (d + 8) * 2
 
 
 def header(backend: str) -> str:
@@ -366,6 +470,6 @@ def header(backend: str) -> str:
 
 def partial_source(prelude: str, backend: str) -> str:
     body = BODY
-    for name, part in (("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES), ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V)):
+    for name, part in (("STAGING", STAGING), ("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES), ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V)):
         body = body.replace(f"\n{name}\n", "\n" + part[backend].strip("\n") + "\n")
     return prelude + body.replace("OUT_ELEM", OUT[backend])
