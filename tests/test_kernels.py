@@ -311,7 +311,7 @@ def test_both_dialects_come_from_one_body():
     # fragment coordinates are the dialect's, and each dialect defines them all.
     assert metal_t["name"] == cuda_t["name"] and metal_t["input_names"] == cuda_t["input_names"]
     holes = ("STAGING", "COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V")
-    shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM", source_tiles.BODY)
+    shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM|OUT_NEXT", source_tiles.BODY)
     for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
         assert all(part.strip("\n") in t["source"] for part in shared)
         assert all(getattr(source_tiles, h)[where].strip() in t["source"] for h in holes)

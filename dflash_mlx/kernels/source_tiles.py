@@ -33,6 +33,7 @@ typedef simdgroup_matrix<float, 8, 8> tile8;
 // The thread's two elements of an 8 x 8 tile (row fr, columns fc and fc + 1).
 inline thread float2& el(thread tile8& m) { return reinterpret_cast<thread float2&>(m.thread_elements()); }
 inline bool warp_any(bool p) { return simd_any(p); }
+inline void store2(device float* p, float a, float b) { *reinterpret_cast<device float2*>(p) = float2(a, b); }
 inline float row_max4(float v) {
   v = metal::max(v, simd_shuffle_xor(v, ushort(1)));
   return metal::max(v, simd_shuffle_xor(v, ushort(8)));
@@ -51,6 +52,7 @@ template <int N> inline void stage_wait() {}
 """,
     "cuda": """
 __device__ __forceinline__ bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
+__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 __device__ __forceinline__ float row_max4(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -248,7 +250,7 @@ STAGING = {
 """,
 }
 
-OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}
+OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}  # element e of output tile nt
 
 # Template constants: T (bf16 or fp16), D (head dim), NW (warps of 16 rows),
 # KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none);
@@ -425,7 +427,8 @@ P_TIMES_V
     const size_t row = (size_t(b) * HQ + hk * G + r / Lq) * Lq + r % Lq;
     const size_t idx = row * nch + chunk;
     for (int nt = 0; nt < D / 8; ++nt) {
-      for (int e = 2 * h; e < 2 * h + 2; ++e) o_part[idx * D + nt * 8 + fc + (e & 1)] = OUT_ELEM;
+      const int e = 2 * h;
+      store2(o_part + idx * D + nt * 8 + fc, OUT_ELEM, OUT_NEXT);  // fc is even: 8-byte aligned
     }
     if (fc == 0) {
       m_part[idx] = h ? m_b : m_a;
@@ -472,4 +475,5 @@ def partial_source(prelude: str, backend: str) -> str:
     body = BODY
     for name, part in (("STAGING", STAGING), ("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES), ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V)):
         body = body.replace(f"\n{name}\n", "\n" + part[backend].strip("\n") + "\n")
-    return prelude + body.replace("OUT_ELEM", OUT[backend])
+    out_next = OUT[backend].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
+    return prelude + body.replace("OUT_ELEM", OUT[backend]).replace("OUT_NEXT", out_next)
