@@ -61,8 +61,10 @@ __device__ __forceinline__ float row_sum4(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
-// Two 16-bit elements `stride` apart, packed as one product operand.
+// Two 16-bit elements `stride` apart, packed as one product operand (one 32-bit load
+// when they are adjacent, as in every query a layer makes).
 template <typename U> __device__ __forceinline__ unsigned int ld2s(const U* p, idx_t stride) {
+  if (stride == 1) return *reinterpret_cast<const unsigned int*>(p);
   const unsigned int lo = *reinterpret_cast<const unsigned short*>(p);
   const unsigned int hi = *reinterpret_cast<const unsigned short*>(p + stride);
   return lo | (hi << 16);
@@ -288,16 +290,13 @@ COORDS
                     + (live_a ? ra % Lq : 0) * queries_strides[2];
   const DEV T* qb = queries + b * queries_strides[0] + (hk * G + (live_b ? rb / Lq : 0)) * queries_strides[1]
                     + (live_b ? rb % Lq : 0) * queries_strides[2];
-LOAD_Q
   // The key range is the threadgroup's (all its rows), so every warp runs the same tiles.
+  // Row r sits at qoff + r % Lq: rows rt0 .. rt1 - 1 cover every position of the block
+  // once they span Lq rows or wrap past its end, else rt0 % Lq .. (rt1 - 1) % Lq.
   const int rt1 = rt0 + NW * 16 < R ? rt0 + NW * 16 : R;
-  int pmin = 2147483647;
-  int pmax = -2147483647;
-  for (int r = rt0; r < rt1; ++r) {
-    const int p_ = qoff + r % Lq;
-    pmin = p_ < pmin ? p_ : pmin;
-    pmax = p_ > pmax ? p_ : pmax;
-  }
+  const bool all_positions = rt1 - rt0 >= Lq || rt0 % Lq > (rt1 - 1) % Lq;
+  const int pmin = qoff + (all_positions ? 0 : rt0 % Lq);
+  const int pmax = qoff + (all_positions ? Lq - 1 : (rt1 - 1) % Lq);
   int lo = chunk * C;
   int hi = lo + C < kvlen ? lo + C : kvlen;
   if (CAUSAL && hi > pmax + 1) hi = pmax + 1;
@@ -341,6 +340,8 @@ LOAD_Q
     if (i < ntiles) STAGE_TILE(i);
     stage_commit();
   }
+  // The queries load while the first tiles do.
+LOAD_Q
   for (int it = 0; it < ntiles; ++it) {
     stage_wait<ST - 2>();
     TG_BARRIER();  // tile it is staged, and every warp is done with tile it - 1's buffer
