@@ -24,8 +24,8 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 # calls over distinct buffers (benchmarks/gpu_time.py attention), kernel / fused op:
 #   4 rows (one decode row at GQA 4): 2.2 / 1.1 ms at 512 keys, 3.3 / 2.7 at 4k: never
 #   (session 6's kernel);
-#   64 rows (a 16-token verify at GQA 4): 1.21 / 2.22 at 1k, 1.42 / 3.76 at 2k,
-#   2.59 / 19.01 at 16k, 3.43 / 36.34 at 32k; 1.5 / 1.5 at 512 (session 6).
+#   64 rows (a 16-token verify at GQA 4): 1.06 / 2.24 at 1k, 1.31 / 3.84 at 2k,
+#   2.54 / 19.07 at 16k, 3.33 / 36.26 at 32k; 1.5 / 1.5 at 512 (session 6).
 #   128 rows (GQA 8, two row tiles): 1.7 / 2.8 at 1k, 2.5 / 6.2 at 4k, 5.1 / 19.6 at 16k
 #   (session 6).
 # From 1k keys the whole cycle gains too (benchmarks/cycle.py, qwen3-8b shapes, a 1k
