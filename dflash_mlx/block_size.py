@@ -21,8 +21,12 @@ that accepts little, a very long context) the loop decodes plainly and keeps
 the drafter's context fed, so drafting resumes when it pays again.
 
 The first cycles probe hi, lo, the middle and a plain step so the fit has its
-points; afterwards every ``explore``-th cycle uses hi or lo in turn, so the
-acceptance of late positions and both ends of the cost line stay measured.
+points; afterwards hi and lo are used in turn, at most every ``explore``-th
+cycle and only while what exploring loses (its time less the time the best
+choice would take for the same expected tokens) stays within EXPLORE_SHARE of
+the decoding time: the acceptance of late positions and both ends of the cost
+line stay measured, and an expensive end (a block of 16 on a CPU costs ten
+plain steps) does not tax a cheap best choice.
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
 next call in the same process starts from.
@@ -45,6 +49,7 @@ class BlockChooser:
     RECENT = 256  # cycles whose times the cost fit uses
     EVIDENCE = 16  # drafting cycles seen before plain steps may win
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
+    EXPLORE_SHARE = 0.05  # the most of the decoding time that exploring may lose
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -61,6 +66,10 @@ class BlockChooser:
         self.times: dict[int, list[tuple[int, float]]] = {}  # block size -> (cycle, seconds), first one dropped
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
+        self.seconds = 0.0  # the timed cycles' total
+        self.exploring_loss = 0.0  # the expected time the exploring cycles chosen lose (see _choose)
+        self.explored = 0  # turns taken (hi's first, then lo's, ...)
+        self.last_explored = 0  # the cycle count when the last was chosen
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
 
@@ -75,6 +84,7 @@ class BlockChooser:
             self.hit = [h / 2 for h in self.hit]
         if seconds is None:
             return
+        self.seconds += seconds
         if block not in self.times:  # the first cycle of a size pays its kernel builds
             self.times[block] = []
             return
@@ -126,10 +136,30 @@ class BlockChooser:
         for b in self.probe:
             if self.asked.get(b, 0) < 3:
                 return b
-        if self.explore and self.cycles % self.explore == 0:
-            # alternately the longest and the shortest block: late positions
-            # stay measured, and both ends of the cost line stay fresh
-            return self.hi if (self.cycles // self.explore) % 2 == 0 else self.lo
+        best, best_rate = self._best()
+        if self.explore and self.cycles - self.last_explored >= self.explore:
+            # the longest and the shortest block in turn (the other one when
+            # the turn's is too dear): late positions stay measured, and both
+            # ends of the cost line stay fresh
+            ends = [self.lo, self.hi] if self.explored % 2 else [self.hi, self.lo]
+            for b in ends:
+                seconds = self._median_times().get(b) or self._seconds(b)
+                # what exploring b loses: its time, less the time the best
+                # choice would take for the tokens b is expected to give
+                loss = max(0.0, seconds - self.expected_tokens(b) / best_rate)
+                if self.exploring_loss + loss <= self.EXPLORE_SHARE * (self.seconds + seconds):
+                    self.explored += b == ends[0]
+                    self.last_explored = self.cycles
+                    self.exploring_loss += loss
+                    return b
+        return best
+
+    def _seconds(self, block: int) -> float:
+        a, c = self.cost()
+        return a + c * block
+
+    def _best(self) -> tuple[int, float]:
+        """The block with the most expected tokens per second, and that rate."""
         a, c = self.cost()
         best, best_rate = self.hi, -math.inf
         for b in self.sizes:  # longest first: ties go to the longer block
@@ -139,8 +169,8 @@ class BlockChooser:
         plain = self._median_times().get(1)
         sure = self.reached[1] >= self.EVIDENCE  # enough drafting seen to give it up
         if plain is not None and sure and 1.0 / plain > best_rate * 1.02:  # a clear win only
-            return 1
-        return best
+            return 1, 1.0 / plain
+        return best, best_rate
 
 
 _choosers: dict[int, tuple[weakref.ref, dict]] = {}

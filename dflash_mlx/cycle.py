@@ -18,8 +18,12 @@ this one runs, as mlx-lm's plain ``generate_step`` does for single tokens:
    both caches keep length + a + 1 positions: rollback is that move, made on
    the device.
 
-A block of 1 is a plain target step through the same machinery (no drafts;
-the drafter's context still grows, so drafting can resume at any time).
+A block of 1 is a plain target step through the same machinery (no drafts).
+The drafter's context still takes every position, so drafting can resume at
+any time; where cycles are not compiled (the CPU) the plain steps' tapped
+states wait and go in with one ``extend`` when drafting resumes or the
+decode ends (``feed_deferred``), since one feed per step costs a third of a
+plain step there (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class Flight:
     block_size: int
     result: mx.array  # [1 + bs]: accepted drafts a, then the target's tokens (first a + 1 are committed)
     last: mx.array  # [1] the next cycle's last token
-    length: mx.array  # () the caches' length after this cycle
+    length: mx.array  # () the target cache's length after this cycle (the drafter's too, unless deferred)
     launch_seconds: float = 0.0  # the host's time building and queuing it
     new_shape: bool = False  # the first cycle of its block size and buffer width: it paid one-off builds
 
@@ -52,6 +56,9 @@ class Cycle:
     # means on a GPU, where launching kernels is what a cycle's host time is
     # spent on; the CPU builds its compiled kernels with a C++ compiler.
     compile_graphs: bool | None = None
+    # Plain steps leave the drafter's context feed for later (see the module
+    # docstring) where cycles run uncompiled over plain buffers.
+    defer_feed: bool = True
 
     def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int, float], seed: int):
         self.target, self.draft, self.caches = target, draft, caches
@@ -71,6 +78,12 @@ class Cycle:
         # The drafter's fused projections, checked for staleness once per call, not twice a cycle.
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
+        self.defers = self.defer_feed and not self.compiled and buffers and all(
+            type(c) is BufferKVCache for c in caches.draft)
+        # Plain steps whose tapped states [1, 1, n*H] are not in the drafter's
+        # context yet, and the position of the first (the drafter's length).
+        self.deferred: list[mx.array] = []
+        self.deferred_from: mx.array | None = None
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
         return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
@@ -87,6 +100,8 @@ class Cycle:
         shape = (block_size, self.caches.draft[0].width_after(block_size))
         new_shape = shape not in self.traces.shapes
         self.traces.shapes.add(shape)
+        if block_size > 1 and self.deferred:
+            self._feed(len(self.deferred), bound)
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
             result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
         else:
@@ -95,10 +110,29 @@ class Cycle:
         mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
         return flight
 
+    def feed_deferred(self, committed: int) -> None:
+        """Put the deferred plain steps' states of positions below
+        ``committed`` into the drafter's context (at the end of a decode:
+        a step queued past the end is not committed)."""
+        if self.deferred:
+            first = self.deferred_from.item()
+            self._feed(max(0, min(len(self.deferred), committed - first)), committed)
+
+    def _feed(self, n: int, bound: int) -> None:
+        """The first ``n`` deferred states go into the drafter's context, which
+        holds the positions before them; the rest are dropped."""
+        if n:
+            set_lengths(self.caches.draft, self.deferred_from, bound)
+            taps = mx.concatenate(self.deferred[:n], axis=1)
+            self.draft.extend(taps, self.caches.draft, self.draft_fused)
+        self.deferred, self.deferred_from = [], None
+
     def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int):
         target_cache, draft_cache = self.caches.target, self.caches.draft
         self.target.set_length(target_cache, length, bound)
-        set_lengths(draft_cache, length, bound)
+        defer = block_size == 1 and self.defers
+        if not defer:
+            set_lengths(draft_cache, length, bound)
         drafts, q, key, k_draft = None, None, None, None
         if block_size > 1:
             block = mx.concatenate([last, mx.full((block_size - 1,), self.mask_id, mx.int32)])[None]
@@ -120,10 +154,15 @@ class Cycle:
             # row i predicts the token at position length + i + 1
             tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
-        self.draft.extend(hidden, draft_cache, self.draft_fused)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)
-        set_lengths(draft_cache, new_length, bound + block_size)
+        if defer:
+            if not self.deferred:
+                self.deferred_from = length
+            self.deferred.append(hidden)
+        else:
+            self.draft.extend(hidden, draft_cache, self.draft_fused)
+            set_lengths(draft_cache, new_length, bound + block_size)
         return mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length
 
     def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):

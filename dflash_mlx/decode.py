@@ -73,8 +73,10 @@ def decode(
 ) -> Iterator[Step]:
     """Yield the first token's Step, then one per cycle, until EOS or
     ``max_tokens``. ``block``: a fixed block size or a chooser asked before
-    every cycle. The cache holds the prompt and every committed token but the
-    last whenever a Step is yielded, and when the generator is closed."""
+    every cycle. The target cache holds the prompt and every committed token
+    but the last whenever a Step is yielded, and both caches do when the
+    generator ends or is closed (the drafter's context may lag by the plain
+    steps since the last drafting cycle until then, see cycle.py)."""
     owner = object()
     cache.claim(owner)
     try:
@@ -86,6 +88,15 @@ def decode(
 
 def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos, step, progress):
     cycle = Cycle(target, draft, cache, sampling, seed)
+    try:
+        yield from _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress)
+    finally:
+        if cache.owner is owner:  # (a newer call that took the cache over settles it itself)
+            with mx.stream(generation_stream):
+                cycle.feed_deferred(len(cache.tokens))
+
+
+def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress):
     chooser = block if isinstance(block, BlockChooser) else None
 
     def launch(bs: int, last, length, bound: int) -> Flight:

@@ -1,0 +1,85 @@
+"""Plain steps leave the drafter's context feed for later (cycle.py): the
+output, the drafts and the drafter's context come out exactly as when every
+step feeds the drafter at once, whether the decode ends, is closed during
+plain steps, or resumes drafting after them."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx.speculative as speculative
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.block_size import BlockChooser
+from dflash_mlx.cycle import Cycle
+from tiny import greedy_reference, make_tokenizer
+
+# Runs of plain steps (1) between drafting cycles of several sizes.
+SCRIPT = [1, 1, 1, 4, 1, 1, 1, 1, 1, 8, 16, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 16, 1]
+
+
+class Scripted(BlockChooser):
+    """A chooser that plays SCRIPT over and over."""
+
+    def __init__(self):
+        super().__init__(4, 16)
+        self.turn = 0
+
+    def choose(self) -> int:
+        b = SCRIPT[self.turn % len(SCRIPT)]
+        self.turn += 1
+        return b
+
+
+def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_after=None, cache=None):
+    """Decode with the script; returns the responses and the prompt cache
+    (closing the generator after ``stop_after`` responses when given)."""
+    monkeypatch.setattr(Cycle, "defer_feed", defer)
+    monkeypatch.setattr(speculative, "chooser_for", lambda *a: Scripted())
+    cache = cache or make_prompt_cache(model, draft)
+    gen = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto",
+                          prompt_cache=cache)
+    responses = []
+    for r in gen:
+        responses.append(r)
+        if stop_after is not None and len(responses) == stop_after:
+            gen.close()
+            break
+    return responses, cache
+
+
+def context(cache) -> list[np.ndarray]:
+    """The drafter's context keys and values over the committed positions."""
+    n = len(cache.tokens)
+    return [np.array(a[:, :, :n].astype(mx.float32)) for c in cache.draft for a in (c.keys, c.values)]
+
+
+@pytest.mark.parametrize("prompt", [[3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, prompt):
+    model, draft = agreeing_pair
+    now, cache_now = run(monkeypatch, model, draft, prompt, defer=False)
+    later, cache_later = run(monkeypatch, model, draft, prompt, defer=True)
+    tokens = [t for r in later for t in r.tokens]
+    assert tokens == greedy_reference(model, prompt, 80)
+    # the same drafts accepted at every cycle: the drafter saw the same context
+    assert [(r.block_size, r.accepted) for r in later] == [(r.block_size, r.accepted) for r in now]
+    assert sum(r.accepted or 0 for r in later) > 0 and any(r.block_size == 1 for r in later[1:])
+    # and at the end its context holds every committed position, as fed one step at a time
+    assert cache_later.tokens == cache_now.tokens and cache_later.consistent()
+    for a, b in zip(context(cache_later), context(cache_now)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, agreeing_pair):
+    model, draft = agreeing_pair
+    # responses 1 (the first token), 2-3: two plain steps; a third is queued (not
+    # committed) when the generator closes, so three states wait and two are kept
+    now, cache_now = run(monkeypatch, model, draft, [2, 9, 4], defer=False, stop_after=3)
+    later, cache_later = run(monkeypatch, model, draft, [2, 9, 4], defer=True, stop_after=3)
+    assert [r.block_size for r in later[1:]] == [1, 1]
+    assert cache_later.tokens == cache_now.tokens and cache_later.consistent()
+    for a, b in zip(context(cache_later), context(cache_now)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # the conversation goes on from that cache exactly
+    more = cache_later.tokens + [later[-1].tokens[-1], 5]
+    again, _ = run(monkeypatch, model, draft, more, defer=True, max_tokens=30, cache=cache_later)
+    assert [t for r in again for t in r.tokens] == greedy_reference(model, more, 30)
