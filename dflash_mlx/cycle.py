@@ -184,7 +184,7 @@ class Cycle:
             def step(last, length, seed, *buffers):
                 cycle, layers = now["cycle"], now["layers"]
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
-                    c.keys, c.values = k, v
+                    c.keys, c.values, c.fixed_width = k, v, True  # (shapes must not follow the bound)
                 kept_seed = cycle.seed
                 cycle.seed = seed if kept_seed is not None else None
                 try:
@@ -192,6 +192,8 @@ class Cycle:
                     out = cycle._build(block_size, last, length, now["bound"])
                 finally:
                     cycle.seed = kept_seed
+                    for c in layers:
+                        c.fixed_width = False
                 return (*out, *[a for c in layers for a in (c.keys, c.values)])
 
             return mx.compile(step)

@@ -476,10 +476,11 @@ class DFlashDraft(nn.Module):
         ends = {}  # the context's length with the block, one per length
         for layer, c, fused in zip(self.layers, cache, fused):
             attn = layer.self_attn
-            # The whole buffer, fixed in shape: the mask hides the unfilled
+            # The buffer as the cache hands it (up to its bound, or whole and
+            # fixed in shape where compiled): the mask hides the unfilled
             # tail and does the windowing.
             length = c.offset if isinstance(c.offset, int) else id(c.offset)
-            kind = (attn.causal, attn.window, c.width_after(L), length)
+            kind = (attn.causal, attn.window, c.read_width(L), length)
             if kind not in masks:
                 masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
             if length not in ends:

@@ -10,8 +10,11 @@ cache therefore
   of ``step`` positions, ahead of any write);
 - writes new keys/values at ``offset``, a Python int or an int32 scalar
   array, without reading it on the host;
-- hands attention its whole buffer and makes its own mask (mlx-lm's
-  ``make_mask`` protocol): positions at or past the valid length are hidden;
+- hands attention its buffer up to ``bound`` (a host-side upper bound on
+  the length) and makes its own mask (mlx-lm's ``make_mask`` protocol):
+  positions at or past the valid length are hidden. Inside a compiled cycle,
+  whose shapes must not change from one cycle to the next, and on MLX's
+  CUDA backend (below), it hands the whole buffer instead;
 - rolls back by moving ``offset``: positions past it are garbage that the
   next write overwrites.
 
@@ -82,6 +85,11 @@ class DeviceLengthCache:
         """The buffer's length once ``n`` more positions are written."""
         return self._room(self.bound + n)
 
+    def read_width(self, n: int) -> int:
+        """How much of the buffer attention reads once ``n`` more positions
+        are written (and the width of ``make_mask``): all of it."""
+        return self.width_after(n)
+
     def reserve(self, n: int) -> None:
         """Grow a buffer already made to hold ``n`` positions (the layer's
         next write would grow it anyway; this grows it ahead)."""
@@ -106,7 +114,7 @@ class DeviceLengthCache:
         """The mask for ``N`` positions about to be stored by
         ``update_and_fetch`` (mlx-lm asks before the layers run): it spans
         the buffer as it will be after that write."""
-        return positions_mask(N, self.offset, self.width_after(N), window_size)
+        return positions_mask(N, self.offset, self.read_width(N), window_size)
 
     # mlx-lm's trimming protocol
     def is_trimmable(self) -> bool:
@@ -121,6 +129,22 @@ class DeviceLengthCache:
 
 class BufferKVCache(DeviceLengthCache):
     """Keys and values in a fixed-capacity buffer with a device-side length."""
+
+    # Attention reads the buffer up to ``bound``, not its whole capacity: on
+    # a CPU at short contexts the unfilled tail costs as much as the filled
+    # part (a plain step of the built-in pair, 11.3 -> 10.6 ms, BENCHMARKS.md).
+    # Fixed widths where shapes must not change: a compiled trace sets
+    # ``fixed_width`` on the caches while it traces (cycle.py), and MLX's CUDA
+    # backend builds a graph for every key length (the module docstring).
+    fixed_width = False
+
+    def read_width(self, n: int) -> int:
+        """Up to the bound, or the whole buffer at a fixed width."""
+        from .kernels.dispatch import backend  # (the kernels' package imports this module)
+
+        if self.fixed_width or backend() == "cuda":
+            return self.width_after(n)
+        return self.bound + n
 
     @property
     def capacity(self) -> int:
@@ -143,7 +167,7 @@ class BufferKVCache(DeviceLengthCache):
     def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
         """Store keys/values [B, H, n, d] at positions start..start+n-1, where
         start is ``offset`` (an int or an array), without moving it; returns
-        the whole buffers."""
+        the buffers as attention reads them (``read_width``)."""
         n = keys.shape[2]
         self._grow(self.bound + n, keys, values)
         if isinstance(start, int):
@@ -153,7 +177,10 @@ class BufferKVCache(DeviceLengthCache):
             at = start + mx.arange(n)
             self.keys = put_positions(self.keys, keys, at)
             self.values = put_positions(self.values, values, at)
-        return self.keys, self.values
+        width = self.read_width(n)
+        if width == self.capacity:
+            return self.keys, self.values
+        return self.keys[..., :width, :], self.values[..., :width, :]
 
     @property
     def state(self):
