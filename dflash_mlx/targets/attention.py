@@ -31,13 +31,13 @@ def prepare(dtype, head_dim: int, windows) -> None:
 
 
 def attention(queries, keys, values, *, cache, scale: float, mask, start, length=None, causal: bool = True,
-              window: int | None = None) -> mx.array:
+              window: int | None = None, sinks: mx.array | None = None) -> mx.array:
     """Attention of the rows written at ``start`` (an int or a device scalar)
     over the cache's buffers ``keys``/``values``; ``mask`` is what mlx-lm's
     path needs for the same thing. ``length``: the valid length with those
     rows (default: the cache's offset, which its ``update_and_fetch`` has
     moved past them). Causal or not (the drafter's block), within ``window``
-    when given."""
+    when given, with per-head sink logits ``sinks`` (gpt-oss) when given."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
@@ -45,5 +45,6 @@ def attention(queries, keys, values, *, cache, scale: float, mask, start, length
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
                 return kernel(queries, keys, values, scale=scale, q_offset=start,
-                              kv_length=cache.offset if length is None else length, causal=causal, window=window)
-    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
+                              kv_length=cache.offset if length is None else length, causal=causal, window=window,
+                              sinks=sinks)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -12,8 +12,9 @@ matrix times the input).
 Fusing concatenates the weights once per layer, then makes each of mlx-lm's
 own projections a view of its rows of the fused matrix (MLX slices share the
 buffer), so memory does not grow and the model still runs in mlx-lm
-unchanged. ``block`` runs a layer with them; it is mlx-lm's TransformerBlock
-forward (qwen3: q/k norms; llama: optional biases) with the products fused.
+unchanged. ``block`` runs a layer with them: mlx-lm's TransformerBlock
+forward (qwen3: q/k norms; llama: optional biases) with the products fused
+(layers.dense_block), its attention through ``attention.attention``.
 Layers that are not plain (a LoRA adapter, mixed quantization) are run by
 their own module.
 """
@@ -27,7 +28,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
-from .attention import attention
+from .layers import dense_block
 
 # mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
 # projection names; their forward takes the fused projections, draft.py)
@@ -156,27 +157,4 @@ def block(layer: nn.Module, window: int | None = None) -> Callable:
     if fused is None:
         return layer
 
-    attn, mlp = layer.self_attn, layer.mlp
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-
-    def forward(h: mx.array, mask, cache) -> mx.array:
-        x = layer.input_layernorm(h)
-        B, L, _ = x.shape
-        q, k, v = fused.qkv(x)
-        q = q.reshape(B, L, attn.n_heads, -1)
-        k = k.reshape(B, L, attn.n_kv_heads, -1)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        start = None if cache is None else cache.offset
-        if cache is not None:
-            q, k = attn.rope(q, offset=start), attn.rope(k, offset=start)
-            k, v = cache.update_and_fetch(k, v)
-        else:  # a whole sequence at once (the trainer's taps)
-            q, k = attn.rope(q), attn.rope(k)
-        out = attention(q, k, v, cache=cache, scale=attn.scale, mask=mask, start=start, window=window)
-        h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        return h + fused.mlp(mlp, layer.post_attention_layernorm(h))
-
-    return forward
+    return dense_block(layer, fused.qkv, lambda x: fused.mlp(layer.mlp, x), window)

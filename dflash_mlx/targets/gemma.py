@@ -7,6 +7,13 @@ each, the window in the mask), and for Gemma 4 a final logit softcap,
 per-layer input embeddings, and trailing layers that reuse an earlier layer's
 keys/values (they keep no cache of their own).
 
+Each layer is mlx-lm's decoder-layer forward with its attention through
+``attention.attention`` (the block-attention kernel where it pays): sliding
+layers with their window, full layers without. A Gemma 4 layer that reuses
+an earlier layer's keys and values attends over that layer's cache, from the
+offset that layer wrote at. (Gemma 4 31B's full layers have a head dim of
+512, past the kernel's: they keep mlx-lm's attention.)
+
 The softcap is the target's own (``logits``), not the shared ``lm_head``'s:
 the drafter gets the raw head, as Z Lab's reference and the official MLX code
 feed it (Hugging Face caps in the causal-LM forward), and applies only its
@@ -14,13 +21,17 @@ own config's ``final_logit_softcapping``, so it is never capped twice."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.gemma3_text import clip_residual
 
 from ..kv_cache import BufferKVCache
+from .attention import attention, prepare
 from .base import DenseTarget
+from .layers import attend
 
 
 class Gemma3Target(DenseTarget):
@@ -38,6 +49,30 @@ class Gemma3Target(DenseTarget):
     def windows(self):
         p, w = self.inner.sliding_window_pattern, self.inner.window_size
         return [None if i % p == p - 1 else w for i in range(self.num_layers)]
+
+    def make_blocks(self) -> None:
+        windows = self.windows()
+        self.blocks = [gemma3_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        prepare(self.dtype, self.head_dim, windows)
+
+
+def gemma3_block(layer: nn.Module, window: int | None) -> Callable:
+    """mlx-lm's gemma3_text TransformerBlock forward (h, mask, cache) -> h."""
+    attn = layer.self_attn
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        h = clip_residual(h, layer.post_attention_layernorm(attn.o_proj(out)))
+        r = layer.mlp(layer.pre_feedforward_layernorm(h))
+        return clip_residual(h, layer.post_feedforward_layernorm(r))
+
+    return forward
 
 
 class Gemma4Target(DenseTarget):
@@ -64,7 +99,14 @@ class Gemma4Target(DenseTarget):
 
     def windows(self):
         w = self.inner.window_size
-        return [w if t == "sliding_attention" else None for t in self.types]
+        return [w if layer.layer_type == "sliding_attention" else None for layer in self.inner.layers]
+
+    def make_blocks(self) -> None:
+        windows = self.windows()
+        self.blocks = [gemma4_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        dims = [layer.self_attn.head_dim for layer in self.inner.layers]
+        for d in set(dims):  # full layers may have a head dim of their own
+            prepare(self.dtype, d, [w for w, e in zip(windows, dims) if e == d])
 
     def masks(self, h, cache):
         # One mask per layer type, made by the first cache of that type; the
@@ -86,13 +128,64 @@ class Gemma4Target(DenseTarget):
         caches = list(cache) + [None] * (self.num_layers - len(cache))
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
-        shared = [(None, None)] * self.num_layers
-        for i, (layer, c, mask) in enumerate(zip(inner.layers, caches, self.masks(h, cache))):
-            kvs, offset = shared[inner.previous_kvs[i]]
-            h, kvs, offset = layer(h, mask, c, per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
-            shared[i] = (kvs, offset)
+        shared: list = [None] * self.num_layers
+        for i, (block, c, mask) in enumerate(zip(self.blocks, caches, self.masks(h, cache))):
+            h, shared[i] = block(h, mask, c, per_layer[i], shared[inner.previous_kvs[i]])
             if i in order:
                 tapped[order[i]] = h
         if last_only:
             h = h[:, -1:]
         return self.logits(inner.norm(h)), mx.concatenate(tapped, axis=-1)
+
+
+def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
+    """mlx-lm's gemma4_text DecoderLayer forward (h, mask, cache,
+    per_layer_input, shared) -> (h, what a later layer reusing this one's
+    keys and values is given: ``shared``). ``shared``: None, or the keys,
+    values, offset and cache of the layer whose keys and values this one
+    reuses (then ``cache`` is None, as mlx-lm passes it)."""
+    attn = layer.self_attn
+
+    def forward(h: mx.array, mask, cache, per_layer_input=None, shared=None):
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, attn.head_dim))
+        if shared is not None:
+            k, v, offset, source = shared
+        else:
+            k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+            v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+            offset = mx.array(cache.offset) if cache is not None else 0
+            k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+            v = attn.v_norm(v).transpose(0, 2, 1, 3)
+            source = cache
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        # A reusing layer attends over its source's buffer from the offset the
+        # source wrote at. mlx-lm gives it no cache; for a plain buffer that is
+        # the same attention, for any other cache the kernel is not used anyway.
+        over = source if cache is not None or type(source) is BufferKVCache else None
+        out = attention(q, k, v, cache=over, scale=attn.scale, mask=mask, start=offset, window=window)
+        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        h = h + layer.post_attention_layernorm(out)
+        h = h + layer.post_feedforward_layernorm(feed_forward(layer, h))
+        if (layer.per_layer_input_gate is not None and layer.per_layer_projection is not None
+                and layer.post_per_layer_input_norm is not None and per_layer_input is not None):
+            gate = mx.multiply(nn.gelu_approx(layer.per_layer_input_gate(h)), per_layer_input)
+            h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
+        if layer.layer_scalar is not None:
+            h = h * layer.layer_scalar
+        return h, (k, v, offset, source)
+
+    return forward
+
+
+def feed_forward(layer: nn.Module, h: mx.array) -> mx.array:
+    """A gemma4_text layer's MLP, plus its experts where it has them, before
+    the post-feed-forward norm (as mlx-lm's DecoderLayer computes them)."""
+    if not layer.enable_moe:
+        return layer.mlp(layer.pre_feedforward_layernorm(h))
+    dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    experts = layer.experts(layer.pre_feedforward_layernorm_2(h), *layer.router(h))
+    return dense + layer.post_feedforward_layernorm_2(experts)

@@ -1,11 +1,20 @@
 """GPT-OSS: mlx-lm's ``gpt_oss`` models (20B, 120B).
 
 MoE layers alternate sliding-window and full attention, both with learned
-attention sinks (inside mlx-lm's attention module). mlx-lm keeps the sliding
-layers in a rotating cache; here every layer keeps a plain buffer, so
-rollback stays a move of the length, and the window lives in the mask."""
+attention sinks. mlx-lm keeps the sliding layers in a rotating cache; here
+every layer keeps a plain buffer, so rollback stays a move of the length,
+and the window lives in the mask. Each layer is mlx-lm's TransformerBlock
+forward with its attention through ``attention.attention``, sinks included
+(the kernel takes them as per-head logits, as mx.fast's attention does)."""
 
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import prepare
 from .base import DenseTarget
+from .layers import attend
 
 
 class GptOssTarget(DenseTarget):
@@ -14,3 +23,26 @@ class GptOssTarget(DenseTarget):
     def windows(self):
         window = int(self.inner.window_size)
         return [window if t == "sliding_attention" else None for t in self.inner.layer_types]
+
+    def make_blocks(self) -> None:
+        windows = self.windows()
+        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        prepare(self.dtype, self.head_dim, windows)
+
+
+def block(layer: nn.Module, window: int | None) -> Callable:
+    """mlx-lm's gpt_oss TransformerBlock forward (h, mask, cache) -> h."""
+    attn = layer.self_attn
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        D = attn.head_dim
+        q = attn.q_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+        k = attn.k_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+        v = attn.v_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
+        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.sm_scale, mask=mask, window=window, sinks=attn.sinks)
+        h = h + attn.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return forward

@@ -7,18 +7,25 @@ Attention layers keep plain buffers; delta-net layers keep a DeltaCache
 for a state no cache kept, the missing tokens are read again from the
 nearest checkpoint: the delta-net layers recompute, the attention layers
 read their keys and values in place (never rewritten below the committed
-length)."""
+length).
+
+The attention layers are mlx-lm's (qwen3_next's, which qwen3_5 reuses):
+q/k norms, RoPE over part of the head, the output gated by a sigmoid of a
+second half of the query projection. They run here op for op
+(``attention_block``), their attention through ``attention.attention``."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
 from ..kv_cache import BufferKVCache, positions_mask
+from .attention import prepare
 from .base import DenseTarget
+from .layers import attend
 from .recurrent import DeltaCache, _value
 
 
@@ -67,6 +74,10 @@ class HybridTarget(DenseTarget):
         self.linear = [layer.is_linear for layer in self.inner.layers]
         self.first_attention = self.linear.index(False)
 
+    def make_blocks(self) -> None:
+        self.blocks = [None if layer.is_linear else attention_block(layer) for layer in self.inner.layers]
+        prepare(self.dtype, self.head_dim, [None])
+
     def make_cache(self) -> HybridCache:
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)
 
@@ -74,9 +85,10 @@ class HybridTarget(DenseTarget):
         mask = create_attention_mask(h, cache[self.first_attention], return_array=True)
         return [None if linear else mask for linear in self.linear]
 
-    def _layer(self, layer, h, mask, c):
+    def _layer(self, i, h, mask, c):
+        layer = self.inner.layers[i]
         if not layer.is_linear:
-            return layer(h, mask, c)
+            return self.blocks[i](h, mask, c)
         h = h + c.forward(layer.linear_attn, layer.input_layernorm(h))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -86,8 +98,8 @@ class HybridTarget(DenseTarget):
         h = self.embed(tokens)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
-        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, self.masks(h, cache))):
-            h = self._layer(layer, h, mask, c)
+        for i, (c, mask) in enumerate(zip(cache, self.masks(h, cache))):
+            h = self._layer(i, h, mask, c)
             if i in order:
                 tapped[order[i]] = h
         if last_only:
@@ -121,11 +133,32 @@ class HybridTarget(DenseTarget):
             c.restore(m)
         reading = [c if isinstance(c, DeltaCache) else _Reading(c, m) for c in cache]
         h = self.embed(mx.array(ids[m:], mx.int32)[None])
-        for layer, c, mask in zip(self.inner.layers, reading, self.masks(h, reading)):
-            h = self._layer(layer, h, mask, c)
+        for i, (c, mask) in enumerate(zip(reading, self.masks(h, reading))):
+            h = self._layer(i, h, mask, c)
         for c in delta:
             c.restore(n)
         mx.eval([a for c in delta for a in c.state if a is not None])
+
+
+def attention_block(layer: nn.Module) -> Callable:
+    """mlx-lm's forward (h, mask, cache) -> h of a hybrid's full-attention
+    layer (qwen3_next's Qwen3NextAttention, then the layer's MLP)."""
+    attn = layer.self_attn
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        k, v = attn.k_proj(x), attn.v_proj(x)
+        q = attn.q_norm(q).transpose(0, 2, 1, 3)
+        k = attn.k_norm(k.reshape(B, L, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        h = h + attn.o_proj(out * mx.sigmoid(gate))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return forward
 
 
 class Qwen3_5MoeTarget(HybridTarget):

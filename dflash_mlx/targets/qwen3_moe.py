@@ -2,10 +2,20 @@
 
 The decoder loop is the dense one: the sparse MLP is inside mlx-lm's layer
 module, and routing is per token, so a verify block routes each position as
-a single decode step would."""
+a single decode step would. The attention is qwen3's (q/k norms), run as
+layers.dense_block runs it, through ``attention.attention``, with mlx-lm's
+own projections and MLP."""
 
+from .attention import prepare
 from .base import DenseTarget
+from .layers import dense_block, own_projections
 
 
 class Qwen3MoeTarget(DenseTarget):
     family = "qwen3_moe"
+
+    def make_blocks(self) -> None:
+        windows = self.windows()
+        self.blocks = [dense_block(layer, own_projections(layer.self_attn), layer.mlp, w)
+                       for layer, w in zip(self.inner.layers, windows)]
+        prepare(self.dtype, self.head_dim, windows)

@@ -1,0 +1,66 @@
+"""Decoder-layer forwards over mlx-lm's own modules whose attention goes
+through ``attention.attention`` (the block-attention kernel where it pays).
+
+Each reproduces its mlx-lm module's forward op for op, so off the kernel
+(the CPU, a quantized or rotating cache) it computes exactly what mlx-lm
+computes. ``attend`` is the part every family shares: RoPE at the cache's
+offset, the write, attention from that offset. ``dense_block`` is the
+qwen3/llama-shaped layer (optional q/k norms), run by fused.py with fused
+products and by qwen3_moe with mlx-lm's own products and sparse MLP."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import attention
+
+
+def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
+           sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's attention modules after their projections: queries, keys
+    and values [B, heads, L, D] rotated by ``rope`` at the cache's offset,
+    keys and values written to ``cache`` (None: a whole sequence, no cache),
+    then attention of the new rows from that offset, within ``window``, with
+    per-head ``sinks`` if given. Returns [B, L, heads * D]."""
+    start = None if cache is None else cache.offset
+    if cache is not None:
+        queries, keys = rope(queries, offset=start), rope(keys, offset=start)
+        keys, values = cache.update_and_fetch(keys, values)
+    else:
+        queries, keys = rope(queries), rope(keys)
+    out = attention(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
+                    sinks=sinks)
+    B, _, L, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+
+def own_projections(attn: nn.Module) -> Callable:
+    """x -> (q, k, v) through the attention module's own three products."""
+    return lambda x: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+
+
+def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | None = None) -> Callable:
+    """The forward (h, mask, cache) -> h of an mlx-lm qwen3/llama-shaped
+    layer (q/k norms where it has them), q, k and v from ``qkv(x)`` and the
+    MLP ``mlp``."""
+    attn = layer.self_attn
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q, k, v = qkv(x)
+        q = q.reshape(B, L, attn.n_heads, -1)
+        k = k.reshape(B, L, attn.n_kv_heads, -1)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        h = h + attn.o_proj(out)
+        return h + mlp(layer.post_attention_layernorm(h))
+
+    return forward
