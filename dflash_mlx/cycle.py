@@ -20,10 +20,10 @@ this one runs, as mlx-lm's plain ``generate_step`` does for single tokens:
 
 A block of 1 is a plain target step through the same machinery (no drafts).
 The drafter's context still takes every position, so drafting can resume at
-any time; where cycles are not compiled (the CPU) the plain steps' tapped
-states wait and go in with one ``extend`` when drafting resumes or the
-decode ends (``feed_deferred``), since one feed per step costs a third of a
-plain step there (BENCHMARKS.md).
+any time, but the plain steps' tapped states wait and go in with one
+``extend`` when drafting resumes or the decode ends (``feed_deferred``): one
+feed per step cost a third of a plain step on the CPU, and kernels to launch
+on a GPU (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Cycle:
     # spent on; the CPU builds its compiled kernels with a C++ compiler.
     compile_graphs: bool | None = None
     # Plain steps leave the drafter's context feed for later (see the module
-    # docstring) where cycles run uncompiled over plain buffers.
+    # docstring), where its caches are plain buffers.
     defer_feed: bool = True
 
     def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int, float], seed: int):
@@ -78,8 +78,7 @@ class Cycle:
         # The drafter's fused projections, checked for staleness once per call, not twice a cycle.
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
-        self.defers = self.defer_feed and not self.compiled and buffers and all(
-            type(c) is BufferKVCache for c in caches.draft)
+        self.defers = self.defer_feed and buffers and all(type(c) is BufferKVCache for c in caches.draft)
         # Plain steps whose tapped states [1, 1, n*H] are not in the drafter's
         # context yet, and the position of the first (the drafter's length).
         self.deferred: list[mx.array] = []
@@ -103,9 +102,13 @@ class Cycle:
         if block_size > 1 and self.deferred:
             self._feed(len(self.deferred), bound)
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
-            result, new_last, new_length = self._run_compiled(block_size, last, length, bound)
+            result, new_last, new_length, taps = self._run_compiled(block_size, last, length, bound)
         else:
-            result, new_last, new_length = self._build(block_size, last, length, bound)
+            result, new_last, new_length, taps = self._build(block_size, last, length, bound)
+        if taps is not None:  # a plain step whose feed waits
+            if not self.deferred:
+                self.deferred_from = length
+            self.deferred.append(taps)
         flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape)
         mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
         return flight
@@ -128,6 +131,8 @@ class Cycle:
         self.deferred, self.deferred_from = [], None
 
     def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int):
+        """The cycle's graph: (result, the next last token, the new length,
+        and the tapped states of a plain step whose feed waits, else None)."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
         self.target.set_length(target_cache, length, bound)
         defer = block_size == 1 and self.defers
@@ -156,14 +161,11 @@ class Cycle:
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)
-        if defer:
-            if not self.deferred:
-                self.deferred_from = length
-            self.deferred.append(hidden)
-        else:
+        if not defer:
             self.draft.extend(hidden, draft_cache, self.draft_fused)
             set_lengths(draft_cache, new_length, bound + block_size)
-        return mx.concatenate([accepted[None].astype(mx.int32), tokens]), tokens[accepted][None], new_length
+        result = mx.concatenate([accepted[None].astype(mx.int32), tokens])
+        return result, tokens[accepted][None], new_length, hidden if defer else None
 
     def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
         """The same graph through mx.compile: traced once per block size,
@@ -177,8 +179,9 @@ class Cycle:
             c.reserve(bound + block_size)  # grow outside, so shapes are fixed inside
         traces = self.traces
         now = traces.now
+        defer = block_size == 1 and self.defers
         key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None,
-               self.target.fuse_projections, self.draft.fuse_projections)
+               self.target.fuse_projections, self.draft.fuse_projections, defer)
 
         def make():
             def step(last, length, seed, *buffers):
@@ -194,7 +197,9 @@ class Cycle:
                     cycle.seed = kept_seed
                     for c in layers:
                         c.fixed_width = False
-                return (*out, *[a for c in layers for a in (c.keys, c.values)])
+                result, new_last, new_length, taps = out
+                return (result, new_last, new_length, *([taps] if defer else []),
+                        *[a for c in layers for a in (c.keys, c.values)])
 
             return mx.compile(step)
 
@@ -206,8 +211,10 @@ class Cycle:
                 result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
             finally:
                 now.clear()  # the call's caches are not held past it
+        taps = buffers.pop(0) if defer else None
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)
-        set_lengths(self.caches.draft, new_length, bound + block_size)
-        return result, new_last, new_length
+        if not defer:
+            set_lengths(self.caches.draft, new_length, bound + block_size)
+        return result, new_last, new_length, taps

@@ -1,7 +1,7 @@
 """Plain steps leave the drafter's context feed for later (cycle.py): the
 output, the drafts and the drafter's context come out exactly as when every
 step feeds the drafter at once, whether the decode ends, is closed during
-plain steps, or resumes drafting after them."""
+plain steps, or resumes drafting after them, with cycles compiled or not."""
 
 import mlx.core as mx
 import numpy as np
@@ -30,10 +30,13 @@ class Scripted(BlockChooser):
         return b
 
 
-def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_after=None, cache=None):
-    """Decode with the script; returns the responses and the prompt cache
-    (closing the generator after ``stop_after`` responses when given)."""
+def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_after=None, cache=None,
+        compiled: bool = False):
+    """Decode with the script (cycles through mx.compile, as on a GPU, when
+    ``compiled``); returns the responses and the prompt cache (closing the
+    generator after ``stop_after`` responses when given)."""
     monkeypatch.setattr(Cycle, "defer_feed", defer)
+    monkeypatch.setattr(Cycle, "compile_graphs", compiled)
     monkeypatch.setattr(speculative, "chooser_for", lambda *a: Scripted())
     cache = cache or make_prompt_cache(model, draft)
     gen = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto",
@@ -53,11 +56,12 @@ def context(cache) -> list[np.ndarray]:
     return [np.array(a[:, :, :n].astype(mx.float32)) for c in cache.draft for a in (c.keys, c.values)]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("prompt", [[3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
-def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, prompt):
+def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, prompt, compiled):
     model, draft = agreeing_pair
-    now, cache_now = run(monkeypatch, model, draft, prompt, defer=False)
-    later, cache_later = run(monkeypatch, model, draft, prompt, defer=True)
+    now, cache_now = run(monkeypatch, model, draft, prompt, defer=False, compiled=compiled)
+    later, cache_later = run(monkeypatch, model, draft, prompt, defer=True, compiled=compiled)
     tokens = [t for r in later for t in r.tokens]
     assert tokens == greedy_reference(model, prompt, 80)
     # the same drafts accepted at every cycle: the drafter saw the same context
@@ -69,17 +73,18 @@ def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, 
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, agreeing_pair):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, agreeing_pair, compiled):
     model, draft = agreeing_pair
     # responses 1 (the first token), 2-3: two plain steps; a third is queued (not
     # committed) when the generator closes, so three states wait and two are kept
-    now, cache_now = run(monkeypatch, model, draft, [2, 9, 4], defer=False, stop_after=3)
-    later, cache_later = run(monkeypatch, model, draft, [2, 9, 4], defer=True, stop_after=3)
+    now, cache_now = run(monkeypatch, model, draft, [2, 9, 4], defer=False, stop_after=3, compiled=compiled)
+    later, cache_later = run(monkeypatch, model, draft, [2, 9, 4], defer=True, stop_after=3, compiled=compiled)
     assert [r.block_size for r in later[1:]] == [1, 1]
     assert cache_later.tokens == cache_now.tokens and cache_later.consistent()
     for a, b in zip(context(cache_later), context(cache_now)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # the conversation goes on from that cache exactly
     more = cache_later.tokens + [later[-1].tokens[-1], 5]
-    again, _ = run(monkeypatch, model, draft, more, defer=True, max_tokens=30, cache=cache_later)
+    again, _ = run(monkeypatch, model, draft, more, defer=True, max_tokens=30, cache=cache_later, compiled=compiled)
     assert [t for r in again for t in r.tokens] == greedy_reference(model, more, 30)
