@@ -22,6 +22,13 @@ sinks), each in bf16 and 4-bit. For each it times
 
     PYTHONPATH=$PWD python benchmarks/families.py --rollback replay,per-step --out rollback.json
     PYTHONPATH=$PWD python benchmarks/families.py --models gpt-oss-20b-like --bits 4 --official
+    PYTHONPATH=$PWD python benchmarks/families.py --models gpt-oss-20b-like --bits 16 --prompt-tokens 8192 \
+        --attention table,fused
+
+``--attention`` times the cycle with the block-attention kernel where its table picks it
+(``table``, the default) and with mlx-lm's fused attention everywhere (``fused``), side by
+side; the kernel's table starts at 1k keys, so give ``--prompt-tokens`` past that (a hybrid's
+prefill off Metal steps its recurrence token by token: keep its prompts short).
 
 ``--official`` times the official Z Lab MLX loop's cycle beside ours (same shapes, its own copy of
 the target, a random drafter of the same shape in Z Lab's layout); ``--models`` and ``--bits``
@@ -47,8 +54,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import stream_generate
+from dflash_mlx.kernels import dispatch
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
+from dflash_mlx.traces import forget_traces
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
 
 
@@ -206,7 +215,15 @@ def main() -> None:
                         help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)")
     parser.add_argument("--rollback", default=",".join(ROLLBACKS),
                         help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256; 32 with --small)")
+    parser.add_argument("--attention", default="table",
+                        help="comma-separated, side by side: 'table' (the block-attention kernel where its measured "
+                             "table picks it: the default) and/or 'fused' (mlx-lm's attention everywhere)")
     args = parser.parse_args()
+    attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
+    if not attentions or any(a not in ("table", "fused") for a in attentions):
+        parser.error(f"--attention takes table and/or fused (comma-separated), not {args.attention!r}.")
+    table = dispatch.KERNEL_WINS
     strategies = [r.strip() for r in args.rollback.split(",") if r.strip()]
     unknown = [r for r in strategies if r not in ROLLBACKS]
     if unknown or not strategies:
@@ -227,7 +244,7 @@ def main() -> None:
             # MLX's CPU backend gathers MoE experts in float32 only.
             model, draft = build(cfg, bits, mx.float32 if args.small else mx.bfloat16)
             tok = make_tokenizer(cfg["vocab_size"])
-            prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else 256)]
+            prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else args.prompt_tokens)]
             plain = plain_ms(model, prompt, n)
             row = {"model": name, "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"), "plain_ms": plain, "blocks": {}}
             hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
@@ -236,11 +253,19 @@ def main() -> None:
                 cell = row["blocks"][bs] = {"rollback_ms": rb, "cycle_ms": {}, "cycle_in_steps": {}}
                 for strategy in strategies if hybrid else ["-"]:
                     DeltaCache.rollback = strategy if hybrid else DeltaCache.rollback
-                    c = cycle_ms(model, draft, tok, prompt, bs, n)
-                    cell["cycle_ms"][strategy], cell["cycle_in_steps"][strategy] = c, c / plain
-                    print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
-                          f" = {c / plain:4.2f} steps" + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
-                                                          f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
+                    for attention in attentions:
+                        dispatch.KERNEL_WINS = table if attention == "table" else ()
+                        forget_traces(draft)  # compiled cycles hold the attention they were traced with
+                        if len(attentions) > 1:
+                            cycle_ms(model, draft, tok, prompt, bs, 2)  # this setting's graphs
+                        c = cycle_ms(model, draft, tok, prompt, bs, n)
+                        key = strategy if len(attentions) == 1 else f"{strategy} {attention}"
+                        cell["cycle_ms"][key], cell["cycle_in_steps"][key] = c, c / plain
+                        print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                              f" = {c / plain:4.2f} steps" + (f", attention {attention}" if len(attentions) > 1 else "")
+                              + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
+                                 f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
+                    dispatch.KERNEL_WINS = table
                 DeltaCache.rollback = default_rollback
                 if args.official:
                     o = official_cycle_ms(cfg, bits, mx.float32 if args.small else mx.bfloat16, tok, prompt, bs, n)

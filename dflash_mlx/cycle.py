@@ -91,9 +91,13 @@ class Cycle:
         """The token after the prompt, from the prefill's last logits [V]."""
         return self.pick(last_logits[None], mx.array([position], mx.int32))
 
-    def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int) -> Flight:
+    def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
-        device. ``bound``: a host-side upper bound on ``length``."""
+        device. ``bound``: a host-side upper bound on ``length``; ``exact``:
+        it is the length itself (as after a plain step, which commits one
+        position). A plain step at an exact length reads exactly the filled
+        keys with no mask (kv_cache.py), built uncompiled: its widths change
+        every step."""
         # A block size meeting a buffer width for the first time builds new
         # graphs (a trace, where compiled; the backend's kernels): not its cost.
         shape = (block_size, self.caches.draft[0].width_after(block_size))
@@ -101,10 +105,19 @@ class Cycle:
         self.traces.shapes.add(shape)
         if block_size > 1 and self.deferred:
             self._feed(len(self.deferred), bound)
-        if self.compiled and isinstance(self.caches.target[0], BufferKVCache):  # (a quantized cache runs uncompiled)
+        exact_step = block_size == 1 and exact
+        if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
+            # (a quantized cache runs uncompiled)
             result, new_last, new_length, taps = self._run_compiled(block_size, last, length, bound)
         else:
-            result, new_last, new_length, taps = self._build(block_size, last, length, bound)
+            plain = [c for c in self.caches.target if type(c) is BufferKVCache] if exact_step else []
+            for c in plain:
+                c.exact_bound = True
+            try:
+                result, new_last, new_length, taps = self._build(block_size, last, length, bound)
+            finally:
+                for c in plain:
+                    c.exact_bound = False
         if taps is not None:  # a plain step whose feed waits
             if not self.deferred:
                 self.deferred_from = length
@@ -118,7 +131,7 @@ class Cycle:
         ``committed`` into the drafter's context (at the end of a decode:
         a step queued past the end is not committed)."""
         if self.deferred:
-            first = self.deferred_from.item()
+            first = self.deferred_from if isinstance(self.deferred_from, int) else self.deferred_from.item()
             self._feed(max(0, min(len(self.deferred), committed - first)), committed)
 
     def _feed(self, n: int, bound: int) -> None:

@@ -99,10 +99,10 @@ def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block,
 def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress):
     chooser = block if isinstance(block, BlockChooser) else None
 
-    def launch(bs: int, last, length, bound: int) -> Flight:
+    def launch(bs: int, last, length, bound: int, exact: bool) -> Flight:
         tic = time.perf_counter()
         with mx.stream(generation_stream):
-            flight = cycle.launch(bs, last, length, bound)
+            flight = cycle.launch(bs, last, length, bound, exact)
         flight.launch_seconds = time.perf_counter() - tic
         return flight
 
@@ -117,7 +117,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length")
         return
-    flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids))
+    flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
     last_host = first
@@ -130,7 +130,8 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
             bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
             bs = choose()
             if kvq.may_queue(cache, bound, bs):  # (not if it might straddle the start of KV quantization)
-                following = launch(bs, flight.last, flight.length, bound)
+                # (exact after a plain step: it commits one position)
+                following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
         tic = time.perf_counter()
         values = flight.result.tolist()
         if chooser is not None:
@@ -156,7 +157,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
             return
         cache.check_owner(owner)
         if following is None:  # held back above: queued now, from the exact length
-            following = launch(kvq.ready(cache, bs), flight.last, flight.length, len(cache.tokens))
+            following = launch(kvq.ready(cache, bs), flight.last, flight.length, len(cache.tokens), exact=True)
         flight = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()

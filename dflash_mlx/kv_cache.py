@@ -85,6 +85,13 @@ class DeviceLengthCache:
         """The buffer's length once ``n`` more positions are written."""
         return self._room(self.bound + n)
 
+    # Set while a one-row step is built whose host bound is its length (a
+    # plain step after plain steps, cycle.py): it reads exactly the filled
+    # keys and needs no mask, so attention takes the fused one-row kernel
+    # (on MLX's CUDA backend a mask costs that kernel's fallback: 36 one-row
+    # calls 0.56 -> 2.3 ms, BENCHMARKS.md). Plain buffers only (BufferKVCache).
+    exact_bound = False
+
     def read_width(self, n: int) -> int:
         """How much of the buffer attention reads once ``n`` more positions
         are written (and the width of ``make_mask``): all of it."""
@@ -113,7 +120,11 @@ class DeviceLengthCache:
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
         """The mask for ``N`` positions about to be stored by
         ``update_and_fetch`` (mlx-lm asks before the layers run): it spans
-        the buffer as it will be after that write."""
+        the buffer as it will be after that write; None where the row sees
+        every key read (an exact one-row step within its window)."""
+        if N == 1 and self.exact_bound and self.read_width(1) == self.bound + 1 and (
+                window_size is None or self.bound < window_size):
+            return None
         return positions_mask(N, self.offset, self.read_width(N), window_size)
 
     # mlx-lm's trimming protocol
@@ -142,7 +153,7 @@ class BufferKVCache(DeviceLengthCache):
         """Up to the bound, or the whole buffer at a fixed width."""
         from .kernels.dispatch import backend  # (the kernels' package imports this module)
 
-        if self.fixed_width or backend() == "cuda":
+        if self.fixed_width or (backend() == "cuda" and not (self.exact_bound and n == 1)):
             return self.width_after(n)
         return self.bound + n
 

@@ -1,11 +1,18 @@
 """Attention reads a buffer cache up to its host bound, not its capacity,
 except where shapes must stay fixed (a compiled trace, MLX's CUDA backend);
-its mask always spans what it hands attention."""
+its mask always spans what it hands attention, and a one-row step whose
+bound is exact reads only the filled keys with no mask at all."""
 
 import mlx.core as mx
+import pytest
 
+import dflash_mlx.speculative as speculative
+from dflash_mlx import stream_generate
+from dflash_mlx.block_size import BlockChooser
+from dflash_mlx.cycle import Cycle
 from dflash_mlx.kernels import dispatch
 from dflash_mlx.kv_cache import BufferKVCache
+from tiny import greedy_reference, make_tokenizer
 
 
 def written(cache: BufferKVCache, n: int):
@@ -44,3 +51,50 @@ def test_compiled_traces_and_cuda_read_the_whole_buffer(monkeypatch):
     cache = filled()
     mask, keys, _ = written(cache, 3)
     assert keys.shape[2] == mask.shape[-1] == cache.capacity
+
+
+def test_an_exact_one_row_step_reads_the_filled_keys_with_no_mask(monkeypatch):
+    # A plain step after plain steps: the bound is the length itself.
+    for where in ("cpu", "cuda"):
+        monkeypatch.setattr(dispatch, "backend", lambda: where)
+        cache = filled()
+        cache.exact_bound = True
+        mask, keys, _ = written(cache, 1)
+        assert mask is None and keys.shape[2] == 41, where
+    # a sliding window the row has passed still needs its mask
+    cache = filled()
+    cache.exact_bound = True
+    windowed = cache.make_mask(1, window_size=16)
+    assert windowed.shape == (1, 41) and sum(windowed.tolist()[0]) == 16
+    assert cache.make_mask(1, window_size=64) is None
+    # a block of several rows keeps its mask (its drafts' rows are causal)
+    cache = filled()
+    cache.exact_bound = True
+    mask, keys, _ = written(cache, 4)
+    assert mask is not None and mask.shape == (4, keys.shape[2])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_plain_steps_after_plain_steps_run_exact_and_stay_the_targets(monkeypatch, agreeing_pair, compiled):
+    model, draft = agreeing_pair
+    monkeypatch.setattr(Cycle, "compile_graphs", compiled)
+    monkeypatch.setattr(speculative, "chooser_for", lambda *a: PlainSteps(4, 16))
+    unmasked = []
+    make_mask = BufferKVCache.make_mask
+
+    def spy(self, N, *a, **kw):
+        mask = make_mask(self, N, *a, **kw)
+        unmasked.append(mask is None)
+        return mask
+
+    monkeypatch.setattr(BufferKVCache, "make_mask", spy)
+    prompt = [3, 1, 4, 1, 5, 9]
+    out = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=30, block_size="auto")
+    assert [t for r in out for t in r.tokens] == greedy_reference(model, prompt, 30)
+    # every step but the prefill's reads exactly the filled keys (one mask per forward)
+    assert unmasked.count(True) >= 28 and unmasked.count(False) == 1
+
+
+class PlainSteps(BlockChooser):
+    def choose(self) -> int:
+        return 1
