@@ -49,7 +49,7 @@ class BlockChooser:
     RECENT = 256  # cycles whose times the cost fit uses
     EVIDENCE = 16  # drafting cycles seen before plain steps may win
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
-    EXPLORE_SHARE = 0.05  # the most of the decoding time that exploring may lose
+    EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (half per end)
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -67,7 +67,7 @@ class BlockChooser:
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
         self.seconds = 0.0  # the timed cycles' total
-        self.exploring_loss = 0.0  # the expected time the exploring cycles chosen lose (see _choose)
+        self.exploring_loss = {lo: 0.0, hi: 0.0}  # per end: the time its exploring cycles are expected to lose (_choose)
         self.explored = 0  # turns taken (hi's first, then lo's, ...)
         self.last_explored = 0  # the cycle count when the last was chosen
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
@@ -145,12 +145,13 @@ class BlockChooser:
             for b in ends:
                 seconds = self._median_times().get(b) or self._seconds(b)
                 # what exploring b loses: its time, less the time the best
-                # choice would take for the tokens b is expected to give
+                # choice would take for the tokens b is expected to give; each
+                # end has half the share, so a cheap end never starves a dear one
                 loss = max(0.0, seconds - self.expected_tokens(b) / best_rate)
-                if self.exploring_loss + loss <= self.EXPLORE_SHARE * (self.seconds + seconds):
+                if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / 2 * (self.seconds + seconds):
                     self.explored += b == ends[0]
                     self.last_explored = self.cycles
-                    self.exploring_loss += loss
+                    self.exploring_loss[b] += loss
                     return b
         return best
 
