@@ -23,8 +23,8 @@ the drafter's context fed, so drafting resumes when it pays again.
 The first cycles probe hi, lo, the middle and a plain step so the fit has its
 points; afterwards hi and lo are used in turn, at most every ``explore``-th
 cycle and only while what exploring loses (its time less the time the best
-choice would take for the same expected tokens) stays within EXPLORE_SHARE of
-the decoding time: the acceptance of late positions and both ends of the cost
+choice would take for the same expected tokens) stays within half of
+EXPLORE_SHARE of the decoding time for each end: the acceptance of late positions and both ends of the cost
 line stay measured, and an expensive end (a block of 16 on a CPU costs ten
 plain steps) does not tax a cheap best choice.
 One chooser is kept per drafter object and block range (``chooser_for``, a
