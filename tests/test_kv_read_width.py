@@ -98,3 +98,20 @@ def test_plain_steps_after_plain_steps_run_exact_and_stay_the_targets(monkeypatc
 class PlainSteps(BlockChooser):
     def choose(self) -> int:
         return 1
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_5"])
+def test_exact_plain_steps_keep_every_family_exact(monkeypatch, family):
+    # sliding windows (passed during the reply), sinks, a hybrid's delta-net
+    # layers: plain steps between drafting cycles, greedy equal to mlx-lm's
+    from test_deferred_feed import Scripted
+    from test_families import VOCAB, make_pair as dense_pair
+    from test_hybrid import make_pair as hybrid_pair
+
+    model, draft = hybrid_pair(family) if family == "qwen3_5" else dense_pair(family)
+    monkeypatch.setattr(speculative, "chooser_for", lambda *a: Scripted())
+    prompt = [5, 3, 9, 2, 7]
+    want = greedy_reference(model, prompt, 40)
+    draft.set_script(prompt + want)
+    out = stream_generate(model, draft, make_tokenizer(VOCAB), prompt, max_tokens=40, block_size="auto")
+    assert [t for r in out for t in r.tokens] == want
