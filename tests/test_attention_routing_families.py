@@ -5,7 +5,8 @@ calls and computes through the ops path, every attention layer of a target's
 prefill and verify calls it, in layer order, with the cache's start and
 valid length, sliding layers with their window and full layers without,
 gpt-oss's sinks passed along; the variants its layers need are checked when
-the target's layers are made; greedy decoding stays exactly mlx-lm's."""
+the target's layers are made; greedy decoding stays exactly mlx-lm's (Muse
+Glimmer's global layers run no RoPE: a rotation there would break it)."""
 
 import random
 
@@ -28,6 +29,7 @@ LAYERS = {
     "gpt_oss": [(S, 64), (F, 64)] * 2,
     "gemma3_text": [(S, 64), (S, 64), (F, 64)] * 2,
     "gemma4_text": [(S, 64), (S, 64), (F, 128)] * 2,  # the last two reuse layers 3 and 2's keys/values
+    "muse_glimmer": [(S, 64), (S, 64), (S, 64), (F, 64)],  # the global layer without RoPE
     "qwen3_5": [(F, 64)] * 2,  # layers 1 and 3; 0 and 2 are delta-net layers
     "qwen3_5_moe": [(F, 64)] * 2,
     "qwen3_next": [(F, 64)] * 2,

@@ -4,9 +4,10 @@ through ``attention.attention`` (the block-attention kernel where it pays).
 Each reproduces its mlx-lm module's forward op for op, so off the kernel
 (the CPU, a quantized or rotating cache) it computes exactly what mlx-lm
 computes. ``attend`` is the part every family shares: RoPE at the cache's
-offset, the write, attention from that offset. ``dense_block`` is the
-qwen3/llama-shaped layer (optional q/k norms), run by fused.py with fused
-products and by qwen3_moe with mlx-lm's own products and sparse MLP."""
+offset (where the layer has positions), the write, attention from that
+offset. ``dense_block`` is the qwen3/llama-shaped layer (optional q/k norms),
+run by fused.py with fused products and by qwen3_moe with mlx-lm's own
+products and sparse MLP."""
 
 from __future__ import annotations
 
@@ -21,16 +22,18 @@ from .attention import attention
 def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
            sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's attention modules after their projections: queries, keys
-    and values [B, heads, L, D] rotated by ``rope`` at the cache's offset,
-    keys and values written to ``cache`` (None: a whole sequence, no cache),
-    then attention of the new rows from that offset, within ``window``, with
-    per-head ``sinks`` if given. Returns [B, L, heads * D]."""
+    and values [B, heads, L, D] rotated by ``rope`` at the cache's offset
+    (None: a layer without positions, NoPE), keys and values written to
+    ``cache`` (None: a whole sequence, no cache), then attention of the new
+    rows from that offset, within ``window``, with per-head ``sinks`` if
+    given. Returns [B, L, heads * D]."""
     start = None if cache is None else cache.offset
-    if cache is not None:
+    if rope is not None and cache is not None:
         queries, keys = rope(queries, offset=start), rope(keys, offset=start)
-        keys, values = cache.update_and_fetch(keys, values)
-    else:
+    elif rope is not None:
         queries, keys = rope(queries), rope(keys)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
     out = attention(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
                     sinks=sinks)
     B, _, L, _ = out.shape

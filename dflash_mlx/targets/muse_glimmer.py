@@ -3,9 +3,13 @@ Muse-Glimmer-30B DFlash 2 drafter).
 
 A dense loop with three differences, all inside or around mlx-lm's layers:
 [local, local, local, global] attention (the sliding layers keep a plain
-buffer each, the window in the mask; the global layers use no RoPE, inside
-mlx-lm's module), token embeddings passed through a scaleless RMSNorm before
-the first layer, and logits multiplied by ``output_multiplier`` then soft-capped.
+buffer each, the window in the mask; the global layers use no RoPE), token
+embeddings passed through a scaleless RMSNorm before the first layer, and
+logits multiplied by ``output_multiplier`` then soft-capped.
+
+Each layer is mlx-lm's DecoderLayer forward with its attention through
+``attention.attention`` (the block-attention kernel where it pays): sliding
+layers with their window, global layers without, and without RoPE.
 
 What the drafter shares is the raw embedding table and the raw output head,
 as Z Lab's reference feeds its drafters (their own config carries the output
@@ -13,9 +17,14 @@ multiplier and softcap, applied by the drafter): so ``embed`` and ``lm_head``
 are the raw ones, and the target's own forward adds the norm, the multiplier
 and the cap."""
 
-import mlx.core as mx
+from typing import Callable
 
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import prepare
 from .base import DenseTarget
+from .layers import attend
 
 
 class MuseGlimmerTarget(DenseTarget):
@@ -30,9 +39,39 @@ class MuseGlimmerTarget(DenseTarget):
     def windows(self):
         return [self.inner.window if layer.self_attn.is_sliding else None for layer in self.inner.layers]
 
+    def make_blocks(self) -> None:
+        windows = self.windows()
+        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        prepare(self.dtype, self.head_dim, windows)
+
     def first_input(self, tokens: mx.array) -> mx.array:
         return mx.fast.rms_norm(self.embed(tokens), None, self.inner.embed_eps)
 
     def logits(self, h: mx.array) -> mx.array:
         logits = self.lm_head(h) * self.multiplier
         return mx.tanh(logits / self.softcap) * self.softcap
+
+
+def block(layer: nn.Module, window: int | None) -> Callable:
+    """mlx-lm's muse_glimmer DecoderLayer forward (h, mask, cache) -> h:
+    scaleless q/k norms (the queries then scaled by ``qk_scale_factor``),
+    RoPE on the layers that have it, the output gated by a sigmoid of
+    ``gate_proj``, and centered norms after attention and around the MLP."""
+    attn = layer.self_attn
+    rope = attn.rope if attn.use_rope else None
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        x = layer.input_layernorm(h)
+        B, L, _ = x.shape
+        q = attn.q_proj(x).reshape(B, L, attn.n_heads, attn.head_dim)
+        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        q = mx.fast.rms_norm(q, None, attn.eps) * attn.qk_scale_factor
+        k = mx.fast.rms_norm(k, None, attn.eps)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        out = attend(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        out = attn.o_proj(out * mx.sigmoid(attn.gate_proj(x)))
+        h = h + layer.post_attention_layernorm(out)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+    return forward
