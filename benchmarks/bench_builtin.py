@@ -19,6 +19,7 @@ in one process, and their ratio. Prefill is excluded from both speeds.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import platform
 import sys
@@ -94,11 +95,18 @@ def plain(model, tokenizer, prompt, max_tokens, temp, seed):
     return n, seconds
 
 
-def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed):
+def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used: Counter):
+    """DFlash's decode; counts each cycle's block size into ``used`` (1: a plain step)."""
     from dflash_mlx import stream_generate
 
-    n, seconds, last = decode_time(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                                   temperature=temp, block_size=block, seed=seed))
+    def counted(responses):
+        for r in responses:
+            if r.accepted is not None:  # (not the first token's response)
+                used[r.block_size] += 1
+            yield r
+
+    n, seconds, last = decode_time(counted(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
+                                                           temperature=temp, block_size=block, seed=seed)))
     return n, seconds, last.acceptance_length
 
 
@@ -146,11 +154,11 @@ def main():
     plain(model, tok, warm, 16, 0.0, 0)
     for b in blocks:
         for t in temps:  # sampling builds its own kernels
-            dflash(model, draft, tok, warm, 32, t, b, 0)
+            dflash(model, draft, tok, warm, 32, t, b, 0, Counter())
 
     rows = []
-    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup | cycles by block |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.sets.split(","):
         for temp in temps:
             base_tok = base_s = 0.0
@@ -160,18 +168,21 @@ def main():
             for b in blocks:
                 tok_n = sec = 0.0
                 accs = []
+                used = Counter()
                 for i, p in enumerate(sets[name]):
-                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i)
+                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i, used)
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
                     "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
                     "dflash_tps": tok_n / sec, "plain_tps": base_tok / base_s,
+                    "cycles_by_block": dict(sorted(used.items(), reverse=True)),
                 }
                 row["speedup"] = row["dflash_tps"] / row["plain_tps"]
                 rows.append(row)
+                blocks_used = " ".join(f"{k if k > 1 else 'plain'}:{v}" for k, v in row["cycles_by_block"].items())
                 print(f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
-                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x |", flush=True)
+                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {blocks_used} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
 
