@@ -157,8 +157,9 @@ def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
 
 def _check_cases(dtype, head_dim: int, windowed: bool):
     """Verify-like (causal, array offsets, the query a transposed view as a
-    layer's rotated query is) and drafter-like (non-causal, sinks) cases over a
-    buffer with an unfilled tail and several key chunks."""
+    layer's rotated query is; then with sinks, as gpt-oss verifies) and
+    drafter-like (non-causal, sinks) cases over a buffer with an unfilled tail
+    and several key chunks."""
     key = mx.random.key(head_dim)
     kq, kk, kv, ks = mx.random.split(key, 4)
     n, lq = 640, 7
@@ -171,6 +172,8 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
     yield q, k, v, dict(scale=scale, q_offset=mx.array(500), kv_length=mx.array(500 + lq), causal=True, window=window)
     yield mx.contiguous(q), k, v, dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window,
                                         sinks=sinks)
+    yield q, k, v, dict(scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window,
+                        sinks=sinks)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:
