@@ -42,14 +42,18 @@ class DenseTarget:
         self.make_blocks()
 
     def make_blocks(self) -> None:
-        """The layers' forwards: fused products where a layer allows (made
-        from its projections as they are now), else the layers themselves."""
-        if not self.fuse_projections:
-            self.blocks = list(self.inner.layers)
-            return
+        """The layers' forwards (``layer_block``, made from their projections
+        as they are now), and the kernel variants they reach, checked."""
         windows = self.windows()
-        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
+        self.blocks = [self.layer_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
         prepare(self.dtype, self.head_dim, windows)
+
+    def layer_block(self, layer: nn.Module, window: int | None):
+        """One layer's forward (h, mask, cache) -> h, its attention through
+        ``attention.attention``: here fused products where the layer allows
+        (fused.py), else the layer itself; families with layers of their
+        own shape override it."""
+        return block(layer, window) if self.fuse_projections else layer
 
     @property
     def head_dim(self) -> int:

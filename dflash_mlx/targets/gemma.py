@@ -50,10 +50,8 @@ class Gemma3Target(DenseTarget):
         p, w = self.inner.sliding_window_pattern, self.inner.window_size
         return [None if i % p == p - 1 else w for i in range(self.num_layers)]
 
-    def make_blocks(self) -> None:
-        windows = self.windows()
-        self.blocks = [gemma3_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
-        prepare(self.dtype, self.head_dim, windows)
+    def layer_block(self, layer: nn.Module, window: int | None) -> Callable:
+        return gemma3_block(layer, window)
 
 
 def gemma3_block(layer: nn.Module, window: int | None) -> Callable:

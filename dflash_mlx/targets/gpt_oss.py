@@ -12,7 +12,6 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import prepare
 from .base import DenseTarget
 from .layers import attend
 
@@ -24,10 +23,8 @@ class GptOssTarget(DenseTarget):
         window = int(self.inner.window_size)
         return [window if t == "sliding_attention" else None for t in self.inner.layer_types]
 
-    def make_blocks(self) -> None:
-        windows = self.windows()
-        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
-        prepare(self.dtype, self.head_dim, windows)
+    def layer_block(self, layer: nn.Module, window: int | None) -> Callable:
+        return block(layer, window)
 
 
 def block(layer: nn.Module, window: int | None) -> Callable:

@@ -22,7 +22,6 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import prepare
 from .base import DenseTarget
 from .layers import attend
 
@@ -39,10 +38,8 @@ class MuseGlimmerTarget(DenseTarget):
     def windows(self):
         return [self.inner.window if layer.self_attn.is_sliding else None for layer in self.inner.layers]
 
-    def make_blocks(self) -> None:
-        windows = self.windows()
-        self.blocks = [block(layer, w) for layer, w in zip(self.inner.layers, windows)]
-        prepare(self.dtype, self.head_dim, windows)
+    def layer_block(self, layer: nn.Module, window: int | None) -> Callable:
+        return block(layer, window)
 
     def first_input(self, tokens: mx.array) -> mx.array:
         return mx.fast.rms_norm(self.embed(tokens), None, self.inner.embed_eps)

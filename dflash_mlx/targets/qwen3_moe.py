@@ -6,7 +6,6 @@ a single decode step would. The attention is qwen3's (q/k norms), run as
 layers.dense_block runs it, through ``attention.attention``, with mlx-lm's
 own projections and MLP."""
 
-from .attention import prepare
 from .base import DenseTarget
 from .layers import dense_block, own_projections
 
@@ -14,8 +13,5 @@ from .layers import dense_block, own_projections
 class Qwen3MoeTarget(DenseTarget):
     family = "qwen3_moe"
 
-    def make_blocks(self) -> None:
-        windows = self.windows()
-        self.blocks = [dense_block(layer, own_projections(layer.self_attn), layer.mlp, w)
-                       for layer, w in zip(self.inner.layers, windows)]
-        prepare(self.dtype, self.head_dim, windows)
+    def layer_block(self, layer, window):
+        return dense_block(layer, own_projections(layer.self_attn), layer.mlp, window)
