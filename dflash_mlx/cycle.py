@@ -131,7 +131,7 @@ class Cycle:
         ``committed`` into the drafter's context (at the end of a decode:
         a step queued past the end is not committed)."""
         if self.deferred:
-            first = self.deferred_from if isinstance(self.deferred_from, int) else self.deferred_from.item()
+            first = self.deferred_from.item()
             self._feed(max(0, min(len(self.deferred), committed - first)), committed)
 
     def _feed(self, n: int, bound: int) -> None:
