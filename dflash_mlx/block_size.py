@@ -72,6 +72,36 @@ class BlockChooser:
         self.last_explored = 0  # the cycle count when the last was chosen
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
+        self.memory_path = None  # where block_memory keeps this chooser's state between processes
+
+    def state(self) -> dict:
+        """What a later process's chooser may start from (restore)."""
+        return {"range": [self.lo, self.hi], "reached": self.reached, "hit": self.hit,
+                "seconds": {str(b): t for b, t in self._median_times().items()}}
+
+    def restore(self, state: dict, prior_cycles: int) -> bool:
+        """Start from an earlier chooser's ``state``: its acceptance counts,
+        scaled to at most ``prior_cycles`` cycles, and each size's median time
+        as one measurement (sizes with one are not probed). A state that does
+        not fit this chooser changes nothing; returns whether it was used."""
+        try:
+            fits = state["range"] == [self.lo, self.hi]
+            reached = [float(x) for x in state["reached"]]
+            hit = [float(x) for x in state["hit"]]
+            seconds = {int(b): float(t) for b, t in state["seconds"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return False
+        fits = fits and len(reached) == len(hit) == self.hi and all(0 <= h <= r for h, r in zip(hit, reached))
+        fits = fits and all((b == 1 or b in self.sizes) and 0 < t < math.inf for b, t in seconds.items())
+        if not fits:
+            return False
+        scale = min(1.0, prior_cycles / reached[1]) if len(reached) > 1 and reached[1] > 0 else 1.0
+        self.reached = [r * scale for r in reached]
+        self.hit = [h * scale for h in hit]
+        for b, t in seconds.items():
+            self.times[b] = [(0, t)]
+            self.asked[b] = max(self.asked.get(b, 0), 3)  # known: not probed
+        return True
 
     def record(self, block: int, accepted: int, seconds: float | None) -> None:
         """One verify cycle at ``block`` accepted ``accepted`` drafts in ``seconds``."""

@@ -19,7 +19,8 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .arguments import check_generation_args
-from .block_size import auto_range, chooser_for
+from . import block_memory
+from .block_size import auto_range
 from .decode import decode
 from .draft import DFlashDraft
 from .prompt_cache import PromptCache, make_prompt_cache
@@ -149,12 +150,15 @@ def stream_generate(
         prompt_cache = make_prompt_cache(target.model, draft)
     prompt_cache.check_pair(target, draft)
     hi = draft.config.block_size
-    block = chooser_for(draft, *auto_range(target, draft)) if args.block_size == "auto" else args.block_size
+    auto = args.block_size == "auto"
+    block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
     steps = decode(
         target, draft, prompt_cache, ids, max_tokens=args.max_tokens,
         sampling=_sampling(args), seed=args.seed, block=block,
         eos=set(tokenizer.eos_token_ids), prefill_step_size=args.prefill_step_size, progress=prompt_progress,
     )
+    if auto:  # what it learned, for the next process (block_memory.py)
+        steps = block_memory.remembered(steps, block)
     return _responses(target, tokenizer, steps, len(ids), hi)
 
 

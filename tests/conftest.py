@@ -10,6 +10,14 @@ os.environ["COLUMNS"] = "240"
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def auto_memory_home(tmp_path_factory, monkeypatch):
+    """Each test's `auto` memory (block_memory.py) in a folder of its own,
+    never the user's: a test starts knowing nothing unless it says otherwise."""
+    monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path_factory.mktemp("dflash-home")))
+    monkeypatch.delenv("DFLASH_MLX_AUTO_MEMORY", raising=False)
+
+
 @pytest.fixture(scope="module")
 def agreeing_pair():
     """A tiny pair whose drafter is often right: whole blocks get accepted."""

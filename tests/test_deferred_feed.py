@@ -37,7 +37,7 @@ def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_afte
     generator after ``stop_after`` responses when given)."""
     monkeypatch.setattr(Cycle, "defer_feed", defer)
     monkeypatch.setattr(Cycle, "compile_graphs", compiled)
-    monkeypatch.setattr(speculative, "chooser_for", lambda *a: Scripted())
+    monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted())
     cache = cache or make_prompt_cache(model, draft)
     gen = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto",
                           prompt_cache=cache)

@@ -78,7 +78,7 @@ def test_an_exact_one_row_step_reads_the_filled_keys_with_no_mask(monkeypatch):
 def test_plain_steps_after_plain_steps_run_exact_and_stay_the_targets(monkeypatch, agreeing_pair, compiled):
     model, draft = agreeing_pair
     monkeypatch.setattr(Cycle, "compile_graphs", compiled)
-    monkeypatch.setattr(speculative, "chooser_for", lambda *a: PlainSteps(4, 16))
+    monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: PlainSteps(4, 16))
     unmasked = []
     make_mask = BufferKVCache.make_mask
 
@@ -109,7 +109,7 @@ def test_exact_plain_steps_keep_every_family_exact(monkeypatch, family):
     from test_hybrid import make_pair as hybrid_pair
 
     model, draft = hybrid_pair(family) if family == "qwen3_5" else dense_pair(family)
-    monkeypatch.setattr(speculative, "chooser_for", lambda *a: Scripted())
+    monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted())
     prompt = [5, 3, 9, 2, 7]
     want = greedy_reference(model, prompt, 40)
     draft.set_script(prompt + want)
