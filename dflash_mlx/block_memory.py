@@ -120,13 +120,13 @@ def _read(path: Path) -> dict | None:
 
 def _write(path: Path, state: dict) -> None:
     """Write ``state`` whole or not at all (a temporary file renamed over the old one)."""
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            temporary = Path(f.name)
             json.dump({"version": VERSION, **state}, f)
-        os.replace(f.name, path)
+        os.replace(temporary, path)
     except OSError:
-        try:
-            os.unlink(f.name)
-        except (OSError, NameError):
-            pass
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
