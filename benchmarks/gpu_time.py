@@ -19,6 +19,10 @@ profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
 - ``verify``: one 16-token verify of a target at a model's shapes (random
   weights) after a prompt of each length, attention through the kernel and
   through the fused op.
+- ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``:
+  draft, verify, acceptance, cache moves; compiled on a GPU) after a prompt of
+  each length, with how many kernels it launches: the device's share of a
+  cycle, to hold against its wall time (benchmarks/cycle.py) and the host's.
 """
 
 from __future__ import annotations
@@ -126,12 +130,39 @@ def verify_cases(shape: str, prompts: list[int], block: int) -> None:
         del target, cache
 
 
+def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
+    """A DFlash cycle and, beside it, one plain mlx-lm decoding step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash_mlx.cycle import Cycle
+
+    model, draft = random_pair(shape, None)
+    for P in prompts:
+        target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
+        cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+        last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
+
+        def one_cycle():
+            # the same length each time: the cycle writes the same positions again
+            flight = cycle.launch(block, last, length, P)
+            return [flight.result, flight.last, flight.length, *cache.arrays()]
+
+        profiled(f"cycle block {block} after {P}", one_cycle)
+        del target, cache, cycle
+        plain = make_prompt_cache(model)
+        mx.eval(model(mx.array(synthetic_prompt(draft.config.vocab_size, P))[None], cache=plain))
+        profiled(f"plain mlx-lm step after {P}",
+                 lambda: [model(mx.array([[1]]), cache=plain), *[a for c in plain for a in c.state]])
+        del plain
+
+
 def summarize(path: str, names_path: str) -> None:
     """Device time per case, and per kernel name within it, from ncu's CSV
     (cases split at the marker kernel) and the case names the run printed."""
     with open(names_path) as f:
         names = iter([line[5:].strip() for line in f if line.startswith("case ")])
     cases: dict[str, dict[str, float]] = {}
+    launches: dict[str, int] = defaultdict(int)
     current = None
     with open(path) as f:
         lines = f.read().splitlines()
@@ -153,17 +184,18 @@ def summarize(path: str, names_path: str) -> None:
             continue
         if current is None:
             continue
+        launches[current] += 1
         cases[current][name] += float(row["Metric Value"].replace(",", "")) * scale
     for case, kernels in cases.items():
         total = sum(kernels.values())
-        print(f"{case}: {total / 1000:.3f} ms device time")
-        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"{case}: {total / 1000:.3f} ms device time, {launches[case]} kernels")
+        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {us / 1000:8.3f} ms  {name}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "verify", "summarize"])
+    ap.add_argument("what", choices=["attention", "verify", "cycle", "summarize"])
     ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     ap.add_argument("--prompt-tokens", default="1024,16384")
@@ -182,6 +214,8 @@ def main():
         stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]
         attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads,
                         stagings)
+    elif args.what == "cycle":
+        cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
 
