@@ -59,6 +59,24 @@ def put_positions(buffer: mx.array, new: mx.array, positions: mx.array) -> mx.ar
     return mx.put_along_axis(buffer, at, new, axis=2)
 
 
+class SharedPositions:
+    """``length + arange(n)``, made once for every cache given ``length``
+    together (``set_lengths``). A forward's layers all write at the same
+    positions; each making its own cost two kernels (an arange and an add)
+    per layer, ~90 of the ~1,050 a Qwen3-8B cycle launches on a GPU
+    (BENCHMARKS.md, session 10), where launching is what a cycle's host time
+    is spent on."""
+
+    def __init__(self, length: mx.array):
+        self.length = length
+        self.made: dict[int, mx.array] = {}
+
+    def at(self, n: int) -> mx.array:
+        if n not in self.made:
+            self.made[n] = self.length + mx.arange(n)
+        return self.made[n]
+
+
 class DeviceLengthCache:
     """What every cache with a device-side length shares: the bookkeeping.
 
@@ -69,6 +87,7 @@ class DeviceLengthCache:
     ``write``, ``state`` and ``nbytes``."""
 
     step = 256
+    shared: SharedPositions | None = None  # set by set_lengths
 
     def __init__(self):
         self.keys = None
@@ -96,6 +115,14 @@ class DeviceLengthCache:
         """How much of the buffer attention reads once ``n`` more positions
         are written (and the width of ``make_mask``): all of it."""
         return self.width_after(n)
+
+    def positions(self, start: mx.array, n: int) -> mx.array:
+        """The ``n`` positions from ``start`` (an array), shared with the
+        caches whose length was set with this one where ``start`` is it."""
+        shared = self.shared
+        if shared is not None and start is shared.length:
+            return shared.at(n)
+        return start + mx.arange(n)
 
     def reserve(self, n: int) -> None:
         """Grow a buffer already made to hold ``n`` positions (the layer's
@@ -185,7 +212,7 @@ class BufferKVCache(DeviceLengthCache):
             self.keys[..., start : start + n, :] = keys
             self.values[..., start : start + n, :] = values
         else:
-            at = start + mx.arange(n)
+            at = self.positions(start, n)
             self.keys = put_positions(self.keys, keys, at)
             self.values = put_positions(self.values, values, at)
         width = self.read_width(n)
@@ -203,8 +230,10 @@ class BufferKVCache(DeviceLengthCache):
 
 
 def set_lengths(caches: list, length: int | mx.array, bound: int | None = None) -> None:
+    shared = SharedPositions(length) if isinstance(length, mx.array) else None
     for c in caches:
         c.set_length(length, bound)
+        c.shared = shared
 
 
 def align(caches: list) -> None:

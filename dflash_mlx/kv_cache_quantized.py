@@ -80,7 +80,7 @@ class QuantizedBufferKVCache(DeviceLengthCache):
                 for a, b in zip(buf, new):
                     a[..., start : start + n, :] = b
         else:
-            at = start + mx.arange(n)
+            at = self.positions(start, n)
             self.keys = tuple(put_positions(a, b, at) for a, b in zip(self.keys, qk))
             self.values = tuple(put_positions(a, b, at) for a, b in zip(self.values, qv))
         return self.keys, self.values

@@ -121,7 +121,7 @@ class RotatingBufferKVCache(DeviceLengthCache):
         ``window``), in their slots; returns the whole ring."""
         n = keys.shape[2]
         self._grow(n, keys, values)
-        idx = self.slot(start + mx.arange(n))
+        idx = self.slot(self.positions(start, n))
         self.keys = put_positions(self.keys, keys, idx)
         self.values = put_positions(self.values, values, idx)
         self.written = max(self.written, self.bound + n)
