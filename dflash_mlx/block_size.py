@@ -21,12 +21,21 @@ that accepts little, a very long context) the loop decodes plainly and keeps
 the drafter's context fed, so drafting resumes when it pays again.
 
 The first cycles probe hi, lo, the middle and a plain step so the fit has its
-points; afterwards hi and lo are used in turn, at most every ``explore``-th
-cycle and only while what exploring loses (its time less the time the best
-choice would take for the same expected tokens) stays within half of
-EXPLORE_SHARE of the decoding time for each end: the acceptance of late positions and both ends of the cost
-line stay measured, and an expensive end (a block of 16 on a CPU costs ten
-plain steps) does not tax a cheap best choice.
+points; afterwards hi, lo and the plain step (whichever of them is not the
+best) are tried in turn, at most every ``explore``-th cycle and only while
+what exploring loses (its time less the time the best choice would take for
+the same expected tokens) stays within an equal part of EXPLORE_SHARE of the
+decoding time for each: the acceptance of late positions, both ends of the
+cost line and the plain step's time stay measured, and an expensive one (a
+block of 16 on a CPU costs ten plain steps) does not tax a cheap best choice.
+
+A cycle whose size differs from the one before it is not timed: changing
+size costs the host more than either size costs in a run (other graphs to
+launch, and a drafting cycle after plain steps feeds the drafter their
+states: about a third more on an H100, BENCHMARKS.md, session 10). Timing
+such cycles made every size but the one in use look dear, so a chooser that
+once settled on plain steps saw drafting at its worst and stayed there. So
+each size is tried for EXPLORE_RUN cycles in a row, the first one untimed.
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
 next call in the same process starts from.
@@ -49,7 +58,8 @@ class BlockChooser:
     RECENT = 256  # cycles whose times the cost fit uses
     EVIDENCE = 16  # drafting cycles seen before plain steps may win
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
-    EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (half per end)
+    EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (shared equally)
+    EXPLORE_RUN = 3  # cycles in a row each time a size is explored (the first is a change of size: untimed)
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -67,9 +77,11 @@ class BlockChooser:
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
         self.seconds = 0.0  # the timed cycles' total
-        self.exploring_loss = {lo: 0.0, hi: 0.0}  # per end: the time its exploring cycles are expected to lose (_choose)
-        self.explored = 0  # turns taken (hi's first, then lo's, ...)
+        self.exploring_loss = {lo: 0.0, hi: 0.0, 1: 0.0}  # per size explored: the time it is expected to lose (_choose)
+        self.explored = 0  # turns taken (hi's first, then lo's, then the plain step's, ...)
         self.last_explored = 0  # the cycle count when the last was chosen
+        self.run: list = []  # the sizes still to use in the exploring run under way
+        self.previous = None  # the last cycle's block size
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
@@ -112,9 +124,12 @@ class BlockChooser:
         if self.reached[1] > self.MEMORY:  # forget slowly: recent text weighs more
             self.reached = [r / 2 for r in self.reached]
             self.hit = [h / 2 for h in self.hit]
+        changed, self.previous = block != self.previous, block
         if seconds is None:
             return
         self.seconds += seconds
+        if changed:  # a change of size, not its cost (the module docstring)
+            return
         if block not in self.times:  # the first cycle of a size pays its kernel builds
             self.times[block] = []
             return
@@ -166,22 +181,30 @@ class BlockChooser:
         for b in self.probe:
             if self.asked.get(b, 0) < 3:
                 return b
+        if self.run:
+            return self.run.pop()
         best, best_rate = self._best()
         if self.explore and self.cycles - self.last_explored >= self.explore:
-            # the longest and the shortest block in turn (the other one when
-            # the turn's is too dear): late positions stay measured, and both
-            # ends of the cost line stay fresh
-            ends = [self.lo, self.hi] if self.explored % 2 else [self.hi, self.lo]
-            for b in ends:
-                seconds = self._median_times().get(b) or self._seconds(b)
+            # the longest block, the shortest and the plain step in turn (the
+            # next one when the turn's is too dear), leaving out the best: late
+            # positions stay measured, both ends of the cost line and the plain
+            # step's time stay fresh
+            turns = [b for b in dict.fromkeys((self.hi, self.lo, 1)) if b != best]
+            times = self._median_times()
+            start = self.explored % len(turns)
+            for b in turns[start:] + turns[:start]:
+                seconds = times.get(b) or self._seconds(b)
                 # what exploring b loses: its time, less the time the best
                 # choice would take for the tokens b is expected to give; each
-                # end has half the share, so a cheap end never starves a dear one
-                loss = max(0.0, seconds - self.expected_tokens(b) / best_rate)
-                if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / 2 * (self.seconds + seconds):
-                    self.explored += b == ends[0]
+                # has an equal part of the share, so a cheap one never starves
+                # a dear one
+                loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate)
+                spent = self.seconds + self.EXPLORE_RUN * seconds
+                if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:
+                    self.explored += 1
                     self.last_explored = self.cycles
                     self.exploring_loss[b] += loss
+                    self.run = [b] * (self.EXPLORE_RUN - 1)
                     return b
         return best
 
