@@ -35,7 +35,9 @@ launch, and a drafting cycle after plain steps feeds the drafter their
 states: about a third more on an H100, BENCHMARKS.md, session 10). Timing
 such cycles made every size but the one in use look dear, so a chooser that
 once settled on plain steps saw drafting at its worst and stayed there. So
-each size is tried for EXPLORE_RUN cycles in a row, the first one untimed.
+each size is tried for EXPLORE_RUN cycles in a row, the first one untimed,
+and what the changes into and out of a run cost (a change's time over its
+size's median) counts against the exploring share.
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
 next call in the same process starts from.
@@ -82,6 +84,7 @@ class BlockChooser:
         self.last_explored = 0  # the cycle count when the last was chosen
         self.run: list = []  # the sizes still to use in the exploring run under way
         self.previous = None  # the last cycle's block size
+        self.changes: list[float] = []  # what recent changes of size cost over the new size's median
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
@@ -128,7 +131,10 @@ class BlockChooser:
         if seconds is None:
             return
         self.seconds += seconds
-        if changed:  # a change of size, not its cost (the module docstring)
+        if changed:  # a change of size, not its cost (the module docstring), but what changing costs
+            median = self._median_times().get(block)
+            if median is not None:
+                self.changes = self.changes[-31:] + [max(0.0, seconds - median)]
             return
         if block not in self.times:  # the first cycle of a size pays its kernel builds
             self.times[block] = []
@@ -191,6 +197,7 @@ class BlockChooser:
             # step's time stay fresh
             turns = [b for b in dict.fromkeys((self.hi, self.lo, 1)) if b != best]
             times = self._median_times()
+            change = sorted(self.changes)[len(self.changes) // 2] if self.changes else 0.0
             start = self.explored % len(turns)
             for b in turns[start:] + turns[:start]:
                 seconds = times.get(b) or self._seconds(b)
@@ -198,8 +205,9 @@ class BlockChooser:
                 # choice would take for the tokens b is expected to give; each
                 # has an equal part of the share, so a cheap one never starves
                 # a dear one
-                loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate)
-                spent = self.seconds + self.EXPLORE_RUN * seconds
+                # (and the two changes of size, into the run and out of it)
+                loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate) + 2 * change
+                spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change
                 if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:
                     self.explored += 1
                     self.last_explored = self.cycles

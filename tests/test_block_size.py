@@ -113,6 +113,34 @@ def test_a_change_of_size_is_not_charged_to_the_size():
     assert times[16] == pytest.approx(0.003) and times[1] == pytest.approx(0.0018)
 
 
+def test_what_changing_size_costs_counts_against_the_exploring_share():
+    # A GPU-like machine with good acceptance: every block costs the same and
+    # the longest wins; each change of size costs the host more than a cycle.
+    # Decoding keeps within a few percent of the best block's rate, the
+    # changes into and out of exploring runs included.
+    def seconds(b):
+        return 0.0018 if b == 1 else 0.003
+
+    change = 0.006  # the first block-16 cycle after plain steps, on an H100: ~9 ms against ~3.8
+    c = BlockChooser(4, 16)
+    rng = random.Random(2)
+    tokens = spent = 0.0
+    last = None
+    for cycle in range(3000):
+        b = c.choose()
+        accepted = 0
+        while accepted < b - 1 and rng.random() < 0.75:
+            accepted += 1
+        t = seconds(b) + (change if last not in (None, b) else 0.0)
+        c.record(b, accepted, t)
+        last = b
+        if cycle >= 500:
+            tokens, spent = tokens + accepted + 1, spent + t
+    best = sum(0.75**i for i in range(16)) / seconds(16)
+    assert tokens / spent > (1 - 2 * BlockChooser.EXPLORE_SHARE) * best
+    assert sorted(c.changes)[len(c.changes) // 2] == pytest.approx(change)
+
+
 def test_exploration_keeps_late_positions_measured_within_its_share():
     def seconds(b):
         return 0.01 + 0.01 * b
