@@ -49,3 +49,29 @@ def test_caches_given_another_length_do_not_share_its_positions():
     assert shared.positions(length, 3).tolist() == [5, 6, 7]
     assert alone.positions(alone.offset, 3).tolist() == [7, 8, 9]
     assert shared.positions(length, 3) is shared.positions(length, 3)
+
+
+def test_a_plain_step_at_an_exact_length_writes_at_the_host_length(agreeing_pair, monkeypatch):
+    """A plain step whose length the host knows (after a plain step, or the
+    prompt) writes its keys and values at that int, as mlx-lm's own step
+    does: no positions on the device at all. One queued after a drafting
+    cycle (its length still on the device) writes at the device length."""
+    model, draft = agreeing_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, prompt, 2048, None)
+    seen = []
+    real = kv_cache.put_positions
+    monkeypatch.setattr(kv_cache, "put_positions", lambda buf, new, at: (seen.append(at), real(buf, new, at))[1])
+    cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+    P = len(prompt)
+    exact = cycle.launch(1, mx.array([2], mx.int32), mx.array(P, mx.int32), P, exact=True)
+    mx.eval(exact.result)
+    assert seen == []
+    assert exact.result.tolist()[1:] == greedy_reference(model, prompt + [2], 1)
+    assert exact.length.item() == P + 1
+    queued = cycle.launch(1, exact.last, exact.length, P + 1)
+    mx.eval(queued.result)
+    assert len(seen) == 2 * len(cache.target)
+    assert queued.result.tolist()[1:] == greedy_reference(model, prompt + [2] + exact.result.tolist()[1:], 1)
