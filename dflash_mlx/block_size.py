@@ -146,20 +146,21 @@ class BlockChooser:
         del ts[:-32]
 
     def expected_tokens(self, block: int) -> float:
-        total, s = 1.0, 1.0
+        total, s, prior = 1.0, 1.0, 0.5
         for i in range(1, block):
-            s *= (self.hit[i] + 1) / (self.reached[i] + 2)
+            prior = (self.hit[i] + 2 * prior) / (self.reached[i] + 2)
+            s *= prior
             total += s
         return total
 
     def _median_times(self) -> dict[int, float]:
-        """The median time of each size tried in the last RECENT cycles (costs
+        """The median time of each size over the last RECENT cycles (costs
         grow with the context, so old times of one size must not be set
-        against new times of another), or of all cycles if fewer than two
-        sizes were tried lately."""
-        recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] for b, ts in self.times.items()}
-        if sum(1 for ts in recent.values() if ts) < 2:
-            recent = {b: [t for _, t in ts] for b, ts in self.times.items()}
+        against new times of another), or over all its cycles if it was not
+        tried lately (a size left out would never be chosen or explored
+        again)."""
+        recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
+                  for b, ts in self.times.items()}
         return {b: sorted(ts)[len(ts) // 2] for b, ts in recent.items() if ts}
 
     def cost(self) -> tuple[float, float]:
