@@ -20,8 +20,8 @@ target step (a block of 1: no drafts) is a candidate too, with its own measured 
 that accepts little, a very long context) the loop decodes plainly and keeps
 the drafter's context fed, so drafting resumes when it pays again.
 
-The first cycles probe hi, lo, the middle and a plain step so the fit has its
-points; afterwards hi, lo and the plain step (whichever of them is not the
+The first cycles probe hi, lo, the middle and a plain step, PROBE_RUN cycles
+each, so the fit has its points; afterwards hi, lo and the plain step (whichever of them is not the
 best) are tried in turn, at most every ``explore``-th cycle and only while
 what exploring loses (its time less the time the best choice would take for
 the same expected tokens) stays within an equal part of EXPLORE_SHARE of the
@@ -62,6 +62,7 @@ class BlockChooser:
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
     EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (shared equally)
     EXPLORE_RUN = 3  # cycles in a row each time a size is explored (the first is a change of size: untimed)
+    PROBE_RUN = 4  # cycles in a row each size is probed first (the change and the size's first cycle untimed)
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -115,7 +116,7 @@ class BlockChooser:
         self.hit = [h * scale for h in hit]
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
-            self.asked[b] = max(self.asked.get(b, 0), 3)  # known: not probed
+            self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
         return True
 
     def record(self, block: int, accepted: int, seconds: float | None) -> None:
@@ -161,7 +162,9 @@ class BlockChooser:
         again)."""
         recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
                   for b, ts in self.times.items()}
-        return {b: sorted(ts)[len(ts) // 2] for b, ts in recent.items() if ts}
+        # (the lower median: a size's first cycles in a process run slow, and
+        # with two times the larger would often be one of them)
+        return {b: sorted(ts)[(len(ts) - 1) // 2] for b, ts in recent.items() if ts}
 
     def cost(self) -> tuple[float, float]:
         """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2)."""
@@ -186,7 +189,7 @@ class BlockChooser:
 
     def _choose(self) -> int:
         for b in self.probe:
-            if self.asked.get(b, 0) < 3:
+            if self.asked.get(b, 0) < self.PROBE_RUN:
                 return b
         if self.run:
             return self.run.pop()

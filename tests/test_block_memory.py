@@ -10,7 +10,8 @@ from dflash_mlx.block_size import BlockChooser, forget
 from dflash_mlx.targets import adapt
 from tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, target_config
 
-PROBES = [16, 16, 16, 4, 4, 4, 8, 8, 8, 1, 1, 1]  # a chooser that knows nothing: hi, lo, the middle, plain
+# a chooser that knows nothing: hi, lo, the middle, plain
+PROBES = [b for b in (16, 4, 8, 1) for _ in range(BlockChooser.PROBE_RUN)]
 
 
 def new_process(draft):
