@@ -58,7 +58,10 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 class BlockChooser:
     MEMORY = 2000  # cycles of acceptance counts kept at full weight
     RECENT = 256  # cycles whose times the cost fit uses
-    EVIDENCE = 16  # drafting cycles seen before plain steps may win
+    # drafting cycles seen before plain steps may win: a fresh process's first
+    # reply often starts where the drafter accepts little, and 16 let the
+    # built-in pair give drafting up for a thousand cycles on an H100
+    EVIDENCE = 64
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
     EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (shared equally)
     EXPLORE_RUN = 3  # cycles in a row each time a size is explored (the first is a change of size: untimed)

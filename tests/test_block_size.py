@@ -139,6 +139,29 @@ def test_a_sizes_slow_first_cycles_do_not_rule_it_out():
         assert used[-200:].count(16) > 0.85 * 200, seed
 
 
+def test_a_hard_start_does_not_give_drafting_up_for_good():
+    """A fresh process's first reply often starts where the drafter accepts
+    little. Plain steps may win only after EVIDENCE drafting cycles: giving
+    drafting up after a few dozen cycles of a hard start left the built-in
+    pair on plain steps for a thousand cycles on an H100 (exploring a block
+    from plain steps costs two changes of size there, so it is rare)."""
+    def seconds(b):  # the built-in pair on an H100, roughly (ms): plain 1.3, any block 2.8
+        return 0.0013 if b == 1 else 0.0028
+
+    for seed in range(3):
+        c = BlockChooser(4, 16)
+        rng = random.Random(seed)
+        used = []
+        for i in range(400):
+            b = c.choose()
+            accepted = 0
+            while accepted < b - 1 and rng.random() < (0.35 if i < 40 else 0.78):
+                accepted += 1
+            c.record(b, accepted, seconds(b) + (0.004 if used and used[-1] != b else 0.0))
+            used.append(b)
+        assert used[-300:].count(16) > 0.85 * 300, seed
+
+
 def test_what_changing_size_costs_counts_against_the_exploring_share():
     # A GPU-like machine with good acceptance: every block costs the same and
     # the longest wins; each change of size costs the host more than a cycle.
