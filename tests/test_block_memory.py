@@ -102,7 +102,9 @@ def test_new_times_outvote_remembered_ones():
     restored = BlockChooser(4, 16)
     restored.restore(learned_plain_wins().state(), block_memory.PRIOR_CYCLES)
     for b in (16, 4, 8, 12, 1):  # this machine turns out to be a GPU: every block costs what a plain step does
-        for _ in range(3):  # (a run: the first cycle of each, a change of size, is not timed)
+        # (a run: its first cycle, a change of size, and the size's first
+        # cycles in this process, warming up, are not timed)
+        for _ in range(1 + BlockChooser.WARM_CYCLES + 2):
             restored.record(b, 0, 0.001)
     assert restored._median_times()[16] == 0.001
     assert restored._best()[0] != 1
