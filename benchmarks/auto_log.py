@@ -1,0 +1,65 @@
+"""What ``block_size="auto"`` decides and why, prompt by prompt: the built-in
+pair over held-out prompts (as bench_builtin.py runs them), printing each
+prompt's blocks and, whenever the chooser turns to plain steps or back, what
+it believed then (each size's median cycle time, the expected tokens of its
+longest block, the best choice and its rate).
+
+    python benchmarks/auto_log.py --sets code,chat --prompts 8
+
+Run it with ``DFLASH_MLX_AUTO_MEMORY=0`` to watch a fresh process learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
+    ap.add_argument("--draft", default=str(ROOT / "dflash_mlx" / "builtin" / "draft"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--sets", default="code,chat")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+
+    from bench_builtin import PROMPTS, machine, prompt_sets
+    from dflash_mlx import block_size, load, stream_generate
+
+    model, draft, tok = load(args.model, draft=args.draft)
+    texts = json.loads(PROMPTS.read_text())
+    sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
+    choose = block_size.BlockChooser.choose
+
+    last = [None]  # the last choice made (cycles are chosen one ahead of being recorded)
+
+    def logged(self):
+        b = choose(self)
+        turned = last[0] is not None and (b == 1) != (last[0] == 1) and not self.run
+        last[0] = b
+        if turned:
+            best, rate = self._best()
+            times = {k: round(1000 * v, 2) for k, v in self._median_times().items()}
+            print(f"  cycle {self.cycles}: -> {'plain' if b == 1 else b}; median ms {times}, "
+                  f"expected tokens at {self.hi} {self.expected_tokens(self.hi):.2f}, best {best} "
+                  f"({rate:.0f} tok/s)", flush=True)
+        return b
+
+    block_size.BlockChooser.choose = logged
+    print(f"machine: {machine()}")
+    for name in args.sets.split(","):
+        for i, prompt in enumerate(sets[name]):
+            for r in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens, block_size="auto"):
+                pass
+            print(f"{name} {i}: {r.generation_tps:.0f} tok/s, cycles by block {r.block_sizes}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    main()
