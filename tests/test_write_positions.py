@@ -10,19 +10,27 @@ from dflash_mlx.decode import prefill
 from dflash_mlx.targets import adapt
 from tiny import greedy_reference
 
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
-def test_a_cycle_makes_its_write_positions_once_per_length(agreeing_pair, monkeypatch):
-    model, draft = agreeing_pair
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+
+def prefilled_cycle(pair, monkeypatch):
+    """A greedy Cycle over a cache holding PROMPT, and the positions arrays
+    its buffer caches' writes are given, as they are given."""
+    model, draft = pair
     target = adapt(model)
     cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, prompt, 2048, None)
+    prefill(target, draft, cache, PROMPT, 2048, None)
     seen = []
     real = kv_cache.put_positions
     monkeypatch.setattr(kv_cache, "put_positions", lambda buf, new, at: (seen.append(at), real(buf, new, at))[1])
+    return Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0), cache, seen
 
+
+def test_a_cycle_makes_its_write_positions_once_per_length(agreeing_pair, monkeypatch):
+    model, _ = agreeing_pair
+    prompt = PROMPT
+    cycle, cache, seen = prefilled_cycle(agreeing_pair, monkeypatch)
     block = 8
-    cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
     flight = cycle.launch(block, mx.array([2], mx.int32), mx.array(len(prompt), mx.int32), len(prompt))
     mx.eval(flight.result)
 
@@ -56,15 +64,9 @@ def test_a_plain_step_at_an_exact_length_writes_at_the_host_length(agreeing_pair
     prompt) writes its keys and values at that int, as mlx-lm's own step
     does: no positions on the device at all. One queued after a drafting
     cycle (its length still on the device) writes at the device length."""
-    model, draft = agreeing_pair
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    target = adapt(model)
-    cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, prompt, 2048, None)
-    seen = []
-    real = kv_cache.put_positions
-    monkeypatch.setattr(kv_cache, "put_positions", lambda buf, new, at: (seen.append(at), real(buf, new, at))[1])
-    cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+    model, _ = agreeing_pair
+    prompt = PROMPT
+    cycle, cache, seen = prefilled_cycle(agreeing_pair, monkeypatch)
     P = len(prompt)
     exact = cycle.launch(1, mx.array([2], mx.int32), mx.array(P, mx.int32), P, exact=True)
     mx.eval(exact.result)
