@@ -63,7 +63,7 @@ class SharedPositions:
     """``length + arange(n)``, made once for every cache given ``length``
     together (``set_lengths``). A forward's layers all write at the same
     positions; each making its own cost two kernels (an arange and an add)
-    per layer, ~90 of the ~1,050 a Qwen3-8B cycle launches on a GPU
+    per layer, 88 of the 1,023 a Qwen3-8B cycle launched on a GPU
     (BENCHMARKS.md, session 10), where launching is what a cycle's host time
     is spent on."""
 
