@@ -23,23 +23,24 @@ the drafter's context fed, so drafting resumes when it pays again.
 The first cycles probe hi, lo, the middle and a plain step, PROBE_RUN cycles
 each, so the fit has its points; afterwards hi, lo and the plain step
 (whichever of them is not the best) are tried in turn, at most every
-``explore``-th cycle and only while
-what exploring loses (its time less the time the best choice would take for
-the same expected tokens) stays within an equal part of EXPLORE_SHARE of the
-decoding time for each: the acceptance of late positions, both ends of the
-cost line and the plain step's time stay measured, and an expensive one (a
-block of 16 on a CPU costs ten plain steps) does not tax a cheap best choice.
+``explore``-th cycle and only while what exploring loses (its time less the
+time the best choice would take for the same expected tokens) stays within
+an equal part of EXPLORE_SHARE of the decoding time for each: the acceptance
+of late positions, both ends of the cost line and the plain step's time stay
+measured, and an expensive one (a block of 16 on a CPU costs ten plain
+steps) does not tax a cheap best choice.
 
 A cycle whose size differs from the one before it is not timed: changing
 size costs the host more than either size costs in a run (other graphs to
 launch, and a drafting cycle after plain steps feeds the drafter their
 states: 1-6 ms over a 2.5-3.8 ms cycle of the built-in pair on an H100,
-BENCHMARKS.md, session 10). Timing
-such cycles made every size but the one in use look dear, so a chooser that
-once settled on plain steps saw drafting at its worst and stayed there. So
-each size is tried for EXPLORE_RUN cycles in a row, the first one untimed,
-and what the changes into and out of a run cost (a change's time over its
-size's median) counts against the exploring share.
+BENCHMARKS.md, session 10). Timing such cycles made every size but the one
+in use look dear, so a chooser that once settled on plain steps saw drafting
+at its worst and stayed there. So each size is tried for EXPLORE_RUN cycles
+in a row, the first one untimed, and what the changes into and out of a run
+cost (a change's time over its size's median) counts against the exploring
+share.
+
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
 next call in the same process starts from.
