@@ -1,0 +1,103 @@
+"""`auto`'s chooser against simulated machines and texts: its decoding rate as
+a share of an oracle's that knows the text's acceptance (the best block size
+or plain steps for each cycle), with no
+model and no device, in seconds. Each scenario is a cost model measured on a
+real machine (BENCHMARKS.md) and an acceptance pattern; the chooser is the
+real one (dflash_mlx.block_size.BlockChooser), fed what the decode loop
+would feed it: each cycle's block, accepted drafts and time, plus what a
+change of block size costs the host.
+
+    python benchmarks/auto_sim.py                  # every scenario, 5 seeds each
+    python benchmarks/auto_sim.py --seeds 20 --cycles 4000
+
+A change to the chooser should keep every row near 1.0; where one falls,
+the cycles-by-choice column says what it did instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_mlx.block_size import BlockChooser  # noqa: E402
+
+
+@dataclass
+class Scenario:
+    name: str
+    seconds: Callable[[int], float]  # a cycle's time by block size (1: a plain step)
+    acceptance: Callable[[int], float]  # chance each draft is accepted given the ones before, by cycle index
+    change: float = 0.0  # what a cycle that changes block size costs the host on top
+
+
+def gpu(b: int) -> float:
+    """The built-in pair on an H100 (ms): plain 1.3, any block 2.8."""
+    return 0.0013 if b == 1 else 0.0028
+
+
+def cpu(b: int) -> float:
+    """The built-in pair on the 2-core CPU: plain 9 ms, a block costs 4.8 plain steps at 4, more beyond."""
+    return 0.009 if b == 1 else 0.024 + 0.0045 * b
+
+
+SCENARIOS = [
+    Scenario("GPU, good acceptance, changes 4 ms", gpu, lambda i: 0.78, 0.004),
+    Scenario("GPU, hard first 40 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 40 else 0.78, 0.004),
+    Scenario("GPU, hard first 100 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 100 else 0.78, 0.004),
+    Scenario("GPU, nothing accepted (random weights)", gpu, lambda i: 0.0, 0.004),
+    Scenario("GPU, plain best by ~17%, changes 10 ms", gpu, lambda i: 0.3, 0.010),
+    Scenario("CPU, no block pays", cpu, lambda i: 0.6, 0.0005),
+    Scenario("CPU, the text turns predictable", cpu, lambda i: 0.6 if i < 1000 else 0.97, 0.0005),
+]
+
+
+def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
+    """The time the best choice for each cycle's text would have taken for the
+    tokens the chooser committed after the first tenth of the cycles, as a
+    share of the time the chooser took for them (1.0: as fast as an oracle
+    that knows the acceptance), and the choices it made."""
+    chooser = BlockChooser(4, 16)
+    rng = random.Random(seed)
+    ideal = spent = 0.0
+    used: Counter = Counter()
+    last = None
+    start = cycles // 10
+    for i in range(cycles):
+        b = chooser.choose()
+        p = scenario.acceptance(i)
+        accepted = 0
+        while accepted < b - 1 and rng.random() < p:
+            accepted += 1
+        t = scenario.seconds(b) + (scenario.change if last not in (None, b) else 0.0)
+        chooser.record(b, accepted, t)
+        last = b
+        if i >= start:
+            best_rate = max(sum(p**j for j in range(k)) / scenario.seconds(k) for k in [1, *chooser.sizes])
+            ideal, spent = ideal + (accepted + 1) / best_rate, spent + t
+            used[b] += 1
+    return ideal / spent, used
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cycles", type=int, default=3000)
+    ap.add_argument("--seeds", type=int, default=5)
+    args = ap.parse_args()
+    print(f"{'scenario':<44} {'rate / oracle (min, median)':>28}  cycles by choice (last seed)")
+    for s in SCENARIOS:
+        results = [run(s, args.cycles, seed) for seed in range(args.seeds)]
+        shares = [r for r, _ in results]
+        used = " ".join(f"{'plain' if b == 1 else b}:{n}" for b, n in results[-1][1].most_common(4))
+        print(f"{s.name:<44} {min(shares):>14.3f} {statistics.median(shares):>13.3f}  {used}")
+
+
+if __name__ == "__main__":
+    main()
