@@ -59,7 +59,11 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 
 class BlockChooser:
-    MEMORY = 2000  # cycles of acceptance counts kept at full weight
+    # drafting cycles over which acceptance counts fade (by 1/e): a few
+    # exploring runs after a hard stretch move the estimate, where counts
+    # kept for 2,000 cycles held a chooser on plain steps for thousands
+    # (benchmarks/auto_sim.py, "hard first 100 cycles": 0.68 -> 0.83)
+    MEMORY = 32
     RECENT = 256  # cycles whose times the cost fit uses
     # drafting cycles seen before plain steps may win: a fresh process's first
     # reply often starts where the drafter accepts little, and 16 let the
@@ -87,6 +91,7 @@ class BlockChooser:
         self.warmed: dict[int, int] = {}  # block size -> its cycles left out as warming up (record)
         self.asked: dict[int, int] = {}  # block size -> cycles it was chosen for
         self.cycles = 0
+        self.drafted = 0  # drafting cycles recorded (the counts above fade; this does not)
         self.seconds = 0.0  # the timed cycles' total
         self.exploring_loss = {lo: 0.0, hi: 0.0, 1: 0.0}  # per size explored: the time it is expected to lose (_choose)
         self.explored = 0  # turns taken (hi's first, then lo's, then the plain step's, ...)
@@ -101,7 +106,7 @@ class BlockChooser:
     def state(self) -> dict:
         """What a later process's chooser may start from (restore)."""
         return {"range": [self.lo, self.hi], "reached": self.reached, "hit": self.hit,
-                "seconds": {str(b): t for b, t in self._median_times().items()}}
+                "seconds": {str(b): t for b, t in self._median_times().items()}, "drafted": self.drafted}
 
     def restore(self, state: dict, prior_cycles: int) -> bool:
         """Start from an earlier chooser's ``state``: its acceptance counts,
@@ -113,6 +118,7 @@ class BlockChooser:
             reached = [float(x) for x in state["reached"]]
             hit = [float(x) for x in state["hit"]]
             seconds = {int(b): float(t) for b, t in state["seconds"].items()}
+            drafted = int(state.get("drafted", round(reached[1]) if len(reached) > 1 else 0))
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         fits = fits and len(reached) == len(hit) == self.hi and all(0 <= h <= r for h, r in zip(hit, reached))
@@ -122,6 +128,7 @@ class BlockChooser:
         scale = min(1.0, prior_cycles / reached[1]) if len(reached) > 1 and reached[1] > 0 else 1.0
         self.reached = [r * scale for r in reached]
         self.hit = [h * scale for h in hit]
+        self.drafted = max(self.drafted, min(drafted, prior_cycles))
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
@@ -133,9 +140,11 @@ class BlockChooser:
         for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
             self.reached[i] += 1
             self.hit[i] += i <= accepted
-        if self.reached[1] > self.MEMORY:  # forget slowly: recent text weighs more
-            self.reached = [r / 2 for r in self.reached]
-            self.hit = [h / 2 for h in self.hit]
+        if block > 1:  # recent text weighs more (MEMORY)
+            self.drafted += 1
+            keep = 1.0 - 1.0 / self.MEMORY
+            self.reached = [r * keep for r in self.reached]
+            self.hit = [h * keep for h in self.hit]
         changed, self.previous = block != self.previous, block
         if seconds is None:
             return
@@ -243,7 +252,7 @@ class BlockChooser:
             if rate > best_rate + 1e-12:
                 best, best_rate = b, rate
         plain = self._median_times().get(1)
-        sure = self.reached[1] >= self.EVIDENCE  # enough drafting seen to give it up
+        sure = self.drafted >= self.EVIDENCE  # enough drafting seen to give it up
         if plain is not None and sure and 1.0 / plain > best_rate * 1.02:  # a clear win only
             return 1, 1.0 / plain
         return best, best_rate

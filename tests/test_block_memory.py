@@ -42,7 +42,7 @@ def test_a_new_process_starts_from_what_the_last_one_learned(agreeing_pair):
     assert probed(first)
     [path] = memory_files()
     saved = json.loads(path.read_text())
-    assert saved["range"] == [4, 16] and saved["reached"][1] == len(first) - 1 - blocks(first).count(1)
+    assert saved["range"] == [4, 16] and saved["drafted"] == len(first) - 1 - blocks(first).count(1)
 
     second = list(stream_generate(model, new_process(draft), tok, [1, 2, 3], max_tokens=120, block_size="auto"))
     # the same text (the block never changes it), with no second round of probes
