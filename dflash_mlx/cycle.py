@@ -114,7 +114,9 @@ class Cycle:
             for c in plain:
                 c.exact_bound = True
             try:
-                result, new_last, new_length, taps = self._build(block_size, last, length, bound, exact_step)
+                # (written at the host's int where every target layer is a plain buffer)
+                at_host = exact_step and len(plain) == len(self.caches.target)
+                result, new_last, new_length, taps = self._build(block_size, last, length, bound, at_host)
             finally:
                 for c in plain:
                     c.exact_bound = False
@@ -143,14 +145,14 @@ class Cycle:
             self.draft.extend(taps, self.caches.draft, self.draft_fused)
         self.deferred, self.deferred_from = [], None
 
-    def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False):
+    def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int, at_host: bool = False):
         """The cycle's graph: (result, the next last token, the new length,
         and the tapped states of a plain step whose feed waits, else None).
-        ``exact``: ``bound`` is the length itself (launch's exact plain step);
-        then plain buffers are written at it as a host int, as mlx-lm's own
-        step writes: slice writes at constant offsets, no position arrays."""
+        ``at_host``: ``bound`` is the length itself (launch's exact plain step
+        over plain buffers), so the target's caches are written at it as a
+        host int, as mlx-lm's own step writes: slice writes at constant
+        offsets, no position arrays."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
-        at_host = exact and all(type(c) is BufferKVCache for c in target_cache)
         self.target.set_length(target_cache, bound if at_host else length, bound)
         defer = block_size == 1 and self.defers
         if not defer:
