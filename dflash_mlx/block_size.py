@@ -58,11 +58,17 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 
+def median(values) -> float:
+    """The upper median (a list's middle element once sorted)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 class BlockChooser:
     # drafting cycles over which acceptance counts fade (by 1/e): a few
     # exploring runs after a hard stretch move the estimate, where counts
     # kept for 2,000 cycles held a chooser on plain steps for thousands
-    # (benchmarks/auto_sim.py, "hard first 100 cycles": 0.68 -> 0.83)
+    # (benchmarks/auto_sim.py, "hard first 100 cycles": 0.68 -> 0.85)
     MEMORY = 32
     RECENT = 256  # cycles whose times the cost fit uses
     # drafting cycles seen before plain steps may win: a fresh process's first
@@ -150,9 +156,9 @@ class BlockChooser:
             return
         self.seconds += seconds
         if changed:  # a change of size, not its cost (the module docstring), but what changing costs
-            median = self._median_times().get(block)
-            if median is not None:
-                self.changes = self.changes[-31:] + [max(0.0, seconds - median)]
+            usual = self._median_times().get(block)
+            if usual is not None:
+                self.changes = self.changes[-31:] + [max(0.0, seconds - usual)]
             return
         # A size's first cycles in a process pay its kernel builds and run
         # slow (the built-in pair's second block-16 cycle 4.4 ms on an H100
@@ -162,7 +168,7 @@ class BlockChooser:
             self.warmed[block] = warmed + 1
             return
         ts = self.times.setdefault(block, [])
-        if len(ts) >= 3 and seconds > self.SPIKE * sorted(t for _, t in ts)[len(ts) // 2]:
+        if len(ts) >= 3 and seconds > self.SPIKE * median(t for _, t in ts):
             return  # a one-off build (a grown cache's new shapes, a trace), not the size's cost
         ts.append((self.cycles, seconds))
         del ts[:-32]
@@ -183,7 +189,7 @@ class BlockChooser:
         again)."""
         recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
                   for b, ts in self.times.items()}
-        return {b: sorted(ts)[len(ts) // 2] for b, ts in recent.items() if ts}
+        return {b: median(ts) for b, ts in recent.items() if ts}
 
     def cost(self) -> tuple[float, float]:
         """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2)."""
@@ -220,7 +226,7 @@ class BlockChooser:
             # step's time stay fresh
             turns = [b for b in dict.fromkeys((self.hi, self.lo, 1)) if b != best]
             times = self._median_times()
-            change = sorted(self.changes)[len(self.changes) // 2] if self.changes else 0.0
+            change = median(self.changes) if self.changes else 0.0
             start = self.explored % len(turns)
             for b in turns[start:] + turns[:start]:
                 seconds = times.get(b) or self._seconds(b)
