@@ -17,6 +17,7 @@ the cycles-by-choice column says what it did instead.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -36,6 +37,8 @@ class Scenario:
     seconds: Callable[[int], float]  # a cycle's time by block size (1: a plain step)
     acceptance: Callable[[int], float]  # chance each draft is accepted given the ones before, by cycle index
     change: float = 0.0  # what a cycle that changes block size costs the host on top
+    noise: float = 0.0  # each cycle's time times exp(N(0, noise)): the host's jitter
+    drift: float = 0.0  # and times a factor whose log walks N(0, drift) a cycle (kept within +-0.5)
 
 
 def gpu(b: int) -> float:
@@ -48,14 +51,21 @@ def cpu(b: int) -> float:
     return 0.009 if b == 1 else 0.024 + 0.0045 * b
 
 
+def cpu_fast(b: int) -> float:
+    """A CPU whose verify grows slowly with the block (plain 9 ms, a block 12 + 2 b ms): 8 is best at 0.9."""
+    return 0.009 if b == 1 else 0.012 + 0.002 * b
+
+
 SCENARIOS = [
     Scenario("GPU, good acceptance, changes 4 ms", gpu, lambda i: 0.78, 0.004),
     Scenario("GPU, hard first 40 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 40 else 0.78, 0.004),
     Scenario("GPU, hard first 100 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 100 else 0.78, 0.004),
+    Scenario("GPU, good acceptance, noisy and drifting times", gpu, lambda i: 0.78, 0.004, 0.25, 0.03),
     Scenario("GPU, nothing accepted (random weights)", gpu, lambda i: 0.0, 0.004),
     Scenario("GPU, plain best by ~17%, changes 10 ms", gpu, lambda i: 0.3, 0.010),
     Scenario("CPU, no block pays", cpu, lambda i: 0.6, 0.0005),
     Scenario("CPU, the text turns predictable", cpu, lambda i: 0.6 if i < 1000 else 0.97, 0.0005),
+    Scenario("CPU, a block of 8 best, noisy and drifting", cpu_fast, lambda i: 0.9, 0.0005, 0.25, 0.03),
 ]
 
 
@@ -69,6 +79,7 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     ideal = spent = 0.0
     used: Counter = Counter()
     last = None
+    level = 0.0  # the drift's log factor
     start = cycles // 10
     for i in range(cycles):
         b = chooser.choose()
@@ -76,12 +87,14 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
         accepted = 0
         while accepted < b - 1 and rng.random() < p:
             accepted += 1
-        t = scenario.seconds(b) + (scenario.change if last not in (None, b) else 0.0)
+        level = max(-0.5, min(0.5, level + rng.gauss(0.0, scenario.drift))) if scenario.drift else 0.0
+        jitter = math.exp(level + (rng.gauss(0.0, scenario.noise) if scenario.noise else 0.0))
+        t = scenario.seconds(b) * jitter + (scenario.change if last not in (None, b) else 0.0)
         chooser.record(b, accepted, t)
         last = b
         if i >= start:
             best_rate = max(sum(p**j for j in range(k)) / scenario.seconds(k) for k in [1, *chooser.sizes])
-            ideal, spent = ideal + (accepted + 1) / best_rate, spent + t
+            ideal, spent = ideal + jitter * (accepted + 1) / best_rate, spent + t
             used[b] += 1
     return ideal / spent, used
 

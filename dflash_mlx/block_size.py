@@ -13,7 +13,8 @@ block b in [lo, hi] with the most expected tokens per second:
 with r_i the observed chance that draft i is accepted given that the drafts
 before it were (a count with a prior of 1/2, so positions never tried are
 neither trusted nor ruled out), and a, c fitted to the recent cycle times
-(least squares over the block sizes tried, c >= 0; a cycle's time is the
+(least squares over the block sizes tried, c >= 0, the slope taken down by
+its standard error so that jitter does not make one; a cycle's time is the
 host's time building and queuing it plus the time waited for its result, see
 decode.py: the caller's time between responses is not in it). A plain
 target step (a block of 1: no drafts) is a candidate too, with its own measured time: when no block pays (a drafter
@@ -39,7 +40,9 @@ in use look dear, so a chooser that once settled on plain steps saw drafting
 at its worst and stayed there. So each size is tried for EXPLORE_RUN cycles
 in a row, the first one untimed, and what the changes into and out of a run
 cost (a change's time over its size's median) counts against the exploring
-share.
+share. A drafting run that commits more tokens a second than the best
+choice is expected to goes on (the text has turned: the counts, kept from a
+hard stretch, need cycles to follow).
 
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
@@ -75,6 +78,7 @@ class BlockChooser:
     # reply often starts where the drafter accepts little, and 16 let the
     # built-in pair give drafting up for a thousand cycles on an H100
     EVIDENCE = 64
+    SLOPE_DOUBT = 2.0  # standard errors the cost line's slope is taken down by (cost)
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
     EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose (shared equally)
     EXPLORE_RUN = 3  # cycles in a row each time a size is explored (the first is a change of size: untimed)
@@ -103,6 +107,7 @@ class BlockChooser:
         self.explored = 0  # turns taken (hi's first, then lo's, then the plain step's, ...)
         self.last_explored = 0  # the cycle count when the last was chosen
         self.run: list = []  # the sizes still to use in the exploring run under way
+        self.trial: list | None = None  # the exploring run's [size, cycles, tokens], faded (_choose extends it)
         self.previous = None  # the last cycle's block size
         self.changes: list[float] = []  # what recent changes of size cost over the new size's median
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
@@ -152,6 +157,9 @@ class BlockChooser:
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
         changed, self.previous = block != self.previous, block
+        if self.trial is not None and self.trial[0] == block:  # (its recent cycles weigh more, as the counts')
+            keep = 1.0 - 1.0 / self.MEMORY
+            self.trial[1:] = [self.trial[1] * keep + 1, self.trial[2] * keep + accepted + 1]
         if seconds is None:
             return
         self.seconds += seconds
@@ -181,28 +189,46 @@ class BlockChooser:
             total += s
         return total
 
-    def _median_times(self) -> dict[int, float]:
-        """The median time of each size over the last RECENT cycles (costs
-        grow with the context, so old times of one size must not be set
-        against new times of another), or over all its cycles if it was not
-        tried lately (a size left out would never be chosen or explored
-        again)."""
+    def _recent_times(self) -> dict[int, list[float]]:
+        """Each size's times over the last RECENT cycles (costs grow with the
+        context, so old times of one size must not be set against new times
+        of another), or all its times if it was not tried lately (a size left
+        out would never be chosen or explored again)."""
         recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
                   for b, ts in self.times.items()}
-        return {b: median(ts) for b, ts in recent.items() if ts}
+        return {b: ts for b, ts in recent.items() if ts}
+
+    def _median_times(self) -> dict[int, float]:
+        """The median of each size's recent times (_recent_times)."""
+        return {b: median(ts) for b, ts in self._recent_times().items()}
 
     def cost(self) -> tuple[float, float]:
-        """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2)."""
-        pts = [(b, t) for b, t in self._median_times().items() if b > 1]
+        """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2).
+
+        The slope c is fitted to the sizes' median times and then taken
+        down by SLOPE_DOUBT standard errors (each median's from its times'
+        spread), to no less than 0: where every block costs alike (a GPU),
+        jitter between the few times of a rarely tried size would otherwise
+        make a slope, and a slope only ever favours shorter blocks (the fit
+        cannot go below 0); where the cost truly grows (a CPU), it stands far
+        above its error."""
+        pts = []
+        for b, ts in self._recent_times().items():
+            if b > 1:
+                mid = median(ts)
+                spread = 1.4826 * median(abs(t - mid) for t in ts)  # a robust standard deviation
+                pts.append((b, mid, 1.2533 * spread / math.sqrt(len(ts))))  # the median's standard error
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
             return pts[0][1], 0.0
         n = len(pts)
-        mb = sum(b for b, _ in pts) / n
-        mt = sum(t for _, t in pts) / n
-        var = sum((b - mb) ** 2 for b, _ in pts)
-        c = max(0.0, sum((b - mb) * (t - mt) for b, t in pts) / var) if var else 0.0
+        mb = sum(b for b, _, _ in pts) / n
+        mt = sum(t for _, t, _ in pts) / n
+        var = sum((b - mb) ** 2 for b, _, _ in pts)
+        c = sum((b - mb) * (t - mt) for b, t, _ in pts) / var if var else 0.0
+        error = math.sqrt(sum(((b - mb) * se) ** 2 for b, _, se in pts)) / var if var else 0.0
+        c = max(0.0, c - self.SLOPE_DOUBT * error)
         a = max(mt - c * mb, 1e-9)
         return a, c
 
@@ -219,6 +245,18 @@ class BlockChooser:
         if self.run:
             return self.run.pop()
         best, best_rate = self._best()
+        if self.trial is not None:
+            # An exploring run of drafting goes on while it commits more
+            # tokens a second than the best choice is expected to (its recent
+            # cycles weighing more): counts kept over a long hard stretch would
+            # otherwise take many runs, each paid from the exploring share, to
+            # let a size that pays again win.
+            b, cycles, tokens = self.trial
+            seconds = self._median_times().get(b) or self._seconds(b)
+            if b > 1 and b != best and tokens / (cycles * seconds) > best_rate:
+                self.run = [b] * (self.EXPLORE_RUN - 1)
+                return b
+            self.trial = None
         if self.explore and self.cycles - self.last_explored >= self.explore:
             # the longest block, the shortest and the plain step in turn (the
             # next one when the turn's is too dear), leaving out the best: late
@@ -242,6 +280,7 @@ class BlockChooser:
                     self.last_explored = self.cycles
                     self.exploring_loss[b] += loss
                     self.run = [b] * (self.EXPLORE_RUN - 1)
+                    self.trial = [b, 0, 0]
                     return b
         return best
 

@@ -180,6 +180,40 @@ def test_a_long_hard_stretch_is_left_behind_when_the_text_turns():
         assert used[-1000:].count(16) > 0.9 * 1000, seed
 
 
+def test_jittery_times_of_blocks_that_cost_alike_keep_the_longest():
+    """Where every block costs alike (a GPU), a host whose cycle times jitter
+    by a quarter gives the few times of a rarely tried size a slope by chance.
+    The fit takes the slope down by its standard error, so chance does not
+    send the chooser to shorter blocks (without it: 16 for about half of the
+    cycles, 12, 8 and 4 for the rest)."""
+    for seed in range(3):
+        noise = random.Random(100 + seed)
+        c = BlockChooser(4, 16)
+        used = feed(c, 0.78, lambda b: (0.0013 if b == 1 else 0.0028) * noise.lognormvariate(0.0, 0.25),
+                    1500, seed=seed, change=0.004)
+        assert used[-1000:].count(16) > 0.9 * 1000, seed
+
+
+def test_an_exploring_run_that_pays_goes_on():
+    """On a CPU where plain steps won 1,000 cycles of hard text, a text that
+    turns predictable makes long blocks pay. The first exploring run of a
+    long block then goes on, since it commits more tokens a second than the
+    plain steps, until the counts let drafting win; runs of three, each paid
+    from the exploring share, were too rare to move the counts (plain steps
+    to the end)."""
+    def seconds(b):  # the built-in pair on the 2-core CPU, roughly: plain 9 ms, a block 24 + 4.5 b ms
+        return 0.009 if b == 1 else 0.024 + 0.0045 * b
+
+    for seed in range(1, 4):
+        c = BlockChooser(4, 16)
+        used = feed(c, 0.6, seconds, 1000, seed=seed, change=0.0005)
+        assert used[-100:].count(1) > 90  # plain steps won the hard text
+        used = feed(c, 1.0, seconds, 2000, seed=seed, change=0.0005)
+        first = used.index(16)
+        assert used[first:first + 20] == [16] * 20, seed  # the run went on
+        assert used[-500:].count(16) > 0.85 * 500, seed  # and drafting won (exploring aside)
+
+
 def test_what_changing_size_costs_counts_against_the_exploring_share():
     # A GPU-like machine with good acceptance: every block costs the same and
     # the longest wins; each change of size costs the host more than a cycle.
