@@ -40,9 +40,9 @@ in use look dear, so a chooser that once settled on plain steps saw drafting
 at its worst and stayed there. So each size is tried for EXPLORE_RUN cycles
 in a row, the first one untimed, and what the changes into and out of a run
 cost (a change's time over its size's median) counts against the exploring
-share. A drafting run that commits more tokens a second than the best
-choice is expected to goes on (the text has turned: the counts, kept from a
-hard stretch, need cycles to follow).
+share. An exploring run of drafting from plain steps goes on while it
+commits more tokens a second than they do (the text has turned: the counts,
+kept from a hard stretch, need cycles to follow).
 
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
@@ -246,14 +246,18 @@ class BlockChooser:
             return self.run.pop()
         best, best_rate = self._best()
         if self.trial is not None:
-            # An exploring run of drafting goes on while it commits more
-            # tokens a second than the best choice is expected to (its recent
-            # cycles weighing more): counts kept over a long hard stretch would
-            # otherwise take many runs, each paid from the exploring share, to
-            # let a size that pays again win.
+            # An exploring run of drafting from plain steps goes on while it
+            # commits more tokens a second than they do (its recent cycles
+            # weighing more), for at most 2 * MEMORY cycles: counts kept over
+            # a long hard stretch would otherwise take many runs, each paid
+            # from the exploring share, to let a size that pays again win.
+            # (Not between drafting sizes: there the counts are fresh, and the
+            # best size's time, not refreshed during the run, may be a slow
+            # moment's: a GPU's host drifts, and a block of 4 ran on.)
             b, cycles, tokens = self.trial
             seconds = self._median_times().get(b) or self._seconds(b)
-            if b > 1 and b != best and tokens / (cycles * seconds) > best_rate:
+            if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY \
+                    and tokens / (cycles * seconds) > best_rate:
                 self.run = [b] * (self.EXPLORE_RUN - 1)
                 return b
             self.trial = None

@@ -214,6 +214,18 @@ def test_an_exploring_run_that_pays_goes_on():
         assert used[-500:].count(16) > 0.85 * 500, seed  # and drafting won (exploring aside)
 
 
+def test_a_host_that_speeds_up_does_not_send_a_gpu_to_short_blocks():
+    """A GPU's host drifts: when it turns twice as fast, the best block's
+    times are those of the slow moment until it runs again. An exploring run
+    of a short block timed after the change must not go on for beating
+    them (on an H100 a block of 4 ran for 161 of 345 cycles so)."""
+    for seed in range(3):
+        c = BlockChooser(4, 16)
+        feed(c, 0.78, lambda b: 0.0013 if b == 1 else 0.0028, 500, seed=seed, change=0.004)
+        used = feed(c, 0.78, lambda b: 0.00065 if b == 1 else 0.0014, 1000, seed=seed, change=0.002)
+        assert used[-500:].count(16) > 0.9 * 500, seed
+
+
 def test_what_changing_size_costs_counts_against_the_exploring_share():
     # A GPU-like machine with good acceptance: every block costs the same and
     # the longest wins; each change of size costs the host more than a cycle.
