@@ -257,7 +257,7 @@ class BlockChooser:
             b, cycles, tokens = self.trial
             seconds = self._median_times().get(b) or self._seconds(b)
             if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY \
-                    and tokens / (cycles * seconds) > best_rate:
+                    and cycles and tokens / (cycles * seconds) > best_rate:
                 self.run = [b] * (self.EXPLORE_RUN - 1)
                 return b
             self.trial = None
