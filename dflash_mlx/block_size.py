@@ -151,14 +151,13 @@ class BlockChooser:
         for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
             self.reached[i] += 1
             self.hit[i] += i <= accepted
-        if block > 1:  # recent text weighs more (MEMORY)
+        keep = 1.0 - 1.0 / self.MEMORY  # recent text weighs more
+        if block > 1:
             self.drafted += 1
-            keep = 1.0 - 1.0 / self.MEMORY
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
         changed, self.previous = block != self.previous, block
-        if self.trial is not None and self.trial[0] == block:  # (its recent cycles weigh more, as the counts')
-            keep = 1.0 - 1.0 / self.MEMORY
+        if self.trial is not None and self.trial[0] == block:  # (faded as the counts are)
             self.trial[1:] = [self.trial[1] * keep + 1, self.trial[2] * keep + accepted + 1]
         if seconds is None:
             return
@@ -255,7 +254,7 @@ class BlockChooser:
             # best size's time, not refreshed during the run, may be a slow
             # moment's: a GPU's host drifts, and a block of 4 ran on.)
             b, cycles, tokens = self.trial
-            seconds = self._median_times().get(b) or self._seconds(b)
+            seconds = self._seconds(b, self._median_times())
             if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY \
                     and cycles and tokens / (cycles * seconds) > best_rate:
                 self.run = [b] * (self.EXPLORE_RUN - 1)
@@ -271,7 +270,7 @@ class BlockChooser:
             change = median(self.changes) if self.changes else 0.0
             start = self.explored % len(turns)
             for b in turns[start:] + turns[:start]:
-                seconds = times.get(b) or self._seconds(b)
+                seconds = self._seconds(b, times)
                 # what exploring b loses: its time, less the time the best
                 # choice would take for the tokens b is expected to give; each
                 # has an equal part of the share, so a cheap one never starves
@@ -288,7 +287,11 @@ class BlockChooser:
                     return b
         return best
 
-    def _seconds(self, block: int) -> float:
+    def _seconds(self, block: int, times: dict[int, float]) -> float:
+        """A cycle's time at ``block``: its median in ``times``
+        (_median_times), else the cost line's."""
+        if times.get(block):
+            return times[block]
         a, c = self.cost()
         return a + c * block
 
