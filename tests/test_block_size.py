@@ -68,6 +68,16 @@ def test_cost_growing_with_the_block_picks_the_best_short_block():
     assert max(set(tail), key=tail.count) == want
 
 
+def h100_pair(b):
+    """The built-in pair on an H100, roughly (seconds): plain 1.3 ms, any block 2.8 ms."""
+    return 0.0013 if b == 1 else 0.0028
+
+
+def cpu_pair(b):
+    """The built-in pair on the 2-core CPU, roughly: plain 9 ms, a block 24 + 4.5 b ms."""
+    return 0.009 if b == 1 else 0.024 + 0.0045 * b
+
+
 def plain_cost(b):
     """A drafting cycle costs a little more than a plain step, growing with the block."""
     return 0.010 if b == 1 else 0.012 + 0.0005 * b
@@ -146,9 +156,6 @@ def test_a_hard_start_does_not_give_drafting_up_for_good():
     drafting up after a few dozen cycles of a hard start left the built-in
     pair on plain steps for a thousand cycles on an H100 (exploring a block
     from plain steps costs two changes of size there, so it is rare)."""
-    def seconds(b):  # the built-in pair on an H100, roughly (ms): plain 1.3, any block 2.8
-        return 0.0013 if b == 1 else 0.0028
-
     for seed in range(3):
         c = BlockChooser(4, 16)
         rng = random.Random(seed)
@@ -158,7 +165,7 @@ def test_a_hard_start_does_not_give_drafting_up_for_good():
             accepted = 0
             while accepted < b - 1 and rng.random() < (0.35 if i < 40 else 0.78):
                 accepted += 1
-            c.record(b, accepted, seconds(b) + (0.004 if used and used[-1] != b else 0.0))
+            c.record(b, accepted, h100_pair(b) + (0.004 if used and used[-1] != b else 0.0))
             used.append(b)
         assert used[-300:].count(16) > 0.85 * 300, seed
 
@@ -169,14 +176,11 @@ def test_a_long_hard_stretch_is_left_behind_when_the_text_turns():
     allows must be enough to bring drafting back: acceptance counts fade
     over MEMORY drafting cycles, so recent runs outweigh the stretch
     (counts kept for 2,000 cycles held plain steps to the end here)."""
-    def seconds(b):  # the built-in pair on an H100, roughly (ms): plain 1.3, any block 2.8
-        return 0.0013 if b == 1 else 0.0028
-
     for seed in range(1, 4):
         c = BlockChooser(4, 16)
-        used = feed(c, 0.35, seconds, 100, seed=seed, change=0.004)
+        used = feed(c, 0.35, h100_pair, 100, seed=seed, change=0.004)
         assert used[-20:] == [1] * 20  # plain steps won the stretch
-        used = feed(c, 0.78, seconds, 2900, seed=seed, change=0.004)
+        used = feed(c, 0.78, h100_pair, 2900, seed=seed, change=0.004)
         assert used[-1000:].count(16) > 0.9 * 1000, seed
 
 
@@ -189,7 +193,7 @@ def test_jittery_times_of_blocks_that_cost_alike_keep_the_longest():
     for seed in range(3):
         noise = random.Random(100 + seed)
         c = BlockChooser(4, 16)
-        used = feed(c, 0.78, lambda b: (0.0013 if b == 1 else 0.0028) * noise.lognormvariate(0.0, 0.25),
+        used = feed(c, 0.78, lambda b: h100_pair(b) * noise.lognormvariate(0.0, 0.25),
                     1500, seed=seed, change=0.004)
         assert used[-1000:].count(16) > 0.9 * 1000, seed
 
@@ -201,14 +205,11 @@ def test_an_exploring_run_that_pays_goes_on():
     plain steps, until the counts let drafting win; runs of three, each paid
     from the exploring share, were too rare to move the counts (plain steps
     to the end)."""
-    def seconds(b):  # the built-in pair on the 2-core CPU, roughly: plain 9 ms, a block 24 + 4.5 b ms
-        return 0.009 if b == 1 else 0.024 + 0.0045 * b
-
     for seed in range(1, 4):
         c = BlockChooser(4, 16)
-        used = feed(c, 0.6, seconds, 1000, seed=seed, change=0.0005)
+        used = feed(c, 0.6, cpu_pair, 1000, seed=seed, change=0.0005)
         assert used[-100:].count(1) > 90  # plain steps won the hard text
-        used = feed(c, 1.0, seconds, 2000, seed=seed, change=0.0005)
+        used = feed(c, 1.0, cpu_pair, 2000, seed=seed, change=0.0005)
         first = used.index(16)
         assert used[first:first + 20] == [16] * 20, seed  # the run went on
         assert used[-500:].count(16) > 0.85 * 500, seed  # and drafting won (exploring aside)
@@ -221,7 +222,7 @@ def test_a_host_that_speeds_up_does_not_send_a_gpu_to_short_blocks():
     them (on an H100 a block of 4 ran for 161 of 345 cycles so)."""
     for seed in range(3):
         c = BlockChooser(4, 16)
-        feed(c, 0.78, lambda b: 0.0013 if b == 1 else 0.0028, 500, seed=seed, change=0.004)
+        feed(c, 0.78, h100_pair, 500, seed=seed, change=0.004)
         used = feed(c, 0.78, lambda b: 0.00065 if b == 1 else 0.0014, 1000, seed=seed, change=0.002)
         assert used[-500:].count(16) > 0.9 * 500, seed
 
