@@ -39,6 +39,7 @@ class Scenario:
     change: float = 0.0  # what a cycle that changes block size costs the host on top
     noise: float = 0.0  # each cycle's time times exp(N(0, noise)): the host's jitter
     drift: float = 0.0  # and times a factor whose log walks N(0, drift) a cycle (kept within +-0.5)
+    reply: int = 0  # cycles per reply (the chooser told of each new one), 0: one long text
 
 
 def gpu(b: int) -> float:
@@ -56,14 +57,23 @@ def cpu_fast(b: int) -> float:
     return 0.009 if b == 1 else 0.012 + 0.002 * b
 
 
+def one_in_four(reply: int) -> bool:
+    """A fixed quarter of the replies (a hard prompt now and then)."""
+    return random.Random(reply).random() < 0.25
+
+
 SCENARIOS = [
     Scenario("GPU, good acceptance, changes 4 ms", gpu, lambda i: 0.78, 0.004),
     Scenario("GPU, hard first 40 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 40 else 0.78, 0.004),
     Scenario("GPU, hard first 100 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 100 else 0.78, 0.004),
     Scenario("GPU, good acceptance, noisy and drifting times", gpu, lambda i: 0.78, 0.004, 0.25, 0.03),
     Scenario("GPU, nothing accepted (random weights)", gpu, lambda i: 0.0, 0.004),
+    Scenario("GPU, replies of 30 cycles, one in four hard", gpu, lambda i: 0.3 if one_in_four(i // 30) else 0.78,
+             0.004, reply=30),
+    Scenario("GPU, replies of 30 cycles, nothing accepted", gpu, lambda i: 0.0, 0.004, reply=30),
     Scenario("GPU, plain best by ~17%, changes 10 ms", gpu, lambda i: 0.3, 0.010),
     Scenario("CPU, no block pays", cpu, lambda i: 0.6, 0.0005),
+    Scenario("CPU, replies of 30 cycles, no block pays", cpu, lambda i: 0.6, 0.0005, reply=30),
     Scenario("CPU, the text turns predictable", cpu, lambda i: 0.6 if i < 1000 else 0.97, 0.0005),
     Scenario("CPU, a block of 8 best, noisy and drifting", cpu_fast, lambda i: 0.9, 0.0005, 0.25, 0.03),
 ]
@@ -82,6 +92,8 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     level = 0.0  # the drift's log factor
     start = cycles // 10
     for i in range(cycles):
+        if scenario.reply and i % scenario.reply == 0 and hasattr(chooser, "new_reply"):
+            chooser.new_reply()
         b = chooser.choose()
         p = scenario.acceptance(i)
         accepted = 0

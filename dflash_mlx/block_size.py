@@ -42,7 +42,11 @@ in a row, the first one untimed, and what the changes into and out of a run
 cost (a change's time over its size's median) counts against the exploring
 share. An exploring run of drafting from plain steps goes on while it
 commits more tokens a second than they do (the text has turned: the counts,
-kept from a hard stretch, need cycles to follow).
+kept from a hard stretch, need cycles to follow). The loop tells the
+chooser of each new reply (``new_reply``): prompts differ, and plain steps
+say nothing of the drafter, so a reply where plain steps are the best choice
+starts with such a run; replies whose run clearly loses space the next tries
+out, doubling the gap each time.
 
 One chooser is kept per drafter object and block range (``chooser_for``, a
 registry that forgets a drafter once it is gone), so what a call learns, the
@@ -84,6 +88,8 @@ class BlockChooser:
     EXPLORE_RUN = 3  # cycles in a row each time a size is explored (the first is a change of size: untimed)
     PROBE_RUN = 4  # cycles in a row each size is probed first (the change and the first WARM_CYCLES untimed)
     WARM_CYCLES = 2  # a size's first timed cycles in a process, left out of its cost
+    MAX_REPLY_GAP = 15  # the most replies started plainly between two that start with a drafting run (new_reply)
+    CLEAR_LOSS = 0.8  # a reply's drafting run at under this share of plain steps' rate failed (new_reply)
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
@@ -108,6 +114,10 @@ class BlockChooser:
         self.last_explored = 0  # the cycle count when the last was chosen
         self.run: list = []  # the sizes still to use in the exploring run under way
         self.trial: list | None = None  # the exploring run's [size, cycles, tokens], faded (_choose extends it)
+        self.reply_starts = False  # a reply begins (new_reply): it may start with a drafting run
+        self.reply_trial = False  # the run under way is a reply's first
+        self.replies_to_skip = 0  # replies left to start plainly, after such runs kept failing
+        self.reply_gap = 0  # ... how many the last failure set (doubling)
         self.previous = None  # the last cycle's block size
         self.changes: list[float] = []  # what recent changes of size cost over the new size's median
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
@@ -231,6 +241,17 @@ class BlockChooser:
         a = max(mt - c * mb, 1e-9)
         return a, c
 
+    def new_reply(self) -> None:
+        """A new reply begins: its text may suit drafting where the last one's
+        did not (prompts differ), while plain steps tell nothing of the
+        drafter's acceptance. Where plain steps are the best choice, the
+        reply starts with an exploring run of the best drafting block (hi on a
+        GPU, a short one on a CPU), which goes on while it pays
+        (_choose); each reply whose run does not win doubles the replies that
+        start plainly before the next try (at most MAX_REPLY_GAP), so a
+        drafter that never pays costs few runs."""
+        self.reply_starts = True
+
     def choose(self) -> int:
         """The block size for the next cycle."""
         b = self._choose()
@@ -238,6 +259,7 @@ class BlockChooser:
         return b
 
     def _choose(self) -> int:
+        reply_starts, self.reply_starts = self.reply_starts, False
         for b in self.probe:
             if self.asked.get(b, 0) < self.PROBE_RUN:
                 return b
@@ -255,11 +277,29 @@ class BlockChooser:
             # moment's: a GPU's host drifts, and a block of 4 ran on.)
             b, cycles, tokens = self.trial
             seconds = self._seconds(b, self._median_times())
-            if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY \
-                    and cycles and tokens / (cycles * seconds) > best_rate:
+            rate = tokens / (cycles * seconds) if cycles else best_rate
+            if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY and rate > best_rate:
                 self.run = [b] * (self.EXPLORE_RUN - 1)
                 return b
             self.trial = None
+            if self.reply_trial:
+                # A reply's run that clearly lost to plain steps: the next
+                # replies start plainly; one that drafting won, or a near miss
+                # (three cycles are few: an unlucky run of a good drafter),
+                # leaves the next reply to try again.
+                self.reply_trial = False
+                failed = best == 1 and rate < self.CLEAR_LOSS * best_rate
+                self.reply_gap = min(2 * self.reply_gap + 1, self.MAX_REPLY_GAP) if failed else 0
+                self.replies_to_skip = self.reply_gap
+        if reply_starts and best == 1:
+            if self.replies_to_skip:
+                self.replies_to_skip -= 1
+            else:
+                b = self._best_block()[0]
+                self.last_explored = self.cycles
+                self.run = [b] * (self.EXPLORE_RUN - 1)
+                self.trial, self.reply_trial = [b, 0, 0], True
+                return b
         if self.explore and self.cycles - self.last_explored >= self.explore:
             # the longest block, the shortest and the plain step in turn (the
             # next one when the turn's is too dear), leaving out the best: late
@@ -295,14 +335,20 @@ class BlockChooser:
         a, c = self.cost()
         return a + c * block
 
-    def _best(self) -> tuple[int, float]:
-        """The block with the most expected tokens per second, and that rate."""
+    def _best_block(self) -> tuple[int, float]:
+        """The drafting block with the most expected tokens per second, and that rate."""
         a, c = self.cost()
         best, best_rate = self.hi, -math.inf
         for b in self.sizes:  # longest first: ties go to the longer block
             rate = self.expected_tokens(b) / (a + c * b)
             if rate > best_rate + 1e-12:
                 best, best_rate = b, rate
+        return best, best_rate
+
+    def _best(self) -> tuple[int, float]:
+        """The choice with the most expected tokens per second (a drafting
+        block, or plain steps once they clearly win), and that rate."""
+        best, best_rate = self._best_block()
         plain = self._median_times().get(1)
         sure = self.drafted >= self.EVIDENCE  # enough drafting seen to give it up
         if plain is not None and sure and 1.0 / plain > best_rate * 1.02:  # a clear win only

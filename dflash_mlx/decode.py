@@ -109,6 +109,9 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
     def choose() -> int:
         return chooser.choose() if chooser is not None else block
 
+    if chooser is not None:
+        chooser.new_reply()
+
     with mx.stream(generation_stream):
         last_logits = prefill(target, draft, cache, ids, step, progress)
         last = cycle.first_token(last_logits, len(ids))

@@ -227,6 +227,45 @@ def test_a_host_that_speeds_up_does_not_send_a_gpu_to_short_blocks():
         assert used[-500:].count(16) > 0.9 * 500, seed
 
 
+def replies(chooser: BlockChooser, accept_rates: list[float], seconds, cycles: int, change: float,
+            seed: int = 0) -> list[list[int]]:
+    """One ``feed`` of ``cycles`` cycles per reply, the chooser told of each
+    new reply as the decode loop tells it; the blocks used, by reply."""
+    used = []
+    for k, rate in enumerate(accept_rates):
+        chooser.new_reply()
+        used.append(feed(chooser, rate, seconds, cycles, seed=seed * 1000 + k, change=change))
+    return used
+
+
+def test_a_reply_after_a_hard_one_starts_by_drafting():
+    """Prompts differ: after a hard reply, plain steps win (rightly), and they
+    tell nothing of the drafter's acceptance. The next reply starts with a
+    drafting run, which goes on while it pays, so an easy reply is drafted
+    (without it: plain steps through the easy replies, as on an H100 where a
+    process starting from a remembered chooser ran 973 of 1,001 code cycles
+    plainly)."""
+    for seed in range(3):
+        c = BlockChooser(4, 16)
+        feed(c, 0.78, h100_pair, 100, seed=seed, change=0.004)  # probes and EVIDENCE behind it
+        hard = replies(c, [0.1] * 3, h100_pair, 60, 0.004, seed)
+        assert hard[-1][-20:] == [1] * 20, seed  # plain steps won the hard replies
+        easy = replies(c, [0.78] * 8, h100_pair, 40, 0.004, seed)
+        assert easy[0][:3] == [16] * 3, seed  # the first easy reply starts with a drafting run
+        assert sum(b > 1 for r in easy for b in r) > 0.6 * 8 * 40, seed  # and drafting comes back
+
+
+def test_replies_that_never_pay_start_by_drafting_ever_more_rarely():
+    """Where no draft is accepted, each reply whose drafting run fails doubles
+    the replies that start plainly before the next try (up to MAX_REPLY_GAP):
+    over 100 replies, a handful of runs."""
+    c = BlockChooser(4, 16)
+    used = replies(c, [0.0] * 100, h100_pair, 30, 0.004)
+    started_drafting = [k for k, r in enumerate(used[10:], 10) if r[0] > 1]
+    assert 2 <= len(started_drafting) <= 1 + 90 // (BlockChooser.MAX_REPLY_GAP + 1)
+    assert sum(b > 1 for r in used[10:] for b in r) < 0.02 * 90 * 30
+
+
 def test_what_changing_size_costs_counts_against_the_exploring_share():
     # A GPU-like machine with good acceptance: every block costs the same and
     # the longest wins; each change of size costs the host more than a cycle.
@@ -369,6 +408,20 @@ def test_auto_with_sampling(agreeing_pair):
     assert sum(len(r.tokens) for r in responses) == 80
     probes = [b for b in (16, 4, 8, 1) for _ in range(BlockChooser.PROBE_RUN)]
     assert [r.block_size for r in responses[1 : 1 + len(probes)]] == probes
+
+
+def test_each_call_is_a_new_reply(agreeing_pair):
+    """The decode loop tells the chooser of every call: a chooser that plain
+    steps won for earlier text starts the next call with a drafting run, and
+    the pair, whose drafts are always accepted, drafts from there on."""
+    model, draft = agreeing_pair
+    tok = make_tokenizer(24)
+    chooser = chooser_for(fresh(draft), 4, 16)
+    feed(chooser, 0.0, h100_pair, 200, change=0.004)
+    assert chooser.choose() == 1  # plain steps won
+    responses = list(stream_generate(model, draft, tok, [1, 2, 3], max_tokens=80, block_size="auto"))
+    assert responses[1].block_size == 16
+    assert sum(r.block_size > 1 for r in responses[1:]) > 0.8 * (len(responses) - 1)
 
 
 def test_what_one_call_learns_carries_to_the_next(agreeing_pair):
