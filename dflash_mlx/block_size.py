@@ -247,9 +247,9 @@ class BlockChooser:
         drafter's acceptance. Where plain steps are the best choice, the
         reply starts with an exploring run of the best drafting block (hi on a
         GPU, a short one on a CPU), which goes on while it pays
-        (_choose); each reply whose run does not win doubles the replies that
-        start plainly before the next try (at most MAX_REPLY_GAP), so a
-        drafter that never pays costs few runs."""
+        (_choose); each reply whose run clearly loses (CLEAR_LOSS) doubles
+        the replies that start plainly before the next try (at most
+        MAX_REPLY_GAP), so a drafter that never pays costs few runs."""
         self.reply_starts = True
 
     def choose(self) -> int:
@@ -295,11 +295,8 @@ class BlockChooser:
             if self.replies_to_skip:
                 self.replies_to_skip -= 1
             else:
-                b = self._best_block()[0]
-                self.last_explored = self.cycles
-                self.run = [b] * (self.EXPLORE_RUN - 1)
-                self.trial, self.reply_trial = [b, 0, 0], True
-                return b
+                self.reply_trial = True
+                return self._explore(self._best_block()[0])
         if self.explore and self.cycles - self.last_explored >= self.explore:
             # the longest block, the shortest and the plain step in turn (the
             # next one when the turn's is too dear), leaving out the best: late
@@ -320,12 +317,17 @@ class BlockChooser:
                 spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change
                 if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:
                     self.explored += 1
-                    self.last_explored = self.cycles
                     self.exploring_loss[b] += loss
-                    self.run = [b] * (self.EXPLORE_RUN - 1)
-                    self.trial = [b, 0, 0]
-                    return b
+                    return self._explore(b)
         return best
+
+    def _explore(self, block: int) -> int:
+        """Start an exploring run of ``block`` (EXPLORE_RUN cycles, more while
+        a drafting run from plain steps pays); returns it."""
+        self.last_explored = self.cycles
+        self.run = [block] * (self.EXPLORE_RUN - 1)
+        self.trial = [block, 0, 0]
+        return block
 
     def _seconds(self, block: int, times: dict[int, float]) -> float:
         """A cycle's time at ``block``: its median in ``times``
