@@ -89,7 +89,7 @@ class BlockChooser:
     PROBE_RUN = 4  # cycles in a row each size is probed first (the change and the first WARM_CYCLES untimed)
     WARM_CYCLES = 2  # a size's first timed cycles in a process, left out of its cost
     MAX_REPLY_GAP = 15  # the most replies started plainly between two that start with a drafting run (new_reply)
-    CLEAR_LOSS = 0.8  # a reply's drafting run at under this share of plain steps' rate failed (new_reply)
+    CLEAR_LOSS = 0.9  # a reply's drafting run at under this share of plain steps' rate failed (new_reply)
 
     STEP = 4  # candidate blocks: lo, hi and the multiples of STEP between
 
