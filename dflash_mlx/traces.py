@@ -70,16 +70,17 @@ _traces: dict[int, tuple[weakref.ref, Traces]] = {}
 
 def traces_for(target: DenseTarget, draft: DFlashDraft) -> Traces:
     """The traces kept for this pair (see Traces); forgotten with the drafter.
-    New weights also remake the target's fused layers, so an adapter kept
-    across them (``adapt`` returns one it is given) does not run old ones."""
+    Weights other than the last call's, or new since the adapter was made (a
+    cast after ``load``), also remake the target's fused layers, so an
+    adapter kept across them (``adapt`` returns one it is given) does not run
+    old ones (making them again from unchanged weights reuses what was made)."""
     draft.fused_projections()  # (fusing makes the layers' projections views: their weights after it)
     weights = _weights(target, draft)
     key = id(draft)
     entry = _traces.get(key)
     if entry is None or entry[0]() is not draft or not _same(entry[1].weights, weights):
-        if entry is not None and entry[0]() is draft:
-            target.make_blocks()
-            weights = _weights(target, draft)
+        target.make_blocks()
+        weights = _weights(target, draft)
         entry = (weakref.ref(draft, lambda _, key=key: _traces.pop(key, None)), Traces(weights))
         _traces[key] = entry
     return entry[1]

@@ -112,6 +112,25 @@ def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, mo
     assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == want
 
 
+@pytest.mark.parametrize("compile_graphs", [True, False])
+def test_weights_changed_before_the_first_call_are_the_ones_that_run(compile_graphs, monkeypatch):
+    """New weights (a cast, ``model.set_dtype`` after ``load``) between
+    making the adapter and its first decode: its fused layers, made with
+    the adapter, follow them (they used to keep the old products until a
+    second pair of weights came)."""
+    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+
+    monkeypatch.setattr(Cycle, "compile_graphs", compile_graphs)
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
+    model = make_target(tcfg, seed=43)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=44))
+    target = adapt(model)
+    model.update(make_target(tcfg, seed=45).parameters())
+    prompt = [1, 2, 3, 4]
+    assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == greedy_reference(model, prompt, 20)
+
+
 def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
     """A server meeting many sampling settings keeps the latest few."""
     from dflash_mlx.traces import Traces
