@@ -16,7 +16,7 @@ from dflash_mlx.prompts import read_prompts
 
 from .console import UserError, console, err, user_errors
 from .options import (
-    BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed,
+    Dtype, BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed,
     SystemPrompt, Temp, TopK, TopP, Verbose, check_args,
 )
 from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
@@ -76,6 +76,7 @@ def _short(text: str, n: int = 40) -> str:
 def bench_command(
     model: Model = None,
     draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
     prompts: Annotated[
         Optional[Path], typer.Option("--prompts", help="Prompts file: one per line, or JSONL.", show_default=False)
     ] = None,
@@ -115,7 +116,7 @@ def bench_command(
         from mlx_lm.sample_utils import make_sampler
 
         target_name = model_or_builtin(model)
-        target, draft, tokenizer = load_pair(target_name, draft_model)
+        target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
         if model is None or model == "builtin":
             target_name, draft_name = "builtin", draft_model or "builtin"

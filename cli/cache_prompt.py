@@ -14,7 +14,7 @@ from typing_extensions import Annotated
 
 from .console import UserError, console, note, user_errors
 from .options import (
-    AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, KvBits, KvGroupSize, Model, PrefillStepSize,
+    Dtype, AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, KvBits, KvGroupSize, Model, PrefillStepSize,
     QuantizedKvStart, SystemPrompt, TrustRemoteCode, Verbose, check_kv, flag_names, kv_cache, template_args,
 )
 from .pair import context_length, load_pair, model_or_builtin
@@ -86,6 +86,7 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
 def cache_prompt_command(
     model: Model = None,
     draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
     prompt: Annotated[
         Optional[str], typer.Option("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.", show_default=False)
     ] = None,
@@ -123,7 +124,7 @@ def cache_prompt_command(
 
         name = model_or_builtin(model)
         target, draft, tokenizer = load_pair(name, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code)
+                                             trust_remote_code=trust_remote_code, dtype=dtype)
         template = uses_template(tokenizer, ignore_chat_template)
         ids = prefix_ids(tokenizer, text, system_prompt, template, kwargs)
         limit = context_length(target)

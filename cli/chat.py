@@ -29,7 +29,7 @@ from dflash_mlx.prompts import apply_chat_template, encode
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
 from .options import (
-    AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate,
+    Dtype, AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate,
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
@@ -460,6 +460,7 @@ class ChatSession:
 def chat_command(
     model: Model = None,
     draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
     max_tokens: MaxTokens = 512,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -505,7 +506,7 @@ def chat_command(
             prefix, system_prompt = cached["prompt"], system_prompt or cached["system_prompt"]
             kwargs = kwargs or cached["template_kwargs"]
         target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code)
+                                             trust_remote_code=trust_remote_code, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
         add_eos_tokens(tokenizer, extra_eos_token)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)

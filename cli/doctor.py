@@ -124,15 +124,17 @@ def kernels(line) -> None:
 
 # Above this, 16 rows cost so many plain steps that no drafter can win.
 SLOW_ROWS = 4.0
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
 def products(line) -> None:
-    """How a 16-row matrix product costs against a 1-row one, per dtype: a
-    verify's cost against a plain step's. On a CPU whose BLAS does not
-    amortize rows (MLX's Linux wheel ships the reference BLAS), say what helps."""
+    """Which BLAS MLX's CPU products run on, and how a 16-row matrix product
+    costs against a 1-row one, per dtype: a verify's cost against a plain
+    step's. On a CPU whose BLAS does not amortize rows (MLX's Linux wheel
+    ships the reference BLAS), say what helps."""
+    from dflash_mlx import fast_blas
     from dflash_mlx.kernels import backend
 
+    line("BLAS", fast_blas.describe(), "" if fast_blas.active() or not sys.platform.startswith("linux") else "yellow")
     try:
         ratios = {name: product_scaling(name) for name in ("bfloat16", "float32")}
     except Exception as e:  # doctor reports, it does not crash
@@ -141,13 +143,18 @@ def products(line) -> None:
     slow = min(ratios.values()) > SLOW_ROWS
     line("16 rows / 1 row", ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + " (1024 x 1024)",
          "yellow" if slow else "")
-    if slow and backend() == "cpu":
+    if backend() != "cpu":
+        return
+    if slow:
         hint = ("a verify of 16 tokens costs many plain steps here, so DFlash runs slower than plain decoding "
                 "on this CPU; use a GPU (Apple silicon) for speed")
         if sys.platform.startswith("linux"):
-            hint += (f"; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian: libopenblas0) "
-                     f"and run with LD_PRELOAD={OPENBLAS} and float32 weights (mlx_lm.convert --dtype float32)")
+            hint += ("; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian/Ubuntu: "
+                     "apt-get install libopenblas0), which dflash_mlx then opens for MLX and computes in float32")
         line("hint", hint, "yellow")
+    elif fast_blas.active():
+        line("dtype", "auto: float32 on this CPU (its products reach the fast BLAS; --dtype bfloat16 keeps the "
+             "weights' own dtype)")
 
 
 def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:

@@ -13,7 +13,7 @@ from typing_extensions import Annotated
 from .cache_prompt import open_cache, read_cache_file
 from .console import err, note, user_errors
 from .options import (
-    AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate,
+    Dtype, AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate,
     MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP,
     TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args,
 )
@@ -43,6 +43,7 @@ Without --model the built-in pair runs; without --draft-model the drafter comes 
 def generate_command(
     model: Model = None,
     draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
     prompt: Annotated[
         Optional[str], typer.Option("--prompt", "-p", help="The prompt; '-' reads it from stdin.", show_default=False)
     ] = None,
@@ -93,7 +94,7 @@ def generate_command(
         from dflash_mlx import stream_generate
 
         target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code)
+                                             trust_remote_code=trust_remote_code, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, min_p=min_p,
                    prefill_step_size=prefill_step_size)
         add_eos_tokens(tokenizer, extra_eos_token)

@@ -35,6 +35,11 @@ AdapterPath = Annotated[
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Let the target's tokenizer run code from its repo.")
 ]
+Dtype = Annotated[
+    str,
+    typer.Option("--dtype", help="What the pair computes in: float32, bfloat16, float16, or auto: the weights' own dtype, "
+                 "except float32 on a CPU whose products run on OpenBLAS (faster there; see `dflash-mlx doctor`)."),
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate per reply.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]

@@ -27,7 +27,7 @@ def model_or_builtin(model: Optional[str]) -> str:
 
 
 def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optional[str] = None,
-              trust_remote_code: bool = False):
+              trust_remote_code: bool = False, dtype: str = "auto"):
     """(model, drafter, tokenizer) for --model (see ``model_or_builtin``) and
     --draft-model. dflash_mlx.load fetches the drafter and the target's config
     first, so a pair that cannot work fails before the target's weights are
@@ -40,7 +40,7 @@ def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optio
     with Progress(*columns, console=err, transient=True) as progress:
         progress.add_task(f"loading {model}", total=None)
         return loading.load(model, draft, tqdm_class=hub_progress_class(progress), adapter_path=adapter_path,
-                            trust_remote_code=trust_remote_code, flags=True)
+                            trust_remote_code=trust_remote_code, dtype=dtype, flags=True)
 
 
 def context_length(model) -> Optional[int]:

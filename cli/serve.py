@@ -12,7 +12,7 @@ from typing_extensions import Annotated
 
 from .console import UserError, note, user_errors
 from .options import (
-    BlockSize, ChatTemplateConfig, DraftModel, KvBits, KvGroupSize, MaxKvSize, MaxTokens, Model, PrefillStepSize,
+    Dtype, BlockSize, ChatTemplateConfig, DraftModel, KvBits, KvGroupSize, MaxKvSize, MaxTokens, Model, PrefillStepSize,
     QuantizedKvStart, Seed, Temp, TopK, TopP, Verbose, check_args, check_kv, flag_names, template_args,
 )
 from .pair import load_pair, model_or_builtin
@@ -48,6 +48,7 @@ def parse_size(text: Optional[str]) -> Optional[int]:
 def serve_command(
     model: Model = None,
     draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
     host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
     max_tokens: MaxTokens = 512,
@@ -93,7 +94,7 @@ def serve_command(
             prompt_cache_bytes=parse_size(prompt_cache_bytes), kv_bits=kv_bits, kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
         )
-        target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model)
+        target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, draft=draft)  # a block past the trained one
         try:
             app = create_app(target, draft, tokenizer, config)

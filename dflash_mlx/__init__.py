@@ -7,6 +7,12 @@
 
 from importlib import import_module
 
+from . import fast_blas
+
+# Before anything imports MLX: on Linux, MLX's CPU products then run on the
+# system's OpenBLAS where there is one (fast_blas.py).
+fast_blas.load()
+
 __version__ = "0.2.0"
 
 # Imported on first use, so that `dflash-mlx --help` does not wait for MLX,

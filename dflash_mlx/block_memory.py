@@ -22,10 +22,11 @@ foreign memory can cost speed for a few cycles, never correctness.
 
 The file: ``$DFLASH_MLX_HOME/auto/<key>.json`` (``DFLASH_MLX_HOME`` defaults to
 ``~/.cache/dflash-mlx``), the key a hash of the pair (both configs and a sample
-of both models' weights), the block range, and the machine (MLX's version,
-backend and device). ``DFLASH_MLX_AUTO_MEMORY=0`` turns it off. A file that
-cannot be read is ignored and written afresh; one that cannot be written is
-skipped: memory is an optimisation, never an error.
+of both models' weights), the dtype it computes in, the block range, and the
+machine (MLX's version, backend, device, and whether a fast BLAS is in use).
+``DFLASH_MLX_AUTO_MEMORY=0`` turns it off. A file that cannot be read is
+ignored and written afresh; one that cannot be written is skipped: memory is
+an optimisation, never an error.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from . import compute_dtype, fast_blas
 from .block_size import BlockChooser, chooser_for
 
 PRIOR_CYCLES = 64  # the most cycles of acceptance a remembered chooser starts with
@@ -89,7 +91,8 @@ def fingerprint(target, draft, lo: int, hi: int) -> str:
         "target": _config(getattr(target.model, "args", None)),
         "weights": [_sample(draft), _sample(target.model)],
         "range": [lo, hi],
-        "machine": [mx.__version__, str(device), name, platform.machine()],
+        "machine": [mx.__version__, str(device), name, platform.machine(), fast_blas.active()],
+        "dtype": str(compute_dtype.computing(target.model)),  # (costs differ by dtype on a CPU)
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import fast_blas
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
 from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
@@ -52,9 +53,12 @@ class Flight:
 
 
 class Cycle:
-    # Trace each block size once with mx.compile (see _run_compiled): None
-    # means on a GPU, where launching kernels is what a cycle's host time is
-    # spent on; the CPU builds its compiled kernels with a C++ compiler.
+    # Trace each block size once with mx.compile (see _run_compiled). None:
+    # where launching operations is what a cycle's time goes to, on a GPU
+    # and on a CPU whose products run on a fast BLAS (fused elementwise
+    # chains cut a CPU cycle by ~20%, BENCHMARKS.md); not on a CPU with the
+    # reference BLAS, where products dominate and compiling (a C++ compiler
+    # builds the CPU's fused kernels, ~8 s on first use) would not pay.
     compile_graphs: bool | None = None
     # Plain steps leave the drafter's context feed for later (see the module
     # docstring), where its caches are plain buffers.
@@ -64,7 +68,7 @@ class Cycle:
         self.target, self.draft, self.caches = target, draft, caches
         compiled = self.compile_graphs
         if compiled is None:
-            compiled = mx.default_device().type == mx.DeviceType.gpu
+            compiled = mx.default_device().type == mx.DeviceType.gpu or fast_blas.active()
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import compute_dtype
 from .draft import DFlashDraft
 from .draft2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
@@ -400,14 +401,18 @@ def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None
 
 
 def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False, tqdm_class=None,
-         adapter_path: str | Path | None = None, trust_remote_code: bool = False, flags: bool = False):
+         adapter_path: str | Path | None = None, trust_remote_code: bool = False, dtype: str = "auto",
+         flags: bool = False):
     """Load a target with mlx-lm and its DFlash drafter.
 
     ``draft`` defaults to the drafter the registry knows for the target.
     Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
     it, and mlx-lm's tokenizer wrapper. ``"builtin"`` names the small pair
     shipped in the package. ``adapter_path``: LoRA adapters for the target
-    (mlx-lm's); ``trust_remote_code``: for its tokenizer. ``tqdm_class``
+    (mlx-lm's); ``trust_remote_code``: for its tokenizer; ``dtype``: what the
+    pair computes in, ``"auto"`` (the weights' own, or float32 on a CPU with a
+    fast BLAS, see compute_dtype.py), ``"float32"``, ``"bfloat16"`` or
+    ``"float16"``. ``tqdm_class``
     draws the Hub download bars; ``flags``: errors name the command line's
     flags instead of the Python arguments."""
     if str(path_or_repo) == "builtin":
@@ -416,6 +421,9 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
         path_or_repo = builtin.TARGET
     if adapter_path is not None:
         check_adapter_path(adapter_path)
+    if dtype not in compute_dtype.CHOICES:
+        raise ValueError(f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
+                         f"{', '.join(compute_dtype.CHOICES[:-1])} or {compute_dtype.CHOICES[-1]}.")
     # The target's config and the drafter are checked before paying for the
     # target's weights; a local target before the registry, a Hub one after it
     # (no download for a target without a drafter).
@@ -433,5 +441,7 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
     drafter = load_draft(draft, tqdm_class=tqdm_class)
     model, tokenizer = load_target(path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path,
                                    trust_remote_code=trust_remote_code)
+    # (cast before the adapter fuses projections and checks kernels for the dtype)
+    compute_dtype.apply(model, drafter, dtype, evaluate=not lazy)
     drafter.bind(adapt(model))
     return model, drafter, tokenizer

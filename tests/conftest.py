@@ -6,6 +6,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # there is none): a wide one keeps long temporary paths (pytest-xdist's
 # popen-gwN folders) on one line, so what a test looks for is not cut.
 os.environ["COLUMNS"] = "240"
+# Tests run on MLX's own BLAS, whatever this machine has installed: a system
+# OpenBLAS (fast_blas.py) would change the CPU's dtype and compile defaults
+# under every test. Its own tests turn it on in fresh processes.
+os.environ["DFLASH_MLX_BLAS"] = "off"
 
 import pytest  # noqa: E402
 

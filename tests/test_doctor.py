@@ -69,7 +69,18 @@ def test_doctor_says_when_row_costs_rule_dflash_out(monkeypatch):
     out = run("--seconds", "0")
     assert "16 rows / 1 row        bfloat16 8.0x, float32 12.0x" in out
     assert "DFlash runs slower than plain decoding on this CPU" in out
-    assert "LD_PRELOAD=" in out and "reference BLAS" in out
+    assert "apt-get install libopenblas0" in out and "reference BLAS" in out
+    assert "BLAS                   MLX's own (DFLASH_MLX_BLAS=off)" in out
     monkeypatch.setattr(doctor, "product_scaling", lambda dtype: {"bfloat16": 8.0, "float32": 1.5}[dtype])
     out = run("--seconds", "0")
-    assert "float32 1.5x" in out and "hint" not in out
+    assert "float32 1.5x" in out and "hint" not in out and "dtype" not in out
+
+
+def test_doctor_names_the_blas_it_opened_and_the_dtype_that_follows(monkeypatch):
+    from dflash_mlx import fast_blas
+
+    monkeypatch.setattr(fast_blas, "loaded", "libopenblas.so.0")
+    monkeypatch.setattr(doctor, "product_scaling", lambda dtype: {"bfloat16": 7.0, "float32": 1.5}[dtype])
+    out = run("--seconds", "0")
+    assert "BLAS                   libopenblas.so.0 (opened by dflash_mlx for MLX's CPU products)" in out
+    assert "auto: float32 on this CPU" in out and "hint" not in out
