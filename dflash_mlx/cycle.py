@@ -28,6 +28,7 @@ on a GPU (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -57,8 +58,9 @@ class Cycle:
     # where launching operations is what a cycle's time goes to, on a GPU
     # and on a CPU whose products run on a fast BLAS (fused elementwise
     # chains cut a CPU cycle by ~20%, BENCHMARKS.md); not on a CPU with the
-    # reference BLAS, where products dominate and compiling (a C++ compiler
-    # builds the CPU's fused kernels, ~8 s on first use) would not pay.
+    # reference BLAS, where products dominate and compiling (MLX has g++
+    # build the CPU's fused kernels, ~8 s on first use) would not pay; nor
+    # where there is no g++ to build them.
     compile_graphs: bool | None = None
     # Plain steps leave the drafter's context feed for later (see the module
     # docstring), where its caches are plain buffers.
@@ -68,7 +70,8 @@ class Cycle:
         self.target, self.draft, self.caches = target, draft, caches
         compiled = self.compile_graphs
         if compiled is None:
-            compiled = mx.default_device().type == mx.DeviceType.gpu or fast_blas.active()
+            compiled = mx.default_device().type == mx.DeviceType.gpu or (
+                fast_blas.active() and shutil.which("g++") is not None)
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers

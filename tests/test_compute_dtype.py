@@ -2,6 +2,8 @@
 the CLI's --dtype, float32 on a CPU whose products run on a fast BLAS, and
 the compiled cycle that goes with it there."""
 
+import shutil
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -126,7 +128,10 @@ def test_a_cpu_with_a_fast_blas_compiles_its_cycles(bf16_pair, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert not compiled()
     monkeypatch.setattr(fast_blas, "loaded", "libopenblas.so.0")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     assert compiled()
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # MLX builds the CPU's fused kernels with g++
+    assert not compiled()
 
 
 def test_autos_memory_is_kept_apart_by_dtype(bf16_pair, reference):
