@@ -124,6 +124,9 @@ def main():
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
                          "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)")
+    ap.add_argument("--norm-rope", default="kernel",
+                    help="comma-separated, one table each (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
+                         "launch on a GPU where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -145,6 +148,21 @@ def main():
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
     print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
+    from dflash_mlx.kernels import norm_rope
+    from dflash_mlx.traces import forget_traces
+
+    checked_norm_rope = norm_rope.passed
+    rows = []
+    for norm in args.norm_rope.split(","):
+        norm_rope.passed = checked_norm_rope if norm == "kernel" else (lambda dtype, head_dim: None)
+        forget_traces(draft)  # (compiled cycles hold what they were traced with)
+        print(f"\nq/k norms and RoPE: {norm}")
+        rows += table(args, model, draft, tok, sets, blocks, temps, norm)
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+
+
+def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]:
     # Warm-up: first calls build kernels and graphs.
     warm = sets["code"][0]
     plain(model, tok, warm, 16, 0.0, 0)
@@ -170,7 +188,7 @@ def main():
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
-                    "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
+                    "norm_rope": norm, "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
                     "dflash_tps": tok_n / sec, "plain_tps": base_tok / base_s,
                     "cycles_by_block": dict(sorted(used.items(), reverse=True)),
                 }
@@ -179,8 +197,7 @@ def main():
                 blocks_used = " ".join(f"{k if k > 1 else 'plain'}:{v}" for k, v in row["cycles_by_block"].items())
                 print(f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
                       f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {blocks_used} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

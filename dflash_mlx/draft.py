@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .kernels.norm_rope import norm_rope
 from .kv_cache import BufferKVCache, positions_mask
 from .targets.attention import attention as cache_attention
 from .targets.attention import prepare as prepare_attention
@@ -345,8 +346,13 @@ class DraftAttention(nn.Module):
         ``fused``, the layer's FusedProjections, makes q/k/v one product."""
         B, L, _ = x.shape
         q, k, v = fused.qkv(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        queries = rope(self.q_norm(self._heads(q, self.n_heads)), offset=offset)
-        keys, values = self._keys(k, rope, offset), self._heads(v, self.n_kv_heads)
+        values = self._heads(v, self.n_kv_heads)
+        if cache is not None:  # (inference: one launch where that kernel checked out, kernels/norm_rope.py)
+            queries, keys = norm_rope(q.reshape(B, L, self.n_heads, -1), k.reshape(B, L, self.n_kv_heads, -1),
+                                      self.q_norm, self.k_norm, rope, offset)
+        else:
+            queries = rope(self.q_norm(self._heads(q, self.n_heads)), offset=offset)
+            keys = self._keys(k, rope, offset)
         if cache is not None:
             keys, values = cache.write(keys, values, cache.offset)
         elif ctx_keys is not None:

@@ -16,13 +16,15 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..kernels import dispatch
+from ..kernels import dispatch, norm_rope
 from ..kv_cache import BufferKVCache
 
 
 def prepare(dtype, head_dim: int, windows) -> None:
     """Check the kernel variants a target's layers will ask for (its dtype,
-    head dim, full and/or sliding layers), so that ``attention`` can use them."""
+    head dim, full and/or sliding layers), so that ``attention`` can use them,
+    and the q/k norm + RoPE kernel's (layers.dense_block, the drafter)."""
+    norm_rope.prepare(dtype, head_dim)
     where = dispatch.backend()
     if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
         return

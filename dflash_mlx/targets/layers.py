@@ -16,6 +16,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.norm_rope import norm_rope
 from .attention import attention
 
 
@@ -58,11 +59,17 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
         q, k, v = qkv(x)
         q = q.reshape(B, L, attn.n_heads, -1)
         k = k.reshape(B, L, attn.n_kv_heads, -1)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        rope = attn.rope
+        if q_norm is not None and cache is not None:
+            # normed and rotated in one launch where that kernel checked out (kernels/norm_rope.py)
+            q, k = norm_rope(q, k, q_norm, k_norm, rope, cache.offset)
+            rope = None
+        else:
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        out = attend(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
         h = h + attn.o_proj(out)
         return h + mlp(layer.post_attention_layernorm(h))
 

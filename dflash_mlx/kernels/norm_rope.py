@@ -1,0 +1,242 @@
+"""q/k RMS norms and RoPE in one kernel launch, for qwen3-shaped attention.
+
+A Qwen3 layer (and a DFlash drafter's) normalizes each head of its queries
+and keys (``q_norm``, ``k_norm``) and rotates them (RoPE) before attention.
+Through MLX's ops that is six launches in a verify: a copy each of q and k
+(views into the fused q/k/v product, whose rows ``rms_norm`` cannot read
+through strides), the two norms and the two rotations. A cycle at real model
+sizes is bound by the host launching kernels (~10 us each on MLX's CUDA
+backend, BENCHMARKS.md), so this kernel does the six in one: a warp per
+(token, head) row of q or k, read through the views' strides, written as the
+[B, heads, L, D] arrays attention reads.
+
+Its arithmetic is MLX's: the norm in float32, rounded to the dtype (as the
+norm's output is), then the rotation in float32 at MLX's frequencies (pair i,
+non-traditional: x_i with x_{i+D/2}, angle scale * position * 2^(-(i/(D/2)) *
+log2 base), with the cosine and sine MLX's own rope kernels take), rounded
+again. Sums and products in another order leave some elements one unit in
+the last place apart (bf16: the self-check's error is 6-9e-3 of the largest
+element on an H100), so on a GPU, as with fused products and the attention
+kernel, a near-tie between two greedy tokens can fall the other way from
+mlx-lm's own decoding (BENCHMARKS.md, session 12). Like the block-attention kernel (dispatch.py), a variant (backend,
+dtype, head dim) is used only after matching the ops path on random cases in
+this process, checked outside any compiled trace (``prepare``); on the CPU,
+for a rotation other than nn.RoPE's own (scaled variants, partial or
+traditional) and for variants that failed, the ops path runs.
+
+    q, k = norm_rope(q, k, q_norm, k_norm, rope, offset)   # q, k: [B, L, heads, D]
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .dispatch import CheckResult, TOLERANCE, backend
+from .kernel import _int1, make_factory
+from .ops import DTYPES, HEAD_DIMS
+from .source import HEADER
+
+INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
+OUTPUTS = ["q_out", "k_out"]
+WARPS = 4  # rows (warps) per threadgroup
+
+PRELUDE = {
+    "metal": """
+  const int gid = int(thread_position_in_grid.x);
+  const int lane = int(thread_index_in_simdgroup);
+#define NR_RSQRT metal::precise::rsqrt
+#define NR_EXP2 metal::exp2
+#define NR_COS metal::fast::cos
+#define NR_SIN metal::fast::sin
+""",
+    "cuda": """
+  const int gid = int(blockIdx.x * blockDim.x + threadIdx.x);
+  const int lane = int(threadIdx.x) & 31;
+#define NR_RSQRT rsqrtf
+#define NR_EXP2 exp2f
+#define NR_COS cosf
+#define NR_SIN sinf
+""",
+}
+
+# Template constants: T (dtype), D (head dim, a multiple of 64). params: eps,
+# the rotation's scale, log2 of its base. A warp per row; rows are the q rows
+# (b, l, h) then the k rows, and whole warps past the last row return.
+BODY = """
+  constexpr int DL = D / 32;
+  const int B = q_shape[0];
+  const int L = q_shape[1];
+  const int HQ = q_shape[2];
+  const int HK = k_shape[2];
+  int row = gid / 32;
+  const int q_rows = B * L * HQ;
+  if (row >= q_rows + B * L * HK) return;
+  const bool is_q = row < q_rows;
+  if (!is_q) row -= q_rows;
+  const int H = is_q ? HQ : HK;
+  const int h = row % H;
+  const int l = (row / H) % L;
+  const int b = row / (H * L);
+  const DEV T* src = is_q ? q + b * q_strides[0] + l * q_strides[1] + h * q_strides[2]
+                          : k + b * k_strides[0] + l * k_strides[1] + h * k_strides[2];
+  const idx_t step = is_q ? q_strides[3] : k_strides[3];
+  const DEV T* w = is_q ? q_weight : k_weight;
+  DEV T* dst = (is_q ? q_out : k_out) + (idx_t(b * H + h) * L + l) * D;
+
+  float x[DL];
+  float ss = 0.0f;
+  for (int j = 0; j < DL; ++j) {
+    x[j] = to_float(src[(lane + 32 * j) * step]);
+    ss += x[j] * x[j];
+  }
+  ss = simd_sum(ss);
+  const float inv = NR_RSQRT(ss / float(D) + params[0]);
+  for (int j = 0; j < DL; ++j) {
+    x[j] = to_float(from_float<T>(to_float(w[lane + 32 * j]) * (x[j] * inv)));
+  }
+  const float position = params[1] * float(offset[0] + l);
+  for (int j = 0; j < DL / 2; ++j) {
+    const int i = lane + 32 * j;
+    const float theta = position * NR_EXP2(-(float(i) / float(D / 2)) * params[2]);
+    const float c = NR_COS(theta);
+    const float s = NR_SIN(theta);
+    const float a = x[j];
+    const float z = x[j + DL / 2];
+    dst[i] = from_float<T>(a * c - z * s);
+    dst[i + D / 2] = from_float<T>(a * s + z * c);
+  }
+"""
+
+
+def source(backend_name: str) -> str:
+    return PRELUDE[backend_name] + BODY
+
+
+class NormRopeKernel:
+    """The kernel for one backend, compiled by MLX per (dtype, head dim)."""
+
+    def __init__(self, backend_name: str, factory=None):
+        factory = factory or make_factory(backend_name)
+        self.kernel = factory(name="dflash_norm_rope", input_names=INPUTS, output_names=OUTPUTS,
+                              source=source(backend_name), header=HEADER[backend_name], ensure_row_contiguous=False)
+        self._params: dict[tuple, mx.array] = {}
+
+    def __call__(self, q, k, q_weight, k_weight, *, eps: float, scale: float, base: float, offset):
+        B, L, HQ, D = q.shape
+        HK = k.shape[2]
+        key = (eps, scale, base)
+        params = self._params.get(key)
+        if params is None:
+            params = self._params[key] = mx.array([eps, scale, math.log2(base)], dtype=mx.float32)
+        rows = B * L * (HQ + HK)
+        group = WARPS * 32
+        q_out, k_out = self.kernel(
+            inputs=[q, k, q_weight, k_weight, _int1(offset), params],
+            template=[("T", q.dtype), ("D", D)],
+            grid=(-(-rows * 32 // group) * group, 1, 1),
+            threadgroup=(group, 1, 1),
+            output_shapes=[(B, HQ, L, D), (B, HK, L, D)],
+            output_dtypes=[q.dtype, q.dtype],
+        )
+        return q_out, k_out
+
+
+def ops_norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
+    """What MLX's own ops compute (and what a layer without the kernel runs):
+    q, k [B, L, heads, D] -> normed, transposed, rotated [B, heads, L, D]."""
+    q = q_norm(q).transpose(0, 2, 1, 3)
+    k = k_norm(k).transpose(0, 2, 1, 3)
+    return rope(q, offset=offset), rope(k, offset=offset)
+
+
+def plain_rope(rope, head_dim: int) -> bool:
+    """Whether ``rope`` is nn.RoPE's own rotation over the whole head (the
+    kernel's); mlx-lm's scaled variants are other classes."""
+    return type(rope) is nn.RoPE and not rope.traditional and rope.dims == head_dim
+
+
+BUILDERS = {"metal": NormRopeKernel, "cuda": NormRopeKernel}
+_kernels: dict[str, NormRopeKernel] = {}
+_checks: dict[tuple, CheckResult] = {}
+
+
+def reset() -> None:
+    _kernels.clear()
+    _checks.clear()
+
+
+def prepare(dtype, head_dim: int) -> None:
+    """Check this backend's variant for (dtype, head dim) once, so that
+    ``norm_rope`` may use it (inside compiled traces too)."""
+    where = backend()
+    if where == "cpu" or dtype not in DTYPES or head_dim not in HEAD_DIMS:
+        return
+    key = (where, dtype, head_dim)
+    if key not in _checks:
+        result = _checks[key] = self_check(where, dtype, head_dim)
+        if not result.ok:
+            warnings.warn(f"dflash_mlx: the {where} {result.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its self-check "
+                          f"({result.detail}); using MLX's rms_norm and rope for it instead.", RuntimeWarning,
+                          stacklevel=3)
+
+
+def passed(dtype, head_dim: int) -> NormRopeKernel | None:
+    """This backend's kernel if the variant passed its check; never checks."""
+    where = backend()
+    result = _checks.get((where, dtype, head_dim))
+    return _kernels.get(where) if result is not None and result.ok else None
+
+
+def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
+    """q, k [B, L, heads, D] (views are fine) -> normed, rotated [B, heads, L,
+    D] at positions offset.. (an int or an int32 array): the kernel where its
+    variant passed, else the ops path."""
+    d = q.shape[-1]
+    kernel = passed(q.dtype, d) if plain_rope(rope, d) and isinstance(q_norm, nn.RMSNorm) else None
+    if kernel is None or k.dtype != q.dtype or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype:
+        return ops_norm_rope(q, k, q_norm, k_norm, rope, offset)
+    return kernel(q, k, q_norm.weight, k_norm.weight, eps=q_norm.eps, scale=rope.scale, base=rope.base,
+                  offset=offset)
+
+
+def self_check(where: str, dtype, head_dim: int) -> CheckResult:
+    """The kernel against the ops path on verify-like views (rows of a fused
+    q/k/v product, an array offset) and a drafter-like int offset."""
+    name = str(dtype).split(".")[-1]
+    try:
+        kernel = _kernels.get(where)
+        if kernel is None:
+            kernel = _kernels[where] = BUILDERS[where](where)
+        worst = 0.0
+        for q, k, qn, kn, rope, offset in _check_cases(dtype, head_dim):
+            got = kernel(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset)
+            want = ops_norm_rope(q, k, qn, kn, rope, offset)
+            for g, w in zip(got, want):
+                if g.shape != w.shape:
+                    return CheckResult(where, name, head_dim, False, False, f"output shape {g.shape} != {w.shape}")
+                g, w = g.astype(mx.float32), w.astype(mx.float32)
+                err = (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-6)).item()
+                worst = max(worst, err if err == err else float("inf"))
+        ok = worst <= TOLERANCE[dtype]
+        detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
+        return CheckResult(where, name, head_dim, False, ok, detail)
+    except Exception as e:  # a build or launch error: the kernel is not used
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CheckResult(where, name, head_dim, False, False, f"{type(e).__name__}: {msg[:200]}")
+
+
+def _check_cases(dtype, head_dim: int):
+    kx, kq, kk = mx.random.split(mx.random.key(head_dim + 7), 3)
+    hq, hk, n = 4, 2, 5
+    fused = mx.random.normal((1, n, (hq + 2 * hk) * head_dim), key=kx).astype(dtype)
+    k, _, q = mx.split(fused, [hk * head_dim, 2 * hk * head_dim], axis=-1)
+    q, k = q.reshape(1, n, hq, head_dim), k.reshape(1, n, hk, head_dim)
+    qn, kn = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-6)
+    qn.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=kq)).astype(dtype)
+    kn.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=kk)).astype(dtype)
+    yield q, k, qn, kn, nn.RoPE(head_dim, base=1_000_000.0), mx.array(4000, mx.int32)
+    yield mx.contiguous(q), mx.contiguous(k), qn, kn, nn.RoPE(head_dim, base=10_000.0, scale=0.5), 17

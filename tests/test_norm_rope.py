@@ -1,0 +1,188 @@
+"""The q/k norm + RoPE kernel (kernels/norm_rope.py): its arithmetic, written
+out in numpy, against MLX's ops; dispatch on a pretend GPU (a kernel that
+checks out is used by the layers, one that does not never is); rotations it
+does not do; the two dialects from one body."""
+
+import math
+import re
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx.kernels import norm_rope as nr
+from dflash_mlx.kernels.dispatch import TOLERANCE
+from dflash_mlx.kernels.source import HEADER
+
+
+def kernel_arithmetic(q, k, q_weight, k_weight, *, eps, scale, base, offset):
+    """What BODY computes, row by row: the norm in float32 rounded to the
+    dtype, then the rotation of pair (i, i + D/2) by scale * position *
+    2^(-(i / (D/2)) * log2(base)), rounded again; [B, heads, L, D] out."""
+    dtype = q.dtype
+    start = int(np.array(offset).reshape(()))
+
+    def one(x, w):
+        x = np.array(x.astype(mx.float32), dtype=np.float32)
+        w = np.array(w.astype(mx.float32), dtype=np.float32)
+        D = x.shape[-1]
+        inv = 1.0 / np.sqrt((x * x).sum(-1, keepdims=True) / np.float32(D) + np.float32(eps))
+        y = np.array(mx.array(w * (x * inv)).astype(dtype).astype(mx.float32))
+        half = D // 2
+        position = np.float32(scale) * (start + np.arange(x.shape[1], dtype=np.float32))
+        theta = position[:, None] * np.exp2(-(np.arange(half, dtype=np.float32) / half) * np.float32(math.log2(base)))
+        c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
+        a, z = y[..., :half], y[..., half:]
+        out = np.concatenate([a * c - z * s, a * s + z * c], axis=-1)
+        return mx.array(out).astype(dtype).transpose(0, 2, 1, 3)
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+class Recorder:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kw):
+        self.calls += 1
+        return self.fn(*args, **kw)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """norm_rope as if MLX ran on a GPU backend named 'fake' with a kernel of our choosing."""
+    nr.reset()
+    monkeypatch.setattr(nr, "backend", lambda: "fake")
+
+    def install(kernel):
+        monkeypatch.setitem(nr.BUILDERS, "fake", lambda where: kernel)
+
+    yield install
+    nr.reset()
+
+
+def rel_err(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_kernels_arithmetic_is_mlxs_norm_then_rope(dtype, head_dim):
+    for q, k, qn, kn, rope, offset in nr._check_cases(dtype, head_dim):
+        got = kernel_arithmetic(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset)
+        want = nr.ops_norm_rope(q, k, qn, kn, rope, offset)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            # (float32: angles near 4,000 radians carry ~1e-4 of rounding, which differs with how the
+            # frequencies are computed; a wrong pairing or frequency is off by O(1))
+            assert rel_err(g, w) <= (1e-3 if dtype == mx.float32 else TOLERANCE[dtype])
+
+
+def tiny_qwen3_layer(dtype=mx.float32):
+    from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
+
+    args = ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=32,
+                     max_position_embeddings=512, rope_theta=1_000_000.0, head_dim=64, tie_word_embeddings=True)
+    mx.random.seed(5)
+    layer = TransformerBlock(args)
+    layer.set_dtype(dtype)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def run_layer(layer, h, offset: int):
+    from dflash_mlx.kv_cache import BufferKVCache
+    from dflash_mlx.targets.fused import block
+
+    cache = BufferKVCache()
+    cache.set_length(offset)
+    cache.write(mx.zeros((1, 2, offset, 64), h.dtype), mx.zeros((1, 2, offset, 64), h.dtype), 0)
+    cache.set_length(mx.array(offset, mx.int32), offset)
+    return block(layer)(h, cache.make_mask(h.shape[1]), cache)
+
+
+def test_a_kernel_that_checks_out_is_what_a_qwen3_layer_runs(fake_gpu):
+    layer = tiny_qwen3_layer()
+    h = mx.random.normal((1, 5, 128), key=mx.random.key(1))
+    want = run_layer(layer, h, 40)  # (the CPU: the ops path)
+    good = Recorder(kernel_arithmetic)
+    fake_gpu(good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nr.prepare(mx.float32, 64)
+        checked = good.calls
+        got = run_layer(layer, h, 40)
+    assert checked == len(list(nr._check_cases(mx.float32, 64))) and good.calls == checked + 1
+    assert rel_err(got, want) < 1e-5
+    (result,) = nr._checks.values()
+    assert result.ok
+
+
+def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
+    def swapped(q, k, qw, kw, **kwargs):  # the pairs rotated the wrong way
+        qo, ko = kernel_arithmetic(q, k, qw, kw, **kwargs)
+        return -qo, ko
+
+    wrong = Recorder(swapped)
+    fake_gpu(wrong)
+    with pytest.warns(RuntimeWarning, match=r"fake float32 head_dim=64 q/k norm \+ RoPE kernel failed its self-check"):
+        nr.prepare(mx.float32, 64)
+    layer = tiny_qwen3_layer()
+    h = mx.random.normal((1, 5, 128), key=mx.random.key(1))
+    calls = wrong.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nr.prepare(mx.float32, 64)  # checked once
+        got = run_layer(layer, h, 40)
+    assert wrong.calls == calls
+    nr.reset()
+    assert mx.array_equal(got, run_layer(layer, h, 40))
+
+
+def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatch):
+    def broken(where):
+        raise RuntimeError("Failed to compile kernel: error: expected ';'")
+
+    nr.reset()
+    monkeypatch.setitem(nr.BUILDERS, "fake", broken)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: Failed to compile kernel"):
+        nr.prepare(mx.bfloat16, 128)
+    assert nr.passed(mx.bfloat16, 128) is None
+
+
+@pytest.mark.parametrize("rope", [nn.RoPE(64, traditional=True), nn.RoPE(32), "llama3"])
+def test_rotations_the_kernel_does_not_do_take_the_ops_path(fake_gpu, rope):
+    if rope == "llama3":
+        from mlx_lm.models.rope_utils import initialize_rope
+
+        rope = initialize_rope(64, 500_000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192}, 131072)
+    good = Recorder(kernel_arithmetic)
+    fake_gpu(good)
+    nr.prepare(mx.float32, 64)
+    calls = good.calls
+    q, k, qn, kn, _, offset = next(nr._check_cases(mx.float32, 64))
+    got = nr.norm_rope(q, k, qn, kn, rope, offset)
+    assert good.calls == calls
+    for g, w in zip(got, nr.ops_norm_rope(q, k, qn, kn, rope, offset)):
+        assert mx.array_equal(g, w)
+
+
+def test_both_dialects_come_from_one_body():
+    calls = []
+    for where in ("metal", "cuda"):
+        nr.NormRopeKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
+    metal, cuda = calls
+    assert metal["name"] == cuda["name"] and metal["input_names"] == cuda["input_names"] == nr.INPUTS
+    assert metal["source"].replace(nr.PRELUDE["metal"], "") == cuda["source"].replace(nr.PRELUDE["cuda"], "") == nr.BODY
+    assert metal["ensure_row_contiguous"] is False and "q_strides" in nr.BODY and "k_strides" in nr.BODY
+    used = set(re.findall(r"\b(to_float|from_float|simd_sum|DEV|idx_t|NR_\w+)\b", nr.BODY))
+    for where, builtin in (("metal", {"simd_sum"}), ("cuda", set())):
+        defined = HEADER[where] + nr.PRELUDE[where]
+        missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|typedef .* {n};|\b{n}\s*\(|\b{n}\s*<)", defined)]
+        assert not missing, (where, missing)
