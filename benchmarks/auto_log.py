@@ -27,9 +27,11 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--plain-between", action="store_true",
+                    help="decode each prompt with plain mlx-lm first, as bench_builtin.py does")
     args = ap.parse_args()
 
-    from bench_builtin import PROMPTS, machine, prompt_sets
+    from bench_builtin import PROMPTS, machine, plain, prompt_sets
     from dflash_mlx import block_size, load, stream_generate
 
     model, draft, tok = load(args.model, draft=args.draft)
@@ -55,6 +57,8 @@ def main():
     print(f"machine: {machine()}")
     for name in args.sets.split(","):
         for i, prompt in enumerate(sets[name]):
+            if args.plain_between:
+                plain(model, tok, prompt, args.max_tokens, 0.0, 0)
             for r in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens, block_size="auto"):
                 pass
             print(f"{name} {i}: {r.generation_tps:.0f} tok/s, cycles by block {r.block_sizes}", flush=True)
