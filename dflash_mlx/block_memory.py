@@ -14,10 +14,7 @@ pair starts from it:
 - the acceptance counts by draft position, scaled down to at most
   PRIOR_CYCLES cycles so that the new text soon outweighs the old;
 - each block size's median cycle time, as one measurement the new ones
-  outvote after two cycles (costs move with the context and the machine's load),
-  and scaled, for the sizes not timed yet, by how this process's first
-  timed size compares with its remembered time (a GPU's host runs up to 2x
-  faster or slower from one process to the next);
+  outvote after two cycles (costs move with the context and the machine's load);
 - sizes with a remembered time are not probed again.
 
 Which block runs never changes the output (sampling.py), so a stale or

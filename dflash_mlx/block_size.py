@@ -123,7 +123,6 @@ class BlockChooser:
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
-        self.remembered: dict[int, float] = {}  # restored times not yet set against this process's (restore)
 
     def state(self) -> dict:
         """What a later process's chooser may start from (restore)."""
@@ -154,25 +153,7 @@ class BlockChooser:
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
-        self.remembered = dict(seconds)
         return True
-
-    def _follow_host(self, block: int, ts: list) -> None:
-        """As this process times a remembered size (its first three times),
-        scale the remembered times of the sizes it has not timed yet by how
-        much slower or faster it runs here: a GPU's host varies up to 2x from
-        one process to the next, and a short block's time from a faster
-        process made the cost line slope (the chooser ran 12 and 8 where 16
-        is best)."""
-        if block not in self.remembered:
-            return
-        own = [t for k, t in ts if k > 0]
-        factor = median(own) / self.remembered[block]
-        for b, t in self.remembered.items():
-            if b != block and len(self.times.get(b, ())) == 1 and self.times[b][0][0] == 0:
-                self.times[b] = [(0, t * factor)]
-        if len(own) >= 3:
-            self.remembered = {}
 
     def record(self, block: int, accepted: int, seconds: float | None) -> None:
         """One verify cycle at ``block`` accepted ``accepted`` drafts in ``seconds``."""
@@ -208,8 +189,6 @@ class BlockChooser:
             return  # a one-off build (a grown cache's new shapes, a trace), not the size's cost
         ts.append((self.cycles, seconds))
         del ts[:-32]
-        if self.remembered:
-            self._follow_host(block, ts)
 
     def expected_tokens(self, block: int) -> float:
         total, s, prior = 1.0, 1.0, 0.5

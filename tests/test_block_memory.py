@@ -153,37 +153,3 @@ def test_keys_tell_pairs_ranges_and_weights_apart(agreeing_pair):
     other = make_draft(dcfg, random_draft_weights(dcfg, seed=23))  # same shapes, other weights
     assert key != block_memory.fingerprint(target, other, 4, 16)
     mx.eval(other.parameters())
-
-
-def test_remembered_times_follow_this_processs_host_speed():
-    """A process whose host runs 1.6x slower than the last one's (an H100's
-    host varies that much from one process to the next): once it has timed
-    the size it decodes with, the sizes it has not timed yet are scaled
-    alike. A short block's time remembered from the faster process made the
-    cost line slope, and the chooser ran blocks of 12 and 8 for tens of cycles
-    on a GPU, where 16 is best (BENCHMARKS.md, session 12)."""
-
-    def h100(b):
-        return 0.0013 if b == 1 else 0.0028
-
-    rng = random.Random(5)
-
-    def run(chooser, seconds, cycles):
-        used = []
-        for _ in range(cycles):
-            b = chooser.choose()
-            accepted = 0
-            while accepted < b - 1 and rng.random() < 0.75:
-                accepted += 1
-            chooser.record(b, accepted, seconds(b))
-            used.append(b)
-        return used
-
-    first = BlockChooser(4, 16)
-    run(first, h100, 300)
-    restored = BlockChooser(4, 16)
-    assert restored.restore(json.loads(json.dumps(first.state())), block_memory.PRIOR_CYCLES)
-    used = run(restored, lambda b: 1.6 * h100(b), 120)
-    assert used.count(16) >= 0.9 * len(used), used
-    times = restored._median_times()
-    assert abs(times[4] / times[16] - 1) < 0.05  # 4 scaled with 16, not left at the faster process's time
