@@ -39,8 +39,13 @@ def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optio
     columns = (SpinnerColumn(), TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         progress.add_task(f"loading {model}", total=None)
-        return loading.load(model, draft, tqdm_class=hub_progress_class(progress), adapter_path=adapter_path,
+        pair = loading.load(model, draft, tqdm_class=hub_progress_class(progress), adapter_path=adapter_path,
                             trust_remote_code=trust_remote_code, dtype=dtype, flags=True)
+    from dflash_mlx import compute_dtype
+
+    if dtype == "auto" and compute_dtype.on_fast_blas(pair[0]):
+        note("computing in float32: this CPU's matrix products run on OpenBLAS (--dtype bfloat16 keeps the weights' own dtype)")
+    return pair
 
 
 def context_length(model) -> Optional[int]:

@@ -69,6 +69,13 @@ def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: boo
     return computing(model)
 
 
+def on_fast_blas(model: nn.Module) -> bool:
+    """Whether ``model`` computes in float32 on a CPU whose products run on a
+    fast BLAS (what ``auto`` picks there)."""
+    cpu = mx.default_device().type == mx.DeviceType.cpu
+    return cpu and fast_blas.active() and computing(model) == mx.float32
+
+
 def computing(model: nn.Module) -> mx.Dtype:
     """The dtype of the target's products: its first floating weight's."""
     return next(a.dtype for a in _floating(model))

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from . import compute_dtype
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache
 from .kv_cache_quantized import QuantizedBufferKVCache
@@ -56,6 +57,10 @@ def _module_digest(h, module) -> None:
     for (name, a), s in zip(leaves, samples):
         h.update(f"{name}:{a.shape}:{a.dtype};".encode())
         h.update(np.array(s.astype(mx.float32) if s.dtype == mx.bfloat16 else s).tobytes())
+
+
+def _dtype(model) -> str:
+    return str(compute_dtype.computing(model)).removeprefix("mlx.core.")
 
 
 def pair_fingerprint(model, draft: DFlashDraft) -> str:
@@ -117,7 +122,8 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
                     arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
-                fingerprint=pair_fingerprint(cache.model, cache.draft_model), **_kv_meta(*kv_settings(cache)))
+                fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=_dtype(cache.model),
+                **_kv_meta(*kv_settings(cache)))
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
     mx.save_safetensors(str(tmp), arrays, metadata=meta)
@@ -195,6 +201,12 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
     cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
     _attention_caches(cache)
     if meta.get("fingerprint") != pair_fingerprint(model, draft):
+        if meta.get("dtype", _dtype(model)) != _dtype(model):  # (compute_dtype.py: the same weights, another dtype)
+            raise ValueError(
+                f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
+                f"{_dtype(model)}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
+                "to read the file, or make the prompt cache again."
+            )
         made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
         raise ValueError(
             f"{path} was made for another model pair{f' ({made})' if made else ''}; "

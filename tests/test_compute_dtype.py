@@ -117,6 +117,20 @@ def test_the_cli_decodes_in_the_dtype_it_is_given(bf16_pair, reference):
         assert result.stdout.strip() == want.strip(), dtype
 
 
+def test_the_cli_says_when_auto_computes_in_float32(bf16_pair, fast):
+    target, draft_dir = bf16_pair
+
+    def cli(*args):
+        return CliRunner().invoke(app, ["generate", "--model", target, "--draft-model", draft_dir, "--ignore-chat-template",
+                                        "-p", "w3 w1", "-m", "4", *args], prog_name="dflash-mlx", env={"COLUMNS": "200"})
+
+    said = "computing in float32: this CPU's matrix products run on OpenBLAS"
+    result = cli()
+    assert result.exit_code == 0 and said in result.stderr, result.output
+    result = cli("--dtype", "bfloat16")
+    assert result.exit_code == 0 and said not in result.stderr, result.output
+
+
 def test_a_cpu_with_a_fast_blas_compiles_its_cycles(bf16_pair, monkeypatch):
     model, draft, _ = load(*bf16_pair, dtype="float32")
     monkeypatch.setattr(Cycle, "compile_graphs", None)

@@ -65,3 +65,26 @@ def test_a_file_for_another_pair_or_not_a_cache_is_refused(agreeing_pair, tmp_pa
         load_prompt_cache(tmp_path / "junk.safetensors", model, draft)
     with pytest.raises(ValueError, match="empty"):
         save_prompt_cache(tmp_path / "e.safetensors", make_prompt_cache(model, draft))
+
+
+def test_a_file_made_in_another_dtype_names_the_dtype_to_read_it_with(tmp_path):
+    """The same pair computing in another dtype (--dtype auto takes float32
+    on a CPU with OpenBLAS) reads other keys and values: the refusal says
+    which dtype the file was made in, and how to load the pair in it."""
+    tcfg = target_config("qwen3", vocab=VOCAB, layers=3)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    weights = random_draft_weights(dcfg, seed=3)
+    pairs = {}
+    for dtype in (mx.bfloat16, mx.float32):
+        model, draft = make_target(tcfg, seed=4), make_draft(dcfg, weights)
+        for m in (model, draft):
+            m.set_dtype(dtype)
+        pairs[dtype] = (model, draft)
+    path = tmp_path / "bf16.safetensors"
+    save_prompt_cache(path, cached_prefix(pairs[mx.bfloat16], [1, 2, 3, 4]))
+    assert read_metadata(path)["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match=r"made with the pair computing in bfloat16, and this one computes in "
+                                         r"float32; load it with --dtype bfloat16"):
+        load_prompt_cache(path, *pairs[mx.float32])
+    cache, _ = load_prompt_cache(path, *pairs[mx.bfloat16])
+    assert cache.tokens == [1, 2, 3, 4]
