@@ -153,8 +153,8 @@ def products(line) -> None:
                      "apt-get install libopenblas0), which dflash_mlx then opens for MLX and computes in float32")
         line("hint", hint, "yellow")
     elif fast_blas.active():
-        line("dtype", "auto: float32 on this CPU (its products reach the fast BLAS; --dtype bfloat16 keeps the "
-             "weights' own dtype)")
+        line("dtype", "auto: float32 on this CPU (its products reach the fast BLAS; --dtype with the checkpoint's "
+             "own dtype, e.g. bfloat16, computes in that instead)")
 
 
 def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:

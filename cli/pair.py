@@ -44,7 +44,8 @@ def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optio
     from dflash_mlx import compute_dtype
 
     if dtype == "auto" and compute_dtype.on_fast_blas(pair[0]):
-        note("computing in float32: this CPU's matrix products run on OpenBLAS (--dtype bfloat16 keeps the weights' own dtype)")
+        note("computing in float32: this CPU's matrix products run on OpenBLAS (--dtype with the checkpoint's own "
+             "dtype, e.g. bfloat16, computes in that instead)")
     return pair
 
 

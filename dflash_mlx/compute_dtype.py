@@ -35,10 +35,16 @@ def quantized(module: nn.Module) -> bool:
 
 
 def memory_bytes() -> int | None:
+    """The machine's memory, or a container's limit (cgroup v2) where lower."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        return min(total, int(limit)) if limit.isdigit() else total
+    except (OSError, ValueError):
+        return total
 
 
 def auto(model: nn.Module, draft: nn.Module) -> mx.Dtype | None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import fast_blas
+from . import compute_dtype
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
 from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
@@ -71,7 +71,7 @@ class Cycle:
         compiled = self.compile_graphs
         if compiled is None:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
-                fast_blas.active() and shutil.which("g++") is not None)
+                compute_dtype.on_fast_blas(target.model) and shutil.which("g++") is not None)
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers

@@ -15,7 +15,6 @@ library to open instead, or ``off``.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 
@@ -40,6 +39,11 @@ def load() -> str | None:
     elif "mlx.core" in sys.modules:
         why_not = "mlx was imported before dflash_mlx; import dflash_mlx first"
     else:
+        try:
+            import ctypes
+        except ImportError:  # a Python built without ctypes: MLX's own BLAS, never an import error
+            why_not = "this Python has no ctypes"
+            return None
         names = (setting,) if setting else OPENBLAS
         for name in names:
             try:

@@ -48,14 +48,19 @@ def _config_dict(obj) -> dict:
     return dict(vars(obj))
 
 
-def _module_digest(h, module) -> None:
+def _module_digest(h, module, dtypes: bool = True) -> None:
     """Names, shapes, dtypes and the first values of every parameter: two
-    different checkpoints (or adapters, or quantizations) differ here."""
+    different checkpoints (or adapters, or quantizations) differ here.
+    ``dtypes=False``: the same weights in another float dtype (a cast of
+    them, compute_dtype.py) digest alike: dtypes left out, float values
+    rounded to bfloat16."""
     leaves = tree_flatten(module.parameters())
     samples = [a.reshape(-1)[:16] for _, a in leaves]
+    if not dtypes:
+        samples = [s.astype(mx.bfloat16) if mx.issubdtype(s.dtype, mx.floating) else s for s in samples]
     mx.eval(samples)
     for (name, a), s in zip(leaves, samples):
-        h.update(f"{name}:{a.shape}:{a.dtype};".encode())
+        h.update(f"{name}:{a.shape}:{a.dtype if dtypes or not mx.issubdtype(a.dtype, mx.floating) else 'float'};".encode())
         h.update(np.array(s.astype(mx.float32) if s.dtype == mx.bfloat16 else s).tobytes())
 
 
@@ -63,14 +68,15 @@ def _dtype(model) -> str:
     return str(compute_dtype.computing(model)).removeprefix("mlx.core.")
 
 
-def pair_fingerprint(model, draft: DFlashDraft) -> str:
-    """A digest of the target's and the drafter's configs and weights."""
+def pair_fingerprint(model, draft: DFlashDraft, dtypes: bool = True) -> str:
+    """A digest of the target's and the drafter's configs and weights
+    (``dtypes=False``: whatever float dtype they compute in, _module_digest)."""
     target = adapt(model)
     h = hashlib.sha256()
     h.update(json.dumps(_config_dict(target.model.args), sort_keys=True, default=str).encode())
     h.update(json.dumps(_config_dict(draft.config), sort_keys=True, default=str).encode())
-    _module_digest(h, target.model)
-    _module_digest(h, draft)
+    _module_digest(h, target.model, dtypes)
+    _module_digest(h, draft, dtypes)
     return h.hexdigest()
 
 
@@ -123,6 +129,7 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
                 fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=_dtype(cache.model),
+                weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
                 **_kv_meta(*kv_settings(cache)))
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
@@ -201,16 +208,19 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
     cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
     _attention_caches(cache)
     if meta.get("fingerprint") != pair_fingerprint(model, draft):
-        if meta.get("dtype", _dtype(model)) != _dtype(model):  # (compute_dtype.py: the same weights, another dtype)
+        same_weights = meta.get("weights") == pair_fingerprint(model, draft, dtypes=False)
+        if same_weights and meta.get("dtype", _dtype(model)) != _dtype(model):  # (the same pair cast: compute_dtype.py)
             raise ValueError(
                 f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
                 f"{_dtype(model)}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
                 "to read the file, or make the prompt cache again."
             )
         made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
+        older = ("" if "dtype" in meta or not compute_dtype.on_fast_blas(model) else
+                 " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)")
         raise ValueError(
             f"{path} was made for another model pair{f' ({made})' if made else ''}; "
-            "make a prompt cache for this pair with `dflash-mlx cache-prompt`."
+            f"make a prompt cache for this pair with `dflash-mlx cache-prompt`{older}."
         )
     made = (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"])) if "kv_bits" in meta \
         else (None, None, None)

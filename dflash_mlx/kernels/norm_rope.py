@@ -43,6 +43,7 @@ from .source import HEADER
 INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
 OUTPUTS = ["q_out", "k_out"]
 WARPS = 4  # rows (warps) per threadgroup
+VERSION = 1  # of BODY and its inputs: a change must bump it
 
 PRELUDE = {
     "metal": """
@@ -121,7 +122,8 @@ class NormRopeKernel:
 
     def __init__(self, backend_name: str, factory=None):
         factory = factory or make_factory(backend_name)
-        self.kernel = factory(name="dflash_norm_rope", input_names=INPUTS, output_names=OUTPUTS,
+        # (the version in the name: MLX caches built kernels on disk by name, not by source)
+        self.kernel = factory(name=f"dflash_norm_rope_v{VERSION}", input_names=INPUTS, output_names=OUTPUTS,
                               source=source(backend_name), header=HEADER[backend_name], ensure_row_contiguous=False)
         self._params: dict[tuple, mx.array] = {}
 
