@@ -56,11 +56,11 @@ class Flight:
 class Cycle:
     # Trace each block size once with mx.compile (see _run_compiled). None:
     # where launching operations is what a cycle's time goes to, on a GPU
-    # and on a CPU whose products run on a fast BLAS (fused elementwise
-    # chains cut a CPU cycle by ~20%, BENCHMARKS.md); not on a CPU with the
-    # reference BLAS, where products dominate and compiling (MLX has g++
-    # build the CPU's fused kernels, ~8 s on first use) would not pay; nor
-    # where there is no g++ to build them.
+    # and on a CPU computing in float32 on a fast BLAS (fused elementwise
+    # chains cut a CPU cycle by ~20%, BENCHMARKS.md); not where a CPU's
+    # products take the reference BLAS or MLX's own loops (bfloat16), which
+    # dominate, so compiling (MLX has g++ build the CPU's fused kernels, ~8 s
+    # on first use) would not pay; nor where there is no g++ to build them.
     compile_graphs: bool | None = None
     # Plain steps leave the drafter's context feed for later (see the module
     # docstring), where its caches are plain buffers.
