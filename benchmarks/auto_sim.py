@@ -40,6 +40,12 @@ class Scenario:
     noise: float = 0.0  # each cycle's time times exp(N(0, noise)): the host's jitter
     drift: float = 0.0  # and times a factor whose log walks N(0, drift) a cycle (kept within +-0.5)
     reply: int = 0  # cycles per reply (the chooser told of each new one), 0: one long text
+    # a new process at this cycle (0: none), starting from what the first one
+    # learned (block_memory.py), on a host this much slower (an H100's varies
+    # up to 2x from one process to the next)
+    restart: int = 0
+    slower: float = 1.0
+    cold: float = 1.0  # each reply's first 3 cycles cost this much more (the host ran other work in between)
 
 
 def gpu(b: int) -> float:
@@ -78,6 +84,12 @@ SCENARIOS = [
              0.004, reply=30),
     Scenario("GPU, replies of 30 cycles, nothing accepted", gpu, lambda i: 0.0, 0.004, reply=30),
     Scenario("GPU, plain best by ~17%, changes 10 ms", gpu, lambda i: 0.3, 0.010),
+    Scenario("GPU, replies, next process 1.6x slower host", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
+             restart=1500, slower=1.6),
+    Scenario("GPU, replies, next process 1.6x faster host", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
+             restart=1500, slower=1 / 1.6),
+    Scenario("GPU, replies after other work, cold starts", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
+             restart=1500, slower=1.3, cold=2.0),
     Scenario("CPU, no block pays", cpu, lambda i: 0.6, 0.0005),
     Scenario("CPU, replies of 30 cycles, no block pays", cpu, lambda i: 0.6, 0.0005, reply=30),
     Scenario("CPU, replies of 30 cycles, block 4 at 0.75x plain", cpu_near, lambda i: 0.72, 0.0005, reply=30),
@@ -91,14 +103,20 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     tokens the chooser committed after the first tenth of the cycles, as a
     share of the time the chooser took for them (1.0: as fast as an oracle
     that knows the acceptance), and the choices it made."""
+    from dflash_mlx.block_memory import PRIOR_CYCLES
+
     chooser = BlockChooser(4, 16)
     rng = random.Random(seed)
+    speed = 1.0
     ideal = spent = 0.0
     used: Counter = Counter()
     last = None
     level = 0.0  # the drift's log factor
     start = cycles // 10
     for i in range(cycles):
+        if scenario.restart and i == scenario.restart:
+            state, chooser, speed, last = chooser.state(), BlockChooser(4, 16), scenario.slower, None
+            chooser.restore(state, PRIOR_CYCLES)
         if scenario.reply and i % scenario.reply == 0 and hasattr(chooser, "new_reply"):
             chooser.new_reply()
         b = chooser.choose()
@@ -107,7 +125,9 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
         while accepted < b - 1 and rng.random() < p:
             accepted += 1
         level = max(-0.5, min(0.5, level + rng.gauss(0.0, scenario.drift))) if scenario.drift else 0.0
-        jitter = math.exp(level + (rng.gauss(0.0, scenario.noise) if scenario.noise else 0.0))
+        jitter = speed * math.exp(level + (rng.gauss(0.0, scenario.noise) if scenario.noise else 0.0))
+        if scenario.reply and i % scenario.reply < 3:
+            jitter *= scenario.cold
         t = scenario.seconds(b) * jitter + (scenario.change if last not in (None, b) else 0.0)
         chooser.record(b, accepted, t)
         last = b
