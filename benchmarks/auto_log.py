@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--plain-between", action="store_true",
                     help="decode each prompt with plain mlx-lm first, as bench_builtin.py does")
+    ap.add_argument("--against", type=int, default=0,
+                    help="also decode each prompt at this fixed block first, and print auto's rate over its")
     args = ap.parse_args()
 
     from bench_builtin import PROMPTS, machine, plain, prompt_sets
@@ -59,9 +61,15 @@ def main():
         for i, prompt in enumerate(sets[name]):
             if args.plain_between:
                 plain(model, tok, prompt, args.max_tokens, 0.0, 0)
+            fixed = None
+            if args.against:
+                for fixed in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens,
+                                             block_size=args.against):
+                    pass
             for r in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens, block_size="auto"):
                 pass
-            print(f"{name} {i}: {r.generation_tps:.0f} tok/s, cycles by block {r.block_sizes}", flush=True)
+            versus = f" ({r.generation_tps / fixed.generation_tps:.2f}x block {args.against})" if fixed else ""
+            print(f"{name} {i}: {r.generation_tps:.0f} tok/s{versus}, cycles by block {r.block_sizes}", flush=True)
 
 
 if __name__ == "__main__":

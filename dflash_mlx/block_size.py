@@ -155,9 +155,20 @@ class BlockChooser:
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
         return True
 
-    def record(self, block: int, accepted: int, seconds: float | None) -> None:
-        """One verify cycle at ``block`` accepted ``accepted`` drafts in ``seconds``."""
+    def record(self, block: int, accepted: int, seconds: float | None, built: float | None = None) -> None:
+        """One verify cycle at ``block`` accepted ``accepted`` drafts in
+        ``seconds`` (None: not a measure of its size's cost); ``built``: the
+        time of a cycle that built new graphs (a trace, where compiled, for a
+        size meeting a buffer width for the first time). Builds in an
+        exploring run are what exploring that size cost: ~100 ms a trace on an
+        H100 against ~3 ms a cycle, so a rarely tried size meeting every new
+        width on its runs cost more than the whole exploring share
+        (BENCHMARKS.md, session 12)."""
         self.cycles += 1
+        if built is not None:
+            self.seconds += built
+            if self.trial is not None and self.trial[0] == block and block in self.exploring_loss:
+                self.exploring_loss[block] += built
         for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
             self.reached[i] += 1
             self.hit[i] += i <= accepted

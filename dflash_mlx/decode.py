@@ -141,10 +141,12 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
             # A cycle's cost: building and queuing it, plus waiting for its
             # result once the next one is queued (the time between two reads
             # would be the next cycle's launch wherever launching is the bound,
-            # as on a CPU, where queuing a graph computes most of it); none for
-            # a cycle that built new graphs, no measure of its size's cost.
-            cost = None if flight.new_shape else flight.launch_seconds + time.perf_counter() - tic
-            chooser.record(flight.block_size, values[0], cost)
+            # as on a CPU, where queuing a graph computes most of it); a cycle
+            # that built new graphs is no measure of its size's cost, but what
+            # exploring that size cost (block_size.py).
+            took = flight.launch_seconds + time.perf_counter() - tic
+            chooser.record(flight.block_size, values[0], None if flight.new_shape else took,
+                           built=took if flight.new_shape else None)
         accepted, proposals = values[0], values[1:]
         new = proposals[: min(accepted + 1, max_tokens - n)]
         stop = next((i for i, t in enumerate(new) if t in eos), None)
