@@ -40,7 +40,9 @@ in use look dear, so a chooser that once settled on plain steps saw drafting
 at its worst and stayed there. So each size is tried for EXPLORE_RUN cycles
 in a row, the first one untimed, and what the changes into and out of a run
 cost (a change's time over its size's median) counts against the exploring
-share. An exploring run of drafting from plain steps goes on while it
+share, as does the time of a run's cycles that built new graphs (a size
+meeting a buffer width for the first time traces its cycle, ~100 ms on an
+H100: a rarely explored size meets new widths on most of its runs). An exploring run of drafting from plain steps goes on while it
 commits more tokens a second than they do (the text has turned: the counts,
 kept from a hard stretch, need cycles to follow). The loop tells the
 chooser of each new reply (``new_reply``): prompts differ, and plain steps
