@@ -131,16 +131,29 @@ def checked_kernel(where: str, dtype, head_dim: int, windowed: bool):
 
 def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
     """Run the kernel on small random cases against the ops path."""
+
+    def outputs(kernel):
+        for q, k, v, kw in _check_cases(dtype, head_dim, windowed):
+            yield kernel(q, k, v, **kw), ops_attention(q, k, v, **kw)
+
+    return compare_with_ops(where, dtype, head_dim, windowed, _kernels, BUILDERS, outputs)
+
+
+def compare_with_ops(where: str, dtype, head_dim: int, windowed: bool, kernels: dict, builders: dict,
+                     outputs) -> CheckResult:
+    """A kernel variant's self-check: ``where``'s kernel, built once by
+    ``builders`` and kept in ``kernels``, passes if every (kernel's, ops
+    path's) output pair that ``outputs(kernel)`` yields agrees within
+    TOLERANCE (the largest difference over the largest element); a build or
+    launch error fails it, named."""
     name = str(dtype).split(".")[-1]
     try:
-        kernel = _kernels.get(where)
+        kernel = kernels.get(where)
         if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
+            kernel = kernels[where] = builders[where](where)
         worst = 0.0
-        for case in _check_cases(dtype, head_dim, windowed):
-            q, k, v, kw = case
-            got = kernel(q, k, v, **kw).astype(mx.float32)
-            want = ops_attention(q, k, v, **kw).astype(mx.float32)
+        for got, want in outputs(kernel):
+            got, want = got.astype(mx.float32), want.astype(mx.float32)
             if got.shape != want.shape:
                 return CheckResult(where, name, head_dim, windowed, False, f"output shape {got.shape} != {want.shape}")
             err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()

@@ -35,7 +35,7 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 
-from .dispatch import CheckResult, TOLERANCE, backend
+from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import _int1, make_factory
 from .ops import DTYPES, HEAD_DIMS
 from .source import HEADER
@@ -208,27 +208,13 @@ def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
 def self_check(where: str, dtype, head_dim: int) -> CheckResult:
     """The kernel against the ops path on verify-like views (rows of a fused
     q/k/v product, an array offset) and a drafter-like int offset."""
-    name = str(dtype).split(".")[-1]
-    try:
-        kernel = _kernels.get(where)
-        if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
-        worst = 0.0
+
+    def outputs(kernel):
         for q, k, qn, kn, rope, offset in _check_cases(dtype, head_dim):
             got = kernel(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset)
-            want = ops_norm_rope(q, k, qn, kn, rope, offset)
-            for g, w in zip(got, want):
-                if g.shape != w.shape:
-                    return CheckResult(where, name, head_dim, False, False, f"output shape {g.shape} != {w.shape}")
-                g, w = g.astype(mx.float32), w.astype(mx.float32)
-                err = (mx.abs(g - w).max() / (mx.abs(w).max() + 1e-6)).item()
-                worst = max(worst, err if err == err else float("inf"))
-        ok = worst <= TOLERANCE[dtype]
-        detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
-        return CheckResult(where, name, head_dim, False, ok, detail)
-    except Exception as e:  # a build or launch error: the kernel is not used
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return CheckResult(where, name, head_dim, False, False, f"{type(e).__name__}: {msg[:200]}")
+            yield from zip(got, ops_norm_rope(q, k, qn, kn, rope, offset))
+
+    return compare_with_ops(where, dtype, head_dim, False, _kernels, BUILDERS, outputs)
 
 
 def _check_cases(dtype, head_dim: int):
