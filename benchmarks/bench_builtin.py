@@ -140,7 +140,7 @@ def main():
     from dflash_mlx import compute_dtype, fast_blas, load
 
     model, draft, tok = load(args.model, draft=args.draft, dtype=args.dtype)
-    dtype = str(compute_dtype.computing(model)).removeprefix("mlx.core.")
+    dtype = compute_dtype.name(model)
     texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
     sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
     blocks = [b if b == "auto" else int(b) for b in args.blocks.split(",")]

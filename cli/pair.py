@@ -43,7 +43,7 @@ def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optio
                             trust_remote_code=trust_remote_code, dtype=dtype, flags=True)
     from dflash_mlx import compute_dtype
 
-    if dtype == "auto" and compute_dtype.on_fast_blas(pair[0]):
+    if dtype == "auto" and compute_dtype.on_fast_blas(compute_dtype.computing(pair[0])):
         note("computing in float32: this CPU's matrix products run on OpenBLAS (--dtype with the checkpoint's own "
              "dtype, e.g. bfloat16, computes in that instead)")
     return pair

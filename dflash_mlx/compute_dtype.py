@@ -75,11 +75,16 @@ def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: boo
     return computing(model)
 
 
-def on_fast_blas(model: nn.Module) -> bool:
-    """Whether ``model`` computes in float32 on a CPU whose products run on a
-    fast BLAS (what ``auto`` picks there)."""
+def on_fast_blas(dtype: mx.Dtype) -> bool:
+    """Whether a pair computing in ``dtype`` does so in float32 on a CPU
+    whose products run on a fast BLAS (what ``auto`` picks there)."""
     cpu = mx.default_device().type == mx.DeviceType.cpu
-    return cpu and fast_blas.active() and computing(model) == mx.float32
+    return cpu and fast_blas.active() and dtype == mx.float32
+
+
+def name(model: nn.Module) -> str:
+    """The dtype ``model`` computes in, as --dtype names it ("float32")."""
+    return str(computing(model)).removeprefix("mlx.core.")
 
 
 def computing(model: nn.Module) -> mx.Dtype:

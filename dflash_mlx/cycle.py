@@ -71,7 +71,7 @@ class Cycle:
         compiled = self.compile_graphs
         if compiled is None:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
-                compute_dtype.on_fast_blas(target.model) and shutil.which("g++") is not None)
+                compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None)
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers

@@ -64,10 +64,6 @@ def _module_digest(h, module, dtypes: bool = True) -> None:
         h.update(np.array(s.astype(mx.float32) if s.dtype == mx.bfloat16 else s).tobytes())
 
 
-def _dtype(model) -> str:
-    return str(compute_dtype.computing(model)).removeprefix("mlx.core.")
-
-
 def pair_fingerprint(model, draft: DFlashDraft, dtypes: bool = True) -> str:
     """A digest of the target's and the drafter's configs and weights
     (``dtypes=False``: whatever float dtype they compute in, _module_digest)."""
@@ -128,7 +124,7 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
                     arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
-                fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=_dtype(cache.model),
+                fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=compute_dtype.name(cache.model),
                 weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
                 **_kv_meta(*kv_settings(cache)))
     path = Path(path)
@@ -209,14 +205,15 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
     _attention_caches(cache)
     if meta.get("fingerprint") != pair_fingerprint(model, draft):
         same_weights = meta.get("weights") == pair_fingerprint(model, draft, dtypes=False)
-        if same_weights and meta.get("dtype", _dtype(model)) != _dtype(model):  # (the same pair cast: compute_dtype.py)
+        now = compute_dtype.name(model)
+        if same_weights and meta.get("dtype", now) != now:  # (the same pair cast: compute_dtype.py)
             raise ValueError(
                 f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
-                f"{_dtype(model)}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
+                f"{now}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
                 "to read the file, or make the prompt cache again."
             )
         made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
-        older = ("" if "dtype" in meta or not compute_dtype.on_fast_blas(model) else
+        older = ("" if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model)) else
                  " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)")
         raise ValueError(
             f"{path} was made for another model pair{f' ({made})' if made else ''}; "
