@@ -91,18 +91,22 @@ def test_kept_traces_do_not_hold_a_calls_cache(compiled, agreeing_pair):
     assert gone() is None
 
 
+def small_pair(seed: int):
+    """A 3-layer qwen3 target, its mlx-lm config and a 1-layer drafter."""
+    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    return tcfg, make_target(tcfg, seed=seed), make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1))
+
+
 @pytest.mark.parametrize("compile_graphs", [True, False])
 def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, monkeypatch):
     """``adapt`` returns an adapter it is given; after the model is quantized
     under it, its fused layers follow the new weights (they used to keep
     the old bf16 products)."""
-    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
-
     monkeypatch.setattr(Cycle, "compile_graphs", compile_graphs)
-    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
-    model = make_target(tcfg, seed=41)
-    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
-    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=42))
+    _, model, draft = small_pair(41)
     target = adapt(model)
     prompt = [1, 2, 3, 4]
     assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == greedy_reference(model, prompt, 20)
@@ -118,13 +122,10 @@ def test_weights_changed_before_the_first_call_are_the_ones_that_run(compile_gra
     making the adapter and its first decode: its fused layers, made with
     the adapter, follow them (they used to keep the old products until a
     second pair of weights came)."""
-    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+    from tiny import make_target
 
     monkeypatch.setattr(Cycle, "compile_graphs", compile_graphs)
-    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
-    model = make_target(tcfg, seed=43)
-    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
-    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=44))
+    tcfg, model, draft = small_pair(43)
     target = adapt(model)
     model.update(make_target(tcfg, seed=45).parameters())
     prompt = [1, 2, 3, 4]
