@@ -127,6 +127,10 @@ def main():
     ap.add_argument("--norm-rope", default="kernel",
                     help="comma-separated, one table each (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
                          "launch on a GPU where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
+    ap.add_argument("--products", default="kernel",
+                    help="comma-separated, one table each, paired with --norm-rope's entries (the shorter list "
+                         "repeats its last): 'kernel' (a verify's 2-16-row products in one launch each on CUDA where "
+                         "that kernel checked out: the default), 'mlx' (MLX's products)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -148,16 +152,18 @@ def main():
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
     print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
-    from dflash_mlx.kernels import norm_rope
+    from kernel_switches import use_kernels
+
     from dflash_mlx.traces import forget_traces
 
-    checked_norm_rope = norm_rope.passed
+    norms, products = args.norm_rope.split(","), args.products.split(",")
     rows = []
-    for norm in args.norm_rope.split(","):
-        norm_rope.passed = checked_norm_rope if norm == "kernel" else (lambda dtype, head_dim: None)
+    for i in range(max(len(norms), len(products))):
+        norm, prod = norms[min(i, len(norms) - 1)], products[min(i, len(products) - 1)]
+        use_kernels(norm_rope=norm, products=prod)
         forget_traces(draft)  # (compiled cycles hold what they were traced with)
-        print(f"\nq/k norms and RoPE: {norm}")
-        rows += table(args, model, draft, tok, sets, blocks, temps, norm)
+        print(f"\nq/k norms and RoPE: {norm}; block products: {prod}")
+        rows += [r | {"products": prod} for r in table(args, model, draft, tok, sets, blocks, temps, norm)]
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
 

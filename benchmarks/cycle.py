@@ -235,18 +235,23 @@ def main():
     ap.add_argument("--norm-rope", default="kernel",
                     help="comma-separated, side by side (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
                          "launch where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
+    ap.add_argument("--products", default="kernel",
+                    help="comma-separated, side by side (repeat to alternate): 'kernel' (a verify's 2-16-row "
+                         "products in one launch each on CUDA where that kernel checked out: the default), 'mlx' "
+                         "(MLX's products, cuBLASLt)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+
+    from kernel_switches import use_kernels
 
     from dflash_mlx.tiny import make_tokenizer
 
     from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
 
-    from dflash_mlx.kernels import dispatch, norm_rope
+    from dflash_mlx.kernels import dispatch
     from dflash_mlx.traces import forget_traces
 
     table = dispatch.KERNEL_WINS
-    checked_norm_rope = norm_rope.passed
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
     tokenizer = make_tokenizer(64)
@@ -260,18 +265,19 @@ def main():
             for block in [int(b) for b in args.blocks.split(",")]:
                 dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
-        settings = [(t, d, a, n) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
+        settings = [(t, d, a, n, m) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
                     for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])
-                    for a in args.attention.split(",") for n in args.norm_rope.split(",")]
-        for fuse, fuse_draft, attention, norm in settings:
-            norm_rope.passed = checked_norm_rope if norm == "kernel" else (lambda dtype, head_dim: None)
+                    for a in args.attention.split(",") for n in args.norm_rope.split(",")
+                    for m in args.products.split(",")]
+        for fuse, fuse_draft, attention, norm, products in settings:
+            use_kernels(norm_rope=norm, products=products)
             DenseTarget.fuse_projections = fuse
             type(draft).fuse_projections = fuse_draft
             dispatch.KERNEL_WINS = {"table": table, "kernel": ((256, 0),), "fused": ()}[attention]
             forget_traces(draft)  # compiled cycles hold the attention they were traced with
             for block in [int(b) for b in args.blocks.split(",")]:
                 row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft,
-                       "attention": attention, "norm_rope": norm, "plain_step_ms": step}
+                       "attention": attention, "norm_rope": norm, "products": products, "plain_step_ms": step}
                 if len(settings) > 1:  # a warm-up of this setting's graphs
                     dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
                 row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
@@ -294,10 +300,10 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>5} {'norm':>5} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>5} {'norm':>5} {'prod':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
           f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:5]:>5} {r['norm_rope'][:5]:>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:5]:>5} {r['norm_rope'][:5]:>5} {r['products']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
               f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
               f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
 

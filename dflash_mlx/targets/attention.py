@@ -16,15 +16,17 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..kernels import dispatch, norm_rope
+from ..kernels import block_products, dispatch, norm_rope
 from ..kv_cache import BufferKVCache
 
 
 def prepare(dtype, head_dim: int, windows) -> None:
     """Check the kernel variants a target's layers will ask for (its dtype,
     head dim, full and/or sliding layers), so that ``attention`` can use them,
-    and the q/k norm + RoPE kernel's (layers.dense_block, the drafter)."""
+    the q/k norm + RoPE kernel's (layers.dense_block, the drafter) and the
+    block-product kernel's (fused projections)."""
     norm_rope.prepare(dtype, head_dim)
+    block_products.prepare(dtype)
     where = dispatch.backend()
     if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
         return

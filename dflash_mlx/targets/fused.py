@@ -12,7 +12,8 @@ matrix times the input).
 Fusing concatenates the weights once per layer, then makes each of mlx-lm's
 own projections a view of its rows of the fused matrix (MLX slices share the
 buffer), so memory does not grow and the model still runs in mlx-lm
-unchanged. ``block`` runs a layer with them: mlx-lm's TransformerBlock
+unchanged. A verify's products go through kernels/block_products.py (one
+kernel launch each on CUDA). ``block`` runs a layer with them: mlx-lm's TransformerBlock
 forward (qwen3: q/k norms; llama: optional biases) with the products fused
 (layers.dense_block), its attention through ``attention.attention``.
 Layers that are not plain (a LoRA adapter, mixed quantization) are run by
@@ -28,6 +29,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
+
+from ..kernels.block_products import apply_linear
 from .layers import dense_block
 
 # mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
@@ -45,18 +48,18 @@ class FusedProjections:
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The q, k and v projections of x, from one product."""
-        k, v, q = mx.split(self.kvq(x), self.kvq_splits, axis=-1)
+        k, v, q = mx.split(apply_linear(self.kvq, x), self.kvq_splits, axis=-1)
         return q, k, v
 
     def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """The k and v projections of x alone, from one product."""
-        k, v = mx.split(self.kv(x), self.kvq_splits[:1], axis=-1)
+        k, v = mx.split(apply_linear(self.kv, x), self.kvq_splits[:1], axis=-1)
         return k, v
 
     def mlp(self, mlp: nn.Module, x: mx.array) -> mx.array:
         """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product."""
-        gate, up = mx.split(self.gate_up(x), [self.ffn], axis=-1)
-        return mlp.down_proj(swiglu(gate, up))
+        gate, up = mx.split(apply_linear(self.gate_up, x), [self.ffn], axis=-1)
+        return apply_linear(mlp.down_proj, swiglu(gate, up))
 
 
 # id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)

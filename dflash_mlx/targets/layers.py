@@ -16,6 +16,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.block_products import apply_linear
 from ..kernels.norm_rope import norm_rope
 from .attention import attention
 
@@ -70,7 +71,7 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         out = attend(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
-        h = h + attn.o_proj(out)
+        h = h + apply_linear(attn.o_proj, out)
         return h + mlp(layer.post_attention_layernorm(h))
 
     return forward

@@ -1,0 +1,86 @@
+"""A verify's products through MLX (cuBLASLt on CUDA) and through dflash-mlx's
+block-product kernel (kernels/block_products.py), side by side in one process.
+
+    python benchmarks/block_products.py                    # Qwen3-8B shapes, bf16, 16/8/4 rows
+    python benchmarks/block_products.py --rows 16 --repeat-rounds 3 --json
+
+For each of a qwen3 layer's four products (fused q/k/v, o, fused gate/up,
+down) it makes ``--repeat`` distinct weight matrices (one per layer, so the
+device reads each from memory as a forward does), then times, per product,
+microseconds (median of ``--runs``, as benchmarks/host_cost.py does):
+
+- build: Python building the graph;
+- launch: inside ``mx.async_eval`` (the backend encoding the kernel);
+- total: build + launch + waiting for the device (the device's time where it
+  is the longer).
+
+It also checks the kernel against MLX's product (largest difference over
+the largest element). CUDA only: elsewhere the kernel is not used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import mlx.core as mx
+
+from host_cost import measure
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=12288)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rows", default="16,8,4", help="rows of the block, comma-separated (2-16)")
+    ap.add_argument("--repeat", type=int, default=36, help="distinct weights per product (one per layer)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--repeat-rounds", type=int, default=2, help="rounds of the two sides, alternating")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from dflash_mlx.kernels import block_products as bp
+
+    if bp.backend() != "cuda":
+        raise SystemExit("the block-product kernel runs on MLX's CUDA backend; this device is "
+                         f"{mx.default_device()} ({bp.backend()}).")
+    dtype = getattr(mx, args.dtype)
+    kernel = bp.BlockProductKernel("cuda")
+    H, F, D = args.hidden, args.ffn, args.head_dim
+    shapes = [("q/k/v", (args.heads + 2 * args.kv_heads) * D, H), ("o", H, args.heads * D), ("gate/up", 2 * F, H),
+              ("down", H, F)]
+    rows = []
+    for name, n, k in shapes:
+        weights = [(mx.random.normal((n, k)) * 0.02).astype(dtype) for _ in range(args.repeat)]
+        mx.eval(weights)
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = mx.random.normal((1, m, k)).astype(dtype)
+            mx.eval(x)
+            want = (x @ weights[0].T).astype(mx.float32)
+            err = (mx.abs(kernel(x, weights[0]).astype(mx.float32) - want).max() / mx.abs(want).max()).item()
+            sides = {"mlx": lambda i: (x + i) @ weights[i].T, "kernel": lambda i: kernel(x + i, weights[i])}
+            for rnd in range(args.repeat_rounds):
+                for side, make in sides.items():
+                    r = measure(make, args.repeat, args.runs)
+                    rows.append({"product": name, "n": n, "k": k, "rows": m, "side": side, "round": rnd,
+                                 "rel_err": err, **{key: round(v, 1) for key, v in r.items()}})
+        del weights
+    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
+    if args.json:
+        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+        return
+    print(machine)
+    print(f"{args.dtype}, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})")
+    print(f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>6} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}")
+    for r in rows:
+        print(f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['rows']:>4} {r['side']:>6} {r['build_us']:>7.1f} "
+              f"{r['launch_us']:>7.1f} {r['total_us']:>7.1f} {r['rel_err']:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()

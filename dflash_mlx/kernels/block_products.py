@@ -1,0 +1,224 @@
+"""A verify block's rows times a weight matrix in one kernel launch (CUDA).
+
+A verify multiplies a few rows (the block, 2-16) by every weight matrix of
+the target. MLX's CUDA backend sends such a product to cuBLASLt, and each one
+costs the host 20-40 us to launch (descriptors made, an algorithm looked up,
+the call captured into the graph: benchmarks/host_cost.py), against ~10 us
+for a one-row product, which MLX's own matrix-vector kernel does. A cycle at
+real model sizes is bound by the host, with four products a layer over 36
+layers, so this kernel does a block's product as one plain kernel launch, on
+the matrix units (m16n8k16, float32 accumulators): a warp computes TILES
+8-column tiles for all 16 rows over a quarter of K, and a block's SPLIT
+warps add their quarters in a fixed order. H100, Qwen3-8B shapes, 16 rows,
+bf16 (benchmarks/block_products.py): launch 16-19 us against 33-39 us, device
+time the same as cuBLAS's within a few percent.
+
+Its sums run over K in another order than cuBLAS's, so the results differ in
+the last bits, as any two products' do (the self-check's error is ~3e-3 of the
+largest element in bf16, the same as cuBLAS's against MLX's one-row kernel).
+
+bf16 and fp16 on CUDA; float32 (which matrix units would round), Metal
+(whose products launch cheaply), the CPU, quantized layers and other row
+counts keep MLX's own product. The kernel is used after matching MLX's
+product on random cases in this process (``prepare``, outside any compiled
+trace).
+
+    y = apply_linear(module, x)   # module(x) for an nn.Linear, x [..., K]
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .dispatch import CheckResult, backend, compare_with_ops
+from .kernel import make_factory
+from .source import HEADER
+
+VERSION = 3  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+TILES = 2  # 8-column tiles per warp
+SPLIT = 4  # warps per thread block, each over an interleaved quarter of K
+MOST_ROWS = 16  # one matrix-unit tile's rows
+DTYPES = (mx.bfloat16, mx.float16)
+MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
+
+# Template constants: T (dtype), NT (tiles per warp), KW (warps per block);
+# MMA16816 (MMA_HEADER) is the dtype's matrix-unit product. x [M, K] with M <= 16,
+# w [N, K] (both row contiguous, K a multiple of 32, rows 16-byte aligned),
+# y [M, N]. A warp's lanes read 16 bytes each of x's rows g and g + 8 and of
+# weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4) of each 32; the
+# two m16n8k16 products of a step take those registers as their fragments,
+# which pairs the same K positions in x and w (the sum runs over K in another
+# order, which a product may).
+BODY = """
+  const int lane = int(threadIdx.x) & 31;
+  const int wk = int(threadIdx.x) >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int n0 = int(blockIdx.x) * 8 * NT;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint4* xa = reinterpret_cast<const uint4*>(x + idx_t(g) * K + 8 * t);
+  const uint4* xb = reinterpret_cast<const uint4*>(x + idx_t(g + 8) * K + 8 * t);
+  const uint4* wr[NT];
+  bool live[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    live[i] = n0 + 8 * i + g < N;
+    wr[i] = reinterpret_cast<const uint4*>(w + idx_t(live[i] ? n0 + 8 * i + g : 0) * K + 8 * t);
+  }
+  float acc[NT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll 4
+  for (int kb = 32 * wk; kb < K; kb += 32 * KW) {
+    const int at = kb / 8;  // in uint4s
+    const uint4 u = g < M ? xa[at] : zero;
+    const uint4 v = g + 8 < M ? xb[at] : zero;
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const uint4 b = live[i] ? wr[i][at] : zero;
+      MMA16816(acc[i], u.x, v.x, u.y, v.y, b.x, b.y);
+      MMA16816(acc[i], u.z, v.z, u.w, v.w, b.z, b.w);
+    }
+  }
+  __shared__ float part[KW][NT][4][32];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part[wk][i][j][lane] = acc[i][j];
+  }
+  __syncthreads();
+  if (wk != 0) return;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    float s[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s[j] = part[0][i][j][lane];
+#pragma unroll
+      for (int o = 1; o < KW; ++o) s[j] += part[o][i][j][lane];
+    }
+    const int n = n0 + 8 * i + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = g + 8 * h;
+      if (m < M) {
+        if (n < N) y[idx_t(m) * N + n] = from_float<T>(s[2 * h]);
+        if (n + 1 < N) y[idx_t(m) * N + n + 1] = from_float<T>(s[2 * h + 1]);
+      }
+    }
+  }
+"""
+
+# One m16n8k16 matrix-unit product, float32 accumulators; A's four and B's two
+# registers hold two elements each.
+MMA_HEADER = {
+    ab: f"""
+#define MMA16816(c, a0, a1, a2, a3, b0, b1) \\
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "  \\
+               "{{%0,%1,%2,%3}};\\n"                                                                                \\
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \\
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+"""
+    for ab in ("bf16", "f16")
+}
+
+
+class BlockProductKernel:
+    """The CUDA kernel, compiled by MLX per dtype."""
+
+    def __init__(self, backend_name: str, factory=None, tiles: int = TILES, split: int = SPLIT):
+        if backend_name != "cuda":
+            raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
+        factory = factory or make_factory(backend_name)
+        self.kernels = {
+            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w"],
+                           output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
+            for dtype in DTYPES
+        }
+        self.tiles, self.split = tiles, split
+        self._template = {dtype: [("T", dtype), ("NT", tiles), ("KW", split)] for dtype in DTYPES}
+
+    def __call__(self, x: mx.array, weight: mx.array) -> mx.array:
+        *lead, k = x.shape
+        n = weight.shape[0]
+        rows = x.size // k
+        (y,) = self.kernels[x.dtype](
+            inputs=[x.reshape(rows, k), weight],
+            template=self._template[x.dtype],
+            grid=(-(-n // (8 * self.tiles)) * 32 * self.split, 1, 1),
+            threadgroup=(32 * self.split, 1, 1),
+            output_shapes=[(rows, n)],
+            output_dtypes=[x.dtype],
+        )
+        return y.reshape(*lead, n)
+
+
+def fits(x: mx.array, weight: mx.array) -> bool:
+    """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
+    2-D weight of the same dtype, K a multiple of 32."""
+    k = x.shape[-1]
+    return (weight.ndim == 2 and weight.shape[1] == k and weight.dtype == x.dtype and x.dtype in DTYPES
+            and 2 <= x.size // k <= MOST_ROWS and k % 32 == 0)
+
+
+BUILDERS = {"cuda": BlockProductKernel}
+_kernels: dict[str, BlockProductKernel] = {}
+_checks: dict[tuple, CheckResult] = {}
+
+
+def reset() -> None:
+    _kernels.clear()
+    _checks.clear()
+
+
+def prepare(dtype) -> None:
+    """Check this backend's kernel for ``dtype`` once, so that
+    ``apply_linear`` may use it, inside compiled traces too."""
+    where = backend()
+    if where not in BUILDERS or dtype not in DTYPES:
+        return
+    key = (where, dtype)
+    if key not in _checks:
+        result = _checks[key] = self_check(where, dtype)
+        if not result.ok:
+            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
+                          f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
+
+
+def passed(dtype) -> BlockProductKernel | None:
+    """This backend's kernel if its variant passed its check; never checks."""
+    where = backend()
+    result = _checks.get((where, dtype))
+    return _kernels.get(where) if result is not None and result.ok else None
+
+
+def apply_linear(module: nn.Module, x: mx.array) -> mx.array:
+    """``module(x)``: for an nn.Linear through the kernel where it takes the
+    product and has checked out, else the module itself."""
+    if type(module) is nn.Linear and fits(x, module.weight):
+        kernel = passed(x.dtype)
+        if kernel is not None:
+            y = kernel(x, module.weight)
+            return y + module.bias if "bias" in module else y
+    return module(x)
+
+
+def self_check(where: str, dtype) -> CheckResult:
+    """The kernel against MLX's product for 2-16 rows, the weight a view of
+    some rows of a larger matrix (as fused projections are)."""
+
+    def outputs(kernel):
+        for k in (512, 96):  # (K in 16 steps, 4 a warp; in 3, one warp idle)
+            whole = mx.random.normal((3 * 104, k), key=mx.random.key(k)).astype(dtype)
+            w = whole[104 : 2 * 104]  # (rows of a larger matrix; 104 columns: the last tile half full)
+            for rows in (2, 3, 8, 13, 16):
+                x = mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype)
+                yield kernel(x, w), x @ w.T
+
+    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)

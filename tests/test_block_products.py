@@ -1,0 +1,172 @@
+"""The block-product kernel's dispatch (kernels/block_products.py): on the CPU
+a layer's products are its modules' own; on a pretend GPU a kernel that
+checks out takes a verify's 2-16-row products (and only those), one that does
+not never does, one that does not build is named; decoding through it stays
+the target's own greedy output."""
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx.kernels import block_products as bp
+from dflash_mlx.kernels import norm_rope as nr
+from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+
+
+def kernel_arithmetic(x, weight):
+    """What the kernel computes: each output a float32 sum of products,
+    rounded once to the dtype."""
+    xs = np.array(x.astype(mx.float32), dtype=np.float32)
+    ws = np.array(weight.astype(mx.float32), dtype=np.float32)
+    return mx.array(xs @ ws.T).astype(x.dtype)
+
+
+class FakeKernel:
+    """A kernel as the module's callers see it, counting its calls."""
+
+    def __init__(self, fn=kernel_arithmetic):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, x, weight):
+        self.calls += 1
+        return self.fn(x, weight)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The block-product kernel as if MLX ran on a GPU backend named 'fake'
+    with a kernel of our choosing (norm_rope stays on its ops path)."""
+    bp.reset()
+    nr.reset()
+    monkeypatch.setattr(bp, "backend", lambda: "fake")
+
+    def install(kernel):
+        monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: kernel)
+        return kernel
+
+    yield install
+    bp.reset()
+
+
+def rel_err(a, b) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.abs(a - b).max() / (mx.abs(b).max() + 1e-6)).item()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_on_the_cpu_a_linear_is_its_own_module(rows):
+    mx.random.seed(3)
+    x = mx.random.normal((1, rows, 64)).astype(mx.bfloat16)
+    for module in (nn.Linear(64, 48, bias=False), nn.Linear(64, 48), nn.QuantizedLinear(64, 48, group_size=32)):
+        module.set_dtype(mx.bfloat16)
+        assert mx.array_equal(bp.apply_linear(module, x), module(x))
+
+
+def test_the_kernels_arithmetic_is_mlxs_product():
+    for dtype in bp.DTYPES:
+        w = mx.random.normal((40, 96), key=mx.random.key(1)).astype(dtype)
+        x = mx.random.normal((1, 7, 96), key=mx.random.key(2)).astype(dtype)
+        assert rel_err(kernel_arithmetic(x, w), x @ w.T) < 1e-2
+
+
+def tiny_layer(dtype=mx.bfloat16):
+    from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
+
+    args = ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=32,
+                     max_position_embeddings=512, rope_theta=1_000_000.0, head_dim=64, tie_word_embeddings=True)
+    mx.random.seed(5)
+    layer = TransformerBlock(args)
+    layer.set_dtype(dtype)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def run_layer(layer, rows: int, offset: int = 40):
+    from dflash_mlx.kv_cache import BufferKVCache
+    from dflash_mlx.targets.fused import block
+
+    h = mx.random.normal((1, rows, 128), key=mx.random.key(rows)).astype(layer.input_layernorm.weight.dtype)
+    cache = BufferKVCache()
+    cache.set_length(offset)
+    cache.write(mx.zeros((1, 2, offset, 64), h.dtype), mx.zeros((1, 2, offset, 64), h.dtype), 0)
+    cache.set_length(mx.array(offset, mx.int32), offset)
+    return block(layer)(h, cache.make_mask(rows), cache)
+
+
+def test_a_kernel_that_checks_out_takes_a_verifys_products_and_only_those(fake_gpu):
+    layer = tiny_layer()
+    want = {rows: run_layer(layer, rows) for rows in (1, 5, 16, 17)}  # (before the kernel: MLX's products)
+    kernel = fake_gpu(FakeKernel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp.prepare(mx.bfloat16)
+    (result,) = bp._checks.values()
+    assert result.ok and kernel.calls > 0
+    for rows, expected in want.items():
+        before = kernel.calls
+        got = run_layer(layer, rows)
+        # q/k/v (one product), o, gate/up (one product), down: four launches for 2-16 rows
+        assert kernel.calls - before == (4 if 2 <= rows <= 16 else 0), rows
+        assert rel_err(got, expected) < 2e-2
+
+
+def test_float32_and_quantized_layers_keep_mlxs_products(fake_gpu):
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.float32)
+    assert not bp._checks and kernel.calls == 0  # (float32 is never checked: matrix units would round it)
+    run_layer(tiny_layer(mx.float32), 5)
+    bp.prepare(mx.bfloat16)
+    before = kernel.calls
+    layer = tiny_layer()
+    nn.quantize(layer, group_size=32, bits=4)
+    run_layer(layer, 5)
+    assert kernel.calls == before
+
+
+def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
+    kernel = fake_gpu(FakeKernel(lambda x, w: kernel_arithmetic(x, w[::-1])))  # the columns in the wrong order
+    with pytest.warns(RuntimeWarning, match=r"fake bfloat16 block-product kernel failed its self-check"):
+        bp.prepare(mx.bfloat16)
+    checked = kernel.calls
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp.prepare(mx.bfloat16)  # (checked once: no second warning)
+        run_layer(tiny_layer(), 5)
+    assert kernel.calls == checked
+
+
+def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatch):
+    def broken(where):
+        raise RuntimeError("nvrtc: error: identifier 'mma' is undefined")
+
+    monkeypatch.setitem(bp.BUILDERS, "fake", broken)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: nvrtc: error: identifier 'mma' is undefined"):
+        bp.prepare(mx.bfloat16)
+    assert bp.passed(mx.bfloat16) is None
+    layer = tiny_layer()
+    assert rel_err(run_layer(layer, 5), run_layer(layer, 5)) == 0.0
+
+
+def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
+    """A bf16 pair on the pretend GPU: the verify's and the drafter's
+    products go through the kernel (computing as MLX's product does, so the
+    output must be the target's own token for token)."""
+    from dflash_mlx import stream_generate
+
+    kernel = fake_gpu(FakeKernel(lambda x, w: x @ w.T))
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
+    model = make_target(tcfg, seed=51)
+    model.set_dtype(mx.bfloat16)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=52))
+    draft.set_dtype(mx.bfloat16)
+    prompt = [1, 2, 3, 4, 5]
+    want = greedy_reference(model, prompt, 24)
+    got = [t for r in stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=24, block_size=6)
+           for t in r.tokens]
+    assert got == want
+    assert kernel.calls > 0
