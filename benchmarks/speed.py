@@ -98,10 +98,17 @@ def main():
                     "(kernel builds, graph builds on CUDA)")
     ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
                     help="dflash-mlx's cycle through mx.compile (default: on a GPU)")
+    ap.add_argument("--products", choices=["kernel", "mlx"], default="kernel",
+                    help="a verify's 2-16-row products: one launch each through dflash-mlx's kernel on CUDA where it "
+                         "checked out (the default), or MLX's (cuBLASLt); alternate processes to compare")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from kernel_switches import use_kernels
+
     from dflash_mlx import load
+
+    use_kernels(products=args.products)
     from dflash_mlx.cycle import Cycle
 
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
@@ -155,6 +162,7 @@ def main():
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, device {mx.default_device()}",
         "target": target_dir if args.model else f"random {args.shape}",
         "block_size": bs,
+        "products": args.products,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "results": [
@@ -172,6 +180,7 @@ def main():
         return
     print(summary["machine"])
     print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
+          f"products {args.products}, "
           + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}"))
     for r in summary["results"]:
         tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""

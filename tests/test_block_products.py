@@ -170,3 +170,13 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
            for t in r.tokens]
     assert got == want
     assert kernel.calls > 0
+
+
+def test_a_long_k_product_launches_with_more_warps_over_k():
+    """down's shape (K three times N) takes the split-K-heavier launch shape,
+    the others the default, as measured (the module's table)."""
+    assert bp.launch_shape(4096, 12288) == bp.LONG_K_SHAPE
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (1024, 3072), (104, 96)):
+        assert bp.launch_shape(n, k) == bp.SHAPE
+    tiles, split, ahead = bp.LONG_K_SHAPE
+    assert split * 32 <= 1024 and tiles in (1, 2)  # (a thread block's limit; the body's tiles)

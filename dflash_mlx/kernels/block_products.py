@@ -7,11 +7,12 @@ the call captured into the graph: benchmarks/host_cost.py), against ~10 us
 for a one-row product, which MLX's own matrix-vector kernel does. A cycle at
 real model sizes is bound by the host, with four products a layer over 36
 layers, so this kernel does a block's product as one plain kernel launch, on
-the matrix units (m16n8k16, float32 accumulators): a warp computes TILES
-8-column tiles for all 16 rows over a quarter of K, and a block's SPLIT
-warps add their quarters in a fixed order. H100, Qwen3-8B shapes, 16 rows,
-bf16 (benchmarks/block_products.py): launch 16-19 us against 33-39 us, device
-time the same as cuBLAS's within a few percent.
+the matrix units (m16n8k16, float32 accumulators): a warp computes one or
+two 8-column tiles for all 16 rows over an interleaved part of K, and a
+block's warps add their parts in a fixed order. H100, Qwen3-8B shapes, 16
+rows, bf16: launch 15-22 us against 30-43 us (benchmarks/block_products.py);
+device time 166 us a layer against cuBLASLt's 162 (Nsight Compute, see
+SHAPE below).
 
 Its sums run over K in another order than cuBLAS's, so the results differ in
 the last bits, as any two products' do (the self-check's error is ~3e-3 of the
@@ -37,14 +38,28 @@ from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 3  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
-TILES = 2  # 8-column tiles per warp
-SPLIT = 4  # warps per thread block, each over an interleaved quarter of K
+VERSION = 4  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+# (8-column tiles per warp, warps per block over interleaved parts of K, steps of
+# loads in flight per warp). Device time on an H100, 16 rows, bf16, under Nsight
+# Compute (BENCHMARKS.md, session 13), microseconds, cuBLASLt's in brackets:
+# q/k/v 6144x4096 23.6 (23.1), o 4104x4096 18.4 (21.3 with its split-K
+# reduction), gate/up 24576x4096 79.6 (74.6) with SHAPE; down 4096x12288 44.4
+# (42.8) with LONG_K_SHAPE, 47.7 with SHAPE. (The first shape tried, (2, 4, 1),
+# ran down at ~150.)
+SHAPE = (1, 8, 8)
+LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
+LONG_K = 8192
+
+
+def launch_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The launch shape for an [N, K] weight."""
+    return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
 MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
 
-# Template constants: T (dtype), NT (tiles per warp), KW (warps per block);
+# Template constants: T (dtype), NT (tiles per warp), KW (warps per block), U
+# (steps of loads in flight);
 # MMA16816 (MMA_HEADER) is the dtype's matrix-unit product. x [M, K] with M <= 16,
 # w [N, K] (both row contiguous, K a multiple of 32, rows 16-byte aligned),
 # y [M, N]. A warp's lanes read 16 bytes each of x's rows g and g + 8 and of
@@ -74,16 +89,28 @@ BODY = """
   float acc[NT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll 4
-  for (int kb = 32 * wk; kb < K; kb += 32 * KW) {
-    const int at = kb / 8;  // in uint4s
-    const uint4 u = g < M ? xa[at] : zero;
-    const uint4 v = g + 8 < M ? xb[at] : zero;
+  // U steps' loads issued before their products, so that each warp keeps
+  // several in flight (one step's 16-byte loads per lane are too few to
+  // cover the memory's latency at the warps a product has)
+  for (int kb0 = 32 * wk; kb0 < K; kb0 += 32 * KW * U) {
+    uint4 u[U], v[U], b[U][NT];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      const uint4 b = live[i] ? wr[i][at] : zero;
-      MMA16816(acc[i], u.x, v.x, u.y, v.y, b.x, b.y);
-      MMA16816(acc[i], u.z, v.z, u.w, v.w, b.z, b.w);
+    for (int s = 0; s < U; ++s) {
+      const int kb = kb0 + s * 32 * KW;
+      const bool in = kb < K;
+      const int at = kb / 8;  // in uint4s
+      u[s] = in && g < M ? xa[at] : zero;
+      v[s] = in && g + 8 < M ? xb[at] : zero;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) b[s][i] = in && live[i] ? wr[i][at] : zero;
+    }
+#pragma unroll
+    for (int s = 0; s < U; ++s) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        MMA16816(acc[i], u[s].x, v[s].x, u[s].y, v[s].y, b[s][i].x, b[s][i].y);
+        MMA16816(acc[i], u[s].z, v[s].z, u[s].w, v[s].w, b[s][i].z, b[s][i].w);
+      }
     }
   }
   __shared__ float part[KW][NT][4][32];
@@ -132,7 +159,7 @@ MMA_HEADER = {
 class BlockProductKernel:
     """The CUDA kernel, compiled by MLX per dtype."""
 
-    def __init__(self, backend_name: str, factory=None, tiles: int = TILES, split: int = SPLIT):
+    def __init__(self, backend_name: str, factory=None, shape: tuple[int, int, int] | None = None):
         if backend_name != "cuda":
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
         factory = factory or make_factory(backend_name)
@@ -141,18 +168,18 @@ class BlockProductKernel:
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
             for dtype in DTYPES
         }
-        self.tiles, self.split = tiles, split
-        self._template = {dtype: [("T", dtype), ("NT", tiles), ("KW", split)] for dtype in DTYPES}
+        self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one)
 
     def __call__(self, x: mx.array, weight: mx.array) -> mx.array:
         *lead, k = x.shape
         n = weight.shape[0]
         rows = x.size // k
+        tiles, split, ahead = self.shape or launch_shape(n, k)
         (y,) = self.kernels[x.dtype](
             inputs=[x.reshape(rows, k), weight],
-            template=self._template[x.dtype],
-            grid=(-(-n // (8 * self.tiles)) * 32 * self.split, 1, 1),
-            threadgroup=(32 * self.split, 1, 1),
+            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead)],
+            grid=(-(-n // (8 * tiles)) * 32 * split, 1, 1),
+            threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
             output_dtypes=[x.dtype],
         )
@@ -214,7 +241,7 @@ def self_check(where: str, dtype) -> CheckResult:
     some rows of a larger matrix (as fused projections are)."""
 
     def outputs(kernel):
-        for k in (512, 96):  # (K in 16 steps, 4 a warp; in 3, one warp idle)
+        for k in (512, 96, LONG_K):  # (K in 16 steps; in 3, most warps idle; long: the other launch shape)
             whole = mx.random.normal((3 * 104, k), key=mx.random.key(k)).astype(dtype)
             w = whole[104 : 2 * 104]  # (rows of a larger matrix; 104 columns: the last tile half full)
             for rows in (2, 3, 8, 13, 16):
