@@ -111,6 +111,7 @@ def kernels(line) -> None:
     for r in results:
         line(f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", ("ok, " if r.ok else "FAILED (fused op used), ") + r.detail,
              "green" if r.ok else "red")
+    results += small_kernel_checks(line)
     failed = sum(not r.ok for r in results)
     line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
     try:
@@ -120,6 +121,29 @@ def kernels(line) -> None:
                  if kernel is not None else f"fused {fused:.3f} ms, kernel not usable")
     except Exception as e:
         line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
+
+
+def small_kernel_checks(line) -> list:
+    """The q/k norm + RoPE kernel's checks (Metal, CUDA) and the block-product
+    kernel's (CUDA), a line each; their results."""
+    import warnings
+
+    from dflash_mlx.kernels import block_products, norm_rope
+
+    results = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the lines below say it)
+            for label, module, fallback in (("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
+                                            ("products", block_products, "MLX's products used")):
+                checked = module.self_check_all()
+                for r in checked:
+                    name = f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else "")
+                    line(name, ("ok, " if r.ok else f"FAILED ({fallback}), ") + r.detail, "green" if r.ok else "red")
+                results += checked
+    except Exception as e:  # doctor reports, it does not crash
+        line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
+    return results
 
 
 # Above this, 16 rows cost so many plain steps that no drafter can win.

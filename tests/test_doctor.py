@@ -84,3 +84,32 @@ def test_doctor_names_the_blas_it_opened_and_the_dtype_that_follows(monkeypatch)
     out = run("--seconds", "0")
     assert "BLAS                   libopenblas.so.0 (opened by dflash_mlx for MLX's CPU products)" in out
     assert "auto: float32 on this CPU" in out and "hint" not in out
+
+
+def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
+    """On CUDA the block-product kernel's check gets a line per dtype; a
+    failed one says MLX's products are used, and counts in the total."""
+    from dflash_mlx.kernels import block_products as bp
+    from test_block_products import kernel_arithmetic
+    from test_kernels import two_pass
+
+    def products(x, w):
+        out = kernel_arithmetic(x, w)
+        return out + 1 if x.dtype == mx.float16 else out
+
+    dispatch.reset()
+    bp.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
+    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: two_pass)
+    monkeypatch.setattr(bp, "backend", lambda: "fake")
+    monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: products)
+    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
+    try:
+        out = run("--seconds", "0")
+    finally:
+        dispatch.reset()
+        bp.reset()
+    assert re.search(r"^  check products bfloat16 +ok, max relative error", out, re.M)
+    assert re.search(r"^  check products float16 +FAILED \(MLX's products used\), max relative error", out, re.M)
+    assert "kernel checks          19 of 20 passed" in out

@@ -186,3 +186,18 @@ def test_both_dialects_come_from_one_body():
         defined = HEADER[where] + nr.PRELUDE[where]
         missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|typedef .* {n};|\b{n}\s*\(|\b{n}\s*<)", defined)]
         assert not missing, (where, missing)
+
+
+def test_self_check_all_checks_every_dtype_and_head_dim_once(fake_gpu):
+    """What `dflash-mlx doctor` lists: one result per (dtype, head dim)."""
+    good = Recorder(kernel_arithmetic)
+    fake_gpu(good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = nr.self_check_all()
+    assert sorted((r.dtype, r.head_dim) for r in results) == sorted(
+        (str(t).split(".")[-1], d) for t in (mx.float32, mx.bfloat16, mx.float16) for d in (64, 128, 256))
+    assert all(r.ok for r in results)
+    calls = good.calls
+    nr.self_check_all()
+    assert good.calls == calls  # (checked once a process)

@@ -218,6 +218,15 @@ def prepare(dtype) -> None:
                           f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
 
 
+def self_check_all() -> list[CheckResult]:
+    """Check every dtype on this backend (for `dflash-mlx doctor`); [] where
+    the kernel does not run (Metal, the CPU)."""
+    where = backend()
+    for dtype in DTYPES:
+        prepare(dtype)
+    return [r for (w, _), r in _checks.items() if w == where]
+
+
 def passed(dtype) -> BlockProductKernel | None:
     """This backend's kernel if its variant passed its check; never checks."""
     where = backend()

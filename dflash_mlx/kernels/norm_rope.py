@@ -228,3 +228,16 @@ def _check_cases(dtype, head_dim: int):
     kn.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=kk)).astype(dtype)
     yield q, k, qn, kn, nn.RoPE(head_dim, base=1_000_000.0), mx.array(4000, mx.int32)
     yield mx.contiguous(q), mx.contiguous(k), qn, kn, nn.RoPE(head_dim, base=10_000.0, scale=0.5), 17
+
+
+def self_check_all() -> list[CheckResult]:
+    """Check every (dtype, head dim) variant on this backend (for `dflash-mlx
+    doctor`); [] where the kernel does not run (the CPU)."""
+    where = backend()
+    if where not in BUILDERS:
+        return []
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            prepare(dtype, d)
+    return [r for (w, *_), r in _checks.items() if w == where]
+
