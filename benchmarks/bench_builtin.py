@@ -128,9 +128,9 @@ def main():
                     help="comma-separated, one table each (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
                          "launch on a GPU where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
     ap.add_argument("--products", default="kernel",
-                    help="comma-separated, one table each, paired with --norm-rope's entries (the shorter list "
-                         "repeats its last): 'kernel' (a verify's 2-16-row products in one launch each on CUDA where "
-                         "that kernel checked out: the default), 'mlx' (MLX's products)")
+                    help="comma-separated, one table each (with each --norm-rope setting; repeat to alternate): "
+                         "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel "
+                         "checked out: the default), 'mlx' (MLX's products)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -156,10 +156,8 @@ def main():
 
     from dflash_mlx.traces import forget_traces
 
-    norms, products = args.norm_rope.split(","), args.products.split(",")
     rows = []
-    for i in range(max(len(norms), len(products))):
-        norm, prod = norms[min(i, len(norms) - 1)], products[min(i, len(products) - 1)]
+    for norm, prod in [(n, p) for n in args.norm_rope.split(",") for p in args.products.split(",")]:
         use_kernels(norm_rope=norm, products=prod)
         forget_traces(draft)  # (compiled cycles hold what they were traced with)
         print(f"\nq/k norms and RoPE: {norm}; block products: {prod}")

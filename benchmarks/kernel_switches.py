@@ -16,7 +16,12 @@ from dflash_mlx.kernels import norm_rope as _norm_rope
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
 
 
+CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "mlx")}
+
+
 def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
     """norm_rope: 'kernel' or 'ops'; products: 'kernel' or 'mlx'."""
-    for module, choice in ((_norm_rope, norm_rope), (_products, products)):
+    for (name, choice), module in zip((("norm_rope", norm_rope), ("products", products)), (_norm_rope, _products)):
+        if choice not in CHOICES[name]:
+            raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
         module.passed = _CHECKED[module] if choice == "kernel" else (lambda *args: None)

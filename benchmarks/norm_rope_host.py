@@ -22,7 +22,7 @@ import mlx.core as mx
 from cycle import SHAPES, configs, prefilled, random_pair, synthetic_prompt
 from dflash_mlx import DFlashDraft, DraftConfig
 from dflash_mlx.cycle import Cycle
-from dflash_mlx.kernels import norm_rope
+from kernel_switches import use_kernels
 from dflash_mlx.targets import adapt
 
 
@@ -38,19 +38,18 @@ def main():
     twin.update(draft.parameters())
     twin.bind(adapt(model))
     prompt = synthetic_prompt(draft.config.vocab_size, args.prompt_tokens)
-    checked = norm_rope.passed
     runs = {}
-    for name, d, use in (("kernel", draft, checked), ("ops", twin, lambda dtype, head_dim: None)):
-        norm_rope.passed = use
+    for name, d in (("kernel", draft), ("ops", twin)):
+        use_kernels(norm_rope=name)
         target, cache = prefilled(model, d, prompt)
         cycle = Cycle(target, d, cache, (0.0, 1.0, 0, 0.0), 0)
-        runs[name] = (cycle, use)
+        runs[name] = cycle
         for _ in range(4):  # traces and kernel builds, with this setting
             mx.eval(launch(cycle, args).result)
     times = {name: ([], []) for name in runs}
     for _ in range(args.cycles):
-        for name, (cycle, use) in runs.items():
-            norm_rope.passed = use  # (traced already: only an untraced shape would read it)
+        for name, cycle in runs.items():
+            use_kernels(norm_rope=name)  # (traced already: only an untraced shape would read it)
             mx.synchronize()
             tic = time.perf_counter()
             flight = launch(cycle, args)

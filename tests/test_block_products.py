@@ -16,12 +16,15 @@ from dflash_mlx.kernels import norm_rope as nr
 from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 
-def kernel_arithmetic(x, weight):
-    """What the kernel computes: each output a float32 sum of products,
-    rounded once to the dtype."""
+def kernel_arithmetic(x, weight, bias=None):
+    """What the kernel computes: each output a float32 sum of products (plus
+    the bias), rounded once to the dtype."""
     xs = np.array(x.astype(mx.float32), dtype=np.float32)
     ws = np.array(weight.astype(mx.float32), dtype=np.float32)
-    return mx.array(xs @ ws.T).astype(x.dtype)
+    out = xs @ ws.T
+    if bias is not None:
+        out = out + np.array(bias.astype(mx.float32), dtype=np.float32)
+    return mx.array(out).astype(x.dtype)
 
 
 class FakeKernel:
@@ -30,9 +33,9 @@ class FakeKernel:
     def __init__(self, fn=kernel_arithmetic):
         self.fn, self.calls = fn, 0
 
-    def __call__(self, x, weight):
+    def __call__(self, x, weight, bias=None):
         self.calls += 1
-        return self.fn(x, weight)
+        return self.fn(x, weight, bias)
 
 
 @pytest.fixture
@@ -63,13 +66,6 @@ def test_on_the_cpu_a_linear_is_its_own_module(rows):
     for module in (nn.Linear(64, 48, bias=False), nn.Linear(64, 48), nn.QuantizedLinear(64, 48, group_size=32)):
         module.set_dtype(mx.bfloat16)
         assert mx.array_equal(bp.apply_linear(module, x), module(x))
-
-
-def test_the_kernels_arithmetic_is_mlxs_product():
-    for dtype in bp.DTYPES:
-        w = mx.random.normal((40, 96), key=mx.random.key(1)).astype(dtype)
-        x = mx.random.normal((1, 7, 96), key=mx.random.key(2)).astype(dtype)
-        assert rel_err(kernel_arithmetic(x, w), x @ w.T) < 1e-2
 
 
 def tiny_layer(dtype=mx.bfloat16):
@@ -128,7 +124,7 @@ def test_float32_and_quantized_layers_keep_mlxs_products(fake_gpu):
 
 
 def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
-    kernel = fake_gpu(FakeKernel(lambda x, w: kernel_arithmetic(x, w[::-1])))  # the columns in the wrong order
+    kernel = fake_gpu(FakeKernel(lambda x, w, b: kernel_arithmetic(x, w[::-1], b)))  # the columns in the wrong order
     with pytest.warns(RuntimeWarning, match=r"fake bfloat16 block-product kernel failed its self-check"):
         bp.prepare(mx.bfloat16)
     checked = kernel.calls
@@ -144,11 +140,12 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
         raise RuntimeError("nvrtc: error: identifier 'mma' is undefined")
 
     monkeypatch.setitem(bp.BUILDERS, "fake", broken)
+    layer = tiny_layer()
+    want = run_layer(layer, 5)  # (MLX's products)
     with pytest.warns(RuntimeWarning, match=r"RuntimeError: nvrtc: error: identifier 'mma' is undefined"):
         bp.prepare(mx.bfloat16)
     assert bp.passed(mx.bfloat16) is None
-    layer = tiny_layer()
-    assert rel_err(run_layer(layer, 5), run_layer(layer, 5)) == 0.0
+    assert mx.array_equal(run_layer(layer, 5), want)
 
 
 def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
@@ -157,7 +154,7 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     output must be the target's own token for token)."""
     from dflash_mlx import stream_generate
 
-    kernel = fake_gpu(FakeKernel(lambda x, w: x @ w.T))
+    kernel = fake_gpu(FakeKernel(lambda x, w, b: x @ w.T if b is None else mx.addmm(b, x, w.T)))
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
     model = make_target(tcfg, seed=51)
     model.set_dtype(mx.bfloat16)
@@ -172,11 +169,67 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     assert kernel.calls > 0
 
 
-def test_a_long_k_product_launches_with_more_warps_over_k():
-    """down's shape (K three times N) takes the split-K-heavier launch shape,
-    the others the default, as measured (the module's table)."""
-    assert bp.launch_shape(4096, 12288) == bp.LONG_K_SHAPE
-    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (1024, 3072), (104, 96)):
-        assert bp.launch_shape(n, k) == bp.SHAPE
-    tiles, split, ahead = bp.LONG_K_SHAPE
-    assert split * 32 <= 1024 and tiles in (1, 2)  # (a thread block's limit; the body's tiles)
+def test_a_bias_is_the_kernels_too_and_its_check_covers_it(fake_gpu):
+    """A linear layer with a bias: the kernel takes it (one rounding, as
+    MLX's addmm); a kernel that drops the bias fails its self-check."""
+    mx.random.seed(9)
+    module = nn.Linear(64, 40)
+    module.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 6, 64)).astype(mx.bfloat16)
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    before = kernel.calls
+    assert rel_err(bp.apply_linear(module, x), module(x)) < 1e-2
+    assert kernel.calls == before + 1
+    bp.reset()
+    fake_gpu(FakeKernel(lambda x, w, b: kernel_arithmetic(x, w)))
+    with pytest.warns(RuntimeWarning, match="block-product kernel failed its self-check"):
+        bp.prepare(mx.bfloat16)
+
+
+def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):
+    """The drafter's attention output product goes through the kernel with a
+    cache (inference), through its module without one (training, which needs
+    its gradient)."""
+    from dflash_mlx.kv_cache import BufferKVCache
+
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=3))
+    draft.set_dtype(mx.bfloat16)
+    attn = draft.layers[0].self_attn
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    x = mx.random.normal((1, 8, 64), key=mx.random.key(4)).astype(mx.bfloat16)
+    before = kernel.calls
+    attn(x, None, None, draft.rope, 0, None)
+    assert kernel.calls == before
+    cache = BufferKVCache()
+    cache.set_length(0)
+    attn(x, None, None, draft.rope, 0, None, cache=cache)
+    assert kernel.calls == before + 1
+
+
+def test_each_product_launches_with_its_shapes_launch_shape():
+    """down-shaped weights (K at least LONG_K and twice N) take LONG_K_SHAPE,
+    the others SHAPE: the template and grid a launch gets (a recording
+    factory in place of MLX's)."""
+    launches = []
+
+    def factory(**made):
+        def launch(**kw):
+            launches.append(kw)
+            rows, n = kw["output_shapes"][0]
+            return [mx.zeros((rows, n), kw["output_dtypes"][0])]
+
+        return launch
+
+    kernel = bp.BlockProductKernel("cuda", factory=factory)
+    for n, k in ((4096, 12288), (6144, 4096), (24576, 4096), (1024, 3072)):
+        y = kernel(mx.zeros((1, 16, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
+        assert y.shape == (1, 16, n)
+        tiles, split, ahead = bp.LONG_K_SHAPE if (n, k) == (4096, 12288) else bp.SHAPE
+        template = dict(launches[-1]["template"])
+        assert (template["NT"], template["KW"], template["U"], template["HAS_BIAS"]) == (tiles, split, ahead, False)
+        assert launches[-1]["grid"][0] == -(-n // (8 * tiles)) * 32 * split
+        assert launches[-1]["threadgroup"][0] == 32 * split <= 1024

@@ -38,35 +38,32 @@ from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 4  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
-# (8-column tiles per warp, warps per block over interleaved parts of K, steps of
-# loads in flight per warp). Device time on an H100, 16 rows, bf16, under Nsight
-# Compute (BENCHMARKS.md, session 13), microseconds, cuBLASLt's in brackets:
-# q/k/v 6144x4096 23.6 (23.1), o 4104x4096 18.4 (21.3 with its split-K
-# reduction), gate/up 24576x4096 79.6 (74.6) with SHAPE; down 4096x12288 44.4
-# (42.8) with LONG_K_SHAPE, 47.7 with SHAPE. (The first shape tried, (2, 4, 1),
-# ran down at ~150.)
+VERSION = 5  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+MOST_ROWS = 16  # one matrix-unit tile's rows
+DTYPES = (mx.bfloat16, mx.float16)
+MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
+# Launch shapes: (8-column tiles per warp, warps per block over interleaved parts
+# of K, steps of loads in flight per warp). Device time on an H100, 16 rows,
+# bf16, under Nsight Compute (BENCHMARKS.md, session 13), microseconds,
+# cuBLASLt's in brackets: q/k/v 6144x4096 23.6 (23.1), o (measured at
+# 4104x4096) 18.4 (21.3 with its split-K reduction), gate/up 24576x4096 79.6
+# (74.6) with SHAPE; down 4096x12288 44.4 (42.8) with LONG_K_SHAPE, 47.7 with
+# SHAPE. (The first shape tried, (2, 4, 1), ran down at ~150.)
 SHAPE = (1, 8, 8)
 LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
 LONG_K = 8192
 
-
-def launch_shape(n: int, k: int) -> tuple[int, int, int]:
-    """The launch shape for an [N, K] weight."""
-    return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
-MOST_ROWS = 16  # one matrix-unit tile's rows
-DTYPES = (mx.bfloat16, mx.float16)
-MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
-
-# Template constants: T (dtype), NT (tiles per warp), KW (warps per block), U
-# (steps of loads in flight);
-# MMA16816 (MMA_HEADER) is the dtype's matrix-unit product. x [M, K] with M <= 16,
-# w [N, K] (both row contiguous, K a multiple of 32, rows 16-byte aligned),
-# y [M, N]. A warp's lanes read 16 bytes each of x's rows g and g + 8 and of
-# weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4) of each 32; the
-# two m16n8k16 products of a step take those registers as their fragments,
-# which pairs the same K positions in x and w (the sum runs over K in another
-# order, which a product may).
+# Template constants: T (dtype), NT, KW, U (the launch shape), HAS_BIAS (b is
+# the bias, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
+# matrix-unit product. x [M, K] with M <= 16, w [N, K] (both row contiguous, K
+# a multiple of 32), y [M, N]. A warp's lanes read 16 bytes each of x's rows g
+# and g + 8 and of weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4)
+# of each 32; the two m16n8k16 products of a step take those registers as their
+# fragments, which pairs the same K positions in x and w (the sum runs over K
+# in another order, which a product may). Where x or w does not start on a 16-
+# byte boundary (a view at an odd offset), the same 16 bytes are read as 2-byte
+# elements. The bias is added in float32 before the one rounding, as a product
+# with a bias epilogue does.
 BODY = """
   const int lane = int(threadIdx.x) & 31;
   const int wk = int(threadIdx.x) >> 5;
@@ -77,14 +74,16 @@ BODY = """
   const int N = w_shape[0];
   const int n0 = int(blockIdx.x) * 8 * NT;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  const uint4* xa = reinterpret_cast<const uint4*>(x + idx_t(g) * K + 8 * t);
-  const uint4* xb = reinterpret_cast<const uint4*>(x + idx_t(g + 8) * K + 8 * t);
-  const uint4* wr[NT];
+  // (K is a multiple of 32, so every row starts as aligned as its matrix does)
+  const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15) == 0;
+  const T* xa = x + idx_t(g) * K + 8 * t;
+  const T* xb = x + idx_t(g + 8) * K + 8 * t;
+  const T* wr[NT];
   bool live[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     live[i] = n0 + 8 * i + g < N;
-    wr[i] = reinterpret_cast<const uint4*>(w + idx_t(live[i] ? n0 + 8 * i + g : 0) * K + 8 * t);
+    wr[i] = w + idx_t(live[i] ? n0 + 8 * i + g : 0) * K + 8 * t;
   }
   float acc[NT][4];
 #pragma unroll
@@ -93,23 +92,22 @@ BODY = """
   // several in flight (one step's 16-byte loads per lane are too few to
   // cover the memory's latency at the warps a product has)
   for (int kb0 = 32 * wk; kb0 < K; kb0 += 32 * KW * U) {
-    uint4 u[U], v[U], b[U][NT];
+    uint4 u[U], v[U], wv[U][NT];
 #pragma unroll
     for (int s = 0; s < U; ++s) {
       const int kb = kb0 + s * 32 * KW;
       const bool in = kb < K;
-      const int at = kb / 8;  // in uint4s
-      u[s] = in && g < M ? xa[at] : zero;
-      v[s] = in && g + 8 < M ? xb[at] : zero;
+      u[s] = in && g < M ? load16(xa + kb, aligned) : zero;
+      v[s] = in && g + 8 < M ? load16(xb + kb, aligned) : zero;
 #pragma unroll
-      for (int i = 0; i < NT; ++i) b[s][i] = in && live[i] ? wr[i][at] : zero;
+      for (int i = 0; i < NT; ++i) wv[s][i] = in && live[i] ? load16(wr[i] + kb, aligned) : zero;
     }
 #pragma unroll
     for (int s = 0; s < U; ++s) {
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
-        MMA16816(acc[i], u[s].x, v[s].x, u[s].y, v[s].y, b[s][i].x, b[s][i].y);
-        MMA16816(acc[i], u[s].z, v[s].z, u[s].w, v[s].w, b[s][i].z, b[s][i].w);
+        MMA16816(acc[i], u[s].x, v[s].x, u[s].y, v[s].y, wv[s][i].x, wv[s][i].y);
+        MMA16816(acc[i], u[s].z, v[s].z, u[s].w, v[s].w, wv[s][i].z, wv[s][i].w);
       }
     }
   }
@@ -131,21 +129,30 @@ BODY = """
       for (int o = 1; o < KW; ++o) s[j] += part[o][i][j][lane];
     }
     const int n = n0 + 8 * i + 2 * t;
+    const float b0 = HAS_BIAS && n < N ? to_float(b[n]) : 0.0f;
+    const float b1 = HAS_BIAS && n + 1 < N ? to_float(b[n + 1]) : 0.0f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = g + 8 * h;
       if (m < M) {
-        if (n < N) y[idx_t(m) * N + n] = from_float<T>(s[2 * h]);
-        if (n + 1 < N) y[idx_t(m) * N + n + 1] = from_float<T>(s[2 * h + 1]);
+        if (n < N) y[idx_t(m) * N + n] = from_float<T>(s[2 * h] + b0);
+        if (n + 1 < N) y[idx_t(m) * N + n + 1] = from_float<T>(s[2 * h + 1] + b1);
       }
     }
   }
 """
 
 # One m16n8k16 matrix-unit product, float32 accumulators; A's four and B's two
-# registers hold two elements each.
+# registers hold two elements each. load16: 8 consecutive 2-byte elements.
 MMA_HEADER = {
-    ab: f"""
+    ab: """
+__device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint4*>(p);
+  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+  return make_uint4(h[0] | (unsigned(h[1]) << 16), h[2] | (unsigned(h[3]) << 16),
+                    h[4] | (unsigned(h[5]) << 16), h[6] | (unsigned(h[7]) << 16));
+}
+""" + f"""
 #define MMA16816(c, a0, a1, a2, a3, b0, b1) \\
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "  \\
                "{{%0,%1,%2,%3}};\\n"                                                                                \\
@@ -157,27 +164,29 @@ MMA_HEADER = {
 
 
 class BlockProductKernel:
-    """The CUDA kernel, compiled by MLX per dtype."""
+    """The CUDA kernel, compiled by MLX per dtype, launch shape and bias."""
 
     def __init__(self, backend_name: str, factory=None, shape: tuple[int, int, int] | None = None):
         if backend_name != "cuda":
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
         factory = factory or make_factory(backend_name)
         self.kernels = {
-            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w"],
+            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b"],
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
             for dtype in DTYPES
         }
         self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one)
+        self._no_bias = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}
 
-    def __call__(self, x: mx.array, weight: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+        """x @ weight.T (+ bias), x [..., K] with 2-16 rows."""
         *lead, k = x.shape
         n = weight.shape[0]
         rows = x.size // k
         tiles, split, ahead = self.shape or launch_shape(n, k)
         (y,) = self.kernels[x.dtype](
-            inputs=[x.reshape(rows, k), weight],
-            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead)],
+            inputs=[x.reshape(rows, k), weight, self._no_bias[x.dtype] if bias is None else bias],
+            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HAS_BIAS", bias is not None)],
             grid=(-(-n // (8 * tiles)) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
@@ -186,34 +195,45 @@ class BlockProductKernel:
         return y.reshape(*lead, n)
 
 
-def fits(x: mx.array, weight: mx.array) -> bool:
+def launch_shape(n: int, k: int) -> tuple[int, int, int]:
+    """The launch shape for an [N, K] weight (SHAPE, or LONG_K_SHAPE for down-shaped ones)."""
+    return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
+
+
+def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
     """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
-    2-D weight of the same dtype, K a multiple of 32."""
+    2-D weight (and a bias, if any) of the same dtype, K a multiple of 32."""
     k = x.shape[-1]
     return (weight.ndim == 2 and weight.shape[1] == k and weight.dtype == x.dtype and x.dtype in DTYPES
-            and 2 <= x.size // k <= MOST_ROWS and k % 32 == 0)
+            and 2 <= x.size // k <= MOST_ROWS and k % 32 == 0
+            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype)))
 
 
 BUILDERS = {"cuda": BlockProductKernel}
 _kernels: dict[str, BlockProductKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
+_ready: dict[tuple, BlockProductKernel] = {}  # (backend, dtype) -> the kernel, where it passed its check
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
+    _ready.clear()
 
 
 def prepare(dtype) -> None:
     """Check this backend's kernel for ``dtype`` once, so that
-    ``apply_linear`` may use it, inside compiled traces too."""
+    ``apply_linear`` may use it (call it outside compiled traces: the check
+    reads results back; the traces then only read what it decided)."""
     where = backend()
     if where not in BUILDERS or dtype not in DTYPES:
         return
     key = (where, dtype)
     if key not in _checks:
         result = _checks[key] = self_check(where, dtype)
-        if not result.ok:
+        if result.ok:
+            _ready[key] = _kernels[where]
+        else:
             warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
                           f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
 
@@ -228,33 +248,44 @@ def self_check_all() -> list[CheckResult]:
 
 
 def passed(dtype) -> BlockProductKernel | None:
-    """This backend's kernel if its variant passed its check; never checks."""
-    where = backend()
-    result = _checks.get((where, dtype))
-    return _kernels.get(where) if result is not None and result.ok else None
+    """The kernel if ``dtype``'s variant passed its check on the backend MLX
+    computes on now; never checks (it runs for every product: ~0.4 us)."""
+    return _ready.get((backend(), dtype))
 
 
 def apply_linear(module: nn.Module, x: mx.array) -> mx.array:
     """``module(x)``: for an nn.Linear through the kernel where it takes the
     product and has checked out, else the module itself."""
-    if type(module) is nn.Linear and fits(x, module.weight):
-        kernel = passed(x.dtype)
-        if kernel is not None:
-            y = kernel(x, module.weight)
-            return y + module.bias if "bias" in module else y
+    if type(module) is nn.Linear:
+        bias = module["bias"] if "bias" in module else None
+        if fits(x, module.weight, bias):
+            kernel = passed(x.dtype)
+            if kernel is not None:
+                return kernel(x, module.weight, bias)
     return module(x)
 
 
 def self_check(where: str, dtype) -> CheckResult:
-    """The kernel against MLX's product for 2-16 rows, the weight a view of
-    some rows of a larger matrix (as fused projections are)."""
+    """The kernel against MLX's product for 2-16 rows over the K and N its
+    loops and launch shapes split differently, misaligned views and a bias."""
 
     def outputs(kernel):
-        for k in (512, 96, LONG_K):  # (K in 16 steps; in 3, most warps idle; long: the other launch shape)
-            whole = mx.random.normal((3 * 104, k), key=mx.random.key(k)).astype(dtype)
-            w = whole[104 : 2 * 104]  # (rows of a larger matrix; 104 columns: the last tile half full)
+        # K: 96 (3 steps, most warps idle), 512 (under one pass of SHAPE's loop), 4096
+        # (two passes), LONG_K (LONG_K_SHAPE); N = 100 (the last 8-column tile half full)
+        n = 100
+        for k in (96, 512, 4096, LONG_K):
+            whole = mx.random.normal((3 * n, k), key=mx.random.key(k)).astype(dtype)
+            w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
             for rows in (2, 3, 8, 13, 16):
                 x = mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype)
                 yield kernel(x, w), x @ w.T
+        # views that start off a 16-byte boundary; a bias
+        k = 512
+        flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
+        x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
+        w = flat[5 + 9 * k : 5 + 9 * k + n * k].reshape(n, k)
+        bias = mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
+        yield kernel(x, w), x @ w.T
+        yield kernel(x, w, bias), mx.addmm(bias, x, w.T)
 
     return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)

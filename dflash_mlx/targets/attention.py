@@ -24,7 +24,8 @@ def prepare(dtype, head_dim: int, windows) -> None:
     """Check the kernel variants a target's layers will ask for (its dtype,
     head dim, full and/or sliding layers), so that ``attention`` can use them,
     the q/k norm + RoPE kernel's (layers.dense_block, the drafter) and the
-    block-product kernel's (fused projections)."""
+    block-product kernel's (a verify's products: the fused projections, a
+    dense layer's o_proj, the drafter's inference products)."""
     norm_rope.prepare(dtype, head_dim)
     block_products.prepare(dtype)
     where = dispatch.backend()
