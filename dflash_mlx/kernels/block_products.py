@@ -266,26 +266,29 @@ def apply_linear(module: nn.Module, x: mx.array) -> mx.array:
 
 
 def self_check(where: str, dtype) -> CheckResult:
-    """The kernel against MLX's product for 2-16 rows over the K and N its
-    loops and launch shapes split differently, misaligned views and a bias."""
+    """The kernel against MLX's product on ``check_cases``."""
 
     def outputs(kernel):
-        # K: 96 (3 steps, most warps idle), 512 (under one pass of SHAPE's loop), 4096
-        # (two passes), LONG_K (LONG_K_SHAPE); N = 100 (the last 8-column tile half full)
-        n = 100
-        for k in (96, 512, 4096, LONG_K):
-            whole = mx.random.normal((3 * n, k), key=mx.random.key(k)).astype(dtype)
-            w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
-            for rows in (2, 3, 8, 13, 16):
-                x = mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype)
-                yield kernel(x, w), x @ w.T
-        # views that start off a 16-byte boundary; a bias
-        k = 512
-        flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
-        x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
-        w = flat[5 + 9 * k : 5 + 9 * k + n * k].reshape(n, k)
-        bias = mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
-        yield kernel(x, w), x @ w.T
-        yield kernel(x, w, bias), mx.addmm(bias, x, w.T)
+        for x, w, bias in check_cases(dtype):
+            yield kernel(x, w, bias), (x @ w.T if bias is None else mx.addmm(bias, x, w.T))
 
     return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)
+
+
+def check_cases(dtype):
+    """(x, weight, bias) for 2-16 rows over the K and N its loops and launch
+    shapes split differently, views off a 16-byte boundary, and a bias."""
+    # K: 96 (3 steps, most warps idle), 512 (under one pass of SHAPE's loop), 4096
+    # (two passes), LONG_K (LONG_K_SHAPE); N = 100 (the last 8-column tile half full)
+    n = 100
+    for k in (96, 512, 4096, LONG_K):
+        whole = mx.random.normal((3 * n, k), key=mx.random.key(k)).astype(dtype)
+        w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
+        for rows in (2, 3, 8, 13, 16):
+            yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None
+    k = 512
+    flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
+    x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
+    w = flat[5 + 9 * k : 5 + 9 * k + n * k].reshape(n, k)
+    yield x, w, None
+    yield x, w, mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
