@@ -178,9 +178,9 @@ class BufferKVCache(DeviceLengthCache):
 
     def read_width(self, n: int) -> int:
         """Up to the bound, or the whole buffer at a fixed width."""
-        from .kernels.dispatch import backend  # (the kernels' package imports this module)
+        from .kernels import device  # (the kernels' package imports this module)
 
-        if self.fixed_width or (backend() == "cuda" and not (self.exact_bound and n == 1)):
+        if self.fixed_width or (device.backend() == "cuda" and not (self.exact_bound and n == 1)):
             return self.width_after(n)
         return self.bound + n
 

@@ -10,7 +10,7 @@ import dflash_mlx.speculative as speculative
 from dflash_mlx import stream_generate
 from dflash_mlx.block_size import BlockChooser
 from dflash_mlx.cycle import Cycle
-from dflash_mlx.kernels import dispatch
+from dflash_mlx.kernels import device
 from dflash_mlx.kv_cache import BufferKVCache
 from tiny import greedy_reference, make_tokenizer
 
@@ -47,7 +47,7 @@ def test_compiled_traces_and_cuda_read_the_whole_buffer(monkeypatch):
     mask, keys, _ = written(cache, 3)
     assert keys.shape[2] == mask.shape[-1] == cache.capacity
 
-    monkeypatch.setattr(dispatch, "backend", lambda: "cuda")
+    monkeypatch.setattr(device, "backend", lambda: "cuda")
     cache = filled()
     mask, keys, _ = written(cache, 3)
     assert keys.shape[2] == mask.shape[-1] == cache.capacity
@@ -56,7 +56,7 @@ def test_compiled_traces_and_cuda_read_the_whole_buffer(monkeypatch):
 def test_an_exact_one_row_step_reads_the_filled_keys_with_no_mask(monkeypatch):
     # A plain step after plain steps: the bound is the length itself.
     for where in ("cpu", "cuda"):
-        monkeypatch.setattr(dispatch, "backend", lambda: where)
+        monkeypatch.setattr(device, "backend", lambda: where)
         cache = filled()
         cache.exact_bound = True
         mask, keys, _ = written(cache, 1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .device import backend
 from .kernel import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
@@ -55,18 +56,6 @@ class CheckResult:
 
 _kernels: dict[str, object] = {}
 _checks: dict[tuple, CheckResult] = {}
-
-
-def backend() -> str:
-    """'metal', 'cuda' or 'cpu': where MLX's default device computes."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return "cpu"
 
 
 def reset() -> None:
