@@ -204,8 +204,8 @@ def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
     """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
     2-D weight (and a bias, if any) of the same dtype, K a multiple of 32."""
     k = x.shape[-1]
-    return (weight.ndim == 2 and weight.shape[1] == k and weight.dtype == x.dtype and x.dtype in DTYPES
-            and 2 <= x.size // k <= MOST_ROWS and k % 32 == 0
+    return (2 <= x.size // k <= MOST_ROWS and x.dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
+            and weight.dtype == x.dtype and k % 32 == 0
             and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype)))
 
 
@@ -256,7 +256,7 @@ def passed(dtype) -> BlockProductKernel | None:
 def apply_linear(module: nn.Module, x: mx.array) -> mx.array:
     """``module(x)``: for an nn.Linear through the kernel where it takes the
     product and has checked out, else the module itself."""
-    if type(module) is nn.Linear:
+    if type(module) is nn.Linear and 2 <= x.size // x.shape[-1] <= MOST_ROWS:  # (a plain step's row: at once)
         bias = module["bias"] if "bias" in module else None
         if fits(x, module.weight, bias):
             kernel = passed(x.dtype)
