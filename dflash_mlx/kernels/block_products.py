@@ -10,7 +10,7 @@ layers, so this kernel does a block's product as one plain kernel launch, on
 the matrix units (m16n8k16, float32 accumulators): a warp computes one or
 two 8-column tiles for all 16 rows over an interleaved part of K, and a
 block's warps add their parts in a fixed order. H100, Qwen3-8B shapes, 16
-rows, bf16: launch 15-22 us against 30-43 us (benchmarks/block_products.py);
+rows, bf16: launch 15-22 us against 21-43 us (benchmarks/block_products.py);
 device time 166 us a layer against cuBLASLt's 162 (Nsight Compute, see
 SHAPE below).
 
@@ -19,8 +19,9 @@ the last bits, as any two products' do (the self-check's error is ~3e-3 of the
 largest element in bf16, the same as cuBLAS's against MLX's one-row kernel).
 
 bf16 and fp16 on CUDA; float32 (which matrix units would round), Metal
-(whose products launch cheaply), the CPU, quantized layers and other row
-counts keep MLX's own product. The kernel is used after matching MLX's
+(whose products launch cheaply), the CPU, quantized layers, other row counts
+and training (a custom kernel has no gradient: callers keep their modules
+there) keep MLX's own product. The kernel is used after matching MLX's
 product on random cases in this process (``prepare``, outside any compiled
 trace).
 
