@@ -13,6 +13,7 @@ import pytest
 
 from dflash_mlx.kernels import block_products as bp
 from dflash_mlx.kernels import norm_rope as nr
+from test_norm_rope import run_layer as run_qwen3_layer, tiny_qwen3_layer
 from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 
@@ -69,28 +70,13 @@ def test_on_the_cpu_a_linear_is_its_own_module(rows):
 
 
 def tiny_layer(dtype=mx.bfloat16):
-    from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
-
-    args = ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
-                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=32,
-                     max_position_embeddings=512, rope_theta=1_000_000.0, head_dim=64, tie_word_embeddings=True)
-    mx.random.seed(5)
-    layer = TransformerBlock(args)
-    layer.set_dtype(dtype)
-    mx.eval(layer.parameters())
-    return layer
+    return tiny_qwen3_layer(dtype)
 
 
 def run_layer(layer, rows: int, offset: int = 40):
-    from dflash_mlx.kv_cache import BufferKVCache
-    from dflash_mlx.targets.fused import block
-
+    """test_norm_rope's layer run over ``rows`` random rows after ``offset`` cached positions."""
     h = mx.random.normal((1, rows, 128), key=mx.random.key(rows)).astype(layer.input_layernorm.weight.dtype)
-    cache = BufferKVCache()
-    cache.set_length(offset)
-    cache.write(mx.zeros((1, 2, offset, 64), h.dtype), mx.zeros((1, 2, offset, 64), h.dtype), 0)
-    cache.set_length(mx.array(offset, mx.int32), offset)
-    return block(layer)(h, cache.make_mask(rows), cache)
+    return run_qwen3_layer(layer, h, offset)
 
 
 def test_a_kernel_that_checks_out_takes_a_verifys_products_and_only_those(fake_gpu):
