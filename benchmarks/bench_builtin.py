@@ -112,6 +112,8 @@ def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used:
 
 
 def main():
+    from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
     ap.add_argument("--draft", default=str(ROOT / "dflash_mlx" / "builtin" / "draft"))
@@ -124,13 +126,7 @@ def main():
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
                          "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)")
-    ap.add_argument("--norm-rope", default="kernel",
-                    help="comma-separated, one table each (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
-                         "launch on a GPU where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
-    ap.add_argument("--products", default="kernel",
-                    help="comma-separated, one table each (with each --norm-rope setting; repeat to alternate): "
-                         "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel "
-                         "checked out: the default), 'mlx' (MLX's products)")
+    add_kernel_arguments(ap, "one table each")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -152,12 +148,10 @@ def main():
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
     print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
-    from kernel_switches import use_kernels
-
     from dflash_mlx.traces import forget_traces
 
     rows = []
-    for norm, prod in [(n, p) for n in args.norm_rope.split(",") for p in args.products.split(",")]:
+    for norm, prod in kernel_settings(args):
         use_kernels(norm_rope=norm, products=prod)
         forget_traces(draft)  # (compiled cycles hold what they were traced with)
         print(f"\nq/k norms and RoPE: {norm}; block products: {prod}")

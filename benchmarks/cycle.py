@@ -214,6 +214,8 @@ def synced_pieces(model, draft, prompt, block: int) -> dict:
 
 
 def main():
+    from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
@@ -232,17 +234,9 @@ def main():
     ap.add_argument("--attention", default="table",
                     help="comma-separated, side by side: 'table' (the block-attention kernel where its "
                          "measured table picks it: the default), 'kernel' (always), 'fused' (never)")
-    ap.add_argument("--norm-rope", default="kernel",
-                    help="comma-separated, side by side (repeat to alternate): 'kernel' (q/k norms and RoPE in one "
-                         "launch where that kernel checked out: the default), 'ops' (MLX's rms_norm and rope)")
-    ap.add_argument("--products", default="kernel",
-                    help="comma-separated, side by side (repeat to alternate): 'kernel' (a verify's 2-16-row "
-                         "products in one launch each on CUDA where that kernel checked out: the default), 'mlx' "
-                         "(MLX's products, cuBLASLt)")
+    add_kernel_arguments(ap, "side by side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-
-    from kernel_switches import use_kernels
 
     from dflash_mlx.tiny import make_tokenizer
 
@@ -267,8 +261,7 @@ def main():
         step = plain_step_ms(model, prompt, args.cycles)
         settings = [(t, d, a, n, m) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
                     for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])
-                    for a in args.attention.split(",") for n in args.norm_rope.split(",")
-                    for m in args.products.split(",")]
+                    for a in args.attention.split(",") for n, m in kernel_settings(args)]
         for fuse, fuse_draft, attention, norm, products in settings:
             use_kernels(norm_rope=norm, products=products)
             DenseTarget.fuse_projections = fuse

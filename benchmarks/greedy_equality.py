@@ -23,7 +23,7 @@ import platform
 import mlx.core as mx
 
 from bench_builtin import PROMPTS, prompt_sets
-from kernel_switches import use_kernels
+from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
 
 
 def main():
@@ -33,8 +33,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=8, help="per set (code, chat)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes or 'auto'")
-    ap.add_argument("--products", default="kernel,mlx", help="comma-separated settings: 'kernel' or 'mlx'")
-    ap.add_argument("--norm-rope", default="kernel", help="comma-separated settings: 'kernel' or 'ops'")
+    add_kernel_arguments(ap, "one row each", products="kernel,mlx")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -49,20 +48,19 @@ def main():
     prompts = [p for ps in sets.values() for p in ps]
     references = [greedy_reference(model, p, args.max_tokens, eos=eos) for p in prompts]
     rows = []
-    for products in args.products.split(","):
-        for norm in args.norm_rope.split(","):
-            use_kernels(norm_rope=norm, products=products)
-            forget_traces(draft)  # (compiled cycles hold what they were traced with)
-            for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
-                firsts = []
-                for p, ref in zip(prompts, references):
-                    got = [t for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
-                           for t in r.tokens]
-                    n = min(len(ref), len(got))
-                    first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
-                    firsts.append(first)
-                rows.append({"products": products, "norm_rope": norm, "block": block,
-                             "equal": sum(f is None for f in firsts), "prompts": len(firsts), "first_difference": firsts})
+    for norm, products in kernel_settings(args):
+        use_kernels(norm_rope=norm, products=products)
+        forget_traces(draft)  # (compiled cycles hold what they were traced with)
+        for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
+            firsts = []
+            for p, ref in zip(prompts, references):
+                got = [t for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
+                       for t in r.tokens]
+                n = min(len(ref), len(got))
+                first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
+                firsts.append(first)
+            rows.append({"products": products, "norm_rope": norm, "block": block,
+                         "equal": sum(f is None for f in firsts), "prompts": len(firsts), "first_difference": firsts})
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     if args.json:
         print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))

@@ -1,8 +1,10 @@
 """Turn dflash-mlx's small GPU kernels off and on within one process, so a
 benchmark can put rows with and without them side by side (or alternate).
 
-    from kernel_switches import use_kernels
-    use_kernels(norm_rope="kernel", products="mlx")   # then forget_traces(draft)
+    from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
+    add_kernel_arguments(ap, "one table each")         # --norm-rope, --products
+    for norm, products in kernel_settings(args):        # every pair of their values
+        use_kernels(norm_rope=norm, products=products)  # then forget_traces(draft)
 
 Off ("ops" / "mlx"), a kernel reads as not checked out and its layers run
 MLX's own ops; "kernel" uses it where its self-check passed, as dflash-mlx
@@ -17,6 +19,25 @@ _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
 
 
 CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "mlx")}
+MEANING = {
+    "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
+                 "rms_norm and rope)",
+    "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out), "
+                "'mlx' (MLX's products, cuBLASLt)",
+}
+
+
+def add_kernel_arguments(ap, each: str, products: str = "kernel") -> None:
+    """--norm-rope and --products, comma-separated (repeat a value to
+    alternate); ``each`` says what one value gets ("one table each")."""
+    for name, default in (("norm_rope", "kernel"), ("products", products)):
+        ap.add_argument("--" + name.replace("_", "-"), default=default,
+                        help=f"comma-separated, {each}, crossed with the other's: {MEANING[name]}; default {default}")
+
+
+def kernel_settings(args) -> list[tuple[str, str]]:
+    """Every (norm_rope, products) pair of the two arguments' values."""
+    return [(n, p) for n in args.norm_rope.split(",") for p in args.products.split(",")]
 
 
 def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
