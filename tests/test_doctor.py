@@ -34,6 +34,16 @@ def test_doctor_reports_machine_kernels_probe_and_a_paste_block():
     assert "mlx-lm" in block and "plain decoding" in block and "dflash / plain" in block
 
 
+def on_fake_gpu(monkeypatch, attention_kernel):
+    """Doctor as if on a GPU backend named 'fake' whose block-attention
+    kernel is ``attention_kernel``, its attention timing stubbed."""
+    dispatch.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
+    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: attention_kernel)
+    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
+
+
 def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
     """On a GPU backend each (dtype, head dim, window) variant gets a line; a
     failed one says the fused op is used. Simulated here with a kernel that
@@ -44,11 +54,7 @@ def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
         out = two_pass(q, k, v, **kw)
         return out + 1 if q.dtype == mx.float32 else out
 
-    dispatch.reset()
-    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
-    monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
-    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: fake)
-    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
+    on_fake_gpu(monkeypatch, fake)
     try:
         out = run("--seconds", "0")
     finally:
@@ -97,14 +103,10 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
         out = kernel_arithmetic(x, w, b)
         return out + 1 if x.dtype == mx.float16 else out
 
-    dispatch.reset()
     bp.reset()
-    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
-    monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
-    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: two_pass)
+    on_fake_gpu(monkeypatch, two_pass)
     monkeypatch.setattr(bp, "backend", lambda: "fake")
     monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: products)
-    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
     try:
         out = run("--seconds", "0")
     finally:
