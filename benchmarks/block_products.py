@@ -26,15 +26,12 @@ import platform
 
 import mlx.core as mx
 
-from host_cost import measure
+from host_cost import add_shape_arguments, measure
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=12288)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
+    add_shape_arguments(ap)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rows", default="16,8,4", help="rows of the block, comma-separated (2-16)")
     ap.add_argument("--repeat", type=int, default=36, help="distinct weights per product (one per layer)")

@@ -100,12 +100,17 @@ def measure(make, repeat: int, runs: int) -> dict:
     return {"build_us": med(0), "launch_us": med(1), "total_us": med(2)}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_arguments(ap) -> None:
+    """A layer's sizes, Qwen3-8B's by default: --hidden, --ffn, --heads, --kv-heads."""
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=12288)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_arguments(ap)
     ap.add_argument("--keys", type=int, default=1024, help="cached positions attention reads")
     ap.add_argument("--block", type=int, default=16, help="query rows of a verify")
     ap.add_argument("--repeat", type=int, default=36, help="copies per graph (one per layer)")
