@@ -60,12 +60,19 @@ def auto(model: nn.Module, draft: nn.Module) -> mx.Dtype | None:
     return mx.float32
 
 
+def check(dtype: str, flags: bool = False) -> None:
+    """A ValueError naming the choices unless ``dtype`` is one of CHOICES
+    (``flags``: name the command line's --dtype, else load's dtype=)."""
+    if dtype not in CHOICES:
+        raise ValueError(f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
+                         f"{', '.join(CHOICES[:-1])} or {CHOICES[-1]}.")
+
+
 def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: bool = True) -> mx.Dtype:
     """Cast both models' floating weights to ``dtype`` (one of CHOICES) and
     return the dtype the pair now computes in; ``evaluate``: cast now (else
     lazily, with a lazy load)."""
-    if dtype not in CHOICES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(CHOICES)}.")
+    check(dtype)
     target = auto(model, draft) if dtype == "auto" else getattr(mx, dtype)
     if target is not None:
         for m in (model, draft):

@@ -421,9 +421,7 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
         path_or_repo = builtin.TARGET
     if adapter_path is not None:
         check_adapter_path(adapter_path)
-    if dtype not in compute_dtype.CHOICES:
-        raise ValueError(f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
-                         f"{', '.join(compute_dtype.CHOICES[:-1])} or {compute_dtype.CHOICES[-1]}.")
+    compute_dtype.check(dtype, flags)
     # The target's config and the drafter are checked before paying for the
     # target's weights; a local target before the registry, a Hub one after it
     # (no download for a target without a drafter).
