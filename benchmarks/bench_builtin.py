@@ -112,7 +112,7 @@ def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used:
 
 
 def main():
-    from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
+    from kernel_switches import add_kernel_arguments, kernel_settings, use_fused_projections, use_kernels
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
@@ -127,6 +127,8 @@ def main():
                     help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
                          "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)")
     add_kernel_arguments(ap, "one table each")
+    ap.add_argument("--fuse", choices=["on", "off"], default="on",
+                    help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument("--write-prompts", action="store_true",
@@ -139,6 +141,7 @@ def main():
 
     from dflash_mlx import compute_dtype, fast_blas, load
 
+    use_fused_projections(args.fuse == "on")
     model, draft, tok = load(args.model, draft=args.draft, dtype=args.dtype)
     dtype = compute_dtype.name(model)
     texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
@@ -147,7 +150,7 @@ def main():
     temps = [float(t) for t in args.temps.split(",")]
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
-    print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
+    print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); fused projections {args.fuse}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
     from dflash_mlx.traces import forget_traces
 
     rows = []

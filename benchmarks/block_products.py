@@ -16,6 +16,14 @@ microseconds (median of ``--runs``, as benchmarks/host_cost.py does):
 
 It also checks the kernel against MLX's product (largest difference over
 the largest element). CUDA only: elsewhere the kernel is not used.
+
+``--shapes`` puts kernels of fixed launch shapes (tiles per warp, warps per
+block over K, steps of loads in flight) beside the default choice. Their
+device time, which wall-clock totals hide where launching is the longer, comes
+from Nsight Compute, each kernel's name carrying its shape:
+
+    ncu --metrics gpu__time_duration.sum --csv python benchmarks/block_products.py \
+        --rows 16 --repeat 8 --runs 1 --repeat-rounds 2 --shapes 1,8,8:2,16,4:2,4,1 > ncu.csv
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--repeat-rounds", type=int, default=2, help="rounds of the two sides, alternating")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--shapes", default="", help="launch shapes to add, tiles,warps,ahead separated by ':' "
+                                                "(e.g. 1,8,8:2,16,4); the default choice always runs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -48,6 +58,8 @@ def main():
                          f"{mx.default_device()} ({bp.backend()}).")
     dtype = getattr(mx, args.dtype)
     kernel = bp.BlockProductKernel("cuda")
+    fixed = {f"kernel {s}": bp.BlockProductKernel("cuda", shape=tuple(int(v) for v in s.split(",")))
+             for s in args.shapes.split(":") if s}
     H, F, D = args.hidden, args.ffn, args.head_dim
     shapes = [("q/k/v", (args.heads + 2 * args.kv_heads) * D, H), ("o", H, args.heads * D), ("gate/up", 2 * F, H),
               ("down", H, F)]
@@ -61,6 +73,7 @@ def main():
             want = (x @ weights[0].T).astype(mx.float32)
             err = (mx.abs(kernel(x, weights[0]).astype(mx.float32) - want).max() / mx.abs(want).max()).item()
             sides = {"mlx": lambda i: (x + i) @ weights[i].T, "kernel": lambda i: kernel(x + i, weights[i])}
+            sides.update({side: (lambda k: lambda i: k(x + i, weights[i]))(k) for side, k in fixed.items()})
             for rnd in range(args.repeat_rounds):
                 for side, make in sides.items():
                     r = measure(make, args.repeat, args.runs)
@@ -73,9 +86,9 @@ def main():
         return
     print(machine)
     print(f"{args.dtype}, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})")
-    print(f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>6} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}")
+    print(f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>14} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}")
     for r in rows:
-        print(f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['rows']:>4} {r['side']:>6} {r['build_us']:>7.1f} "
+        print(f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['rows']:>4} {r['side']:>14} {r['build_us']:>7.1f} "
               f"{r['launch_us']:>7.1f} {r['total_us']:>7.1f} {r['rel_err']:>10.1e}")
 
 

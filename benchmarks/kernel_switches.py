@@ -46,3 +46,13 @@ def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
         if choice not in CHOICES[name]:
             raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
         module.passed = _CHECKED[module] if choice == "kernel" else (lambda *args: None)
+
+
+def use_fused_projections(on: bool) -> None:
+    """Fused q/k/v and gate/up products in qwen3/llama targets' layers (the
+    default), or mlx-lm's own three and two; before the pair is loaded (an
+    adapter makes its layers when made)."""
+    from dflash_mlx.targets import LlamaTarget, Qwen3Target
+
+    for cls in (Qwen3Target, LlamaTarget):
+        cls.fuse_projections = on

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads, as for a user)
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
@@ -95,15 +96,21 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fuse", choices=["on", "off"], default="on",
+                    help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own")
     args = ap.parse_args()
 
     from bench_builtin import machine
-    from dflash_mlx import load
+    from kernel_switches import use_fused_projections
+
+    from dflash_mlx import fast_blas, load
+
+    use_fused_projections(args.fuse == "on")
 
     model, draft, _ = load(args.model, draft=args.draft)
     prompt = list(range(5, 5 + args.prompt_tokens))
     clock = AsyncClock()
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}; BLAS: {fast_blas.describe()}; fused projections {args.fuse}")
     for _ in range(args.repeat):
         for name, run in (("dflash-mlx", lambda: ours(model, draft, prompt, args.steps, clock)),
                           ("mlx-lm", lambda: theirs(model, prompt, args.steps, clock))):
