@@ -3,7 +3,8 @@
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file ncu.csv \\
         python benchmarks/gpu_time.py attention > cases.txt
     ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
-    python benchmarks/gpu_time.py summarize ncu.csv cases.txt
+    python benchmarks/gpu_time.py summarize ncu.csv cases.txt [--sequence]
+    ncu ... python benchmarks/gpu_time.py cycle --shape builtin --prompt-tokens 256 > cases.txt
 
 Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost of
 encoding it (tens of microseconds for a custom kernel), which at these sizes is
@@ -131,12 +132,18 @@ def verify_cases(shape: str, prompts: list[int], block: int) -> None:
 
 
 def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
-    """A DFlash cycle and, beside it, one plain mlx-lm decoding step."""
+    """A DFlash cycle and, beside it, one plain mlx-lm decoding step
+    (``shape`` "builtin": the shipped pair, bf16)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from dflash_mlx.cycle import Cycle
 
-    model, draft = random_pair(shape, None)
+    if shape == "builtin":
+        from dflash_mlx import load
+
+        model, draft, _ = load("builtin", dtype="bfloat16")
+    else:
+        model, draft = random_pair(shape, None)
     for P in prompts:
         target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
         cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
@@ -156,13 +163,16 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
         del plain
 
 
-def summarize(path: str, names_path: str) -> None:
+def summarize(path: str, names_path: str, sequence: bool = False) -> None:
     """Device time per case, and per kernel name within it, from ncu's CSV
-    (cases split at the marker kernel) and the case names the run printed."""
+    (cases split at the marker kernel) and the case names the run printed;
+    ``sequence``: also each case's kernels in launch order, repeats of a
+    name in a row counted (what a layer launches, read off the list)."""
     with open(names_path) as f:
         names = iter([line[5:].strip() for line in f if line.startswith("case ")])
     cases: dict[str, dict[str, float]] = {}
     launches: dict[str, int] = defaultdict(int)
+    order: dict[str, list[str]] = defaultdict(list)
     current = None
     with open(path) as f:
         lines = f.read().splitlines()
@@ -185,19 +195,32 @@ def summarize(path: str, names_path: str) -> None:
         if current is None:
             continue
         launches[current] += 1
+        order[current].append(name)
         cases[current][name] += float(row["Metric Value"].replace(",", "")) * scale
     for case, kernels in cases.items():
         total = sum(kernels.values())
         print(f"{case}: {total / 1000:.3f} ms device time, {launches[case]} kernels")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {us / 1000:8.3f} ms  {name}")
+        if sequence:
+            runs: list[list] = []
+            for name in order[case]:
+                if runs and runs[-1][0] == name:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([name, 1])
+            print("  in launch order:")
+            for name, count in runs:
+                print(f"    {count:3d} x {name}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["attention", "verify", "cycle", "summarize"])
     ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="qwen3-8b",
+                    help="a model's shapes (random weights); cycle: also builtin, the shipped pair")
+    ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
@@ -206,9 +229,9 @@ def main():
     ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
     ap.add_argument("--staging", default="0x0",
                     help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     if args.what == "summarize":
-        summarize(*args.paths)
+        summarize(*args.paths, sequence=args.sequence)
     elif args.what == "attention":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
         stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]

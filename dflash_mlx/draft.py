@@ -335,7 +335,8 @@ class DraftAttention(nn.Module):
     def _keys(self, k: mx.array, rope, offset) -> mx.array:
         return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None,
+                 residual=None):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
         int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
@@ -344,7 +345,9 @@ class DraftAttention(nn.Module):
         after its valid length, without moving it, so the context is never
         copied and the next write replaces them. ``attend`` replaces the fused
         attention (same signature as mx.fast.scaled_dot_product_attention);
-        ``fused``, the layer's FusedProjections, makes q/k/v one product."""
+        ``fused``, the layer's FusedProjections, makes q/k/v one product;
+        ``residual`` is added to the output (by the output product's launch,
+        where the block-product kernel takes it)."""
         B, L, _ = x.shape
         q, k, v = fused.qkv(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         values = self._heads(v, self.n_kv_heads)
@@ -364,7 +367,9 @@ class DraftAttention(nn.Module):
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         # (inference: a block's product in one launch where that kernel checked out; training keeps
         # the module, which has a gradient)
-        return self.o_proj(out) if cache is None else apply_linear(self.o_proj, out)
+        if cache is not None:
+            return apply_linear(self.o_proj, out, residual)
+        return self.o_proj(out) if residual is None else residual + self.o_proj(out)
 
 
 class DraftLayer(nn.Module):
@@ -378,9 +383,10 @@ class DraftLayer(nn.Module):
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         """``fused``: this layer's FusedProjections (targets/fused.py), which
         run q/k/v as one product and gate/up as another; None: the modules."""
-        h = x + self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused)
+        h = self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused,
+                           residual=x)
         if fused is not None:
-            return h + fused.mlp(self.mlp, self.post_attention_layernorm(h))
+            return fused.mlp(self.mlp, self.post_attention_layernorm(h), h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -17,15 +17,16 @@ from test_norm_rope import run_layer as run_qwen3_layer, tiny_qwen3_layer
 from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 
-def kernel_arithmetic(x, weight, bias=None):
+def kernel_arithmetic(x, weight, bias=None, residual=None):
     """What the kernel computes: each output a float32 sum of products (plus
-    the bias), rounded once to the dtype."""
+    the bias), rounded once to the dtype; then the residual added, rounded."""
     xs = np.array(x.astype(mx.float32), dtype=np.float32)
     ws = np.array(weight.astype(mx.float32), dtype=np.float32)
     out = xs @ ws.T
     if bias is not None:
         out = out + np.array(bias.astype(mx.float32), dtype=np.float32)
-    return mx.array(out).astype(x.dtype)
+    out = mx.array(out).astype(x.dtype)
+    return out if residual is None else residual + out
 
 
 class FakeKernel:
@@ -34,9 +35,9 @@ class FakeKernel:
     def __init__(self, fn=kernel_arithmetic):
         self.fn, self.calls = fn, 0
 
-    def __call__(self, x, weight, bias=None):
+    def __call__(self, x, weight, bias=None, residual=None):
         self.calls += 1
-        return self.fn(x, weight, bias)
+        return self.fn(x, weight, bias, residual)
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def test_float32_and_quantized_layers_keep_mlxs_products(fake_gpu):
 
 
 def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
-    kernel = fake_gpu(FakeKernel(lambda x, w, b: kernel_arithmetic(x, w[::-1], b)))  # the columns in the wrong order
+    kernel = fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w[::-1], b, r)))  # the columns in the wrong order
     with pytest.warns(RuntimeWarning, match=r"fake bfloat16 block-product kernel failed its self-check"):
         bp.prepare(mx.bfloat16)
     checked = kernel.calls
@@ -140,7 +141,11 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     output must be the target's own token for token)."""
     from dflash_mlx import stream_generate
 
-    kernel = fake_gpu(FakeKernel(lambda x, w, b: x @ w.T if b is None else mx.addmm(b, x, w.T)))
+    def as_mlx(x, w, b, r):  # MLX's product, then the residual: what the layers compute without the kernel
+        y = x @ w.T if b is None else mx.addmm(b, x, w.T)
+        return y if r is None else r + y
+
+    kernel = fake_gpu(FakeKernel(as_mlx))
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
     model = make_target(tcfg, seed=51)
     model.set_dtype(mx.bfloat16)
@@ -168,9 +173,47 @@ def test_a_bias_is_the_kernels_too_and_its_check_covers_it(fake_gpu):
     assert rel_err(bp.apply_linear(module, x), module(x)) < 1e-2
     assert kernel.calls == before + 1
     bp.reset()
-    fake_gpu(FakeKernel(lambda x, w, b: kernel_arithmetic(x, w)))
+    fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w, None, r)))
     with pytest.warns(RuntimeWarning, match="block-product kernel failed its self-check"):
         bp.prepare(mx.bfloat16)
+
+
+def test_a_residual_is_added_in_the_products_launch_and_its_check_covers_it(fake_gpu):
+    """``apply_linear(module, x, residual)`` is residual + module(x): one
+    kernel launch where the kernel takes the product (a layer's o and down
+    products carry their residual adds), the module and an add elsewhere; a
+    kernel that drops the residual fails its self-check."""
+    mx.random.seed(10)
+    module = nn.Linear(64, 40, bias=False)
+    module.set_dtype(mx.bfloat16)
+    x = mx.random.normal((1, 6, 64)).astype(mx.bfloat16)
+    residual = mx.random.normal((1, 6, 40)).astype(mx.bfloat16)
+    want = residual + module(x)
+    assert mx.array_equal(bp.apply_linear(module, x, residual), want)  # (the CPU: the module, then the add)
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    before = kernel.calls
+    assert mx.array_equal(bp.apply_linear(module, x, residual), kernel_arithmetic(x, module.weight, None, residual))
+    assert rel_err(bp.apply_linear(module, x, residual), want) < 1e-2
+    assert kernel.calls == before + 2
+    assert mx.array_equal(bp.apply_linear(module, x[:, :1], residual[:, :1]), want[:, :1])  # one row: MLX's
+    assert kernel.calls == before + 2
+    bp.reset()
+    fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w, b)))
+    with pytest.warns(RuntimeWarning, match="block-product kernel failed its self-check"):
+        bp.prepare(mx.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", bp.DTYPES)
+def test_the_self_checks_reference_is_the_float32_product_rounded_then_the_residual(dtype):
+    """The self-check compares the kernel with ``reference``: every check
+    case's product in float32, rounded once, the residual added after (MLX's
+    CUDA products fail on the check's views off a 16-byte boundary, so the
+    reference never multiplies them in bf16/fp16)."""
+    cases = list(bp.check_cases(dtype))
+    assert any(r is not None for *_, r in cases) and any(b is not None for _, _, b, _ in cases)
+    for x, w, bias, residual in cases:
+        assert rel_err(bp.reference(x, w, bias, residual), kernel_arithmetic(x, w, bias, residual)) < 1e-2
 
 
 def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):

@@ -99,8 +99,8 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     from test_block_products import kernel_arithmetic
     from test_kernels import two_pass
 
-    def products(x, w, b=None):
-        out = kernel_arithmetic(x, w, b)
+    def products(x, w, b=None, r=None):
+        out = kernel_arithmetic(x, w, b, r)
         return out + 1 if x.dtype == mx.float16 else out
 
     bp.reset()

@@ -39,7 +39,7 @@ from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 5  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+VERSION = 6  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
 MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
@@ -55,7 +55,8 @@ LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
 LONG_K = 8192
 
 # Template constants: T (dtype), NT, KW, U (the launch shape), HAS_BIAS (b is
-# the bias, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
+# the bias, else a placeholder), HAS_RESIDUAL (r [M, N] is added to the
+# product, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
 # matrix-unit product. x [M, K] with M <= 16, w [N, K] (both row contiguous, K
 # a multiple of 32), y [M, N]. A warp's lanes read 16 bytes each of x's rows g
 # and g + 8 and of weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4)
@@ -63,8 +64,10 @@ LONG_K = 8192
 # fragments, which pairs the same K positions in x and w (the sum runs over K
 # in another order, which a product may). Where x or w does not start on a 16-
 # byte boundary (a view at an odd offset), the same 16 bytes are read as 2-byte
-# elements. The bias is added in float32 before the one rounding, as a product
-# with a bias epilogue does.
+# elements. The bias is added in float32 before the product's rounding, as a
+# product with a bias epilogue does; a residual after it, in float32 and
+# rounded again, as a layer's ``h + o_proj(x)`` adds a rounded product to h
+# (its own launch otherwise: one a residual, two a layer).
 BODY = """
   const int lane = int(threadIdx.x) & 31;
   const int wk = int(threadIdx.x) >> 5;
@@ -74,6 +77,10 @@ BODY = """
   const int K = x_shape[1];
   const int N = w_shape[0];
   const int n0 = int(blockIdx.x) * 8 * NT;
+  // the output element: the product rounded, plus the residual (rounded again) where there is one
+  auto finish = [](float p, const T* res, idx_t i) -> T {
+    return HAS_RESIDUAL ? from_float<T>(to_float(from_float<T>(p)) + to_float(res[i])) : from_float<T>(p);
+  };
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   // (K is a multiple of 32, so every row starts as aligned as its matrix does)
   const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15) == 0;
@@ -136,8 +143,8 @@ BODY = """
     for (int h = 0; h < 2; ++h) {
       const int m = g + 8 * h;
       if (m < M) {
-        if (n < N) y[idx_t(m) * N + n] = from_float<T>(s[2 * h] + b0);
-        if (n + 1 < N) y[idx_t(m) * N + n + 1] = from_float<T>(s[2 * h + 1] + b1);
+        if (n < N) y[idx_t(m) * N + n] = finish(s[2 * h] + b0, r, idx_t(m) * N + n);
+        if (n + 1 < N) y[idx_t(m) * N + n + 1] = finish(s[2 * h + 1] + b1, r, idx_t(m) * N + n + 1);
       }
     }
   }
@@ -172,22 +179,27 @@ class BlockProductKernel:
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
         factory = factory or make_factory(backend_name)
         self.kernels = {
-            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b"],
+            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b", "r"],
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
             for dtype in DTYPES
         }
         self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one)
-        self._no_bias = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}
+        self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
-    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-        """x @ weight.T (+ bias), x [..., K] with 2-16 rows."""
+    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
+                 residual: mx.array | None = None) -> mx.array:
+        """residual + (x @ weight.T + bias), x [..., K] with 2-16 rows; the
+        bias and the residual [..., N] optional."""
         *lead, k = x.shape
         n = weight.shape[0]
         rows = x.size // k
         tiles, split, ahead = self.shape or launch_shape(n, k)
+        none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
-            inputs=[x.reshape(rows, k), weight, self._no_bias[x.dtype] if bias is None else bias],
-            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HAS_BIAS", bias is not None)],
+            inputs=[x.reshape(rows, k), weight, none if bias is None else bias,
+                    none if residual is None else residual.reshape(rows, n)],
+            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HAS_BIAS", bias is not None),
+                      ("HAS_RESIDUAL", residual is not None)],
             grid=(-(-n // (8 * tiles)) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
@@ -201,13 +213,16 @@ def launch_shape(n: int, k: int) -> tuple[int, int, int]:
     return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
 
 
-def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> bool:
+def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None, residual: mx.array | None = None) -> bool:
     """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
-    2-D weight (and a bias, if any) of the same dtype, K a multiple of 32."""
+    2-D weight (and a bias, if any) of the same dtype, K a multiple of 32, a
+    residual (if any) of the output's shape and dtype."""
     k = x.shape[-1]
+    n = weight.shape[0]
     return (2 <= x.size // k <= MOST_ROWS and x.dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
             and weight.dtype == x.dtype and k % 32 == 0
-            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype)))
+            and (bias is None or (bias.shape == (n,) and bias.dtype == x.dtype))
+            and (residual is None or (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype)))
 
 
 BUILDERS = {"cuda": BlockProductKernel}
@@ -254,31 +269,46 @@ def passed(dtype) -> BlockProductKernel | None:
     return _ready.get((backend(), dtype))
 
 
-def apply_linear(module: nn.Module, x: mx.array) -> mx.array:
-    """``module(x)``: for an nn.Linear through the kernel where it takes the
-    product and has checked out, else the module itself."""
+def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``module(x)``, or ``residual + module(x)``: for an nn.Linear through
+    the kernel where it takes the product and has checked out (the residual
+    added in the same launch), else the module itself."""
     if type(module) is nn.Linear and 2 <= x.size // x.shape[-1] <= MOST_ROWS:  # (a plain step's row: at once)
         bias = module["bias"] if "bias" in module else None
-        if fits(x, module.weight, bias):
+        if fits(x, module.weight, bias, residual):
             kernel = passed(x.dtype)
             if kernel is not None:
-                return kernel(x, module.weight, bias)
-    return module(x)
+                return kernel(x, module.weight, bias, residual)
+    return module(x) if residual is None else residual + module(x)
 
 
 def self_check(where: str, dtype) -> CheckResult:
-    """The kernel against MLX's product on ``check_cases``."""
+    """The kernel against ``reference`` on ``check_cases``."""
 
     def outputs(kernel):
-        for x, w, bias in check_cases(dtype):
-            yield kernel(x, w, bias), (x @ w.T if bias is None else mx.addmm(bias, x, w.T))
+        for x, w, bias, residual in check_cases(dtype):
+            yield kernel(x, w, bias, residual), reference(x, w, bias, residual)
 
     return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)
 
 
+def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,
+              residual: mx.array | None = None) -> mx.array:
+    """What the kernel computes, by MLX's ops: the product in float32 (on
+    float32 copies: MLX's CUDA backend hands a bf16/fp16 product to cuBLASLt,
+    which fails on a view off a 16-byte boundary, as some check cases are),
+    rounded to the dtype once, then the residual added and rounded."""
+    y = x.astype(mx.float32) @ weight.astype(mx.float32).T
+    if bias is not None:
+        y = y + bias.astype(mx.float32)
+    y = y.astype(x.dtype)
+    return y if residual is None else residual + y
+
+
 def check_cases(dtype):
-    """(x, weight, bias) for 2-16 rows over the K and N its loops and launch
-    shapes split differently, views off a 16-byte boundary, and a bias."""
+    """(x, weight, bias, residual) for 2-16 rows over the K and N its loops
+    and launch shapes split differently, views off a 16-byte boundary, a
+    bias, and a residual."""
     # K: 96 (3 steps, most warps idle), 512 (under one pass of SHAPE's loop), 4096
     # (two passes), LONG_K (LONG_K_SHAPE); N = 100 (the last 8-column tile half full)
     n = 100
@@ -286,10 +316,14 @@ def check_cases(dtype):
         whole = mx.random.normal((3 * n, k), key=mx.random.key(k)).astype(dtype)
         w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
         for rows in (2, 3, 8, 13, 16):
-            yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None
+            yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None, None
     k = 512
     flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
     x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
     w = flat[5 + 9 * k : 5 + 9 * k + n * k].reshape(n, k)
-    yield x, w, None
-    yield x, w, mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
+    bias = mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
+    residual = (8 * mx.random.normal((1, 9, n), key=mx.random.key(9))).astype(dtype)
+    yield x, w, None, None
+    yield x, w, bias, None
+    yield x, w, None, residual
+    yield x, w, bias, residual

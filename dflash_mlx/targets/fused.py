@@ -56,10 +56,11 @@ class FusedProjections:
         k, v = mx.split(apply_linear(self.kv, x), self.kvq_splits[:1], axis=-1)
         return k, v
 
-    def mlp(self, mlp: nn.Module, x: mx.array) -> mx.array:
-        """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product."""
+    def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product
+        (plus ``residual``, added by the down product's launch where it can)."""
         gate, up = mx.split(apply_linear(self.gate_up, x), [self.ffn], axis=-1)
-        return apply_linear(mlp.down_proj, swiglu(gate, up))
+        return apply_linear(mlp.down_proj, swiglu(gate, up), residual)
 
 
 # id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
@@ -160,4 +161,4 @@ def block(layer: nn.Module, window: int | None = None) -> Callable:
     if fused is None:
         return layer
 
-    return dense_block(layer, fused.qkv, lambda x: fused.mlp(layer.mlp, x), window)
+    return dense_block(layer, fused.qkv, lambda x, h: fused.mlp(layer.mlp, x, h), window)

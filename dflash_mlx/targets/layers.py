@@ -49,8 +49,9 @@ def own_projections(attn: nn.Module) -> Callable:
 
 def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | None = None) -> Callable:
     """The forward (h, mask, cache) -> h of an mlx-lm qwen3/llama-shaped
-    layer (q/k norms where it has them), q, k and v from ``qkv(x)`` and the
-    MLP ``mlp``."""
+    layer (q/k norms where it has them), q, k and v from ``qkv(x)``, and
+    ``mlp(x, h)``: h plus the MLP of x. The attention's output product adds
+    its residual in the same launch where the block-product kernel runs."""
     attn = layer.self_attn
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
@@ -71,7 +72,7 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         out = attend(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
-        h = h + apply_linear(attn.o_proj, out)
-        return h + mlp(layer.post_attention_layernorm(h))
+        h = apply_linear(attn.o_proj, out, residual=h)
+        return mlp(layer.post_attention_layernorm(h), h)
 
     return forward
