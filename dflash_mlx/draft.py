@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels.block_products import apply_linear
+from .kernels.block_products import apply_linear_heads
 from .kernels.norm_rope import norm_rope
 from .kv_cache import BufferKVCache, positions_mask
 from .targets.attention import attention as cache_attention
@@ -364,12 +364,12 @@ class DraftAttention(nn.Module):
             values = mx.concatenate([ctx_values, values], axis=2)
         attend = attend or mx.fast.scaled_dot_product_attention
         out = attend(queries, keys, values, scale=self.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        # (inference: a block's product in one launch where that kernel checked out; training keeps
-        # the module, which has a gradient)
+        # (inference: a block's product in one launch where that kernel checked out, reading the
+        # heads in place; training keeps the module, which has a gradient)
         if cache is not None:
-            return apply_linear(self.o_proj, out, residual)
-        return self.o_proj(out) if residual is None else residual + self.o_proj(out)
+            return apply_linear_heads(self.o_proj, out, residual)
+        out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out if residual is None else residual + out
 
 
 class DraftLayer(nn.Module):

@@ -127,8 +127,8 @@ def record_all(recorder: Recorder) -> None:
                 rope(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rp.scale, base=rp.base, offset=offset)
     products = block_products.BlockProductKernel("cuda", factory=recorder.factory)
     for dtype in block_products.DTYPES:
-        for x, w, bias, residual in block_products.check_cases(dtype):
-            products(x, w, bias, residual)
+        for x, w, bias, residual, heads in block_products.check_cases(dtype):
+            products(x, w, bias, residual, heads)
 
 
 def main():

@@ -33,10 +33,13 @@ class FakeKernel:
     """A kernel as the module's callers see it, counting its calls."""
 
     def __init__(self, fn=kernel_arithmetic):
-        self.fn, self.calls = fn, 0
+        self.fn, self.calls, self.heads = fn, 0, 0
 
-    def __call__(self, x, weight, bias=None, residual=None):
+    def __call__(self, x, weight, bias=None, residual=None, heads=False):
         self.calls += 1
+        if heads:  # (an attention's output [1, heads, rows, D], taken as its rows)
+            self.heads += 1
+            x = x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
         return self.fn(x, weight, bias, residual)
 
 
@@ -90,10 +93,12 @@ def test_a_kernel_that_checks_out_takes_a_verifys_products_and_only_those(fake_g
     (result,) = bp._checks.values()
     assert result.ok and kernel.calls > 0
     for rows, expected in want.items():
-        before = kernel.calls
+        before, heads = kernel.calls, kernel.heads
         got = run_layer(layer, rows)
-        # q/k/v (one product), o, gate/up (one product), down: four launches for 2-16 rows
+        # q/k/v (one product), o (reading the attention's heads in place), gate/up (one product),
+        # down: four launches for 2-16 rows
         assert kernel.calls - before == (4 if 2 <= rows <= 16 else 0), rows
+        assert kernel.heads - heads == (1 if 2 <= rows <= 16 else 0), rows
         assert rel_err(got, expected) < 2e-2
 
 
@@ -204,6 +209,43 @@ def test_a_residual_is_added_in_the_products_launch_and_its_check_covers_it(fake
         bp.prepare(mx.bfloat16)
 
 
+def test_an_attentions_heads_are_the_kernels_rows_in_place(fake_gpu):
+    """``apply_linear_heads(module, out, residual)`` is module(out's rows)
+    plus the residual, out [1, heads, L, D] as the attention gives it: the
+    kernel reads the heads (no transposed copy) where it takes the product;
+    elsewhere (one row, a batch of two, a quantized layer, the CPU) the rows
+    are made and ``apply_linear`` does the rest. A kernel that reads the
+    heads as rows fails its self-check."""
+    mx.random.seed(11)
+    module = nn.Linear(4 * 32, 40, bias=False)
+    module.set_dtype(mx.bfloat16)
+
+    def rows_of(out):
+        return out.transpose(0, 2, 1, 3).reshape(out.shape[0], out.shape[2], -1)
+
+    out = mx.random.normal((1, 4, 6, 32)).astype(mx.bfloat16)
+    residual = mx.random.normal((1, 6, 40)).astype(mx.bfloat16)
+    want = residual + module(rows_of(out))
+    assert mx.array_equal(bp.apply_linear_heads(module, out, residual), want)  # (the CPU)
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    calls, heads = kernel.calls, kernel.heads
+    assert mx.array_equal(bp.apply_linear_heads(module, out, residual),
+                          kernel_arithmetic(rows_of(out), module.weight, None, residual))
+    assert (kernel.calls, kernel.heads) == (calls + 1, heads + 1)
+    for other in (out[:, :, :1], mx.concatenate([out, out])):  # one row; a batch of two: rows made first
+        assert rel_err(bp.apply_linear_heads(module, other), module(rows_of(other))) < 1e-2
+    assert kernel.heads == heads + 1
+    bp.reset()
+
+    def as_rows(x, w, b=None, r=None, heads=False):  # the heads' memory read as if it were rows
+        return kernel_arithmetic(x.reshape(x.shape[0], x.shape[2], -1) if heads else x, w, b, r)
+
+    fake_gpu(as_rows)
+    with pytest.warns(RuntimeWarning, match="block-product kernel failed its self-check"):
+        bp.prepare(mx.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", bp.DTYPES)
 def test_the_self_checks_reference_is_the_float32_product_rounded_then_the_residual(dtype):
     """The self-check compares the kernel with ``reference``: every check
@@ -211,9 +253,11 @@ def test_the_self_checks_reference_is_the_float32_product_rounded_then_the_resid
     CUDA products fail on the check's views off a 16-byte boundary, so the
     reference never multiplies them in bf16/fp16)."""
     cases = list(bp.check_cases(dtype))
-    assert any(r is not None for *_, r in cases) and any(b is not None for _, _, b, _ in cases)
-    for x, w, bias, residual in cases:
-        assert rel_err(bp.reference(x, w, bias, residual), kernel_arithmetic(x, w, bias, residual)) < 1e-2
+    assert any(r is not None for *_, r, _ in cases) and any(b is not None for _, _, b, _, _ in cases)
+    assert any(heads for *_, heads in cases)
+    for x, w, bias, residual, heads in cases:
+        rows = x.transpose(0, 2, 1, 3).reshape(1, x.shape[2], -1) if heads else x
+        assert rel_err(bp.reference(x, w, bias, residual, heads), kernel_arithmetic(rows, w, bias, residual)) < 1e-2
 
 
 def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):

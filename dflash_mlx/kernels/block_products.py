@@ -39,7 +39,7 @@ from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 6  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+VERSION = 7  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
 MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
@@ -54,7 +54,9 @@ SHAPE = (1, 8, 8)
 LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
 LONG_K = 8192
 
-# Template constants: T (dtype), NT, KW, U (the launch shape), HAS_BIAS (b is
+# Template constants: T (dtype), NT, KW, U (the launch shape), HEADS (x is an
+# attention's output [heads, M, D], read as the rows [M, heads * D] that its
+# transpose would make: one copy a layer fewer), HAS_BIAS (b is
 # the bias, else a placeholder), HAS_RESIDUAL (r [M, N] is added to the
 # product, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
 # matrix-unit product. x [M, K] with M <= 16, w [N, K] (both row contiguous, K
@@ -73,8 +75,9 @@ BODY = """
   const int wk = int(threadIdx.x) >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int M = x_shape[0];
-  const int K = x_shape[1];
+  const int M = HEADS ? x_shape[1] : x_shape[0];
+  const int D = HEADS ? x_shape[2] : 1;  // (a multiple of 8: a 16-byte load stays in one head)
+  const int K = HEADS ? x_shape[0] * x_shape[2] : x_shape[1];
   const int N = w_shape[0];
   const int n0 = int(blockIdx.x) * 8 * NT;
   // the output element: the product rounded, plus the residual (rounded again) where there is one
@@ -84,8 +87,10 @@ BODY = """
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   // (K is a multiple of 32, so every row starts as aligned as its matrix does)
   const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15) == 0;
-  const T* xa = x + idx_t(g) * K + 8 * t;
-  const T* xb = x + idx_t(g + 8) * K + 8 * t;
+  // row m's elements k..k+7 (k a multiple of 8)
+  auto row_at = [&](int m, int k) -> const T* {
+    return HEADS ? x + (idx_t(k / D) * M + m) * D + k % D : x + idx_t(m) * K + k;
+  };
   const T* wr[NT];
   bool live[NT];
 #pragma unroll
@@ -105,8 +110,8 @@ BODY = """
     for (int s = 0; s < U; ++s) {
       const int kb = kb0 + s * 32 * KW;
       const bool in = kb < K;
-      u[s] = in && g < M ? load16(xa + kb, aligned) : zero;
-      v[s] = in && g + 8 < M ? load16(xb + kb, aligned) : zero;
+      u[s] = in && g < M ? load16(row_at(g, kb + 8 * t), aligned) : zero;
+      v[s] = in && g + 8 < M ? load16(row_at(g + 8, kb + 8 * t), aligned) : zero;
 #pragma unroll
       for (int i = 0; i < NT; ++i) wv[s][i] = in && live[i] ? load16(wr[i] + kb, aligned) : zero;
     }
@@ -187,19 +192,25 @@ class BlockProductKernel:
         self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
     def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
-                 residual: mx.array | None = None) -> mx.array:
+                 residual: mx.array | None = None, heads: bool = False) -> mx.array:
         """residual + (x @ weight.T + bias), x [..., K] with 2-16 rows; the
-        bias and the residual [..., N] optional."""
-        *lead, k = x.shape
+        bias and the residual [..., N] optional. ``heads``: x is an
+        attention's output [1, heads, rows, D], multiplied as its rows
+        [1, rows, heads * D] (the output [1, rows, N])."""
+        if heads:
+            _, h, rows, d = x.shape
+            lead, k, x = (1, rows), h * d, x.reshape(h, rows, d)
+        else:
+            *lead, k = x.shape
+            rows = x.size // k
+            x = x.reshape(rows, k)
         n = weight.shape[0]
-        rows = x.size // k
         tiles, split, ahead = self.shape or launch_shape(n, k)
         none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
-            inputs=[x.reshape(rows, k), weight, none if bias is None else bias,
-                    none if residual is None else residual.reshape(rows, n)],
-            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HAS_BIAS", bias is not None),
-                      ("HAS_RESIDUAL", residual is not None)],
+            inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n)],
+            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HEADS", heads),
+                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None)],
             grid=(-(-n // (8 * tiles)) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
@@ -217,12 +228,19 @@ def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None, residual: 
     """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
     2-D weight (and a bias, if any) of the same dtype, K a multiple of 32, a
     residual (if any) of the output's shape and dtype."""
-    k = x.shape[-1]
+    return _fits(x.shape[:-1], x.shape[-1], x.dtype, weight, bias, residual)
+
+
+def _fits(lead: tuple, k: int, dtype, weight: mx.array, bias: mx.array | None, residual: mx.array | None) -> bool:
+    """``fits`` for rows of shape [*lead, k]."""
     n = weight.shape[0]
-    return (2 <= x.size // k <= MOST_ROWS and x.dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
-            and weight.dtype == x.dtype and k % 32 == 0
-            and (bias is None or (bias.shape == (n,) and bias.dtype == x.dtype))
-            and (residual is None or (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype)))
+    rows = 1
+    for d in lead:
+        rows *= d
+    return (2 <= rows <= MOST_ROWS and dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
+            and weight.dtype == dtype and k % 32 == 0
+            and (bias is None or (bias.shape == (n,) and bias.dtype == dtype))
+            and (residual is None or (residual.shape == (*lead, n) and residual.dtype == dtype)))
 
 
 BUILDERS = {"cuda": BlockProductKernel}
@@ -269,6 +287,21 @@ def passed(dtype) -> BlockProductKernel | None:
     return _ready.get((backend(), dtype))
 
 
+def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | None = None) -> mx.array:
+    """``apply_linear`` on an attention's output [B, heads, L, D] taken as
+    its rows [B, L, heads * D]: the kernel reads them in place where it
+    takes the product (B = 1, D a multiple of 8), else the transpose is
+    made and ``apply_linear`` does the rest."""
+    B, h, L, d = heads.shape
+    if type(module) is nn.Linear and B == 1 and 2 <= L <= MOST_ROWS and d % 8 == 0:
+        bias = module["bias"] if "bias" in module else None
+        if _fits((1, L), h * d, heads.dtype, module.weight, bias, residual):
+            kernel = passed(heads.dtype)
+            if kernel is not None:
+                return kernel(heads, module.weight, bias, residual, heads=True)
+    return apply_linear(module, heads.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
+
+
 def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
     """``module(x)``, or ``residual + module(x)``: for an nn.Linear through
     the kernel where it takes the product and has checked out (the residual
@@ -286,18 +319,20 @@ def self_check(where: str, dtype) -> CheckResult:
     """The kernel against ``reference`` on ``check_cases``."""
 
     def outputs(kernel):
-        for x, w, bias, residual in check_cases(dtype):
-            yield kernel(x, w, bias, residual), reference(x, w, bias, residual)
+        for x, w, bias, residual, heads in check_cases(dtype):
+            yield kernel(x, w, bias, residual, heads), reference(x, w, bias, residual, heads)
 
     return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)
 
 
 def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,
-              residual: mx.array | None = None) -> mx.array:
+              residual: mx.array | None = None, heads: bool = False) -> mx.array:
     """What the kernel computes, by MLX's ops: the product in float32 (on
     float32 copies: MLX's CUDA backend hands a bf16/fp16 product to cuBLASLt,
     which fails on a view off a 16-byte boundary, as some check cases are),
     rounded to the dtype once, then the residual added and rounded."""
+    if heads:
+        x = x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
     y = x.astype(mx.float32) @ weight.astype(mx.float32).T
     if bias is not None:
         y = y + bias.astype(mx.float32)
@@ -306,9 +341,9 @@ def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,
 
 
 def check_cases(dtype):
-    """(x, weight, bias, residual) for 2-16 rows over the K and N its loops
-    and launch shapes split differently, views off a 16-byte boundary, a
-    bias, and a residual."""
+    """(x, weight, bias, residual, heads) for 2-16 rows over the K and N its
+    loops and launch shapes split differently, views off a 16-byte boundary,
+    a bias, a residual, and an attention's output read by heads."""
     # K: 96 (3 steps, most warps idle), 512 (under one pass of SHAPE's loop), 4096
     # (two passes), LONG_K (LONG_K_SHAPE); N = 100 (the last 8-column tile half full)
     n = 100
@@ -316,14 +351,24 @@ def check_cases(dtype):
         whole = mx.random.normal((3 * n, k), key=mx.random.key(k)).astype(dtype)
         w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
         for rows in (2, 3, 8, 13, 16):
-            yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None, None
+            yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None, None, False
     k = 512
     flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
     x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
     w = flat[5 + 9 * k : 5 + 9 * k + n * k].reshape(n, k)
     bias = mx.random.normal((n,), key=mx.random.key(8)).astype(dtype)
     residual = (8 * mx.random.normal((1, 9, n), key=mx.random.key(9))).astype(dtype)
-    yield x, w, None, None
-    yield x, w, bias, None
-    yield x, w, None, residual
-    yield x, w, bias, residual
+    yield x, w, None, None, False
+    yield x, w, bias, None, False
+    yield x, w, None, residual, False
+    yield x, w, bias, residual, False
+    # [1, heads, rows, D]: 8 heads of 64 and 4 of 128 (K 512), 3 rows (a residual, the weight off
+    # a 16-byte boundary as above) and 16 rows (an aligned weight)
+    aligned = mx.random.normal((n, k), key=mx.random.key(10)).astype(dtype)
+    for h, d in ((8, 64), (4, 128)):
+        for rows in (3, 16):
+            out = mx.random.normal((1, h, rows, d), key=mx.random.key(200 + h + rows)).astype(dtype)
+            if rows == 3:
+                yield out, w, None, (8 * mx.random.normal((1, rows, n), key=mx.random.key(11))).astype(dtype), True
+            else:
+                yield out, aligned, None, None, True

@@ -16,7 +16,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.block_products import apply_linear
+from ..kernels.block_products import apply_linear_heads
 from ..kernels.norm_rope import norm_rope
 from .attention import attention
 
@@ -29,6 +29,15 @@ def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: in
     ``cache`` (None: a whole sequence, no cache), then attention of the new
     rows from that offset, within ``window``, with per-head ``sinks`` if
     given. Returns [B, L, heads * D]."""
+    out = attend_heads(rope, queries, keys, values, cache=cache, scale=scale, mask=mask, window=window, sinks=sinks)
+    B, _, L, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+
+def attend_heads(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
+                 sinks: mx.array | None = None) -> mx.array:
+    """``attend``'s output as the attention gives it, [B, heads, L, D]
+    (``block_products.apply_linear_heads`` takes it as rows without a copy)."""
     start = None if cache is None else cache.offset
     if rope is not None and cache is not None:
         queries, keys = rope(queries, offset=start), rope(keys, offset=start)
@@ -36,10 +45,8 @@ def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: in
         queries, keys = rope(queries), rope(keys)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    out = attention(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
-                    sinks=sinks)
-    B, _, L, _ = out.shape
-    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return attention(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
+                     sinks=sinks)
 
 
 def own_projections(attn: nn.Module) -> Callable:
@@ -71,8 +78,8 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        out = attend(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
-        h = apply_linear(attn.o_proj, out, residual=h)
+        out = attend_heads(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        h = apply_linear_heads(attn.o_proj, out, residual=h)
         return mlp(layer.post_attention_layernorm(h), h)
 
     return forward
