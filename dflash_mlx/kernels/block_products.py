@@ -30,6 +30,7 @@ trace).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import mlx.core as mx
@@ -224,20 +225,13 @@ def launch_shape(n: int, k: int) -> tuple[int, int, int]:
     return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
 
 
-def fits(x: mx.array, weight: mx.array, bias: mx.array | None = None, residual: mx.array | None = None) -> bool:
-    """Whether the kernel takes this product: 2-16 rows of bf16 or fp16, a
-    2-D weight (and a bias, if any) of the same dtype, K a multiple of 32, a
-    residual (if any) of the output's shape and dtype."""
-    return _fits(x.shape[:-1], x.shape[-1], x.dtype, weight, bias, residual)
-
-
-def _fits(lead: tuple, k: int, dtype, weight: mx.array, bias: mx.array | None, residual: mx.array | None) -> bool:
-    """``fits`` for rows of shape [*lead, k]."""
+def fits(lead: tuple, k: int, dtype, weight: mx.array, bias: mx.array | None, residual: mx.array | None) -> bool:
+    """Whether the kernel takes the product of rows [*lead, k] of ``dtype``:
+    2-16 rows of bf16 or fp16, a 2-D weight (and a bias, if any) of the same
+    dtype, K a multiple of 32, a residual (if any) of the output's shape and
+    dtype."""
     n = weight.shape[0]
-    rows = 1
-    for d in lead:
-        rows *= d
-    return (2 <= rows <= MOST_ROWS and dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
+    return (2 <= math.prod(lead) <= MOST_ROWS and dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
             and weight.dtype == dtype and k % 32 == 0
             and (bias is None or (bias.shape == (n,) and bias.dtype == dtype))
             and (residual is None or (residual.shape == (*lead, n) and residual.dtype == dtype)))
@@ -293,12 +287,11 @@ def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | 
     takes the product (B = 1, D a multiple of 8), else the transpose is
     made and ``apply_linear`` does the rest."""
     B, h, L, d = heads.shape
-    if type(module) is nn.Linear and B == 1 and 2 <= L <= MOST_ROWS and d % 8 == 0:
-        bias = module["bias"] if "bias" in module else None
-        if _fits((1, L), h * d, heads.dtype, module.weight, bias, residual):
-            kernel = passed(heads.dtype)
-            if kernel is not None:
-                return kernel(heads, module.weight, bias, residual, heads=True)
+    if B == 1 and 2 <= L <= MOST_ROWS and d % 8 == 0:
+        taken = _taking(module, (1, L), h * d, heads.dtype, residual)
+        if taken is not None:
+            kernel, bias = taken
+            return kernel(heads, module.weight, bias, residual, heads=True)
     return apply_linear(module, heads.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 
@@ -306,13 +299,24 @@ def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = Non
     """``module(x)``, or ``residual + module(x)``: for an nn.Linear through
     the kernel where it takes the product and has checked out (the residual
     added in the same launch), else the module itself."""
-    if type(module) is nn.Linear and 2 <= x.size // x.shape[-1] <= MOST_ROWS:  # (a plain step's row: at once)
-        bias = module["bias"] if "bias" in module else None
-        if fits(x, module.weight, bias, residual):
-            kernel = passed(x.dtype)
-            if kernel is not None:
-                return kernel(x, module.weight, bias, residual)
+    if 2 <= x.size // x.shape[-1] <= MOST_ROWS:  # (a plain step's row: at once)
+        taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, residual)
+        if taken is not None:
+            kernel, bias = taken
+            return kernel(x, module.weight, bias, residual)
     return module(x) if residual is None else residual + module(x)
+
+
+def _taking(module: nn.Module, lead: tuple, k: int, dtype, residual: mx.array | None):
+    """(the kernel, the module's bias) where the kernel takes ``module``'s
+    product of rows [*lead, k] and has checked out for ``dtype``, else None."""
+    if type(module) is not nn.Linear:
+        return None
+    bias = module["bias"] if "bias" in module else None
+    if not fits(lead, k, dtype, module.weight, bias, residual):
+        return None
+    kernel = passed(dtype)
+    return None if kernel is None else (kernel, bias)
 
 
 def self_check(where: str, dtype) -> CheckResult:
