@@ -19,8 +19,8 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels.block_products import apply_linear_heads
-from .kernels.norm_rope import norm_rope
+from .kernels.block_products import apply_linear, apply_linear_heads
+from .kernels.norm_rope import norm_rope, norm_rope_keys
 from .kv_cache import BufferKVCache, positions_mask
 from .targets.attention import attention as cache_attention
 from .targets.attention import prepare as prepare_attention
@@ -326,11 +326,18 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def keys_values(self, x: mx.array, rope, offset, fused=None) -> tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, rope, offset, fused=None, cached: bool = False) -> tuple[mx.array, mx.array]:
         """Roped, normed keys and plain values of ``x`` at positions offset..
-        (``fused``: the layer's FusedProjections, k and v from one product)."""
+        (``fused``: the layer's FusedProjections, k and v from one product;
+        ``cached``: for the context cache, at inference, the keys normed and
+        rotated in one launch where that kernel checked out, kernels/norm_rope.py)."""
         k, v = fused.keys_values(x) if fused is not None else (self.k_proj(x), self.v_proj(x))
-        return self._keys(k, rope, offset), self._heads(v, self.n_kv_heads)
+        if cached:
+            B, S, _ = x.shape
+            keys = norm_rope_keys(k.reshape(B, S, self.n_kv_heads, -1), self.k_norm, rope, offset)
+        else:
+            keys = self._keys(k, rope, offset)
+        return keys, self._heads(v, self.n_kv_heads)
 
     def _keys(self, k: mx.array, rope, offset) -> mx.array:
         return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
@@ -435,9 +442,12 @@ class DFlashDraft(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def context(self, taps: mx.array) -> mx.array:
-        """Context features from the target's concatenated tapped states."""
-        return self.hidden_norm(self.fc(taps))
+    def context(self, taps: mx.array, cached: bool = False) -> mx.array:
+        """Context features from the target's concatenated tapped states
+        (``cached``: for the context cache, at inference, where ``fc`` may
+        run as one block-product launch; training keeps the module, which
+        has a gradient)."""
+        return self.hidden_norm(apply_linear(self.fc, taps) if cached else self.fc(taps))
 
     # -- inference -------------------------------------------------------
     # Inference runs each layer with q/k/v as one product and gate/up as
@@ -461,9 +471,9 @@ class DFlashDraft(nn.Module):
         """Append the context keys/values of newly committed positions, given
         their tapped target states taps: [1, S, n*H] (``fused``: the layers'
         fused projections if the caller holds them, see ``fused_projections``)."""
-        ctx = self.context(taps)
+        ctx = self.context(taps, cached=True)
         for layer, c, fused in zip(self.layers, cache, self.fused_projections() if fused is None else fused):
-            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset, fused))
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset, fused, cached=True))
 
     def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None) -> mx.array:
         """Draft one block.

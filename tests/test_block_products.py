@@ -306,3 +306,39 @@ def test_each_product_launches_with_its_shapes_launch_shape():
         assert (template["NT"], template["KW"], template["U"], template["HAS_BIAS"]) == (tiles, split, ahead, False)
         assert launches[-1]["grid"][0] == -(-n // (8 * tiles)) * 32 * split
         assert launches[-1]["threadgroup"][0] == 32 * split <= 1024
+
+
+def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_training(fake_gpu, monkeypatch):
+    """``extend`` (the context cache, at inference) sends ``fc`` through the
+    block-product kernel and each layer's keys through the q/k norm + RoPE
+    kernel (keys alone: one launch a layer), with the keys and values the
+    training path computes; ``context`` and ``keys_values`` as training calls
+    them take neither."""
+    from dflash_mlx.kv_cache import BufferKVCache
+    from test_norm_rope import Recorder, kernel_arithmetic as norm_rope_arithmetic
+
+    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=256)  # (heads of 64: the rope kernel's least)
+    dcfg = draft_config(tcfg, layers=2, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=5))
+    draft.set_dtype(mx.bfloat16)
+    products = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    rope_kernel = Recorder(norm_rope_arithmetic)
+    monkeypatch.setattr(nr, "backend", lambda: "fake")
+    monkeypatch.setitem(nr.BUILDERS, "fake", lambda where: rope_kernel)
+    nr.prepare(mx.bfloat16, draft.config.head_dim)
+    bp_checked, nr_checked = products.calls, rope_kernel.calls
+    taps = mx.random.normal((1, 6, 2 * 256), key=mx.random.key(6)).astype(mx.bfloat16)
+    ctx = draft.context(taps)  # (as training calls them)
+    want = [layer.self_attn.keys_values(ctx, draft.rope, 0) for layer in draft.layers]
+    assert (products.calls, rope_kernel.calls) == (bp_checked, nr_checked)
+    cache = draft.make_cache()
+    for c in cache:
+        c.set_length(0)
+    draft.extend(taps, cache, [None] * len(draft.layers))
+    assert products.calls == bp_checked + 1  # fc (the layers' k/v products unfused here: the modules')
+    assert rope_kernel.calls == nr_checked + len(draft.layers)
+    for c, (keys, values) in zip(cache, want):
+        got_keys, got_values = c.state
+        assert rel_err(got_keys[:, :, :6], keys) < 2e-2 and rel_err(got_values[:, :, :6], values) < 2e-2
+    nr.reset()

@@ -205,6 +205,14 @@ def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
                   offset=offset)
 
 
+def norm_rope_keys(k, k_norm: nn.Module, rope, offset):
+    """``norm_rope`` for keys alone, k [B, L, heads, D] -> [B, heads, L, D]:
+    one launch of the kernel with k as its queries too (the rows done twice
+    are a few; MLX's ops take three launches: a copy, the norm, the
+    rotation); the ops path where the kernel does not run."""
+    return norm_rope(k, k, k_norm, k_norm, rope, offset)[1]
+
+
 def self_check(where: str, dtype, head_dim: int) -> CheckResult:
     """The kernel against the ops path on verify-like views (rows of a fused
     q/k/v product, an array offset) and a drafter-like int offset."""
