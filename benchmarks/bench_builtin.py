@@ -76,27 +76,35 @@ def prompt_sets(tokenizer, texts: dict[str, list[str]], n: int) -> dict[str, lis
     return {"code": [tokenizer.encode(t) for t in texts["code"][:n]], "chat": [list(c) for c in chat]}
 
 
-def decode_time(responses):
+def decode_time(responses, gaps: list | None = None):
     """Tokens after the first and the seconds they took (prefill and the
-    first token excluded, the same clock for both loops), and the last response."""
+    first token excluded, the same clock for both loops), and the last
+    response; ``gaps`` gets the seconds between responses (a plain step's
+    or a DFlash cycle's each)."""
     first = last = None
+    mark = None
     for last in responses:
+        now = time.perf_counter()
         if first is None:
-            first = time.perf_counter()
+            first = now
+        elif gaps is not None:
+            gaps.append(now - mark)
+        mark = now
     return last.generation_tokens - 1, time.perf_counter() - first, last
 
 
-def plain(model, tokenizer, prompt, max_tokens, temp, seed):
+def plain(model, tokenizer, prompt, max_tokens, temp, seed, gaps: list | None = None):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
-    n, seconds, _ = decode_time(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)))
+    n, seconds, _ = decode_time(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                                sampler=make_sampler(temp=temp)), gaps)
     return n, seconds
 
 
-def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used: Counter):
+def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used: Counter, gaps: list | None = None):
     """DFlash's decode; counts each cycle's block size into ``used`` (1: a plain step)."""
     from dflash_mlx import stream_generate
 
@@ -107,12 +115,17 @@ def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used:
             yield r
 
     n, seconds, last = decode_time(counted(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                                           temperature=temp, block_size=block, seed=seed)))
+                                                           temperature=temp, block_size=block, seed=seed)), gaps)
     return n, seconds, last.acceptance_length
 
 
+def median_ms(gaps: list) -> float:
+    return 1000 * sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+
+
 def main():
-    from kernel_switches import add_kernel_arguments, kernel_settings, use_fused_projections, use_kernels
+    from kernel_switches import (add_attention_argument, add_kernel_arguments, kernel_settings, use_attention,
+                                 use_fused_projections, use_kernels)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
@@ -127,6 +140,7 @@ def main():
                     help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
                          "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)")
     add_kernel_arguments(ap, "one table each")
+    add_attention_argument(ap, "one table each")
     ap.add_argument("--fuse", choices=["on", "off"], default="on",
                     help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own")
     ap.add_argument("--json", type=Path, help="also write the rows here")
@@ -154,11 +168,14 @@ def main():
     from dflash_mlx.traces import forget_traces
 
     rows = []
-    for norm, prod in kernel_settings(args):
-        use_kernels(norm_rope=norm, products=prod)
-        forget_traces(draft)  # (compiled cycles hold what they were traced with)
-        print(f"\nq/k norms and RoPE: {norm}; block products: {prod}")
-        rows += [r | {"products": prod} for r in table(args, model, draft, tok, sets, blocks, temps, norm)]
+    for attention in args.attention.split(","):
+        for norm, prod in kernel_settings(args):
+            use_kernels(norm_rope=norm, products=prod)
+            use_attention(attention)
+            forget_traces(draft)  # (compiled cycles hold what they were traced with)
+            print(f"\nq/k norms and RoPE: {norm}; block products: {prod}; attention: {attention}")
+            rows += [r | {"products": prod, "attention": attention}
+                     for r in table(args, model, draft, tok, sets, blocks, temps, norm)]
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
 
@@ -172,8 +189,9 @@ def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]
             dflash(model, draft, tok, warm, 32, t, b, 0, Counter())
 
     rows = []
-    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup | cycles by block |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup | cycle ms median / mean "
+          "| plain step ms median / mean | cycles by block |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.sets.split(","):
         for temp in temps:
             for b in blocks:
@@ -182,22 +200,28 @@ def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]
                 base_tok = base_s = tok_n = sec = 0.0
                 accs = []
                 used = Counter()
+                steps, cycles = [], []  # seconds between responses: plain steps, DFlash cycles
                 for i, p in enumerate(sets[name]):
-                    n, s = plain(model, tok, p, args.max_tokens, temp, args.seed + i)
+                    n, s = plain(model, tok, p, args.max_tokens, temp, args.seed + i, steps)
                     base_tok, base_s = base_tok + n, base_s + s
-                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i, used)
+                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i, used, cycles)
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
                     "norm_rope": norm, "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
                     "dflash_tps": tok_n / sec, "plain_tps": base_tok / base_s,
                     "cycles_by_block": dict(sorted(used.items(), reverse=True)),
+                    # (a median against a mean: one-off costs, such as graphs built, show in the mean only)
+                    "cycle_ms_median": median_ms(cycles), "cycle_ms_mean": 1000 * sec / max(len(cycles), 1),
+                    "plain_step_ms_median": median_ms(steps), "plain_step_ms_mean": 1000 * base_s / max(len(steps), 1),
                 }
                 row["speedup"] = row["dflash_tps"] / row["plain_tps"]
                 rows.append(row)
                 blocks_used = " ".join(f"{k if k > 1 else 'plain'}:{v}" for k, v in row["cycles_by_block"].items())
                 print(f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
-                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {blocks_used} |", flush=True)
+                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {row['cycle_ms_median']:.2f} / "
+                      f"{row['cycle_ms_mean']:.2f} | {row['plain_step_ms_median']:.2f} / {row['plain_step_ms_mean']:.2f} "
+                      f"| {blocks_used} |", flush=True)
     return rows
 
 

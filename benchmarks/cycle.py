@@ -6,7 +6,8 @@
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
 almost nothing, so every cycle commits about one token and tok/s is 1 / cycle
-time. For each prompt length it reports, per mode:
+time (``--shape builtin``: the shipped pair, whose drafter accepts some of
+the synthetic prompt's continuation; the cycle's time is what is reported). For each prompt length it reports, per mode:
 
 - plain step ms: mlx-lm's own pipelined decoding (``generate_step``);
 - cycle ms: a DFlash cycle in the real loop (``stream_generate``), the median
@@ -83,9 +84,18 @@ def random_target(shape: str, quantize: int | None = None):
 
 
 def random_pair(shape: str, quantize: int | None):
-    from dflash_mlx import DFlashDraft, DraftConfig
+    """The target and drafter at ``shape``'s sizes, random weights; "builtin":
+    the shipped pair itself, bf16 (its drafter has four layers, where "small"
+    has the same target sizes and two)."""
+    from dflash_mlx import DFlashDraft, DraftConfig, load
     from dflash_mlx.targets import adapt
 
+    if shape == "builtin":
+        model, draft, _ = load("builtin", dtype="bfloat16")
+        if quantize:
+            nn.quantize(model, group_size=64, bits=quantize)
+            draft.bind(adapt(model))
+        return model, draft
     model = random_target(shape, quantize)
     draft = DFlashDraft(DraftConfig.from_dict(configs(shape)[1]))
     draft.set_dtype(mx.bfloat16)
@@ -214,10 +224,11 @@ def synced_pieces(model, draft, prompt, block: int) -> dict:
 
 
 def main():
-    from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
+    from kernel_switches import add_attention_argument, add_kernel_arguments, kernel_settings, use_attention, use_kernels
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="small",
+                    help="a model's sizes with random weights, or builtin: the shipped pair")
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
     ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes")
@@ -231,9 +242,7 @@ def main():
                          "mlx-lm layers, or both side by side in one run")
     ap.add_argument("--fuse-draft", choices=["on", "off", "both"], default="on",
                     help="fused products in the drafter's layers (the default), its modules, or both")
-    ap.add_argument("--attention", default="table",
-                    help="comma-separated, side by side: 'table' (the block-attention kernel where its "
-                         "measured table picks it: the default), 'kernel' (always), 'fused' (never)")
+    add_attention_argument(ap, "side by side")
     add_kernel_arguments(ap, "side by side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -242,10 +251,8 @@ def main():
 
     from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
 
-    from dflash_mlx.kernels import dispatch
     from dflash_mlx.traces import forget_traces
 
-    table = dispatch.KERNEL_WINS
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
     tokenizer = make_tokenizer(64)
@@ -266,7 +273,7 @@ def main():
             use_kernels(norm_rope=norm, products=products)
             DenseTarget.fuse_projections = fuse
             type(draft).fuse_projections = fuse_draft
-            dispatch.KERNEL_WINS = {"table": table, "kernel": ((256, 0),), "fused": ()}[attention]
+            use_attention(attention)
             forget_traces(draft)  # compiled cycles hold the attention they were traced with
             for block in [int(b) for b in args.blocks.split(",")]:
                 row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft,

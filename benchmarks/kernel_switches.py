@@ -56,3 +56,32 @@ def use_fused_projections(on: bool) -> None:
 
     for cls in (Qwen3Target, LlamaTarget):
         cls.fuse_projections = on
+
+
+ATTENTION = ("table", "kernel", "fused")
+
+
+def add_attention_argument(ap, each: str) -> None:
+    """--attention, comma-separated: where the block-attention kernel runs."""
+    ap.add_argument("--attention", default="table",
+                    help=f"comma-separated, {each}: 'table' (the block-attention kernel where its measured table "
+                         "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, prefill chunks "
+                         "excepted), 'fused' (never: MLX's attention)")
+
+
+def use_attention(choice: str) -> None:
+    """Route attention as ``choice`` says (ATTENTION); then forget compiled traces."""
+    from dflash_mlx.kernels import dispatch
+
+    if choice not in ATTENTION:
+        raise SystemExit(f"--attention takes {', '.join(ATTENTION)}, not {choice!r}.")
+    dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[choice]
+
+
+def _table():
+    from dflash_mlx.kernels import dispatch
+
+    return dispatch.KERNEL_WINS
+
+
+_TABLE = _table()

@@ -19,10 +19,10 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels.block_products import apply_linear, apply_linear_heads
+from .kernels.block_products import apply_linear, apply_linear_output
 from .kernels.norm_rope import norm_rope, norm_rope_keys
 from .kv_cache import BufferKVCache, positions_mask
-from .targets.attention import attention as cache_attention
+from .targets.attention import attention_output as cache_attention
 from .targets.attention import prepare as prepare_attention
 from .targets.fused import projections
 
@@ -350,8 +350,12 @@ class DraftAttention(nn.Module):
         With ``cache`` (inference) the context comes from the cache instead:
         the block's keys/values are written into the cache's buffer right
         after its valid length, without moving it, so the context is never
-        copied and the next write replaces them. ``attend`` replaces the fused
-        attention (same signature as mx.fast.scaled_dot_product_attention);
+        copied and the next write replaces them; ``attend`` is attention over
+        it that returns its output as stored, as
+        ``targets.attention.attention_output`` does (None: the fused op's
+        heads). Without a cache,
+        ``attend`` replaces the fused attention (the signature of
+        mx.fast.scaled_dot_product_attention);
         ``fused``, the layer's FusedProjections, makes q/k/v one product;
         ``residual`` is added to the output (by the output product's launch,
         where the block-product kernel takes it)."""
@@ -369,12 +373,17 @@ class DraftAttention(nn.Module):
         elif ctx_keys is not None:
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
+        if cache is not None:
+            # (inference: ``attend`` gives the output as stored, attention_output's pair, and the
+            # block's product is one launch where that kernel checked out, reading it in place;
+            # training keeps the module, which has a gradient)
+            if attend is None:
+                out, as_rows = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask), False
+            else:
+                out, as_rows = attend(queries, keys, values, scale=self.scale, mask=mask)
+            return apply_linear_output(self.o_proj, out, as_rows, residual)
         attend = attend or mx.fast.scaled_dot_product_attention
         out = attend(queries, keys, values, scale=self.scale, mask=mask)
-        # (inference: a block's product in one launch where that kernel checked out, reading the
-        # heads in place; training keeps the module, which has a gradient)
-        if cache is not None:
-            return apply_linear_heads(self.o_proj, out, residual)
         out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         return out if residual is None else residual + out
 
@@ -431,7 +440,9 @@ class DFlashDraft(nn.Module):
         return self._target
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.target.embed(tokens) * self.config.input_embedding_scale
+        scale = self.config.input_embedding_scale
+        embedded = self.target.embed(tokens)
+        return embedded if scale == 1.0 else embedded * scale  # (a launch a cycle fewer at 1)
 
     def logits(self, h: mx.array) -> mx.array:
         logits = self.target.lm_head(h)

@@ -246,6 +246,39 @@ def test_an_attentions_heads_are_the_kernels_rows_in_place(fake_gpu):
         bp.prepare(mx.bfloat16)
 
 
+def test_the_block_attention_kernels_rows_go_to_the_o_product_as_rows(fake_gpu, monkeypatch):
+    """Where the block-attention kernel runs, its output is stored as rows
+    (each row's heads side by side): the o product takes those rows as they
+    are (no heads read, no copy), where after MLX's fused attention it reads
+    the heads in place; the layer computes the same either way."""
+    from dflash_mlx.kernels import dispatch, ops_attention
+
+    layer = tiny_layer()
+    want = run_layer(layer, 5)  # (the CPU)
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    fused = run_layer(layer, 5)
+    calls, heads = kernel.calls, kernel.heads
+    attended = []
+
+    def block_attention(q, k, v, **kw):  # a GPU's kernel as its callers see it: rows, viewed as heads
+        attended.append(q.shape)
+        out = ops_attention(q, k, v, **kw)
+        return mx.contiguous(out.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    dispatch.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: block_attention)
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((64, 0),))
+    assert dispatch.checked_kernel("fake", mx.bfloat16, 64, False) is block_attention
+    attended.clear()
+    got = run_layer(layer, 5)
+    dispatch.reset()
+    assert attended == [(1, 4, 5, 64)]
+    assert kernel.calls - calls == 4 and kernel.heads == heads  # q/k/v, o (as rows), gate/up, down
+    assert rel_err(got, fused) < 1e-2 and rel_err(got, want) < 2e-2
+
+
 @pytest.mark.parametrize("dtype", bp.DTYPES)
 def test_the_self_checks_reference_is_the_float32_product_rounded_then_the_residual(dtype):
     """The self-check compares the kernel with ``reference``: every check

@@ -341,3 +341,15 @@ def test_chunks_are_powers_of_two_covering_the_buffer():
             c = chunk_size(n, groups)
             assert 64 <= c <= 4096 and c & (c - 1) == 0
     assert chunk_size(32768, 8) == 256  # 128 chunks x 8 heads = the 1024 threadgroups aimed at
+
+
+def test_the_default_table_sends_verify_blocks_to_the_kernel_and_decode_rows_to_the_fused_op():
+    """The shipped table (dispatch.py's comments give the measurements): a
+    decode row per query head (up to 4 rows a kv head) never takes the
+    kernel; up to 16 rows take it from 1k keys; a block of 16 at GQA 2-8
+    (17-128 rows) at any length; more rows never."""
+    wins = dispatch.kernel_wins
+    assert not wins(4, 1 << 20) and not wins(1, 512)
+    assert not wins(16, 512) and wins(16, 1024) and wins(8, 4096)
+    assert wins(32, 256) and wins(64, 1) and wins(128, 512) and wins(128, 1 << 20)
+    assert not wins(129, 1 << 20)

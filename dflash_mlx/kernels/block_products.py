@@ -281,6 +281,13 @@ def passed(dtype) -> BlockProductKernel | None:
     return _ready.get((backend(), dtype))
 
 
+def apply_linear_output(module: nn.Module, out: mx.array, as_rows: bool, residual: mx.array | None = None) -> mx.array:
+    """An attention's output product, ``out`` as attention_output gives it:
+    rows [B, L, heads * D] (``as_rows``) or heads [B, heads, L, D]; neither
+    is copied first where the kernel takes the product."""
+    return apply_linear(module, out, residual) if as_rows else apply_linear_heads(module, out, residual)
+
+
 def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | None = None) -> mx.array:
     """``apply_linear`` on an attention's output [B, heads, L, D] taken as
     its rows [B, L, heads * D]: the kernel reads them in place where it

@@ -31,8 +31,14 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 #   (session 6).
 # From 1k keys the whole cycle gains too (benchmarks/cycle.py, qwen3-8b shapes, a 1k
 # prompt, block 16: 7.53 and 7.55 ms with the kernel from 1k, 8.31 and 7.78 from 2k).
-# More rows are unmeasured and keep the fused op.
-KERNEL_WINS = ((4, None), (128, 1024))
+# Under 1k keys, 17-128 rows (a block of 16 at GQA 2-8) take the kernel too: its
+# device time equals the fused op's at 512 keys for 64 rows, and its two launches cost
+# the host less than the fused op's one (cuDNN's on CUDA) and the mask it needs; the
+# built-in pair's cycle after 256 tokens (GQA 2, 32 rows): 2.35-2.36 ms against 2.62-2.86
+# with the fused op (H100, session 15, BENCHMARKS.md). Up to 16 rows (a block of 4 at
+# GQA 4) the kernel's device time is the higher one under 1k keys (1.23 / 2.27 ms at
+# 512), so they keep the fused op there. More rows are unmeasured and keep the fused op.
+KERNEL_WINS = ((4, None), (16, 1024), (128, 0))
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 

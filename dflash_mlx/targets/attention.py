@@ -42,14 +42,31 @@ def attention(queries, keys, values, *, cache, scale: float, mask, start, length
     path needs for the same thing. ``length``: the valid length with those
     rows (default: the cache's offset, which its ``update_and_fetch`` has
     moved past them). Causal or not (the drafter's block), within ``window``
-    when given, with per-head sink logits ``sinks`` (gpt-oss) when given."""
+    when given, with per-head sink logits ``sinks`` (gpt-oss) when given.
+    Returns [B, heads, L, D]."""
+    out, as_rows = attention_output(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start,
+                                    length=length, causal=causal, window=window, sinks=sinks)
+    if as_rows:
+        B, L, _ = out.shape
+        return out.reshape(B, L, queries.shape[1], -1).transpose(0, 2, 1, 3)
+    return out
+
+
+def attention_output(queries, keys, values, *, cache, scale: float, mask, start, length=None, causal: bool = True,
+                     window: int | None = None, sinks: mx.array | None = None) -> tuple[mx.array, bool]:
+    """``attention`` in the layout its result is stored in, so that the
+    output product reads it without a copy (block_products.apply_linear_output):
+    (rows [B, L, heads * D], True) where the block-attention kernel ran (it
+    writes each row's heads side by side), else (heads [B, heads, L, D], False)."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2]):
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
-                return kernel(queries, keys, values, scale=scale, q_offset=start,
-                              kv_length=cache.offset if length is None else length, causal=causal, window=window,
-                              sinks=sinks)
-    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+                out = kernel(queries, keys, values, scale=scale, q_offset=start,
+                             kv_length=cache.offset if length is None else length, causal=causal, window=window,
+                             sinks=sinks)
+                B, _, L, _ = out.shape
+                return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False

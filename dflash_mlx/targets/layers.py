@@ -16,9 +16,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.block_products import apply_linear_heads
+from ..kernels.block_products import apply_linear_output
 from ..kernels.norm_rope import norm_rope
-from .attention import attention
+from .attention import attention_output
 
 
 def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
@@ -29,15 +29,19 @@ def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: in
     ``cache`` (None: a whole sequence, no cache), then attention of the new
     rows from that offset, within ``window``, with per-head ``sinks`` if
     given. Returns [B, L, heads * D]."""
-    out = attend_heads(rope, queries, keys, values, cache=cache, scale=scale, mask=mask, window=window, sinks=sinks)
+    out, as_rows = attend_output(rope, queries, keys, values, cache=cache, scale=scale, mask=mask, window=window,
+                                 sinks=sinks)
+    if as_rows:
+        return out
     B, _, L, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
-def attend_heads(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
-                 sinks: mx.array | None = None) -> mx.array:
-    """``attend``'s output as the attention gives it, [B, heads, L, D]
-    (``block_products.apply_linear_heads`` takes it as rows without a copy)."""
+def attend_output(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
+                  sinks: mx.array | None = None) -> tuple[mx.array, bool]:
+    """``attend``'s output as the attention stores it: (rows, True) or
+    (heads [B, heads, L, D], False), see ``attention.attention_output``
+    (``block_products.apply_linear_output`` takes either without a copy)."""
     start = None if cache is None else cache.offset
     if rope is not None and cache is not None:
         queries, keys = rope(queries, offset=start), rope(keys, offset=start)
@@ -45,8 +49,8 @@ def attend_heads(rope, queries, keys, values, *, cache, scale: float, mask, wind
         queries, keys = rope(queries), rope(keys)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    return attention(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
-                     sinks=sinks)
+    return attention_output(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
+                            sinks=sinks)
 
 
 def own_projections(attn: nn.Module) -> Callable:
@@ -78,8 +82,8 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        out = attend_heads(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
-        h = apply_linear_heads(attn.o_proj, out, residual=h)
+        out, as_rows = attend_output(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        h = apply_linear_output(attn.o_proj, out, as_rows, residual=h)
         return mlp(layer.post_attention_layernorm(h), h)
 
     return forward
