@@ -353,3 +353,34 @@ def test_the_default_table_sends_verify_blocks_to_the_kernel_and_decode_rows_to_
     assert not wins(16, 512) and wins(16, 1024) and wins(8, 4096)
     assert wins(32, 256) and wins(64, 1) and wins(128, 512) and wins(128, 1 << 20)
     assert not wins(129, 1 << 20)
+
+
+@pytest.mark.parametrize("where", ["metal", "cuda"])
+def test_the_matrix_unit_pass_stages_whole_tiles_for_every_row_count(where):
+    """The tile pass's threads stage a tile of KT keys in passes of
+    NW * 32 / (D / 8) rows, which the kernel asserts divides KT (a variant
+    where it does not fails to compile, mid-decode: 33-48 rows took 3 warps
+    once). Every row count a call can bring, at every head dim and each
+    backend's staging, launches a warp count that divides it."""
+    from dflash_mlx.kernels.kernel import tile_warps
+
+    launches = []
+
+    def factory(**made):
+        def launch(**kw):
+            launches.append(dict(kw["template"]))
+            return [mx.zeros(s, t) for s, t in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    kernel = BlockAttentionKernel(where, factory=factory)
+    for d in (64, 128, 256):
+        for rows in range(1, 130):
+            launches.clear()
+            q = mx.zeros((1, 1, rows, d), mx.bfloat16)
+            k = mx.zeros((1, 1, 64, d), mx.bfloat16)
+            kernel(q, k, k, scale=1.0, q_offset=0, kv_length=rows, causal=True)
+            partial = launches[0]
+            passes = partial["NW"] * 32 // (d // 8)
+            assert partial["KT"] % passes == 0, (where, d, rows, partial["NW"])
+            assert partial["NW"] == tile_warps(rows) and partial["NW"] * 16 >= min(rows, 64)

@@ -167,7 +167,7 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
     """Verify-like (causal, array offsets, the query a transposed view as a
     layer's rotated query is; then with sinks, as gpt-oss verifies) and
     drafter-like (non-causal, sinks) cases over a buffer with an unfilled tail
-    and several key chunks."""
+    and several key chunks; then rows enough for several warps."""
     key = mx.random.key(head_dim)
     kq, kk, kv, ks = mx.random.split(key, 4)
     n, lq = 640, 7
@@ -182,6 +182,9 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
                                         sinks=sinks)
     yield q, k, v, dict(scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window,
                         sinks=sinks)
+    # 20 rows at GQA 2: 40 rows per kv head, the matrix-unit pass's threadgroup of four warps
+    q20 = mx.random.normal((1, 4, 20, head_dim), key=kq).astype(dtype)
+    yield q20, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(620), causal=True, window=window)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:
