@@ -31,7 +31,8 @@ PROMPT = "def fibonacci(n):"
 def doctor_command(
     seconds: Annotated[
         float,
-        typer.Option("--seconds", help="Time for the decoding probe, split between plain decoding and DFlash; 0 skips it."),
+        typer.Option("--seconds", help="Time for the decoding probe: runs of 128 tokens, plain decoding and DFlash in "
+                                      "turn, after one untimed run of each; 0 skips it."),
     ] = 30.0,
 ):
     """Check this machine: MLX backend, kernel self-checks, a decoding probe.
@@ -221,38 +222,57 @@ def time_attention(keys: int, reps: int = 20):
     return fused, (ms(lambda: kernel(q, k, k, **kw)) if kernel is not None else None)
 
 
+PROBE_TOKENS = 128  # a run's reply, as benchmarks/bench_builtin.py's; runs repeat until the time is spent
+
+
 def probe(line, seconds: float) -> None:
-    """Plain decoding and DFlash on the built-in pair, each for half the time."""
+    """Plain decoding and DFlash (its default, ``auto`` block) on the
+    built-in pair: one untimed run of each first (a fresh process builds its
+    kernels and graphs there, as a server's first request does), then runs
+    of PROBE_TOKENS tokens of each in turn until ``seconds`` have passed,
+    so that both are timed over the same lengths, and neither by the one-off
+    builds of lengths the other did not reach."""
     try:
         import mlx_lm
 
         from dflash_mlx import load, stream_generate
 
         model, draft, tokenizer = load("builtin")
-        for warm in (mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=8),
-                     stream_generate(model, draft, tokenizer, PROMPT, max_tokens=8)):
-            _run(warm, seconds)  # compile and warm both paths before timing them
-        budget = seconds / 2
-        plain = _run(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=4096), budget)
-        dflash = _run(stream_generate(model, draft, tokenizer, PROMPT, max_tokens=4096), budget)
+        runs = {
+            "plain": lambda: mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=PROBE_TOKENS),
+            "dflash": lambda: stream_generate(model, draft, tokenizer, PROMPT, max_tokens=PROBE_TOKENS),
+        }
+        for run in runs.values():
+            _last(run())
+        tokens, spent, acceptance = {name: 0 for name in runs}, {name: 0.0 for name in runs}, []
+        tic = time.perf_counter()
+        while True:
+            for name, run in runs.items():
+                last = _last(run())
+                n = last.generation_tokens - 1  # (after the first: its speed is the prompt's)
+                tokens[name] += n
+                spent[name] += n / last.generation_tps if last.generation_tps > 0 else 0.0
+                if name == "dflash":
+                    acceptance.append(last.acceptance_length)
+            if time.perf_counter() - tic >= seconds:
+                break
     except Exception as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         line("probe", f"failed: {type(e).__name__}: {e} ({where.filename}:{where.lineno} in {where.name})", "red")
         return
-    line("plain decoding", f"{plain.generation_tps:.1f} tok/s ({plain.generation_tokens} tokens)")
-    line("dflash", f"{dflash.generation_tps:.1f} tok/s ({dflash.generation_tokens} tokens, "
-         f"acceptance length {dflash.acceptance_length:.2f}, block {draft.config.block_size})")
-    ratio = dflash.generation_tps / max(plain.generation_tps, 1e-9)
+    rate = {name: tokens[name] / max(spent[name], 1e-9) for name in runs}
+    line("plain decoding", f"{rate['plain']:.1f} tok/s ({tokens['plain']} tokens)")
+    line("dflash", f"{rate['dflash']:.1f} tok/s ({tokens['dflash']} tokens, acceptance length "
+         f"{sum(acceptance) / len(acceptance):.2f}, block auto up to {draft.config.block_size})")
+    ratio = rate["dflash"] / max(rate["plain"], 1e-9)
     line("dflash / plain", f"{ratio:.2f}x", "green" if ratio >= 1 else "yellow")
 
 
-def _run(responses, budget: float):
-    """The last response from a stream, stopping once `budget` seconds have passed."""
-    tic, last = time.perf_counter(), None
+def _last(responses):
+    """The last response from a stream."""
+    last = None
     for last in responses:
-        if time.perf_counter() - tic > budget:
-            break
-    responses.close()
+        pass
     if last is None:
         raise RuntimeError("the generator produced nothing")
     return last
