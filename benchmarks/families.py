@@ -27,7 +27,8 @@ sinks), each in bf16 and 4-bit. For each it times
 
 ``--attention`` times the cycle with the block-attention kernel where its table picks it
 (``table``, the default) and with mlx-lm's fused attention everywhere (``fused``), side by
-side; the kernel's table starts at 1k keys, so give ``--prompt-tokens`` past that (a hybrid's
+side; the kernel's table takes a block of 4 at GQA 4 from 1k keys (a block of 16 at any length on
+CUDA), so give ``--prompt-tokens`` past 1k to see it everywhere (a hybrid's
 prefill off Metal steps its recurrence token by token: keep its prompts short).
 
 ``--official`` times the official Z Lab MLX loop's cycle beside ours (same shapes, its own copy of
@@ -54,11 +55,11 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import stream_generate
-from dflash_mlx.kernels import dispatch
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 from dflash_mlx.traces import forget_traces
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
+from kernel_switches import use_attention
 
 
 def qwen35_9b(small: bool) -> dict:
@@ -223,7 +224,6 @@ def main() -> None:
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not attentions or any(a not in ("table", "fused") for a in attentions):
         parser.error(f"--attention takes table and/or fused (comma-separated), not {args.attention!r}.")
-    table = dispatch.KERNEL_WINS
     strategies = [r.strip() for r in args.rollback.split(",") if r.strip()]
     unknown = [r for r in strategies if r not in ROLLBACKS]
     if unknown or not strategies:
@@ -254,7 +254,7 @@ def main() -> None:
                 for strategy in strategies if hybrid else ["-"]:
                     DeltaCache.rollback = strategy if hybrid else DeltaCache.rollback
                     for attention in attentions:
-                        dispatch.KERNEL_WINS = table if attention == "table" else ()
+                        use_attention(attention)
                         forget_traces(draft)  # compiled cycles hold the attention they were traced with
                         if len(attentions) > 1:
                             cycle_ms(model, draft, tok, prompt, bs, 2)  # this setting's graphs
@@ -265,7 +265,7 @@ def main() -> None:
                               f" = {c / plain:4.2f} steps" + (f", attention {attention}" if len(attentions) > 1 else "")
                               + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
                                  f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
-                    dispatch.KERNEL_WINS = table
+                    use_attention("table")
                 DeltaCache.rollback = default_rollback
                 if args.official:
                     o = official_cycle_ms(cfg, bits, mx.float32 if args.small else mx.bfloat16, tok, prompt, bs, n)

@@ -65,12 +65,13 @@ def add_attention_argument(ap, each: str) -> None:
     """--attention, comma-separated: where the block-attention kernel runs."""
     ap.add_argument("--attention", default="table",
                     help=f"comma-separated, {each}: 'table' (the block-attention kernel where its measured table "
-                         "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, prefill chunks "
-                         "excepted), 'fused' (never: MLX's attention)")
+                         "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, short prefill "
+                         "chunks too), 'fused' (never: MLX's attention)")
 
 
 def use_attention(choice: str) -> None:
-    """Route attention as ``choice`` says (ATTENTION); then forget compiled traces."""
+    """Route attention as ``choice`` says (ATTENTION); the caller then forgets
+    compiled cycles (forget_traces), which hold the routing they were traced with."""
     from dflash_mlx.kernels import dispatch
 
     if choice not in ATTENTION:

@@ -19,8 +19,9 @@ one before (as a forward's layers do), built, then launched with
 - ``cuBLAS product``: MLX's own product of the same shape;
 - ``sdpa, masked``: MLX's attention of 16 rows over a ``--keys`` buffer with
   a position mask (cuDNN on CUDA), as a verify's layer takes it;
-- ``block attention``: dflash-mlx's block-attention kernel on the same
-  (two launches: partial, merge).
+- ``block attention (2)``: dflash-mlx's block-attention kernel on the same,
+  per call: two launches (partial, merge), where the products' rows are per
+  launch.
 
 ``--compile on`` also times the chain through ``mx.compile`` (traced once,
 replayed), as a cycle runs on a GPU. Microseconds per operation, the median
@@ -82,9 +83,9 @@ def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
     mask = positions_mask(rows, start, keys)
     mx.eval(q, k, v, start, mask)
     yield "sdpa, masked", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask), q
-    if where != "cpu" and dispatch.checked_kernel(where, dtype, d, False) is not None:
-        attend = dispatch.passed_kernel(where, dtype, d, False)
-        yield "block attention", lambda q: attend(q, k, v, scale=d ** -0.5, q_offset=start, kv_length=start + rows,
+    attend = dispatch.checked_kernel(where, dtype, d, False) if where != "cpu" else None
+    if attend is not None:
+        yield "block attention (2)", lambda q: attend(q, k, v, scale=d ** -0.5, q_offset=start, kv_length=start + rows,
                                                    causal=True), q
 
 

@@ -26,13 +26,14 @@ $ dflash-mlx doctor --seconds 0      # machine and kernel checks only
 """
 
 PROMPT = "def fibonacci(n):"
+PROBE_TOKENS = 128  # a run's reply, as benchmarks/bench_builtin.py's; runs repeat until the time is spent
 
 
 def doctor_command(
     seconds: Annotated[
         float,
-        typer.Option("--seconds", help="Time for the decoding probe: runs of 128 tokens, plain decoding and DFlash in "
-                                      "turn, after one untimed run of each; 0 skips it."),
+        typer.Option("--seconds", help=f"Time for the decoding probe: runs of {PROBE_TOKENS} tokens, plain decoding "
+                                      "and DFlash in turn, after one untimed run of each; 0 skips it."),
     ] = 30.0,
 ):
     """Check this machine: MLX backend, kernel self-checks, a decoding probe.
@@ -222,9 +223,6 @@ def time_attention(keys: int, reps: int = 20):
     return fused, (ms(lambda: kernel(q, k, k, **kw)) if kernel is not None else None)
 
 
-PROBE_TOKENS = 128  # a run's reply, as benchmarks/bench_builtin.py's; runs repeat until the time is spent
-
-
 def probe(line, seconds: float) -> None:
     """Plain decoding and DFlash (its default, ``auto`` block) on the
     built-in pair: one untimed run of each first (a fresh process builds its
@@ -244,16 +242,18 @@ def probe(line, seconds: float) -> None:
         }
         for run in runs.values():
             _last(run())
-        tokens, spent, acceptance = {name: 0 for name in runs}, {name: 0.0 for name in runs}, []
+        tokens, spent = {name: 0 for name in runs}, {name: 0.0 for name in runs}
+        drafted = committed = 0  # DFlash's drafting cycles and the tokens they committed
         tic = time.perf_counter()
         while True:
             for name, run in runs.items():
-                last = _last(run())
-                n = last.generation_tokens - 1  # (after the first: its speed is the prompt's)
+                n, took, last = _timed(run())
                 tokens[name] += n
-                spent[name] += n / last.generation_tps if last.generation_tps > 0 else 0.0
+                spent[name] += took
                 if name == "dflash":
-                    acceptance.append(last.acceptance_length)
+                    cycles = last.cycles - last.plain_cycles
+                    drafted += cycles
+                    committed += last.acceptance_length * cycles
             if time.perf_counter() - tic >= seconds:
                 break
     except Exception as e:
@@ -263,19 +263,29 @@ def probe(line, seconds: float) -> None:
     rate = {name: tokens[name] / max(spent[name], 1e-9) for name in runs}
     line("plain decoding", f"{rate['plain']:.1f} tok/s ({tokens['plain']} tokens)")
     line("dflash", f"{rate['dflash']:.1f} tok/s ({tokens['dflash']} tokens, acceptance length "
-         f"{sum(acceptance) / len(acceptance):.2f}, block auto up to {draft.config.block_size})")
+         f"{committed / max(drafted, 1):.2f}, block auto up to {draft.config.block_size})")
     ratio = rate["dflash"] / max(rate["plain"], 1e-9)
     line("dflash / plain", f"{ratio:.2f}x", "green" if ratio >= 1 else "yellow")
 
 
 def _last(responses):
     """The last response from a stream."""
-    last = None
+    return _timed(responses)[2]
+
+
+def _timed(responses):
+    """(tokens after the first, the seconds they took, the last response) of
+    a stream, on one clock for both libraries (the first token's time is the
+    prompt's)."""
+    first = last = None
+    count = 0
     for last in responses:
-        pass
+        count += len(last.tokens) if hasattr(last, "tokens") else 1  # (ours: a cycle's; mlx-lm's: one)
+        if first is None:
+            first, count = time.perf_counter(), 0
     if last is None:
         raise RuntimeError("the generator produced nothing")
-    return last
+    return count, time.perf_counter() - first, last
 
 
 def _version(dist: str, fallback: str | None = None) -> str:

@@ -380,7 +380,11 @@ class DraftAttention(nn.Module):
             if attend is None:
                 out, as_rows = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask), False
             else:
-                out, as_rows = attend(queries, keys, values, scale=self.scale, mask=mask)
+                given = attend(queries, keys, values, scale=self.scale, mask=mask)
+                if not isinstance(given, tuple):  # (an array would unpack along its batch axis)
+                    raise TypeError("with a cache, attend must return (output, as_rows) as "
+                                    "targets.attention.attention_output does.")
+                out, as_rows = given
             return apply_linear_output(self.o_proj, out, as_rows, residual)
         attend = attend or mx.fast.scaled_dot_product_attention
         out = attend(queries, keys, values, scale=self.scale, mask=mask)

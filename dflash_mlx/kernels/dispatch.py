@@ -31,14 +31,19 @@ from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 #   (session 6).
 # From 1k keys the whole cycle gains too (benchmarks/cycle.py, qwen3-8b shapes, a 1k
 # prompt, block 16: 7.53 and 7.55 ms with the kernel from 1k, 8.31 and 7.78 from 2k).
-# Under 1k keys, 17-128 rows (a block of 16 at GQA 2-8) take the kernel too: its
-# device time equals the fused op's at 512 keys for 64 rows, and its two launches cost
-# the host less than the fused op's one (cuDNN's on CUDA) and the mask it needs; the
-# built-in pair's cycle after 256 tokens (GQA 2, 32 rows): 2.35-2.36 ms against 2.62-2.86
-# with the fused op (H100, session 15, BENCHMARKS.md). Up to 16 rows (a block of 4 at
-# GQA 4) the kernel's device time is the higher one under 1k keys (1.23 / 2.27 ms at
-# 512), so they keep the fused op there. More rows are unmeasured and keep the fused op.
+# Under 1k keys, 17-128 rows (a block of 16 at GQA 2-8) take the kernel too on CUDA:
+# its device time equals the fused op's at 512 keys for 64 rows, and its two launches
+# cost the host less than the fused op's one and the mask it needs (cuDNN's attention:
+# ~30 us, benchmarks/host_cost.py; a custom kernel: 3-5 us, launch_cost.py); the
+# built-in pair's cycle after 256 tokens (GQA 2, 32 rows): 2.35-2.36 ms against
+# 2.62-2.86 with the fused op on one boot, 2.82-2.99 against 3.02-3.04 on another
+# (H100, session 15, BENCHMARKS.md). Up to 16 rows (a block of 4 at GQA 4) the kernel's
+# device time is the higher one under 1k keys (2.27 / 1.23 ms at 512), so they keep the
+# fused op there. More rows are unmeasured and keep the fused op.
 KERNEL_WINS = ((4, None), (16, 1024), (128, 0))
+# Metal launches cheaply, so the host's reason for the kernel under 1k keys is CUDA's;
+# until a Mac measures it, Metal takes the kernel from this many keys at the least.
+METAL_FEWEST_KEYS = 1024
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -85,7 +90,7 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
     kw = dict(scale=scale, q_offset=q_offset, kv_length=kv_length, causal=causal, window=window, sinks=sinks)
     where = backend()
     keys_hint = kv_length if isinstance(kv_length, int) else keys.shape[2]
-    if where == "cpu" or not kernel_wins(queries.shape[1] // keys.shape[1] * queries.shape[2], keys_hint):
+    if where == "cpu" or not kernel_wins(queries.shape[1] // keys.shape[1] * queries.shape[2], keys_hint, where):
         return ops_attention(queries, keys, values, **kw)
     kernel = checked_kernel(where, queries.dtype, queries.shape[3], window is not None)
     if kernel is None:
@@ -93,11 +98,16 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
     return kernel(queries, keys, values, **kw)
 
 
-def kernel_wins(rows_per_kv_head: int, keys: int) -> bool:
-    """Whether the measured table (KERNEL_WINS) picks the kernel."""
+def kernel_wins(rows_per_kv_head: int, keys: int, where: str = "cuda") -> bool:
+    """Whether the measured table (KERNEL_WINS) picks the kernel on backend
+    ``where`` (Metal: from METAL_FEWEST_KEYS keys at the least)."""
     for most_rows, fewest_keys in KERNEL_WINS:
         if rows_per_kv_head <= most_rows:
-            return fewest_keys is not None and keys >= fewest_keys
+            if fewest_keys is None:
+                return False
+            if where == "metal":
+                fewest_keys = max(fewest_keys, METAL_FEWEST_KEYS)
+            return keys >= fewest_keys
     return False
 
 
@@ -182,9 +192,12 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
                                         sinks=sinks)
     yield q, k, v, dict(scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window,
                         sinks=sinks)
-    # 20 rows at GQA 2: 40 rows per kv head, the matrix-unit pass's threadgroup of four warps
-    q20 = mx.random.normal((1, 4, 20, head_dim), key=kq).astype(dtype)
-    yield q20, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(620), causal=True, window=window)
+    # 12 and 20 rows at GQA 2: 24 and 40 rows per kv head, the matrix-unit pass's
+    # threadgroups of two and four warps (kernel.tile_warps)
+    for rows in (12, 20):
+        qr = mx.random.normal((1, 4, rows, head_dim), key=kq).astype(dtype)
+        yield qr, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True,
+                             window=window)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:

@@ -61,7 +61,7 @@ def attention_output(queries, keys, values, *, cache, scale: float, mask, start,
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
-        if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2]):
+        if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2], where):
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
                 out = kernel(queries, keys, values, scale=scale, q_offset=start,

@@ -15,7 +15,7 @@ buffer), so memory does not grow and the model still runs in mlx-lm
 unchanged. A verify's products go through kernels/block_products.py (one
 kernel launch each on CUDA). ``block`` runs a layer with them: mlx-lm's TransformerBlock
 forward (qwen3: q/k norms; llama: optional biases) with the products fused
-(layers.dense_block), its attention through ``attention.attention``.
+(layers.dense_block), its attention through ``attention.attention_output``.
 Layers that are not plain (a LoRA adapter, mixed quantization) are run by
 their own module.
 """

@@ -4,7 +4,7 @@ MoE layers alternate sliding-window and full attention, both with learned
 attention sinks. mlx-lm keeps the sliding layers in a rotating cache; here
 every layer keeps a plain buffer, so rollback stays a move of the length,
 and the window lives in the mask. Each layer is mlx-lm's TransformerBlock
-forward with its attention through ``attention.attention``, sinks included
+forward with its attention through ``attention.attention_output``, sinks included
 (the kernel takes them as per-head logits, as mx.fast's attention does)."""
 
 from typing import Callable

@@ -12,7 +12,7 @@ length).
 The attention layers are mlx-lm's (qwen3_next's, which qwen3_5 reuses):
 q/k norms, RoPE over part of the head, the output gated by a sigmoid of a
 second half of the query projection. They run here op for op
-(``attention_block``), their attention through ``attention.attention``."""
+(``attention_block``), their attention through ``attention.attention_output``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Decoder-layer forwards over mlx-lm's own modules whose attention goes
-through ``attention.attention`` (the block-attention kernel where it pays).
+through ``attention.attention_output`` (the block-attention kernel where it pays).
 
 Each reproduces its mlx-lm module's forward op for op, so off the kernel
 (the CPU, a quantized or rotating cache) it computes exactly what mlx-lm

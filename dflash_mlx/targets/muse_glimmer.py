@@ -8,7 +8,7 @@ embeddings passed through a scaleless RMSNorm before the first layer, and
 logits multiplied by ``output_multiplier`` then soft-capped.
 
 Each layer is mlx-lm's DecoderLayer forward with its attention through
-``attention.attention`` (the block-attention kernel where it pays): sliding
+``attention.attention_output`` (the block-attention kernel where it pays): sliding
 layers with their window, global layers without, and without RoPE.
 
 What the drafter shares is the raw embedding table and the raw output head,

@@ -3,7 +3,7 @@
 The decoder loop is the dense one: the sparse MLP is inside mlx-lm's layer
 module, and routing is per token, so a verify block routes each position as
 a single decode step would. The attention is qwen3's (q/k norms), run as
-layers.dense_block runs it, through ``attention.attention``, with mlx-lm's
+layers.dense_block runs it, through ``attention.attention_output``, with mlx-lm's
 own projections and MLP."""
 
 from .base import DenseTarget
