@@ -314,6 +314,9 @@ def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):
     cache.set_length(0)
     attn(x, None, None, draft.rope, 0, None, cache=cache)
     assert kernel.calls == before + 1
+    # with a cache, ``attend`` returns the output as stored (attention_output's pair); an array is refused
+    with pytest.raises(TypeError, match="attention_output"):
+        attn(x, None, None, draft.rope, 0, None, cache=cache, attend=mx.fast.scaled_dot_product_attention)
 
 
 def test_each_product_launches_with_its_shapes_launch_shape():
