@@ -129,6 +129,8 @@ def record_all(recorder: Recorder) -> None:
     for dtype in block_products.DTYPES:
         for x, w, bias, residual, heads in block_products.check_cases(dtype):
             products(x, w, bias, residual, heads)
+        for x, w in block_products.swiglu_check_cases(dtype):
+            products(x, w, swiglu=True)
 
 
 def main():

@@ -29,14 +29,26 @@ def kernel_arithmetic(x, weight, bias=None, residual=None):
     return out if residual is None else residual + out
 
 
+def swiglu_arithmetic(x, weight):
+    """What the SwiGLU epilogue computes: the fused gate/up product (as
+    kernel_arithmetic), split, then mlx-lm's swiglu."""
+    from mlx_lm.models.activations import swiglu
+
+    gate, up = mx.split(kernel_arithmetic(x, weight), 2, axis=-1)
+    return swiglu(gate, up)
+
+
 class FakeKernel:
     """A kernel as the module's callers see it, counting its calls."""
 
-    def __init__(self, fn=kernel_arithmetic):
-        self.fn, self.calls, self.heads = fn, 0, 0
+    def __init__(self, fn=kernel_arithmetic, epilogue=swiglu_arithmetic):
+        self.fn, self.epilogue, self.calls, self.heads, self.swiglus = fn, epilogue, 0, 0, 0
 
-    def __call__(self, x, weight, bias=None, residual=None, heads=False):
+    def __call__(self, x, weight, bias=None, residual=None, heads=False, swiglu=False):
         self.calls += 1
+        if swiglu:
+            self.swiglus += 1
+            return self.epilogue(x, weight)
         if heads:  # (an attention's output [1, heads, rows, D], taken as its rows)
             self.heads += 1
             x = x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
@@ -90,16 +102,55 @@ def test_a_kernel_that_checks_out_takes_a_verifys_products_and_only_those(fake_g
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bp.prepare(mx.bfloat16)
-    (result,) = bp._checks.values()
-    assert result.ok and kernel.calls > 0
+    assert [r.ok for r in bp._checks.values()] == [True, True] and kernel.calls > 0  # the products, the SwiGLU
     for rows, expected in want.items():
-        before, heads = kernel.calls, kernel.heads
+        before, heads, swiglus = kernel.calls, kernel.heads, kernel.swiglus
         got = run_layer(layer, rows)
-        # q/k/v (one product), o (reading the attention's heads in place), gate/up (one product),
-        # down: four launches for 2-16 rows
+        # q/k/v (one product), o (reading the attention's heads in place), gate/up (one product,
+        # the SwiGLU in its launch), down: four launches for 2-16 rows
         assert kernel.calls - before == (4 if 2 <= rows <= 16 else 0), rows
         assert kernel.heads - heads == (1 if 2 <= rows <= 16 else 0), rows
+        assert kernel.swiglus - swiglus == (1 if 2 <= rows <= 16 else 0), rows
         assert rel_err(got, expected) < 2e-2
+
+
+def test_a_swiglu_epilogue_that_does_not_check_out_leaves_the_products_on_the_kernel(fake_gpu):
+    """The SwiGLU epilogue has a check of its own: one that computes
+    something else (here silu(up) * gate) warns once, naming it, and a
+    layer's gate/up product still takes the kernel, its SwiGLU a launch of
+    its own; the layer computes what it did."""
+    from mlx_lm.models.activations import swiglu
+
+    layer = tiny_layer()
+    want = run_layer(layer, 5)
+
+    def swapped(x, w):
+        gate, up = mx.split(kernel_arithmetic(x, w), 2, axis=-1)
+        return swiglu(up, gate)
+
+    kernel = fake_gpu(FakeKernel(epilogue=swapped))
+    with pytest.warns(RuntimeWarning, match="SwiGLU epilogue failed its self-check") as caught:
+        bp.prepare(mx.bfloat16)
+        bp.prepare(mx.bfloat16)
+    assert len(caught) == 1
+    assert [r.ok for r in bp._checks.values()] == [True, False]
+    before, swiglus = kernel.calls, kernel.swiglus
+    got = run_layer(layer, 5)
+    assert kernel.calls - before == 4 and kernel.swiglus == swiglus
+    assert rel_err(got, want) < 2e-2
+
+
+def test_the_swiglu_epilogues_reference_is_mlx_lms_swiglu_of_the_rounded_products():
+    """reference_swiglu: the fused gate/up product as ``reference`` rounds
+    it, split in halves, then mlx-lm's swiglu; its check cases are fused
+    weights (an even number of rows) of 2-16-row products."""
+    from mlx_lm.models.activations import swiglu
+
+    for x, w in bp.swiglu_check_cases(mx.bfloat16):
+        assert w.shape[0] % 2 == 0 and 2 <= x.shape[1] <= 16
+        gate, up = mx.split(bp.reference(x, w), 2, axis=-1)
+        assert mx.array_equal(bp.reference_swiglu(x, w), swiglu(gate, up))
+        assert bp.reference_swiglu(x, w).shape == (*x.shape[:-1], w.shape[0] // 2)
 
 
 def test_float32_and_quantized_layers_keep_mlxs_products(fake_gpu):
@@ -238,7 +289,7 @@ def test_an_attentions_heads_are_the_kernels_rows_in_place(fake_gpu):
     assert kernel.heads == heads + 1
     bp.reset()
 
-    def as_rows(x, w, b=None, r=None, heads=False):  # the heads' memory read as if it were rows
+    def as_rows(x, w, b=None, r=None, heads=False, swiglu=False):  # the heads' memory read as if it were rows
         return kernel_arithmetic(x.reshape(x.shape[0], x.shape[2], -1) if heads else x, w, b, r)
 
     fake_gpu(as_rows)

@@ -32,7 +32,7 @@ def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():
         tag = "_" + "_".join(map(str, shape)) + "_"
         assert any(n.startswith("dflash_block_product_bf16") and tag in n for n in names), shape
     src = next(v for n, v in recorder.variants.items()
-               if n.startswith("dflash_block_product_bf16") and n.endswith("True_True"))  # (a bias and a residual)
+               if n.startswith("dflash_block_product_bf16") and n.endswith("True_True_False"))  # (a bias and a residual)
     # MLX's layout: typed pointers, the shapes the body reads, outputs, then the template constants
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
@@ -40,7 +40,11 @@ def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():
         "const __grid_constant__ Shape w_shape", "const __nv_bfloat16* b", "const __nv_bfloat16* r",
         "__nv_bfloat16* y"]
     assert "using T = __nv_bfloat16;" in src and "constexpr bool HAS_BIAS = true;" in src
-    assert "constexpr bool HAS_RESIDUAL = true;" in src
+    assert "constexpr bool HAS_RESIDUAL = true;" in src and "constexpr bool SWIGLU = false;" in src
+    # the SwiGLU epilogue: its own variant, two tiles a warp
+    swiglu = next(v for n, v in recorder.variants.items()
+                  if n.startswith("dflash_block_product_bf16") and n.endswith("False_False_True"))
+    assert "constexpr bool SWIGLU = true;" in swiglu and "constexpr int NT = 2;" in swiglu
 
 
 def test_a_launch_returns_zeros_of_its_output_shapes():

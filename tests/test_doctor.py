@@ -97,10 +97,12 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     """On CUDA the block-product kernel's check gets a line per dtype; a
     failed one says MLX's products are used, and counts in the total."""
     from dflash_mlx.kernels import block_products as bp
-    from test_block_products import kernel_arithmetic
+    from test_block_products import kernel_arithmetic, swiglu_arithmetic
     from test_kernels import two_pass
 
-    def products(x, w, b=None, r=None, heads=False):
+    def products(x, w, b=None, r=None, heads=False, swiglu=False):
+        if swiglu:
+            return swiglu_arithmetic(x, w)
         if heads:
             x = x.transpose(0, 2, 1, 3).reshape(1, x.shape[2], -1)
         out = kernel_arithmetic(x, w, b, r)
@@ -117,7 +119,11 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
         bp.reset()
     assert re.search(r"^  check products bfloat16 +ok, max relative error", out, re.M)
     assert re.search(r"^  check products float16 +FAILED \(MLX's products used\), max relative error", out, re.M)
+    # the SwiGLU epilogue is checked where the products passed
+    assert re.search(r"^  check products bfloat16 \+ SwiGLU +ok, max relative error", out, re.M)
+    assert "float16 + SwiGLU" not in out.replace("bfloat16 + SwiGLU", "")
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
 
-    total = len(DTYPES) * len(HEAD_DIMS) * 2 + len(bp.DTYPES)  # attention (full, window), then products
+    # attention (full, window), then products, then bfloat16's SwiGLU epilogue
+    total = len(DTYPES) * len(HEAD_DIMS) * 2 + len(bp.DTYPES) + 1
     assert f"kernel checks          {total - 1} of {total} passed" in out

@@ -26,21 +26,30 @@ product on random cases in this process (``prepare``, outside any compiled
 trace).
 
     y = apply_linear(module, x)   # module(x) for an nn.Linear, x [..., K]
+    a = apply_linear_swiglu(gate_up, x)  # swiglu(gate, up) of a fused gate/up product, one launch
+
+A fused gate/up product can take mlx-lm's SwiGLU as its epilogue (version 8:
+a launch a layer fewer), after a check of its own: where that fails, the
+products keep the kernel and the SwiGLU its own launch. Unmeasured on a GPU
+when written (session 15); ``--products mlx`` in the benchmarks turns it off
+with the products.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 7  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+VERSION = 8  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
 MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
@@ -54,6 +63,9 @@ MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
 SHAPE = (1, 8, 8)
 LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
 LONG_K = 8192
+# A gate/up product with SwiGLU as its epilogue: a warp's two tiles are the same 8
+# columns of gate and of up (as many loads in flight a warp as SHAPE's; unmeasured).
+SWIGLU_SHAPE = (2, 8, 4)
 
 # Template constants: T (dtype), NT, KW, U (the launch shape), HEADS (x is an
 # attention's output [heads, M, D], read as the rows [M, heads * D] that its
@@ -70,7 +82,11 @@ LONG_K = 8192
 # elements. The bias is added in float32 before the product's rounding, as a
 # product with a bias epilogue does; a residual after it, in float32 and
 # rounded again, as a layer's ``h + o_proj(x)`` adds a rounded product to h
-# (its own launch otherwise: one a residual, two a layer).
+# (its own launch otherwise: one a residual, two a layer). SWIGLU (NT = 2, no
+# bias or residual): w is a fused gate/up weight [2 N, K], tile 0 reads gate's
+# rows n0.., tile 1 up's rows N + n0.., and y [M, N] is silu(gate) * up of the
+# two products rounded, each step rounded as MLX's ops round it (the SwiGLU's
+# own launch otherwise: one a layer).
 BODY = """
   const int lane = int(threadIdx.x) & 31;
   const int wk = int(threadIdx.x) >> 5;
@@ -79,8 +95,8 @@ BODY = """
   const int M = HEADS ? x_shape[1] : x_shape[0];
   const int D = HEADS ? x_shape[2] : 1;  // (a multiple of 8: a 16-byte load stays in one head)
   const int K = HEADS ? x_shape[0] * x_shape[2] : x_shape[1];
-  const int N = w_shape[0];
-  const int n0 = int(blockIdx.x) * 8 * NT;
+  const int N = SWIGLU ? w_shape[0] / 2 : w_shape[0];
+  const int n0 = int(blockIdx.x) * 8 * (SWIGLU ? 1 : NT);
   // the output element: the product rounded, plus the residual (rounded again) where there is one
   auto finish = [](float p, const T* res, idx_t i) -> T {
     return HAS_RESIDUAL ? from_float<T>(to_float(from_float<T>(p)) + to_float(res[i])) : from_float<T>(p);
@@ -96,8 +112,9 @@ BODY = """
   bool live[NT];
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
-    live[i] = n0 + 8 * i + g < N;
-    wr[i] = w + idx_t(live[i] ? n0 + 8 * i + g : 0) * K + 8 * t;
+    const int col = SWIGLU ? n0 + g : n0 + 8 * i + g;  // the output column this lane's weight row serves
+    live[i] = col < N;
+    wr[i] = w + idx_t(live[i] ? (SWIGLU ? col + i * N : col) : 0) * K + 8 * t;
   }
   float acc[NT][4];
 #pragma unroll
@@ -133,24 +150,54 @@ BODY = """
   }
   __syncthreads();
   if (wk != 0) return;
+  if constexpr (SWIGLU) {
+    // silu(gate) * up, each of MLX's steps rounded: the products, the sigmoid, silu, the product
+    auto swiglu = [](float gs, float us) -> T {
+      const float gate = to_float(from_float<T>(gs));
+      const float e = 1.0f / (1.0f + expf(-fabsf(gate)));
+      const float sig = to_float(from_float<T>(gate < 0.0f ? 1.0f - e : e));
+      const float silu = to_float(from_float<T>(gate * sig));
+      return from_float<T>(silu * to_float(from_float<T>(us)));
+    };
+    float s[2][4];
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    float s[4];
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      s[j] = part[0][i][j][lane];
+      for (int j = 0; j < 4; ++j) {
+        s[i][j] = part[0][i][j][lane];
 #pragma unroll
-      for (int o = 1; o < KW; ++o) s[j] += part[o][i][j][lane];
+        for (int o = 1; o < KW; ++o) s[i][j] += part[o][i][j][lane];
+      }
     }
-    const int n = n0 + 8 * i + 2 * t;
-    const float b0 = HAS_BIAS && n < N ? to_float(b[n]) : 0.0f;
-    const float b1 = HAS_BIAS && n + 1 < N ? to_float(b[n + 1]) : 0.0f;
+    const int n = n0 + 2 * t;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int m = g + 8 * h;
       if (m < M) {
-        if (n < N) y[idx_t(m) * N + n] = finish(s[2 * h] + b0, r, idx_t(m) * N + n);
-        if (n + 1 < N) y[idx_t(m) * N + n + 1] = finish(s[2 * h + 1] + b1, r, idx_t(m) * N + n + 1);
+        if (n < N) y[idx_t(m) * N + n] = swiglu(s[0][2 * h], s[1][2 * h]);
+        if (n + 1 < N) y[idx_t(m) * N + n + 1] = swiglu(s[0][2 * h + 1], s[1][2 * h + 1]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      float s[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[j] = part[0][i][j][lane];
+#pragma unroll
+        for (int o = 1; o < KW; ++o) s[j] += part[o][i][j][lane];
+      }
+      const int n = n0 + 8 * i + 2 * t;
+      const float b0 = HAS_BIAS && n < N ? to_float(b[n]) : 0.0f;
+      const float b1 = HAS_BIAS && n + 1 < N ? to_float(b[n + 1]) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = g + 8 * h;
+        if (m < M) {
+          if (n < N) y[idx_t(m) * N + n] = finish(s[2 * h] + b0, r, idx_t(m) * N + n);
+          if (n + 1 < N) y[idx_t(m) * N + n + 1] = finish(s[2 * h + 1] + b1, r, idx_t(m) * N + n + 1);
+        }
       }
     }
   }
@@ -193,11 +240,13 @@ class BlockProductKernel:
         self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
     def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
-                 residual: mx.array | None = None, heads: bool = False) -> mx.array:
+                 residual: mx.array | None = None, heads: bool = False, swiglu: bool = False) -> mx.array:
         """residual + (x @ weight.T + bias), x [..., K] with 2-16 rows; the
         bias and the residual [..., N] optional. ``heads``: x is an
         attention's output [1, heads, rows, D], multiplied as its rows
-        [1, rows, heads * D] (the output [1, rows, N])."""
+        [1, rows, heads * D] (the output [1, rows, N]). ``swiglu``: weight
+        is a fused gate/up [2 N, K] (no bias, no residual) and the output
+        [..., N] is silu(gate) * up."""
         if heads:
             _, h, rows, d = x.shape
             lead, k, x = (1, rows), h * d, x.reshape(h, rows, d)
@@ -205,14 +254,14 @@ class BlockProductKernel:
             *lead, k = x.shape
             rows = x.size // k
             x = x.reshape(rows, k)
-        n = weight.shape[0]
-        tiles, split, ahead = self.shape or launch_shape(n, k)
+        n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+        tiles, split, ahead = SWIGLU_SHAPE if swiglu else (self.shape or launch_shape(n, k))
         none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
             inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n)],
             template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HEADS", heads),
-                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None)],
-            grid=(-(-n // (8 * tiles)) * 32 * split, 1, 1),
+                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None), ("SWIGLU", swiglu)],
+            grid=(-(-n // (8 * (1 if swiglu else tiles))) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
             output_dtypes=[x.dtype],
@@ -241,12 +290,14 @@ BUILDERS = {"cuda": BlockProductKernel}
 _kernels: dict[str, BlockProductKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
 _ready: dict[tuple, BlockProductKernel] = {}  # (backend, dtype) -> the kernel, where it passed its check
+_ready_swiglu: dict[tuple, BlockProductKernel] = {}  # ... where its SwiGLU epilogue passed its own too
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
     _ready.clear()
+    _ready_swiglu.clear()
 
 
 def prepare(dtype) -> None:
@@ -264,21 +315,45 @@ def prepare(dtype) -> None:
         else:
             warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
                           f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
+    # the SwiGLU epilogue, checked on its own: where it fails, the products keep the kernel
+    if key in _ready and key + ("swiglu",) not in _checks:
+        result = _checks[key + ("swiglu",)] = self_check(where, dtype, swiglu=True)
+        if result.ok:
+            _ready_swiglu[key] = _ready[key]
+        else:
+            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's SwiGLU epilogue failed "
+                          f"its self-check ({result.detail}); a gate/up product's SwiGLU stays a launch of its own.",
+                          RuntimeWarning, stacklevel=3)
 
 
 def self_check_all() -> list[CheckResult]:
-    """Check every dtype on this backend (for `dflash-mlx doctor`); [] where
-    the kernel does not run (Metal, the CPU)."""
+    """Check every dtype on this backend (for `dflash-mlx doctor`: the
+    products', then their SwiGLU epilogue's, named "<dtype> + SwiGLU"); []
+    where the kernel does not run (Metal, the CPU)."""
     where = backend()
     for dtype in DTYPES:
         prepare(dtype)
-    return [r for (w, _), r in _checks.items() if w == where]
+    return [dataclasses.replace(r, dtype=f"{r.dtype} + SwiGLU") if len(k) == 3 else r
+            for k, r in _checks.items() if k[0] == where]
 
 
 def passed(dtype) -> BlockProductKernel | None:
     """The kernel if ``dtype``'s variant passed its check on the backend MLX
     computes on now; never checks (it runs for every product: ~0.4 us)."""
     return _ready.get((backend(), dtype))
+
+
+def apply_linear_swiglu(module: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's ``swiglu(gate, up)`` of a fused gate/up linear's product
+    (gate's rows, then as many of up's): in the product's own launch where
+    the kernel takes it and its SwiGLU epilogue checked out, else the
+    product (``apply_linear``), split, then ``swiglu``."""
+    if 2 <= x.size // x.shape[-1] <= MOST_ROWS and module.weight.shape[0] % 2 == 0:
+        taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
+        if taken is not None and taken[1] is None and _ready_swiglu.get((backend(), x.dtype)) is taken[0]:
+            return taken[0](x, module.weight, swiglu=True)
+    gate, up = mx.split(apply_linear(module, x), 2, axis=-1)
+    return swiglu(gate, up)
 
 
 def apply_linear_output(module: nn.Module, out: mx.array, as_rows: bool, residual: mx.array | None = None) -> mx.array:
@@ -326,14 +401,41 @@ def _taking(module: nn.Module, lead: tuple, k: int, dtype, residual: mx.array | 
     return None if kernel is None else (kernel, bias)
 
 
-def self_check(where: str, dtype) -> CheckResult:
-    """The kernel against ``reference`` on ``check_cases``."""
+def self_check(where: str, dtype, swiglu: bool = False) -> CheckResult:
+    """The kernel against ``reference`` on ``check_cases`` (``swiglu``: its
+    SwiGLU epilogue against ``reference_swiglu`` on ``swiglu_check_cases``)."""
 
     def outputs(kernel):
         for x, w, bias, residual, heads in check_cases(dtype):
             yield kernel(x, w, bias, residual, heads), reference(x, w, bias, residual, heads)
 
-    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, outputs)
+    def swiglu_outputs(kernel):
+        for x, w in swiglu_check_cases(dtype):
+            yield kernel(x, w, swiglu=True), reference_swiglu(x, w)
+
+    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, swiglu_outputs if swiglu else outputs)
+
+
+def reference_swiglu(x: mx.array, weight: mx.array) -> mx.array:
+    """What the SwiGLU epilogue computes: ``reference``'s product of a fused
+    gate/up weight, split, then mlx-lm's ``swiglu`` by MLX's ops."""
+    gate, up = mx.split(reference(x, weight), 2, axis=-1)
+    return swiglu(gate, up)
+
+
+def swiglu_check_cases(dtype):
+    """(x, a fused gate/up weight) for 2-16 rows, K under one pass of the
+    loop and over several, 100 columns a half (the last tile half full),
+    the weight rows of a larger matrix and off a 16-byte boundary."""
+    n = 100
+    for k in (96, 4096):
+        whole = mx.random.normal((5 * n, k), key=mx.random.key(20 + k)).astype(dtype)
+        w = whole[n : 3 * n]
+        for rows in (2, 9, 16):
+            yield mx.random.normal((1, rows, k), key=mx.random.key(300 + rows)).astype(dtype), w
+    k = 512
+    flat = mx.random.normal((2 * n * k + 8,), key=mx.random.key(21)).astype(dtype)
+    yield mx.random.normal((1, 5, k), key=mx.random.key(22)).astype(dtype), flat[3 : 3 + 2 * n * k].reshape(2 * n, k)
 
 
 def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,

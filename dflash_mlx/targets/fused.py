@@ -28,9 +28,8 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu
 
-from ..kernels.block_products import apply_linear
+from ..kernels.block_products import apply_linear, apply_linear_swiglu
 from .layers import dense_block
 
 # mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
@@ -43,8 +42,7 @@ class FusedProjections:
     kvq: nn.Module  # k, v and q side by side, in that order
     kvq_splits: list[int]  # where v and q start in kvq's output
     kv: nn.Module  # the first rows of kvq (a view): keys and values alone, for the drafter's context
-    gate_up: nn.Module
-    ffn: int  # where up starts in gate_up's output
+    gate_up: nn.Module  # gate's rows, then up's (as many)
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The q, k and v projections of x, from one product."""
@@ -58,9 +56,9 @@ class FusedProjections:
 
     def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product
-        (plus ``residual``, added by the down product's launch where it can)."""
-        gate, up = mx.split(apply_linear(self.gate_up, x), [self.ffn], axis=-1)
-        return apply_linear(mlp.down_proj, swiglu(gate, up), residual)
+        with the SwiGLU in its launch where it can (plus ``residual``,
+        added by the down product's launch where it can)."""
+        return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x), residual)
 
 
 # id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
@@ -134,8 +132,7 @@ def projections(layer: nn.Module) -> FusedProjections | None:
         if gate_up is not None:
             # (a quantized weight packs along its columns: rows are still outputs)
             nk, nv = attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
-            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up,
-                                    mlp.gate_proj.weight.shape[0])
+            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up)
     _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made, _sources(layer))
     return made
 
