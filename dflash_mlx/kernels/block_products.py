@@ -46,10 +46,10 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from .dispatch import CheckResult, backend, compare_with_ops
+from .block_products_source import BODY, MMA_HEADER, VERSION
 from .kernel import make_factory
 from .source import HEADER
 
-VERSION = 8  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
 MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
@@ -67,165 +67,10 @@ LONG_K = 8192
 # columns of gate and of up (as many loads in flight a warp as SHAPE's; unmeasured).
 SWIGLU_SHAPE = (2, 8, 4)
 
-# Template constants: T (dtype), NT, KW, U (the launch shape), HEADS (x is an
-# attention's output [heads, M, D], read as the rows [M, heads * D] that its
-# transpose would make: one copy a layer fewer), HAS_BIAS (b is
-# the bias, else a placeholder), HAS_RESIDUAL (r [M, N] is added to the
-# product, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
-# matrix-unit product. x [M, K] with M <= 16, w [N, K] (both row contiguous, K
-# a multiple of 32), y [M, N]. A warp's lanes read 16 bytes each of x's rows g
-# and g + 8 and of weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4)
-# of each 32; the two m16n8k16 products of a step take those registers as their
-# fragments, which pairs the same K positions in x and w (the sum runs over K
-# in another order, which a product may). Where x or w does not start on a 16-
-# byte boundary (a view at an odd offset), the same 16 bytes are read as 2-byte
-# elements. The bias is added in float32 before the product's rounding, as a
-# product with a bias epilogue does; a residual after it, in float32 and
-# rounded again, as a layer's ``h + o_proj(x)`` adds a rounded product to h
-# (its own launch otherwise: one a residual, two a layer). SWIGLU (NT = 2, no
-# bias or residual): w is a fused gate/up weight [2 N, K], tile 0 reads gate's
-# rows n0.., tile 1 up's rows N + n0.., and y [M, N] is silu(gate) * up of the
-# two products rounded, each step rounded as MLX's ops round it (the SwiGLU's
-# own launch otherwise: one a layer).
-BODY = """
-  const int lane = int(threadIdx.x) & 31;
-  const int wk = int(threadIdx.x) >> 5;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  const int M = HEADS ? x_shape[1] : x_shape[0];
-  const int D = HEADS ? x_shape[2] : 1;  // (a multiple of 8: a 16-byte load stays in one head)
-  const int K = HEADS ? x_shape[0] * x_shape[2] : x_shape[1];
-  const int N = SWIGLU ? w_shape[0] / 2 : w_shape[0];
-  const int n0 = int(blockIdx.x) * 8 * (SWIGLU ? 1 : NT);
-  // the output element: the product rounded, plus the residual (rounded again) where there is one
-  auto finish = [](float p, const T* res, idx_t i) -> T {
-    return HAS_RESIDUAL ? from_float<T>(to_float(from_float<T>(p)) + to_float(res[i])) : from_float<T>(p);
-  };
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  // (K is a multiple of 32, so every row starts as aligned as its matrix does)
-  const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15) == 0;
-  // row m's elements k..k+7 (k a multiple of 8)
-  auto row_at = [&](int m, int k) -> const T* {
-    return HEADS ? x + (idx_t(k / D) * M + m) * D + k % D : x + idx_t(m) * K + k;
-  };
-  const T* wr[NT];
-  bool live[NT];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int col = SWIGLU ? n0 + g : n0 + 8 * i + g;  // the output column this lane's weight row serves
-    live[i] = col < N;
-    wr[i] = w + idx_t(live[i] ? (SWIGLU ? col + i * N : col) : 0) * K + 8 * t;
-  }
-  float acc[NT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  // U steps' loads issued before their products, so that each warp keeps
-  // several in flight (one step's 16-byte loads per lane are too few to
-  // cover the memory's latency at the warps a product has)
-  for (int kb0 = 32 * wk; kb0 < K; kb0 += 32 * KW * U) {
-    uint4 u[U], v[U], wv[U][NT];
-#pragma unroll
-    for (int s = 0; s < U; ++s) {
-      const int kb = kb0 + s * 32 * KW;
-      const bool in = kb < K;
-      u[s] = in && g < M ? load16(row_at(g, kb + 8 * t), aligned) : zero;
-      v[s] = in && g + 8 < M ? load16(row_at(g + 8, kb + 8 * t), aligned) : zero;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) wv[s][i] = in && live[i] ? load16(wr[i] + kb, aligned) : zero;
-    }
-#pragma unroll
-    for (int s = 0; s < U; ++s) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        MMA16816(acc[i], u[s].x, v[s].x, u[s].y, v[s].y, wv[s][i].x, wv[s][i].y);
-        MMA16816(acc[i], u[s].z, v[s].z, u[s].w, v[s].w, wv[s][i].z, wv[s][i].w);
-      }
-    }
-  }
-  __shared__ float part[KW][NT][4][32];
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) part[wk][i][j][lane] = acc[i][j];
-  }
-  __syncthreads();
-  if (wk != 0) return;
-  if constexpr (SWIGLU) {
-    // silu(gate) * up, each of MLX's steps rounded: the products, the sigmoid, silu, the product
-    auto swiglu = [](float gs, float us) -> T {
-      const float gate = to_float(from_float<T>(gs));
-      const float e = 1.0f / (1.0f + expf(-fabsf(gate)));
-      const float sig = to_float(from_float<T>(gate < 0.0f ? 1.0f - e : e));
-      const float silu = to_float(from_float<T>(gate * sig));
-      return from_float<T>(silu * to_float(from_float<T>(us)));
-    };
-    float s[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[i][j] = part[0][i][j][lane];
-#pragma unroll
-        for (int o = 1; o < KW; ++o) s[i][j] += part[o][i][j][lane];
-      }
-    }
-    const int n = n0 + 2 * t;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = g + 8 * h;
-      if (m < M) {
-        if (n < N) y[idx_t(m) * N + n] = swiglu(s[0][2 * h], s[1][2 * h]);
-        if (n + 1 < N) y[idx_t(m) * N + n + 1] = swiglu(s[0][2 * h + 1], s[1][2 * h + 1]);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      float s[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[j] = part[0][i][j][lane];
-#pragma unroll
-        for (int o = 1; o < KW; ++o) s[j] += part[o][i][j][lane];
-      }
-      const int n = n0 + 8 * i + 2 * t;
-      const float b0 = HAS_BIAS && n < N ? to_float(b[n]) : 0.0f;
-      const float b1 = HAS_BIAS && n + 1 < N ? to_float(b[n + 1]) : 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = g + 8 * h;
-        if (m < M) {
-          if (n < N) y[idx_t(m) * N + n] = finish(s[2 * h] + b0, r, idx_t(m) * N + n);
-          if (n + 1 < N) y[idx_t(m) * N + n + 1] = finish(s[2 * h + 1] + b1, r, idx_t(m) * N + n + 1);
-        }
-      }
-    }
-  }
-"""
-
-# One m16n8k16 matrix-unit product, float32 accumulators; A's four and B's two
-# registers hold two elements each. load16: 8 consecutive 2-byte elements.
-MMA_HEADER = {
-    ab: """
-__device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
-  if (aligned) return *reinterpret_cast<const uint4*>(p);
-  const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-  return make_uint4(h[0] | (unsigned(h[1]) << 16), h[2] | (unsigned(h[3]) << 16),
-                    h[4] | (unsigned(h[5]) << 16), h[6] | (unsigned(h[7]) << 16));
-}
-""" + f"""
-#define MMA16816(c, a0, a1, a2, a3, b0, b1) \\
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "  \\
-               "{{%0,%1,%2,%3}};\\n"                                                                                \\
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \\
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
-"""
-    for ab in ("bf16", "f16")
-}
-
 
 class BlockProductKernel:
-    """The CUDA kernel, compiled by MLX per dtype, launch shape and bias."""
+    """The CUDA kernel (block_products_source.py), compiled by MLX per
+    dtype, launch shape, bias, residual, heads and SwiGLU."""
 
     def __init__(self, backend_name: str, factory=None, shape: tuple[int, int, int] | None = None):
         if backend_name != "cuda":
