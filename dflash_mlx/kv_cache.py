@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import device
+
 
 def positions_mask(L: int, offset, total: int, window: int | None = None, causal: bool = True, limit=None) -> mx.array:
     """Boolean [L, total]: which of ``total`` buffer positions each of ``L``
@@ -178,8 +180,6 @@ class BufferKVCache(DeviceLengthCache):
 
     def read_width(self, n: int) -> int:
         """Up to the bound, or the whole buffer at a fixed width."""
-        from .kernels import device  # (the kernels' package imports this module)
-
         if self.fixed_width or (device.backend() == "cuda" and not (self.exact_bound and n == 1)):
             return self.width_after(n)
         return self.bound + n

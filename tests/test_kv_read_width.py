@@ -10,7 +10,7 @@ import dflash_mlx.speculative as speculative
 from dflash_mlx import stream_generate
 from dflash_mlx.block_size import BlockChooser
 from dflash_mlx.cycle import Cycle
-from dflash_mlx.kernels import device
+from dflash_mlx import device
 from dflash_mlx.kv_cache import BufferKVCache
 from tiny import greedy_reference, make_tokenizer
 

@@ -9,8 +9,11 @@ has checked itself against MLX's own ops in this process:
     out = block_attention(q, k_buf, v_buf, scale=d ** -0.5, q_offset=pos, kv_length=pos + L, causal=True)
 
 - norm_rope.py: a qwen3 layer's q/k norms and RoPE in one launch (Metal, CUDA);
-- block_products.py: a verify's 2-16-row products in one launch each (CUDA);
-- device.py: which backend MLX computes on.
+- block_products.py (its source: block_products_source.py): a verify's
+  2-16-row products in one launch each (CUDA), a gate/up product's SwiGLU in
+  the same launch;
+- which backend MLX computes on is dflash_mlx/device.py's to say (the caches
+  ask it too).
 """
 
 from .dispatch import KERNEL_WINS, CheckResult, backend, block_attention, reset, self_check_all

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .device import backend
+from ..device import backend
 from .kernel import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
