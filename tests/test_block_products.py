@@ -140,6 +140,33 @@ def test_a_swiglu_epilogue_that_does_not_check_out_leaves_the_products_on_the_ke
     assert rel_err(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("wrong", ["relu", "half slope", "gelu-like slope"])
+def test_the_swiglu_check_fails_a_wrong_activation(fake_gpu, wrong):
+    """Its cases keep gate and up O(1), where a wrong activation shows
+    beyond the bf16 tolerance (at products of spread sqrt(K) the sigmoid
+    saturates and relu passed)."""
+    def epilogue(x, w):
+        gate, up = mx.split(kernel_arithmetic(x, w), 2, axis=-1)
+        g = gate.astype(mx.float32)
+        act = {"relu": mx.maximum(g, 0), "half slope": g * mx.sigmoid(g / 2),
+               "gelu-like slope": g * mx.sigmoid(1.702 * g)}[wrong]
+        return (act * up.astype(mx.float32)).astype(x.dtype)
+
+    fake_gpu(FakeKernel(epilogue=epilogue))
+    with pytest.warns(RuntimeWarning, match="SwiGLU epilogue failed"):
+        bp.prepare(mx.bfloat16)
+
+
+def test_the_swiglu_epilogue_refuses_a_bias_a_residual_or_odd_rows():
+    kernel = bp.BlockProductKernel("cuda", factory=lambda **made: (lambda **kw: [mx.zeros((1,))]))
+    x, w = mx.zeros((1, 4, 64), mx.bfloat16), mx.zeros((10, 64), mx.bfloat16)
+    for bad in (dict(bias=mx.zeros((10,), mx.bfloat16)), dict(residual=mx.zeros((1, 4, 5), mx.bfloat16))):
+        with pytest.raises(ValueError, match="SwiGLU epilogue"):
+            kernel(x, w, swiglu=True, **bad)
+    with pytest.raises(ValueError, match="even number of rows"):
+        kernel(x, w[:9], swiglu=True)
+
+
 def test_the_swiglu_epilogues_reference_is_mlx_lms_swiglu_of_the_rounded_products():
     """reference_swiglu: the fused gate/up product as ``reference`` rounds
     it, split in halves, then mlx-lm's swiglu; its check cases are fused

@@ -99,6 +99,9 @@ class BlockProductKernel:
             *lead, k = x.shape
             rows = x.size // k
             x = x.reshape(rows, k)
+        if swiglu and (bias is not None or residual is not None or heads or weight.shape[0] % 2):
+            raise ValueError("the SwiGLU epilogue takes a fused gate/up weight (an even number of rows) with no "
+                             "bias, residual or heads.")
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         tiles, split, ahead = SWIGLU_SHAPE if swiglu else (self.shape or launch_shape(n, k))
         none = self._none[x.dtype]
@@ -270,17 +273,22 @@ def reference_swiglu(x: mx.array, weight: mx.array) -> mx.array:
 
 def swiglu_check_cases(dtype):
     """(x, a fused gate/up weight) for 2-16 rows, K under one pass of the
-    loop and over several, 100 columns a half (the last tile half full),
-    the weight rows of a larger matrix and off a 16-byte boundary."""
+    loop and over several, 100 columns a half (the last tile half full; 37
+    once: odd), the weight rows of a larger matrix and off a 16-byte
+    boundary. x is scaled by K ** -0.5 so that gate and up are O(1), where
+    the sigmoid is not saturated: a wrong activation (relu, another slope)
+    fails the check there, where it passed at products of spread sqrt(K)."""
     n = 100
     for k in (96, 4096):
         whole = mx.random.normal((5 * n, k), key=mx.random.key(20 + k)).astype(dtype)
         w = whole[n : 3 * n]
         for rows in (2, 9, 16):
-            yield mx.random.normal((1, rows, k), key=mx.random.key(300 + rows)).astype(dtype), w
+            yield (k ** -0.5 * mx.random.normal((1, rows, k), key=mx.random.key(300 + rows))).astype(dtype), w
     k = 512
     flat = mx.random.normal((2 * n * k + 8,), key=mx.random.key(21)).astype(dtype)
-    yield mx.random.normal((1, 5, k), key=mx.random.key(22)).astype(dtype), flat[3 : 3 + 2 * n * k].reshape(2 * n, k)
+    x = (k ** -0.5 * mx.random.normal((1, 5, k), key=mx.random.key(22))).astype(dtype)
+    yield x, flat[3 : 3 + 2 * n * k].reshape(2 * n, k)
+    yield x, flat[3 : 3 + 2 * 37 * k].reshape(2 * 37, k)
 
 
 def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,

@@ -92,8 +92,8 @@ BODY = """
     // silu(gate) * up, each of MLX's steps rounded: the products, the sigmoid, silu, the product
     auto swiglu = [](float gs, float us) -> T {
       const float gate = to_float(from_float<T>(gs));
-      const float e = 1.0f / (1.0f + expf(-fabsf(gate)));
-      const float sig = to_float(from_float<T>(gate < 0.0f ? 1.0f - e : e));
+      const float e = expf(-fabsf(gate));  // (no cancellation for a negative gate)
+      const float sig = to_float(from_float<T>(gate < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e)));
       const float silu = to_float(from_float<T>(gate * sig));
       return from_float<T>(silu * to_float(from_float<T>(us)));
     };
