@@ -138,12 +138,7 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
 
     from dflash_mlx.cycle import Cycle
 
-    if shape == "builtin":
-        from dflash_mlx import load
-
-        model, draft, _ = load("builtin", dtype="bfloat16")
-    else:
-        model, draft = random_pair(shape, None)
+    model, draft = random_pair(shape, None)
     for P in prompts:
         target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
         cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
@@ -171,7 +166,6 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
     with open(names_path) as f:
         names = iter([line[5:].strip() for line in f if line.startswith("case ")])
     cases: dict[str, dict[str, float]] = {}
-    launches: dict[str, int] = defaultdict(int)
     order: dict[str, list[str]] = defaultdict(list)
     current = None
     with open(path) as f:
@@ -194,12 +188,11 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
             continue
         if current is None:
             continue
-        launches[current] += 1
         order[current].append(name)
         cases[current][name] += float(row["Metric Value"].replace(",", "")) * scale
     for case, kernels in cases.items():
         total = sum(kernels.values())
-        print(f"{case}: {total / 1000:.3f} ms device time, {launches[case]} kernels")
+        print(f"{case}: {total / 1000:.3f} ms device time, {len(order[case])} kernels")
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {us / 1000:8.3f} ms  {name}")
         if sequence:

@@ -13,6 +13,7 @@ after a switch.
 """
 
 from dflash_mlx.kernels import block_products as _products
+from dflash_mlx.kernels import dispatch as _dispatch
 from dflash_mlx.kernels import norm_rope as _norm_rope
 
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
@@ -72,17 +73,9 @@ def add_attention_argument(ap, each: str) -> None:
 def use_attention(choice: str) -> None:
     """Route attention as ``choice`` says (ATTENTION); the caller then forgets
     compiled cycles (forget_traces), which hold the routing they were traced with."""
-    from dflash_mlx.kernels import dispatch
-
     if choice not in ATTENTION:
         raise SystemExit(f"--attention takes {', '.join(ATTENTION)}, not {choice!r}.")
-    dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[choice]
+    _dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[choice]
 
 
-def _table():
-    from dflash_mlx.kernels import dispatch
-
-    return dispatch.KERNEL_WINS
-
-
-_TABLE = _table()
+_TABLE = _dispatch.KERNEL_WINS  # the shipped table, before any switch

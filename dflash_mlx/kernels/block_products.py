@@ -45,8 +45,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from .dispatch import CheckResult, backend, compare_with_ops
 from .block_products_source import BODY, MMA_HEADER, VERSION
+from .dispatch import CheckResult, backend, compare_with_ops
 from .kernel import make_factory
 from .source import HEADER
 
@@ -138,14 +138,14 @@ BUILDERS = {"cuda": BlockProductKernel}
 _kernels: dict[str, BlockProductKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
 _ready: dict[tuple, BlockProductKernel] = {}  # (backend, dtype) -> the kernel, where it passed its check
-_ready_swiglu: dict[tuple, BlockProductKernel] = {}  # ... where its SwiGLU epilogue passed its own too
+_swiglu_passed: set[tuple] = set()  # (backend, dtype) where the SwiGLU epilogue passed its own check too
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
     _ready.clear()
-    _ready_swiglu.clear()
+    _swiglu_passed.clear()
 
 
 def prepare(dtype) -> None:
@@ -167,7 +167,7 @@ def prepare(dtype) -> None:
     if key in _ready and key + ("swiglu",) not in _checks:
         result = _checks[key + ("swiglu",)] = self_check(where, dtype, swiglu=True)
         if result.ok:
-            _ready_swiglu[key] = _ready[key]
+            _swiglu_passed.add(key)
         else:
             warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's SwiGLU epilogue failed "
                           f"its self-check ({result.detail}); a gate/up product's SwiGLU stays a launch of its own.",
@@ -198,7 +198,7 @@ def apply_linear_swiglu(module: nn.Module, x: mx.array) -> mx.array:
     product (``apply_linear``), split, then ``swiglu``."""
     if 2 <= x.size // x.shape[-1] <= MOST_ROWS and module.weight.shape[0] % 2 == 0:
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
-        if taken is not None and taken[1] is None and _ready_swiglu.get((backend(), x.dtype)) is taken[0]:
+        if taken is not None and taken[1] is None and (backend(), x.dtype) in _swiglu_passed:
             return taken[0](x, module.weight, swiglu=True)
     gate, up = mx.split(apply_linear(module, x), 2, axis=-1)
     return swiglu(gate, up)
