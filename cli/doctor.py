@@ -53,7 +53,7 @@ def doctor_command(
         line(key, value)
 
     out.print("\n[bold]block-attention kernels[/]")
-    kernels(line)
+    kernels(line, out.print)
 
     out.print("\n[bold]matrix products[/] (a verify multiplies a block of rows; one row is a plain step)")
     products(line)
@@ -94,25 +94,34 @@ def machine() -> list[tuple[str, str]]:
     return rows
 
 
-def kernels(line) -> None:
+# What a first run on a machine pays before the check lines come, per backend.
+COLD_BUILDS = {"cuda": "; a machine's first run compiles them, which takes minutes on CUDA"}
+
+
+def kernels(line, note) -> None:
+    """A line per kernel variant's self-check, each as it completes; ``note``
+    prints to the console only (not the paste block)."""
     from dflash_mlx.kernels import backend, self_check_all
 
     where = backend()
     if where == "cpu":
         line("kernels", "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention")
         return
+    note(f"  (each variant is built and checked in turn{COLD_BUILDS.get(where, '')})")
+
+    def attention_line(r) -> None:
+        line(f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", ("ok, " if r.ok else "FAILED (fused op used), ") + r.detail,
+             "green" if r.ok else "red")
+
     try:
         import warnings
 
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the table below says the same, once per case
-            results = self_check_all()
+            warnings.simplefilter("ignore")  # the lines say the same, once per case
+            results = self_check_all(report=attention_line)
     except Exception as e:  # doctor reports, it does not crash
         line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
         return
-    for r in results:
-        line(f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", ("ok, " if r.ok else "FAILED (fused op used), ") + r.detail,
-             "green" if r.ok else "red")
     results += small_kernel_checks(line)
     failed = sum(not r.ok for r in results)
     line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
@@ -138,11 +147,12 @@ def small_kernel_checks(line) -> list:
             warnings.simplefilter("ignore")  # (the lines below say it)
             for label, module, fallback in (("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
                                             ("products", block_products, "MLX's products used")):
-                checked = module.self_check_all()
-                for r in checked:
+
+                def check_line(r, label=label, fallback=fallback) -> None:
                     name = f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else "")
                     line(name, ("ok, " if r.ok else f"FAILED ({fallback}), ") + r.detail, "green" if r.ok else "red")
-                results += checked
+
+                results += module.self_check_all(report=check_line)
     except Exception as e:  # doctor reports, it does not crash
         line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
     return results

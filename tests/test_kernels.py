@@ -251,6 +251,31 @@ def test_each_variant_is_checked_separately(fake_gpu):
     ]
 
 
+def test_self_check_all_reports_each_variant_before_building_the_next(fake_gpu):
+    """`dflash-mlx doctor` prints a line per variant as it is checked (a cold
+    CUDA process compiles each first): every report comes right after its own
+    variant's kernel runs, before the next variant's do."""
+    events = []
+
+    def kernel(q, k, v, **kw):
+        events.append(("run", str(q.dtype).split(".")[-1], q.shape[-1], kw.get("window") is not None))
+        return two_pass(q, k, v, **kw)
+
+    fake_gpu(Recorder(kernel))
+    results = dispatch.self_check_all(dtypes=(mx.float32, mx.bfloat16), head_dims=(64,),
+                                      report=lambda r: events.append(("report", r.dtype, r.head_dim, r.window)))
+    reports = [i for i, e in enumerate(events) if e[0] == "report"]
+    assert [events[i][1:] for i in reports] == [("float32", 64, False), ("float32", 64, True),
+                                               ("bfloat16", 64, False), ("bfloat16", 64, True)]
+    start = 0
+    for i in reports:
+        ran = events[start:i]
+        assert ran and all(e[1:] == events[i][1:] for e in ran)  # only this variant ran since the last report
+        start = i + 1
+    assert [r.case for r in results] == [f"fake {d} head_dim=64 {w}" for d in ("float32", "bfloat16")
+                                         for w in ("full", "sliding window")]
+
+
 def test_the_measured_table_picks_by_rows_and_keys(fake_gpu, monkeypatch):
     good = Recorder(two_pass)
     fake_gpu(good)

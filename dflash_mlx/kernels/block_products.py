@@ -174,15 +174,24 @@ def prepare(dtype) -> None:
                           RuntimeWarning, stacklevel=3)
 
 
-def self_check_all() -> list[CheckResult]:
+def self_check_all(report=None) -> list[CheckResult]:
     """Check every dtype on this backend (for `dflash-mlx doctor`: the
     products', then their SwiGLU epilogue's, named "<dtype> + SwiGLU"); []
-    where the kernel does not run (Metal, the CPU)."""
+    where the kernel does not run (Metal, the CPU). ``report(result)``, where
+    given, hears each result as soon as it is known."""
     where = backend()
+    results = []
     for dtype in DTYPES:
         prepare(dtype)
-    return [dataclasses.replace(r, dtype=f"{r.dtype} + SwiGLU") if len(k) == 3 else r
-            for k, r in _checks.items() if k[0] == where]
+        for key in ((where, dtype), (where, dtype, "swiglu")):
+            if key in _checks:
+                result = _checks[key]
+                if len(key) == 3:
+                    result = dataclasses.replace(result, dtype=f"{result.dtype} + SwiGLU")
+                results.append(result)
+                if report is not None:
+                    report(result)
+    return results
 
 
 def passed(dtype) -> BlockProductKernel | None:

@@ -200,8 +200,10 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
                              window=window)
 
 
-def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:
-    """Check every variant on this backend (for `dflash-mlx doctor`); [] on the CPU."""
+def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS, report=None) -> list[CheckResult]:
+    """Check every variant on this backend (for `dflash-mlx doctor`); [] on the
+    CPU. ``report(result)``, where given, hears each variant's result as soon
+    as it is known (a cold CUDA process compiles each variant first)."""
     where = backend()
     if where == "cpu":
         return []
@@ -209,4 +211,6 @@ def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[CheckResult]:
         for d in head_dims:
             for windowed in (False, True):
                 checked_kernel(where, dtype, d, windowed)
+                if report is not None:
+                    report(_checks[(where, dtype, d, windowed)])
     return [r for (w, *_), r in _checks.items() if w == where]

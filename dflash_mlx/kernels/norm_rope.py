@@ -238,14 +238,17 @@ def _check_cases(dtype, head_dim: int):
     yield mx.contiguous(q), mx.contiguous(k), qn, kn, nn.RoPE(head_dim, base=10_000.0, scale=0.5), 17
 
 
-def self_check_all() -> list[CheckResult]:
+def self_check_all(report=None) -> list[CheckResult]:
     """Check every (dtype, head dim) variant on this backend (for `dflash-mlx
-    doctor`); [] where the kernel does not run (the CPU)."""
+    doctor`); [] where the kernel does not run (the CPU). ``report(result)``,
+    where given, hears each result as soon as it is known."""
     where = backend()
     if where not in BUILDERS:
         return []
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             prepare(dtype, d)
+            if report is not None:
+                report(_checks[(where, dtype, d)])
     return [r for (w, *_), r in _checks.items() if w == where]
 
