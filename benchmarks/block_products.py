@@ -5,7 +5,8 @@ block-product kernel (kernels/block_products.py), side by side in one process.
     python benchmarks/block_products.py --rows 16 --repeat-rounds 3 --json
 
 For each of a qwen3 layer's four products (fused q/k/v, o, fused gate/up,
-down) it makes ``--repeat`` distinct weight matrices (one per layer, so the
+down), and the gate/up product with its SwiGLU (MLX: the product, then
+mlx-lm's ``swiglu``; the kernel: its SwiGLU epilogue), it makes ``--repeat`` distinct weight matrices (one per layer, so the
 device reads each from memory as a forward does), then times, per product,
 microseconds (median of ``--runs``, as benchmarks/host_cost.py does):
 
@@ -18,7 +19,9 @@ It also checks the kernel against MLX's product (largest difference over
 the largest element). CUDA only: elsewhere the kernel is not used.
 
 ``--shapes`` puts kernels of fixed launch shapes (tiles per warp, warps per
-block over K, steps of loads in flight) beside the default choice. Their
+block over K, steps of loads in flight; a SwiGLU launch keeps its two tiles)
+beside the default choice. With ``--repeat 36`` the device is the longer
+side for every product at Qwen3-8B sizes, so the totals compare shapes. Their
 device time, which wall-clock totals hide where launching is the longer, comes
 from Nsight Compute, each kernel's name carrying its shape:
 
@@ -62,18 +65,21 @@ def main():
              for s in args.shapes.split(":") if s}
     H, F, D = args.hidden, args.ffn, args.head_dim
     shapes = [("q/k/v", (args.heads + 2 * args.kv_heads) * D, H), ("o", H, args.heads * D), ("gate/up", 2 * F, H),
-              ("down", H, F)]
+              ("swiglu", 2 * F, H), ("down", H, F)]
     rows = []
     for name, n, k in shapes:
+        glu = name == "swiglu"
         weights = [(mx.random.normal((n, k)) * 0.02).astype(dtype) for _ in range(args.repeat)]
         mx.eval(weights)
         for m in [int(r) for r in args.rows.split(",")]:
             x = mx.random.normal((1, m, k)).astype(dtype)
             mx.eval(x)
-            want = (x @ weights[0].T).astype(mx.float32)
-            err = (mx.abs(kernel(x, weights[0]).astype(mx.float32) - want).max() / mx.abs(want).max()).item()
-            sides = {"mlx": lambda i: (x + i) @ weights[i].T, "kernel": lambda i: kernel(x + i, weights[i])}
-            sides.update({side: (lambda k: lambda i: k(x + i, weights[i]))(k) for side, k in fixed.items()})
+            want = (bp.reference_swiglu(x, weights[0]) if glu else x @ weights[0].T).astype(mx.float32)
+            got = kernel(x, weights[0], swiglu=glu).astype(mx.float32)
+            err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
+            sides = {"mlx": (lambda i: bp.reference_swiglu(x + i, weights[i])) if glu else (lambda i: (x + i) @ weights[i].T),
+                     "kernel": lambda i: kernel(x + i, weights[i], swiglu=glu)}
+            sides.update({side: (lambda k: lambda i: k(x + i, weights[i], swiglu=glu))(k) for side, k in fixed.items()})
             for rnd in range(args.repeat_rounds):
                 for side, make in sides.items():
                     r = measure(make, args.repeat, args.runs)

@@ -81,7 +81,7 @@ class BlockProductKernel:
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
             for dtype in DTYPES
         }
-        self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one)
+        self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one; SwiGLU keeps 2 tiles)
         self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
     def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
@@ -103,7 +103,10 @@ class BlockProductKernel:
             raise ValueError("the SwiGLU epilogue takes a fused gate/up weight (an even number of rows) with no "
                              "bias, residual or heads.")
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-        tiles, split, ahead = SWIGLU_SHAPE if swiglu else (self.shape or launch_shape(n, k))
+        if swiglu:
+            tiles, split, ahead = (2, *self.shape[1:]) if self.shape else SWIGLU_SHAPE
+        else:
+            tiles, split, ahead = self.shape or launch_shape(n, k)
         none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
             inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n)],
