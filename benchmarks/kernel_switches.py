@@ -14,6 +14,7 @@ after a switch.
 
 from dflash_mlx.kernels import block_products as _products
 from dflash_mlx.kernels import dispatch as _dispatch
+from dflash_mlx.kernels import kernel as _kernel
 from dflash_mlx.kernels import norm_rope as _norm_rope
 
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
@@ -67,15 +68,20 @@ def add_attention_argument(ap, each: str) -> None:
     ap.add_argument("--attention", default="table",
                     help=f"comma-separated, {each}: 'table' (the block-attention kernel where its measured table "
                          "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, short prefill "
-                         "chunks too), 'fused' (never: MLX's attention)")
+                         "chunks too), 'fused' (never: MLX's attention); '@N' after 'table' or 'kernel' sets the "
+                         "kernel's fewest keys a chunk (kernel.TILE_CHUNK_FLOOR) to N, e.g. table@64")
 
 
 def use_attention(choice: str) -> None:
-    """Route attention as ``choice`` says (ATTENTION); the caller then forgets
-    compiled cycles (forget_traces), which hold the routing they were traced with."""
-    if choice not in ATTENTION:
-        raise SystemExit(f"--attention takes {', '.join(ATTENTION)}, not {choice!r}.")
-    _dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[choice]
+    """Route attention as ``choice`` says (ATTENTION, '@N': the kernel's
+    fewest keys a chunk); the caller then forgets compiled cycles
+    (forget_traces), which hold the routing they were traced with."""
+    route, _, floor = choice.partition("@")
+    if route not in ATTENTION or (floor and not floor.isdigit()):
+        raise SystemExit(f"--attention takes {', '.join(ATTENTION)} (with @N keys a chunk), not {choice!r}.")
+    _dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[route]
+    _kernel.TILE_CHUNK_FLOOR = int(floor) if floor else _FLOOR
 
 
 _TABLE = _dispatch.KERNEL_WINS  # the shipped table, before any switch
+_FLOOR = _kernel.TILE_CHUNK_FLOOR
