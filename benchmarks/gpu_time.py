@@ -5,6 +5,7 @@
     ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
     python benchmarks/gpu_time.py summarize ncu.csv cases.txt [--sequence]
     ncu ... python benchmarks/gpu_time.py cycle --shape builtin --prompt-tokens 256 > cases.txt
+    ncu ... python benchmarks/gpu_time.py scalars > cases.txt
 
 Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost of
 encoding it (tens of microseconds for a custom kernel), which at these sizes is
@@ -20,6 +21,13 @@ profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
 - ``verify``: one 16-token verify of a target at a model's shapes (random
   weights) after a prompt of each length, attention through the kernel and
   through the fused op.
+- ``scalars``: the q/k norm + RoPE kernel (36 launches at a verify's shapes)
+  reading its offset from a 4-byte array (MLX's managed-memory pool for
+  arrays of 8 bytes or less), with and without the host touching scalars
+  between launches, and from a 16-byte one (device memory): whether that
+  pool costs the kernels that read a cycle's length (session 16: this
+  kernel took 20-36 us a launch in the cycle, MLX's rms_norm of the same
+  rows ~5).
 - ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``:
   draft, verify, acceptance, cache moves; compiled on a GPU) after a prompt of
   each length, with how many kernels it launches: the device's share of a
@@ -158,6 +166,47 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
         del plain
 
 
+def scalar_cases(block: int) -> None:
+    """The q/k norm + RoPE kernel at a verify's shapes (one launch a layer,
+    each waited for) reading its position offset from arrays that MLX's CUDA
+    allocator places differently. Arrays of 8 bytes or less live in a pool
+    of managed memory that the host's own scalars share; larger ones a kernel
+    writes live in device memory. If the host's touching that pool between
+    launches makes the kernel's read of its offset fault, the first two cases
+    differ and the third is the cure: a 4-byte offset the device computed,
+    alone; the same with the host making a scalar and reading one back
+    between launches (as the loop does each cycle); a 16-byte offset the
+    device computed (the kernel reads its first element)."""
+    from dflash_mlx.kernels import norm_rope as nr
+
+    nr.prepare(mx.bfloat16, 128)
+    kernel = nr.passed(mx.bfloat16, 128)
+    if kernel is None:
+        raise SystemExit("the q/k norm + RoPE kernel did not check out here (bf16, head dim 128).")
+    fused = [mx.random.normal((1, block, 48 * 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    qs = [f[..., : 32 * 128].reshape(1, block, 32, 128) for f in fused]
+    ks = [f[..., 32 * 128: 40 * 128].reshape(1, block, 8, 128) for f in fused]
+    weight = mx.ones((128,), mx.bfloat16)
+    narrow = mx.array(1000, mx.int32) + mx.array(24, mx.int32)  # 4 bytes, computed on the device
+    wide = mx.full((4,), 1000, mx.int32) + 24  # 16 bytes, computed on the device
+    mx.eval(fused, narrow, wide)
+
+    def launches(offset, host_touches: bool):
+        outs = []
+        for i in range(LAYERS):
+            if host_touches:
+                (narrow + i).item()  # a scalar the device wrote, read back
+                mx.array(i, mx.int32)  # a scalar the host writes
+            out = kernel(qs[i], ks[i], weight, weight, eps=1e-6, scale=1.0, base=1e6, offset=offset)
+            mx.eval(out)
+            outs.extend(out)
+        return outs
+
+    profiled(f"norm+rope {block} rows, 4-byte offset", lambda: launches(narrow, False))
+    profiled(f"norm+rope {block} rows, 4-byte offset, host touching scalars", lambda: launches(narrow, True))
+    profiled(f"norm+rope {block} rows, 16-byte offset, host touching scalars", lambda: launches(wide, True))
+
+
 def summarize(path: str, names_path: str, sequence: bool = False) -> None:
     """Device time per case, and per kernel name within it, from ncu's CSV
     (cases split at the marker kernel) and the case names the run printed;
@@ -209,7 +258,7 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "verify", "cycle", "summarize"])
+    ap.add_argument("what", choices=["attention", "verify", "cycle", "scalars", "summarize"])
     ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names)")
     ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="qwen3-8b",
                     help="a model's shapes (random weights); cycle: also builtin, the shipped pair")
@@ -230,6 +279,8 @@ def main():
         stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]
         attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads,
                         stagings)
+    elif args.what == "scalars":
+        scalar_cases(args.block)
     elif args.what == "cycle":
         cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
     else:
