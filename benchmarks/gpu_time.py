@@ -176,7 +176,10 @@ def scalar_cases(block: int) -> None:
     differ and the third is the cure: a 4-byte offset the device computed,
     alone; the same with the host making a scalar and reading one back
     between launches (as the loop does each cycle); a 16-byte offset the
-    device computed (the kernel reads its first element)."""
+    device computed (the kernel reads its first element). Then MLX's own
+    ops for the same work, whose kernels read the same 4-byte offset."""
+    import mlx.nn as nn
+
     from dflash_mlx.kernels import norm_rope as nr
 
     nr.prepare(mx.bfloat16, 128)
@@ -205,6 +208,11 @@ def scalar_cases(block: int) -> None:
     profiled(f"norm+rope {block} rows, 4-byte offset", lambda: launches(narrow, False))
     profiled(f"norm+rope {block} rows, 4-byte offset, host touching scalars", lambda: launches(narrow, True))
     profiled(f"norm+rope {block} rows, 16-byte offset, host touching scalars", lambda: launches(wide, True))
+    qn, kn = nn.RMSNorm(128, eps=1e-6), nn.RMSNorm(128, eps=1e-6)
+    qn.weight = kn.weight = weight
+    rope = nn.RoPE(128, base=1e6)
+    profiled(f"MLX's ops (copies, rms_norm, rope) {block} rows, 4-byte offset",
+             lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)])
 
 
 def summarize(path: str, names_path: str, sequence: bool = False) -> None:
