@@ -4,6 +4,7 @@
         python benchmarks/gpu_time.py attention > cases.txt
     ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
     python benchmarks/gpu_time.py summarize ncu.csv cases.txt [--sequence]
+    python benchmarks/gpu_time.py launches ncu.csv     # per distinct launch, any profiled run
     ncu ... python benchmarks/gpu_time.py cycle --shape builtin --prompt-tokens 256 > cases.txt
     ncu ... python benchmarks/gpu_time.py scalars > cases.txt
 
@@ -215,16 +216,9 @@ def scalar_cases(block: int) -> None:
              lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)])
 
 
-def summarize(path: str, names_path: str, sequence: bool = False) -> None:
-    """Device time per case, and per kernel name within it, from ncu's CSV
-    (cases split at the marker kernel) and the case names the run printed;
-    ``sequence``: also each case's kernels in launch order, repeats of a
-    name in a row counted (what a layer launches, read off the list)."""
-    with open(names_path) as f:
-        names = iter([line[5:].strip() for line in f if line.startswith("case ")])
-    cases: dict[str, dict[str, float]] = {}
-    order: dict[str, list[str]] = defaultdict(list)
-    current = None
+def kernel_rows(path: str):
+    """(ncu's CSV row, the kernel's device microseconds) per profiled launch,
+    in launch order."""
     with open(path) as f:
         lines = f.read().splitlines()
     header = None
@@ -238,6 +232,35 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[row["Metric Unit"]]
+        yield row, float(row["Metric Value"].replace(",", "")) * scale
+
+
+def launches(path: str) -> None:
+    """Device time per distinct launch (kernel name with its template
+    constants, grid and block) from ncu's CSV of any run: how many, median,
+    least and most microseconds. A kernel's shape variants, and one product's
+    launches from another's (their grids differ), come apart, so a launch-
+    shape sweep (benchmarks/block_products.py --shapes) reads off here."""
+    times: dict[tuple, list[float]] = defaultdict(list)
+    for row, us in kernel_rows(path):
+        times[(row["Kernel Name"].split("(")[0], row.get("Grid Size", ""), row.get("Block Size", ""))].append(us)
+    print(f"{'count':>5} {'median us':>10} {'least':>8} {'most':>8}  kernel  grid  block")
+    for (name, grid, block), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ts.sort()
+        print(f"{len(ts):>5} {ts[len(ts) // 2]:>10.1f} {ts[0]:>8.1f} {ts[-1]:>8.1f}  {name}  {grid}  {block}")
+
+
+def summarize(path: str, names_path: str, sequence: bool = False) -> None:
+    """Device time per case, and per kernel name within it, from ncu's CSV
+    (cases split at the marker kernel) and the case names the run printed;
+    ``sequence``: also each case's kernels in launch order, repeats of a
+    name in a row counted (what a layer launches, read off the list)."""
+    with open(names_path) as f:
+        names = iter([line[5:].strip() for line in f if line.startswith("case ")])
+    cases: dict[str, dict[str, float]] = {}
+    order: dict[str, list[str]] = defaultdict(list)
+    current = None
+    for row, us in kernel_rows(path):
         name = row["Kernel Name"].split("(")[0][:60]
         if "dflash_case_marker" in name:
             current = next(names, f"case {len(cases)}")
@@ -246,7 +269,7 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
         if current is None:
             continue
         order[current].append(name)
-        cases[current][name] += float(row["Metric Value"].replace(",", "")) * scale
+        cases[current][name] += us
     for case, kernels in cases.items():
         total = sum(kernels.values())
         print(f"{case}: {total / 1000:.3f} ms device time, {len(order[case])} kernels")
@@ -266,8 +289,9 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "verify", "cycle", "scalars", "summarize"])
-    ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names)")
+    ap.add_argument("what", choices=["attention", "verify", "cycle", "scalars", "summarize", "launches"])
+    ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names); "
+                                             "launches: ncu's CSV log")
     ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="qwen3-8b",
                     help="a model's shapes (random weights); cycle: also builtin, the shipped pair")
     ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
@@ -282,6 +306,8 @@ def main():
     args = ap.parse_intermixed_args()
     if args.what == "summarize":
         summarize(*args.paths, sequence=args.sequence)
+    elif args.what == "launches":
+        launches(*args.paths)
     elif args.what == "attention":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
         stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]
