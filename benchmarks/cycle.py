@@ -300,10 +300,10 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>8} {'norm':>5} {'prod':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>10} {'norm':>5} {'prod':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
           f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:8]:>8} {r['norm_rope'][:5]:>5} {r['products']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:10]:>10} {r['norm_rope'][:5]:>5} {r['products']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
               f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
               f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
 

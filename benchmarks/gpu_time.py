@@ -41,6 +41,7 @@ import argparse
 import csv
 import ctypes
 import glob
+import math
 import os
 import sys
 from collections import defaultdict
@@ -243,9 +244,15 @@ def launches(path: str) -> None:
     shape sweep (benchmarks/block_products.py --shapes) reads off here."""
     times: dict[tuple, list[float]] = defaultdict(list)
     for row, us in kernel_rows(path):
-        times[(row["Kernel Name"].split("(")[0], row.get("Grid Size", ""), row.get("Block Size", ""))].append(us)
+        name = row["Kernel Name"].split("(")[0]
+        if "dflash_case_marker" not in name:
+            times[(name, row.get("Grid Size", ""), row.get("Block Size", ""))].append(us)
+
+    def blocks(grid: str) -> int:  # (x, y, z) -> x * y * z, for the order
+        return math.prod(int(v) for v in grid.strip("()").split(",")) if grid.strip("()") else 0
+
     print(f"{'count':>5} {'median us':>10} {'least':>8} {'most':>8}  kernel  grid  block")
-    for (name, grid, block), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (name, grid, block), ts in sorted(times.items(), key=lambda kv: (blocks(kv[0][1]), kv[0][0])):
         ts.sort()
         print(f"{len(ts):>5} {ts[len(ts) // 2]:>10.1f} {ts[0]:>8.1f} {ts[-1]:>8.1f}  {name}  {grid}  {block}")
 

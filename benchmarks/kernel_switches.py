@@ -76,8 +76,8 @@ def use_attention(choice: str) -> None:
     """Route attention as ``choice`` says (ATTENTION, '@N': the kernel's
     fewest keys a chunk); the caller then forgets compiled cycles
     (forget_traces), which hold the routing they were traced with."""
-    route, _, floor = choice.partition("@")
-    if route not in ATTENTION or (floor and not floor.isdigit()):
+    route, sep, floor = choice.partition("@")
+    if route not in ATTENTION or (sep and not (floor.isdigit() and int(floor) >= 1)):
         raise SystemExit(f"--attention takes {', '.join(ATTENTION)} (with @N keys a chunk), not {choice!r}.")
     _dispatch.KERNEL_WINS = {"table": _TABLE, "kernel": ((256, 0),), "fused": ()}[route]
     _kernel.TILE_CHUNK_FLOOR = int(floor) if floor else _FLOOR

@@ -192,9 +192,16 @@ def test_self_check_all_checks_every_dtype_and_head_dim_once(fake_gpu):
     """What `dflash-mlx doctor` lists: one result per (dtype, head dim)."""
     good = Recorder(kernel_arithmetic)
     fake_gpu(good)
+    heard = []
+
+    def report(result):  # hears each result as its check ends, before the next one runs
+        heard.append((result, good.calls))
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        results = nr.self_check_all()
+        results = nr.self_check_all(report=report)
+    assert [r for r, _ in heard] == results
+    assert all(a < b for (_, a), (_, b) in zip(heard, heard[1:]))  # the kernel ran between reports
     assert sorted((r.dtype, r.head_dim) for r in results) == sorted(
         (str(t).split(".")[-1], d) for t in (mx.float32, mx.bfloat16, mx.float16) for d in (64, 128, 256))
     assert all(r.ok for r in results)
