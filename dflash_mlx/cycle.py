@@ -172,18 +172,19 @@ class Cycle:
                     key, k_draft = mx.random.split(position_key(self.seed, length))
                 drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft, self.draft_fused)
             else:
-                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused)[0], axis=-1).astype(mx.int32)
+                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1).astype(mx.int32)
             verify = mx.concatenate([last, drafts])
         else:
             verify = last
         logits, hidden = self.target(verify[None], target_cache, self.taps)
         if q is not None:
             # sampled proposals: the general rule, min(1, p/q)
-            kept = accept_proposals(drafts, q, logits[0], self.temperature, self.top_p, self.top_k, key, self.min_p)
+            kept = accept_proposals(drafts, q, logits.squeeze(0), self.temperature, self.top_p, self.top_k, key, self.min_p)
             accepted, tokens = kept[0], kept[1:]
         else:
             # row i predicts the token at position length + i + 1
-            tokens = self.pick(logits[0], length + 1 + mx.arange(block_size, dtype=mx.int32))
+            # (squeeze, not [0]: an int index is a gather, a copy of the logits on a GPU)
+            tokens = self.pick(logits.squeeze(0), length + 1 + mx.arange(block_size, dtype=mx.int32))
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)

@@ -276,7 +276,7 @@ class DFlash2Draft(DFlashDraft):
         ``key`` seeds the draws (the global generator when None)."""
         hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
-        drafts, candidates, q = self.candidate_selector(hidden[0], logits[0], block[0, 0], temperature, key)
+        drafts, candidates, q = self.candidate_selector(hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key)
         if q is not None:
             q = mx.put_along_axis(mx.zeros(logits.shape[1:], mx.float32), candidates, q, axis=-1)
         return drafts, q

@@ -60,11 +60,16 @@ def seed_words(seed: int) -> mx.array:
     return mx.array([seed & 0xFFFFFFFF, seed >> 32], mx.uint32)
 
 
+def _word(seed: mx.array, i: int) -> mx.array:
+    """``seed[i]`` as a view: an int index is a gather, a kernel launch a use on a GPU."""
+    return seed[i : i + 1].squeeze(0)
+
+
 def gumbel_noise(seed: mx.array, positions: mx.array, vocab: int) -> mx.array:
     """Standard Gumbel noise [R, vocab] for the tokens at ``positions`` [R]
     (int32), fixed by ``seed`` (from ``seed_words``) and the position alone."""
     pos = positions.astype(mx.uint32)[:, None]
-    row = _mix(_mix(pos ^ seed[0]) + seed[1])
+    row = _mix(_mix(pos ^ _word(seed, 0)) + _word(seed, 1))
     col = mx.arange(vocab, dtype=mx.uint32)[None] * mx.array(0x9E3779B9, mx.uint32)
     bits = _mix(_mix(row ^ col) + mx.array(0x632BE5AB, mx.uint32))
     u = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
@@ -76,7 +81,7 @@ def position_key(seed: mx.array, position: mx.array) -> mx.array:
     that may live on the device: for draws that belong to a cycle rather
     than to a token (a drafter that samples its proposals)."""
     pos = position.astype(mx.uint32)
-    return mx.stack([_mix(seed[0] ^ _mix(pos)), _mix(seed[1] + pos * mx.array(0x9E3779B9, mx.uint32))])
+    return mx.stack([_mix(_word(seed, 0) ^ _mix(pos)), _mix(_word(seed, 1) + pos * mx.array(0x9E3779B9, mx.uint32))])
 
 
 def pick(logits: mx.array, positions: mx.array, temperature: float, top_p: float, top_k: int, seed: mx.array | None,
