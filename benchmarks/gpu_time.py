@@ -23,12 +23,11 @@ profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
   weights) after a prompt of each length, attention through the kernel and
   through the fused op.
 - ``scalars``: the q/k norm + RoPE kernel (36 launches at a verify's shapes)
-  reading its offset from a 4-byte array (MLX's managed-memory pool for
-  arrays of 8 bytes or less), with and without the host touching scalars
-  between launches, and from a 16-byte one (device memory): whether that
-  pool costs the kernels that read a cycle's length (session 16: this
-  kernel took 20-36 us a launch in the cycle, MLX's rms_norm of the same
-  rows ~5).
+  with its small inputs in managed memory (host-made weights and
+  parameters, a 4-byte offset) or in device memory, the host touching
+  small arrays between launches or not, and MLX's ops beside it: whether
+  managed memory costs the kernels that read it (session 16: this kernel
+  took 19-36 us a launch in the cycle, MLX's rms_norm of the same rows ~5).
 - ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``:
   draft, verify, acceptance, cache moves; compiled on a GPU) after a prompt of
   each length, with how many kernels it launches: the device's share of a
@@ -170,17 +169,26 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
 
 def scalar_cases(block: int) -> None:
     """The q/k norm + RoPE kernel at a verify's shapes (one launch a layer,
-    each waited for) reading its position offset from arrays that MLX's CUDA
-    allocator places differently. Arrays of 8 bytes or less live in a pool
-    of managed memory that the host's own scalars share; larger ones a kernel
-    writes live in device memory. If the host's touching that pool between
-    launches makes the kernel's read of its offset fault, the first two cases
-    differ and the third is the cure: a 4-byte offset the device computed,
-    alone; the same with the host making a scalar and reading one back
-    between launches (as the loop does each cycle); a 16-byte offset the
-    device computed (the kernel reads its first element). Then MLX's own
-    ops for the same work, whose kernels read the same 4-byte offset."""
+    each waited for) reading its small inputs from memory that MLX's CUDA
+    allocator places differently: arrays the host makes (a model's loaded
+    norm weights, the kernel's own parameters) and arrays of 8 bytes or less
+    (a cycle's length) live in managed memory, which the host's own small
+    arrays share; larger arrays a kernel writes live in device memory. If
+    the host's touching managed memory between launches makes the kernel's
+    reads fault, the cases differ:
+
+    - device-made weights and parameters, a 4-byte offset, the host idle;
+    - the same, the host making a scalar and reading one back between
+      launches (as the loop does each cycle);
+    - a 16-byte offset the device made (the kernel reads its first element),
+      the host touching;
+    - host-made weights and parameters (as a loaded model's and the kernel's
+      own are), the host touching;
+
+    then MLX's own ops for the same work (copies, rms_norm, rope), whose
+    kernels read the same offset and weights."""
     import mlx.nn as nn
+    import numpy as np
 
     from dflash_mlx.kernels import norm_rope as nr
 
@@ -191,29 +199,41 @@ def scalar_cases(block: int) -> None:
     fused = [mx.random.normal((1, block, 48 * 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
     qs = [f[..., : 32 * 128].reshape(1, block, 32, 128) for f in fused]
     ks = [f[..., 32 * 128: 40 * 128].reshape(1, block, 8, 128) for f in fused]
-    weight = mx.ones((128,), mx.bfloat16)
+    made_here = mx.ones((128,), mx.bfloat16)  # computed on the device
+    loaded = mx.array(np.ones(128, np.float32), dtype=mx.bfloat16)  # written by the host, as loaded weights are
     narrow = mx.array(1000, mx.int32) + mx.array(24, mx.int32)  # 4 bytes, computed on the device
     wide = mx.full((4,), 1000, mx.int32) + 24  # 16 bytes, computed on the device
-    mx.eval(fused, narrow, wide)
+    key = (1e-6, 1.0, 1e6)
+    kernel(qs[0], ks[0], made_here, made_here, eps=key[0], scale=key[1], base=key[2], offset=narrow)
+    host_params = kernel._params[key]  # made by the host, as the kernel makes it
+    device_params = host_params * 1  # the same values, made by the device (12 bytes: device memory)
+    mx.eval(fused, narrow, wide, made_here, loaded, device_params)
 
-    def launches(offset, host_touches: bool):
+    def launches(offset, weight, params, host_touches: bool):
+        kernel._params[key] = params
         outs = []
         for i in range(LAYERS):
             if host_touches:
                 (narrow + i).item()  # a scalar the device wrote, read back
                 mx.array(i, mx.int32)  # a scalar the host writes
-            out = kernel(qs[i], ks[i], weight, weight, eps=1e-6, scale=1.0, base=1e6, offset=offset)
+            out = kernel(qs[i], ks[i], weight, weight, eps=key[0], scale=key[1], base=key[2], offset=offset)
             mx.eval(out)
             outs.extend(out)
+        kernel._params[key] = host_params
         return outs
 
-    profiled(f"norm+rope {block} rows, 4-byte offset", lambda: launches(narrow, False))
-    profiled(f"norm+rope {block} rows, 4-byte offset, host touching scalars", lambda: launches(narrow, True))
-    profiled(f"norm+rope {block} rows, 16-byte offset, host touching scalars", lambda: launches(wide, True))
+    name = f"norm+rope {block} rows"
+    profiled(f"{name}, device-made inputs, 4-byte offset", lambda: launches(narrow, made_here, device_params, False))
+    profiled(f"{name}, device-made inputs, 4-byte offset, host touching",
+             lambda: launches(narrow, made_here, device_params, True))
+    profiled(f"{name}, device-made inputs, 16-byte offset, host touching",
+             lambda: launches(wide, made_here, device_params, True))
+    profiled(f"{name}, host-made weights and parameters, 16-byte offset, host touching",
+             lambda: launches(wide, loaded, host_params, True))
     qn, kn = nn.RMSNorm(128, eps=1e-6), nn.RMSNorm(128, eps=1e-6)
-    qn.weight = kn.weight = weight
+    qn.weight = kn.weight = loaded
     rope = nn.RoPE(128, base=1e6)
-    profiled(f"MLX's ops (copies, rms_norm, rope) {block} rows, 4-byte offset",
+    profiled(f"MLX's ops (copies, rms_norm, rope) {block} rows, host-made weights, 4-byte offset",
              lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)])
 
 
