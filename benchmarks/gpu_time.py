@@ -209,7 +209,7 @@ def scalar_cases(block: int) -> None:
     device_params = host_params * 1  # the same values, made by the device (12 bytes: device memory)
     mx.eval(fused, narrow, wide, made_here, loaded, device_params)
 
-    def launches(offset, weight, params, host_touches: bool):
+    def run_layers(offset, weight, params, host_touches: bool):
         kernel._params[key] = params
         outs = []
         for i in range(LAYERS):
@@ -223,13 +223,13 @@ def scalar_cases(block: int) -> None:
         return outs
 
     name = f"norm+rope {block} rows"
-    profiled(f"{name}, device-made inputs, 4-byte offset", lambda: launches(narrow, made_here, device_params, False))
+    profiled(f"{name}, device-made inputs, 4-byte offset", lambda: run_layers(narrow, made_here, device_params, False))
     profiled(f"{name}, device-made inputs, 4-byte offset, host touching",
-             lambda: launches(narrow, made_here, device_params, True))
+             lambda: run_layers(narrow, made_here, device_params, True))
     profiled(f"{name}, device-made inputs, 16-byte offset, host touching",
-             lambda: launches(wide, made_here, device_params, True))
+             lambda: run_layers(wide, made_here, device_params, True))
     profiled(f"{name}, host-made weights and parameters, 16-byte offset, host touching",
-             lambda: launches(wide, loaded, host_params, True))
+             lambda: run_layers(wide, loaded, host_params, True))
     qn, kn = nn.RMSNorm(128, eps=1e-6), nn.RMSNorm(128, eps=1e-6)
     qn.weight = kn.weight = loaded
     rope = nn.RoPE(128, base=1e6)

@@ -110,8 +110,7 @@ def kernels(line, note) -> None:
     note(f"  (each variant is built and checked in turn{COLD_BUILDS.get(where, '')})")
 
     def attention_line(r) -> None:
-        line(f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", ("ok, " if r.ok else "FAILED (fused op used), ") + r.detail,
-             "green" if r.ok else "red")
+        check_line(line, f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", r, "fused op used")
 
     try:
         import warnings
@@ -134,6 +133,11 @@ def kernels(line, note) -> None:
         line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
 
 
+def check_line(line, name: str, result, fallback: str) -> None:
+    """A kernel check's line: ok, or FAILED naming what runs instead."""
+    line(name, ("ok, " if result.ok else f"FAILED ({fallback}), ") + result.detail, "green" if result.ok else "red")
+
+
 def small_kernel_checks(line) -> list:
     """The q/k norm + RoPE kernel's checks (Metal, CUDA) and the block-product
     kernel's (CUDA), a line each; their results."""
@@ -148,11 +152,10 @@ def small_kernel_checks(line) -> list:
             for label, module, fallback in (("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
                                             ("products", block_products, "MLX's products used")):
 
-                def check_line(r, label=label, fallback=fallback) -> None:
-                    name = f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else "")
-                    line(name, ("ok, " if r.ok else f"FAILED ({fallback}), ") + r.detail, "green" if r.ok else "red")
+                def small_line(r, label=label, fallback=fallback) -> None:
+                    check_line(line, f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else ""), r, fallback)
 
-                results += module.self_check_all(report=check_line)
+                results += module.self_check_all(report=small_line)
     except Exception as e:  # doctor reports, it does not crash
         line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
     return results
