@@ -23,7 +23,12 @@ the synthetic prompt's continuation; the cycle's time is what is reported). For 
 - synced verify / draft ms: each piece built, then evaluated alone and waited
   for (kernel launches and device time, no overlap);
 - cycle in plain steps, and the projected speedup tau x step / cycle for the
-  acceptance ``--tau`` (Z Lab's Qwen3-8B figures: ~6.5 math, ~4.3 chat).
+  acceptance ``--tau`` (Z Lab's Qwen3-8B figures: ~6.5 math, ~4.3 chat);
+- with ``--pad-ms 0,2,4,8`` (GPUs): the cycle again with that much device
+  time queued after each cycle's kernels (device_pad.py), and from it the
+  device's busy time per cycle (cycle - pad, once the pad grows the cycle)
+  and its idle time (the unpadded cycle - busy): the host's time on the
+  critical path.
 
 Prints the machine; ``--json`` for a record.
 """
@@ -193,6 +198,24 @@ def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock
             **{f"host_{p}_ms": clock.per_cycle_ms(p) for p in LaunchClock.PARTS}}
 
 
+def padded_cycles(pad, pads: list[float], cycle_ms: float, run) -> list[dict]:
+    """The cycle with each of ``pads`` ms of device time queued after its
+    kernels: the device's busy time (cycle - pad) and idle time (``cycle_ms``,
+    the unpadded cycle, less busy) per pad; meaningful where the pad grew
+    the cycle (device_pad.py)."""
+    out = []
+    try:
+        for p in pads:
+            pad.add_to(Cycle, p)
+            padded = run()["cycle_ms"]
+            busy = padded - p
+            out.append({"pad_ms": p, "cycle_ms": round(padded, 3), "busy_ms": round(busy, 3),
+                        "idle_ms": round(cycle_ms - busy, 3)})
+    finally:
+        pad.add_to(Cycle, 0.0)
+    return out
+
+
 def synced_pieces(model, draft, prompt, block: int) -> dict:
     """Verify and draft passes at this context, each built then evaluated alone."""
     target, cache = prefilled(model, draft, prompt)
@@ -224,7 +247,8 @@ def synced_pieces(model, draft, prompt, block: int) -> dict:
 
 
 def main():
-    from kernel_switches import add_attention_argument, add_kernel_arguments, kernel_settings, use_attention, use_kernels
+    from kernel_switches import (add_attention_argument, add_kernel_arguments, add_scalars_argument, kernel_settings,
+                                 use_attention, use_kernels, use_scalars)
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="small",
@@ -244,8 +268,14 @@ def main():
                     help="fused products in the drafter's layers (the default), its modules, or both")
     add_attention_argument(ap, "side by side")
     add_kernel_arguments(ap, "side by side")
+    add_scalars_argument(ap, "side by side")
+    ap.add_argument("--pad-ms", default="", help="comma-separated device pads per cycle (GPUs; see device_pad.py), "
+                                                   "e.g. 0,2,4,8: the device's busy and idle time per cycle")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    pads = [float(p) for p in args.pad_ms.split(",")] if args.pad_ms else []
+    if pads and min(pads) < 0:
+        raise SystemExit("--pad-ms takes device milliseconds of 0 or more, e.g. 0,2,4,8.")
 
     from dflash_mlx.tiny import make_tokenizer
 
@@ -258,6 +288,11 @@ def main():
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
     clock = LaunchClock()
+    pad = None
+    if pads:
+        from device_pad import DevicePad
+
+        pad = DevicePad()
     rows = []
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         prompt = synthetic_prompt(vocab, P)
@@ -266,21 +301,27 @@ def main():
             for block in [int(b) for b in args.blocks.split(",")]:
                 dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
-        settings = [(t, d, a, n, m) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
+        settings = [(t, d, a, n, m, w) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
                     for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])
-                    for a in args.attention.split(",") for n, m in kernel_settings(args)]
-        for fuse, fuse_draft, attention, norm, products in settings:
+                    for a in args.attention.split(",") for n, m in kernel_settings(args)
+                    for w in args.scalars.split(",")]
+        for fuse, fuse_draft, attention, norm, products, scalars in settings:
             use_kernels(norm_rope=norm, products=products)
+            use_scalars(scalars)
             DenseTarget.fuse_projections = fuse
             type(draft).fuse_projections = fuse_draft
             use_attention(attention)
             forget_traces(draft)  # compiled cycles hold the attention they were traced with
             for block in [int(b) for b in args.blocks.split(",")]:
                 row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft,
-                       "attention": attention, "norm_rope": norm, "products": products, "plain_step_ms": step}
+                       "attention": attention, "norm_rope": norm, "products": products, "scalars": scalars,
+                       "plain_step_ms": step}
                 if len(settings) > 1:  # a warm-up of this setting's graphs
                     dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
                 row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
+                if pad is not None:
+                    row["pads"] = padded_cycles(pad, pads, row["cycle_ms"],
+                                                lambda: dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
                 row.update(synced_pieces(model, draft, prompt, block))
                 clock.reset()
                 row["cycle_in_plain_steps"] = row["cycle_ms"] / step
@@ -293,6 +334,7 @@ def main():
         "mode": "cold (first request)" if args.cold else "warm",
         "compiled": args.compile,
         "tau": args.tau,
+        **({"pad_steps_per_ms": round(pad.steps_per_ms)} if pad is not None else {}),
         "rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
     }
     if args.json:
@@ -300,12 +342,23 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>10} {'norm':>5} {'prod':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>10} {'norm':>5} {'prod':>12} {'scal':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
           f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:10]:>10} {r['norm_rope'][:5]:>5} {r['products']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:10]:>10} {r['norm_rope'][:5]:>5} {r['products']:>12} {r['scalars']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
               f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
               f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
+    padded = [r for r in record["rows"] if r.get("pads")]
+    if padded:
+        print("device pads (device_pad.py): busy = padded cycle - pad, idle = the row's cycle - busy; read them "
+              "where the pad grew the cycle")
+        print(f"{'prompt':>6} {'block':>5} {'attn':>10} {'prod':>12} {'scal':>6} {'cycle ms':>9} {'pad ms':>7} {'padded':>8} "
+              f"{'busy ms':>8} {'idle ms':>8}")
+        for r in padded:
+            for q in r["pads"]:
+                print(f"{r['prompt_tokens']:>6} {r['block']:>5} {r['attention'][:10]:>10} {r['products']:>12} "
+                      f"{r['scalars']:>6} {r['cycle_ms']:>9.2f} {q['pad_ms']:>7.2f} {q['cycle_ms']:>8.2f} {q['busy_ms']:>8.2f} "
+                      f"{q['idle_ms']:>8.2f}")
 
 
 if __name__ == "__main__":
