@@ -330,7 +330,11 @@ def main():
     ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
     ap.add_argument("--staging", default="0x0",
                     help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)")
+    from kernel_switches import add_scalars_argument, use_scalars
+
+    add_scalars_argument(ap, "one for the run")
     args = ap.parse_intermixed_args()
+    use_scalars(args.scalars)
     if args.what == "summarize":
         summarize(*args.paths, sequence=args.sequence)
     elif args.what == "launches":

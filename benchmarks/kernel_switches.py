@@ -24,8 +24,9 @@ CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "mlx")}
 MEANING = {
     "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
                  "rms_norm and rope)",
-    "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out), "
-                "'mlx' (MLX's products, cuBLASLt)",
+    "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out; "
+                "'kernel@TxWxA' launches the products under LONG_K with T tiles a warp, W warps, A loads ahead: "
+                "block_products.SHAPE), 'mlx' (MLX's products, cuBLASLt)",
 }
 
 
@@ -44,10 +45,25 @@ def kernel_settings(args) -> list[tuple[str, str]]:
 
 def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
     """norm_rope: 'kernel' or 'ops'; products: 'kernel' or 'mlx'."""
+    products, _products.SHAPE = product_shape(products)
     for (name, choice), module in zip((("norm_rope", norm_rope), ("products", products)), (_norm_rope, _products)):
         if choice not in CHOICES[name]:
             raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
         module.passed = _CHECKED[module] if choice == "kernel" else (lambda *args: None)
+
+
+def product_shape(choice: str) -> tuple[str, tuple[int, int, int]]:
+    """'kernel@TxWxA' -> ('kernel', (T, W, A)); any other choice keeps the shipped SHAPE."""
+    route, sep, shape = choice.partition("@")
+    if not sep:
+        return choice, _SHAPE
+    parts = shape.split("x")
+    if route != "kernel" or len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise SystemExit(f"--products takes kernel@TxWxA (tiles, warps, loads ahead, e.g. kernel@2x8x4), not {choice!r}.")
+    return route, tuple(int(p) for p in parts)
+
+
+_SHAPE = _products.SHAPE  # the shipped launch shape, before any switch
 
 
 def use_fused_projections(on: bool) -> None:
@@ -85,3 +101,23 @@ def use_attention(choice: str) -> None:
 
 _TABLE = _dispatch.KERNEL_WINS  # the shipped table, before any switch
 _FLOOR = _kernel.TILE_CHUNK_FLOOR
+
+
+SCALARS = ("wide", "narrow")
+
+
+def add_scalars_argument(ap, each: str) -> None:
+    """--scalars, comma-separated: where a cycle's lengths live for its kernels."""
+    ap.add_argument("--scalars", default="wide",
+                    help=f"comma-separated, {each}: 'wide' (a cycle's lengths in 16-byte arrays the device writes, "
+                         "device.device_scalar: the default), 'narrow' (4-byte arrays, which MLX's CUDA backend keeps "
+                         "in managed memory)")
+
+
+def use_scalars(choice: str) -> None:
+    """Lengths as ``choice`` says (SCALARS); the caller then forgets compiled cycles."""
+    from dflash_mlx import device
+
+    if choice not in SCALARS:
+        raise SystemExit(f"--scalars takes {' or '.join(SCALARS)}, not {choice!r}.")
+    device.WIDE_SCALARS = choice == "wide"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import compute_dtype
+from .device import device_scalar
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
 from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
@@ -160,6 +161,7 @@ class Cycle:
         host int, as mlx-lm's own step writes: slice writes at constant
         offsets, no position arrays."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
+        length = device_scalar(length)  # what the cycle's kernels read, in device memory
         self.target.set_length(target_cache, bound if at_host else length, bound)
         defer = block_size == 1 and self.defers
         if not defer:

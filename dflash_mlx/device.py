@@ -14,3 +14,23 @@ def backend() -> str:
     if cuda is not None and cuda.is_available():
         return "cuda"
     return "cpu"
+
+
+# MLX's CUDA allocator puts every array of 8 bytes or less in one small pool
+# of managed memory (mlx/backend/cuda/allocator.cpp), where the host's own
+# scalars live too. Under Nsight Compute, the q/k norm + RoPE kernel took
+# 20-22 us a launch reading a cycle's length from that pool and 3.2 us
+# reading it from a 16-byte array the device wrote (benchmarks/gpu_time.py
+# scalars, BENCHMARKS.md session 17). Switchable for benchmarks' A/B.
+WIDE_SCALARS = True
+
+
+def device_scalar(x):
+    """An int32 scalar array as a view of a 16-byte array the device writes
+    (device memory, out of the small managed pool), on CUDA; ``x`` itself
+    elsewhere, and for host ints. Made once per cycle (cycle.py) and per
+    length a forward's layers share (kv_cache.SharedPositions), not per
+    kernel: each costs a launch."""
+    if not (WIDE_SCALARS and isinstance(x, mx.array) and x.ndim == 0 and backend() == "cuda"):
+        return x
+    return (x + mx.zeros((4,), x.dtype))[:1].reshape(())

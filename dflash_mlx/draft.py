@@ -525,7 +525,7 @@ class DFlashDraft(nn.Module):
             if kind not in masks:
                 masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
             if length not in ends:
-                ends[length] = c.offset + L
+                ends[length] = c.after(L)
             # the block-attention kernel where it pays (the block is written right after the
             # context, positions offset..offset+L-1), else the fused op with the mask
             attend = partial(cache_attention, cache=c, start=c.offset, length=ends[length],

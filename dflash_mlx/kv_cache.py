@@ -72,11 +72,20 @@ class SharedPositions:
     def __init__(self, length: mx.array):
         self.length = length
         self.made: dict[int, mx.array] = {}
+        self.ends: dict[int, mx.array] = {}
 
     def at(self, n: int) -> mx.array:
         if n not in self.made:
             self.made[n] = self.length + mx.arange(n)
         return self.made[n]
+
+    def end(self, n: int) -> mx.array:
+        """``length + n``: every layer's length once it has written ``n``
+        positions, which attention kernels read (a device scalar, see
+        device.device_scalar)."""
+        if n not in self.ends:
+            self.ends[n] = device.device_scalar(self.length + n)
+        return self.ends[n]
 
 
 class DeviceLengthCache:
@@ -118,6 +127,14 @@ class DeviceLengthCache:
         are written (and the width of ``make_mask``): all of it."""
         return self.width_after(n)
 
+    def after(self, n: int) -> int | mx.array:
+        """The length once ``n`` more positions are written: shared with the
+        caches whose length was set with this one."""
+        shared = self.shared
+        if shared is not None and self.offset is shared.length:
+            return shared.end(n)
+        return self.offset + n
+
     def positions(self, start: mx.array, n: int) -> mx.array:
         """The ``n`` positions from ``start`` (an array), shared with the
         caches whose length was set with this one where ``start`` is it."""
@@ -142,7 +159,7 @@ class DeviceLengthCache:
         """mlx-lm's cache protocol: append at ``offset`` and return the buffers."""
         out = self.write(keys, values, self.offset)
         n = keys.shape[2]
-        self.offset = self.offset + n
+        self.offset = self.after(n)
         self.bound += n
         return out
 

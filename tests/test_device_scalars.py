@@ -1,0 +1,84 @@
+"""A cycle's lengths, as its kernels read them: on CUDA, views of 16-byte
+arrays the device wrote (MLX keeps arrays of 8 bytes or less in managed
+memory, whose reads cost a custom kernel ~20 us a launch), made once a
+cycle and once per length the layers share; elsewhere the arrays themselves.
+The output stays the target's own either way."""
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import device, stream_generate
+from dflash_mlx.cycle import Cycle
+from dflash_mlx.kv_cache import BufferKVCache, set_lengths
+from test_cycle_graph import VIEWS, graph
+from tiny import greedy_reference, make_tokenizer
+
+
+@pytest.fixture
+def cuda_lengths(monkeypatch):
+    """device_scalar as it runs on CUDA (the rest of the pair stays on the CPU's paths)."""
+    monkeypatch.setattr(device, "backend", lambda: "cuda")
+
+
+def test_a_scalar_stays_itself_off_cuda():
+    x = mx.array(41, mx.int32)
+    assert device.device_scalar(x) is x
+    assert device.device_scalar(41) == 41
+
+
+def test_on_cuda_a_scalar_is_read_from_a_wider_array_the_device_wrote(cuda_lengths, tmp_path):
+    x = mx.array(41, mx.int32)
+    y = device.device_scalar(x)
+    kind, made_by, inputs = graph(tmp_path / "scalar.dot", y)  # (before evaluating it: that drops its graph)
+    (sink,) = re.findall(r"rank=sink; (\S+);", (tmp_path / "scalar.dot").read_text())
+    # walk back from the result: views (a slice of the wide array, a reshape), then the op that wrote it
+    node, passed = made_by[sink], []
+    while kind[node.strip('"')] in VIEWS:
+        passed.append(kind[node.strip('"')])
+        node = made_by[inputs[node.strip('"')][0]]
+    assert "Slice" in passed and kind[node.strip('"')] == "Add"
+    assert y is not x and y.shape == () and y.dtype == mx.int32 and y.item() == 41
+    # host ints and arrays of other shapes pass through
+    assert device.device_scalar(7) == 7
+    v = mx.array([1, 2], mx.int32)
+    assert device.device_scalar(v) is v
+
+
+def test_layers_set_together_share_one_length_after_their_writes(cuda_lengths):
+    caches = [BufferKVCache() for _ in range(3)]
+    kv = mx.ones((1, 2, 5, 8))
+    for c in caches:
+        c.update_and_fetch(kv, kv)
+    set_lengths(caches, device.device_scalar(mx.array(5, mx.int32)), 5)
+    new = mx.full((1, 2, 3, 8), 2.0)
+    for c in caches:
+        c.update_and_fetch(new, new)
+    assert caches[0].offset is caches[1].offset is caches[2].offset  # one add for every layer, not one each
+    assert caches[0].offset.item() == 8
+    keys = np.array(caches[2].keys[0, 0, :9, 0])
+    assert keys.tolist() == [1, 1, 1, 1, 1, 2, 2, 2, 0]
+    # a second write moves each cache on from there
+    for c in caches:
+        c.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+    assert [c.offset.item() for c in caches] == [9, 9, 9]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_wide_lengths_keep_the_output_the_targets(cuda_lengths, monkeypatch, agreeing_pair, compiled):
+    monkeypatch.setattr(Cycle, "compile_graphs", compiled)
+    model, draft = agreeing_pair
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for block in (4, 16):
+        out = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=40, block_size=block)
+        assert [t for r in out for t in r.tokens] == greedy_reference(model, prompt, 40), block
+    # sampled: the same text as with narrow lengths, for one seed
+    texts = []
+    for wide in (True, False):
+        monkeypatch.setattr(device, "WIDE_SCALARS", wide)
+        out = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=30, block_size=8, temperature=0.9,
+                              seed=11)
+        texts.append([t for r in out for t in r.tokens])
+    assert texts[0] == texts[1]
