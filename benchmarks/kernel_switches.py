@@ -25,8 +25,8 @@ MEANING = {
     "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
                  "rms_norm and rope)",
     "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out; "
-                "'kernel@TxWxA' launches the products under LONG_K with T tiles a warp, W warps, A loads ahead: "
-                "block_products.SHAPE), 'mlx' (MLX's products, cuBLASLt)",
+                "'kernel@TxWxA' launches the products that are not down-shaped with T tiles a warp, W warps, A loads "
+                "ahead: block_products.SHAPE and WIDE_SHAPE), 'mlx' (MLX's products, cuBLASLt)",
 }
 
 
@@ -45,25 +45,29 @@ def kernel_settings(args) -> list[tuple[str, str]]:
 
 def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
     """norm_rope: 'kernel' or 'ops'; products: 'kernel' or 'mlx'."""
-    products, _products.SHAPE = product_shape(products)
+    products, shape = product_shape(products)
+    _products.SHAPE, _products.WIDE_SHAPE = shape if shape else _SHAPES
     for (name, choice), module in zip((("norm_rope", norm_rope), ("products", products)), (_norm_rope, _products)):
         if choice not in CHOICES[name]:
             raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
         module.passed = _CHECKED[module] if choice == "kernel" else (lambda *args: None)
 
 
-def product_shape(choice: str) -> tuple[str, tuple[int, int, int]]:
-    """'kernel@TxWxA' -> ('kernel', (T, W, A)); any other choice keeps the shipped SHAPE."""
+def product_shape(choice: str) -> tuple[str, tuple | None]:
+    """'kernel@TxWxA' -> ('kernel', ((T, W, A), (T, W, A))): the launch shape
+    of every product but down-shaped ones (SHAPE and WIDE_SHAPE); any other
+    choice -> (choice, None): the shipped shapes."""
     route, sep, shape = choice.partition("@")
     if not sep:
-        return choice, _SHAPE
+        return choice, None
     parts = shape.split("x")
     if route != "kernel" or len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise SystemExit(f"--products takes kernel@TxWxA (tiles, warps, loads ahead, e.g. kernel@2x8x4), not {choice!r}.")
-    return route, tuple(int(p) for p in parts)
+    one = tuple(int(p) for p in parts)
+    return route, (one, one)
 
 
-_SHAPE = _products.SHAPE  # the shipped launch shape, before any switch
+_SHAPES = (_products.SHAPE, _products.WIDE_SHAPE)  # the shipped launch shapes, before any switch
 
 
 def use_fused_projections(on: bool) -> None:

@@ -399,8 +399,8 @@ def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):
 
 def test_each_product_launches_with_its_shapes_launch_shape():
     """down-shaped weights (K at least LONG_K and twice N) take LONG_K_SHAPE,
-    the others SHAPE: the template and grid a launch gets (a recording
-    factory in place of MLX's)."""
+    others of WIDE elements or more WIDE_SHAPE, the rest SHAPE: the template
+    and grid a launch gets (a recording factory in place of MLX's)."""
     launches = []
 
     def factory(**made):
@@ -412,10 +412,13 @@ def test_each_product_launches_with_its_shapes_launch_shape():
         return launch
 
     kernel = bp.BlockProductKernel("cuda", factory=factory)
-    for n, k in ((4096, 12288), (6144, 4096), (24576, 4096), (1024, 3072)):
+    assert bp.WIDE_SHAPE != bp.SHAPE != bp.LONG_K_SHAPE
+    expected = {(4096, 12288): bp.LONG_K_SHAPE, (6144, 4096): bp.WIDE_SHAPE, (4096, 4096): bp.WIDE_SHAPE,
+                (24576, 4096): bp.WIDE_SHAPE, (4088, 4096): bp.SHAPE, (1024, 3072): bp.SHAPE}
+    for (n, k), shape in expected.items():
         y = kernel(mx.zeros((1, 16, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
         assert y.shape == (1, 16, n)
-        tiles, split, ahead = bp.LONG_K_SHAPE if (n, k) == (4096, 12288) else bp.SHAPE
+        tiles, split, ahead = shape
         template = dict(launches[-1]["template"])
         assert (template["NT"], template["KW"], template["U"], template["HAS_BIAS"]) == (tiles, split, ahead, False)
         assert launches[-1]["grid"][0] == -(-n // (8 * tiles)) * 32 * split

@@ -28,9 +28,10 @@ def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():
         assert any(n.startswith(family) for n in names), family
     from dflash_mlx.kernels import block_products as bp
 
-    for shape in (bp.SHAPE, bp.LONG_K_SHAPE):
+    for shape in (bp.SHAPE, bp.WIDE_SHAPE, bp.LONG_K_SHAPE):
         tag = "_" + "_".join(map(str, shape)) + "_"
-        assert any(n.startswith("dflash_block_product_bf16") and tag in n for n in names), shape
+        # (a plain product's variant: the SwiGLU epilogue's names end in True)
+        assert any(n.startswith("dflash_block_product_bf16") and tag in n and n.endswith("_False") for n in names), shape
     src = next(v for n, v in recorder.variants.items()
                if n.startswith("dflash_block_product_bf16") and n.endswith("True_True_False"))  # (a bias and a residual)
     # MLX's layout: typed pointers, the shapes the body reads, outputs, then the template constants

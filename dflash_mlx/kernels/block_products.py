@@ -62,6 +62,14 @@ MMA = {mx.bfloat16: "bf16", mx.float16: "f16"}
 # (74.6) with SHAPE; down 4096x12288 44.4 (42.8) with LONG_K_SHAPE, 47.7 with
 # SHAPE. (The first shape tried, (2, 4, 1), ran down at ~150.)
 SHAPE = (1, 8, 8)
+# Weights of WIDE elements or more (Qwen3-8B's q/k/v and o): two tiles a warp, four
+# loads ahead. Session 17 (H100, Nsight Compute, 16 rows): q/k/v 29.1 -> 25.5 us, o
+# 19.3 -> 16.5; a Qwen3-8B block-16 cycle after 1k tokens 10.03 / 10.08 -> 9.76 / 9.77
+# ms on the wall clock (cycle.py --products kernel,kernel@2x8x4). The built-in pair's
+# products (under 1M elements) ran 1.70 -> 1.77 ms a cycle with it, so small ones keep
+# SHAPE; sizes between were not measured.
+WIDE_SHAPE = (2, 8, 4)
+WIDE = 1 << 24
 LONG_K_SHAPE = (2, 16, 4)  # where K >= LONG_K and K >= 2 N
 LONG_K = 8192
 # A gate/up product with SwiGLU as its epilogue: a warp's two tiles are the same 8
@@ -123,8 +131,11 @@ class BlockProductKernel:
 
 
 def launch_shape(n: int, k: int) -> tuple[int, int, int]:
-    """The launch shape for an [N, K] weight (SHAPE, or LONG_K_SHAPE for down-shaped ones)."""
-    return LONG_K_SHAPE if k >= LONG_K and k >= 2 * n else SHAPE
+    """The launch shape for an [N, K] weight: LONG_K_SHAPE for down-shaped
+    ones, WIDE_SHAPE for large ones, else SHAPE."""
+    if k >= LONG_K and k >= 2 * n:
+        return LONG_K_SHAPE
+    return WIDE_SHAPE if n * k >= WIDE else SHAPE
 
 
 def fits(lead: tuple, k: int, dtype, weight: mx.array, bias: mx.array | None, residual: mx.array | None) -> bool:
@@ -332,6 +343,10 @@ def check_cases(dtype):
         w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
         for rows in (2, 3, 8, 13, 16):
             yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None, None, False
+    # a weight of WIDE elements and more (WIDE_SHAPE), its last two-tile group half full
+    wide = mx.random.normal((WIDE // 4096 + 4, 4096), key=mx.random.key(12)).astype(dtype)
+    for rows in (3, 16):
+        yield mx.random.normal((1, rows, 4096), key=mx.random.key(120 + rows)).astype(dtype), wide, None, None, False
     k = 512
     flat = mx.random.normal((17 * k + 2 * n * k,), key=mx.random.key(7)).astype(dtype)
     x = flat[3 : 3 + 9 * k].reshape(1, 9, k)
