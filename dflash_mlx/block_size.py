@@ -42,7 +42,11 @@ in a row, the first one untimed, and what the changes into and out of a run
 cost (a change's time over its size's median) counts against the exploring
 share, as does the time of a run's cycles that built new graphs (a size
 meeting a buffer width for the first time traces its cycle, ~100 ms on an
-H100: a rarely explored size meets new widths on most of its runs). An exploring run of drafting from plain steps goes on while it
+H100: a rarely explored size meets new widths on most of its runs); and
+before a size is explored, the graphs it would build at the current width
+(the loop says, ``choose(builds)``) are charged at what recent builds took,
+so exploring waits for a width where that size's graphs exist (a new
+reply's first widths) unless the share covers the build. An exploring run of drafting from plain steps goes on while it
 commits more tokens a second than they do (the text has turned: the counts,
 kept from a hard stretch, need cycles to follow). The loop tells the
 chooser of each new reply (``new_reply``): prompts differ, and plain steps
@@ -122,9 +126,11 @@ class BlockChooser:
         self.reply_gap = 0  # ... how many the last failure set (doubling)
         self.previous = None  # the last cycle's block size
         self.changes: list[float] = []  # what recent changes of size cost over the new size's median
+        self.builds: list[float] = []  # what recent cycles that built new graphs took (record's ``built``)
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
+        self._builds = None  # choose's ``builds``, for _choose
 
     def state(self) -> dict:
         """What a later process's chooser may start from (restore)."""
@@ -169,6 +175,7 @@ class BlockChooser:
         self.cycles += 1
         if built is not None:
             self.seconds += built
+            self.builds = self.builds[-15:] + [built]
             if self.trial is not None and self.trial[0] == block and block in self.exploring_loss:
                 self.exploring_loss[block] += built
         for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
@@ -265,8 +272,12 @@ class BlockChooser:
         MAX_REPLY_GAP), so a drafter that never pays costs few runs."""
         self.reply_starts = True
 
-    def choose(self) -> int:
-        """The block size for the next cycle."""
+    def choose(self, builds=None) -> int:
+        """The block size for the next cycle. ``builds(b)``, where given:
+        whether a cycle of size ``b`` now would build new graphs (a trace at
+        a buffer width it has not met): exploring such a size is charged
+        what recent builds took, before it is tried."""
+        self._builds = builds
         b = self._choose()
         self.asked[b] = self.asked.get(b, 0) + 1
         return b
@@ -325,9 +336,11 @@ class BlockChooser:
                 # choice would take for the tokens b is expected to give; each
                 # has an equal part of the share, so a cheap one never starves
                 # a dear one
-                # (and the two changes of size, into the run and out of it)
-                loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate) + 2 * change
-                spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change
+                # (and the two changes of size, into the run and out of it,
+                # and the graphs it would build at this width)
+                build = median(self.builds) if self.builds and self._builds and self._builds(b) else 0.0
+                loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate) + 2 * change + build
+                spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change + build
                 if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:
                     self.explored += 1
                     self.exploring_loss[b] += loss

@@ -99,6 +99,11 @@ class Cycle:
         """The token after the prompt, from the prefill's last logits [V]."""
         return self.pick(last_logits[None], mx.array([position], mx.int32))
 
+    def builds(self, block_size: int) -> bool:
+        """Whether a cycle of ``block_size`` launched now would build new
+        graphs: its size meeting the buffers' next width for the first time."""
+        return (block_size, self.caches.draft[0].width_after(block_size)) not in self.traces.shapes
+
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
         device. ``bound``: a host-side upper bound on ``length``; ``exact``:
@@ -108,9 +113,8 @@ class Cycle:
         every step."""
         # A block size meeting a buffer width for the first time builds new
         # graphs (a trace, where compiled; the backend's kernels): not its cost.
-        shape = (block_size, self.caches.draft[0].width_after(block_size))
-        new_shape = shape not in self.traces.shapes
-        self.traces.shapes.add(shape)
+        new_shape = self.builds(block_size)
+        self.traces.shapes.add((block_size, self.caches.draft[0].width_after(block_size)))
         if block_size > 1 and self.deferred:
             self._feed(len(self.deferred), bound)
         exact_step = block_size == 1 and exact

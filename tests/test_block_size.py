@@ -538,3 +538,39 @@ def test_graph_builds_on_exploring_runs_count_against_exploring():
 
     told, untold = explored_runs(True), explored_runs(False)
     assert untold >= 20 and told <= untold / 3, (told, untold)
+
+
+def test_a_size_that_would_build_graphs_waits_for_a_width_where_it_has_them():
+    """choose(builds): exploring a size that would build new graphs now (its
+    first cycle at this buffer width) is charged what recent builds took,
+    before it runs, not after. Replies of 100 cycles whose first half runs at
+    a width every reply shares (graphs kept) and whose second half at a width
+    of its own: the sizes explored besides the best one build far less
+    often, and are explored more, at the shared width."""
+
+    def replies(tell: bool) -> tuple[int, int]:
+        c = BlockChooser(4, 16)
+        rng = random.Random(5)
+        shapes, builds, runs, previous = set(), 0, 0, None
+        for cycle in range(3000):
+            width = 0 if cycle % 100 < 50 else cycle // 100 + 1
+            b = c.choose((lambda s: (s, width) not in shapes) if tell else None)
+            accepted = 0
+            while accepted < b - 1 and rng.random() < 0.75:
+                accepted += 1
+            after_probes = c.cycles > 4 * BlockChooser.PROBE_RUN
+            if (b, width) in shapes:
+                c.record(b, accepted, h100_pair(b))
+            else:
+                shapes.add((b, width))
+                c.record(b, accepted, None, built=0.03 + h100_pair(b))  # a trace
+                builds += after_probes and b != 16
+            runs += after_probes and b != previous and b != 16
+            previous = b
+        return builds, runs
+
+    (told_builds, told_runs), (builds, runs) = replies(True), replies(False)
+    assert builds >= 4 and told_builds <= builds / 3, (told_builds, builds)
+    # exploring goes on where its graphs exist: more often than when builds
+    # were charged only once paid (6 builds then held it to 10 runs here)
+    assert told_runs >= 2 * runs, (told_runs, runs)
