@@ -130,7 +130,6 @@ class BlockChooser:
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
-        self._builds = None  # choose's ``builds``, for _choose
 
     def state(self) -> dict:
         """What a later process's chooser may start from (restore)."""
@@ -277,12 +276,11 @@ class BlockChooser:
         whether a cycle of size ``b`` now would build new graphs (a trace at
         a buffer width it has not met): exploring such a size is charged
         what recent builds took, before it is tried."""
-        self._builds = builds
-        b = self._choose()
+        b = self._choose(builds)
         self.asked[b] = self.asked.get(b, 0) + 1
         return b
 
-    def _choose(self) -> int:
+    def _choose(self, builds=None) -> int:
         reply_starts, self.reply_starts = self.reply_starts, False
         for b in self.probe:
             if self.asked.get(b, 0) < self.PROBE_RUN:
@@ -338,7 +336,7 @@ class BlockChooser:
                 # a dear one
                 # (and the two changes of size, into the run and out of it,
                 # and the graphs it would build at this width)
-                build = median(self.builds) if self.builds and self._builds and self._builds(b) else 0.0
+                build = median(self.builds) if self.builds and builds is not None and builds(b) else 0.0
                 loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate) + 2 * change + build
                 spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change + build
                 if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:

@@ -24,7 +24,7 @@ class Scripted(BlockChooser):
         super().__init__(4, 16)
         self.turn = 0
 
-    def choose(self) -> int:
+    def choose(self, builds=None) -> int:
         b = SCRIPT[self.turn % len(SCRIPT)]
         self.turn += 1
         return b
