@@ -43,8 +43,8 @@ def main():
 
     last = [None]  # the last choice made (cycles are chosen one ahead of being recorded)
 
-    def logged(self, builds=None):
-        b = choose(self, builds)
+    def logged(self, would_build=None):
+        b = choose(self, would_build)
         turned = last[0] is not None and (b == 1) != (last[0] == 1) and not self.run
         last[0] = b
         if turned:

@@ -25,8 +25,8 @@ MEANING = {
     "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
                  "rms_norm and rope)",
     "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out; "
-                "'kernel@TxWxA' launches the products that are not down-shaped with T tiles a warp, W warps, A loads "
-                "ahead: block_products.SHAPE and WIDE_SHAPE), 'mlx' (MLX's products, cuBLASLt)",
+                "'kernel@TxWxA' launches the products that are neither down-shaped nor gate/up with SwiGLU with T "
+                "tiles a warp, W warps, A loads ahead: block_products.SHAPE and WIDE_SHAPE), 'mlx' (MLX's products, cuBLASLt)",
 }
 
 

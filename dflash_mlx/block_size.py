@@ -44,7 +44,7 @@ share, as does the time of a run's cycles that built new graphs (a size
 meeting a buffer width for the first time traces its cycle, ~100 ms on an
 H100: a rarely explored size meets new widths on most of its runs); and
 before a size is explored, the graphs it would build at the current width
-(the loop says, ``choose(builds)``) are charged at what recent builds took,
+(the loop says, ``choose(would_build)``) are charged at what recent builds took,
 so exploring waits for a width where that size's graphs exist (a new
 reply's first widths) unless the share covers the build. An exploring run of drafting from plain steps goes on while it
 commits more tokens a second than they do (the text has turned: the counts,
@@ -125,8 +125,9 @@ class BlockChooser:
         self.replies_to_skip = 0  # replies left to start plainly, after such runs kept failing
         self.reply_gap = 0  # ... how many the last failure set (doubling)
         self.previous = None  # the last cycle's block size
+        self.prepaid = 0.0  # the build charged ahead for the exploring run under way (_choose)
         self.changes: list[float] = []  # what recent changes of size cost over the new size's median
-        self.builds: list[float] = []  # what recent cycles that built new graphs took (record's ``built``)
+        self.build_seconds: list[float] = []  # what recent cycles that built new graphs took (record's ``built``)
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
@@ -174,9 +175,11 @@ class BlockChooser:
         self.cycles += 1
         if built is not None:
             self.seconds += built
-            self.builds = self.builds[-15:] + [built]
+            self.build_seconds = self.build_seconds[-15:] + [built]
             if self.trial is not None and self.trial[0] == block and block in self.exploring_loss:
-                self.exploring_loss[block] += built
+                # (less what choosing the run charged for it ahead, _choose)
+                self.exploring_loss[block] += max(0.0, built - self.prepaid)
+                self.prepaid = 0.0
         for i in range(1, min(block - 1, accepted + 1) + 1):  # (none for a plain step)
             self.reached[i] += 1
             self.hit[i] += i <= accepted
@@ -271,16 +274,17 @@ class BlockChooser:
         MAX_REPLY_GAP), so a drafter that never pays costs few runs."""
         self.reply_starts = True
 
-    def choose(self, builds=None) -> int:
-        """The block size for the next cycle. ``builds(b)``, where given:
-        whether a cycle of size ``b`` now would build new graphs (a trace at
-        a buffer width it has not met): exploring such a size is charged
-        what recent builds took, before it is tried."""
-        b = self._choose(builds)
+    def choose(self, would_build=None) -> int:
+        """The block size for the next cycle. ``would_build(b)``, where
+        given: whether a cycle of size ``b`` now would build new graphs (a
+        trace at a buffer width it has not met): exploring such a size is
+        charged what recent builds took before it is tried (and the build,
+        once paid, only for what it took beyond that)."""
+        b = self._choose(would_build)
         self.asked[b] = self.asked.get(b, 0) + 1
         return b
 
-    def _choose(self, builds=None) -> int:
+    def _choose(self, would_build=None) -> int:
         reply_starts, self.reply_starts = self.reply_starts, False
         for b in self.probe:
             if self.asked.get(b, 0) < self.PROBE_RUN:
@@ -336,13 +340,17 @@ class BlockChooser:
                 # a dear one
                 # (and the two changes of size, into the run and out of it,
                 # and the graphs it would build at this width)
-                build = median(self.builds) if self.builds and builds is not None and builds(b) else 0.0
+                build = 0.0
+                if self.build_seconds and would_build is not None and would_build(b):
+                    build = median(self.build_seconds)
                 loss = self.EXPLORE_RUN * max(0.0, seconds - self.expected_tokens(b) / best_rate) + 2 * change + build
                 spent = self.seconds + self.EXPLORE_RUN * seconds + 2 * change + build
                 if self.exploring_loss[b] + loss <= self.EXPLORE_SHARE / len(self.exploring_loss) * spent:
                     self.explored += 1
                     self.exploring_loss[b] += loss
-                    return self._explore(b)
+                    self._explore(b)
+                    self.prepaid = build
+                    return b
         return best
 
     def _explore(self, block: int) -> int:
@@ -351,6 +359,7 @@ class BlockChooser:
         self.last_explored = self.cycles
         self.run = [block] * (self.EXPLORE_RUN - 1)
         self.trial = [block, 0, 0]
+        self.prepaid = 0.0
         return block
 
     def _seconds(self, block: int, times: dict[int, float]) -> float:

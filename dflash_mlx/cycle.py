@@ -91,6 +91,7 @@ class Cycle:
         # context yet, and the position of the first (the drafter's length).
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
+        self.deferred_bound = 0  # a host-side upper bound on deferred_from
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
         return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
@@ -99,10 +100,19 @@ class Cycle:
         """The token after the prompt, from the prefill's last logits [V]."""
         return self.pick(last_logits[None], mx.array([position], mx.int32))
 
-    def builds(self, block_size: int) -> bool:
+    def would_build(self, block_size: int) -> bool:
         """Whether a cycle of ``block_size`` launched now would build new
         graphs: its size meeting the buffers' next width for the first time."""
-        return (block_size, self.caches.draft[0].width_after(block_size)) not in self.traces.shapes
+        return self._shape(block_size) not in self.traces.shapes
+
+    def _shape(self, block_size: int) -> tuple[int, int]:
+        """(block size, the drafter's buffer width once a cycle of it
+        writes): what a cycle's graphs are built for. A drafting cycle
+        after plain steps puts their deferred states in first."""
+        first = self.caches.draft[0]
+        if block_size > 1 and self.deferred:
+            return block_size, first._room(self.deferred_bound + len(self.deferred) + block_size)
+        return block_size, first.width_after(block_size)
 
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
         """Build a cycle's graph and queue it; nothing here waits for the
@@ -113,10 +123,11 @@ class Cycle:
         every step."""
         # A block size meeting a buffer width for the first time builds new
         # graphs (a trace, where compiled; the backend's kernels): not its cost.
-        new_shape = self.builds(block_size)
-        self.traces.shapes.add((block_size, self.caches.draft[0].width_after(block_size)))
+        shape = self._shape(block_size)
+        new_shape = shape not in self.traces.shapes
+        self.traces.shapes.add(shape)
         if block_size > 1 and self.deferred:
-            self._feed(len(self.deferred), bound)
+            self._feed(len(self.deferred))
         exact_step = block_size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
             # (a quantized cache runs uncompiled)
@@ -134,7 +145,7 @@ class Cycle:
                     c.exact_bound = False
         if taps is not None:  # a plain step whose feed waits
             if not self.deferred:
-                self.deferred_from = length
+                self.deferred_from, self.deferred_bound = length, bound
             self.deferred.append(taps)
         flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape)
         mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
@@ -146,13 +157,15 @@ class Cycle:
         a step queued past the end is not committed)."""
         if self.deferred:
             first = self.deferred_from.item()
-            self._feed(max(0, min(len(self.deferred), committed - first)), committed)
+            self._feed(max(0, min(len(self.deferred), committed - first)))
 
-    def _feed(self, n: int, bound: int) -> None:
+    def _feed(self, n: int) -> None:
         """The first ``n`` deferred states go into the drafter's context, which
         holds the positions before them; the rest are dropped."""
         if n:
-            set_lengths(self.caches.draft, self.deferred_from, bound)
+            # (bounded by the bound it was deferred at: the caller's, n
+            # positions on, would grow the drafter's buffers past the target's)
+            set_lengths(self.caches.draft, self.deferred_from, self.deferred_bound)
             taps = mx.concatenate(self.deferred[:n], axis=1)
             self.draft.extend(taps, self.caches.draft, self.draft_fused)
         self.deferred, self.deferred_from = [], None
@@ -165,7 +178,8 @@ class Cycle:
         host int, as mlx-lm's own step writes: slice writes at constant
         offsets, no position arrays."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
-        length = device_scalar(length)  # what the cycle's kernels read, in device memory
+        if not (at_host and self.defers):  # (an exact plain step's kernels read no length)
+            length = device_scalar(length)  # what the cycle's kernels read, in device memory
         self.target.set_length(target_cache, bound if at_host else length, bound)
         defer = block_size == 1 and self.defers
         if not defer:

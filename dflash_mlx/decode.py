@@ -107,7 +107,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
         return flight
 
     def choose() -> int:
-        return chooser.choose(cycle.builds) if chooser is not None else block
+        return chooser.choose(cycle.would_build) if chooser is not None else block
 
     if chooser is not None:
         chooser.new_reply()

@@ -25,12 +25,12 @@ def backend() -> str:
 WIDE_SCALARS = True
 
 
-def device_scalar(x):
-    """An int32 scalar array as a view of a 16-byte array the device writes
-    (device memory, out of the small managed pool), on CUDA; ``x`` itself
-    elsewhere, and for host ints. Made once per cycle (cycle.py) and per
-    length a forward's layers share (kv_cache.SharedPositions), not per
-    kernel: each costs a launch."""
+def device_scalar(x, add: int = 0):
+    """``x + add`` (``x`` an int32 scalar array) as a view of a 16-byte
+    array the device writes (device memory, out of the small managed pool),
+    on CUDA, in one launch; elsewhere, and for host ints, ``x + add`` itself.
+    Made once per cycle (cycle.py) and per length a forward's layers share
+    (kv_cache.SharedPositions), not per kernel: each costs a launch."""
     if not (WIDE_SCALARS and isinstance(x, mx.array) and x.ndim == 0 and backend() == "cuda"):
-        return x
-    return (x + mx.zeros((4,), x.dtype))[:1].reshape(())
+        return x + add if add else x
+    return (x + mx.full((4,), add, x.dtype))[:1].reshape(())

@@ -62,12 +62,12 @@ def put_positions(buffer: mx.array, new: mx.array, positions: mx.array) -> mx.ar
 
 
 class SharedPositions:
-    """``length + arange(n)``, made once for every cache given ``length``
-    together (``set_lengths``). A forward's layers all write at the same
-    positions; each making its own cost two kernels (an arange and an add)
-    per layer, 88 of the 1,023 a Qwen3-8B cycle launched on a GPU
-    (BENCHMARKS.md, session 10), where launching is what a cycle's host time
-    is spent on."""
+    """``length + arange(n)`` (``at``) and ``length + n`` (``end``), made once
+    for every cache given ``length`` together (``set_lengths``). A forward's
+    layers all write at the same positions and end at the same length; each
+    making its own positions cost two kernels (an arange and an add) per
+    layer, 88 of the 1,023 a Qwen3-8B cycle launched on a GPU (BENCHMARKS.md,
+    session 10), where launching is what a cycle's host time is spent on."""
 
     def __init__(self, length: mx.array):
         self.length = length
@@ -84,7 +84,7 @@ class SharedPositions:
         positions, which attention kernels read (a device scalar, see
         device.device_scalar)."""
         if n not in self.ends:
-            self.ends[n] = device.device_scalar(self.length + n)
+            self.ends[n] = device.device_scalar(self.length, n)
         return self.ends[n]
 
 

@@ -412,7 +412,7 @@ def test_each_product_launches_with_its_shapes_launch_shape():
         return launch
 
     kernel = bp.BlockProductKernel("cuda", factory=factory)
-    assert bp.WIDE_SHAPE != bp.SHAPE != bp.LONG_K_SHAPE
+    assert len({bp.SHAPE, bp.WIDE_SHAPE, bp.LONG_K_SHAPE}) == 3
     expected = {(4096, 12288): bp.LONG_K_SHAPE, (6144, 4096): bp.WIDE_SHAPE, (4096, 4096): bp.WIDE_SHAPE,
                 (24576, 4096): bp.WIDE_SHAPE, (4088, 4096): bp.SHAPE, (1024, 3072): bp.SHAPE}
     for (n, k), shape in expected.items():

@@ -541,7 +541,7 @@ def test_graph_builds_on_exploring_runs_count_against_exploring():
 
 
 def test_a_size_that_would_build_graphs_waits_for_a_width_where_it_has_them():
-    """choose(builds): exploring a size that would build new graphs now (its
+    """choose(would_build): exploring a size that would build new graphs now (its
     first cycle at this buffer width) is charged what recent builds took,
     before it runs, not after. Replies of 100 cycles whose first half runs at
     a width every reply shares (graphs kept) and whose second half at a width
@@ -574,3 +574,23 @@ def test_a_size_that_would_build_graphs_waits_for_a_width_where_it_has_them():
     # exploring goes on where its graphs exist: more often than when builds
     # were charged only once paid (6 builds then held it to 10 runs here)
     assert told_runs >= 2 * runs, (told_runs, runs)
+
+
+def test_a_build_charged_ahead_is_not_charged_again_once_paid():
+    """The build charged when an exploring run is chosen is the run's
+    expected build: the build it then pays counts only for what it took
+    beyond that."""
+    c = BlockChooser(4, 16, explore=1)
+    for _ in range(4 * BlockChooser.PROBE_RUN + 40):  # probes, then block 16 settled
+        b = c.choose()
+        c.record(b, min(b - 1, 12) if b > 1 else 0, h100_pair(b))
+        if b == 16 and len(c.build_seconds) < 3:
+            c.record(16, 12, None, built=0.02)  # builds seen on the way (block 16 meeting new widths)
+    c.EXPLORE_SHARE = 1.0  # (room for any exploring, so that the next choice explores)
+    before = dict(c.exploring_loss)
+    b = c.choose(lambda size: size != 16)
+    assert b != 16 and c.trial is not None and c.prepaid == pytest.approx(0.02)
+    charged = c.exploring_loss[b] - before[b]
+    c.record(b, 0, None, built=0.025)  # the run's first cycle builds: 5 ms more than expected
+    assert c.exploring_loss[b] - before[b] == pytest.approx(charged + 0.005)
+    assert c.prepaid == 0.0

@@ -18,26 +18,26 @@ SCRIPT = [1, 1, 1, 4, 1, 1, 1, 1, 1, 8, 16, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 16, 1]
 
 
 class Scripted(BlockChooser):
-    """A chooser that plays SCRIPT over and over."""
+    """A chooser that plays ``script`` (SCRIPT) over and over."""
 
-    def __init__(self):
+    def __init__(self, script=SCRIPT):
         super().__init__(4, 16)
-        self.turn = 0
+        self.turn, self.script = 0, script
 
-    def choose(self, builds=None) -> int:
-        b = SCRIPT[self.turn % len(SCRIPT)]
+    def choose(self, would_build=None) -> int:
+        b = self.script[self.turn % len(self.script)]
         self.turn += 1
         return b
 
 
 def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_after=None, cache=None,
-        compiled: bool = False):
+        compiled: bool = False, script=SCRIPT):
     """Decode with the script (cycles through mx.compile, as on a GPU, when
     ``compiled``); returns the responses and the prompt cache (closing the
     generator after ``stop_after`` responses when given)."""
     monkeypatch.setattr(Cycle, "defer_feed", defer)
     monkeypatch.setattr(Cycle, "compile_graphs", compiled)
-    monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted())
+    monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted(script))
     cache = cache or make_prompt_cache(model, draft)
     gen = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto",
                           prompt_cache=cache)
@@ -88,3 +88,31 @@ def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, agreei
     more = cache_later.tokens + [later[-1].tokens[-1], 5]
     again, _ = run(monkeypatch, model, draft, more, defer=True, max_tokens=30, cache=cache_later, compiled=compiled)
     assert [t for r in again for t in r.tokens] == greedy_reference(model, more, 30)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_drafting_after_plain_steps_grows_the_drafters_buffers_as_the_targets(monkeypatch, agreeing_pair, compiled):
+    """Long runs of plain steps across the buffers' 256-position steps: the
+    drafter's buffers, fed the deferred states, keep the target's width
+    (fed at the bound they were deferred at, not the bound of the cycle
+    that resumes drafting, which grew them the run's length wider), and
+    each drafting cycle's graphs are those ``would_build`` named beforehand."""
+    model, draft = agreeing_pair
+    predicted, widths = [], []
+    launch = Cycle.launch
+
+    def spy(self, block_size, *args, **kw):
+        shape = self._shape(block_size)
+        flight = launch(self, block_size, *args, **kw)
+        if block_size > 1:
+            predicted.append(shape[1])
+            widths.append(self.caches.draft[0].capacity)
+        return flight
+
+    monkeypatch.setattr(Cycle, "launch", spy)
+    prompt = list(range(1, 21)) * 11  # 220 positions: a run of 30 plain steps crosses 256, then 4 drafting cycles
+    responses, cache = run(monkeypatch, model, draft, prompt, defer=True, max_tokens=150, compiled=compiled,
+                           script=[1] * 30 + [4] * 4)
+    assert [t for r in responses for t in r.tokens] == greedy_reference(model, prompt, 150)
+    assert widths and widths == predicted
+    assert max(widths) > 256 and all(c.capacity <= cache.target[0].capacity for c in cache.draft)

@@ -12,6 +12,7 @@ import pytest
 
 from dflash_mlx import device, stream_generate
 from dflash_mlx.cycle import Cycle
+from dflash_mlx.traces import forget_traces
 from dflash_mlx.kv_cache import BufferKVCache, set_lengths
 from test_cycle_graph import VIEWS, graph
 from tiny import greedy_reference, make_tokenizer
@@ -23,10 +24,12 @@ def cuda_lengths(monkeypatch):
     monkeypatch.setattr(device, "backend", lambda: "cuda")
 
 
-def test_a_scalar_stays_itself_off_cuda():
+def test_a_scalar_stays_itself_off_cuda(monkeypatch):
+    monkeypatch.setattr(device, "backend", lambda: "cpu")
     x = mx.array(41, mx.int32)
     assert device.device_scalar(x) is x
     assert device.device_scalar(41) == 41
+    assert device.device_scalar(x, 3).item() == 44 and device.device_scalar(41, 3) == 44
 
 
 def test_on_cuda_a_scalar_is_read_from_a_wider_array_the_device_wrote(cuda_lengths, tmp_path):
@@ -41,6 +44,7 @@ def test_on_cuda_a_scalar_is_read_from_a_wider_array_the_device_wrote(cuda_lengt
         node = made_by[inputs[node.strip('"')][0]]
     assert "Slice" in passed and kind[node.strip('"')] == "Add"
     assert y is not x and y.shape == () and y.dtype == mx.int32 and y.item() == 41
+    assert device.device_scalar(x, 5).item() == 46  # a length n positions on, in the same one add
     # host ints and arrays of other shapes pass through
     assert device.device_scalar(7) == 7
     v = mx.array([1, 2], mx.int32)
@@ -78,7 +82,53 @@ def test_wide_lengths_keep_the_output_the_targets(cuda_lengths, monkeypatch, agr
     texts = []
     for wide in (True, False):
         monkeypatch.setattr(device, "WIDE_SCALARS", wide)
+        forget_traces(draft)  # (a compiled cycle keeps the lengths it was traced with)
         out = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=30, block_size=8, temperature=0.9,
                               seed=11)
         texts.append([t for r in out for t in r.tokens])
     assert texts[0] == texts[1]
+
+
+def wide(array, tmp_path) -> bool:
+    """Whether ``array`` is read from a wider array the device wrote: a
+    slice (through views) of an Add's output."""
+    kind, made_by, inputs = graph(tmp_path / "length.dot", array)
+    (sink,) = re.findall(r"rank=sink; (\S+);", (tmp_path / "length.dot").read_text())
+    node, passed = made_by.get(sink), []
+    while node is not None and kind[node.strip('"')] in VIEWS:
+        passed.append(kind[node.strip('"')])
+        node = made_by.get(inputs[node.strip('"')][0])
+    return node is not None and "Slice" in passed and kind[node.strip('"')] == "Add"
+
+
+def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths, monkeypatch, agreeing_pair,
+                                                                   tmp_path):
+    """Every layer's attention, the target's and the drafter's, is handed
+    its start and its length with the block as device scalars (what the
+    CUDA kernels read), one of each a forward for all its layers."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode import prefill
+    from dflash_mlx import draft as draft_module
+    from dflash_mlx.targets import adapt, attention, layers
+
+    model, draft = agreeing_pair
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    prefill(target, draft, cache, prompt, 2048, None)
+    seen = []
+    real = attention.attention_output
+
+    def spy(queries, keys, values, *, cache, start, length=None, **kw):
+        seen.append((start, cache.offset if length is None else length))
+        return real(queries, keys, values, cache=cache, start=start, length=length, **kw)
+
+    monkeypatch.setattr(layers, "attention_output", spy)  # the target's layers
+    monkeypatch.setattr(draft_module, "cache_attention", spy)  # the drafter's
+    cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+    cycle._build(8, mx.array([2], mx.int32), mx.array(len(prompt), mx.int32), len(prompt))
+    layers = len(cache.target) + len(cache.draft)
+    assert len(seen) == layers
+    starts, ends = {id(s) for s, _ in seen}, {id(e) for _, e in seen}
+    assert len(starts) == 1 and len(ends) == 2  # one length a cycle; one end for the target's forward, one the drafter's
+    assert wide(seen[0][0], tmp_path) and all(wide(e, tmp_path) for e in {id(e): e for _, e in seen}.values())

@@ -96,7 +96,7 @@ def test_plain_steps_after_plain_steps_run_exact_and_stay_the_targets(monkeypatc
 
 
 class PlainSteps(BlockChooser):
-    def choose(self, builds=None) -> int:
+    def choose(self, would_build=None) -> int:
         return 1
 
 

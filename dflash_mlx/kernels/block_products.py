@@ -343,8 +343,8 @@ def check_cases(dtype):
         w = whole[n : 2 * n]  # (rows of a larger matrix, as fused projections are)
         for rows in (2, 3, 8, 13, 16):
             yield mx.random.normal((1, rows, k), key=mx.random.key(100 + rows)).astype(dtype), w, None, None, False
-    # a weight of WIDE elements and more (WIDE_SHAPE), its last two-tile group half full
-    wide = mx.random.normal((WIDE // 4096 + 4, 4096), key=mx.random.key(12)).astype(dtype)
+    # a weight of WIDE elements and more (WIDE_SHAPE), the second tile of its last two half full
+    wide = mx.random.normal((WIDE // 4096 + 12, 4096), key=mx.random.key(12)).astype(dtype)
     for rows in (3, 16):
         yield mx.random.normal((1, rows, 4096), key=mx.random.key(120 + rows)).astype(dtype), wide, None, None, False
     k = 512
