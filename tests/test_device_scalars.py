@@ -132,3 +132,23 @@ def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths
     starts, ends = {id(s) for s, _ in seen}, {id(e) for _, e in seen}
     assert len(starts) == 1 and len(ends) == 2  # one length a cycle; one end for the target's forward, one the drafter's
     assert wide(seen[0][0], tmp_path) and all(wide(e, tmp_path) for e in {id(e): e for _, e in seen}.values())
+
+
+def test_a_hybrid_targets_attention_layers_share_their_lengths():
+    """A hybrid target (delta-net layers between attention layers) sets its
+    attention buffers' length together: one write position and one end a
+    forward for all of them, as a dense target's layers share."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode import prefill
+    from dflash_mlx.targets import adapt
+    from test_hybrid import make_pair
+
+    model, draft = make_pair("qwen3_5")
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, [5, 3, 9, 2, 7], 2048, None)
+    buffers = [c for c in cache.target if type(c) is BufferKVCache]
+    assert len(buffers) >= 2
+    target.set_length(cache.target, mx.array(5, mx.int32), 5)
+    assert buffers[0].shared is not None and all(c.shared is buffers[0].shared for c in buffers)
+    assert all(c.after(3) is buffers[0].after(3) for c in buffers)

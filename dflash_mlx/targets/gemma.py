@@ -153,7 +153,7 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
         else:
             k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
             v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
-            offset = mx.array(cache.offset) if cache is not None else 0
+            offset = 0 if cache is None else (cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset))
             k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
             v = attn.v_norm(v).transpose(0, 2, 1, 3)
             source = cache

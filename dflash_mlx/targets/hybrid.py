@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..kv_cache import BufferKVCache, positions_mask
+from ..kv_cache import BufferKVCache, positions_mask, set_lengths
 from .attention import prepare
 from .base import DenseTarget
 from .layers import attend
@@ -110,8 +110,11 @@ class HybridTarget(DenseTarget):
         """An array length: a verify's rollback, on the device. An int: the
         exact state after ``length`` positions (a sync; settling only)."""
         if not isinstance(length, int):
+            # (the attention layers' buffers together: one write position and one end a forward)
+            set_lengths([c for c in cache if isinstance(c, BufferKVCache)], length, bound)
             for c in cache:
-                c.set_length(length, bound)
+                if not isinstance(c, BufferKVCache):
+                    c.set_length(length, bound)
             return
         delta = [c for c in cache if isinstance(c, DeltaCache)]
         for c in cache:
