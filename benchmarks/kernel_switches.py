@@ -46,7 +46,7 @@ def kernel_settings(args) -> list[tuple[str, str]]:
 def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
     """norm_rope: 'kernel' or 'ops'; products: 'kernel' or 'mlx'."""
     products, shape = product_shape(products)
-    _products.SHAPE, _products.WIDE_SHAPE = shape if shape else _SHAPES
+    _products.SHAPE, _products.WIDE_SHAPE = (shape, shape) if shape else _SHAPES
     for (name, choice), module in zip((("norm_rope", norm_rope), ("products", products)), (_norm_rope, _products)):
         if choice not in CHOICES[name]:
             raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
@@ -54,17 +54,16 @@ def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
 
 
 def product_shape(choice: str) -> tuple[str, tuple | None]:
-    """'kernel@TxWxA' -> ('kernel', ((T, W, A), (T, W, A))): the launch shape
-    of every product but down-shaped ones (SHAPE and WIDE_SHAPE); any other
-    choice -> (choice, None): the shipped shapes."""
+    """'kernel@TxWxA' -> ('kernel', (T, W, A)): the launch shape of every
+    product but down-shaped ones and the gate/up with SwiGLU (SHAPE and
+    WIDE_SHAPE); any other choice -> (choice, None): the shipped shapes."""
     route, sep, shape = choice.partition("@")
     if not sep:
         return choice, None
     parts = shape.split("x")
     if route != "kernel" or len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise SystemExit(f"--products takes kernel@TxWxA (tiles, warps, loads ahead, e.g. kernel@2x8x4), not {choice!r}.")
-    one = tuple(int(p) for p in parts)
-    return route, (one, one)
+    return route, tuple(int(p) for p in parts)
 
 
 _SHAPES = (_products.SHAPE, _products.WIDE_SHAPE)  # the shipped launch shapes, before any switch

@@ -111,7 +111,7 @@ class Cycle:
         after plain steps puts their deferred states in first."""
         first = self.caches.draft[0]
         if block_size > 1 and self.deferred:
-            return block_size, first._room(self.deferred_bound + len(self.deferred) + block_size)
+            return block_size, first.room(self.deferred_bound + len(self.deferred) + block_size)
         return block_size, first.width_after(block_size)
 
     def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:

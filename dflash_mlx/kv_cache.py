@@ -107,13 +107,13 @@ class DeviceLengthCache:
         self.bound = 0
         self.floor = 0  # the least capacity to grow to (see ``align``)
 
-    def _room(self, n: int) -> int:
+    def room(self, n: int) -> int:
         """The capacity needed to hold ``n`` positions."""
         return max(self.capacity, self.floor, -(-n // self.step) * self.step)
 
     def width_after(self, n: int) -> int:
         """The buffer's length once ``n`` more positions are written."""
-        return self._room(self.bound + n)
+        return self.room(self.bound + n)
 
     # Set while a one-row step is built whose host bound is its length (a
     # plain step after plain steps, cycle.py): it reads exactly the filled
@@ -206,7 +206,7 @@ class BufferKVCache(DeviceLengthCache):
         return 0 if self.keys is None else self.keys.shape[2]
 
     def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
-        cap = self._room(n)
+        cap = self.room(n)
         if cap == self.capacity:
             return
         B, H, _, kd = keys.shape

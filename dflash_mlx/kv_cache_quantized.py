@@ -57,7 +57,7 @@ class QuantizedBufferKVCache(DeviceLengthCache):
         return 0 if self.keys is None else self.keys[0].shape[2]
 
     def _grow(self, n: int, like: tuple, like_v: tuple) -> None:
-        cap = self._room(n)
+        cap = self.room(n)
         if cap == self.capacity:
             return
 
