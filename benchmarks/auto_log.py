@@ -31,6 +31,10 @@ def main():
                     help="decode each prompt with plain mlx-lm first, as bench_builtin.py does")
     ap.add_argument("--against", type=int, default=0,
                     help="also decode each prompt at this fixed block first, and print auto's rate over its")
+    ap.add_argument("--cycles", metavar="PATH",
+                    help="write every cycle auto recorded as JSON lines: set, prompt, block, accepted, "
+                         "seconds (null: a change of size or a build), built (a build's seconds), "
+                         "and whether it ran in an exploring run or a probe")
     args = ap.parse_args()
 
     from bench_builtin import PROMPTS, machine, plain, prompt_sets
@@ -56,6 +60,19 @@ def main():
         return b
 
     block_size.BlockChooser.choose = logged
+    where = {}  # the prompt under way, for --cycles
+    sink = open(args.cycles, "w") if args.cycles else None
+    if sink is not None:
+        record = block_size.BlockChooser.record
+
+        def recorded(self, block, accepted, seconds, built=None):
+            probing = any(self.asked.get(b, 0) <= self.PROBE_RUN for b in self.probe)
+            exploring = self.trial is not None and self.trial[0] == block
+            sink.write(json.dumps({**where, "block": block, "accepted": accepted, "seconds": seconds,
+                                   "built": built, "probe": probing, "explore": exploring}) + "\n")
+            record(self, block, accepted, seconds, built)
+
+        block_size.BlockChooser.record = recorded
     print(f"machine: {machine()}")
     for name in args.sets.split(","):
         for i, prompt in enumerate(sets[name]):
@@ -66,6 +83,7 @@ def main():
                 for fixed in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens,
                                              block_size=args.against):
                     pass
+            where.update(set=name, prompt=i)
             for r in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens, block_size="auto"):
                 pass
             versus = f" ({r.generation_tps / fixed.generation_tps:.2f}x block {args.against})" if fixed else ""

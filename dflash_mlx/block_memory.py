@@ -15,7 +15,10 @@ pair starts from it:
   PRIOR_CYCLES cycles so that the new text soon outweighs the old;
 - each block size's median cycle time, as one measurement the new ones
   outvote after two cycles (costs move with the context and the machine's load);
-- sizes with a remembered time are not probed again.
+- sizes with a remembered time are not probed again; a time is passed on
+  unmeasured for at most MEMORY_AGE processes (BlockChooser), then left out,
+  so that one taken at a bad moment (a busy machine) is measured anew where
+  it would otherwise make its size look too dear ever to explore.
 
 Which block runs never changes the output (sampling.py), so a stale or
 foreign memory can cost speed for a few cycles, never correctness.

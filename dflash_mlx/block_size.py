@@ -131,11 +131,28 @@ class BlockChooser:
         probe = [hi, lo, self.sizes[len(self.sizes) // 2], 1]
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
+        self.ages: dict[int, int] = {}  # block size -> processes since its remembered time was measured (restore)
+        # What record() and restore() change, worked out once between them:
+        # choose() runs on the critical path of a cycle bound by the host.
+        self._memo: dict = {}
+
+    # processes a remembered time is passed on without being measured again:
+    # a time taken while the machine was busy could otherwise make a size look
+    # too dear to explore, and be written back by every process after
+    MEMORY_AGE = 3
 
     def state(self) -> dict:
-        """What a later process's chooser may start from (restore)."""
+        """What a later process's chooser may start from (restore): each
+        size's median time and its age (processes since it was measured; a
+        size not measured for MEMORY_AGE processes is left out, so the next
+        one probes it again)."""
+        seconds, ages = {}, {}
+        for b, t in self._median_times().items():
+            age = 0 if any(k > 0 for k, _ in self.times[b]) else self.ages.get(b, 0)  # (restored times are cycle 0's)
+            if age <= self.MEMORY_AGE:
+                seconds[str(b)], ages[str(b)] = t, age
         return {"range": [self.lo, self.hi], "reached": self.reached, "hit": self.hit,
-                "seconds": {str(b): t for b, t in self._median_times().items()}, "drafted": self.drafted}
+                "seconds": seconds, "ages": ages, "drafted": self.drafted}
 
     def restore(self, state: dict, prior_cycles: int) -> bool:
         """Start from an earlier chooser's ``state``: its acceptance counts,
@@ -147,19 +164,23 @@ class BlockChooser:
             reached = [float(x) for x in state["reached"]]
             hit = [float(x) for x in state["hit"]]
             seconds = {int(b): float(t) for b, t in state["seconds"].items()}
+            ages = {int(b): int(a) for b, a in state.get("ages", {}).items()}
             drafted = int(state.get("drafted", round(reached[1]) if len(reached) > 1 else 0))
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         fits = fits and len(reached) == len(hit) == self.hi and all(0 <= h <= r for h, r in zip(hit, reached))
         fits = fits and all((b == 1 or b in self.sizes) and 0 < t < math.inf for b, t in seconds.items())
+        fits = fits and all(a >= 0 for a in ages.values())
         if not fits:
             return False
         scale = min(1.0, prior_cycles / reached[1]) if len(reached) > 1 and reached[1] > 0 else 1.0
         self.reached = [r * scale for r in reached]
         self.hit = [h * scale for h in hit]
         self.drafted = max(self.drafted, min(drafted, prior_cycles))
+        self._memo.clear()
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
+            self.ages[b] = ages.get(b, 0) + 1
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
         return True
 
@@ -173,6 +194,7 @@ class BlockChooser:
         width on its runs cost more than the whole exploring share
         (BENCHMARKS.md, session 12)."""
         self.cycles += 1
+        self._memo.clear()
         if built is not None:
             self.seconds += built
             self.build_seconds = self.build_seconds[-15:] + [built]
@@ -213,25 +235,36 @@ class BlockChooser:
         del ts[:-32]
 
     def expected_tokens(self, block: int) -> float:
-        total, s, prior = 1.0, 1.0, 0.5
-        for i in range(1, block):
-            prior = (self.hit[i] + 2 * prior) / (self.reached[i] + 2)
-            s *= prior
-            total += s
-        return total
+        return self._expected()[block - 1]
+
+    def _expected(self) -> list[float]:
+        """[b - 1]: the expected tokens of a cycle of block b, for b in 1..hi."""
+        if "expected" not in self._memo:
+            totals, total, s, prior = [1.0], 1.0, 1.0, 0.5
+            for i in range(1, self.hi):
+                prior = (self.hit[i] + 2 * prior) / (self.reached[i] + 2)
+                s *= prior
+                total += s
+                totals.append(total)
+            self._memo["expected"] = totals
+        return self._memo["expected"]
 
     def _recent_times(self) -> dict[int, list[float]]:
         """Each size's times over the last RECENT cycles (costs grow with the
         context, so old times of one size must not be set against new times
         of another), or all its times if it was not tried lately (a size left
         out would never be chosen or explored again)."""
-        recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
-                  for b, ts in self.times.items()}
-        return {b: ts for b, ts in recent.items() if ts}
+        if "recent" not in self._memo:
+            recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
+                      for b, ts in self.times.items()}
+            self._memo["recent"] = {b: ts for b, ts in recent.items() if ts}
+        return self._memo["recent"]
 
     def _median_times(self) -> dict[int, float]:
         """The median of each size's recent times (_recent_times)."""
-        return {b: median(ts) for b, ts in self._recent_times().items()}
+        if "medians" not in self._memo:
+            self._memo["medians"] = {b: median(ts) for b, ts in self._recent_times().items()}
+        return dict(self._memo["medians"])
 
     def cost(self) -> tuple[float, float]:
         """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2).
@@ -243,6 +276,11 @@ class BlockChooser:
         make a slope, and a slope only ever favours shorter blocks (the fit
         cannot go below 0); where the cost truly grows (a CPU), it stands far
         above its error."""
+        if "cost" not in self._memo:
+            self._memo["cost"] = self._fit()
+        return self._memo["cost"]
+
+    def _fit(self) -> tuple[float, float]:
         pts = []
         for b, ts in self._recent_times().items():
             if b > 1:

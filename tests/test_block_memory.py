@@ -110,11 +110,36 @@ def test_new_times_outvote_remembered_ones():
     assert restored._best()[0] != 1
 
 
+def test_a_remembered_time_not_measured_again_is_forgotten_after_a_few_processes():
+    """A time taken while the machine was busy can make a size look too dear
+    to explore; were it written back unmeasured by every process, that size
+    would never run again. Its age grows each process it is not measured,
+    and past MEMORY_AGE it is left out, so the next process probes it."""
+    state = learned_plain_wins().state()
+    assert set(state["ages"].values()) == {0}  # all measured by the process that wrote them
+    state["seconds"]["16"] = 10.0  # a size measured once at a bad moment: never explored again
+    for process in range(1, BlockChooser.MEMORY_AGE + 2):
+        chooser = BlockChooser(4, 16)
+        assert chooser.restore(json.loads(json.dumps(state)), block_memory.PRIOR_CYCLES)
+        assert chooser.choose() == 1  # plain steps: nothing probed, nothing explored at 16
+        for _ in range(1 + BlockChooser.WARM_CYCLES + 1):  # (a change of size, then warming up: untimed)
+            chooser.record(1, 0, 0.001)
+        state = chooser.state()
+        assert state["ages"]["1"] == 0  # measured again: young
+        if process <= BlockChooser.MEMORY_AGE:
+            assert state["ages"]["16"] == process and state["seconds"]["16"] == 10.0
+    assert "16" not in state["seconds"] and "16" not in state["ages"]
+    fresh = BlockChooser(4, 16)
+    assert fresh.restore(state, block_memory.PRIOR_CYCLES)
+    assert fresh.choose() == 16  # probed again: its time is measured anew
+
+
 def test_a_state_that_does_not_fit_changes_nothing():
     state = learned_plain_wins().state()
     for broken in ({**state, "range": [4, 8]}, {**state, "reached": state["reached"][:3]},
                    {**state, "seconds": {"7": 0.01}}, {**state, "seconds": {"16": -1}},
-                   {**state, "hit": [r + 1 for r in state["reached"]]}, {"range": [4, 16]}, {**state, "reached": "x"}):
+                   {**state, "hit": [r + 1 for r in state["reached"]]}, {"range": [4, 16]}, {**state, "reached": "x"},
+                   {**state, "ages": {"16": -1}}, {**state, "ages": {"16": "old"}}):
         chooser = BlockChooser(4, 16)
         assert not chooser.restore(broken, block_memory.PRIOR_CYCLES)
         assert chooser.times == {} and chooser.reached == [0] * 16 and chooser.choose() == 16
