@@ -269,6 +269,9 @@ def main():
     add_attention_argument(ap, "side by side")
     add_kernel_arguments(ap, "side by side")
     add_scalars_argument(ap, "side by side")
+    ap.add_argument("--sources", choices=["compact", "full"], default="compact",
+                    help="kernel sources as launched: compact (the default: no comments or indentation, since MLX's "
+                         "CUDA backend hashes a custom kernel's source at every launch) or as written; one per process")
     ap.add_argument("--pad-ms", default="", help="comma-separated device pads per cycle (GPUs; see device_pad.py), "
                                                    "e.g. 0,2,4,8: the device's busy and idle time per cycle")
     ap.add_argument("--json", action="store_true")
@@ -283,6 +286,9 @@ def main():
 
     from dflash_mlx.traces import forget_traces
 
+    from dflash_mlx.kernels import kernel as kernel_module
+
+    kernel_module.COMPACT_SOURCES = args.sources == "compact"  # (before any kernel is made)
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
     tokenizer = make_tokenizer(64)

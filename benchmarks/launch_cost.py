@@ -12,6 +12,8 @@ one before (as a forward's layers do), built, then launched with
 
 - ``add``, ``rms_norm``: MLX's own elementwise and norm kernels;
 - ``custom copy``: the smallest custom kernel (one input, one output);
+- ``custom copy, 16 KB source``: the same with 16 KB of comments in its
+  source (what hashing the source at every launch costs);
 - ``custom 4 inputs``: a custom kernel with four inputs, their shapes and
   template constants, as the block-product kernel takes them;
 - ``block product``: dflash-mlx's block-product kernel (16 rows, the built-in
@@ -65,6 +67,11 @@ def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
         size = rows * hidden
         launch = dict(grid=(size, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, hidden)], output_dtypes=[dtype])
         yield "custom copy", lambda x: copy(inputs=[x], **launch)[0], x
+        # the same kernel with 16 KB of comments: MLX's CUDA backend hashes a
+        # custom kernel's whole source at every launch (kernels.kernel.compact)
+        padded = factory(name="launch_cost_copy_padded", input_names=["x"], output_names=["y"],
+                         source=COPY + ("// " + "x" * 77 + "\n") * 205)
+        yield "custom copy, 16 KB source", lambda x: padded(inputs=[x], **launch)[0], x
         yield "custom 4 inputs", lambda x: four(inputs=[x, *extra], template=[("T", dtype), ("SCALE", 0)], **launch)[0], x
     up = (mx.random.normal((ffn, hidden)) * 0.02).astype(dtype)
     back = (mx.random.normal((hidden, ffn)) * 0.02).astype(dtype)

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source, source_tiles
+from dflash_mlx.kernels import kernel as kernel_module
+from dflash_mlx.kernels.block_products import BlockProductKernel
 from dflash_mlx.kernels.kernel import BlockAttentionKernel, chunk_size, max_warps
+from dflash_mlx.kernels.norm_rope import NormRopeKernel
 from dflash_mlx.kernels.ops import visible
 
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
@@ -317,9 +320,10 @@ def test_bad_input_is_one_sentence():
         assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
 
 
-def test_both_dialects_come_from_one_body():
+def test_both_dialects_come_from_one_body(monkeypatch):
     """Metal and CUDA sources differ only in header and prelude; each header
     defines every helper the body calls (or Metal has it built in)."""
+    monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", False)  # (the sources as written)
     calls = []
     for where in ("metal", "cuda"):
         kernel = BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
@@ -358,6 +362,30 @@ def test_both_dialects_come_from_one_body():
             source_tiles.staging(d, "cuda", tile_keys=24)
         nw = max_warps(d)
         assert 1 <= nw <= 16 and nw * source.ROWS_PER_WARP * (d + 32) * 4 <= 32 * 1024
+
+
+def test_kernels_are_handed_compact_sources_that_keep_every_statement(monkeypatch):
+    """MLX's CUDA backend hashes a kernel's whole source at every launch: the
+    factories get it without comments, indentation or blank lines, and
+    nothing else changes (a ``//`` in a string literal, a macro's line
+    continuations and preprocessor lines stay)."""
+    text = 'x = "a//b"; // note\n    y;   // "q" b\n\n#define F(a) \\\n  a + 1 \\\n  + 2\n  // only a comment\n'
+    assert kernel_module.compact(text) == 'x = "a//b";\ny;\n#define F(a) \\\na + 1 \\\n+ 2\n'
+
+    def made(compact: bool) -> list[dict]:
+        monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", compact)
+        calls = []
+        factory = lambda **kw: calls.append(kw) or (lambda **_: None)  # noqa: E731
+        BlockAttentionKernel("cuda", factory=factory).partial_tiles(8192)
+        BlockProductKernel("cuda", factory=factory)
+        NormRopeKernel("cuda", factory=factory)
+        return calls
+
+    for short, full in zip(made(True), made(False), strict=True):
+        for part in ("source", "header"):
+            assert all(line and line == line.strip() for line in short[part].splitlines())
+            assert short[part].split() == re.sub(r"//[^\n]*", "", full[part]).split()
+            assert len(short[part]) < len(full[part]) or not full[part]
 
 
 def test_chunks_are_powers_of_two_covering_the_buffer():

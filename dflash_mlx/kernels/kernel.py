@@ -19,6 +19,36 @@ TILE_GROUPS_TARGET = 256
 TILE_CHUNK_FLOOR = 256
 
 
+COMPACT_SOURCES = True  # (benchmarks turn it off to measure what it saves)
+
+
+def compact(text: str) -> str:
+    """Kernel source without comments, indentation or blank lines: what the
+    backend compiles is the same, and MLX's CUDA backend hashes a custom
+    kernel's whole source at every launch (its module name, in
+    CustomKernel::eval_gpu), so the source's length is host time spent on
+    every launch of a cycle bound by its launches (BENCHMARKS.md, session
+    18). A ``//`` inside a string literal stays."""
+    if not COMPACT_SOURCES:
+        return text
+    lines = []
+    for line in text.splitlines():
+        cut = line.find("//")
+        while cut >= 0 and line.count('"', 0, cut) % 2:  # (inside a string: look further)
+            cut = line.find("//", cut + 2)
+        line = (line if cut < 0 else line[:cut]).strip()
+        if line:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def compacting(factory):
+    """``factory`` handed compact sources and headers (``compact``)."""
+    def build(*, source: str, header: str = "", **kw):
+        return factory(source=compact(source), header=compact(header), **kw)
+    return build
+
+
 def make_factory(backend: str):
     """mx.fast.metal_kernel or mx.fast.cuda_kernel, called with the same
     arguments (``shared_memory``: CUDA's dynamic shared memory; Metal's
@@ -38,7 +68,7 @@ class BlockAttentionKernel:
 
     def __init__(self, backend: str, factory=None):
         self.backend = backend
-        self._factory = factory or make_factory(backend)
+        self._factory = compacting(factory or make_factory(backend))
         hdr = source.header(backend)
         # The partial passes read the queries through their strides (no copy of a
         # rotated, transposed query); keys and values are made contiguous below.
