@@ -381,11 +381,32 @@ def test_kernels_are_handed_compact_sources_that_keep_every_statement(monkeypatc
         NormRopeKernel("cuda", factory=factory)
         return calls
 
-    for short, full in zip(made(True), made(False), strict=True):
+    pairs = list(zip(made(True), made(False), strict=True))
+    monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", True)
+    for short, full in pairs:
         for part in ("source", "header"):
             assert all(line and line == line.strip() for line in short[part].splitlines())
-            assert short[part].split() == re.sub(r"//[^\n]*", "", full[part]).split()
-            assert len(short[part]) < len(full[part]) or not full[part]
+        assert short["source"].split() == re.sub(r"//[^\n]*", "", full["source"]).split()
+        assert short["header"] == kernel_module.used_header(kernel_module.compact(full["header"]), short["source"])
+        assert len(short["header"]) < 0.7 * len(full["header"])  # (each kernel calls a part of the shared header)
+
+
+def test_a_kernel_gets_the_header_items_it_calls_directly_or_through_others():
+    header = kernel_module.compact(
+        "#include <x.h>\n#define USED(a) helper(a)\n#define UNUSED 3\ntypedef long long idx_t;\n"
+        "__device__ float helper(float v) {\n  return twice(v);\n}\n__device__ float twice(float v) { return 2 * v; }\n"
+        "template <typename U> __device__ U conv(float x);\ntemplate <> __device__ float conv<float>(float x) { return x; }\n"
+        "__device__ float lonely(float v) {\n  if (v) {\n    return v;\n  }\n  return 0;\n}\n")
+    assert [name for name, _ in kernel_module.definitions(header)] == [
+        None, "USED", "UNUSED", "idx_t", "helper", "twice", "conv", "conv", "lonely"]
+    kept = kernel_module.used_header(header, "y[i] = conv<T>(USED(x[i]));")
+    assert kept == ("#include <x.h>\n#define USED(a) helper(a)\n__device__ float helper(float v) {\nreturn twice(v);\n}\n"
+                    "__device__ float twice(float v) { return 2 * v; }\ntemplate <typename U> __device__ U conv(float x);\n"
+                    "template <> __device__ float conv<float>(float x) { return x; }\n")
+    # Metal's headers are compacted, not cut: nothing here compiles them
+    made = []
+    BlockAttentionKernel("metal", factory=lambda **kw: made.append(kw) or (lambda **_: None))
+    assert made[0]["header"] == kernel_module.compact(source.header("metal"))
 
 
 def test_chunks_are_powers_of_two_covering_the_buffer():

@@ -85,7 +85,7 @@ class BlockProductKernel:
     def __init__(self, backend_name: str, factory=None, shape: tuple[int, int, int] | None = None):
         if backend_name != "cuda":
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
-        factory = compacting(factory or make_factory(backend_name))
+        factory = compacting(factory or make_factory(backend_name), backend_name)
         self.kernels = {
             dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b", "r"],
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
 
@@ -42,10 +43,57 @@ def compact(text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compacting(factory):
-    """``factory`` handed compact sources and headers (``compact``)."""
+def definitions(header: str) -> list[tuple[str | None, str]]:
+    """A compact header's top-level items as (the name it defines, its text):
+    a ``#define`` (its continuation lines with it), a typedef, a function or
+    a template's declaration or definition (to its closing brace). None: an
+    item whose name is not read (an ``#include``, anything else), kept."""
+    items, lines, depth = [], [], 0
+    for line in header.splitlines(keepends=True):
+        lines.append(line)
+        depth += line.count("{") - line.count("}")
+        if depth > 0 or line.rstrip("\n").endswith("\\"):
+            continue
+        text = "".join(lines)
+        lines = []
+        macro = re.match(r"#define\s+(\w+)", text)
+        typedef = re.match(r"typedef\b[^;]*?(\w+)\s*;", text)
+        signature = re.sub(r"^template\s*<[^<>]*>\s*", "", text)
+        function = re.search(r"(\w+)\s*(?:<[^<>()]*>)?\s*\(", signature) if not text.startswith("#") else None
+        name = macro.group(1) if macro else typedef.group(1) if typedef else function.group(1) if function else None
+        items.append((name, text))
+    if lines:
+        items.append((None, "".join(lines)))
+    return items
+
+
+def used_header(header: str, body: str) -> str:
+    """What of ``header`` a kernel's ``body`` calls, directly or through
+    what it keeps (every item whose name is unread stays): MLX hashes the
+    header with the body at every launch (compact), and one header serves
+    several kernels. Items keep their order."""
+    items = definitions(header)
+    keep = [name is None for name, _ in items]
+    seen = body + "".join(text for (name, text), k in zip(items, keep) if k)
+    grew = True
+    while grew:
+        grew = False
+        for i, (name, text) in enumerate(items):
+            if not keep[i] and re.search(rf"\b{name}\b", seen):
+                keep[i], grew, seen = True, True, seen + text
+    return "".join(text for (_, text), k in zip(items, keep) if k)
+
+
+def compacting(factory, backend: str):
+    """``factory`` handed compact sources and, on CUDA, only the part of the
+    header each source uses (``compact``, ``used_header``; NVRTC checks that
+    on any machine, scripts/check_cuda_kernels.py, where nothing here
+    compiles Metal's)."""
     def build(*, source: str, header: str = "", **kw):
-        return factory(source=compact(source), header=compact(header), **kw)
+        source, header = compact(source), compact(header)
+        if COMPACT_SOURCES and backend == "cuda":
+            header = used_header(header, source)
+        return factory(source=source, header=header, **kw)
     return build
 
 
@@ -68,7 +116,7 @@ class BlockAttentionKernel:
 
     def __init__(self, backend: str, factory=None):
         self.backend = backend
-        self._factory = compacting(factory or make_factory(backend))
+        self._factory = compacting(factory or make_factory(backend), backend)
         hdr = source.header(backend)
         # The partial passes read the queries through their strides (no copy of a
         # rotated, transposed query); keys and values are made contiguous below.

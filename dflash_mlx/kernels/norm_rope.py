@@ -121,7 +121,7 @@ class NormRopeKernel:
     """The kernel for one backend, compiled by MLX per (dtype, head dim)."""
 
     def __init__(self, backend_name: str, factory=None):
-        factory = compacting(factory or make_factory(backend_name))
+        factory = compacting(factory or make_factory(backend_name), backend_name)
         # (the version in the name: MLX caches built kernels on disk by name, not by source)
         self.kernel = factory(name=f"dflash_norm_rope_v{VERSION}", input_names=INPUTS, output_names=OUTPUTS,
                               source=source(backend_name), header=HEADER[backend_name], ensure_row_contiguous=False)
