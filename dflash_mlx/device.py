@@ -33,4 +33,6 @@ def device_scalar(x, add: int = 0):
     (kv_cache.SharedPositions), not per kernel: each costs a launch."""
     if not (WIDE_SCALARS and isinstance(x, mx.array) and x.ndim == 0 and backend() == "cuda"):
         return x + add if add else x
-    return (x + mx.full((4,), add, x.dtype))[:1].reshape(())
+    # (a broadcast view plus a constant: one fused launch where a filled
+    # array to add would be a launch of its own)
+    return (mx.broadcast_to(x, (4,)) + add)[:1].reshape(())

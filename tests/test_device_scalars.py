@@ -43,6 +43,9 @@ def test_on_cuda_a_scalar_is_read_from_a_wider_array_the_device_wrote(cuda_lengt
         passed.append(kind[node.strip('"')])
         node = made_by[inputs[node.strip('"')][0]]
     assert "Slice" in passed and kind[node.strip('"')] == "Add"
+    # the add's other side is a constant, not a filled array (a launch of its own on a GPU)
+    made = [kind[made_by[i].strip('"')] for i in inputs[node.strip('"')] if i in made_by]
+    assert "Full" not in made, made
     assert y is not x and y.shape == () and y.dtype == mx.int32 and y.item() == 41
     assert device.device_scalar(x, 5).item() == 46  # a length n positions on, in the same one add
     # host ints and arrays of other shapes pass through
