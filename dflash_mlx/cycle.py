@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import compute_dtype
-from .device import device_scalar
+from .device import constant_arange, device_scalar
 from .draft import DFlashDraft
 from .kv_cache import BufferKVCache, set_lengths
 from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
@@ -186,7 +186,8 @@ class Cycle:
             set_lengths(draft_cache, length, bound)
         drafts, q, key, k_draft = None, None, None, None
         if block_size > 1:
-            block = mx.concatenate([last, mx.full((block_size - 1,), self.mask_id, mx.int32)])[None]
+            # [last, MASK, ...]: one select (a filled array and a concatenation: three launches)
+            block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
             if self.selects:
                 if self.temperature > 0:
                     key, k_draft = mx.random.split(position_key(self.seed, length))
@@ -204,7 +205,7 @@ class Cycle:
         else:
             # row i predicts the token at position length + i + 1
             # (squeeze, not [0]: an int index is a gather, a copy of the logits on a GPU)
-            tokens = self.pick(logits.squeeze(0), length + 1 + mx.arange(block_size, dtype=mx.int32))
+            tokens = self.pick(logits.squeeze(0), length + 1 + constant_arange(block_size))
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)

@@ -36,3 +36,20 @@ def device_scalar(x, add: int = 0):
     # (a broadcast view plus a constant: one fused launch where a filled
     # array to add would be a launch of its own)
     return (mx.broadcast_to(x, (4,)) + add)[:1].reshape(())
+
+
+_aranges: dict[tuple[int, object], mx.array] = {}
+
+
+def constant_arange(n: int, dtype=mx.int32) -> mx.array:
+    """``mx.arange(n, dtype=dtype)``, made and evaluated once per process:
+    inside a compiled cycle an arange is a launch every cycle, while an
+    evaluated array the trace captures is a constant (each launch is host
+    time where a cycle is bound by its launches). Never written to."""
+    key = (n, dtype)
+    made = _aranges.get(key)
+    if made is None:
+        made = mx.arange(n, dtype=dtype)
+        mx.eval(made)
+        _aranges[key] = made
+    return made

@@ -36,8 +36,8 @@ def positions_mask(L: int, offset, total: int, window: int | None = None, causal
     (default offset + L) are unfilled; ``causal`` hides keys after the query;
     ``window`` hides keys ``window`` or more positions away (before the query,
     and after it too when not causal). ``offset`` and ``limit`` may be arrays."""
-    q = mx.arange(L)[:, None] + offset
-    k = mx.arange(total)[None]
+    q = device.constant_arange(L)[:, None] + offset
+    k = device.constant_arange(total)[None]
     visible = k < (offset + L if limit is None else limit)
     if causal:
         visible = visible & (k <= q)
@@ -76,7 +76,7 @@ class SharedPositions:
 
     def at(self, n: int) -> mx.array:
         if n not in self.made:
-            self.made[n] = self.length + mx.arange(n)
+            self.made[n] = self.length + device.constant_arange(n)
         return self.made[n]
 
     def end(self, n: int) -> mx.array:
@@ -141,7 +141,7 @@ class DeviceLengthCache:
         shared = self.shared
         if shared is not None and start is shared.length:
             return shared.at(n)
-        return start + mx.arange(n)
+        return start + device.constant_arange(n)
 
     def reserve(self, n: int) -> None:
         """Grow a buffer already made to hold ``n`` positions (the layer's

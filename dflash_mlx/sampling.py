@@ -29,6 +29,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .device import constant_arange
+
 
 def target_logprobs(logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0,
                     min_p: float = 0.0) -> mx.array:
@@ -70,7 +72,7 @@ def gumbel_noise(seed: mx.array, positions: mx.array, vocab: int) -> mx.array:
     (int32), fixed by ``seed`` (from ``seed_words``) and the position alone."""
     pos = positions.astype(mx.uint32)[:, None]
     row = _mix(_mix(pos ^ _word(seed, 0)) + _word(seed, 1))
-    col = mx.arange(vocab, dtype=mx.uint32)[None] * mx.array(0x9E3779B9, mx.uint32)
+    col = constant_arange(vocab, mx.uint32)[None] * mx.array(0x9E3779B9, mx.uint32)
     bits = _mix(_mix(row ^ col) + mx.array(0x632BE5AB, mx.uint32))
     u = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
     return -mx.log(-mx.log(u))
@@ -127,5 +129,5 @@ def accept_proposals(
     residual = mx.concatenate([mx.maximum(p[:-1] - q, 0.0), p[-1:]], axis=0)
     corrections = mx.random.categorical(mx.log(residual), key=k_resample).astype(mx.int32)
     padded = mx.concatenate([drafts.astype(mx.int32), mx.array([0], mx.int32)])
-    tokens = mx.where(mx.arange(bs) < accepted, padded, corrections)
+    tokens = mx.where(constant_arange(bs) < accepted, padded, corrections)
     return mx.concatenate([accepted[None], tokens])

@@ -9,11 +9,13 @@ import re
 from collections import defaultdict
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.cycle import Cycle
 from dflash_mlx.decode import prefill
+from dflash_mlx.kv_cache import SharedPositions, positions_mask
 from dflash_mlx.targets import adapt
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -57,3 +59,27 @@ def test_a_cycle_reads_the_logits_of_both_models_without_copying_them(agreeing_p
     gathers = [n for n, k in kind.items() if k == "Gather"]
     copied = [n for n in gathers if any(source(a, kind, made_by, inputs) == "Matmul" for a in inputs[n][:1])]
     assert copied == []  # (with logits[0] in the cycle, both heads' logits were gathered here)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_cycle_makes_no_filled_arrays_and_its_positions_read_constants(agreeing_pair, tmp_path, temperature):
+    """Positions and the drafter's block come from constants made once
+    (device.constant_arange): inside a compiled cycle on a GPU an arange, a
+    filled array or a concatenation is a launch every cycle, and launches are
+    what a small pair's cycle is bound by."""
+    model, draft = agreeing_pair
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    prefill(target, draft, cache, PROMPT, 2048, None)
+    cycle = Cycle(target, draft, cache, (temperature, 1.0, 0, 0.0), 7)
+    result, last, length, _ = cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))
+    kind, made_by, inputs = graph(tmp_path / "cycle.dot", result, last, length)
+    ops = list(kind.values())
+    assert "Full" not in ops and "Select" in ops  # the block's tokens: one select of the last token and the mask id
+    # positions and masks read constants: nothing made per cycle (the aranges
+    # left in this graph are the CPU's RoPE, which mx.fast.rope builds from
+    # ops here; a GPU runs a kernel)
+    positions = SharedPositions(mx.array(5, mx.int32))
+    for i, made in enumerate([positions.at(4), positions_mask(4, mx.array(5, mx.int32), 16)]):
+        assert "Arange" not in graph(tmp_path / f"made{i}.dot", made)[0].values()
+    assert np.array(positions.at(4)).tolist() == [5, 6, 7, 8]
