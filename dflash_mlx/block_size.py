@@ -132,9 +132,12 @@ class BlockChooser:
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None  # where block_memory keeps this chooser's state between processes
         self.ages: dict[int, int] = {}  # block size -> processes since its remembered time was measured (restore)
-        # What record() and restore() change, worked out once between them:
-        # choose() runs on the critical path of a cycle bound by the host.
+        # What record() and restore() change, worked out once between them,
+        # and each size's statistics until its times change: choose() and
+        # record() run on the critical path of a cycle bound by the host.
         self._memo: dict = {}
+        self._versions: dict[int, int] = {}  # block size -> changes of its times
+        self._stats: dict[int, tuple] = {}  # block size -> (version, valid below, (times, median, error))
 
     # processes a remembered time is passed on without being measured again:
     # a time taken while the machine was busy could otherwise make a size look
@@ -180,6 +183,7 @@ class BlockChooser:
         self._memo.clear()
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
+            self._versions[b] = self._versions.get(b, 0) + 1
             self.ages[b] = ages.get(b, 0) + 1
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)  # known: not probed
         return True
@@ -233,6 +237,7 @@ class BlockChooser:
             return  # a one-off build (a grown cache's new shapes, a trace), not the size's cost
         ts.append((self.cycles, seconds))
         del ts[:-32]
+        self._versions[block] = self._versions.get(block, 0) + 1
 
     def expected_tokens(self, block: int) -> float:
         return self._expected()[block - 1]
@@ -254,17 +259,33 @@ class BlockChooser:
         context, so old times of one size must not be set against new times
         of another), or all its times if it was not tried lately (a size left
         out would never be chosen or explored again)."""
-        if "recent" not in self._memo:
-            recent = {b: [t for k, t in ts if k > self.cycles - self.RECENT] or [t for _, t in ts]
-                      for b, ts in self.times.items()}
-            self._memo["recent"] = {b: ts for b, ts in recent.items() if ts}
-        return self._memo["recent"]
+        return {b: stats[0] for b, stats in self._all_stats().items()}
 
     def _median_times(self) -> dict[int, float]:
         """The median of each size's recent times (_recent_times)."""
-        if "medians" not in self._memo:
-            self._memo["medians"] = {b: median(ts) for b, ts in self._recent_times().items()}
-        return dict(self._memo["medians"])
+        return {b: stats[1] for b, stats in self._all_stats().items()}
+
+    def _all_stats(self) -> dict[int, tuple[list[float], float, float]]:
+        """Each timed size's (recent times, their median, the median's
+        standard error), worked out again only once its times change or one
+        of them leaves the RECENT window."""
+        floor = self.cycles - self.RECENT
+        out = {}
+        for b, ts in self.times.items():
+            if not ts:
+                continue
+            kept = self._stats.get(b)
+            if kept is None or kept[0] != self._versions.get(b, 0) or floor >= kept[1]:
+                recent_at = [k for k, _ in ts if k > floor]
+                recent = [t for k, t in ts if k > floor] or [t for _, t in ts]
+                mid = median(recent)
+                spread = 1.4826 * median(abs(t - mid) for t in recent)  # a robust standard deviation
+                error = 1.2533 * spread / math.sqrt(len(recent))  # the median's
+                # (valid until the oldest recent time leaves the window; all old: until a new one)
+                kept = (self._versions.get(b, 0), min(recent_at) if recent_at else math.inf, (recent, mid, error))
+                self._stats[b] = kept
+            out[b] = kept[2]
+        return out
 
     def cost(self) -> tuple[float, float]:
         """(a, c) of seconds(b) = a + c*b for drafting blocks (b >= 2).
@@ -281,12 +302,7 @@ class BlockChooser:
         return self._memo["cost"]
 
     def _fit(self) -> tuple[float, float]:
-        pts = []
-        for b, ts in self._recent_times().items():
-            if b > 1:
-                mid = median(ts)
-                spread = 1.4826 * median(abs(t - mid) for t in ts)  # a robust standard deviation
-                pts.append((b, mid, 1.2533 * spread / math.sqrt(len(ts))))  # the median's standard error
+        pts = [(b, mid, error) for b, (_, mid, error) in self._all_stats().items() if b > 1]
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
