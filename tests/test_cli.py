@@ -439,6 +439,26 @@ def test_reply_view_wraps_long_lines_on_a_narrow_terminal():
     assert not any(line.startswith("status") for line in lines)  # the live status is transient
 
 
+def test_ctrl_c_during_a_shown_step_waits_for_the_step_to_be_shown():
+    """A step's tokens and what is printed of them go together: Ctrl-C
+    pressed while a piece is being shown is raised once it is shown."""
+    import os
+    import signal
+
+    from dflash_mlx.cli.chat import sigint_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("shown")  # (not cut short)
+    assert done == ["shown"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    with sigint_deferred():  # nothing pressed: nothing raised
+        done.append("again")
+    assert done == ["shown", "again"]
+
+
 def test_stats_chart():
     from dflash_mlx.cli.chat import SessionStats, stats_chart
 

@@ -45,15 +45,19 @@ def source(array, kind, made_by, inputs):
     return None if node is None else kind[node.strip('"')]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_cycle_reads_the_logits_of_both_models_without_copying_them(agreeing_pair, tmp_path, temperature):
-    model, draft = agreeing_pair
+def cycle_outputs(pair, temperature: float) -> tuple:
+    """A block-8 cycle's graph after PROMPT, built uncompiled: (result, last, length)."""
+    model, draft = pair
     target = adapt(model)
     cache = make_prompt_cache(model, draft)
     prefill(target, draft, cache, PROMPT, 2048, None)
     cycle = Cycle(target, draft, cache, (temperature, 1.0, 0, 0.0), 7)
-    result, last, length, _ = cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))
-    kind, made_by, inputs = graph(tmp_path / "cycle.dot", result, last, length)
+    return cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))[:3]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_cycle_reads_the_logits_of_both_models_without_copying_them(agreeing_pair, tmp_path, temperature):
+    kind, made_by, inputs = graph(tmp_path / "cycle.dot", *cycle_outputs(agreeing_pair, temperature))
     products = [n for n, k in kind.items() if k == "Matmul"]
     assert products and "ArgReduce" in kind.values()
     gathers = [n for n, k in kind.items() if k == "Gather"]
@@ -67,13 +71,7 @@ def test_a_cycle_makes_no_filled_arrays_and_its_positions_read_constants(agreein
     (device.constant_arange): inside a compiled cycle on a GPU an arange, a
     filled array or a concatenation is a launch every cycle, and launches are
     what a small pair's cycle is bound by."""
-    model, draft = agreeing_pair
-    target = adapt(model)
-    cache = make_prompt_cache(model, draft)
-    prefill(target, draft, cache, PROMPT, 2048, None)
-    cycle = Cycle(target, draft, cache, (temperature, 1.0, 0, 0.0), 7)
-    result, last, length, _ = cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))
-    kind, made_by, inputs = graph(tmp_path / "cycle.dot", result, last, length)
+    kind, made_by, inputs = graph(tmp_path / "cycle.dot", *cycle_outputs(agreeing_pair, temperature))
     ops = list(kind.values())
     assert "Full" not in ops and "Select" in ops  # the block's tokens: one select of the last token and the mask id
     # positions and masks read constants: nothing made per cycle (the aranges
