@@ -286,9 +286,9 @@ def main():
 
     from dflash_mlx.traces import forget_traces
 
-    from dflash_mlx.kernels import kernel as kernel_module
+    from dflash_mlx.kernels import launch_source
 
-    kernel_module.COMPACT_SOURCES = args.sources == "compact"  # (before any kernel is made)
+    launch_source.COMPACT_SOURCES = args.sources == "compact"  # (before any kernel is made)
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
     model, draft = random_pair(args.shape, args.quantize)
     tokenizer = make_tokenizer(64)

@@ -68,7 +68,7 @@ def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
         launch = dict(grid=(size, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, hidden)], output_dtypes=[dtype])
         yield "custom copy", lambda x: copy(inputs=[x], **launch)[0], x
         # the same kernel with 16 KB of comments: MLX's CUDA backend hashes a
-        # custom kernel's whole source at every launch (kernels.kernel.compact)
+        # custom kernel's whole source at every launch (kernels.launch_source)
         padded = factory(name="launch_cost_copy_padded", input_names=["x"], output_names=["y"],
                          source=COPY + ("// " + "x" * 77 + "\n") * 205)
         yield "custom copy, 16 KB source", lambda x: padded(inputs=[x], **launch)[0], x

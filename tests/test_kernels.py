@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source, source_tiles
-from dflash_mlx.kernels import kernel as kernel_module
+from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels.block_products import BlockProductKernel
 from dflash_mlx.kernels.kernel import BlockAttentionKernel, chunk_size, max_warps
 from dflash_mlx.kernels.norm_rope import NormRopeKernel
@@ -323,7 +323,7 @@ def test_bad_input_is_one_sentence():
 def test_both_dialects_come_from_one_body(monkeypatch):
     """Metal and CUDA sources differ only in header and prelude; each header
     defines every helper the body calls (or Metal has it built in)."""
-    monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", False)  # (the sources as written)
+    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", False)  # (the sources as written)
     calls = []
     for where in ("metal", "cuda"):
         kernel = BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
@@ -370,10 +370,10 @@ def test_kernels_are_handed_compact_sources_that_keep_every_statement(monkeypatc
     nothing else changes (a ``//`` in a string literal, a macro's line
     continuations and preprocessor lines stay)."""
     text = 'x = "a//b"; // note\n    y;   // "q" b\n\n#define F(a) \\\n  a + 1 \\\n  + 2\n  // only a comment\n'
-    assert kernel_module.compact(text) == 'x = "a//b";\ny;\n#define F(a) \\\na + 1 \\\n+ 2\n'
+    assert launch_source.compact(text) == 'x = "a//b";\ny;\n#define F(a) \\\na + 1 \\\n+ 2\n'
 
     def made(compact: bool) -> list[dict]:
-        monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", compact)
+        monkeypatch.setattr(launch_source, "COMPACT_SOURCES", compact)
         calls = []
         factory = lambda **kw: calls.append(kw) or (lambda **_: None)  # noqa: E731
         BlockAttentionKernel("cuda", factory=factory).partial_tiles(8192)
@@ -382,31 +382,31 @@ def test_kernels_are_handed_compact_sources_that_keep_every_statement(monkeypatc
         return calls
 
     pairs = list(zip(made(True), made(False), strict=True))
-    monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", True)
+    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", True)
     for short, full in pairs:
         for part in ("source", "header"):
             assert all(line and line == line.strip() for line in short[part].splitlines())
         assert short["source"].split() == re.sub(r"//[^\n]*", "", full["source"]).split()
-        assert short["header"] == kernel_module.used_header(kernel_module.compact(full["header"]), short["source"])
+        assert short["header"] == launch_source.used_header(launch_source.compact(full["header"]), short["source"])
         assert len(short["header"]) < 0.7 * len(full["header"])  # (each kernel calls a part of the shared header)
 
 
 def test_a_kernel_gets_the_header_items_it_calls_directly_or_through_others():
-    header = kernel_module.compact(
+    header = launch_source.compact(
         "#include <x.h>\n#define USED(a) helper(a)\n#define UNUSED 3\ntypedef long long idx_t;\n"
         "__device__ float helper(float v) {\n  return twice(v);\n}\n__device__ float twice(float v) { return 2 * v; }\n"
         "template <typename U> __device__ U conv(float x);\ntemplate <> __device__ float conv<float>(float x) { return x; }\n"
         "__device__ float lonely(float v) {\n  if (v) {\n    return v;\n  }\n  return 0;\n}\n")
-    assert [name for name, _ in kernel_module.definitions(header)] == [
+    assert [name for name, _ in launch_source.definitions(header)] == [
         None, "USED", "UNUSED", "idx_t", "helper", "twice", "conv", "conv", "lonely"]
-    kept = kernel_module.used_header(header, "y[i] = conv<T>(USED(x[i]));")
+    kept = launch_source.used_header(header, "y[i] = conv<T>(USED(x[i]));")
     assert kept == ("#include <x.h>\n#define USED(a) helper(a)\n__device__ float helper(float v) {\nreturn twice(v);\n}\n"
                     "__device__ float twice(float v) { return 2 * v; }\ntemplate <typename U> __device__ U conv(float x);\n"
                     "template <> __device__ float conv<float>(float x) { return x; }\n")
     # Metal's headers are compacted, not cut: nothing here compiles them
     made = []
     BlockAttentionKernel("metal", factory=lambda **kw: made.append(kw) or (lambda **_: None))
-    assert made[0]["header"] == kernel_module.compact(source.header("metal"))
+    assert made[0]["header"] == launch_source.compact(source.header("metal"))
 
 
 def test_chunks_are_powers_of_two_covering_the_buffer():

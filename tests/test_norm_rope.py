@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import kernel as kernel_module
+from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels import norm_rope as nr
 from dflash_mlx.kernels.dispatch import TOLERANCE
 from dflash_mlx.kernels.source import HEADER
@@ -175,7 +175,7 @@ def test_rotations_the_kernel_does_not_do_take_the_ops_path(fake_gpu, rope):
 
 
 def test_both_dialects_come_from_one_body(monkeypatch):
-    monkeypatch.setattr(kernel_module, "COMPACT_SOURCES", False)  # (the sources as written)
+    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", False)  # (the sources as written)
     calls = []
     for where in ("metal", "cuda"):
         nr.NormRopeKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))

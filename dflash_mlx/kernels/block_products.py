@@ -48,7 +48,8 @@ from mlx_lm.models.activations import swiglu
 
 from .block_products_source import BODY, MMA_HEADER, VERSION
 from .dispatch import CheckResult, backend, compare_with_ops
-from .kernel import compacting, make_factory
+from .kernel import make_factory
+from .launch_source import compacting
 from .source import HEADER
 
 MOST_ROWS = 16  # one matrix-unit tile's rows

@@ -36,7 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dispatch import CheckResult, backend, compare_with_ops
-from .kernel import _int1, compacting, make_factory
+from .kernel import _int1, make_factory
+from .launch_source import compacting
 from .ops import DTYPES, HEAD_DIMS
 from .source import HEADER
 
