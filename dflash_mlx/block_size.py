@@ -254,21 +254,18 @@ class BlockChooser:
             self._memo["expected"] = totals
         return self._memo["expected"]
 
-    def _recent_times(self) -> dict[int, list[float]]:
-        """Each size's times over the last RECENT cycles (costs grow with the
-        context, so old times of one size must not be set against new times
-        of another), or all its times if it was not tried lately (a size left
-        out would never be chosen or explored again)."""
-        return {b: stats[0] for b, stats in self._all_stats().items()}
-
     def _median_times(self) -> dict[int, float]:
-        """The median of each size's recent times (_recent_times)."""
+        """The median of each size's recent times (_all_stats)."""
         return {b: stats[1] for b, stats in self._all_stats().items()}
 
     def _all_stats(self) -> dict[int, tuple[list[float], float, float]]:
         """Each timed size's (recent times, their median, the median's
-        standard error), worked out again only once its times change or one
-        of them leaves the RECENT window."""
+        standard error). Recent: its times over the last RECENT cycles (costs
+        grow with the context, so old times of one size must not be set
+        against new times of another), or all its times if it was not tried
+        lately (a size left out would never be chosen or explored again).
+        Worked out again only once its times change or one of them leaves the
+        RECENT window."""
         floor = self.cycles - self.RECENT
         out = {}
         for b, ts in self.times.items():
