@@ -47,7 +47,10 @@ def main():
 
     last = [None]  # the last choice made (cycles are chosen one ahead of being recorded)
 
+    probes = []  # whether each choice not yet recorded was a probe (choices are recorded in order)
+
     def logged(self, would_build=None):
+        probes.append(any(self.asked.get(b, 0) < self.PROBE_RUN for b in self.probe))  # (as _choose asks)
         b = choose(self, would_build)
         turned = last[0] is not None and (b == 1) != (last[0] == 1) and not self.run
         last[0] = b
@@ -66,7 +69,7 @@ def main():
         record = block_size.BlockChooser.record
 
         def recorded(self, block, accepted, seconds, built=None):
-            probing = any(self.asked.get(b, 0) <= self.PROBE_RUN for b in self.probe)
+            probing = probes.pop(0) if probes else False
             exploring = self.trial is not None and self.trial[0] == block
             sink.write(json.dumps({**where, "block": block, "accepted": accepted, "seconds": seconds,
                                    "built": built, "probe": probing, "explore": exploring}) + "\n")
@@ -84,6 +87,7 @@ def main():
                                              block_size=args.against):
                     pass
             where.update(set=name, prompt=i)
+            probes.clear()  # (a cycle queued past the last reply's end was chosen, never recorded)
             for r in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens, block_size="auto"):
                 pass
             versus = f" ({r.generation_tps / fixed.generation_tps:.2f}x block {args.against})" if fixed else ""
