@@ -30,21 +30,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def profile(run, cycles_of) -> tuple[float, list[tuple[str, float, int]]]:
-    """Run ``run()`` under cProfile; returns (the cycles it ran, rows of
-    (function, microseconds of its own time per cycle, calls per cycle))."""
+def profile(run) -> tuple[float, int, list[tuple[str, float, float]]]:
+    """Run ``run()`` (returning its seconds and the cycles it ran) under
+    cProfile; returns (seconds, cycles, rows of (function, microseconds of
+    its own time a cycle, calls a cycle)), most time first."""
     prof = cProfile.Profile()
     prof.enable()
-    out = run()
+    seconds, cycles = run()
     prof.disable()
-    cycles = cycles_of(out)
     stats = pstats.Stats(prof, stream=io.StringIO())
     rows = []
     for (path, line, name), (_, calls, own, _, _) in stats.stats.items():
         where = f"{Path(path).name}:{line}({name})" if line else name
         rows.append((where, 1e6 * own / cycles, calls / cycles))
     rows.sort(key=lambda r: -r[1])
-    return cycles, rows
+    return seconds, cycles, rows
 
 
 def main():
@@ -72,22 +72,19 @@ def main():
             plain(model, tok, prompts[0], 16, 0.0, 0)
         else:
             dflash(model, draft, tok, prompts[0], 32, 0.0, loop, 0, Counter())
-        used = Counter()
-
-        def run():
-            seconds = 0.0
+        def run() -> tuple[float, int]:
+            seconds, cycles, used = 0.0, 0, Counter()
             for p in prompts:
                 if loop == "plain":
-                    seconds += plain(model, tok, p, args.max_tokens, 0.0, 0)[1]
+                    n, took = plain(model, tok, p, args.max_tokens, 0.0, 0)  # (n: the steps after the first token)
+                    seconds, cycles = seconds + took, cycles + n
                 else:
                     seconds += dflash(model, draft, tok, p, args.max_tokens, 0.0, loop, 0, used)[1]
-            return seconds
+            return seconds, cycles + sum(used.values())
 
-        cycles_of = (lambda s: len(prompts) * (args.max_tokens - 1)) if loop == "plain" else (lambda s: sum(used.values()))
-        seconds = []
-        cycles, rows = profile(lambda: seconds.append(run()) or seconds[0], cycles_of)
+        seconds, cycles, rows = profile(run)
         unit = "step" if loop == "plain" else "cycle"
-        print(f"\n{loop}: {cycles} {unit}s, {1e6 * seconds[0] / cycles:.0f} us a {unit} profiled; us a {unit} of own time:")
+        print(f"\n{loop}: {cycles} {unit}s, {1e6 * seconds / cycles:.0f} us a {unit} profiled; us a {unit} of own time:")
         for where, us, calls in rows[: args.top]:
             print(f"  {us:8.1f}  {calls:6.2f} calls  {where}")
 
