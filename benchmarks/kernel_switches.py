@@ -20,13 +20,15 @@ from dflash_mlx.kernels import norm_rope as _norm_rope
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
 
 
-CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "mlx")}
+CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "kernel-norms-apart", "mlx")}
 MEANING = {
     "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
                  "rms_norm and rope)",
     "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out; "
                 "'kernel@TxWxA' launches the products that are neither down-shaped nor gate/up with SwiGLU with T "
-                "tiles a warp, W warps, A loads ahead: block_products.SHAPE and WIDE_SHAPE), 'mlx' (MLX's products, cuBLASLt)",
+                "tiles a warp, W warps, A loads ahead: block_products.SHAPE and WIDE_SHAPE), 'kernel-norms-apart' (the "
+                "kernel, each RMSNorm before a product a launch of its own: block_products.NORMS_IN_PRODUCTS off), "
+                "'mlx' (MLX's products, cuBLASLt)",
 }
 
 
@@ -47,10 +49,11 @@ def use_kernels(*, norm_rope: str = "kernel", products: str = "kernel") -> None:
     """norm_rope: 'kernel' or 'ops'; products: 'kernel' or 'mlx'."""
     products, shape = product_shape(products)
     _products.SHAPE, _products.WIDE_SHAPE = (shape, shape) if shape else _SHAPES
+    _products.NORMS_IN_PRODUCTS = products != "kernel-norms-apart"
     for (name, choice), module in zip((("norm_rope", norm_rope), ("products", products)), (_norm_rope, _products)):
         if choice not in CHOICES[name]:
             raise SystemExit(f"--{name.replace('_', '-')} takes {' or '.join(CHOICES[name])}, not {choice!r}.")
-        module.passed = _CHECKED[module] if choice == "kernel" else (lambda *args: None)
+        module.passed = _CHECKED[module] if choice.startswith("kernel") else (lambda *args: None)
 
 
 def product_shape(choice: str) -> tuple[str, tuple | None]:

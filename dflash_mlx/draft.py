@@ -343,7 +343,7 @@ class DraftAttention(nn.Module):
         return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
 
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None,
-                 residual=None):
+                 residual=None, norm=None):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
         int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
@@ -358,9 +358,15 @@ class DraftAttention(nn.Module):
         mx.fast.scaled_dot_product_attention);
         ``fused``, the layer's FusedProjections, makes q/k/v one product;
         ``residual`` is added to the output (by the output product's launch,
-        where the block-product kernel takes it)."""
+        where the block-product kernel takes it); ``norm``, where given, is
+        the RMSNorm x goes through first (into the q/k/v product's launch,
+        where the kernel takes it)."""
         B, L, _ = x.shape
-        q, k, v = fused.qkv(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if fused is not None:
+            q, k, v = fused.qkv(x, norm)
+        else:
+            x = x if norm is None else norm(x)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         values = self._heads(v, self.n_kv_heads)
         if cache is not None:  # (inference: one launch where that kernel checked out, kernels/norm_rope.py)
             queries, keys = norm_rope(q.reshape(B, L, self.n_heads, -1), k.reshape(B, L, self.n_kv_heads, -1),
@@ -403,10 +409,10 @@ class DraftLayer(nn.Module):
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         """``fused``: this layer's FusedProjections (targets/fused.py), which
         run q/k/v as one product and gate/up as another; None: the modules."""
-        h = self.self_attn(self.input_layernorm(x), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused,
-                           residual=x)
-        if fused is not None:
-            return fused.mlp(self.mlp, self.post_attention_layernorm(h), h)
+        h = self.self_attn(x, ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused, residual=x,
+                           norm=self.input_layernorm)
+        if fused is not None:  # (both norms in their products' launches, where the kernel takes them)
+            return fused.mlp(self.mlp, h, h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -448,8 +454,10 @@ class DFlashDraft(nn.Module):
         embedded = self.target.embed(tokens)
         return embedded if scale == 1.0 else embedded * scale  # (a launch a cycle fewer at 1)
 
-    def logits(self, h: mx.array) -> mx.array:
-        logits = self.target.lm_head(h)
+    def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """Logits of ``norm(h)`` (None: h already normed) through the
+        target's head (the norm in the head's launch where it can)."""
+        logits = self.target.lm_head(h, norm)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -502,12 +510,13 @@ class DFlashDraft(nn.Module):
         Returns logits [1, bs-1, V] for block positions 1..bs-1 (position i
         proposes the token at start + i).
         """
-        return self.logits(self.hidden_states(block, taps, cache, fused))
+        return self.logits(self.hidden_states(block, taps, cache, fused, normed=False), self.norm)
 
     def hidden_states(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache],
-                      fused: list | None = None) -> mx.array:
+                      fused: list | None = None, normed: bool = True) -> mx.array:
         """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
-        arguments as for ``__call__``)."""
+        arguments as for ``__call__``; ``normed=False``: before the final
+        norm)."""
         fused = self.fused_projections() if fused is None else fused
         if taps is not None and taps.shape[1]:
             self.extend(taps, cache, fused)
@@ -531,7 +540,7 @@ class DFlashDraft(nn.Module):
             attend = partial(cache_attention, cache=c, start=c.offset, length=ends[length],
                              causal=attn.causal, window=attn.window)
             x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=fused, attend=attend)
-        return self.norm(x[:, 1:])
+        return self.norm(x[:, 1:]) if normed else x[:, 1:]
 
 
 def block_mask(L: int, C, causal: bool, window: int | None, total: int | None = None):

@@ -131,6 +131,8 @@ def record_all(recorder: Recorder) -> None:
             products(x, w, bias, residual, heads)
         for x, w in block_products.swiglu_check_cases(dtype):
             products(x, w, swiglu=True)
+        for x, w, bias, residual, norm, swiglu in block_products.norm_check_cases(dtype, swiglu=True):
+            products(x, w, bias, residual, swiglu=swiglu, norm=norm)
 
 
 def main():

@@ -38,14 +38,26 @@ def swiglu_arithmetic(x, weight):
     return swiglu(gate, up)
 
 
+def norm_arithmetic(x, norm):
+    """What the RMSNorm prologue computes before the product: x through the
+    norm (weight, eps), by MLX's op."""
+    weight, eps = norm
+    return mx.fast.rms_norm(x, weight, eps)
+
+
 class FakeKernel:
     """A kernel as the module's callers see it, counting its calls."""
 
-    def __init__(self, fn=kernel_arithmetic, epilogue=swiglu_arithmetic):
-        self.fn, self.epilogue, self.calls, self.heads, self.swiglus = fn, epilogue, 0, 0, 0
+    def __init__(self, fn=kernel_arithmetic, epilogue=swiglu_arithmetic, prologue=norm_arithmetic):
+        self.fn, self.epilogue, self.prologue = fn, epilogue, prologue
+        self.calls = self.heads = self.swiglus = self.norms = 0
 
-    def __call__(self, x, weight, bias=None, residual=None, heads=False, swiglu=False):
+    def __call__(self, x, weight, bias=None, residual=None, heads=False, swiglu=False, norm=None):
         self.calls += 1
+        if norm is not None:
+            assert not heads
+            self.norms += 1
+            x = self.prologue(x, norm)
         if swiglu:
             self.swiglus += 1
             return self.epilogue(x, weight)
@@ -102,16 +114,65 @@ def test_a_kernel_that_checks_out_takes_a_verifys_products_and_only_those(fake_g
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         bp.prepare(mx.bfloat16)
-    assert [r.ok for r in bp._checks.values()] == [True, True] and kernel.calls > 0  # the products, the SwiGLU
+    # the products, the SwiGLU, the norms
+    assert [r.ok for r in bp._checks.values()] == [True, True, True] and kernel.calls > 0
     for rows, expected in want.items():
-        before, heads, swiglus = kernel.calls, kernel.heads, kernel.swiglus
+        before, heads, swiglus, norms = kernel.calls, kernel.heads, kernel.swiglus, kernel.norms
         got = run_layer(layer, rows)
-        # q/k/v (one product), o (reading the attention's heads in place), gate/up (one product,
-        # the SwiGLU in its launch), down: four launches for 2-16 rows
-        assert kernel.calls - before == (4 if 2 <= rows <= 16 else 0), rows
-        assert kernel.heads - heads == (1 if 2 <= rows <= 16 else 0), rows
-        assert kernel.swiglus - swiglus == (1 if 2 <= rows <= 16 else 0), rows
+        # q/k/v (one product, the input norm in its launch), o (reading the attention's heads in
+        # place), gate/up (one product, the post-attention norm and the SwiGLU in its launch),
+        # down: four launches for 2-16 rows
+        taken = 2 <= rows <= 16
+        assert kernel.calls - before == (4 if taken else 0), rows
+        assert kernel.heads - heads == (1 if taken else 0), rows
+        assert kernel.swiglus - swiglus == (1 if taken else 0), rows
+        assert kernel.norms - norms == (2 if taken else 0), rows
         assert rel_err(got, expected) < 2e-2
+
+
+def test_a_norm_prologue_that_does_not_check_out_leaves_the_norms_apart(fake_gpu):
+    """The RMSNorm prologue has a check of its own: one that computes
+    something else (here the norm without its weight) warns once, naming
+    it, and the layer's products still take the kernel (the SwiGLU in its
+    launch), each norm a launch of its own; the layer computes what it did."""
+    layer = tiny_layer()
+    layer.input_layernorm.weight = (1 + mx.random.normal((128,), key=mx.random.key(5))).astype(mx.bfloat16)
+    layer.post_attention_layernorm.weight = (1 + mx.random.normal((128,), key=mx.random.key(6))).astype(mx.bfloat16)
+    want = run_layer(layer, 5)
+    kernel = fake_gpu(FakeKernel(prologue=lambda x, norm: mx.fast.rms_norm(x, None, norm[1])))
+    with pytest.warns(RuntimeWarning, match="RMSNorm prologue failed its self-check") as caught:
+        bp.prepare(mx.bfloat16)
+        bp.prepare(mx.bfloat16)
+    assert len(caught) == 1
+    assert [r.ok for r in bp._checks.values()] == [True, True, False]
+    before, swiglus, norms = kernel.calls, kernel.swiglus, kernel.norms
+    got = run_layer(layer, 5)
+    assert kernel.calls - before == 4 and kernel.swiglus - swiglus == 1 and kernel.norms == norms
+    assert rel_err(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_norms_stay_apart_before_weights_of_norm_most_elements(fake_gpu, monkeypatch, dtype):
+    """The prologue reads a block's rows twice, which pays at small K only:
+    a product whose weight has NORM_MOST elements or more takes the kernel
+    with its norm a launch of its own (here NORM_MOST set at the tiny
+    layer's q/k/v and gate/up sizes, both 512 x 128); both dtypes check the
+    prologue."""
+    layer = tiny_layer(dtype)
+    want = run_layer(layer, 5)
+    kernel = fake_gpu(FakeKernel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bp.prepare(dtype)
+    assert [r.ok for r in bp._checks.values()] == [True, True, True]
+    monkeypatch.setattr(bp, "NORM_MOST", (4 * 64 + 2 * 2 * 64) * 128)  # q (4 heads of 64), k and v (2 each)
+    before, norms = kernel.calls, kernel.norms
+    got = run_layer(layer, 5)
+    assert kernel.calls - before == 4 and kernel.norms == norms
+    monkeypatch.setattr(bp, "NORM_MOST", 512 * 128 + 1)
+    run_layer(layer, 5)
+    assert kernel.norms - norms == 2
+    assert rel_err(got, want) < 2e-2
 
 
 def test_a_swiglu_epilogue_that_does_not_check_out_leaves_the_products_on_the_kernel(fake_gpu):
@@ -133,7 +194,7 @@ def test_a_swiglu_epilogue_that_does_not_check_out_leaves_the_products_on_the_ke
         bp.prepare(mx.bfloat16)
         bp.prepare(mx.bfloat16)
     assert len(caught) == 1
-    assert [r.ok for r in bp._checks.values()] == [True, False]
+    assert [r.ok for r in bp._checks.values()] == [True, False, True]  # (the norms checked without the SwiGLU)
     before, swiglus = kernel.calls, kernel.swiglus
     got = run_layer(layer, 5)
     assert kernel.calls - before == 4 and kernel.swiglus == swiglus
@@ -240,7 +301,47 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     got = [t for r in stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=24, block_size=6)
            for t in r.tokens]
     assert got == want
-    assert kernel.calls > 0
+    assert kernel.calls > 0 and kernel.norms > 0
+
+
+def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gpu):
+    """On the pretend GPU a bf16 pair's verify of 5 rows runs no RMSNorm of
+    its own: each layer's two go into its q/k/v and gate/up products, the
+    final norm into the (tied, small) output head's; the drafter's block
+    likewise (its head is the target's). Logits as without the kernel."""
+    from dflash_mlx.kv_cache import set_lengths
+    from dflash_mlx.targets import adapt
+
+    tcfg = target_config("qwen3", vocab=40, layers=3, hidden=64)
+    model = make_target(tcfg, seed=53)
+    model.set_dtype(mx.bfloat16)
+    dcfg = draft_config(tcfg, layers=2, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=54))
+    draft.set_dtype(mx.bfloat16)
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+
+    def verify_and_draft():
+        target = adapt(model)
+        draft.bind(target)
+        tc, dc = target.make_cache(), draft.make_cache()
+        logits, hidden = target(tokens, tc, draft.config.target_layer_ids)
+        draft.extend(hidden, dc)
+        set_lengths(tc, mx.array(5, mx.int32), 5)
+        set_lengths(dc, mx.array(5, mx.int32), 5)
+        verify = target(tokens, tc, draft.config.target_layer_ids)[0]
+        proposed = draft(mx.array([[5, 0, 0, 0, 0, 0]]), None, dc)
+        return logits, verify, proposed
+
+    want = verify_and_draft()  # (MLX's products and norms)
+    kernel = fake_gpu(FakeKernel())
+    bp.prepare(mx.bfloat16)
+    before = kernel.norms
+    got = verify_and_draft()
+    # the prefill's 5 rows and the verify's: 2 a layer and the head's each; the draft: 2 a drafter
+    # layer and the head's (the context feed's norm follows its own product: a launch apart)
+    assert kernel.norms - before == 2 * (2 * 3 + 1) + (2 * 2 + 1)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 3e-2
 
 
 def test_a_bias_is_the_kernels_too_and_its_check_covers_it(fake_gpu):

@@ -97,10 +97,12 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     """On CUDA the block-product kernel's check gets a line per dtype; a
     failed one says MLX's products are used, and counts in the total."""
     from dflash_mlx.kernels import block_products as bp
-    from test_block_products import kernel_arithmetic, swiglu_arithmetic
+    from test_block_products import kernel_arithmetic, norm_arithmetic, swiglu_arithmetic
     from test_kernels import two_pass
 
-    def products(x, w, b=None, r=None, heads=False, swiglu=False):
+    def products(x, w, b=None, r=None, heads=False, swiglu=False, norm=None):
+        if norm is not None:
+            x = norm_arithmetic(x, norm)
         if swiglu:
             return swiglu_arithmetic(x, w)
         if heads:
@@ -122,8 +124,11 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     # the SwiGLU epilogue is checked where the products passed
     assert re.search(r"^  check products bfloat16 \+ SwiGLU +ok, max relative error", out, re.M)
     assert "float16 + SwiGLU" not in out.replace("bfloat16 + SwiGLU", "")
+    # and the RMSNorm prologue
+    assert re.search(r"^  check products bfloat16 \+ RMSNorm +ok, max relative error", out, re.M)
+    assert "float16 + RMSNorm" not in out.replace("bfloat16 + RMSNorm", "")
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
 
-    # attention (full, window), then products, then bfloat16's SwiGLU epilogue
-    total = len(DTYPES) * len(HEAD_DIMS) * 2 + len(bp.DTYPES) + 1
+    # attention (full, window), then products, then bfloat16's SwiGLU epilogue and RMSNorm prologue
+    total = len(DTYPES) * len(HEAD_DIMS) * 2 + len(bp.DTYPES) + 2
     assert f"kernel checks          {total - 1} of {total} passed" in out

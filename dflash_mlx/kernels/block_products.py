@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import warnings
 
 import mlx.core as mx
@@ -77,6 +78,15 @@ LONG_K = 8192
 # columns of gate and of up (as many loads in flight a warp as SHAPE's; 76-78 us of device
 # time for a Qwen3-8B gate/up on an H100, other shapes not yet compared on the device).
 SWIGLU_SHAPE = (2, 8, 4)
+# An RMSNorm before a product (a layer's input and post-attention norms, the
+# final norm before a small head) taken into the product's launch (version 9:
+# two launches a layer fewer), for weights of fewer than NORM_MOST elements:
+# every block reads the rows twice (their rsqrt first), which is free at small
+# K but not at Qwen3-8B's (H100, session 19: its cycle at 1k 9.65 -> 10.2 ms
+# with an earlier one-pass prologue); the built-in pair's cycle 1.71-2.00 ->
+# 1.55-1.67 ms (BENCHMARKS.md). Sizes between were not measured.
+NORM_MOST = WIDE
+NORMS_IN_PRODUCTS = True  # (benchmarks turn it off to measure what it saves)
 
 
 class BlockProductKernel:
@@ -88,7 +98,7 @@ class BlockProductKernel:
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
         factory = compacting(factory or make_factory(backend_name), backend_name)
         self.kernels = {
-            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b", "r"],
+            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b", "r", "nw"],
                            output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
             for dtype in DTYPES
         }
@@ -96,13 +106,15 @@ class BlockProductKernel:
         self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
     def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
-                 residual: mx.array | None = None, heads: bool = False, swiglu: bool = False) -> mx.array:
+                 residual: mx.array | None = None, heads: bool = False, swiglu: bool = False,
+                 norm: tuple[mx.array, float] | None = None) -> mx.array:
         """residual + (x @ weight.T + bias), x [..., K] with 2-16 rows; the
         bias and the residual [..., N] optional. ``heads``: x is an
         attention's output [1, heads, rows, D], multiplied as its rows
         [1, rows, heads * D] (the output [1, rows, N]). ``swiglu``: weight
         is a fused gate/up [2 N, K] (no bias, no residual) and the output
-        [..., N] is silu(gate) * up."""
+        [..., N] is silu(gate) * up. ``norm``: (weight [K], eps) of an
+        RMSNorm that x goes through first (not with ``heads``)."""
         if heads:
             _, h, rows, d = x.shape
             lead, k, x = (1, rows), h * d, x.reshape(h, rows, d)
@@ -113,6 +125,8 @@ class BlockProductKernel:
         if swiglu and (bias is not None or residual is not None or heads or weight.shape[0] % 2):
             raise ValueError("the SwiGLU epilogue takes a fused gate/up weight (an even number of rows) with no "
                              "bias, residual or heads.")
+        if norm is not None and (heads or norm[0].shape != (k,)):
+            raise ValueError("a norm in the product's launch takes rows (not heads) and a weight of their length.")
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if swiglu:
             tiles, split, ahead = (2, *self.shape[1:]) if self.shape else SWIGLU_SHAPE
@@ -120,15 +134,22 @@ class BlockProductKernel:
             tiles, split, ahead = self.shape or launch_shape(n, k)
         none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
-            inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n)],
+            inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n),
+                    none if norm is None else norm[0]],
             template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HEADS", heads),
-                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None), ("SWIGLU", swiglu)],
+                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None), ("SWIGLU", swiglu),
+                      ("HAS_NORM", norm is not None), ("EPS_BITS", 0 if norm is None else float_bits(norm[1]))],
             grid=(-(-n // (8 * (1 if swiglu else tiles))) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
             output_dtypes=[x.dtype],
         )
         return y.reshape(*lead, n)
+
+
+def float_bits(value: float) -> int:
+    """A float32's bits as a signed int (how a template constant carries it)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def launch_shape(n: int, k: int) -> tuple[int, int, int]:
@@ -156,6 +177,7 @@ _kernels: dict[str, BlockProductKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
 _ready: dict[tuple, BlockProductKernel] = {}  # (backend, dtype) -> the kernel, where it passed its check
 _swiglu_passed: set[tuple] = set()  # (backend, dtype) where the SwiGLU epilogue passed its own check too
+_norm_passed: set[tuple] = set()  # (backend, dtype) where a norm in the products' launch passed its check too
 
 
 def reset() -> None:
@@ -163,6 +185,7 @@ def reset() -> None:
     _checks.clear()
     _ready.clear()
     _swiglu_passed.clear()
+    _norm_passed.clear()
 
 
 def prepare(dtype) -> None:
@@ -189,22 +212,33 @@ def prepare(dtype) -> None:
             warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's SwiGLU epilogue failed "
                           f"its self-check ({result.detail}); a gate/up product's SwiGLU stays a launch of its own.",
                           RuntimeWarning, stacklevel=3)
+    # an RMSNorm in the products' launch, checked on its own too (with the SwiGLU where that passed)
+    if key in _ready and key + ("norm",) not in _checks:
+        result = _checks[key + ("norm",)] = self_check(where, dtype, norm=True, swiglu=key in _swiglu_passed)
+        if result.ok:
+            _norm_passed.add(key)
+        else:
+            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's RMSNorm prologue failed "
+                          f"its self-check ({result.detail}); a layer's norms stay launches of their own.",
+                          RuntimeWarning, stacklevel=3)
 
 
 def self_check_all(report=None) -> list[CheckResult]:
     """Check every dtype on this backend (for `dflash-mlx doctor`: the
-    products', then their SwiGLU epilogue's, named "<dtype> + SwiGLU"); []
+    products', then their SwiGLU epilogue's, named "<dtype> + SwiGLU", then
+    their RMSNorm prologue's, "<dtype> + RMSNorm"); []
     where the kernel does not run (Metal, the CPU). ``report(result)``, where
     given, hears each result as soon as it is known."""
     where = backend()
     results = []
     for dtype in DTYPES:
         prepare(dtype)
-        for key in ((where, dtype), (where, dtype, "swiglu")):
+        for key in ((where, dtype), (where, dtype, "swiglu"), (where, dtype, "norm")):
             if key in _checks:
                 result = _checks[key]
                 if len(key) == 3:
-                    result = dataclasses.replace(result, dtype=f"{result.dtype} + SwiGLU")
+                    part = {"swiglu": "SwiGLU", "norm": "RMSNorm"}[key[2]]
+                    result = dataclasses.replace(result, dtype=f"{result.dtype} + {part}")
                 results.append(result)
                 if report is not None:
                     report(result)
@@ -217,16 +251,20 @@ def passed(dtype) -> BlockProductKernel | None:
     return _ready.get((backend(), dtype))
 
 
-def apply_linear_swiglu(module: nn.Module, x: mx.array) -> mx.array:
+def apply_linear_swiglu(module: nn.Module, x: mx.array, norm: nn.Module | None = None) -> mx.array:
     """mlx-lm's ``swiglu(gate, up)`` of a fused gate/up linear's product
-    (gate's rows, then as many of up's): in the product's own launch where
-    the kernel takes it and its SwiGLU epilogue checked out, else the
-    product (``apply_linear``), split, then ``swiglu``."""
+    (gate's rows, then as many of up's) of ``norm(x)`` (``norm``: None, or
+    the RMSNorm before it): in the product's own launch where the kernel
+    takes it and its SwiGLU epilogue (and norm prologue) checked out, else
+    the product (``apply_linear``), split, then ``swiglu``."""
     if 2 <= x.size // x.shape[-1] <= MOST_ROWS and module.weight.shape[0] % 2 == 0:
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
         if taken is not None and taken[1] is None and (backend(), x.dtype) in _swiglu_passed:
-            return taken[0](x, module.weight, swiglu=True)
-    gate, up = mx.split(apply_linear(module, x), 2, axis=-1)
+            folded = _norm_operands(norm, x, module)
+            if norm is not None and folded is None:
+                x = norm(x)
+            return taken[0](x, module.weight, swiglu=True, norm=folded)
+    gate, up = mx.split(apply_linear(module, x, norm=norm), 2, axis=-1)
     return swiglu(gate, up)
 
 
@@ -251,16 +289,36 @@ def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | 
     return apply_linear(module, heads.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 
-def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
-    """``module(x)``, or ``residual + module(x)``: for an nn.Linear through
-    the kernel where it takes the product and has checked out (the residual
-    added in the same launch), else the module itself."""
+def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = None,
+                 norm: nn.Module | None = None) -> mx.array:
+    """``module(norm(x))``, or ``residual + module(norm(x))`` (``norm``:
+    None, or the RMSNorm before the product): for an nn.Linear through the
+    kernel where it takes the product and has checked out (the residual
+    added in the same launch, the norm taken into it where that checked out
+    too), else the modules themselves."""
     if 2 <= x.size // x.shape[-1] <= MOST_ROWS:  # (a plain step's row: at once)
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, residual)
         if taken is not None:
             kernel, bias = taken
-            return kernel(x, module.weight, bias, residual)
+            folded = _norm_operands(norm, x, module)
+            if norm is None or folded is not None:
+                return kernel(x, module.weight, bias, residual, norm=folded)
+    if norm is not None:
+        return apply_linear(module, norm(x), residual)
     return module(x) if residual is None else residual + module(x)
+
+
+def _norm_operands(norm: nn.Module | None, x: mx.array, module: nn.Module) -> tuple[mx.array, float] | None:
+    """(weight, eps) of ``norm`` where the kernel may take it into
+    ``module``'s product of ``x``'s rows: an nn.RMSNorm of x's length and
+    dtype, a weight of fewer than NORM_MOST elements, the prologue checked
+    out for that dtype; else None."""
+    if norm is None or not NORMS_IN_PRODUCTS or type(norm) is not nn.RMSNorm or module.weight.size >= NORM_MOST:
+        return None
+    weight = norm.weight
+    if weight.shape != x.shape[-1:] or weight.dtype != x.dtype or (backend(), x.dtype) not in _norm_passed:
+        return None
+    return weight, norm.eps
 
 
 def _taking(module: nn.Module, lead: tuple, k: int, dtype, residual: mx.array | None):
@@ -275,9 +333,11 @@ def _taking(module: nn.Module, lead: tuple, k: int, dtype, residual: mx.array | 
     return None if kernel is None else (kernel, bias)
 
 
-def self_check(where: str, dtype, swiglu: bool = False) -> CheckResult:
+def self_check(where: str, dtype, swiglu: bool = False, norm: bool = False) -> CheckResult:
     """The kernel against ``reference`` on ``check_cases`` (``swiglu``: its
-    SwiGLU epilogue against ``reference_swiglu`` on ``swiglu_check_cases``)."""
+    SwiGLU epilogue against ``reference_swiglu`` on ``swiglu_check_cases``;
+    ``norm``: its RMSNorm prologue on ``norm_check_cases``, with the SwiGLU's
+    cases too where ``swiglu``)."""
 
     def outputs(kernel):
         for x, w, bias, residual, heads in check_cases(dtype):
@@ -287,7 +347,42 @@ def self_check(where: str, dtype, swiglu: bool = False) -> CheckResult:
         for x, w in swiglu_check_cases(dtype):
             yield kernel(x, w, swiglu=True), reference_swiglu(x, w)
 
-    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, swiglu_outputs if swiglu else outputs)
+    def norm_outputs(kernel):
+        for x, w, bias, residual, (nw, eps), fused_swiglu in norm_check_cases(dtype, swiglu):
+            normed = mx.fast.rms_norm(x, nw, eps)
+            if fused_swiglu:
+                yield kernel(x, w, swiglu=True, norm=(nw, eps)), reference_swiglu(normed, w)
+            else:
+                yield kernel(x, w, bias, residual, norm=(nw, eps)), reference(normed, w, bias, residual)
+
+    chosen = norm_outputs if norm else swiglu_outputs if swiglu else outputs
+    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, chosen)
+
+
+def norm_check_cases(dtype, swiglu: bool):
+    """(x, weight, bias, residual, (norm weight, eps), as a SwiGLU): rows of
+    a hidden state's spread (rows of different scales: the rsqrt is per row)
+    through an RMSNorm with weights around 1, for 2-16 rows, K under one pass
+    and over several, a bias and a residual, the norm weight off a 16-byte
+    boundary (and so read as 2-byte elements), and the SwiGLU epilogue."""
+    n = 100
+    for k, eps in ((256, 1e-6), (4096, 1e-5)):
+        # (K ** -0.5: gate and up of normed rows O(1), where the sigmoid is not saturated)
+        whole = (k ** -0.5 * mx.random.normal((4 * n, k), key=mx.random.key(30 + k))).astype(dtype)
+        nw = (1 + 0.5 * mx.random.normal((k,), key=mx.random.key(31 + k))).astype(dtype)
+        for rows in (2, 9, 16):
+            scales = mx.exp(2 * mx.random.normal((1, rows, 1), key=mx.random.key(400 + rows)))
+            x = (scales * mx.random.normal((1, rows, k), key=mx.random.key(410 + rows))).astype(dtype)
+            yield x, whole[n : 2 * n], None, None, (nw, eps), False
+            if swiglu:
+                yield x, whole[2 * n : 4 * n], None, None, (nw, eps), True
+    k = 512
+    flat = (1 + 0.5 * mx.random.normal((k + 8,), key=mx.random.key(32))).astype(dtype)
+    x = (8 * mx.random.normal((1, 5, k), key=mx.random.key(33))).astype(dtype)
+    w = mx.random.normal((n, k), key=mx.random.key(34)).astype(dtype)
+    bias = mx.random.normal((n,), key=mx.random.key(35)).astype(dtype)
+    residual = (8 * mx.random.normal((1, 5, n), key=mx.random.key(36))).astype(dtype)
+    yield x, w, bias, residual, (flat[3 : 3 + k], 1e-6), False
 
 
 def reference_swiglu(x: mx.array, weight: mx.array) -> mx.array:

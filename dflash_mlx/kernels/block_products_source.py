@@ -3,7 +3,7 @@ launches and checks it): a block's rows times a weight matrix on the matrix
 units, with its optional bias, residual, heads-as-rows read and SwiGLU
 epilogue."""
 
-VERSION = 8  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
+VERSION = 9  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 
 # Template constants: T (dtype), NT, KW, U (the launch shape), HEADS (x is an
 # attention's output [heads, M, D], read as the rows [M, heads * D] that its
@@ -24,7 +24,13 @@ VERSION = 8  # of BODY and its inputs: a change must bump it (MLX caches built k
 # bias or residual): w is a fused gate/up weight [2 N, K], tile 0 reads gate's
 # rows n0.., tile 1 up's rows N + n0.., and y [M, N] is silu(gate) * up of the
 # two products rounded, each step rounded as MLX's ops round it (the SwiGLU's
-# own launch otherwise: one a layer).
+# own launch otherwise: one a layer). HAS_NORM (not with HEADS): x is the
+# input of an RMSNorm whose weight is nw [K] (EPS_BITS: its epsilon's float32
+# bits), and y is the product of norm(x) (the norm's own launch otherwise: two
+# a layer). A block first works out each row's rsqrt(mean square + eps) as
+# MLX's rms_norm does (its sum in another order), then each x element goes to
+# the matrix units as MLX's rms_norm writes it: x * rsqrt rounded, times its
+# weight, rounded (a layer's input read twice: cheap for small K, from L2).
 BODY = """
   const int lane = int(threadIdx.x) & 31;
   const int wk = int(threadIdx.x) >> 5;
@@ -41,11 +47,26 @@ BODY = """
   };
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   // (K is a multiple of 32, so every row starts as aligned as its matrix does)
-  const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w)) & 15) == 0;
+  const bool aligned = ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w) |
+                         (HAS_NORM ? reinterpret_cast<size_t>(nw) : 0)) & 15) == 0;
   // row m's elements k..k+7 (k a multiple of 8)
   auto row_at = [&](int m, int k) -> const T* {
     return HEADS ? x + (idx_t(k / D) * M + m) * D + k % D : x + idx_t(m) * K + k;
   };
+  // HAS_NORM: each row's rsqrt(mean square + eps), a warp a row
+  __shared__ float norm_scale[16];
+  if (HAS_NORM) {
+    for (int m = wk; m < M; m += KW) {
+      float sq = 0.0f;
+      for (int k = 8 * lane; k < K; k += 256) sq = add_squares(load16(row_at(m, k), aligned), sq);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      if (lane == 0) norm_scale[m] = rsqrtf(sq / K + __int_as_float(EPS_BITS));
+    }
+    __syncthreads();
+  }
+  const float scale_g = HAS_NORM && g < M ? norm_scale[g] : 0.0f;  // rows g and g + 8's
+  const float scale_g8 = HAS_NORM && g + 8 < M ? norm_scale[g + 8] : 0.0f;
   const T* wr[NT];
   bool live[NT];
 #pragma unroll
@@ -61,18 +82,23 @@ BODY = """
   // several in flight (one step's 16-byte loads per lane are too few to
   // cover the memory's latency at the warps a product has)
   for (int kb0 = 32 * wk; kb0 < K; kb0 += 32 * KW * U) {
-    uint4 u[U], v[U], wv[U][NT];
+    uint4 u[U], v[U], wv[U][NT], nv[U];
 #pragma unroll
     for (int s = 0; s < U; ++s) {
       const int kb = kb0 + s * 32 * KW;
       const bool in = kb < K;
       u[s] = in && g < M ? load16(row_at(g, kb + 8 * t), aligned) : zero;
       v[s] = in && g + 8 < M ? load16(row_at(g + 8, kb + 8 * t), aligned) : zero;
+      if (HAS_NORM) nv[s] = in ? load16(nw + kb + 8 * t, aligned) : zero;
 #pragma unroll
       for (int i = 0; i < NT; ++i) wv[s][i] = in && live[i] ? load16(wr[i] + kb, aligned) : zero;
     }
 #pragma unroll
     for (int s = 0; s < U; ++s) {
+      if (HAS_NORM) {
+        u[s] = normed(u[s], nv[s], scale_g);
+        v[s] = normed(v[s], nv[s], scale_g8);
+      }
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
         MMA16816(acc[i], u[s].x, v[s].x, u[s].y, v[s].y, wv[s][i].x, wv[s][i].y);
@@ -143,6 +169,8 @@ BODY = """
 
 # One m16n8k16 matrix-unit product, float32 accumulators; A's four and B's two
 # registers hold two elements each. load16: 8 consecutive 2-byte elements.
+# add_squares: 8 elements' squares added to ``sq``; normed: 8 elements of x
+# as MLX's rms_norm writes them, (x * scale) rounded, times their weights w, rounded.
 MMA_HEADER = {
     ab: """
 __device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
@@ -152,11 +180,29 @@ __device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
                     h[4] | (unsigned(h[5]) << 16), h[6] | (unsigned(h[7]) << 16));
 }
 """ + f"""
+__device__ __forceinline__ float add_pair_squares(unsigned x, float sq) {{
+  const float2 a = {to2}(*reinterpret_cast<const {pair}*>(&x));
+  return fmaf(a.y, a.y, fmaf(a.x, a.x, sq));
+}}
+__device__ __forceinline__ float add_squares(uint4 x, float sq) {{
+  return add_pair_squares(x.w, add_pair_squares(x.z, add_pair_squares(x.y, add_pair_squares(x.x, sq))));
+}}
+__device__ __forceinline__ unsigned normed_pair(unsigned x, unsigned w, float scale) {{
+  const float2 a = {to2}(*reinterpret_cast<const {pair}*>(&x));
+  const {pair} y = __hmul2(*reinterpret_cast<const {pair}*>(&w), {from2}(a.x * scale, a.y * scale));
+  return *reinterpret_cast<const unsigned*>(&y);
+}}
+__device__ __forceinline__ uint4 normed(uint4 x, uint4 w, float scale) {{
+  return make_uint4(normed_pair(x.x, w.x, scale), normed_pair(x.y, w.y, scale), normed_pair(x.z, w.z, scale),
+                    normed_pair(x.w, w.w, scale));
+}}
+""" + f"""
 #define MMA16816(c, a0, a1, a2, a3, b0, b1) \\
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "  \\
                "{{%0,%1,%2,%3}};\\n"                                                                                \\
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \\
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 """
-    for ab in ("bf16", "f16")
+    for ab, pair, to2, from2 in (("bf16", "__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn"),
+                                 ("f16", "__half2", "__half22float2", "__floats2half2_rn"))
 }

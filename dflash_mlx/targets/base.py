@@ -12,9 +12,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from ..kernels.block_products import apply_linear
 from ..kv_cache import BufferKVCache, set_lengths
 from .attention import prepare
 from .fused import block
+
+# Output heads of fewer elements than this take a verify's rows through the
+# block-product kernel, the final norm in its launch (kernels/block_products.py),
+# where a small pair's cycle is bound by launches; larger ones (Qwen3-8B's: 622M)
+# keep MLX's product, whose device time at that size was measured (BENCHMARKS.md).
+HEAD_PRODUCT_MOST = 1 << 24
 
 
 class DenseTarget:
@@ -65,10 +72,35 @@ class DenseTarget:
         h = self.inner.embed_tokens(tokens)
         return h * self.embed_scale if self.embed_scale != 1.0 else h
 
-    def lm_head(self, h: mx.array) -> mx.array:
+    def lm_head(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """The output head's logits of ``norm(h)`` (``norm``: None, or the
+        RMSNorm before the head: in the head's product launch where a small
+        head takes the block-product kernel)."""
+        head = self._head_linear()
+        if head is not None and head.weight.size < HEAD_PRODUCT_MOST:
+            return apply_linear(head, h, norm=norm)
+        h = h if norm is None else norm(h)
         if self.tied:
             return self.inner.embed_tokens.as_linear(h)
         return self.text.lm_head(h)
+
+    def _head_linear(self) -> nn.Linear | None:
+        """The output head as an nn.Linear (a tied embedding's weight held
+        by one, no copy; kept while that weight is the embedding's), or None
+        where it is not a plain linear layer (quantized)."""
+        if not self.tied:
+            head = self.text.lm_head
+            return head if type(head) is nn.Linear else None
+        embed = self.inner.embed_tokens
+        if type(embed) is not nn.Embedding:
+            return None
+        kept = getattr(self, "_tied_head", None)
+        if kept is None or kept.weight is not embed.weight:
+            kept = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(kept)
+            kept.weight = embed.weight
+            self._tied_head = kept
+        return kept
 
     @property
     def dtype(self):
@@ -109,17 +141,18 @@ class DenseTarget:
                 tapped[order[i]] = h
         if last_only:
             h = h[:, -1:]
-        return self.logits(self.inner.norm(h)), mx.concatenate(tapped, axis=-1)
+        return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
 
     def first_input(self, tokens: mx.array) -> mx.array:
         """The first layer's input; ``embed`` unless the family transforms it
         further than what the drafter shares."""
         return self.embed(tokens)
 
-    def logits(self, h: mx.array) -> mx.array:
-        """The target's logits from its final normed states; ``lm_head``
-        unless the family scales them past what the drafter shares."""
-        return self.lm_head(h)
+    def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """The target's logits from its final states through ``norm`` (None:
+        already normed); ``lm_head`` unless the family scales them past what
+        the drafter shares."""
+        return self.lm_head(h, norm)
 
     def set_length(self, cache: list, length, bound: int | None = None) -> None:
         """Keep the first ``length`` cached positions (an int, or an array the

@@ -44,9 +44,11 @@ class FusedProjections:
     kv: nn.Module  # the first rows of kvq (a view): keys and values alone, for the drafter's context
     gate_up: nn.Module  # gate's rows, then up's (as many)
 
-    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """The q, k and v projections of x, from one product."""
-        k, v, q = mx.split(apply_linear(self.kvq, x), self.kvq_splits, axis=-1)
+    def qkv(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """The q, k and v projections of ``norm(x)`` (``norm``: None, or the
+        layer's input RMSNorm, taken into the product's launch where the
+        kernel can), from one product."""
+        k, v, q = mx.split(apply_linear(self.kvq, x, norm=norm), self.kvq_splits, axis=-1)
         return q, k, v
 
     def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -54,11 +56,12 @@ class FusedProjections:
         k, v = mx.split(apply_linear(self.kv, x), self.kvq_splits[:1], axis=-1)
         return k, v
 
-    def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """mlx-lm's SwiGLU MLP ``mlp`` on x, gate and up from one product
-        with the SwiGLU in its launch where it can (plus ``residual``,
-        added by the down product's launch where it can)."""
-        return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x), residual)
+    def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None,
+            norm: nn.Module | None = None) -> mx.array:
+        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)``, gate and up from one
+        product with the norm and the SwiGLU in its launch where it can
+        (plus ``residual``, added by the down product's launch where it can)."""
+        return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x, norm), residual)
 
 
 # id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
@@ -158,4 +161,4 @@ def block(layer: nn.Module, window: int | None = None) -> Callable:
     if fused is None:
         return layer
 
-    return dense_block(layer, fused.qkv, lambda x, h: fused.mlp(layer.mlp, x, h), window)
+    return dense_block(layer, fused.qkv, lambda h, norm: fused.mlp(layer.mlp, h, h, norm), window)

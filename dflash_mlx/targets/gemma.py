@@ -86,8 +86,8 @@ class Gemma4Target(DenseTarget):
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens) * self.inner.embed_scale
 
-    def logits(self, h: mx.array) -> mx.array:
-        logits = self.lm_head(h)
+    def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        logits = self.lm_head(h, norm)
         if self.softcap is not None:
             logits = mx.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -54,22 +54,28 @@ def attend_output(rope, queries, keys, values, *, cache, scale: float, mask, win
 
 
 def own_projections(attn: nn.Module) -> Callable:
-    """x -> (q, k, v) through the attention module's own three products."""
-    return lambda x: (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    """(h, norm) -> (q, k, v) of norm(h) through the attention module's own three products."""
+    def qkv(h, norm):
+        x = norm(h)
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    return qkv
 
 
 def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | None = None) -> Callable:
     """The forward (h, mask, cache) -> h of an mlx-lm qwen3/llama-shaped
-    layer (q/k norms where it has them), q, k and v from ``qkv(x)``, and
-    ``mlp(x, h)``: h plus the MLP of x. The attention's output product adds
-    its residual in the same launch where the block-product kernel runs."""
+    layer (q/k norms where it has them), q, k and v from ``qkv(h, norm)``
+    (of norm(h), ``norm`` the layer's input norm), and ``mlp(h, norm)``: h
+    plus the MLP of norm(h) (``norm`` the post-attention norm): each may take
+    its norm into its product's launch (block_products.apply_linear). The
+    attention's output product adds its residual in the same launch where
+    the block-product kernel runs."""
     attn = layer.self_attn
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
     def forward(h: mx.array, mask, cache) -> mx.array:
-        x = layer.input_layernorm(h)
-        B, L, _ = x.shape
-        q, k, v = qkv(x)
+        B, L, _ = h.shape
+        q, k, v = qkv(h, layer.input_layernorm)
         q = q.reshape(B, L, attn.n_heads, -1)
         k = k.reshape(B, L, attn.n_kv_heads, -1)
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -84,6 +90,6 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
             q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         out, as_rows = attend_output(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
         h = apply_linear_output(attn.o_proj, out, as_rows, residual=h)
-        return mlp(layer.post_attention_layernorm(h), h)
+        return mlp(h, layer.post_attention_layernorm)
 
     return forward

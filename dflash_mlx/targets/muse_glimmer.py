@@ -44,8 +44,8 @@ class MuseGlimmerTarget(DenseTarget):
     def first_input(self, tokens: mx.array) -> mx.array:
         return mx.fast.rms_norm(self.embed(tokens), None, self.inner.embed_eps)
 
-    def logits(self, h: mx.array) -> mx.array:
-        logits = self.lm_head(h) * self.multiplier
+    def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        logits = self.lm_head(h, norm) * self.multiplier
         return mx.tanh(logits / self.softcap) * self.softcap
 
 

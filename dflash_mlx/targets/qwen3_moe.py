@@ -14,4 +14,4 @@ class Qwen3MoeTarget(DenseTarget):
     family = "qwen3_moe"
 
     def layer_block(self, layer, window):
-        return dense_block(layer, own_projections(layer.self_attn), lambda x, h: h + layer.mlp(x), window)
+        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
