@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels.block_products import apply_linear, apply_linear_output
+from .kernels.block_products import apply_linear, apply_linear_output, takes_norm
 from .kernels.norm_rope import norm_rope, norm_rope_keys
 from .kv_cache import BufferKVCache, positions_mask
 from .targets.attention import attention_output as cache_attention
@@ -326,12 +326,18 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def keys_values(self, x: mx.array, rope, offset, fused=None, cached: bool = False) -> tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, rope, offset, fused=None, cached: bool = False,
+                    norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
         """Roped, normed keys and plain values of ``x`` at positions offset..
         (``fused``: the layer's FusedProjections, k and v from one product;
         ``cached``: for the context cache, at inference, the keys normed and
-        rotated in one launch where that kernel checked out, kernels/norm_rope.py)."""
-        k, v = fused.keys_values(x) if fused is not None else (self.k_proj(x), self.v_proj(x))
+        rotated in one launch where that kernel checked out, kernels/norm_rope.py;
+        ``norm``: the RMSNorm x goes through first, None: x is the context)."""
+        if fused is not None:
+            k, v = fused.keys_values(x, norm)
+        else:
+            x = x if norm is None else norm(x)
+            k, v = self.k_proj(x), self.v_proj(x)
         if cached:
             B, S, _ = x.shape
             keys = norm_rope_keys(k.reshape(B, S, self.n_kv_heads, -1), self.k_norm, rope, offset)
@@ -465,12 +471,12 @@ class DFlashDraft(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def context(self, taps: mx.array, cached: bool = False) -> mx.array:
-        """Context features from the target's concatenated tapped states
-        (``cached``: for the context cache, at inference, where ``fc`` may
-        run as one block-product launch; training keeps the module, which
-        has a gradient)."""
-        return self.hidden_norm(apply_linear(self.fc, taps) if cached else self.fc(taps))
+    def context(self, taps: mx.array) -> mx.array:
+        """Context features from the target's concatenated tapped states, by
+        the modules (training: they have a gradient; inference's ``extend``
+        runs ``fc`` as one block-product launch and the norm in the k/v
+        products' launches where it can)."""
+        return self.hidden_norm(self.fc(taps))
 
     # -- inference -------------------------------------------------------
     # Inference runs each layer with q/k/v as one product and gate/up as
@@ -494,9 +500,14 @@ class DFlashDraft(nn.Module):
         """Append the context keys/values of newly committed positions, given
         their tapped target states taps: [1, S, n*H] (``fused``: the layers'
         fused projections if the caller holds them, see ``fused_projections``)."""
-        ctx = self.context(taps, cached=True)
-        for layer, c, fused in zip(self.layers, cache, self.fused_projections() if fused is None else fused):
-            c.update_and_fetch(*layer.self_attn.keys_values(ctx, self.rope, c.offset, fused, cached=True))
+        fused = self.fused_projections() if fused is None else fused
+        features = apply_linear(self.fc, taps)
+        # hidden_norm in each layer's k/v product launch where the kernel takes them all, else once
+        norm = self.hidden_norm
+        if not all(f is not None and takes_norm(f.kv, features, norm) for f in fused):
+            features, norm = norm(features), None
+        for layer, c, f in zip(self.layers, cache, fused):
+            c.update_and_fetch(*layer.self_attn.keys_values(features, self.rope, c.offset, f, cached=True, norm=norm))
 
     def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None) -> mx.array:
         """Draft one block.

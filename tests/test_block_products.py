@@ -308,7 +308,8 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     """On the pretend GPU a bf16 pair's verify of 5 rows runs no RMSNorm of
     its own: each layer's two go into its q/k/v and gate/up products, the
     final norm into the (tied, small) output head's; the drafter's block
-    likewise (its head is the target's). Logits as without the kernel."""
+    likewise (its head is the target's), and its context feed's norm into
+    every layer's k/v product. Logits as without the kernel."""
     from dflash_mlx.kv_cache import set_lengths
     from dflash_mlx.targets import adapt
 
@@ -337,9 +338,9 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     bp.prepare(mx.bfloat16)
     before = kernel.norms
     got = verify_and_draft()
-    # the prefill's 5 rows and the verify's: 2 a layer and the head's each; the draft: 2 a drafter
-    # layer and the head's (the context feed's norm follows its own product: a launch apart)
-    assert kernel.norms - before == 2 * (2 * 3 + 1) + (2 * 2 + 1)
+    # the prefill's 5 rows and the verify's: 2 a layer and the head's each; the context feed: its
+    # norm in each drafter layer's k/v product; the draft: 2 a drafter layer and the head's
+    assert kernel.norms - before == 2 * (2 * 3 + 1) + 2 + (2 * 2 + 1)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 3e-2
 

@@ -341,12 +341,16 @@ def test_both_dialects_come_from_one_body(monkeypatch):
     # The matrix-unit pass: one shared body; only the tile products and the
     # fragment coordinates are the dialect's, and each dialect defines them all.
     assert metal_t["name"] == cuda_t["name"] and metal_t["input_names"] == cuda_t["input_names"]
-    holes = ("STAGING", "COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V")
+    holes = ("STAGING", "COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V", "STORE")
     shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM|OUT_NEXT", source_tiles.BODY)
     for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
+        out_next = source_tiles.OUT[where].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
         assert all(part.strip("\n") in t["source"] for part in shared)
-        assert all(getattr(source_tiles, h)[where].strip() in t["source"] for h in holes)
+        assert all(getattr(source_tiles, h)[where].strip().replace("OUT_ELEM", source_tiles.OUT[where])
+                   .replace("OUT_NEXT", out_next) in t["source"] for h in holes)
         assert source_tiles.OUT[where] in t["source"]
+    # only CUDA's pass writes a single chunk's output itself (FINAL); Metal's store is the partials' alone
+    assert "FINAL" in cuda_t["source"] and "FINAL" not in metal_t["source"]
     # The partial passes read queries through their strides, so no copy is made of them.
     for t in (metal_p, metal_t, cuda_p, cuda_t):
         assert t["ensure_row_contiguous"] is False and "queries_strides" in t["source"]

@@ -177,7 +177,8 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
     """Verify-like (causal, array offsets, the query a transposed view as a
     layer's rotated query is; then with sinks, as gpt-oss verifies) and
     drafter-like (non-causal, sinks) cases over a buffer with an unfilled tail
-    and several key chunks; then rows enough for several warps."""
+    and several key chunks; then rows enough for several warps; then a buffer
+    of one key chunk."""
     key = mx.random.key(head_dim)
     kq, kk, kv, ks = mx.random.split(key, 4)
     n, lq = 640, 7
@@ -198,6 +199,11 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
         qr = mx.random.normal((1, 4, rows, head_dim), key=kq).astype(dtype)
         yield qr, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True,
                              window=window)
+    # a buffer of one key chunk (256 wide), verify-like and drafter-like with no sinks: on CUDA the
+    # matrix-unit pass writes the output itself, with no merge (kernel.py, FINAL)
+    one = k[:, :, :256], v[:, :, :256]
+    yield q, *one, dict(scale=scale, q_offset=mx.array(180), kv_length=mx.array(180 + lq), causal=True, window=window)
+    yield mx.contiguous(q), *one, dict(scale=scale, q_offset=200, kv_length=200 + lq, causal=False, window=window)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS, report=None) -> list[CheckResult]:

@@ -255,8 +255,9 @@ STAGING = {
 OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}  # element e of output tile nt
 
 # Template constants: T (bf16 or fp16), D (head dim), NW (warps of 16 rows),
-# KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none);
-# the key chunks are the grid's y. Inputs and outputs are those of source.PARTIAL_*.
+# KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none),
+# and on CUDA FINAL (STORE); the key chunks are the grid's y. Inputs and outputs
+# are those of source.PARTIAL_*.
 BODY = """
   constexpr int DP = D + 8;  // staged row pitch: rows stay 16-byte aligned and fall on distinct banks
   constexpr int NT = KT / 8;
@@ -427,16 +428,42 @@ P_TIMES_V
     if (!(h ? live_b : live_a)) continue;
     const size_t row = (size_t(b) * HQ + hk * G + r / Lq) * Lq + r % Lq;
     const size_t idx = row * nch + chunk;
+STORE
+  }
+"""
+
+# The output: a chunk's unnormalised rows and their max and sum, for the merge;
+# on CUDA, where the launch says FINAL (one key chunk, no sinks), the merge's
+# arithmetic instead (the rows over their sum), written as the merge writes it,
+# [B, Lq, HQ, D] in T, into o_part (an array of that shape and dtype then): a
+# launch a layer fewer. (o_part's type follows the launch's dtype, and MLX's
+# kernel is no template, so both branches read it through a cast.)
+PARTS_STORE = """
     for (int nt = 0; nt < D / 8; ++nt) {
       const int e = 2 * h;
-      store2(o_part + idx * D + nt * 8 + fc, OUT_ELEM, OUT_NEXT);  // fc is even: 8-byte aligned
+      store2(PARTIALS + idx * D + nt * 8 + fc, OUT_ELEM, OUT_NEXT);  // fc is even: 8-byte aligned
     }
     if (fc == 0) {
       m_part[idx] = h ? m_b : m_a;
       l_part[idx] = h ? l_b : l_a;
     }
-  }
 """
+STORE = {
+    "metal": PARTS_STORE.replace("PARTIALS", "o_part"),
+    "cuda": """
+    if (FINAL) {
+      const float den = h ? l_b : l_a;
+      T* const out = reinterpret_cast<T*>(o_part) + ((size_t(b) * Lq + r % Lq) * HQ + hk * G + r / Lq) * D + fc;
+      for (int nt = 0; nt < D / 8; ++nt) {
+        const int e = 2 * h;
+        out[nt * 8] = from_float<T>(den > 0.0f ? OUT_ELEM / den : 0.0f);
+        out[nt * 8 + 1] = from_float<T>(den > 0.0f ? OUT_NEXT / den : 0.0f);
+      }
+      continue;
+    }
+    float* const o_part_f = reinterpret_cast<float*>(o_part);
+""" + PARTS_STORE.replace("PARTIALS", "o_part_f"),
+}
 
 ROWS_PER_WARP = 16
 MOST_WARPS = 4  # 64 rows: a verify block of 16 at GQA 4 in one threadgroup
@@ -474,7 +501,8 @@ def header(backend: str) -> str:
 
 def partial_source(prelude: str, backend: str) -> str:
     body = BODY
-    for name, part in (("STAGING", STAGING), ("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES), ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V)):
+    for name, part in (("STAGING", STAGING), ("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES),
+                       ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V), ("STORE", STORE)):
         body = body.replace(f"\n{name}\n", "\n" + part[backend].strip("\n") + "\n")
     out_next = OUT[backend].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
     return prelude + body.replace("OUT_ELEM", OUT[backend]).replace("OUT_NEXT", out_next)

@@ -51,9 +51,9 @@ class FusedProjections:
         k, v, q = mx.split(apply_linear(self.kvq, x, norm=norm), self.kvq_splits, axis=-1)
         return q, k, v
 
-    def keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """The k and v projections of x alone, from one product."""
-        k, v = mx.split(apply_linear(self.kv, x), self.kvq_splits[:1], axis=-1)
+    def keys_values(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
+        """The k and v projections of ``norm(x)`` alone, from one product."""
+        k, v = mx.split(apply_linear(self.kv, x, norm=norm), self.kvq_splits[:1], axis=-1)
         return k, v
 
     def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None,
