@@ -349,8 +349,9 @@ def test_both_dialects_come_from_one_body(monkeypatch):
         assert all(getattr(source_tiles, h)[where].strip().replace("OUT_ELEM", source_tiles.OUT[where])
                    .replace("OUT_NEXT", out_next) in t["source"] for h in holes)
         assert source_tiles.OUT[where] in t["source"]
-    # only CUDA's pass writes a single chunk's output itself (FINAL); Metal's store is the partials' alone
-    assert "FINAL" in cuda_t["source"] and "FINAL" not in metal_t["source"]
+    # only CUDA's pass writes a single chunk's output itself (a run-time flag, params[1]); Metal's
+    # store is the partials' alone
+    assert "params[1]" in cuda_t["source"] and "params[1]" not in metal_t["source"]
     # The partial passes read queries through their strides, so no copy is made of them.
     for t in (metal_p, metal_t, cuda_p, cuda_t):
         assert t["ensure_row_contiguous"] is False and "queries_strides" in t["source"]

@@ -200,7 +200,7 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
         yield qr, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True,
                              window=window)
     # a buffer of one key chunk (256 wide), verify-like and drafter-like with no sinks: on CUDA the
-    # matrix-unit pass writes the output itself, with no merge (kernel.py, FINAL)
+    # matrix-unit pass writes the output itself, with no merge (source_tiles.STORE)
     one = k[:, :, :256], v[:, :, :256]
     yield q, *one, dict(scale=scale, q_offset=mx.array(180), kv_length=mx.array(180 + lq), causal=True, window=window)
     yield mx.contiguous(q), *one, dict(scale=scale, q_offset=200, kv_length=200 + lq, causal=False, window=window)

@@ -90,34 +90,33 @@ class BlockAttentionKernel:
             nch = tile_chunks(n, groups)
         else:
             nch = -(-n // chunk_size(n, groups))
-        params = self._params.get(scale)
-        if params is None:
-            params = self._params[scale] = mx.array([scale * source.LOG2E], dtype=mx.float32)
-        common = [("T", queries.dtype), ("D", d), ("NW", warps), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
         has_sinks = sinks is not None
-        # One key chunk and no sinks: the matrix-unit pass on CUDA writes the output itself (FINAL), no merge.
+        # One key chunk and no sinks: the matrix-unit pass on CUDA writes the output itself, no merge
+        # (source_tiles.STORE: a run-time flag in params, the output's T elements in a float32 array's bytes).
         final = tiles and nch == 1 and not has_sinks and self.backend == "cuda"
+        params = self._params.get((scale, final))
+        if params is None:
+            params = self._params[(scale, final)] = mx.array([scale * source.LOG2E, float(final)], dtype=mx.float32)
+        common = [("T", queries.dtype), ("D", d), ("NW", warps), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
         if tiles:
             kt, st = source_tiles.staging(d, self.backend, tile_keys, stages)
             partial, extra = self.partial_tiles(source_tiles.staging_bytes(d, kt, st)), [("KT", kt), ("ST", st)]
-            if self.backend == "cuda":
-                extra.append(("FINAL", final))
         else:
             partial, extra = self.partial, [("RW", rw)]
-        if final:
-            shapes, dtypes = [(b, lq, hq, d), (1,), (1,)], [queries.dtype, mx.float32, mx.float32]
+        if final:  # (T is 2 bytes: the output's d elements in d / 2 floats)
+            shapes = [(b, lq, hq, d // 2), (1,), (1,)]
         else:
-            shapes, dtypes = [(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)], [mx.float32] * 3
+            shapes = [(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)]
         o_part, m_part, l_part = partial(
             inputs=[queries, mx.contiguous(keys), mx.contiguous(values), _int1(q_offset), _int1(kv_length), params],
             template=common + extra,
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),
             output_shapes=shapes,
-            output_dtypes=dtypes,
+            output_dtypes=[mx.float32] * 3,
         )
         if final:
-            return o_part.transpose(0, 2, 1, 3)
+            return o_part.view(queries.dtype).transpose(0, 2, 1, 3)
         (out,) = self.merge(
             inputs=[o_part, m_part, l_part, sinks.astype(mx.float32) if has_sinks else self._no_sinks],
             template=[("T", queries.dtype), ("D", d), ("HAS_SINKS", has_sinks)],

@@ -255,9 +255,10 @@ STAGING = {
 OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}  # element e of output tile nt
 
 # Template constants: T (bf16 or fp16), D (head dim), NW (warps of 16 rows),
-# KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none),
-# and on CUDA FINAL (STORE); the key chunks are the grid's y. Inputs and outputs
-# are those of source.PARTIAL_*.
+# KT (keys per staged tile), ST (staging buffers), CAUSAL, WINDOW (0 = none);
+# the key chunks are the grid's y. Inputs and outputs are those of
+# source.PARTIAL_* (params: the scale, and on CUDA whether to write the output
+# itself, STORE).
 BODY = """
   constexpr int DP = D + 8;  // staged row pitch: rows stay 16-byte aligned and fall on distinct banks
   constexpr int NT = KT / 8;
@@ -433,11 +434,12 @@ STORE
 """
 
 # The output: a chunk's unnormalised rows and their max and sum, for the merge;
-# on CUDA, where the launch says FINAL (one key chunk, no sinks), the merge's
-# arithmetic instead (the rows over their sum), written as the merge writes it,
-# [B, Lq, HQ, D] in T, into o_part (an array of that shape and dtype then): a
-# launch a layer fewer. (o_part's type follows the launch's dtype, and MLX's
-# kernel is no template, so both branches read it through a cast.)
+# on CUDA, where the launch says so (params[1] != 0: one key chunk, no sinks),
+# the merge's arithmetic instead (the rows over their sum), written as the merge
+# writes it, [B, Lq, HQ, D] in T, into o_part's bytes (float32 [B, Lq, HQ, D /
+# 2] then, viewed as T by the caller): a launch a layer fewer. A run-time flag,
+# not a template constant: one compiled variant serves both, so a context that
+# grows past one chunk compiles nothing new.
 PARTS_STORE = """
     for (int nt = 0; nt < D / 8; ++nt) {
       const int e = 2 * h;
@@ -451,7 +453,7 @@ PARTS_STORE = """
 STORE = {
     "metal": PARTS_STORE.replace("PARTIALS", "o_part"),
     "cuda": """
-    if (FINAL) {
+    if (params[1] != 0.0f) {
       const float den = h ? l_b : l_a;
       T* const out = reinterpret_cast<T*>(o_part) + ((size_t(b) * Lq + r % Lq) * HQ + hk * G + r / Lq) * D + fc;
       for (int nt = 0; nt < D / 8; ++nt) {
@@ -461,8 +463,7 @@ STORE = {
       }
       continue;
     }
-    float* const o_part_f = reinterpret_cast<float*>(o_part);
-""" + PARTS_STORE.replace("PARTIALS", "o_part_f"),
+""" + PARTS_STORE.replace("PARTIALS", "o_part"),
 }
 
 ROWS_PER_WARP = 16
