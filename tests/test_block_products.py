@@ -279,6 +279,17 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
     assert mx.array_equal(run_layer(layer, 5), want)
 
 
+def bf16_pair(vocab: int, draft_layers: int, seed: int):
+    """A tiny bf16 qwen3 target (3 layers of 64) and a drafter of ``draft_layers`` tapping layers 0 and 2."""
+    tcfg = target_config("qwen3", vocab=vocab, layers=3, hidden=64)
+    model = make_target(tcfg, seed=seed)
+    model.set_dtype(mx.bfloat16)
+    dcfg = draft_config(tcfg, layers=draft_layers, block_size=8, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1))
+    draft.set_dtype(mx.bfloat16)
+    return model, draft
+
+
 def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     """A bf16 pair on the pretend GPU: the verify's and the drafter's
     products go through the kernel (computing as MLX's product does, so the
@@ -290,12 +301,7 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
         return y if r is None else r + y
 
     kernel = fake_gpu(FakeKernel(as_mlx))
-    tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
-    model = make_target(tcfg, seed=51)
-    model.set_dtype(mx.bfloat16)
-    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
-    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=52))
-    draft.set_dtype(mx.bfloat16)
+    model, draft = bf16_pair(vocab=24, draft_layers=1, seed=51)
     prompt = [1, 2, 3, 4, 5]
     want = greedy_reference(model, prompt, 24)
     got = [t for r in stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=24, block_size=6)
@@ -313,12 +319,7 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     from dflash_mlx.kv_cache import set_lengths
     from dflash_mlx.targets import adapt
 
-    tcfg = target_config("qwen3", vocab=40, layers=3, hidden=64)
-    model = make_target(tcfg, seed=53)
-    model.set_dtype(mx.bfloat16)
-    dcfg = draft_config(tcfg, layers=2, block_size=8, taps=[0, 2])
-    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=54))
-    draft.set_dtype(mx.bfloat16)
+    model, draft = bf16_pair(vocab=40, draft_layers=2, seed=53)
     tokens = mx.array([[3, 1, 4, 1, 5]])
 
     def verify_and_draft():

@@ -203,24 +203,28 @@ def prepare(dtype) -> None:
         else:
             warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
                           f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
-    # the SwiGLU epilogue, checked on its own: where it fails, the products keep the kernel
-    if key in _ready and key + ("swiglu",) not in _checks:
-        result = _checks[key + ("swiglu",)] = self_check(where, dtype, swiglu=True)
-        if result.ok:
-            _swiglu_passed.add(key)
-        else:
-            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's SwiGLU epilogue failed "
-                          f"its self-check ({result.detail}); a gate/up product's SwiGLU stays a launch of its own.",
-                          RuntimeWarning, stacklevel=3)
-    # an RMSNorm in the products' launch, checked on its own too (with the SwiGLU where that passed)
-    if key in _ready and key + ("norm",) not in _checks:
-        result = _checks[key + ("norm",)] = self_check(where, dtype, norm=True, swiglu=key in _swiglu_passed)
-        if result.ok:
-            _norm_passed.add(key)
-        else:
-            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's RMSNorm prologue failed "
-                          f"its self-check ({result.detail}); a layer's norms stay launches of their own.",
-                          RuntimeWarning, stacklevel=3)
+    # the SwiGLU epilogue and the RMSNorm prologue, each checked on its own (the prologue with the
+    # SwiGLU where that passed): where one fails, the products keep the kernel and it its own launch
+    _check_part(key, "swiglu", "SwiGLU epilogue", "a gate/up product's SwiGLU stays a launch of its own",
+                _swiglu_passed, swiglu=True)
+    _check_part(key, "norm", "RMSNorm prologue", "a layer's norms stay launches of their own",
+                _norm_passed, norm=True, swiglu=key in _swiglu_passed)
+
+
+def _check_part(key: tuple, part: str, name: str, otherwise: str, passed_set: set, **check) -> None:
+    """Check a part of the kernel (``self_check(..., **check)``) once for a
+    (backend, dtype) ``key`` whose products passed, adding ``key`` to
+    ``passed_set`` where it does, warning once (``name`` failed: ``otherwise``)
+    where it does not."""
+    if key not in _ready or key + (part,) in _checks:
+        return
+    where, dtype = key
+    result = _checks[key + (part,)] = self_check(where, dtype, **check)
+    if result.ok:
+        passed_set.add(key)
+    else:
+        warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's {name} failed its self-check "
+                      f"({result.detail}); {otherwise}.", RuntimeWarning, stacklevel=4)
 
 
 def self_check_all(report=None) -> list[CheckResult]:
