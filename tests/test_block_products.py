@@ -279,6 +279,12 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
     assert mx.array_equal(run_layer(layer, 5), want)
 
 
+def mlx_product(x, w, b, r):
+    """MLX's product, then the residual: what the layers compute without the kernel."""
+    y = x @ w.T if b is None else mx.addmm(b, x, w.T)
+    return y if r is None else r + y
+
+
 def bf16_pair(vocab: int, draft_layers: int, seed: int):
     """A tiny bf16 qwen3 target (3 layers of 64) and a drafter of ``draft_layers`` tapping layers 0 and 2."""
     tcfg = target_config("qwen3", vocab=vocab, layers=3, hidden=64)
@@ -296,11 +302,7 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     output must be the target's own token for token)."""
     from dflash_mlx import stream_generate
 
-    def as_mlx(x, w, b, r):  # MLX's product, then the residual: what the layers compute without the kernel
-        y = x @ w.T if b is None else mx.addmm(b, x, w.T)
-        return y if r is None else r + y
-
-    kernel = fake_gpu(FakeKernel(as_mlx))
+    kernel = fake_gpu(FakeKernel(mlx_product))
     model, draft = bf16_pair(vocab=24, draft_layers=1, seed=51)
     prompt = [1, 2, 3, 4, 5]
     want = greedy_reference(model, prompt, 24)
@@ -313,7 +315,7 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
 def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gpu):
     """On the pretend GPU a bf16 pair's verify of 5 rows runs no RMSNorm of
     its own: each layer's two go into its q/k/v and gate/up products, the
-    final norm into the (tied, small) output head's; the drafter's block
+    final norm into the (small) output head's; the drafter's block
     likewise (its head is the target's), and its context feed's norm into
     every layer's k/v product. Logits as without the kernel."""
     from dflash_mlx.kv_cache import set_lengths
@@ -344,6 +346,30 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     assert kernel.norms - before == 2 * (2 * 3 + 1) + 2 + (2 * 2 + 1)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 3e-2
+
+
+def test_a_tied_heads_product_follows_the_embedding(fake_gpu):
+    """A tied head runs as a linear layer over the embedding's weight (no
+    copy), through the kernel on the pretend GPU with the final norm in its
+    launch; it follows a replaced embedding weight, and a quantized
+    embedding takes its own head again (the wrapper dropped)."""
+    from dflash_mlx.targets import adapt
+
+    model = make_target(target_config("qwen3", vocab=40, layers=2, hidden=64, tie=True), seed=58)
+    model.set_dtype(mx.bfloat16)
+    target = adapt(model)
+    embed, norm = model.model.embed_tokens, model.model.norm
+    h = mx.random.normal((1, 5, 64), key=mx.random.key(59)).astype(mx.bfloat16)
+    kernel = fake_gpu(FakeKernel(mlx_product))
+    bp.prepare(mx.bfloat16)
+    before, norms = kernel.calls, kernel.norms
+    assert mx.array_equal(target.lm_head(h, norm), embed.as_linear(norm(h)))
+    assert kernel.calls - before == 1 and kernel.norms - norms == 1 and target._tied_head.weight is embed.weight
+    embed.weight = mx.random.normal(embed.weight.shape, key=mx.random.key(60)).astype(mx.bfloat16)
+    assert mx.array_equal(target.lm_head(h, norm), embed.as_linear(norm(h)))
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Embedding))
+    quantized = model.model.embed_tokens
+    assert mx.array_equal(target.lm_head(h, norm), quantized.as_linear(norm(h))) and target._tied_head is None
 
 
 def test_a_bias_is_the_kernels_too_and_its_check_covers_it(fake_gpu):

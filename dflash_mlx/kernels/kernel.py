@@ -52,7 +52,7 @@ class BlockAttentionKernel:
         self._tiles_source = source_tiles.partial_source(source.PRELUDE[backend], backend)
         self._tiles_header = hdr + source_tiles.header(backend)
         self._tiles: dict[int, object] = {}
-        self._params: dict[float, mx.array] = {}
+        self._params: dict[tuple[float, bool], mx.array] = {}  # (scale, one chunk written whole) -> params
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)
 
     def partial_tiles(self, staging_bytes: int):

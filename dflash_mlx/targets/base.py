@@ -76,23 +76,25 @@ class DenseTarget:
         """The output head's logits of ``norm(h)`` (``norm``: None, or the
         RMSNorm before the head: in the head's product launch where a small
         head takes the block-product kernel)."""
-        head = self._head_linear()
-        if head is not None and head.weight.size < HEAD_PRODUCT_MOST:
+        head = self._small_head()
+        if head is not None:
             return apply_linear(head, h, norm=norm)
         h = h if norm is None else norm(h)
         if self.tied:
             return self.inner.embed_tokens.as_linear(h)
         return self.text.lm_head(h)
 
-    def _head_linear(self) -> nn.Linear | None:
+    def _small_head(self) -> nn.Linear | None:
         """The output head as an nn.Linear (a tied embedding's weight held
-        by one, no copy; kept while that weight is the embedding's), or None
-        where it is not a plain linear layer (quantized)."""
+        by one, no copy; kept while that weight is the embedding's) where it
+        is a plain linear layer of fewer than HEAD_PRODUCT_MOST elements,
+        else None (quantized, or large)."""
         if not self.tied:
             head = self.text.lm_head
-            return head if type(head) is nn.Linear else None
+            return head if type(head) is nn.Linear and head.weight.size < HEAD_PRODUCT_MOST else None
         embed = self.inner.embed_tokens
-        if type(embed) is not nn.Embedding:
+        if type(embed) is not nn.Embedding or embed.weight.size >= HEAD_PRODUCT_MOST:
+            self._tied_head = None  # (a wrapper kept from before would hold the old weight)
             return None
         kept = getattr(self, "_tied_head", None)
         if kept is None or kept.weight is not embed.weight:
