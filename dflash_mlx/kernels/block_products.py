@@ -316,8 +316,8 @@ def takes_norm(module: nn.Module, x: mx.array, norm: nn.Module) -> bool:
     """Whether ``apply_linear(module, x, norm=norm)`` takes the norm into the
     kernel's launch (a caller with several products of one normed input
     then hands each the norm instead of norming once)."""
-    return (2 <= x.size // x.shape[-1] <= MOST_ROWS and _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
-            is not None and _norm_operands(norm, x, module) is not None)
+    return (_taking(module, x.shape[:-1], x.shape[-1], x.dtype, None) is not None
+            and _norm_operands(norm, x, module) is not None)
 
 
 def _norm_operands(norm: nn.Module | None, x: mx.array, module: nn.Module) -> tuple[mx.array, float] | None:

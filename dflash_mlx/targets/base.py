@@ -12,16 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..kernels.block_products import apply_linear
+from ..kernels.block_products import NORM_MOST, apply_linear
 from ..kv_cache import BufferKVCache, set_lengths
 from .attention import prepare
-from .fused import block
-
-# Output heads of fewer elements than this take a verify's rows through the
-# block-product kernel, the final norm in its launch (kernels/block_products.py),
-# where a small pair's cycle is bound by launches; larger ones (Qwen3-8B's: 622M)
-# keep MLX's product, whose device time at that size was measured (BENCHMARKS.md).
-HEAD_PRODUCT_MOST = 1 << 24
+from .fused import block, linear_like
 
 
 class DenseTarget:
@@ -87,21 +81,20 @@ class DenseTarget:
     def _small_head(self) -> nn.Linear | None:
         """The output head as an nn.Linear (a tied embedding's weight held
         by one, no copy; kept while that weight is the embedding's) where it
-        is a plain linear layer of fewer than HEAD_PRODUCT_MOST elements,
-        else None (quantized, or large)."""
+        is a plain linear layer whose final norm can go into its product's
+        launch (fewer than block_products.NORM_MOST elements: a small pair,
+        whose cycle is bound by launches), else None (quantized, or large:
+        Qwen3-8B's 622M-element head keeps MLX's product)."""
         if not self.tied:
             head = self.text.lm_head
-            return head if type(head) is nn.Linear and head.weight.size < HEAD_PRODUCT_MOST else None
+            return head if type(head) is nn.Linear and head.weight.size < NORM_MOST else None
         embed = self.inner.embed_tokens
-        if type(embed) is not nn.Embedding or embed.weight.size >= HEAD_PRODUCT_MOST:
+        if type(embed) is not nn.Embedding or embed.weight.size >= NORM_MOST:
             self._tied_head = None  # (a wrapper kept from before would hold the old weight)
             return None
         kept = getattr(self, "_tied_head", None)
         if kept is None or kept.weight is not embed.weight:
-            kept = nn.Linear.__new__(nn.Linear)
-            nn.Module.__init__(kept)
-            kept.weight = embed.weight
-            self._tied_head = kept
+            kept = self._tied_head = linear_like(nn.Linear, {"weight": embed.weight})
         return kept
 
     @property

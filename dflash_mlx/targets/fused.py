@@ -93,18 +93,19 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
             m[name] = whole[start : start + n]
             start += n
     mx.eval([m.parameters() for m in linears])
-    return _linear_like(linears[0], wholes)
+    return linear_like(linears[0], wholes)
 
 
 def first_rows(linear: nn.Module, n: int) -> nn.Module:
     """A linear layer of the same kind whose arrays are views of ``linear``'s
     first ``n`` output rows (its first outputs, no copy)."""
-    return _linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
+    return linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
 
 
-def _linear_like(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
-    """A linear layer of ``like``'s kind and quantization holding ``arrays``."""
-    kind = type(like)
+def linear_like(like: nn.Module | type, arrays: dict[str, mx.array]) -> nn.Module:
+    """A linear layer of ``like``'s kind and quantization holding ``arrays``
+    (``like``: a linear layer, or a class such as nn.Linear; no weights of its own)."""
+    kind = like if isinstance(like, type) else type(like)
     made = kind.__new__(kind)  # no weights of its own: ``arrays`` are them
     nn.Module.__init__(made)
     if kind is nn.QuantizedLinear:
