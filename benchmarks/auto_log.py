@@ -38,7 +38,8 @@ def main():
     args = ap.parse_args()
 
     from bench_builtin import PROMPTS, machine, plain, prompt_sets
-    from dflash_mlx import block_size, load, stream_generate
+    from dflash_mlx.auto import chooser as block_size
+    from dflash_mlx import load, stream_generate
 
     model, draft, tok = load(args.model, draft=args.draft)
     texts = json.loads(PROMPTS.read_text())

@@ -28,7 +28,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_mlx.block_size import BlockChooser  # noqa: E402
+from dflash_mlx.auto.chooser import BlockChooser  # noqa: E402
 
 
 @dataclass
@@ -103,7 +103,7 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     tokens the chooser committed after the first tenth of the cycles, as a
     share of the time the chooser took for them (1.0: as fast as an oracle
     that knows the acceptance), and the choices it made."""
-    from dflash_mlx.block_memory import PRIOR_CYCLES
+    from dflash_mlx.auto.memory import PRIOR_CYCLES
 
     chooser = BlockChooser(4, 16)
     rng = random.Random(seed)

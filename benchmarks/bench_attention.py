@@ -69,7 +69,7 @@ def main() -> int:
         return 1
 
     try:  # a build error in full, before the self-checks shorten it to one line
-        from dflash_mlx.kernels.kernel import BlockAttentionKernel
+        from dflash_mlx.kernels.attention import BlockAttentionKernel
 
         q, k, v = make(1, 4, 2, 3, 256, 128, mx.bfloat16)
         mx.eval(BlockAttentionKernel(where)(q, k, v, scale=0.1, q_offset=200, kv_length=203, causal=True))

@@ -165,7 +165,7 @@ def main():
     print(f"machine: {machine()}")
     source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
     print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); fused projections {args.fuse}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
-    from dflash_mlx.traces import forget_traces
+    from dflash_mlx.decode.traces import forget_traces
 
     rows = []
     for attention in args.attention.split(","):

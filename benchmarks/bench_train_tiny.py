@@ -24,7 +24,7 @@ def main():
     import numpy as np
     from mlx_lm import load
     from dflash_mlx import load_draft
-    from dflash_mlx.draft import DFlashDraft
+    from dflash_mlx.draft.dflash import DFlashDraft
     from dflash_mlx.train.trainer import TrainConfig, train
     from dflash_mlx.tiny import make_target, make_tokenizer, mean_acceptance, target_config, write_target
 

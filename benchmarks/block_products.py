@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from dflash_mlx.kernels import block_products as bp
+    from dflash_mlx.kernels.cuda import products as bp
 
     if bp.backend() != "cuda":
         raise SystemExit("the block-product kernel runs on MLX's CUDA backend; this device is "

@@ -24,9 +24,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import compute_dtype, fast_blas, load
-from dflash_mlx.cycle import Cycle
-from dflash_mlx.decode import prefill
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.loop import prefill
+from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.targets import adapt
 
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 6

@@ -44,7 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.cycle import Cycle
+from dflash_mlx.decode.cycle import Cycle
 
 SHAPES = {
     # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
@@ -58,7 +58,7 @@ SHAPES = {
 def configs(shape: str) -> tuple[dict, dict]:
     """The qwen3 target's and the DFlash drafter's configs at a model's shapes
     (SHAPES), as their config.json files would hold them."""
-    from dflash_mlx.draft import default_target_layer_ids
+    from dflash_mlx.draft.dflash import default_target_layer_ids
 
     h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
     target = {
@@ -117,7 +117,7 @@ def synthetic_prompt(vocab: int, n: int) -> list[int]:
 def prefilled(model, draft, prompt: list[int]):
     """The pair's adapter and a prompt cache holding ``prompt``."""
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.decode import prefill
+    from dflash_mlx.decode.loop import prefill
     from dflash_mlx.targets import adapt
 
     target = adapt(model)
@@ -151,7 +151,7 @@ class LaunchClock:
     PARTS = ("draft", "target", "async_eval")
 
     def __init__(self):
-        from dflash_mlx.draft import DFlashDraft
+        from dflash_mlx.draft.dflash import DFlashDraft
         from dflash_mlx.targets.base import DenseTarget
 
         self.reset()
@@ -284,7 +284,7 @@ def main():
 
     from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
 
-    from dflash_mlx.traces import forget_traces
+    from dflash_mlx.decode.traces import forget_traces
 
     from dflash_mlx.kernels import launch_source
 

@@ -57,7 +57,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import stream_generate
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
-from dflash_mlx.traces import forget_traces
+from dflash_mlx.decode.traces import forget_traces
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
 from kernel_switches import use_attention
 

@@ -93,8 +93,8 @@ def profiled(name: str, fn) -> None:
 def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], query_heads: int = 32,
                     stagings: list[tuple[int | None, int | None]] = ((None, None),)) -> None:
     from dflash_mlx.kernels import dispatch
-    from dflash_mlx.kernels.kernel import BlockAttentionKernel
-    from dflash_mlx.kv_cache import positions_mask
+    from dflash_mlx.kernels.attention import BlockAttentionKernel
+    from dflash_mlx.cache.buffer import positions_mask
 
     kernel = BlockAttentionKernel(dispatch.backend())
     for n in keys:
@@ -145,7 +145,7 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
     (``shape`` "builtin": the shipped pair, bf16)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash_mlx.cycle import Cycle
+    from dflash_mlx.decode.cycle import Cycle
 
     model, draft = random_pair(shape, None)
     for P in prompts:

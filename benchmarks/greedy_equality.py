@@ -39,7 +39,7 @@ def main():
 
     from dflash_mlx import load, stream_generate
     from dflash_mlx.tiny import greedy_reference
-    from dflash_mlx.traces import forget_traces
+    from dflash_mlx.decode.traces import forget_traces
 
     model, draft, tok = load(args.model, draft=args.draft)
     texts = json.loads(PROMPTS.read_text())

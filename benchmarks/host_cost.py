@@ -42,7 +42,7 @@ def cases(args):
     q1, qb = r(1, hq, 1, D), r(1, hq, B, D)
     length = mx.array(keys, mx.int32)
     norm_w = r(H)
-    from dflash_mlx.kv_cache import positions_mask
+    from dflash_mlx.cache.buffer import positions_mask
     from dflash_mlx.kernels.dispatch import block_attention
 
     mask = positions_mask(B, length, keys + 256)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx
-import dflash_mlx.draft as dm
-import dflash_mlx.targets.layers as tl
+import dflash_mlx.draft.dflash as dm
+import dflash_mlx.layers.blocks as tl
 from dflash_mlx import load, stream_generate
 from dflash_mlx.kernels import norm_rope as nr
-from dflash_mlx.traces import forget_traces
+from dflash_mlx.decode.traces import forget_traces
 from bench_builtin import PROMPTS, prompt_sets
 model, draft, tok = load("builtin")
 texts = json.loads(PROMPTS.read_text())
@@ -38,8 +38,8 @@ for name, t_fn, d_fn in (("both", nr.norm_rope, nr.norm_rope), ("target only", n
     if name == "both": ref = toks
     print("   same text as 'both':", sum(a == b for a, b in zip(toks, ref)), "of", len(toks))
 # the drafter's proposals on the same inputs: kernel against ops, eagerly
-from dflash_mlx.prompt_cache import PromptCache
-from dflash_mlx.decode import prefill
+from dflash_mlx.cache.prompt import PromptCache
+from dflash_mlx.decode.loop import prefill
 from dflash_mlx.targets import adapt
 target = adapt(model)
 p = sets["code"][0]

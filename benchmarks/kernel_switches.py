@@ -12,9 +12,9 @@ itself does. Compiled cycles keep what they were traced with: forget them
 after a switch.
 """
 
-from dflash_mlx.kernels import block_products as _products
+from dflash_mlx.kernels.cuda import products as _products
 from dflash_mlx.kernels import dispatch as _dispatch
-from dflash_mlx.kernels import kernel as _kernel
+from dflash_mlx.kernels import attention as _kernel
 from dflash_mlx.kernels import norm_rope as _norm_rope
 
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}

@@ -27,7 +27,7 @@ import time
 
 import mlx.core as mx
 
-from dflash_mlx.kv_cache import put_positions
+from dflash_mlx.cache.buffer import put_positions
 
 KV_HEADS, HEAD_DIM, BUFFERS, BLOCK, AT = 8, 128, 72, 16, 100
 

@@ -50,9 +50,10 @@ FOUR = ("  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);\n"
 def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
     """(name, step, x) triples: step(x) is one operation on x, same shape out
     (x [rows, hidden]; attention's: queries [1, hidden / 64, rows, 64])."""
-    from dflash_mlx.kernels import block_products, dispatch
+    from dflash_mlx.kernels.cuda import products as block_products
+    from dflash_mlx.kernels import dispatch
     from dflash_mlx.device import backend
-    from dflash_mlx.kv_cache import positions_mask
+    from dflash_mlx.cache.buffer import positions_mask
 
     where = backend()
     norm_w = mx.ones((hidden,), dtype)

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from cycle import SHAPES, configs, prefilled, random_pair, synthetic_prompt
 from dflash_mlx import DFlashDraft, DraftConfig
-from dflash_mlx.cycle import Cycle
+from dflash_mlx.decode.cycle import Cycle
 from kernel_switches import use_kernels
 from dflash_mlx.targets import adapt
 

@@ -40,8 +40,8 @@ class AsyncClock:
 
 def ours(model, draft, prompt, steps, clock):
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.cycle import Cycle
-    from dflash_mlx.decode import prefill
+    from dflash_mlx.decode.cycle import Cycle
+    from dflash_mlx.decode.loop import prefill
     from dflash_mlx.targets import adapt
 
     target = adapt(model)

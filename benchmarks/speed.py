@@ -109,7 +109,7 @@ def main():
     from dflash_mlx import load
 
     use_kernels(products=args.products)
-    from dflash_mlx.cycle import Cycle
+    from dflash_mlx.decode.cycle import Cycle
 
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
 

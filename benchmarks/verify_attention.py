@@ -34,7 +34,7 @@ def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
     """The layers' attention calls alone, over ``buffers`` distinct key/value
     buffers in turn (1: every call reads the same one; the layers' count: a
     buffer per layer, as in a verify)."""
-    from dflash_mlx.kv_cache import positions_mask
+    from dflash_mlx.cache.buffer import positions_mask
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
     ks = [mx.random.normal((1, kv, capacity, hd)).astype(mx.bfloat16) for _ in range(buffers)]
@@ -48,7 +48,7 @@ def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
 
 
 def in_verify(model, draft, P: int, block: int) -> dict:
-    from dflash_mlx import kv_cache
+    from dflash_mlx.cache import buffer as kv_cache
     from dflash_mlx.kernels import block_attention, dispatch
 
     target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))

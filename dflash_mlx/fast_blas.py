@@ -8,9 +8,11 @@ rows at about twice one row. Opened with its symbols global before MLX's
 library is, it is the BLAS that MLX's products call, as LD_PRELOAD would
 make it.
 
-That only works before ``mlx.core`` is imported, so dflash_mlx's
-``__init__`` calls ``load`` first thing. ``DFLASH_MLX_BLAS`` names another
-library to open instead, or ``off``.
+That only works before ``mlx.core`` is imported: the CLI calls ``load``
+before any command runs, and the package's first lazy export (``load``,
+``generate``, ...) calls it before importing MLX; ``import dflash_mlx``
+alone opens nothing. ``DFLASH_MLX_BLAS`` names another library to open
+instead, or ``off``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def load() -> str | None:
     elif setting.lower() == "off":
         why_not = f"{SETTING}=off"
     elif "mlx.core" in sys.modules:
-        why_not = "mlx was imported before dflash_mlx; import dflash_mlx first"
+        why_not = "mlx was imported first; call dflash_mlx.use_fast_blas() before importing mlx"
     else:
         try:
             import ctypes

@@ -11,8 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import compute_dtype
-from .draft import DFlashDraft
-from .draft2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
+from .draft.dflash import DFlashDraft
+from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
 
 # -- known pairs ---------------------------------------------------------------

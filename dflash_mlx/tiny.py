@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.draft import DFlashDraft, DraftConfig
+from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig
 
 
 def target_config(family: str = "qwen3", vocab: int = 32, layers: int = 6, hidden: int = 64, tie: bool = False) -> dict:

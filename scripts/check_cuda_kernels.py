@@ -112,8 +112,9 @@ def compile_source(lib, src: str, cuda_root: str, arch: str) -> tuple[bool, str]
 
 def record_all(recorder: Recorder) -> None:
     """Every variant the kernels' self-checks launch, recorded."""
-    from dflash_mlx.kernels import block_products, dispatch, norm_rope
-    from dflash_mlx.kernels.kernel import BlockAttentionKernel
+    from dflash_mlx.kernels.cuda import products as block_products
+    from dflash_mlx.kernels import dispatch, norm_rope
+    from dflash_mlx.kernels.attention import BlockAttentionKernel
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
 
     attention = BlockAttentionKernel("cuda", factory=recorder.factory)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import DraftConfig, generate, load, load_draft, stream_generate
-from dflash_mlx.draft import default_target_layer_ids
+from dflash_mlx.draft.dflash import default_target_layer_ids
 from tiny import (
     draft_config,
     make_draft,

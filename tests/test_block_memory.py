@@ -5,8 +5,9 @@ import random
 
 import mlx.core as mx
 
-from dflash_mlx import block_memory, stream_generate
-from dflash_mlx.block_size import BlockChooser, forget
+from dflash_mlx.auto import memory as block_memory
+from dflash_mlx import stream_generate
+from dflash_mlx.auto.chooser import BlockChooser, forget
 from dflash_mlx.targets import adapt
 from tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, target_config
 

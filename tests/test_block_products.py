@@ -11,7 +11,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import block_products as bp
+from dflash_mlx.kernels.cuda import products as bp
+from dflash_mlx.layers import linear
 from dflash_mlx.kernels import norm_rope as nr
 from test_norm_rope import run_layer as run_qwen3_layer, tiny_qwen3_layer
 from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
@@ -74,6 +75,7 @@ def fake_gpu(monkeypatch):
     bp.reset()
     nr.reset()
     monkeypatch.setattr(bp, "backend", lambda: "fake")
+    monkeypatch.setattr(linear, "backend", lambda: "fake")
 
     def install(kernel):
         monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: kernel)
@@ -94,7 +96,7 @@ def test_on_the_cpu_a_linear_is_its_own_module(rows):
     x = mx.random.normal((1, rows, 64)).astype(mx.bfloat16)
     for module in (nn.Linear(64, 48, bias=False), nn.Linear(64, 48), nn.QuantizedLinear(64, 48, group_size=32)):
         module.set_dtype(mx.bfloat16)
-        assert mx.array_equal(bp.apply_linear(module, x), module(x))
+        assert mx.array_equal(linear.apply_linear(module, x), module(x))
 
 
 def tiny_layer(dtype=mx.bfloat16):
@@ -165,11 +167,11 @@ def test_norms_stay_apart_before_weights_of_norm_most_elements(fake_gpu, monkeyp
         warnings.simplefilter("error")
         bp.prepare(dtype)
     assert [r.ok for r in bp._checks.values()] == [True, True, True]
-    monkeypatch.setattr(bp, "NORM_MOST", (4 * 64 + 2 * 2 * 64) * 128)  # q (4 heads of 64), k and v (2 each)
+    monkeypatch.setattr(linear, "NORM_MOST", (4 * 64 + 2 * 2 * 64) * 128)  # q (4 heads of 64), k and v (2 each)
     before, norms = kernel.calls, kernel.norms
     got = run_layer(layer, 5)
     assert kernel.calls - before == 4 and kernel.norms == norms
-    monkeypatch.setattr(bp, "NORM_MOST", 512 * 128 + 1)
+    monkeypatch.setattr(linear, "NORM_MOST", 512 * 128 + 1)
     run_layer(layer, 5)
     assert kernel.norms - norms == 2
     assert rel_err(got, want) < 2e-2
@@ -318,7 +320,7 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     final norm into the (small) output head's; the drafter's block
     likewise (its head is the target's), and its context feed's norm into
     every layer's k/v product. Logits as without the kernel."""
-    from dflash_mlx.kv_cache import set_lengths
+    from dflash_mlx.cache.buffer import set_lengths
     from dflash_mlx.targets import adapt
 
     model, draft = bf16_pair(vocab=40, draft_layers=2, seed=53)
@@ -382,7 +384,7 @@ def test_a_bias_is_the_kernels_too_and_its_check_covers_it(fake_gpu):
     kernel = fake_gpu(FakeKernel())
     bp.prepare(mx.bfloat16)
     before = kernel.calls
-    assert rel_err(bp.apply_linear(module, x), module(x)) < 1e-2
+    assert rel_err(linear.apply_linear(module, x), module(x)) < 1e-2
     assert kernel.calls == before + 1
     bp.reset()
     fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w, None, r)))
@@ -401,14 +403,14 @@ def test_a_residual_is_added_in_the_products_launch_and_its_check_covers_it(fake
     x = mx.random.normal((1, 6, 64)).astype(mx.bfloat16)
     residual = mx.random.normal((1, 6, 40)).astype(mx.bfloat16)
     want = residual + module(x)
-    assert mx.array_equal(bp.apply_linear(module, x, residual), want)  # (the CPU: the module, then the add)
+    assert mx.array_equal(linear.apply_linear(module, x, residual), want)  # (the CPU: the module, then the add)
     kernel = fake_gpu(FakeKernel())
     bp.prepare(mx.bfloat16)
     before = kernel.calls
-    assert mx.array_equal(bp.apply_linear(module, x, residual), kernel_arithmetic(x, module.weight, None, residual))
-    assert rel_err(bp.apply_linear(module, x, residual), want) < 1e-2
+    assert mx.array_equal(linear.apply_linear(module, x, residual), kernel_arithmetic(x, module.weight, None, residual))
+    assert rel_err(linear.apply_linear(module, x, residual), want) < 1e-2
     assert kernel.calls == before + 2
-    assert mx.array_equal(bp.apply_linear(module, x[:, :1], residual[:, :1]), want[:, :1])  # one row: MLX's
+    assert mx.array_equal(linear.apply_linear(module, x[:, :1], residual[:, :1]), want[:, :1])  # one row: MLX's
     assert kernel.calls == before + 2
     bp.reset()
     fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w, b)))
@@ -433,15 +435,15 @@ def test_an_attentions_heads_are_the_kernels_rows_in_place(fake_gpu):
     out = mx.random.normal((1, 4, 6, 32)).astype(mx.bfloat16)
     residual = mx.random.normal((1, 6, 40)).astype(mx.bfloat16)
     want = residual + module(rows_of(out))
-    assert mx.array_equal(bp.apply_linear_heads(module, out, residual), want)  # (the CPU)
+    assert mx.array_equal(linear.apply_linear_heads(module, out, residual), want)  # (the CPU)
     kernel = fake_gpu(FakeKernel())
     bp.prepare(mx.bfloat16)
     calls, heads = kernel.calls, kernel.heads
-    assert mx.array_equal(bp.apply_linear_heads(module, out, residual),
+    assert mx.array_equal(linear.apply_linear_heads(module, out, residual),
                           kernel_arithmetic(rows_of(out), module.weight, None, residual))
     assert (kernel.calls, kernel.heads) == (calls + 1, heads + 1)
     for other in (out[:, :, :1], mx.concatenate([out, out])):  # one row; a batch of two: rows made first
-        assert rel_err(bp.apply_linear_heads(module, other), module(rows_of(other))) < 1e-2
+        assert rel_err(linear.apply_linear_heads(module, other), module(rows_of(other))) < 1e-2
     assert kernel.heads == heads + 1
     bp.reset()
 
@@ -504,7 +506,7 @@ def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):
     """The drafter's attention output product goes through the kernel with a
     cache (inference), through its module without one (training, which needs
     its gradient)."""
-    from dflash_mlx.kv_cache import BufferKVCache
+    from dflash_mlx.cache.buffer import BufferKVCache
 
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
     dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])
@@ -560,7 +562,7 @@ def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_tra
     kernel (keys alone: one launch a layer), with the keys and values the
     training path computes; ``context`` and ``keys_values`` as training calls
     them take neither."""
-    from dflash_mlx.kv_cache import BufferKVCache
+    from dflash_mlx.cache.buffer import BufferKVCache
     from test_norm_rope import Recorder, kernel_arithmetic as norm_rope_arithmetic
 
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=256)  # (heads of 64: the rope kernel's least)

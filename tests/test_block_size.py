@@ -6,8 +6,8 @@ import random
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import BlockChooser, chooser_for, forget
-from dflash_mlx.traces import forget_traces
+from dflash_mlx.auto.chooser import BlockChooser, chooser_for, forget
+from dflash_mlx.decode.traces import forget_traces
 from tiny import greedy_reference, make_tokenizer
 
 
@@ -465,7 +465,7 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
     read just before it was queued."""
     import time
 
-    from dflash_mlx.cycle import Cycle
+    from dflash_mlx.decode.cycle import Cycle
 
     model, draft = agreeing_pair
     real = Cycle.launch

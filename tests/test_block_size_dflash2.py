@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import auto_range, chooser_for, forget
+from dflash_mlx.auto.chooser import auto_range, chooser_for, forget
 from dflash_mlx.loading import load_draft
 from dflash_mlx.targets import adapt
 from test_dflash2 import dflash2_config, random_dflash2_weights

@@ -26,7 +26,7 @@ def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():
     for family in ("dflash_block_attn_partial_tiles", "dflash_block_attn_partial_", "dflash_block_attn_merge",
                    "dflash_norm_rope_v", "dflash_block_product_bf16", "dflash_block_product_f16"):
         assert any(n.startswith(family) for n in names), family
-    from dflash_mlx.kernels import block_products as bp
+    from dflash_mlx.kernels.cuda import products as bp
 
     for shape in (bp.SHAPE, bp.WIDE_SHAPE, bp.LONG_K_SHAPE):
         tag = "_" + "_".join(map(str, shape)) + "_"

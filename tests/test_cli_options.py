@@ -107,7 +107,7 @@ def test_min_p_is_checked(pair):
 def test_min_p_filters_as_mlx_lm_does():
     from mlx_lm.sample_utils import apply_min_p
 
-    from dflash_mlx.sampling import target_logprobs
+    from dflash_mlx.decode.sampling import target_logprobs
 
     logits = mx.random.normal((3, 40), key=mx.random.key(0)) * 3
     ours = target_logprobs(logits, 1.0, min_p=0.1)

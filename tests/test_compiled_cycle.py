@@ -7,8 +7,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cycle import Cycle
-from dflash_mlx.traces import traces_for
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.traces import traces_for
 from dflash_mlx.targets import adapt
 from test_sampling import plain_sampled
 from tiny import greedy_reference, make_tokenizer
@@ -134,7 +134,7 @@ def test_weights_changed_before_the_first_call_are_the_ones_that_run(compile_gra
 
 def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
     """A server meeting many sampling settings keeps the latest few."""
-    from dflash_mlx.traces import Traces
+    from dflash_mlx.decode.traces import Traces
 
     model, draft = agreeing_pair
     monkeypatch.setattr(Traces, "most_settings", 2)

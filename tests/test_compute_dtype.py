@@ -11,10 +11,11 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from convert_fixtures import assert_clean_failure
-from dflash_mlx import block_memory, compute_dtype, fast_blas, load, stream_generate
+from dflash_mlx.auto import memory as block_memory
+from dflash_mlx import compute_dtype, fast_blas, load, stream_generate
 from dflash_mlx.cli.app import app
-from dflash_mlx.cycle import Cycle
-from dflash_mlx.prompt_cache import PromptCache
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.targets import adapt
 from tiny import (
     draft_config,

@@ -28,8 +28,8 @@ from convert_fixtures import (
     zlab_draft,
 )
 from dflash_mlx import DraftConfig, load_draft
-from dflash_mlx.weights_convert import convert as convert_module
-from dflash_mlx.weights_convert.convert import convert
+from dflash_mlx.convert import weights as convert_module
+from dflash_mlx.convert.weights import convert
 from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
 
@@ -463,7 +463,7 @@ KILLED_CHILD = textwrap.dedent(
         time.sleep(60)
 
     utils.save_config = save_config_then_hang
-    from dflash_mlx.weights_convert.convert import convert
+    from dflash_mlx.convert.weights import convert
     convert(sys.argv[1], sys.argv[2])
     """
 )
@@ -536,11 +536,11 @@ def test_convert_module_keeps_imports_light():
     """The CLI imports every command at startup; the converter loads only when run."""
     code = (
         "import sys; import dflash_mlx.cli.app; "
-        "print('dflash_mlx.weights_convert.convert' in sys.modules)"
+        "print('dflash_mlx.convert.weights' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    assert convert_module.__name__ == "dflash_mlx.weights_convert.convert"
+    assert convert_module.__name__ == "dflash_mlx.convert.weights"
 
 
 def test_the_installed_command_fails_in_one_line(tmp_path, src):

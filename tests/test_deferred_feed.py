@@ -7,10 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import dflash_mlx.speculative as speculative
+import dflash_mlx.generation as speculative
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.block_size import BlockChooser
-from dflash_mlx.cycle import Cycle
+from dflash_mlx.auto.chooser import BlockChooser
+from dflash_mlx.decode.cycle import Cycle
 from tiny import greedy_reference, make_tokenizer
 
 # Runs of plain steps (1) between drafting cycles of several sizes.

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import device, stream_generate
-from dflash_mlx.cycle import Cycle
-from dflash_mlx.traces import forget_traces
-from dflash_mlx.kv_cache import BufferKVCache, set_lengths
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.traces import forget_traces
+from dflash_mlx.cache.buffer import BufferKVCache, set_lengths
 from test_cycle_graph import VIEWS, graph
 from tiny import greedy_reference, make_tokenizer
 
@@ -110,9 +110,10 @@ def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths
     its start and its length with the block as device scalars (what the
     CUDA kernels read), one of each a forward for all its layers."""
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.decode import prefill
-    from dflash_mlx import draft as draft_module
-    from dflash_mlx.targets import adapt, attention, layers
+    from dflash_mlx.decode.loop import prefill
+    from dflash_mlx.draft import dflash as draft_module
+    from dflash_mlx.targets import adapt
+    from dflash_mlx.layers import attention, blocks as layers
 
     model, draft = agreeing_pair
     target = adapt(model)
@@ -142,7 +143,7 @@ def test_a_hybrid_targets_attention_layers_share_their_lengths():
     attention buffers' length together: one write position and one end a
     forward for all of them, as a dense target's layers share."""
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.decode import prefill
+    from dflash_mlx.decode.loop import prefill
     from dflash_mlx.targets import adapt
     from test_hybrid import make_pair
 

@@ -12,7 +12,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from dflash_mlx.weights_convert.convert import convert
+from dflash_mlx.convert.weights import convert
 from family_models import family_config, make_family_target
 from mlx import nn
 from mlx.utils import tree_flatten
@@ -28,8 +28,8 @@ from tiny import (
 )
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.draft2 import CODEBOOKS, DFlash2Draft, Draft2Config
-from dflash_mlx.sampling import accept_proposals
+from dflash_mlx.draft.dflash2 import CODEBOOKS, DFlash2Draft, Draft2Config
+from dflash_mlx.decode.sampling import accept_proposals
 from dflash_mlx.targets import adapt
 
 import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402

@@ -96,7 +96,8 @@ def test_doctor_names_the_blas_it_opened_and_the_dtype_that_follows(monkeypatch)
 def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     """On CUDA the block-product kernel's check gets a line per dtype; a
     failed one says MLX's products are used, and counts in the total."""
-    from dflash_mlx.kernels import block_products as bp
+    from dflash_mlx.kernels.cuda import products as bp
+    from dflash_mlx.layers import linear
     from test_block_products import kernel_arithmetic, norm_arithmetic, swiglu_arithmetic
     from test_kernels import two_pass
 
@@ -113,6 +114,7 @@ def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     bp.reset()
     on_fake_gpu(monkeypatch, two_pass)
     monkeypatch.setattr(bp, "backend", lambda: "fake")
+    monkeypatch.setattr(linear, "backend", lambda: "fake")
     monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: products)
     try:
         out = run("--seconds", "0")

@@ -1,5 +1,6 @@
-"""fast_blas.py: dflash_mlx opens a fast BLAS for MLX's CPU products before
-MLX loads, or says why not. Each case runs in a fresh Python, since only
+"""fast_blas.py: the API's first use (or ``use_fast_blas()``) opens a fast
+BLAS for MLX's CPU products before MLX loads, or says why not; importing
+dflash_mlx alone opens nothing. Each case runs in a fresh Python, since only
 one that has not imported MLX yet can take it (this one has)."""
 
 import ctypes.util
@@ -22,7 +23,7 @@ print(json.dumps({{"loaded": fast_blas.loaded, "why_not": fast_blas.why_not, "ac
 """
 
 
-def report(setting: str | None, first: str = "import dflash_mlx") -> dict:
+def report(setting: str | None, first: str = "from dflash_mlx import load") -> dict:
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(16, 48)).round(3), rng.normal(size=(48, 24)).round(3)
     env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_MLX_BLAS", "LD_PRELOAD")}
@@ -52,9 +53,17 @@ def test_the_systems_openblas_is_opened_where_there_is_one():
 
 
 def test_nothing_is_opened_once_mlx_is_imported():
-    r = report(ctypes.util.find_library("m"), first="import mlx.core\nimport dflash_mlx")
+    r = report(ctypes.util.find_library("m"), first="import mlx.core\nimport dflash_mlx\ndflash_mlx.use_fast_blas()")
     assert r["loaded"] is None and not r["active"]
-    assert "import dflash_mlx first" in r["why_not"] and "import dflash_mlx first" in r["describe"]
+    assert "before importing mlx" in r["why_not"] and "before importing mlx" in r["describe"]
+
+
+def test_importing_the_package_opens_nothing_and_the_explicit_call_does():
+    libm = ctypes.util.find_library("m")
+    r = report(libm, first="import dflash_mlx")
+    assert r["loaded"] is None and r["why_not"] == "not tried"
+    r = report(libm, first="import dflash_mlx\ndflash_mlx.use_fast_blas()")
+    assert r["loaded"] == libm
 
 
 def test_off_opens_nothing_and_a_missing_library_is_named():

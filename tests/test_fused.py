@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.tuner.lora import LoRALinear
 
 from dflash_mlx.targets import adapt
-from dflash_mlx.targets.fused import projections
+from dflash_mlx.layers.fused import projections
 from tiny import greedy_reference, make_target, target_config
 
 VOCAB = 40

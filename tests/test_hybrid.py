@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.kv_cache import BufferKVCache
+from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
 from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted

@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import block_attention, dispatch, ops_attention, source, source_tiles
+from dflash_mlx.kernels import block_attention, dispatch, ops_attention, attention_source as source, attention_tiles as source_tiles
 from dflash_mlx.kernels import launch_source
-from dflash_mlx.kernels.block_products import BlockProductKernel
-from dflash_mlx.kernels.kernel import BlockAttentionKernel, chunk_size, max_warps
+from dflash_mlx.kernels.cuda.products import BlockProductKernel
+from dflash_mlx.kernels.attention import BlockAttentionKernel, chunk_size, max_warps
 from dflash_mlx.kernels.norm_rope import NormRopeKernel
 from dflash_mlx.kernels.ops import visible
 
@@ -444,7 +444,7 @@ def test_the_matrix_unit_pass_stages_whole_tiles_for_every_row_count(where):
     where it does not fails to compile, mid-decode: 33-48 rows took 3 warps
     once). Every row count a call can bring, at every head dim and each
     backend's staging, launches a warp count that divides it."""
-    from dflash_mlx.kernels.kernel import tile_warps
+    from dflash_mlx.kernels.attention import tile_warps
 
     launches = []
 

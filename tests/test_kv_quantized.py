@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.kv_cache import BufferKVCache
-from dflash_mlx.kv_cache_quantized import QuantizedBufferKVCache
+from dflash_mlx.cache.buffer import BufferKVCache
+from dflash_mlx.cache.quantized import QuantizedBufferKVCache
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
@@ -171,7 +171,7 @@ def test_cli_kv_flags(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("start", [0, 30, 100])
 def test_a_quantized_cache_saved_and_loaded_decodes_the_same(qpair, tmp_path, start):
-    from dflash_mlx.prompt_cache_file import load_prompt_cache, save_prompt_cache
+    from dflash_mlx.cache.files import load_prompt_cache, save_prompt_cache
 
     model, draft = qpair
     rng = random.Random(start + 5)

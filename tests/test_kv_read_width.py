@@ -6,12 +6,12 @@ bound is exact reads only the filled keys with no mask at all."""
 import mlx.core as mx
 import pytest
 
-import dflash_mlx.speculative as speculative
+import dflash_mlx.generation as speculative
 from dflash_mlx import stream_generate
-from dflash_mlx.block_size import BlockChooser
-from dflash_mlx.cycle import Cycle
+from dflash_mlx.auto.chooser import BlockChooser
+from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx import device
-from dflash_mlx.kv_cache import BufferKVCache
+from dflash_mlx.cache.buffer import BufferKVCache
 from tiny import greedy_reference, make_tokenizer
 
 

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.kv_cache_rotating import DraftWindowCache, RotatingBufferKVCache
+from dflash_mlx.cache.rotating import DraftWindowCache, RotatingBufferKVCache
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48

@@ -14,7 +14,7 @@ from mlx_lm.utils import quantize_model
 from convert_fixtures import TCFG, draft_logits, hub_cache, shard, zlab_draft
 from dflash_mlx import load, load_draft
 from dflash_mlx.loading import KNOWN_PAIRS, find_drafter, is_cached, known_pairs, read_weights, resolve
-from dflash_mlx.weights_convert.convert import convert
+from dflash_mlx.convert.weights import convert
 from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
 QWEN3_8B_DRAFTER = "z-lab/Qwen3-8B-DFlash-b16"

@@ -15,7 +15,7 @@ import pytest
 from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels import norm_rope as nr
 from dflash_mlx.kernels.dispatch import TOLERANCE
-from dflash_mlx.kernels.source import HEADER
+from dflash_mlx.kernels.attention_source import HEADER
 
 
 def kernel_arithmetic(q, k, q_weight, k_weight, *, eps, scale, base, offset):
@@ -96,8 +96,8 @@ def tiny_qwen3_layer(dtype=mx.float32):
 
 
 def run_layer(layer, h, offset: int):
-    from dflash_mlx.kv_cache import BufferKVCache
-    from dflash_mlx.targets.fused import block
+    from dflash_mlx.cache.buffer import BufferKVCache
+    from dflash_mlx.layers.fused import block
 
     cache = BufferKVCache()
     cache.set_length(offset)

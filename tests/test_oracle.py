@@ -150,7 +150,7 @@ def test_block_mask_is_positional(C, L, window, causal):
     `window` positions away. (The official MLX loop leaves block keys out of
     the window, which differs only when the window is shorter than the block;
     published drafters use windows of 2048+ with blocks of 16.)"""
-    from dflash_mlx.draft import block_mask
+    from dflash_mlx.draft.dflash import block_mask
 
     mask = block_mask(L, C, causal, window)
     got = np.ones((L, C + L), dtype=bool) if mask is None else np.array(mask)

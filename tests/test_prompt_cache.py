@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.draft import DraftConfig
-from dflash_mlx.kv_cache import BufferKVCache
-from dflash_mlx.prompt_cache import StaleGenerationError
+from dflash_mlx.draft.dflash import DraftConfig
+from dflash_mlx.cache.buffer import BufferKVCache
+from dflash_mlx.cache.prompt import StaleGenerationError
 from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 24

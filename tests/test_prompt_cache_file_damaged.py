@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.prompt_cache_file import load_prompt_cache, save_prompt_cache
+from dflash_mlx.cache.files import load_prompt_cache, save_prompt_cache
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 24

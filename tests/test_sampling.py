@@ -15,7 +15,7 @@ import pytest
 from dflash_mlx import stream_generate
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.sampling import accept_proposals, gumbel_noise, pick, seed_words, target_logprobs
+from dflash_mlx.decode.sampling import accept_proposals, gumbel_noise, pick, seed_words, target_logprobs
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 ALPHA = 1e-3

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.draft import DFlashDraft, DraftConfig
+from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig
 from dflash_mlx.targets import adapt
 from dflash_mlx.prompts import read_prompts
 from dflash_mlx.train.data import Sequence

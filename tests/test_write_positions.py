@@ -4,9 +4,10 @@ GPU each copy of them was two more kernels to launch per layer."""
 
 import mlx.core as mx
 
-from dflash_mlx import kv_cache, make_prompt_cache
-from dflash_mlx.cycle import Cycle
-from dflash_mlx.decode import prefill
+from dflash_mlx.cache import buffer as kv_cache
+from dflash_mlx import make_prompt_cache
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.loop import prefill
 from dflash_mlx.targets import adapt
 from tiny import greedy_reference
 

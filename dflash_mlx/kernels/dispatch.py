@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..device import backend
-from .kernel import BlockAttentionKernel
+from .attention import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
 # When the kernel beats the fused op (mx.fast.scaled_dot_product_attention with

@@ -36,10 +36,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .dispatch import CheckResult, backend, compare_with_ops
-from .kernel import _int1, make_factory
+from .attention import _int1, make_factory
 from .launch_source import compacting
 from .ops import DTYPES, HEAD_DIMS
-from .source import HEADER
+from .attention_source import HEADER
 
 INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
 OUTPUTS = ["q_out", "k_out"]

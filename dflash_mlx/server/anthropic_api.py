@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import error_body
 from .job import Done, Event, Failed, Job, Usage
-from .prompts import anthropic_messages, anthropic_thinking, anthropic_tools, chat_prompt, check_context, starts_in_reasoning
+from .templates import anthropic_messages, anthropic_thinking, anthropic_tools, chat_prompt, check_context, starts_in_reasoning
 from .reply import Delta
 from .schemas import AnthropicRequest
 from .service import Service, event_stream, sse

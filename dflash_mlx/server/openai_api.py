@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, error_body
 from .job import Done, Event, Failed, Job, Usage
-from .prompts import chat_prompt, check_context, starts_in_reasoning, text_prompt
+from .templates import chat_prompt, check_context, starts_in_reasoning, text_prompt
 from .reply import Delta
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, event_stream, sse

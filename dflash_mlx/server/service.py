@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from dflash_mlx import make_prompt_cache
 
 from .cache_pool import PromptCachePool
-from .decode import Decoder
+from .decoder import Decoder
 from .errors import APIError
 from .job import Done, Event, Failed, GenerationParams, Job
 from .reply import Delta

@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import Optional
 
-from .decode import Decoder
+from .decoder import Decoder
 from .job import Job
 
 log = logging.getLogger("dflash_mlx.server")

@@ -12,10 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..kernels.block_products import NORM_MOST, apply_linear
-from ..kv_cache import BufferKVCache, set_lengths
-from .attention import prepare
-from .fused import block, linear_like
+from ..layers.linear import NORM_MOST, apply_linear
+from ..cache.buffer import BufferKVCache, set_lengths
+from ..layers.attention import prepare
+from ..layers.fused import block, linear_like
 
 
 class DenseTarget:
@@ -82,7 +82,7 @@ class DenseTarget:
         """The output head as an nn.Linear (a tied embedding's weight held
         by one, no copy; kept while that weight is the embedding's) where it
         is a plain linear layer whose final norm can go into its product's
-        launch (fewer than block_products.NORM_MOST elements: a small pair,
+        launch (fewer than linear.NORM_MOST elements: a small pair,
         whose cycle is bound by launches), else None (quantized, or large:
         Qwen3-8B's 622M-element head keeps MLX's product)."""
         if not self.tied:

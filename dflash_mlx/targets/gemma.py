@@ -28,10 +28,10 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma3_text import clip_residual
 
-from ..kv_cache import BufferKVCache
-from .attention import attention, prepare
+from ..cache.buffer import BufferKVCache
+from ..layers.attention import attention, prepare
 from .base import DenseTarget
-from .layers import attend
+from ..layers.blocks import attend
 
 
 class Gemma3Target(DenseTarget):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import DenseTarget
-from .layers import attend
+from ..layers.blocks import attend
 
 
 class GptOssTarget(DenseTarget):

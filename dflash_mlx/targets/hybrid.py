@@ -22,10 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..kv_cache import BufferKVCache, positions_mask, set_lengths
-from .attention import prepare
+from ..cache.buffer import BufferKVCache, positions_mask, set_lengths
+from ..layers.attention import prepare
 from .base import DenseTarget
-from .layers import attend
+from ..layers.blocks import attend
 from .recurrent import DeltaCache, _value
 
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .base import DenseTarget
-from .layers import attend
+from ..layers.blocks import attend
 
 
 class MuseGlimmerTarget(DenseTarget):

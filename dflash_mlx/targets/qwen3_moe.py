@@ -7,7 +7,7 @@ layers.dense_block runs it, through ``attention.attention_output``, with mlx-lm'
 own projections and MLP."""
 
 from .base import DenseTarget
-from .layers import dense_block, own_projections
+from ..layers.blocks import dense_block, own_projections
 
 
 class Qwen3MoeTarget(DenseTarget):

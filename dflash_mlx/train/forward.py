@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..draft import DFlashDraft
+from ..draft.dflash import DFlashDraft
 
 
 def training_mask(anchor: mx.array, length: mx.array, T: int, bs: int, causal: bool, window: int | None) -> mx.array:

@@ -40,7 +40,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic_dir import replace_dir
-from ..draft import DFlashDraft, DraftConfig, default_target_layer_ids
+from ..draft.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
 from .data import Sequence
 from .forward import draft_logits, target_taps
 

@@ -1,0 +1,19 @@
+"""Key/value caches: fixed buffers (buffer.py), quantized (quantized.py) and
+bounded (rotating.py) ones, the prompt cache a conversation reuses
+(prompt.py) and its files (files.py)."""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "PromptCache": "prompt",
+    "make_prompt_cache": "prompt",
+    "save_prompt_cache": "files",
+    "load_prompt_cache": "files",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,264 @@
+"""Prompt caches on disk: the target's and the drafter's caches for a prefix
+(a long system prompt, a document), saved once and loaded by later runs so
+that they read only what follows the prefix.
+
+A file is one safetensors file: each layer's keys and values for the cached
+positions (``target.{i}.keys`` ..., ``draft.{i}.keys`` ...), and metadata
+naming what it was made from: the token ids, the model pair as the caller
+named it (paths or repo ids, informative only), and a fingerprint of the
+pair (both configs and a sample of every weight tensor), which must match
+the pair that loads it. What a loaded cache decodes is exactly what the same
+prompt decodes without it: the cache holds the keys and values that reading
+the prefix again would write.
+
+A quantized target cache (``kv_bits``) is saved as it is, each layer's
+packed keys, scales and biases (``target.{i}.keys.0`` ...), with its settings
+in the metadata (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``);
+a file loads only under the settings it was made with, since what a
+position holds depends on them. A bounded cache (``max_kv_size``) is not
+saved: its ring depends on the bound and the block; make the file without it.
+A hybrid target's delta-net layers are refused for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .. import compute_dtype
+from ..draft.dflash import DFlashDraft
+from .buffer import BufferKVCache
+from .quantized import QuantizedBufferKVCache
+from .prompt import PromptCache
+from ..targets import adapt
+
+FORMAT = "dflash-mlx prompt cache"
+VERSION = "1"
+
+
+def _config_dict(obj) -> dict:
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return dict(vars(obj))
+
+
+def _module_digest(h, module, dtypes: bool = True) -> None:
+    """Names, shapes, dtypes and the first values of every parameter: two
+    different checkpoints (or adapters, or quantizations) differ here.
+    ``dtypes=False``: the same weights in another float dtype (a cast of
+    them, compute_dtype.py) digest alike: dtypes left out, float values
+    rounded to bfloat16."""
+    leaves = tree_flatten(module.parameters())
+    samples = [a.reshape(-1)[:16] for _, a in leaves]
+    if not dtypes:
+        samples = [s.astype(mx.bfloat16) if mx.issubdtype(s.dtype, mx.floating) else s for s in samples]
+    mx.eval(samples)
+    for (name, a), s in zip(leaves, samples):
+        h.update(f"{name}:{a.shape}:{a.dtype if dtypes or not mx.issubdtype(a.dtype, mx.floating) else 'float'};".encode())
+        h.update(np.array(s.astype(mx.float32) if s.dtype == mx.bfloat16 else s).tobytes())
+
+
+def pair_fingerprint(model, draft: DFlashDraft, dtypes: bool = True) -> str:
+    """A digest of the target's and the drafter's configs and weights
+    (``dtypes=False``: whatever float dtype they compute in, _module_digest)."""
+    target = adapt(model)
+    h = hashlib.sha256()
+    h.update(json.dumps(_config_dict(target.model.args), sort_keys=True, default=str).encode())
+    h.update(json.dumps(_config_dict(draft.config), sort_keys=True, default=str).encode())
+    _module_digest(h, target.model, dtypes)
+    _module_digest(h, draft, dtypes)
+    return h.hexdigest()
+
+
+def _attention_caches(cache: PromptCache) -> None:
+    if cache.max_kv_size is not None:
+        raise ValueError("a bounded prompt cache (max_kv_size) cannot be saved to a file; "
+                         "make the file without max_kv_size.")
+    if not all(type(c) in (BufferKVCache, QuantizedBufferKVCache) for c in cache.target + cache.draft):
+        raise ValueError(
+            "prompt-cache files hold attention caches only, and this target has recurrent (delta-net) layers; "
+            "run without a prompt-cache file."
+        )
+
+
+def kv_settings(cache: PromptCache) -> tuple:
+    """(kv_bits, kv_group_size, quantized_kv_start): None, None, None when not quantized."""
+    if cache.kv_bits is None:
+        return None, None, None
+    return cache.kv_bits, cache.kv_group_size, cache.quantized_kv_start
+
+
+def _kv_meta(bits, group, start) -> dict[str, str]:
+    return {} if bits is None else {"kv_bits": str(bits), "kv_group_size": str(group), "quantized_kv_start": str(start)}
+
+
+def _describe(bits, group, start) -> str:
+    if bits is None:
+        return "no KV quantization"
+    return f"kv_bits {bits}, kv_group_size {group}, quantized_kv_start {start}"
+
+
+def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
+    """Write ``cache`` (its ``tokens`` and every layer's keys/values for them)
+    to ``path`` (a .safetensors file), with ``metadata`` (str -> str) kept
+    beside the pair's fingerprint."""
+    _attention_caches(cache)
+    if not cache.consistent():
+        raise ValueError("this prompt cache is in use by a generation; save it once that generation has ended.")
+    n = len(cache.tokens)
+    if n == 0:
+        raise ValueError("this prompt cache is empty; read a prompt into it first.")
+    arrays = {}
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i, c in enumerate(layers):
+            for name, buf in (("keys", c.keys), ("values", c.values)):
+                if isinstance(buf, tuple):  # quantized: packed, scales, biases
+                    arrays.update({f"{role}.{i}.{name}.{j}": a[..., :n, :] for j, a in enumerate(buf)})
+                else:
+                    arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
+                fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=compute_dtype.name(cache.model),
+                weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
+                **_kv_meta(*kv_settings(cache)))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial.safetensors")
+    mx.save_safetensors(str(tmp), arrays, metadata=meta)
+    tmp.replace(path)  # never a half-written file under the real name
+
+
+def damaged(path, what: str) -> ValueError:
+    """The sentence for a prompt-cache file that is one but was edited or cut."""
+    return ValueError(f"{path} is damaged ({what}); make it again with `dflash-mlx cache-prompt`.")
+
+
+def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata of a prompt-cache file, its metadata checked."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"the prompt-cache file {path} {what}; make one with `dflash-mlx cache-prompt`.")
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except Exception:
+        raise ValueError(f"{path} is not a safetensors file, or is cut short; make a prompt cache with "
+                         "`dflash-mlx cache-prompt`.") from None
+    if not isinstance(arrays, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`.")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again.")
+    try:
+        tokens = json.loads(meta["tokens"])
+    except (KeyError, ValueError):
+        raise damaged(path, "its metadata has no readable token ids") from None
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int and t >= 0 for t in tokens):
+        raise damaged(path, "its token ids are not a list of ids")
+    settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
+    if any(v is not None for v in settings):
+        if not all(v is not None and v.isdigit() for v in settings):
+            raise damaged(path, "its KV quantization settings are incomplete or not numbers")
+    return arrays, meta
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The metadata of a prompt-cache file (checked to be one)."""
+    return _open(path)[1]
+
+
+def _tensors(path, arrays: dict[str, mx.array], name: str, quantized: bool, n: int,
+             heads: tuple[int, int] | None = None) -> mx.array | tuple:
+    """One layer's keys or values, as saved (a packed triple when quantized),
+    checked to hold ``n`` positions of one sequence (``heads``: the (heads,
+    head dim) they must have, where known)."""
+    names = [f"{name}.{j}" for j in range(3)] if quantized else [name]
+    missing = [k for k in names if k not in arrays]
+    if missing:
+        raise damaged(path, f"the tensor {missing[0]} is missing")
+    parts = [arrays[k] for k in names]
+    for j, (k, a) in enumerate(zip(names, parts)):
+        dtype_ok = a.dtype == mx.uint32 if quantized and j == 0 else mx.issubdtype(a.dtype, mx.floating)
+        shape_ok = a.ndim == 4 and a.shape[0] == 1 and a.shape[2] == n and a.shape[:3] == parts[0].shape[:3]
+        if shape_ok and heads is not None:
+            shape_ok = (a.shape[1], a.shape[3]) == heads
+        if not (dtype_ok and shape_ok):
+            kind = str(a.dtype).removeprefix("mlx.core.")
+            raise damaged(path, f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
+                                 f"hold {n} cached positions for this pair")
+    return tuple(parts) if quantized else parts[0]
+
+
+def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
+                      quantized_kv_start: int = 0) -> tuple[PromptCache, dict[str, str]]:
+    """A PromptCache for ``model`` and ``draft`` holding what ``path`` saved,
+    and the file's metadata. A file made for another pair, or with other KV
+    cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused;
+    so is a damaged one (edited metadata, a tensor missing or of another
+    shape), each in one sentence."""
+    arrays, meta = _open(path)
+    cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
+    _attention_caches(cache)
+    if meta.get("fingerprint") != pair_fingerprint(model, draft):
+        same_weights = meta.get("weights") == pair_fingerprint(model, draft, dtypes=False)
+        now = compute_dtype.name(model)
+        if same_weights and meta.get("dtype", now) != now:  # (the same pair cast: compute_dtype.py)
+            raise ValueError(
+                f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
+                f"{now}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
+                "to read the file, or make the prompt cache again."
+            )
+        made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
+        older = ("" if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model)) else
+                 " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)")
+        raise ValueError(
+            f"{path} was made for another model pair{f' ({made})' if made else ''}; "
+            f"make a prompt cache for this pair with `dflash-mlx cache-prompt`{older}."
+        )
+    made = (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"])) if "kv_bits" in meta \
+        else (None, None, None)
+    if made != kv_settings(cache):
+        raise ValueError(f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
+                         "use the settings it was made with, or make it again with these.")
+    tokens = json.loads(meta["tokens"])
+    n = len(tokens)
+    if max(tokens) >= cache.adapter.vocab_size:
+        raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")
+    # a quantized cache's target is saved packed once it held quantized_kv_start positions
+    packed = made[0] is not None and "target.0.keys.0" in arrays
+    cfg = draft.config
+    expected, loaded = set(), {}
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i in range(len(layers)):
+            quantized = packed and role == "target"
+            heads = (cfg.num_key_value_heads, cfg.head_dim) if role == "draft" else None
+            for name in ("keys", "values"):
+                key = f"{role}.{i}.{name}"
+                loaded[key] = _tensors(path, arrays, key, quantized, n, heads)
+                expected.update([f"{key}.{j}" for j in range(3)] if quantized else [key])
+    extra = sorted(set(arrays) - expected)
+    if extra:
+        raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
+    if packed:
+        cache.target[:] = [QuantizedBufferKVCache(made[1], made[0]) for _ in cache.target]
+
+    def padded(a: mx.array, room: int) -> mx.array:
+        return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
+
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i, c in enumerate(layers):
+            room = -(-n // c.step) * c.step
+            k, v = loaded[f"{role}.{i}.keys"], loaded[f"{role}.{i}.values"]
+            if isinstance(c, QuantizedBufferKVCache):
+                c.keys, c.values = (tuple(padded(a, room) for a in parts) for parts in (k, v))
+            else:
+                c.keys, c.values = padded(k, room), padded(v, room)
+            c.set_length(n)
+    mx.eval(cache.arrays())
+    cache.tokens = tokens
+    cache.settle()
+    return cache, meta

@@ -1,0 +1,263 @@
+"""`dflash-mlx bench`: plain mlx-lm decoding vs DFlash, same prompts, one run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+from typing_extensions import Annotated
+
+from dflash_mlx.prompts import read_prompts
+
+from .console import UserError, console, err, user_errors
+from .options import Dtype, BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed, SystemPrompt, Temp, TopK, TopP, Verbose, check_args
+from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
+from .pair import load_pair, model_or_builtin
+from .prompt_input import prompt_ids, thinking_note
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx bench --model Qwen/Qwen3-8B
+
+$ dflash-mlx bench --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --prompts prompts.txt -m 512 --repeat 3
+
+$ dflash-mlx bench --model Qwen/Qwen3-8B --prompts mt_bench.jsonl --block-size 8 --json > results.json
+
+--prompts takes one prompt per line, or JSONL with a "prompt" (or "messages", "question", "instruction", "input", "text", "turns") field;
+MT-Bench's "turns" are asked in order, each after the reply to the one before. Without --model the built-in pair runs.
+"""
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short test.",
+    "A train leaves at 9:40 and arrives at 13:05 after covering 290 km. What is its average speed? Show the steps.",
+    "Explain how a hash table handles collisions, in three short paragraphs.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+]
+
+def _plain(model, tokenizer, ids, max_tokens, sampler, **kv):
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate as lm_stream_generate
+
+    mx.reset_peak_memory()
+    text, last = [], None
+    for last in lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **kv):
+        text.append(last.text)
+    return {"tokens": last.generation_tokens, "tps": last.generation_tps, "prompt_tps": last.prompt_tps,
+            "peak_memory": last.peak_memory, "text": "".join(text)}
+
+
+def _dflash(model, draft, tokenizer, ids, max_tokens, **sampling):
+    import mlx.core as mx
+    from dflash_mlx import stream_generate
+
+    mx.reset_peak_memory()
+    text, last = [], None
+    for last in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **sampling):
+        text.append(last.text)
+    return {"tokens": last.generation_tokens, "tps": last.generation_tps, "prompt_tps": last.prompt_tps,
+            "peak_memory": last.peak_memory, "acceptance_length": last.acceptance_length,
+            "acceptance_rate": last.acceptance_rate, "block_size": last.block_size, "text": "".join(text)}
+
+
+def _short(text: str, n: int = 40) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def bench_command(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
+    prompts: Annotated[
+        Optional[Path], typer.Option("--prompts", help="Prompts file: one per line, or JSONL.", show_default=False)
+    ] = None,
+    max_tokens: MaxTokens = 256,
+    repeat: Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; tok/s is the mean.")] = 1,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    top_k: TopK = 0,
+    seed: Seed = 0,
+    block_size: BlockSize = None,
+    num_draft_tokens: NumDraftTokens = None,
+    system_prompt: SystemPrompt = None,
+    ignore_chat_template: IgnoreChatTemplate = False,
+    enable_thinking: EnableThinking = False,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
+    max_kv_size: MaxKvSize = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")] = False,
+    verbose: Verbose = False,
+):
+    """Compare plain mlx-lm decoding of the target with DFlash on the same prompts.
+
+    Both run in this process on the same weights, after a short warm-up; the
+    table shows tok/s for both, the speedup, acceptance length and rate, and
+    peak memory. At --temp 0 it also checks that both produced the same text.
+    """
+    with user_errors(verbose):
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p,
+                                num_draft_tokens=num_draft_tokens)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+        if repeat < 1:
+            raise UserError(f"--repeat must be a positive integer, got {repeat}.")
+        items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        target_name = model_or_builtin(model)
+        target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
+        check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
+        if model is None or model == "builtin":
+            target_name, draft_name = "builtin", draft_model or "builtin"
+        else:
+            from dflash_mlx.loading import find_drafter
+
+            draft_name = draft_model or find_drafter(target_name)
+        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
+        notes = iter([False])  # the template notes once, for the first prompt
+
+        def encode(prompt):
+            return prompt_ids(tokenizer, prompt, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
+                              enable_thinking=enable_thinking, quiet=next(notes, True))
+        sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        plain_kv = {} if kv_bits is None else dict(kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                                   quantized_kv_start=quantized_kv_start)  # the same cache for mlx-lm
+        if max_kv_size is not None:
+            plain_kv["max_kv_size"] = max_kv_size
+        kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # refuses a target it cannot serve
+        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
+
+        def plain(ids, n, run):
+            if seed is not None:
+                mx.random.seed(seed + run)
+            return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
+
+        def dflash(ids, n, run):
+            cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # (a fresh one each run)
+            return _dflash(target, draft, tokenizer, ids, n, seed=None if seed is None else seed + run, prompt_cache=cache,
+                           **sampling)
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        results = []
+        with Progress(TextColumn("[dim]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=err, transient=True) as bar:
+            warm = min(max_tokens, 16)
+            task = bar.add_task("warm-up", total=2)
+            first = items[0]
+            ids = encode(first.get("prompt") or first["messages"])
+            plain(ids, warm, 0)
+            bar.advance(task)
+            dflash(ids, warm, 0)
+            bar.advance(task)
+            task = bar.add_task("bench", total=2 * repeat * sum(len(item.get("turns", [0])) for item in items))
+            for item in items:
+                # MT-Bench's turns: each asked after the reply to the one before (DFlash's reply, which at
+                # --temp 0 is the target's own).
+                messages = list(item.get("messages", []))
+                for turn in item.get("turns", [item.get("prompt")]):
+                    if turn is not None:
+                        messages.append({"role": "user", "content": turn})
+                    ids = encode(messages)
+                    runs_plain, runs_dflash = [], []
+                    for run in range(repeat):
+                        runs_plain.append(plain(ids, max_tokens, run))
+                        bar.advance(task)
+                        runs_dflash.append(dflash(ids, max_tokens, run))
+                        bar.advance(task)
+                    results.append(_summarise(messages[-1]["content"], ids, runs_plain, runs_dflash, temp == 0))
+                    messages.append({"role": "assistant", "content": runs_dflash[0]["text"]})
+
+        summary = _overall(results)
+        if as_json:
+            out = {
+                "model": target_name, "draft_model": draft_name, "device": str(mx.default_device()),
+                "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "min_p": min_p, "top_k": top_k,
+                "block_size": block_size or draft.config.block_size,
+                "results": results, "summary": summary,
+            }
+            typer.echo(json.dumps(out, indent=2))
+            return
+        _table(results, summary, f"{target_name} · block {block_size or draft.config.block_size}", str(mx.default_device()), temp == 0)
+
+
+def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:
+    def mean(runs, key):
+        return statistics.fmean(r[key] for r in runs)
+
+    plain_tps, dflash_tps = mean(runs_plain, "tps"), mean(runs_dflash, "tps")
+    row = {
+        "prompt": text,
+        "prompt_tokens": len(ids),
+        "plain_tokens": runs_plain[0]["tokens"],
+        "dflash_tokens": runs_dflash[0]["tokens"],
+        "plain_tps": plain_tps,
+        "dflash_tps": dflash_tps,
+        "speedup": dflash_tps / plain_tps if plain_tps else 0.0,
+        "acceptance_length": mean(runs_dflash, "acceptance_length"),
+        "acceptance_rate": mean(runs_dflash, "acceptance_rate"),
+        "plain_peak_memory_gb": max(r["peak_memory"] for r in runs_plain),
+        "dflash_peak_memory_gb": max(r["peak_memory"] for r in runs_dflash),
+    }
+    if greedy:
+        row["identical"] = all(p["text"] == d["text"] for p, d in zip(runs_plain, runs_dflash))
+    return row
+
+
+def _overall(results: list[dict]) -> dict:
+    """Token-weighted totals: all tokens over all decoding time."""
+    plain_time = sum(r["plain_tokens"] / r["plain_tps"] for r in results if r["plain_tps"])
+    dflash_time = sum(r["dflash_tokens"] / r["dflash_tps"] for r in results if r["dflash_tps"])
+    plain_tps = sum(r["plain_tokens"] for r in results) / plain_time if plain_time else 0.0
+    dflash_tps = sum(r["dflash_tokens"] for r in results) / dflash_time if dflash_time else 0.0
+    out = {
+        "plain_tps": plain_tps,
+        "dflash_tps": dflash_tps,
+        "speedup": dflash_tps / plain_tps if plain_tps else 0.0,
+        "acceptance_length": statistics.fmean(r["acceptance_length"] for r in results),
+        "acceptance_rate": statistics.fmean(r["acceptance_rate"] for r in results),
+        "plain_peak_memory_gb": max(r["plain_peak_memory_gb"] for r in results),
+        "dflash_peak_memory_gb": max(r["dflash_peak_memory_gb"] for r in results),
+    }
+    if results and "identical" in results[0]:
+        out["identical"] = all(r["identical"] for r in results)
+    return out
+
+
+def _table(results, summary, model_name, device, greedy) -> None:
+    table = Table(title=f"mlx-lm vs DFlash · {model_name} · {device}", title_style="bold")
+    table.add_column("prompt", overflow="ellipsis", max_width=42)
+    table.add_column("tokens", justify="right")
+    table.add_column("mlx-lm tok/s", justify="right")
+    table.add_column("dflash tok/s", justify="right")
+    table.add_column("speedup", justify="right")
+    table.add_column("τ", justify="right")
+    table.add_column("accepted", justify="right")
+    table.add_column("peak GB mlx-lm / dflash", justify="right")
+    if greedy:
+        table.add_column("same text", justify="center")
+
+    def cells(r, name, tokens):
+        row = [
+            name, tokens, f"{r['plain_tps']:.1f}", f"{r['dflash_tps']:.1f}",
+            f"[{'green' if r['speedup'] >= 1 else 'red'}]{r['speedup']:.2f}x[/]",
+            f"{r['acceptance_length']:.2f}", f"{r['acceptance_rate']:.0%}",
+            f"{r['plain_peak_memory_gb']:.2f} / {r['dflash_peak_memory_gb']:.2f}",
+        ]
+        if greedy:
+            row.append("[green]yes[/]" if r["identical"] else "[red]no[/]")
+        return row
+
+    for r in results:
+        table.add_row(*cells(r, escape(_short(r["prompt"])), str(r["dflash_tokens"])))
+    table.add_section()
+    table.add_row(*cells(summary, "[bold]all[/]", str(sum(r["dflash_tokens"] for r in results))))
+    console.print(table)

@@ -1,0 +1,144 @@
+"""`dflash-mlx cache-prompt`: the target's and the drafter's caches for a
+prefix (a long system prompt, a document) written to a file, which
+`generate --prompt-cache-file` and `chat --prompt-cache-file` load so that
+they read only what follows it (dflash_mlx.prompt_cache_file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from .console import UserError, console, note, user_errors
+from .options import Dtype, AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, KvBits, KvGroupSize, Model, PrefillStepSize, QuantizedKvStart, SystemPrompt, TrustRemoteCode, Verbose, check_kv, flag_names, kv_cache, template_args
+from .pair import context_length, load_pair, model_or_builtin
+from .progress import PrefillProgress
+from .prompt_input import read_prompt, uses_template
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx cache-prompt --model Qwen/Qwen3-8B --prompt - --prompt-cache-file manual.safetensors < manual.txt
+
+$ dflash-mlx generate --model Qwen/Qwen3-8B --prompt-cache-file manual.safetensors --prompt "What does chapter 2 say?"
+
+$ dflash-mlx cache-prompt --system-prompt "You answer in Python only." --prompt "Task: " --prompt-cache-file py.safetensors
+
+The file's prefix is the start of the first user message (after --system-prompt); a later --prompt continues it.
+A file made for another model pair, or with other --kv-bits settings, is refused; --kv-bits here caches
+the prefix quantized (give generate and chat the same --kv-bits, --kv-group-size, --quantized-kv-start).
+"""
+
+
+def prefix_ids(tokenizer, prefix: str, system_prompt: Optional[str], template: bool, kwargs: dict) -> list[int]:
+    """The prefix as token ids: with the chat template, the conversation up to
+    the end of ``prefix`` inside the first user message (left open)."""
+    from dflash_mlx.prompts import encode
+
+    if not template:
+        return encode(tokenizer, prefix)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prefix}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                         continue_final_message=True, **kwargs)
+    return encode(tokenizer, text)
+
+
+def read_cache_file(path: Path) -> dict:
+    """The prefix a prompt-cache file holds: its text, system prompt and
+    template settings (from the file's metadata), checked before any load."""
+    from dflash_mlx.cache.files import damaged, read_metadata
+
+    meta = read_metadata(path)
+    try:
+        template_kwargs = json.loads(meta.get("template_kwargs") or "{}")
+    except ValueError:
+        template_kwargs = None
+    if not isinstance(template_kwargs, dict):
+        raise damaged(path, "its chat template settings are not a JSON object")
+    return {"prompt": meta.get("prompt", ""), "system_prompt": meta.get("system_prompt") or None,
+            "template_kwargs": template_kwargs}
+
+
+def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64, 0)):
+    """The PromptCache the file holds, for this pair (another pair's file, or
+    one made with other --kv-bits settings ``kv``, is refused), with a note
+    when the prompt reuses less than all of it."""
+    from dflash_mlx.cache.files import load_prompt_cache
+
+    try:
+        cache, _ = load_prompt_cache(path, target, draft, *kv)
+    except ValueError as e:
+        raise UserError(flag_names(str(e))) from None
+    shared = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
+    if shared < len(cache.tokens) - 1:
+        note(f"the prompt shares only {shared} of the {len(cache.tokens)} cached tokens (another system prompt or "
+             "template?); the rest is read again.")
+    return cache
+
+
+def cache_prompt_command(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
+    prompt: Annotated[
+        Optional[str], typer.Option("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.", show_default=False)
+    ] = None,
+    prompt_cache_file: Annotated[
+        Optional[Path], typer.Option("--prompt-cache-file", help="The file to write (safetensors).", show_default=False)
+    ] = None,
+    system_prompt: SystemPrompt = None,
+    ignore_chat_template: IgnoreChatTemplate = False,
+    chat_template_config: ChatTemplateConfig = None,
+    adapter_path: AdapterPath = None,
+    trust_remote_code: TrustRemoteCode = False,
+    prefill_step_size: PrefillStepSize = 2048,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
+    verbose: Verbose = False,
+):
+    """Cache a prompt prefix (a long system prompt or document) in a file.
+
+    The target's and the drafter's caches for the prefix are written with the
+    token ids and a fingerprint of the model pair; generate and chat load the
+    file with --prompt-cache-file and read only what follows. Leaving out
+    --model uses the built-in pair.
+    """
+    with user_errors(verbose):
+        if prompt_cache_file is None:
+            raise UserError("no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors.")
+        text = read_prompt(prompt)
+        kwargs = template_args(chat_template_config)
+        if prefill_step_size < 1:
+            raise UserError(f"--prefill-step-size must be a positive integer, got {prefill_step_size}.")
+        check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        from dflash_mlx import make_prompt_cache, stream_generate
+        from dflash_mlx.cache.files import save_prompt_cache
+
+        name = model_or_builtin(model)
+        target, draft, tokenizer = load_pair(name, draft_model, adapter_path=adapter_path,
+                                             trust_remote_code=trust_remote_code, dtype=dtype)
+        template = uses_template(tokenizer, ignore_chat_template)
+        ids = prefix_ids(tokenizer, text, system_prompt, template, kwargs)
+        limit = context_length(target)
+        if limit is not None and len(ids) >= limit:
+            raise UserError(f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it.")
+        cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(target, draft)
+        progress = PrefillProgress()
+        try:
+            for _ in stream_generate(target, draft, tokenizer, ids, max_tokens=1, prompt_cache=cache,
+                                     prefill_step_size=prefill_step_size, prompt_progress=progress):
+                pass
+        finally:
+            progress.close()
+        meta = {"model": name if model is not None else "builtin", "draft_model": draft_model or "",
+                "prompt": text, "system_prompt": (system_prompt or "") if template else "",
+                "template_kwargs": json.dumps(kwargs), "chat_template": str(template).lower()}
+        prompt_cache_file.parent.mkdir(parents=True, exist_ok=True)
+        save_prompt_cache(prompt_cache_file, cache, meta)
+        size = prompt_cache_file.stat().st_size / 1e6
+        console.print(f"[green]cached {len(cache.tokens)} prompt tokens in {prompt_cache_file}[/] [dim]({size:.1f} MB)[/]")

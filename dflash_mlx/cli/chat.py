@@ -1,0 +1,540 @@
+"""`dflash-mlx chat`: a multi-turn terminal session with live acceptance stats.
+
+The target's and the drafter's caches live across turns (make_prompt_cache):
+every turn passes the whole conversation and only its new part is prefilled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.text import Text
+
+from dflash_mlx.prompts import apply_chat_template, encode
+
+from .cache_prompt import open_cache, read_cache_file
+from .console import UserError, console, user_errors
+from .options import Dtype, AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP, TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args
+from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, flag_names, kv_cache
+from .pair import load_pair, room_for_reply
+from .progress import PrefillProgress
+from .prompt_input import supports_thinking, thinking_note, uses_template
+from .status import status_text
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx chat --model Qwen/Qwen3-8B
+
+$ dflash-mlx chat --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --temp 0.6 --top-p 0.95 --enable-thinking
+
+$ dflash-mlx chat --model Qwen/Qwen3-8B --system-prompt "Answer in one paragraph." -m 1024
+
+$ dflash-mlx chat --resume talk.json
+
+In the session: /help, /reset, /stats, /think, /save FILE, /quit; a line ending in \\ continues on the next line
+(a paste is one message); Ctrl-C stops a reply, Ctrl-D quits. Without --model the built-in pair runs.
+"""
+
+HELP = """\
+/help    this list
+/reset   forget the conversation (and free its caches)
+/stats   acceptance by block position for this session, as a chart
+/think   turn the template's thinking section on or off
+/save F  write the conversation to the file F (JSON); chat --resume F continues it
+/quit    leave (Ctrl-D too); Ctrl-C stops a reply and keeps the session
+A line ending in \\ continues the message on the next line; a paste is one message."""
+
+STATUS_HZ = 30
+CONVERSATION_FORMAT = "dflash-mlx chat"
+
+
+@contextmanager
+def keys_not_echoed():
+    """Keys typed while a reply streams are not echoed into it; they wait in
+    the terminal's buffer and show up at the next prompt (Ctrl-C still works)."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd):
+            raise OSError
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    new = list(old)
+    new[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, new)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, old)
+
+
+def _more_pasted() -> bool:
+    """Whether more input is already waiting (the rest of a paste)."""
+    try:
+        return bool(select.select([sys.stdin], [], [], 0.02)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def read_message(prompt: str, tty: bool) -> str:
+    """One message: a line, lines joined while each ends in a backslash, and
+    on a terminal the lines of a paste (bracketed paste arrives whole; the
+    lines of an unbracketed one are already waiting when the first is read)."""
+    lines = []
+    line = input(prompt)
+    while True:
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            line = input("... ")
+            continue
+        lines.append(line)
+        if not (tty and _more_pasted()):
+            break
+        line = input("")
+    return "\n".join(lines)
+
+
+def save_conversation(path: Path, messages: list[dict], tokens: Optional[list[int]], model: str) -> None:
+    data = {"format": CONVERSATION_FORMAT, "model": model, "messages": messages}
+    if tokens is not None:
+        data["tokens"] = tokens
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_conversation(path: Path) -> dict:
+    """A conversation written by /save: its messages (and, for raw-text
+    models, the token ids)."""
+    how = "pass a file written by /save in dflash-mlx chat."
+    if not path.is_file():
+        raise UserError(f"the conversation file {path} {'is a directory' if path.is_dir() else 'does not exist'}; {how}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is not a JSON conversation; {how}") from None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise UserError(f"{path} holds no list of messages with a role and a content; {how}")
+    tokens = data.get("tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+        raise UserError(f"{path} has token ids that are not integers; {how}")
+    return {"messages": messages, "tokens": tokens}
+
+
+@contextmanager
+def sigint_handled(handler):
+    """Ctrl-C goes to ``handler`` until the block ends (off the main thread,
+    where no handler can be set, it stays as it was)."""
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def sigint_ignored():
+    """Hold Ctrl-C off while the caches are being rolled back."""
+    return sigint_handled(signal.SIG_IGN)
+
+
+@contextmanager
+def sigint_deferred():
+    """Hold Ctrl-C until the block ends, then raise it: a step's tokens, its
+    text and what is printed of it go together, so an interrupt never leaves
+    on screen a part of a piece whose tokens were committed (seen in a
+    terminal test under load: a token shown cut short)."""
+    pressed = []
+    with sigint_handled(lambda *_: pressed.append(True)):
+        yield
+    if pressed:
+        raise KeyboardInterrupt
+
+
+class ReplyView:
+    """The reply on screen as it streams: finished rows are printed for good;
+    the row being written and the status line live in a rich Live below."""
+
+    def __init__(self, out: Console):
+        self.out = out
+        self.tail = ""
+        self.status = ""
+        self.live: Optional[Live] = None
+        self.shown = 0.0
+
+    def add(self, text: str, status: str) -> None:
+        if self.live is None:
+            self.live = Live(console=self.out, transient=True, auto_refresh=False,
+                             redirect_stdout=False, redirect_stderr=False)
+            self.live.start()
+        self.tail += text
+        rows = self._finished_rows()
+        # The live part is re-drawn under every printed row, so keep it current
+        # even when the status refresh below is skipped.
+        self.live.update(Group(Text(self.tail), Text(status, style="dim")), refresh=False)
+        for row in rows:
+            self.out.print(row)
+        now = time.monotonic()
+        if not rows and now - self.shown >= 1 / STATUS_HZ:
+            self.shown = now
+            self.live.refresh()
+
+    def _finished_rows(self) -> list[Text]:
+        """Take the rows that are complete (ended by a newline, or full
+        width) off the tail."""
+        rows = []
+        if "\n" in self.tail:
+            *done, self.tail = self.tail.split("\n")
+            rows += [Text(row) for row in done]
+        if Text(self.tail).cell_len >= self.out.width:
+            wrapped = Text(self.tail).wrap(self.out, self.out.width)
+            rows += list(wrapped)[:-1]
+            self.tail = wrapped[-1].plain
+        return rows
+
+    def finish(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+        if self.tail:
+            self.out.print(Text(self.tail))
+            self.tail = ""
+
+
+@dataclass
+class SessionStats:
+    replies: int = 0
+    tokens: int = 0
+    cycles: int = 0
+    committed: int = 0
+    by_position: list = field(default_factory=list)
+
+    def add(self, r) -> None:
+        self.replies += 1
+        self.tokens += r.generation_tokens
+        self.cycles += r.cycles
+        self.committed += round(r.acceptance_length * r.cycles)
+        counts = list(r.accepted_by_position)
+        if len(counts) > len(self.by_position):
+            self.by_position += [0] * (len(counts) - len(self.by_position))
+        for i, c in enumerate(counts):
+            self.by_position[i] += c
+
+
+def stats_chart(s: SessionStats, width: int = 30) -> Text:
+    """Acceptance by block position: the share of verify cycles in which the
+    draft at each position was accepted, as a bar chart."""
+    if s.cycles == 0:
+        return Text("no verify cycles yet; ask something first.", style="dim")
+    out = Text()
+    out.append(
+        f"{s.replies} repl{'y' if s.replies == 1 else 'ies'} · {s.tokens} tokens · {s.cycles} cycles · "
+        f"acceptance length {s.committed / s.cycles:.2f}\n", style="bold"
+    )
+    out.append("draft accepted, by block position (share of cycles)\n", style="dim")
+    for i, c in enumerate(s.by_position):
+        frac = c / s.cycles
+        filled = round(frac * width)
+        out.append(f"{i + 1:>4} ")
+        out.append("█" * filled, style="green")
+        out.append("·" * (width - filled), style="dim")
+        out.append(f" {frac:4.0%}\n")
+    out.rstrip()
+    return out
+
+
+class ChatSession:
+    def __init__(self, model, draft, tokenizer, *, model_name: str, max_tokens: int, temp: float, top_p: float,
+                 top_k: int, seed: Optional[int], block_size: int | str | None, system_prompt: Optional[str],
+                 ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int, min_p: float = 0.0,
+                 template_kwargs: Optional[dict] = None, cache_file: Optional[Path] = None, prefix: str = "",
+                 kv: tuple = (None, 64, 0, None)):
+        from dflash_mlx import make_prompt_cache
+
+        self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.model_name = model_name
+        self.max_tokens = max_tokens
+        self.sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                             block_size=block_size, seed=seed, prefill_step_size=prefill_step_size)
+        self.block_size = block_size or "auto"
+        self.system_prompt = system_prompt
+        self.template = uses_template(tokenizer, ignore_chat_template)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.thinking = bool(self.template_kwargs.pop("enable_thinking", enable_thinking))
+        self.prefix = prefix
+        self.cache_file = cache_file
+        self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
+        self._make_cache = lambda: kv_cache(model, draft, None, *kv) or make_prompt_cache(model, draft)
+        self.reset()
+
+    def reset(self) -> None:
+        if self.cache_file is not None:
+            from dflash_mlx.cache.files import load_prompt_cache
+
+            try:
+                self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft, *self.kv[:3])
+            except ValueError as e:
+                raise ValueError(flag_names(str(e))) from None
+        else:
+            self.cache = self._make_cache()
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.template else []
+        self.history: list[int] = []
+        self.stats = SessionStats()
+
+    def resume(self, conversation: dict) -> None:
+        """Continue a conversation saved by /save: its messages (the caches are
+        rebuilt from them on the next turn)."""
+        self.messages = list(conversation["messages"])
+        if not self.template:
+            tokens = conversation.get("tokens")
+            if tokens is None and self.messages:
+                tokens = encode(self.tokenizer, self.messages[0]["content"])
+                for m in self.messages[1:]:
+                    tokens += self.tokenizer.encode(m["content"], add_special_tokens=False)
+            self.history = list(tokens or [])
+        for m in self.messages:
+            who = {"user": ">>> ", "assistant": "", "system": "system: "}[m["role"]]
+            console.print(Text(who + m["content"], style="dim"))
+        turns = sum(m["role"] == "user" for m in self.messages)
+        console.print(Text(f"(resumed {turns} turn{'s' if turns != 1 else ''}; the next reply re-reads them)", style="dim"))
+
+    def save(self, path: Path) -> None:
+        save_conversation(path, self.messages, None if self.template else self.history, self.model_name)
+
+    # -- one turn --------------------------------------------------------------
+    def prompt_for(self, text: str) -> list[int]:
+        if self.template:
+            messages = self.messages + [{"role": "user", "content": text}]
+            return apply_chat_template(self.tokenizer, messages, enable_thinking=self.thinking, **self.template_kwargs)
+        if not self.history:
+            return encode(self.tokenizer, text)
+        return self.history + self.tokenizer.encode(text, add_special_tokens=False)
+
+    def reply(self, text: str) -> None:
+        from dflash_mlx import stream_generate
+
+        first = not any(m["role"] == "user" for m in self.messages)
+        if first:
+            text = self.prefix + text  # a prompt-cache file's prefix opens the first message
+        ids = self.prompt_for(text)
+        try:
+            max_tokens, limit = room_for_reply(self.model, len(ids), self.max_tokens, bounded=self.kv[3] is not None)
+        except UserError as e:
+            console.print(Text(str(e), style="yellow"))
+            return
+        if first and self.cache_file is not None:
+            self.cache = kv_cache(self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
+                                  *self.kv)
+        progress = PrefillProgress()
+        view = ReplyView(console)
+        tokens: list[int] = []
+        pieces: list[str] = []
+        last = None
+        interrupted = False
+        gen = stream_generate(self.model, self.draft, self.tokenizer, ids, prompt_cache=self.cache,
+                              prompt_progress=progress, max_tokens=max_tokens, **self.sampling)
+        try:
+            try:
+                with keys_not_echoed():
+                    for last in gen:
+                        with sigint_deferred():
+                            tokens += last.tokens
+                            pieces.append(last.text)
+                            view.add(last.text, status_text(last))
+            except KeyboardInterrupt:
+                interrupted = True
+            with sigint_ignored():
+                # Closing the generator rolls the caches back to what was committed.
+                gen.close()
+                progress.close()
+                if interrupted:
+                    # The streaming detokenizer may hold back the end of the text.
+                    rest = self._unshown(tokens, "".join(pieces))
+                    if rest:
+                        pieces.append(rest)
+                        view.add(rest, "")
+                view.finish()
+        except KeyboardInterrupt:  # pressed again before the tidy-up began
+            interrupted = True
+            gen.close()
+            view.finish()
+        if not self.cache.consistent():
+            # Never expected (the cache settles itself on any interrupt); said
+            # aloud so that a test or a user would see it.
+            console.print(Text("(prompt cache rebuilt)", style="dim"))
+            self.cache = self._make_cache()
+        reply = "".join(pieces)
+        if tokens:
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            if not self.template:
+                self.history = ids + tokens
+        if last is not None:
+            self.stats.add(last)
+        if interrupted:
+            console.print(Text("⏹ reply stopped", style="yellow"))
+        if last is not None:
+            cut = f" · cut at {limit}" if last.finish_reason == "length" else ""
+            console.print(Text("── " + status_text(last, self.block_size, final=True) + cut, style="dim"))
+            if last.finish_reason == "length" and max_tokens < self.max_tokens:
+                console.print(Text("the conversation has reached the target's context length; /save it and /reset "
+                                   "to go on.", style="yellow"))
+
+    def _unshown(self, tokens: list[int], shown: str) -> str:
+        eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
+        full = self.tokenizer.decode([t for t in tokens if t not in eos])
+        return full[len(shown):] if full.startswith(shown) else ""
+
+    # -- the loop --------------------------------------------------------------
+    def banner(self) -> None:
+        mode = "chat template" if self.template else "raw text (no chat template)"
+        thinking = ", thinking on" if self.thinking else ""
+        console.print(Text(f"dflash-mlx chat · {self.model_name} · block {self.block_size} · {mode}{thinking}", style="bold"))
+        console.print(Text("/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit leaves", style="dim"))
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False when the session should end."""
+        name = line.split()[0].lower()
+        if name in ("/quit", "/exit", "/q"):
+            return False
+        if name == "/help":
+            console.print(Text(HELP, style="dim"))
+        elif name == "/reset":
+            self.reset()
+            console.print(Text("conversation cleared", style="dim"))
+        elif name == "/stats":
+            console.print(stats_chart(self.stats))
+        elif name == "/save":
+            where = line[len(name):].strip()
+            if not where:
+                console.print(Text("/save needs a file name, e.g. /save talk.json", style="yellow"))
+                return True
+            try:
+                self.save(Path(where).expanduser())
+            except OSError as e:
+                console.print(Text(f"cannot write {where}: {e.strerror}; check the path.", style="yellow"))
+                return True
+            console.print(Text(f"saved {len(self.messages)} messages to {where}; chat --resume {where} continues", style="dim"))
+        elif name == "/think":
+            if not (self.template and supports_thinking(self.tokenizer)):
+                console.print(Text("this model's chat template has no thinking section.", style="dim"))
+            self.thinking = not self.thinking
+            console.print(Text(f"thinking {'on' if self.thinking else 'off'}", style="dim"))
+        else:
+            console.print(Text(f"unknown command {name}; /help lists the commands.", style="yellow"))
+        return True
+
+    def run(self) -> None:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        tty = sys.stdout.isatty()
+        prompt = "\001\033[1;32m\002>>> \001\033[0m\002" if tty else ">>> "
+        self.banner()
+        while True:
+            try:
+                line = read_message(prompt, tty).strip()
+            except EOFError:
+                console.print()
+                return
+            except KeyboardInterrupt:
+                console.print()
+                console.print(Text("(Ctrl-D or /quit to leave)", style="dim"))
+                continue
+            if not line:
+                continue
+            if line.startswith("/") and "\n" not in line:
+                if not self.command(line):
+                    return
+                continue
+            self.reply(line)
+
+
+def chat_command(
+    model: Model = None,
+    draft_model: DraftModel = None,
+    dtype: Dtype = "auto",
+    max_tokens: MaxTokens = 512,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    top_k: TopK = 0,
+    seed: Seed = None,
+    block_size: BlockSize = None,
+    num_draft_tokens: NumDraftTokens = None,
+    system_prompt: SystemPrompt = None,
+    ignore_chat_template: IgnoreChatTemplate = False,
+    enable_thinking: EnableThinking = False,
+    chat_template_config: ChatTemplateConfig = None,
+    extra_eos_token: ExtraEosToken = None,
+    adapter_path: AdapterPath = None,
+    trust_remote_code: TrustRemoteCode = False,
+    prompt_cache_file: PromptCacheFile = None,
+    resume: Annotated[
+        Optional[Path], typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False)
+    ] = None,
+    prefill_step_size: PrefillStepSize = 2048,
+    kv_bits: KvBits = None,
+    kv_group_size: KvGroupSize = 64,
+    quantized_kv_start: QuantizedKvStart = 5000,
+    max_kv_size: MaxKvSize = None,
+    verbose: Verbose = False,
+):
+    """Chat with a model in the terminal, with live DFlash stats.
+
+    Replies stream token by token above a status line (tok/s, acceptance
+    length and rate, block size, memory). The caches are kept across turns,
+    so a follow-up does not re-read the conversation. Leaving out --model
+    uses the built-in pair.
+    """
+    with user_errors(verbose):
+        flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
+        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags)
+        kwargs = template_args(chat_template_config)
+        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
+        conversation = None if resume is None else load_conversation(resume)
+        prefix = ""
+        if prompt_cache_file is not None:
+            cached = read_cache_file(prompt_cache_file)
+            prefix, system_prompt = cached["prompt"], system_prompt or cached["system_prompt"]
+            kwargs = kwargs or cached["template_kwargs"]
+        target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
+                                             trust_remote_code=trust_remote_code, dtype=dtype)
+        check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
+        add_eos_tokens(tokenizer, extra_eos_token)
+        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
+        if not ignore_chat_template and not uses_template(tokenizer, False):
+            console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))
+        session = ChatSession(
+            target, draft, tokenizer, model_name=str(model or "builtin"), max_tokens=max_tokens, temp=temp,
+            top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, system_prompt=system_prompt,
+            ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking,
+            prefill_step_size=prefill_step_size, min_p=min_p, template_kwargs=kwargs,
+            cache_file=prompt_cache_file, prefix=prefix, kv=(kv_bits, kv_group_size, quantized_kv_start, max_kv_size),
+        )
+        if conversation is not None:
+            session.resume(conversation)
+        session.run()

@@ -1,0 +1,342 @@
+"""`dflash-mlx doctor`: what this machine is, whether the attention kernels
+check out on it, and how fast DFlash decodes here next to plain decoding."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+
+import typer
+from rich.console import Console
+from typing_extensions import Annotated
+
+EXAMPLES = """\
+Examples:
+
+$ dflash-mlx doctor
+
+$ dflash-mlx doctor --seconds 5      # a shorter decoding probe
+
+$ dflash-mlx doctor --seconds 0      # machine and kernel checks only
+"""
+
+PROMPT = "def fibonacci(n):"
+PROBE_TOKENS = 128  # a run's reply, as benchmarks/bench_builtin.py's; runs repeat until the time is spent
+
+
+def doctor_command(
+    seconds: Annotated[
+        float,
+        typer.Option("--seconds", help=f"Time for the decoding probe: runs of {PROBE_TOKENS} tokens, plain decoding "
+                                      "and DFlash in turn, after one untimed run of each; 0 skips it."),
+    ] = 30.0,
+):
+    """Check this machine: MLX backend, kernel self-checks, a decoding probe.
+
+    Run it first when DFlash is slow or wrong here, and paste the block it
+    ends with into the bug report.
+    """
+    out = Console(highlight=False)
+    report: list[tuple[str, str]] = []
+
+    def line(key: str, value: str, style: str = "") -> None:
+        report.append((key, value))
+        out.print(f"  {key:<22} " + (f"[{style}]{value}[/]" if style else value), soft_wrap=True)
+
+    out.print("[bold]machine[/]")
+    for key, value in machine():
+        line(key, value)
+
+    out.print("\n[bold]block-attention kernels[/]")
+    kernels(line, out.print)
+
+    out.print("\n[bold]matrix products[/] (a verify multiplies a block of rows; one row is a plain step)")
+    products(line)
+
+    out.print("\n[bold]decoding probe[/] (built-in pair, greedy)")
+    if seconds > 0:
+        probe(line, seconds)
+    else:
+        line("probe", "skipped (--seconds 0)")
+
+    out.print("\n[bold]Paste this into a bug report:[/]")
+    width = max(len(k) for k, _ in report)
+    block = "\n".join(f"{k:<{width}}  {v}" for k, v in report)
+    out.print("```\n" + block + "\n```", markup=False, soft_wrap=True)
+
+
+def machine() -> list[tuple[str, str]]:
+    import mlx.core as mx
+
+    from dflash_mlx import __version__
+    from dflash_mlx.kernels import backend
+
+    info = _device_info(mx)
+    rows = [
+        ("dflash-mlx", __version__),
+        ("os", f"{platform.system()} {platform.release()} ({platform.machine()})"),
+        ("python", platform.python_version()),
+        ("mlx", _version("mlx", mx.__version__)),
+        ("mlx-lm", _version("mlx-lm")),
+        ("backend", f"{backend()} (default device {mx.default_device()})"),
+        ("chip", str(info.get("device_name") or _cpu_name())),
+    ]
+    mem = info.get("memory_size") or info.get("total_memory") or _ram_bytes()
+    if mem:
+        rows.append(("memory", f"{mem / 2**30:.1f} GiB"))
+    if info.get("max_recommended_working_set_size"):
+        rows.append(("gpu working set", f"{info['max_recommended_working_set_size'] / 2**30:.1f} GiB"))
+    return rows
+
+
+# What a first run on a machine pays before the check lines come, per backend.
+COLD_BUILDS = {"cuda": "; a machine's first run compiles them, which takes minutes on CUDA"}
+
+
+def kernels(line, note) -> None:
+    """A line per kernel variant's self-check, each as it completes; ``note``
+    prints to the console only (not the paste block)."""
+    from dflash_mlx.kernels import backend, self_check_all
+
+    where = backend()
+    if where == "cpu":
+        line("kernels", "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention")
+        return
+    note(f"  (each variant is built and checked in turn{COLD_BUILDS.get(where, '')})")
+
+    def attention_line(r) -> None:
+        check_line(line, f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", r, "fused op used")
+
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the lines say the same, once per case
+            results = self_check_all(report=attention_line)
+    except Exception as e:  # doctor reports, it does not crash
+        line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
+        return
+    results += small_kernel_checks(line)
+    failed = sum(not r.ok for r in results)
+    line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
+    try:
+        for keys in (1024, 4096):
+            fused, kernel = time_attention(keys)
+            line(f"attention {keys // 1024}k keys", f"fused {fused:.3f} ms, kernel {kernel:.3f} ms (16 rows, 32/8 heads, d128, bf16)"
+                 if kernel is not None else f"fused {fused:.3f} ms, kernel not usable")
+    except Exception as e:
+        line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
+
+
+def check_line(line, name: str, result, fallback: str) -> None:
+    """A kernel check's line: ok, or FAILED naming what runs instead."""
+    line(name, ("ok, " if result.ok else f"FAILED ({fallback}), ") + result.detail, "green" if result.ok else "red")
+
+
+def small_kernel_checks(line) -> list:
+    """The q/k norm + RoPE kernel's checks (Metal, CUDA) and the block-product
+    kernel's (CUDA), a line each; their results."""
+    import warnings
+
+    from dflash_mlx.kernels.cuda import products as block_products
+    from dflash_mlx.kernels import norm_rope
+
+    results = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the lines below say it)
+            for label, module, fallback in (("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
+                                            ("products", block_products, "MLX's products used")):
+
+                def small_line(r, label=label, fallback=fallback) -> None:
+                    check_line(line, f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else ""), r, fallback)
+
+                results += module.self_check_all(report=small_line)
+    except Exception as e:  # doctor reports, it does not crash
+        line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
+    return results
+
+
+# Above this, 16 rows cost so many plain steps that no drafter can win.
+SLOW_ROWS = 4.0
+
+
+def products(line) -> None:
+    """Which BLAS MLX's CPU products run on, and how a 16-row matrix product
+    costs against a 1-row one, per dtype: a verify's cost against a plain
+    step's. On a CPU whose BLAS does not amortize rows (MLX's Linux wheel
+    ships the reference BLAS), say what helps."""
+    from dflash_mlx import fast_blas
+    from dflash_mlx.kernels import backend
+
+    line("BLAS", fast_blas.describe(), "" if fast_blas.active() or not sys.platform.startswith("linux") else "yellow")
+    try:
+        ratios = {name: product_scaling(name) for name in ("bfloat16", "float32")}
+    except Exception as e:  # doctor reports, it does not crash
+        line("16 rows / 1 row", f"could not run: {type(e).__name__}: {e}", "red")
+        return
+    slow = min(ratios.values()) > SLOW_ROWS
+    line("16 rows / 1 row", ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + " (1024 x 1024)",
+         "yellow" if slow else "")
+    if backend() != "cpu":
+        return
+    if slow:
+        hint = ("a verify of 16 tokens costs many plain steps here, so DFlash runs slower than plain decoding "
+                "on this CPU; use a GPU (Apple silicon) for speed")
+        if sys.platform.startswith("linux"):
+            hint += ("; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian/Ubuntu: "
+                     "apt-get install libopenblas0), which dflash_mlx then opens for MLX and computes in float32")
+        line("hint", hint, "yellow")
+    elif fast_blas.active():
+        line("dtype", "auto: float32 on this CPU (its products reach the fast BLAS; --dtype with the checkpoint's "
+             "own dtype, e.g. bfloat16, computes in that instead)")
+
+
+def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:
+    """Seconds of a [16, n] x [n, n] product over a [1, n] x [n, n] one."""
+    import mlx.core as mx
+
+    w = mx.random.normal((n, n)).astype(getattr(mx, dtype))
+    rows = {b: mx.random.normal((b, n)).astype(w.dtype) for b in (1, 16)}
+    mx.eval(w, rows)
+
+    def seconds(x):
+        mx.eval(x @ w)
+        tic = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(x @ w)
+        return time.perf_counter() - tic
+
+    return seconds(rows[16]) / seconds(rows[1])
+
+
+def time_attention(keys: int, reps: int = 20):
+    """Fused op vs kernel (ms per call) at the verify shape the dispatch table was measured on."""
+    import mlx.core as mx
+
+    from dflash_mlx.kernels import backend, ops_attention
+    from dflash_mlx.kernels.dispatch import checked_kernel
+
+    q = mx.random.normal((1, 32, 16, 128)).astype(mx.bfloat16)
+    k = mx.random.normal((1, 8, keys, 128)).astype(mx.bfloat16)
+    kw = dict(scale=128**-0.5, q_offset=mx.array(keys - 16), kv_length=mx.array(keys), causal=True)
+    kernel = checked_kernel(backend(), mx.bfloat16, 128, False)
+
+    def ms(fn):
+        mx.eval(fn())
+        tic = time.perf_counter()
+        mx.eval([fn() for _ in range(reps)])
+        return (time.perf_counter() - tic) / reps * 1e3
+
+    fused = ms(lambda: ops_attention(q, k, k, **kw))
+    return fused, (ms(lambda: kernel(q, k, k, **kw)) if kernel is not None else None)
+
+
+def probe(line, seconds: float) -> None:
+    """Plain decoding and DFlash (its default, ``auto`` block) on the
+    built-in pair: one untimed run of each first (a fresh process builds its
+    kernels and graphs there, as a server's first request does), then runs
+    of PROBE_TOKENS tokens of each in turn until ``seconds`` have passed,
+    so that both are timed over the same lengths, and neither by the one-off
+    builds of lengths the other did not reach."""
+    try:
+        import mlx_lm
+
+        from dflash_mlx import load, stream_generate
+
+        model, draft, tokenizer = load("builtin")
+        runs = {
+            "plain": lambda: mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=PROBE_TOKENS),
+            "dflash": lambda: stream_generate(model, draft, tokenizer, PROMPT, max_tokens=PROBE_TOKENS),
+        }
+        for run in runs.values():
+            _last(run())
+        tokens, spent = {name: 0 for name in runs}, {name: 0.0 for name in runs}
+        drafted = committed = 0  # DFlash's drafting cycles and the tokens they committed
+        tic = time.perf_counter()
+        while True:
+            for name, run in runs.items():
+                n, took, last = _timed(run())
+                tokens[name] += n
+                spent[name] += took
+                if name == "dflash":
+                    cycles = last.cycles - last.plain_cycles
+                    drafted += cycles
+                    committed += last.acceptance_length * cycles
+            if time.perf_counter() - tic >= seconds:
+                break
+    except Exception as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        line("probe", f"failed: {type(e).__name__}: {e} ({where.filename}:{where.lineno} in {where.name})", "red")
+        return
+    rate = {name: tokens[name] / max(spent[name], 1e-9) for name in runs}
+    line("plain decoding", f"{rate['plain']:.1f} tok/s ({tokens['plain']} tokens)")
+    line("dflash", f"{rate['dflash']:.1f} tok/s ({tokens['dflash']} tokens, acceptance length "
+         f"{committed / max(drafted, 1):.2f}, block auto up to {draft.config.block_size})")
+    ratio = rate["dflash"] / max(rate["plain"], 1e-9)
+    line("dflash / plain", f"{ratio:.2f}x", "green" if ratio >= 1 else "yellow")
+
+
+def _last(responses):
+    """The last response from a stream."""
+    return _timed(responses)[2]
+
+
+def _timed(responses):
+    """(tokens after the first, the seconds they took, the last response) of
+    a stream, on one clock for both libraries (the first token's time is the
+    prompt's)."""
+    first = last = None
+    count = 0
+    for last in responses:
+        count += len(last.tokens) if hasattr(last, "tokens") else 1  # (ours: a cycle's; mlx-lm's: one)
+        if first is None:
+            first, count = time.perf_counter(), 0
+    if last is None:
+        raise RuntimeError("the generator produced nothing")
+    return count, time.perf_counter() - first, last
+
+
+def _version(dist: str, fallback: str | None = None) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return fallback or "not installed"
+
+
+def _device_info(mx) -> dict:
+    try:
+        return dict(mx.device_info())
+    except Exception:
+        try:
+            return dict(mx.metal.device_info())
+        except Exception:
+            return {}
+
+
+def _cpu_name() -> str:
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5).stdout.strip()
+        except Exception:
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for row in f:
+                if row.startswith("model name"):
+                    return row.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

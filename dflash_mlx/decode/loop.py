@@ -1,0 +1,168 @@
+"""The token-level DFlash loop: prefill, queue cycles, commit, stop.
+
+``decode`` yields one ``Step`` for the first token and one per verify cycle.
+Cycles are pipelined: cycle n+1 is built and queued from cycle n's device
+state before the host reads cycle n's tokens (see cycle.py), so graph
+building and kernel launches overlap the device's work. The host learns each
+cycle's tokens one cycle late; it then commits them to the prompt cache,
+checks EOS and ``max_tokens``, and a cycle queued past the end is dropped
+(the cache's lengths are settled from its committed tokens).
+
+Text, statistics and the public response live one level up, in
+speculative.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..auto.chooser import BlockChooser
+from .cycle import Cycle, Flight
+from ..cache import quantized as kvq
+from ..draft.dflash import DFlashDraft
+from ..cache.prompt import PromptCache
+from ..targets import DenseTarget
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed by this step (an EOS included)
+    accepted: int | None  # drafts accepted (None for the first token)
+    block_size: int  # tokens verified (1: a plain target step)
+    finish: str | None  # "stop" (EOS), "length" (max_tokens) or None
+
+
+def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: list[int], step: int,
+            progress: Callable[[int, int], None] | None) -> mx.array:
+    """Read the part of ``ids`` the cache lacks into both caches, in chunks of
+    ``step``; returns the target's logits [V] after the last id."""
+    taps = list(draft.config.target_layer_ids)
+    new = ids[cache.keep_prefix(ids):]
+    logits = None
+    done = 0
+    for chunk in cache.chunks(new, step):
+        logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
+        draft.extend(hidden, cache.draft)
+        mx.eval(logits, cache.arrays())
+        cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
+        kvq.maybe_quantize(cache)
+        done += len(chunk)
+        if progress is not None:
+            progress(done, len(new))
+    return logits[0, -1]
+
+
+def decode(
+    target: DenseTarget,
+    draft: DFlashDraft,
+    cache: PromptCache,
+    ids: list[int],
+    *,
+    max_tokens: int,
+    sampling: tuple[float, float, int, float],
+    seed: int,
+    block: int | BlockChooser,
+    eos: set[int],
+    prefill_step_size: int = 2048,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Step]:
+    """Yield the first token's Step, then one per cycle, until EOS or
+    ``max_tokens``. ``block``: a fixed block size or a chooser asked before
+    every cycle. The target cache holds the prompt and every committed token
+    but the last whenever a Step is yielded, and both caches do when the
+    generator ends or is closed (the drafter's context may lag by the plain
+    steps since the last drafting cycle until then, see cycle.py)."""
+    owner = object()
+    cache.claim(owner)
+    try:
+        yield from _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos,
+                           prefill_step_size, progress)
+    finally:
+        cache.release(owner)
+
+
+def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos, step, progress):
+    cycle = Cycle(target, draft, cache, sampling, seed)
+    try:
+        yield from _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress)
+    finally:
+        if cache.owner is owner:  # (a newer call that took the cache over settles it itself)
+            with mx.stream(generation_stream):
+                cycle.feed_deferred(len(cache.tokens))
+
+
+def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress):
+    chooser = block if isinstance(block, BlockChooser) else None
+
+    def launch(bs: int, last, length, bound: int, exact: bool) -> Flight:
+        tic = time.perf_counter()
+        with mx.stream(generation_stream):
+            flight = cycle.launch(bs, last, length, bound, exact)
+        flight.launch_seconds = time.perf_counter() - tic
+        return flight
+
+    def choose() -> int:
+        return chooser.choose(cycle.would_build) if chooser is not None else block
+
+    if chooser is not None:
+        chooser.new_reply()
+
+    with mx.stream(generation_stream):
+        last_logits = prefill(target, draft, cache, ids, step, progress)
+        last = cycle.first_token(last_logits, len(ids))
+    first = last.item()
+    n = 1
+    if first in eos or max_tokens == 1:
+        yield Step([first], None, 1, "stop" if first in eos else "length")
+        return
+    flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
+    yield Step([first], None, 1, None)
+    cache.check_owner(owner)
+    last_host = first
+    while True:
+        # Queue the next cycle before reading this one, unless this one surely
+        # ends the reply. Blocks are not cut near the end (a cut block would
+        # be one more graph to build): what passes max_tokens is dropped.
+        following = None
+        if n + 1 < max_tokens:
+            bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
+            bs = choose()
+            if kvq.may_queue(cache, bound, bs):  # (not if it might straddle the start of KV quantization)
+                # (exact after a plain step: it commits one position)
+                following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
+        tic = time.perf_counter()
+        values = flight.result.tolist()
+        if chooser is not None:
+            # A cycle's cost: building and queuing it, plus waiting for its
+            # result once the next one is queued (the time between two reads
+            # would be the next cycle's launch wherever launching is the bound,
+            # as on a CPU, where queuing a graph computes most of it); a cycle
+            # that built new graphs is no measure of its size's cost, but what
+            # exploring that size cost (block_size.py).
+            took = flight.launch_seconds + time.perf_counter() - tic
+            chooser.record(flight.block_size, values[0], None if flight.new_shape else took,
+                           built=took if flight.new_shape else None)
+        accepted, proposals = values[0], values[1:]
+        new = proposals[: min(accepted + 1, max_tokens - n)]
+        stop = next((i for i, t in enumerate(new) if t in eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+        cache.tokens.append(last_host)
+        cache.tokens.extend(new[:-1])
+        last_host = new[-1]
+        n += len(new)
+        finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
+        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish)
+        if finish is not None:
+            return
+        cache.check_owner(owner)
+        if following is None:  # held back above: queued now, from the exact length
+            following = launch(kvq.ready(cache, bs), flight.last, flight.length, len(cache.tokens), exact=True)
+        flight = following
+        if n // 256 != (n - len(new)) // 256:
+            mx.clear_cache()

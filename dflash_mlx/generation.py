@@ -1,0 +1,235 @@
+"""The text-level DFlash API: ``stream_generate``, ``generate`` and the
+responses they yield.
+
+Under it, decode.py runs the token-level loop (prefill, pipelined cycles,
+commit, EOS/length) and cycle.py one cycle on the device; here the prompt is
+encoded, the arguments checked (arguments.py, shared with the CLI), tokens
+turned into text and the statistics kept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .arguments import check_generation_args
+from .auto import memory as block_memory
+from .auto.chooser import auto_range
+from .decode.loop import decode
+from .draft.dflash import DFlashDraft
+from .cache.prompt import PromptCache, make_prompt_cache
+from .prompts import encode
+from .targets import adapt
+
+
+@dataclass
+class GenerationResponse:
+    """One step of ``stream_generate``: the first token, then one verify cycle.
+
+    text: the new text segment; tokens: ids committed by this response (an
+    EOS id included, though its text is not); accepted: drafted tokens the
+    target accepted this cycle (None for the first token); block_size: tokens
+    verified this cycle (1: a plain target step, which ``block_size="auto"``
+    runs when no block pays); acceptance_length: mean tokens committed per
+    drafting cycle so far, bonus included; acceptance_rate: accepted /
+    proposed drafts so far; generation_tps: tokens per second since the
+    first token (0.0 on the first response); peak_memory in GB;
+    finish_reason: "stop" (EOS), "length" (max_tokens) or None; block_sizes:
+    cycles run so far per block size.
+    """
+
+    text: str
+    tokens: list[int]
+    accepted: int | None
+    block_size: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    acceptance_length: float
+    acceptance_rate: float
+    peak_memory: float
+    finish_reason: str | None = None
+    cycles: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    block_sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def plain_cycles(self) -> int:
+        """Cycles run as plain target steps (no drafts)."""
+        return self.block_sizes.get(1, 0)
+
+
+def _token_ids(prompt) -> list[int]:
+    bad = ValueError("the prompt must be a string or a 1-D sequence of integer token ids (or a batch of one).")
+    if isinstance(prompt, mx.array):
+        if not mx.issubdtype(prompt.dtype, mx.integer):
+            raise bad
+        array = np.array(prompt)
+    elif isinstance(prompt, np.ndarray):
+        if prompt.dtype.kind not in "iu":
+            raise bad
+        array = prompt
+    else:
+        items = list(prompt)
+        if len(items) == 1 and isinstance(items[0], (list, tuple)):  # a batch of one
+            items = list(items[0])
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) for t in items):
+            raise bad
+        array = np.array(items, dtype=np.int64)
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise bad
+    return [int(t) for t in array.tolist()]
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array, vocab_size: int) -> list[int]:
+    """Token ids from a str (encoded as is) or from ids of any integer kind:
+    a list, a numpy or an mx array, 1-D or a batch of one."""
+    if isinstance(prompt, str):
+        ids = encode(tokenizer, prompt)
+    else:
+        ids = _token_ids(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token of text.")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"the prompt holds token ids outside the target's vocabulary [0, {vocab_size}).")
+    return ids
+def stream_generate(
+    model,
+    draft: DFlashDraft,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    block_size: int | None = None,
+    seed: int | None = None,
+    prompt_cache: PromptCache | None = None,
+    prefill_step_size: int = 2048,
+    prompt_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate with DFlash, yielding a GenerationResponse for the first token
+    and one per verify cycle. Output is exactly the target's own: its greedy
+    decoding at temperature 0, its sampling distribution (mlx-lm's
+    temperature, top-p, min-p, top-k) otherwise. Arguments are checked before this
+    returns (ValueError with one sentence).
+
+    prompt: a str (encoded as is, no chat template) or token ids.
+    block_size: tokens per verify (last committed + block_size-1 drafts), at
+    most the drafter's trained block; None or "auto" (the default) chooses it
+    before every cycle, plain target steps included, from the acceptance and
+    cycle times measured so far with this drafter (block_size.py).
+    seed: fixes a sampled run's text, whatever the block sizes (the target's
+    noise is fixed per position); any integer.
+    prompt_cache: from ``make_prompt_cache``; pass the whole conversation as
+    the prompt each time and only the part not already cached is prefilled.
+    A newer call on the same cache takes it over from a generator still alive.
+    prompt_progress(done, total): called after each prefill chunk.
+    """
+    target = adapt(model)
+    draft.bind(target)
+    args = check_generation_args(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        block_size=block_size, seed=seed, prefill_step_size=prefill_step_size, trained_block_size=draft.config.block_size,
+    )
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = encode_prompt(tokenizer, prompt, target.vocab_size)
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(target.model, draft)
+    prompt_cache.check_pair(target, draft)
+    hi = draft.config.block_size
+    auto = args.block_size == "auto"
+    block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
+    steps = decode(
+        target, draft, prompt_cache, ids, max_tokens=args.max_tokens,
+        sampling=_sampling(args), seed=args.seed, block=block,
+        eos=set(tokenizer.eos_token_ids), prefill_step_size=args.prefill_step_size, progress=prompt_progress,
+    )
+    if auto:  # what it learned, for the next process (block_memory.py)
+        steps = block_memory.remembered(steps, block)
+    return _responses(target, tokenizer, steps, len(ids), hi)
+
+
+def _sampling(args) -> tuple:
+    """decode's sampling tuple: (temperature, top_p, top_k, min_p)."""
+    return (args.temperature, args.top_p, args.top_k, args.min_p)
+
+
+def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:
+    """Text and running statistics for each Step of the token-level loop."""
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(tokenizer.eos_token_ids)
+    by_position = [0] * (hi - 1)
+    sizes: dict[int, int] = {}
+    n = drafting = committed_drafting = accepted_total = proposed = 0
+    with wired_limit(target.model, [generation_stream]):
+        tic = time.perf_counter()
+        prompt_tps = gen_tic = None
+        for step in steps:
+            if prompt_tps is None:
+                gen_tic = time.perf_counter()
+                prompt_tps = prompt_tokens / max(gen_tic - tic, 1e-9)
+            else:
+                sizes[step.block_size] = sizes.get(step.block_size, 0) + 1
+                if step.block_size > 1:
+                    drafting += 1
+                    committed_drafting += len(step.tokens)
+                    accepted_total += step.accepted
+                    proposed += step.block_size - 1
+                    for i in range(step.accepted):
+                        by_position[i] += 1
+            n += len(step.tokens)
+            for t in step.tokens:
+                if t not in eos:
+                    detok.add_token(t)
+            if step.finish is not None:
+                detok.finalize()
+            elapsed = time.perf_counter() - gen_tic
+            yield GenerationResponse(
+                text=detok.last_segment,
+                tokens=step.tokens,
+                accepted=step.accepted,
+                block_size=step.block_size,
+                prompt_tokens=prompt_tokens,
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=(n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+                acceptance_length=committed_drafting / drafting if drafting else 0.0,
+                acceptance_rate=accepted_total / proposed if proposed else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=step.finish,
+                cycles=sum(sizes.values()),
+                accepted_by_position=list(by_position),
+                block_sizes=dict(sizes),
+            )
+
+
+def generate(model, draft: DFlashDraft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> str:
+    """Like ``stream_generate`` (same arguments) but returns the whole text."""
+    text, last = [], None
+    for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        text.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print(
+            f"\n{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, "
+            f"acceptance length {last.acceptance_length:.2f}, "
+            f"acceptance rate {last.acceptance_rate:.1%}, peak memory {last.peak_memory:.2f} GB"
+        )
+    return "".join(text)
+
+

@@ -1,0 +1,1 @@
+"""Kernels only MLX's CUDA backend runs; imported only there."""

@@ -1,0 +1,165 @@
+"""Dense decoder layers with fused projections: q, k and v as one matrix
+product, gate and up as another.
+
+A verify pass multiplies a few rows by every weight matrix of the target, and
+at real model sizes the cycle is bound by the host launching those products
+(benchmarks/host_cost.py: on MLX's CUDA backend a 16-row product costs the
+host ~25 us to launch, a 1-row one ~7 us, an elementwise kernel ~4 us). A
+layer of mlx-lm's qwen3 or llama has seven; fused, four, with the same
+arithmetic per output element (each output is still one row of one weight
+matrix times the input).
+
+Fusing concatenates the weights once per layer, then makes each of mlx-lm's
+own projections a view of its rows of the fused matrix (MLX slices share the
+buffer), so memory does not grow and the model still runs in mlx-lm
+unchanged. A verify's products go through kernels/block_products.py (one
+kernel launch each on CUDA). ``block`` runs a layer with them: mlx-lm's TransformerBlock
+forward (qwen3: q/k norms; llama: optional biases) with the products fused
+(layers.dense_block), its attention through ``attention.attention_output``.
+Layers that are not plain (a LoRA adapter, mixed quantization) are run by
+their own module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .linear import apply_linear, apply_linear_swiglu
+from .blocks import dense_block
+
+# mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
+# projection names; their forward takes the fused projections, draft.py)
+FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama", "dflash_mlx.draft.dflash", "dflash_mlx.draft.dflash2")
+
+
+@dataclass
+class FusedProjections:
+    kvq: nn.Module  # k, v and q side by side, in that order
+    kvq_splits: list[int]  # where v and q start in kvq's output
+    kv: nn.Module  # the first rows of kvq (a view): keys and values alone, for the drafter's context
+    gate_up: nn.Module  # gate's rows, then up's (as many)
+
+    def qkv(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """The q, k and v projections of ``norm(x)`` (``norm``: None, or the
+        layer's input RMSNorm, taken into the product's launch where the
+        kernel can), from one product."""
+        k, v, q = mx.split(apply_linear(self.kvq, x, norm=norm), self.kvq_splits, axis=-1)
+        return q, k, v
+
+    def keys_values(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
+        """The k and v projections of ``norm(x)`` alone, from one product."""
+        k, v = mx.split(apply_linear(self.kv, x, norm=norm), self.kvq_splits[:1], axis=-1)
+        return k, v
+
+    def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None,
+            norm: nn.Module | None = None) -> mx.array:
+        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)``, gate and up from one
+        product with the norm and the SwiGLU in its launch where it can
+        (plus ``residual``, added by the down product's launch where it can)."""
+        return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x, norm), residual)
+
+
+# id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
+_fused: dict[int, tuple[weakref.ref, FusedProjections | None, tuple]] = {}
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear layer whose output is ``linears``' outputs side by side, or
+    None if they differ in kind, input size, bias or quantization. Each of
+    ``linears`` is left holding views of its rows of the fused arrays."""
+    kind = type(linears[0])
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(m) is not kind for m in linears):
+        return None
+    names = sorted(k for k, v in linears[0].items() if isinstance(v, mx.array))
+    if any(sorted(k for k, v in m.items() if isinstance(v, mx.array)) != names for m in linears):
+        return None
+    if any(m.weight.shape[1:] != linears[0].weight.shape[1:] for m in linears):
+        return None
+    if kind is nn.QuantizedLinear:
+        spec = lambda m: (m.group_size, m.bits, getattr(m, "mode", "affine"))  # noqa: E731
+        if any(spec(m) != spec(linears[0]) for m in linears):
+            return None
+    wholes = {name: mx.concatenate([m[name] for m in linears], axis=0) for name in names}
+    mx.eval(wholes)
+    rows = [m.weight.shape[0] for m in linears]
+    for name, whole in wholes.items():
+        start = 0
+        for m, n in zip(linears, rows):
+            m[name] = whole[start : start + n]
+            start += n
+    mx.eval([m.parameters() for m in linears])
+    return linear_like(linears[0], wholes)
+
+
+def first_rows(linear: nn.Module, n: int) -> nn.Module:
+    """A linear layer of the same kind whose arrays are views of ``linear``'s
+    first ``n`` output rows (its first outputs, no copy)."""
+    return linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
+
+
+def linear_like(like: nn.Module | type, arrays: dict[str, mx.array]) -> nn.Module:
+    """A linear layer of ``like``'s kind and quantization holding ``arrays``
+    (``like``: a linear layer, or a class such as nn.Linear; no weights of its own)."""
+    kind = like if isinstance(like, type) else type(like)
+    made = kind.__new__(kind)  # no weights of its own: ``arrays`` are them
+    nn.Module.__init__(made)
+    if kind is nn.QuantizedLinear:
+        made.group_size, made.bits = like.group_size, like.bits
+        made.mode = getattr(like, "mode", "affine")
+    for name, value in arrays.items():
+        made[name] = value
+    if kind is nn.QuantizedLinear:
+        made.freeze()
+    return made
+
+
+def projections(layer: nn.Module) -> FusedProjections | None:
+    """The fused projections of an mlx-lm qwen3/llama layer, made once per
+    layer object and kept while its projections are the ones they were made
+    from (later calls, a new adapter of the same model, reuse them; new
+    weights, a LoRA adapter or a quantization since make them again); None
+    for a layer that cannot be fused."""
+    key = id(layer)
+    entry = _fused.get(key)
+    if entry is not None and entry[0]() is layer and _unchanged(entry[2], _sources(layer)):
+        return entry[1]
+    made = None
+    if type(layer).__module__ in FUSABLE_BLOCKS:
+        attn, mlp = layer.self_attn, layer.mlp
+        kvq = fuse([attn.k_proj, attn.v_proj, attn.q_proj])
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if kvq is not None else None
+        if gate_up is not None:
+            # (a quantized weight packs along its columns: rows are still outputs)
+            nk, nv = attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
+            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up)
+    _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made, _sources(layer))
+    return made
+
+
+def _sources(layer: nn.Module) -> tuple:
+    """The projection modules of a layer and the arrays they hold now."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    return tuple(x for m in mods if isinstance(m, nn.Module)
+                 for x in (m, *(m[k] for k in sorted(m) if isinstance(m[k], mx.array))))
+
+
+def _unchanged(then: tuple, now: tuple) -> bool:
+    return len(then) == len(now) and all(a is b for a, b in zip(then, now))
+
+
+def block(layer: nn.Module, window: int | None = None) -> Callable:
+    """``layer``'s forward (h, mask, cache) -> h, through fused projections
+    where the layer allows, else the layer itself. ``window``: the layer's
+    sliding window (None: full attention), which its mask also carries."""
+    fused = projections(layer)
+    if fused is None:
+        return layer
+
+    return dense_block(layer, fused.qkv, lambda h, norm: fused.mlp(layer.mlp, h, h, norm), window)
