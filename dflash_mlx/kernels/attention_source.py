@@ -295,8 +295,8 @@ MERGE_BODY = """
   const size_t bh = row / Lq;
   const size_t at = ((bh / HQ * Lq + row % Lq) * HQ + bh % HQ) * D + d;  // out is [B, Lq, HQ, D]
   const float sink = HAS_SINKS ? to_float(sinks[(row / Lq) % HQ]) * LOG2E_F : 0.0f;
-  const DEV float* mp = m_part + row * nch;
-  const DEV float* lp = l_part + row * nch;
+  PARTS_PTR mp = m_part + row * nch;
+  PARTS_PTR lp = l_part + row * nch;
   const DEV float* op = o_part + row * nch * D + d;
   // Four chunks a step, so four loads are in flight rather than one.
   float mx_ = HAS_SINKS ? sink : NEG_INF;
@@ -334,5 +334,12 @@ def partial_source(backend: str) -> str:
     return PRELUDE[backend] + PARTIAL_BODY.replace("SCORE_KEY", SCORE_KEY)
 
 
+# The merge's pointers into m_part and l_part. MLX's Metal backend passes an input
+# of fewer than 8 elements in the constant address space (a merge of one chunk
+# for 1-7 rows), so on Metal they take the parameter's own pointer type; a
+# `const device float*` there failed to compile (scripts/check_metal_kernels.py).
+PARTS_PTR = {"metal": "auto", "cuda": "const DEV float*"}
+
+
 def merge_source(backend: str) -> str:
-    return PRELUDE[backend] + MERGE_BODY
+    return PRELUDE[backend] + MERGE_BODY.replace("PARTS_PTR", PARTS_PTR[backend])

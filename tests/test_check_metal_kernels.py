@@ -1,0 +1,151 @@
+"""scripts/check_metal_kernels.py: every Metal variant decoding can launch,
+rebuilt as MLX builds it and compiled by clang++ against scripts/metal_stub.h;
+and three planted errors (an undeclared name, a threadgroup pointer where a
+device one is expected, a builtin given the wrong number of arguments) that
+it must catch."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("check_metal_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+script = load_script()
+CLANG = script.find_clang()
+needs_clang = pytest.mark.skipif(CLANG is None, reason="no clang++ on PATH (apt-get install -y clang): "
+                                                      "the Metal sources cannot be compiled here")
+
+
+def test_variants_are_named_and_wrapped_as_mlx_does():
+    recorder = script.Recorder()
+    script.record_all(recorder, dtypes=[mx.bfloat16, mx.float32], head_dims=[64])
+    names = list(recorder.variants)
+    for family in ("dflash_block_attn_partial_tiles", "dflash_block_attn_partial", "dflash_block_attn_merge",
+                   "dflash_norm_rope_v"):
+        assert any(v.kernel.startswith(family) for v in recorder.variants.values()), family
+    # every warps count the SIMT pass picks at head dim 64 (16 at most) and the tiles' 1, 2, 4
+    for nw in range(1, 17):
+        assert f"custom_kernel_dflash_block_attn_partial__float_64_{nw}_1_0_4_" in "".join(names), nw
+    for nw in (1, 2, 4):
+        assert any(n.startswith(f"custom_kernel_dflash_block_attn_partial_tiles__bfloat16_t_64_{nw}_1_0_32_2_")
+                   for n in names), nw
+    # a model's window, and the merge's partials and sinks in constant memory (under 8 elements) or device
+    assert any("_64_4_1_128_32_2_" in n for n in names)
+    merges = [n for n in names if "merge" in n]
+    assert any(n.endswith("_64_1_float_floatc_floatc_floatc_bfloat16_t") for n in merges)
+    assert any(n.endswith("_64_1_float_float_float_float_bfloat16_t") for n in merges)
+    src = recorder.variants["custom_kernel_dflash_block_attn_merge__bfloat16_t_64_1_float_floatc_floatc_floatc_bfloat16_t"
+                            ].source
+    assert "template <typename T, int D, bool HAS_SINKS>\n[[kernel]] void custom_kernel_dflash_block_attn_merge_" in src
+    assert "  const device float* o_part [[buffer(0)]],\n  const constant float* m_part [[buffer(1)]],\n" in src
+    assert "  const constant int* m_part_shape [[buffer(2)]],\n" in src
+    assert "  uint3 threadgroups_per_grid [[threadgroups_per_grid]]) {\n" in src
+    assert src.rstrip().endswith("<bfloat16_t, 64, 1>;")
+
+
+def test_launch_limits():
+    variant = script.Variant("k", "")
+    variant.launches = {((128, 1, 1), (128, 1, 1)), ((2048, 1, 1), (2048, 1, 1)), ((96, 1, 1), (48, 1, 1)),
+                        ((100, 1, 1), (64, 1, 1))}
+    problems = "\n".join(script.launch_problems(variant))
+    assert "2048 threads > 1024" in problems and "48 threads, not whole simdgroups" in problems
+    assert "grid (100, 1, 1) is not whole threadgroups (64, 1, 1)" in problems
+    assert "(128, 1, 1)" not in problems
+
+
+@needs_clang
+def test_every_variant_compiles_within_limits():
+    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert "Metal variants compiled" in last and "all within limits" in last, last
+
+
+def check_subset(only, most=3, **kw):
+    """Record one dtype and head dim over a few row counts and compile the
+    first ``most`` variants whose names hold ``only`` (seconds, not the whole set)."""
+    recorder = script.Recorder()
+    script.record_all(recorder, **{"dtypes": [mx.bfloat16], "head_dims": [64], "rows": [16], **kw})
+    picked = sorted(n for n in recorder.variants if only in n)[:most]
+    recorder.variants = {n: recorder.variants[n] for n in picked}
+    assert recorder.variants
+    compiler = script.Compiler(CLANG)
+    lines = []
+    try:
+        failed = script.check_all(recorder, compiler, report=lines.append)
+    finally:
+        compiler.close()
+    return failed, "\n".join(lines), len(recorder.variants)
+
+
+@needs_clang
+def test_a_wrong_name_fails(monkeypatch):
+    from dflash_mlx.kernels import norm_rope
+
+    monkeypatch.setattr(norm_rope, "BODY", norm_rope.BODY.replace("ss = simd_sum(ss);", "ss = simd_sum(sss);"))
+    failed, log, n = check_subset("norm_rope")
+    assert len(failed) == n and "use of undeclared identifier 'sss'" in log, log
+
+
+@needs_clang
+def test_a_wrong_address_space_fails(monkeypatch):
+    from dflash_mlx.kernels import attention_tiles
+
+    # stage8 copies device memory into threadgroup memory: hand it the threadgroup tile as its source
+    body = attention_tiles.BODY.replace("valid ? kg + j * ROWS_PER_PASS * D : kfirst, valid", "kd, valid")
+    assert body != attention_tiles.BODY
+    monkeypatch.setattr(attention_tiles, "BODY", body)
+    failed, log, n = check_subset("partial_tiles")
+    assert len(failed) == n and "no matching function for call to 'stage8'" in log, log
+    # (clang's words: a device pointer parameter, a threadgroup (address space 3) argument)
+    assert "'device __fp16 const *' of 2nd parameter does not match" in log, log
+    assert "'__attribute__((address_space(3))) __fp16 *' of argument" in log, log
+
+
+@needs_clang
+def test_a_wrong_builtin_arity_fails(monkeypatch):
+    from dflash_mlx.kernels import attention_tiles
+
+    header = attention_tiles.HEADER["metal"].replace("simd_shuffle_xor(v, ushort(8))", "simd_shuffle_xor(v)")
+    assert header != attention_tiles.HEADER["metal"]
+    monkeypatch.setitem(attention_tiles.HEADER, "metal", header)
+    failed, log, n = check_subset("partial_tiles")
+    assert len(failed) == n and "no matching function for call to 'simd_shuffle_xor'" in log, log
+    assert "requires 2 arguments, but 1 was provided" in log, log
+
+
+@needs_clang
+def test_the_merge_reads_partials_in_constant_memory(monkeypatch):
+    """The merge once read its partials through `const device float*`, which fails where MLX
+    passes them in constant memory (fewer than 8 elements: one chunk of 1-7 rows)."""
+    from dflash_mlx.kernels import attention_source
+
+    failed, log, n = check_subset("floatc_floatc_floatc", rows=[1, 5])
+    assert not failed, log
+    monkeypatch.setitem(attention_source.PARTS_PTR, "metal", "const DEV float*")
+    failed, log, n = check_subset("floatc_floatc_floatc", rows=[1, 5])
+    assert len(failed) == n, failed
+    assert "cannot initialize a variable of type 'DEV float const *'" in log, log
+
+
+@needs_clang
+def test_threadgroup_memory_over_32_kib_fails(monkeypatch):
+    from dflash_mlx.kernels import attention_tiles
+
+    # 128 keys a staged tile at head dim 64: 2 x 2 x 128 x 72 x 2 bytes = 72 KiB
+    monkeypatch.setitem(attention_tiles.TILE_KEYS["metal"], 64, 128)
+    failed, log, n = check_subset("partial_tiles")
+    assert len(failed) == n and "threadgroup memory over 32768 bytes" in log, log
+    assert "metal_stub_threadgroup_memory<73728>" in log, log
