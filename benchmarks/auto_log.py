@@ -27,19 +27,30 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--plain-between", action="store_true",
-                    help="decode each prompt with plain mlx-lm first, as bench_builtin.py does")
-    ap.add_argument("--against", type=int, default=0,
-                    help="also decode each prompt at this fixed block first, and print auto's rate over its")
-    ap.add_argument("--cycles", metavar="PATH",
-                    help="write every cycle auto recorded as JSON lines: set, prompt, block, accepted, "
-                         "seconds (null: a change of size or a build), built (a build's seconds), "
-                         "and whether it ran in an exploring run or a probe")
+    ap.add_argument(
+        "--plain-between",
+        action="store_true",
+        help="decode each prompt with plain mlx-lm first, as bench_builtin.py does",
+    )
+    ap.add_argument(
+        "--against",
+        type=int,
+        default=0,
+        help="also decode each prompt at this fixed block first, and print auto's rate over its",
+    )
+    ap.add_argument(
+        "--cycles",
+        metavar="PATH",
+        help="write every cycle auto recorded as JSON lines: set, prompt, block, accepted, "
+        "seconds (null: a change of size or a build), built (a build's seconds), "
+        "and whether it ran in an exploring run or a probe",
+    )
     args = ap.parse_args()
 
     from bench_builtin import PROMPTS, machine, plain, prompt_sets
-    from dflash_mlx.auto import chooser as block_size
+
     from dflash_mlx import load, stream_generate
+    from dflash_mlx.auto import chooser as block_size
 
     model, draft, tok = load(args.model, draft=args.draft)
     texts = json.loads(PROMPTS.read_text())
@@ -58,9 +69,12 @@ def main():
         if turned:
             best, rate = self._best()
             times = {k: round(1000 * v, 2) for k, v in self._median_times().items()}
-            print(f"  cycle {self.cycles}: -> {'plain' if b == 1 else b}; median ms {times}, "
-                  f"expected tokens at {self.hi} {self.expected_tokens(self.hi):.2f}, best {best} "
-                  f"({rate:.0f} tok/s)", flush=True)
+            print(
+                f"  cycle {self.cycles}: -> {'plain' if b == 1 else b}; median ms {times}, "
+                f"expected tokens at {self.hi} {self.expected_tokens(self.hi):.2f}, best {best} "
+                f"({rate:.0f} tok/s)",
+                flush=True,
+            )
         return b
 
     block_size.BlockChooser.choose = logged
@@ -72,8 +86,20 @@ def main():
         def recorded(self, block, accepted, seconds, built=None):
             probing = probes.pop(0) if probes else False
             exploring = self.trial is not None and self.trial[0] == block
-            sink.write(json.dumps({**where, "block": block, "accepted": accepted, "seconds": seconds,
-                                   "built": built, "probe": probing, "explore": exploring}) + "\n")
+            sink.write(
+                json.dumps(
+                    {
+                        **where,
+                        "block": block,
+                        "accepted": accepted,
+                        "seconds": seconds,
+                        "built": built,
+                        "probe": probing,
+                        "explore": exploring,
+                    }
+                )
+                + "\n"
+            )
             record(self, block, accepted, seconds, built)
 
         block_size.BlockChooser.record = recorded
@@ -84,8 +110,9 @@ def main():
                 plain(model, tok, prompt, args.max_tokens, 0.0, 0)
             fixed = None
             if args.against:
-                for fixed in stream_generate(model, draft, tok, prompt, max_tokens=args.max_tokens,
-                                             block_size=args.against):
+                for fixed in stream_generate(
+                    model, draft, tok, prompt, max_tokens=args.max_tokens, block_size=args.against
+                ):
                     pass
             where.update(set=name, prompt=i)
             probes.clear()  # (a cycle queued past the last reply's end was chosen, never recorded)

@@ -22,9 +22,9 @@ import random
 import statistics
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -80,16 +80,49 @@ SCENARIOS = [
     Scenario("GPU, hard first 100 cycles, changes 4 ms", gpu, lambda i: 0.35 if i < 100 else 0.78, 0.004),
     Scenario("GPU, good acceptance, noisy and drifting times", gpu, lambda i: 0.78, 0.004, 0.25, 0.03),
     Scenario("GPU, nothing accepted (random weights)", gpu, lambda i: 0.0, 0.004),
-    Scenario("GPU, replies of 30 cycles, one in four hard", gpu, lambda i: 0.3 if one_in_four(i // 30) else 0.78,
-             0.004, reply=30),
+    Scenario(
+        "GPU, replies of 30 cycles, one in four hard",
+        gpu,
+        lambda i: 0.3 if one_in_four(i // 30) else 0.78,
+        0.004,
+        reply=30,
+    ),
     Scenario("GPU, replies of 30 cycles, nothing accepted", gpu, lambda i: 0.0, 0.004, reply=30),
     Scenario("GPU, plain best by ~17%, changes 10 ms", gpu, lambda i: 0.3, 0.010),
-    Scenario("GPU, replies, next process 1.6x slower host", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
-             restart=1500, slower=1.6),
-    Scenario("GPU, replies, next process 1.6x faster host", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
-             restart=1500, slower=1 / 1.6),
-    Scenario("GPU, replies after other work, cold starts", gpu, lambda i: 0.78, 0.004, 0.25, 0.03, reply=30,
-             restart=1500, slower=1.3, cold=2.0),
+    Scenario(
+        "GPU, replies, next process 1.6x slower host",
+        gpu,
+        lambda i: 0.78,
+        0.004,
+        0.25,
+        0.03,
+        reply=30,
+        restart=1500,
+        slower=1.6,
+    ),
+    Scenario(
+        "GPU, replies, next process 1.6x faster host",
+        gpu,
+        lambda i: 0.78,
+        0.004,
+        0.25,
+        0.03,
+        reply=30,
+        restart=1500,
+        slower=1 / 1.6,
+    ),
+    Scenario(
+        "GPU, replies after other work, cold starts",
+        gpu,
+        lambda i: 0.78,
+        0.004,
+        0.25,
+        0.03,
+        reply=30,
+        restart=1500,
+        slower=1.3,
+        cold=2.0,
+    ),
     Scenario("CPU, no block pays", cpu, lambda i: 0.6, 0.0005),
     Scenario("CPU, replies of 30 cycles, no block pays", cpu, lambda i: 0.6, 0.0005, reply=30),
     Scenario("CPU, replies of 30 cycles, block 4 at 0.75x plain", cpu_near, lambda i: 0.72, 0.0005, reply=30),

@@ -23,7 +23,6 @@ import mlx.core as mx
 from dflash_mlx.kernels import backend, block_attention, ops_attention, self_check_all
 from dflash_mlx.kernels.dispatch import _kernels, checked_kernel
 
-
 CHUNKS = (128, 256, 512, 1024, 2048, 4096)
 
 
@@ -131,8 +130,9 @@ def main() -> int:
             want = ops_attention(q, k, v, **kw)
             for kt, st in STAGINGS:
                 err = rel_err(kernel(q, k, v, tile_keys=kt, stages=st, **kw), want)
-                report["correctness"].append(dict(case=f"{name} KT={kt} ST={st}", keys=n, rows=lq, head_dim=d,
-                                                  dtype=str(dtype), rel_err=err))
+                report["correctness"].append(
+                    dict(case=f"{name} KT={kt} ST={st}", keys=n, rows=lq, head_dim=d, dtype=str(dtype), rel_err=err)
+                )
                 print(f"check {name:22s} KT={kt:3d} ST={st} max rel err {err:.2e}", flush=True)
 
     # Speed: 32/8 heads, D 128, bf16, verify (causal) on a full buffer. "fused+mask" is what
@@ -149,8 +149,12 @@ def main() -> int:
             t_mask = timed(lambda: ops_attention(q, k, v, **kw))
             t_causal = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=128**-0.5, mask="causal"))
             t_kernel = timed(lambda: kernel(q, k, v, **kw))
-            report["speed"].append(dict(keys=n, rows=lq, fused_mask_ms=t_mask, fused_causal_ms=t_causal, kernel_ms=t_kernel))
-            print(f"{n:6d} {lq:4d} {t_mask:14.3f} {t_causal:16.3f} {t_kernel:10.3f} {t_mask / t_kernel:7.2f}x", flush=True)
+            report["speed"].append(
+                dict(keys=n, rows=lq, fused_mask_ms=t_mask, fused_causal_ms=t_causal, kernel_ms=t_kernel)
+            )
+            print(
+                f"{n:6d} {lq:4d} {t_mask:14.3f} {t_causal:16.3f} {t_kernel:10.3f} {t_mask / t_kernel:7.2f}x", flush=True
+            )
         wins = [r["keys"] for r in report["speed"] if r["rows"] == lq and r["kernel_ms"] < r["fused_mask_ms"]]
         print(f"rows {lq}: kernel beats fused+mask up to {max(wins) if wins else 0} keys (full buffer)", flush=True)
 
@@ -173,7 +177,10 @@ def main() -> int:
         t_mask = timed(lambda: ops_attention(q, k, v, **kw))
         t_kernel = timed(lambda: kernel(q, k, v, **kw))
         report["partly_filled"].append(dict(buffer=buf, kv_length=valid, fused_mask_ms=t_mask, kernel_ms=t_kernel))
-        print(f"{valid} valid keys in a {buf} buffer, 16 rows: fused+mask {t_mask:.3f} ms, kernel {t_kernel:.3f} ms", flush=True)
+        print(
+            f"{valid} valid keys in a {buf} buffer, 16 rows: fused+mask {t_mask:.3f} ms, kernel {t_kernel:.3f} ms",
+            flush=True,
+        )
     # Through block_attention (dispatch included) at verify and drafter shapes, buffer capacity
     # a multiple of 256 above the valid length, offsets as device arrays.
     report["dispatch"] = []
@@ -187,7 +194,9 @@ def main() -> int:
         ("GQA 8, 16 rows, 1k", 64, 8, 16, 1280, 1100, True, None),
     ):
         q, k, v = make(1, hq, hkv, lq, cap, 128, mx.bfloat16)
-        kw = dict(scale=128**-0.5, q_offset=mx.array(valid - lq), kv_length=mx.array(valid), causal=causal, window=window)
+        kw = dict(
+            scale=128**-0.5, q_offset=mx.array(valid - lq), kv_length=mx.array(valid), causal=causal, window=window
+        )
         t_ba = timed(lambda: block_attention(q, k, v, **kw))
         t_ops = timed(lambda: ops_attention(q, k, v, **kw))
         report["dispatch"].append(dict(case=name, block_attention_ms=t_ba, ops_ms=t_ops))

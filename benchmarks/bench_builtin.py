@@ -20,11 +20,11 @@ their ratio. Prefill is excluded from both speeds.
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 import json
 import platform
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,8 +99,9 @@ def plain(model, tokenizer, prompt, max_tokens, temp, seed, gaps: list | None = 
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
-    n, seconds, _ = decode_time(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                                sampler=make_sampler(temp=temp)), gaps)
+    n, seconds, _ = decode_time(
+        stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=temp)), gaps
+    )
     return n, seconds
 
 
@@ -114,8 +115,14 @@ def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used:
                 used[r.block_size] += 1
             yield r
 
-    n, seconds, last = decode_time(counted(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                                           temperature=temp, block_size=block, seed=seed)), gaps)
+    n, seconds, last = decode_time(
+        counted(
+            stream_generate(
+                model, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp, block_size=block, seed=seed
+            )
+        ),
+        gaps,
+    )
     return n, seconds, last.acceptance_length
 
 
@@ -124,8 +131,14 @@ def median_ms(gaps: list) -> float:
 
 
 def main():
-    from kernel_switches import (add_attention_argument, add_kernel_arguments, kernel_settings, use_attention,
-                                 use_fused_projections, use_kernels)
+    from kernel_switches import (
+        add_attention_argument,
+        add_kernel_arguments,
+        kernel_settings,
+        use_attention,
+        use_fused_projections,
+        use_kernels,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
@@ -136,20 +149,33 @@ def main():
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                    help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
-                         "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
+        "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)",
+    )
     add_kernel_arguments(ap, "one table each")
     add_attention_argument(ap, "one table each")
-    ap.add_argument("--fuse", choices=["on", "off"], default="on",
-                    help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own")
+    ap.add_argument(
+        "--fuse",
+        choices=["on", "off"],
+        default="on",
+        help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own",
+    )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
-    ap.add_argument("--write-prompts", action="store_true",
-                    help=f"write 32 prompts per set from this Python's stdlib to {PROMPTS.relative_to(ROOT)} and stop")
+    ap.add_argument(
+        "--write-prompts",
+        action="store_true",
+        help=f"write 32 prompts per set from this Python's stdlib to {PROMPTS.relative_to(ROOT)} and stop",
+    )
     args = ap.parse_args()
     if args.write_prompts:
-        PROMPTS.write_text(json.dumps({"python": platform.python_version(), **stdlib_prompts(32, args.seed)}, indent=1) + "\n")
+        PROMPTS.write_text(
+            json.dumps({"python": platform.python_version(), **stdlib_prompts(32, args.seed)}, indent=1) + "\n"
+        )
         print(f"wrote {PROMPTS}")
         return
 
@@ -163,8 +189,14 @@ def main():
     blocks = [b if b == "auto" else int(b) for b in args.blocks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     print(f"machine: {machine()}")
-    source = f"Python {platform.python_version()}'s stdlib" if args.from_stdlib else f"{PROMPTS.name} (Python {texts['python']})"
-    print(f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); fused projections {args.fuse}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens")
+    source = (
+        f"Python {platform.python_version()}'s stdlib"
+        if args.from_stdlib
+        else f"{PROMPTS.name} (Python {texts['python']})"
+    )
+    print(
+        f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); fused projections {args.fuse}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens"
+    )
     from dflash_mlx.decode.traces import forget_traces
 
     rows = []
@@ -174,10 +206,14 @@ def main():
             use_attention(attention)
             forget_traces(draft)  # (compiled cycles hold what they were traced with)
             print(f"\nq/k norms and RoPE: {norm}; block products: {prod}; attention: {attention}")
-            rows += [r | {"products": prod, "attention": attention}
-                     for r in table(args, model, draft, tok, sets, blocks, temps, norm)]
+            rows += [
+                r | {"products": prod, "attention": attention}
+                for r in table(args, model, draft, tok, sets, blocks, temps, norm)
+            ]
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2)
+        )
 
 
 def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]:
@@ -189,8 +225,10 @@ def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]
             dflash(model, draft, tok, warm, 32, t, b, 0, Counter())
 
     rows = []
-    print("\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup | cycle ms median / mean "
-          "| plain step ms median / mean | cycles by block |")
+    print(
+        "\n| prompts | block | temp | acceptance length | DFlash tok/s | plain tok/s | speedup | cycle ms median / mean "
+        "| plain step ms median / mean | cycles by block |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.sets.split(","):
         for temp in temps:
@@ -208,20 +246,30 @@ def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
-                    "norm_rope": norm, "set": name, "block": b, "temp": temp, "acceptance": sum(accs) / len(accs),
-                    "dflash_tps": tok_n / sec, "plain_tps": base_tok / base_s,
+                    "norm_rope": norm,
+                    "set": name,
+                    "block": b,
+                    "temp": temp,
+                    "acceptance": sum(accs) / len(accs),
+                    "dflash_tps": tok_n / sec,
+                    "plain_tps": base_tok / base_s,
                     "cycles_by_block": dict(sorted(used.items(), reverse=True)),
                     # (a median against a mean: one-off costs, such as graphs built, show in the mean only)
-                    "cycle_ms_median": median_ms(cycles), "cycle_ms_mean": 1000 * sec / max(len(cycles), 1),
-                    "plain_step_ms_median": median_ms(steps), "plain_step_ms_mean": 1000 * base_s / max(len(steps), 1),
+                    "cycle_ms_median": median_ms(cycles),
+                    "cycle_ms_mean": 1000 * sec / max(len(cycles), 1),
+                    "plain_step_ms_median": median_ms(steps),
+                    "plain_step_ms_mean": 1000 * base_s / max(len(steps), 1),
                 }
                 row["speedup"] = row["dflash_tps"] / row["plain_tps"]
                 rows.append(row)
                 blocks_used = " ".join(f"{k if k > 1 else 'plain'}:{v}" for k, v in row["cycles_by_block"].items())
-                print(f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
-                      f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {row['cycle_ms_median']:.2f} / "
-                      f"{row['cycle_ms_mean']:.2f} | {row['plain_step_ms_median']:.2f} / {row['plain_step_ms_mean']:.2f} "
-                      f"| {blocks_used} |", flush=True)
+                print(
+                    f"| {name} | {b} | {temp:g} | {row['acceptance']:.2f} | {row['dflash_tps']:.1f} | "
+                    f"{row['plain_tps']:.1f} | {row['speedup']:.2f}x | {row['cycle_ms_median']:.2f} / "
+                    f"{row['cycle_ms_mean']:.2f} | {row['plain_step_ms_median']:.2f} / {row['plain_step_ms_mean']:.2f} "
+                    f"| {blocks_used} |",
+                    flush=True,
+                )
     return rows
 
 

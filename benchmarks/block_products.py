@@ -36,7 +36,6 @@ import json
 import platform
 
 import mlx.core as mx
-
 from host_cost import add_shape_arguments, measure
 
 
@@ -49,23 +48,37 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--repeat-rounds", type=int, default=2, help="rounds of the two sides, alternating")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    ap.add_argument("--shapes", default="", help="launch shapes to add, tiles,warps,ahead separated by ':' "
-                                                "(e.g. 1,8,8:2,16,4); the default choice always runs")
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="launch shapes to add, tiles,warps,ahead separated by ':' "
+        "(e.g. 1,8,8:2,16,4); the default choice always runs",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from dflash_mlx.kernels.cuda import products as bp
 
     if bp.backend() != "cuda":
-        raise SystemExit("the block-product kernel runs on MLX's CUDA backend; this device is "
-                         f"{mx.default_device()} ({bp.backend()}).")
+        raise SystemExit(
+            "the block-product kernel runs on MLX's CUDA backend; this device is "
+            f"{mx.default_device()} ({bp.backend()})."
+        )
     dtype = getattr(mx, args.dtype)
     kernel = bp.BlockProductKernel("cuda")
-    fixed = {f"kernel {s}": bp.BlockProductKernel("cuda", shape=tuple(int(v) for v in s.split(",")))
-             for s in args.shapes.split(":") if s}
+    fixed = {
+        f"kernel {s}": bp.BlockProductKernel("cuda", shape=tuple(int(v) for v in s.split(",")))
+        for s in args.shapes.split(":")
+        if s
+    }
     H, F, D = args.hidden, args.ffn, args.head_dim
-    shapes = [("q/k/v", (args.heads + 2 * args.kv_heads) * D, H), ("o", H, args.heads * D), ("gate/up", 2 * F, H),
-              ("swiglu", 2 * F, H), ("down", H, F)]
+    shapes = [
+        ("q/k/v", (args.heads + 2 * args.kv_heads) * D, H),
+        ("o", H, args.heads * D),
+        ("gate/up", 2 * F, H),
+        ("swiglu", 2 * F, H),
+        ("down", H, F),
+    ]
     rows = []
     for name, n, k in shapes:
         glu = name == "swiglu"
@@ -77,8 +90,12 @@ def main():
             want = (bp.reference_swiglu(x, weights[0]) if glu else x @ weights[0].T).astype(mx.float32)
             got = kernel(x, weights[0], swiglu=glu).astype(mx.float32)
             err = (mx.abs(got - want).max() / mx.abs(want).max()).item()
-            sides = {"mlx": (lambda i: bp.reference_swiglu(x + i, weights[i])) if glu else (lambda i: (x + i) @ weights[i].T),
-                     "kernel": lambda i: kernel(x + i, weights[i], swiglu=glu)}
+            sides = {
+                "mlx": (lambda i: bp.reference_swiglu(x + i, weights[i]))
+                if glu
+                else (lambda i: (x + i) @ weights[i].T),
+                "kernel": lambda i: kernel(x + i, weights[i], swiglu=glu),
+            }
             for k in fixed.values():
                 # (a SwiGLU launch keeps its two tiles: the side names the shape it runs, once)
                 side = "kernel " + ",".join(map(str, (2, *k.shape[1:]) if glu else k.shape))
@@ -86,8 +103,18 @@ def main():
             for rnd in range(args.repeat_rounds):
                 for side, make in sides.items():
                     r = measure(make, args.repeat, args.runs)
-                    rows.append({"product": name, "n": n, "k": k, "rows": m, "side": side, "round": rnd,
-                                 "rel_err": err, **{key: round(v, 1) for key, v in r.items()}})
+                    rows.append(
+                        {
+                            "product": name,
+                            "n": n,
+                            "k": k,
+                            "rows": m,
+                            "side": side,
+                            "round": rnd,
+                            "rel_err": err,
+                            **{key: round(v, 1) for key, v in r.items()},
+                        }
+                    )
         del weights
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     if args.json:
@@ -95,10 +122,14 @@ def main():
         return
     print(machine)
     print(f"{args.dtype}, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})")
-    print(f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>14} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}")
+    print(
+        f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>14} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}"
+    )
     for r in rows:
-        print(f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['rows']:>4} {r['side']:>14} {r['build_us']:>7.1f} "
-              f"{r['launch_us']:>7.1f} {r['total_us']:>7.1f} {r['rel_err']:>10.1e}")
+        print(
+            f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['rows']:>4} {r['side']:>14} {r['build_us']:>7.1f} "
+            f"{r['launch_us']:>7.1f} {r['total_us']:>7.1f} {r['rel_err']:>10.1e}"
+        )
 
 
 if __name__ == "__main__":

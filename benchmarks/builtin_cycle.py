@@ -19,14 +19,14 @@ import platform
 import statistics
 import time
 
-import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads)
 from dflash_mlx import compute_dtype, fast_blas, load
+from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.loop import prefill
-from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.targets import adapt
 
 PROMPT = "import os\nimport sys\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n" * 6
@@ -80,8 +80,10 @@ def main():
     model, draft, tok = load("builtin", dtype=args.dtype)
     ids = tok.encode(PROMPT)
     settings = args.compile.split(",")
-    print(f"{platform.platform()}, MLX {mx.__version__} on {mx.default_device()}; BLAS: {fast_blas.describe()}; "
-          f"{compute_dtype.computing(model)}; a {len(ids)}-token prompt")
+    print(
+        f"{platform.platform()}, MLX {mx.__version__} on {mx.default_device()}; BLAS: {fast_blas.describe()}; "
+        f"{compute_dtype.computing(model)}; a {len(ids)}-token prompt"
+    )
     print(f"{'block':>6} " + " ".join(f"{'compile ' + s:>16}" for s in settings))
     for block in [int(b) for b in args.blocks.split(",")]:
         row = []

@@ -19,9 +19,9 @@ import platform
 import statistics
 import time
 
-import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads)
 import mlx.core as mx
 
+import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads)
 from dflash_mlx import fast_blas
 
 
@@ -52,7 +52,11 @@ def main():
     print(f"{'dtype':>9} " + " ".join(f"{r:>8}" for r in rows) + f" {'last/1':>8}")
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         ms = [product_ms(r, args.n_in, args.n_out, dtype, args.repeat) for r in rows]
-        print(f"{str(dtype).removeprefix('mlx.core.'):>9} " + " ".join(f"{m:>8.3f}" for m in ms) + f" {ms[-1] / ms[0]:>8.1f}")
+        print(
+            f"{str(dtype).removeprefix('mlx.core.'):>9} "
+            + " ".join(f"{m:>8.3f}" for m in ms)
+            + f" {ms[-1] / ms[0]:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -62,15 +62,33 @@ def configs(shape: str) -> tuple[dict, dict]:
 
     h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
     target = {
-        "model_type": "qwen3", "hidden_size": h, "num_hidden_layers": layers, "intermediate_size": ffn,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
-        "vocab_size": vocab, "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False,
+        "model_type": "qwen3",
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "intermediate_size": ffn,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
     }
     draft = {
-        "architectures": ["DFlashDraftModel"], "hidden_size": h, "num_hidden_layers": dlayers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": ffn,
-        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
-        "num_target_layers": layers, "block_size": 16,
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": h,
+        "num_hidden_layers": dlayers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "intermediate_size": ffn,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 40960,
+        "num_target_layers": layers,
+        "block_size": 16,
         "dflash_config": {"target_layer_ids": default_target_layer_ids(layers, dlayers), "mask_token_id": vocab - 1},
     }
     return target, draft
@@ -193,9 +211,14 @@ def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int, clock
     cycle_s = gaps[len(gaps) // 2]  # the median: a buffer growth's one-off rebuilds show in the mean
     mean_s = (marks[-1] - marks[0]) / max(n, 1)
     host_s = clock.per_cycle_ms("launch") / 1000
-    return {"cycle_ms": 1000 * cycle_s, "mean_cycle_ms": 1000 * mean_s, "host_ms": 1000 * host_s,
-            "wait_ms": 1000 * max(mean_s - host_s, 0.0), "cycles": n,
-            **{f"host_{p}_ms": clock.per_cycle_ms(p) for p in LaunchClock.PARTS}}
+    return {
+        "cycle_ms": 1000 * cycle_s,
+        "mean_cycle_ms": 1000 * mean_s,
+        "host_ms": 1000 * host_s,
+        "wait_ms": 1000 * max(mean_s - host_s, 0.0),
+        "cycles": n,
+        **{f"host_{p}_ms": clock.per_cycle_ms(p) for p in LaunchClock.PARTS},
+    }
 
 
 def padded_cycles(pad, pads: list[float], cycle_ms: float, run) -> list[dict]:
@@ -209,8 +232,14 @@ def padded_cycles(pad, pads: list[float], cycle_ms: float, run) -> list[dict]:
             pad.add_to(Cycle, p)
             padded = run()["cycle_ms"]
             busy = padded - p
-            out.append({"pad_ms": p, "cycle_ms": round(padded, 3), "busy_ms": round(busy, 3),
-                        "idle_ms": round(cycle_ms - busy, 3)})
+            out.append(
+                {
+                    "pad_ms": p,
+                    "cycle_ms": round(padded, 3),
+                    "busy_ms": round(busy, 3),
+                    "idle_ms": round(cycle_ms - busy, 3),
+                }
+            )
     finally:
         pad.add_to(Cycle, 0.0)
     return out
@@ -247,46 +276,74 @@ def synced_pieces(model, draft, prompt, block: int) -> dict:
 
 
 def main():
-    from kernel_switches import (add_attention_argument, add_kernel_arguments, add_scalars_argument, kernel_settings,
-                                 use_attention, use_kernels, use_scalars)
+    from kernel_switches import (
+        add_attention_argument,
+        add_kernel_arguments,
+        add_scalars_argument,
+        kernel_settings,
+        use_attention,
+        use_kernels,
+        use_scalars,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="small",
-                    help="a model's sizes with random weights, or builtin: the shipped pair")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES) + ["builtin"],
+        default="small",
+        help="a model's sizes with random weights, or builtin: the shipped pair",
+    )
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
     ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes")
     ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for the projected speedup")
     ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
-    ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
-                    help="trace each cycle with mx.compile (default: on a GPU)")
-    ap.add_argument("--fuse", choices=["on", "off", "both"], default="on",
-                    help="fused q/k/v and gate/up products in the target's layers (the default), plain "
-                         "mlx-lm layers, or both side by side in one run")
-    ap.add_argument("--fuse-draft", choices=["on", "off", "both"], default="on",
-                    help="fused products in the drafter's layers (the default), its modules, or both")
+    ap.add_argument(
+        "--compile",
+        choices=["default", "on", "off"],
+        default="default",
+        help="trace each cycle with mx.compile (default: on a GPU)",
+    )
+    ap.add_argument(
+        "--fuse",
+        choices=["on", "off", "both"],
+        default="on",
+        help="fused q/k/v and gate/up products in the target's layers (the default), plain "
+        "mlx-lm layers, or both side by side in one run",
+    )
+    ap.add_argument(
+        "--fuse-draft",
+        choices=["on", "off", "both"],
+        default="on",
+        help="fused products in the drafter's layers (the default), its modules, or both",
+    )
     add_attention_argument(ap, "side by side")
     add_kernel_arguments(ap, "side by side")
     add_scalars_argument(ap, "side by side")
-    ap.add_argument("--sources", choices=["compact", "full"], default="compact",
-                    help="kernel sources as launched: compact (the default: no comments or indentation, since MLX's "
-                         "CUDA backend hashes a custom kernel's source at every launch) or as written; one per process")
-    ap.add_argument("--pad-ms", default="", help="comma-separated device pads per cycle (GPUs; see device_pad.py), "
-                                                   "e.g. 0,2,4,8: the device's busy and idle time per cycle")
+    ap.add_argument(
+        "--sources",
+        choices=["compact", "full"],
+        default="compact",
+        help="kernel sources as launched: compact (the default: no comments or indentation, since MLX's "
+        "CUDA backend hashes a custom kernel's source at every launch) or as written; one per process",
+    )
+    ap.add_argument(
+        "--pad-ms",
+        default="",
+        help="comma-separated device pads per cycle (GPUs; see device_pad.py), "
+        "e.g. 0,2,4,8: the device's busy and idle time per cycle",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pads = [float(p) for p in args.pad_ms.split(",")] if args.pad_ms else []
     if pads and min(pads) < 0:
         raise SystemExit("--pad-ms takes device milliseconds of 0 or more, e.g. 0,2,4,8.")
 
-    from dflash_mlx.tiny import make_tokenizer
-
-    from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
-
     from dflash_mlx.decode.traces import forget_traces
-
     from dflash_mlx.kernels import launch_source
+    from dflash_mlx.targets import Qwen3Target as DenseTarget  # the family random_pair makes
+    from dflash_mlx.tiny import make_tokenizer
 
     launch_source.COMPACT_SOURCES = args.sources == "compact"  # (before any kernel is made)
     Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
@@ -307,10 +364,14 @@ def main():
             for block in [int(b) for b in args.blocks.split(",")]:
                 dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock)
         step = plain_step_ms(model, prompt, args.cycles)
-        settings = [(t, d, a, n, m, w) for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
-                    for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])
-                    for a in args.attention.split(",") for n, m in kernel_settings(args)
-                    for w in args.scalars.split(",")]
+        settings = [
+            (t, d, a, n, m, w)
+            for t in ([True, False] if args.fuse == "both" else [args.fuse == "on"])
+            for d in ([True, False] if args.fuse_draft == "both" else [args.fuse_draft == "on"])
+            for a in args.attention.split(",")
+            for n, m in kernel_settings(args)
+            for w in args.scalars.split(",")
+        ]
         for fuse, fuse_draft, attention, norm, products, scalars in settings:
             use_kernels(norm_rope=norm, products=products)
             use_scalars(scalars)
@@ -319,15 +380,27 @@ def main():
             use_attention(attention)
             forget_traces(draft)  # compiled cycles hold the attention they were traced with
             for block in [int(b) for b in args.blocks.split(",")]:
-                row = {"prompt_tokens": P, "block": block, "fused": fuse, "draft_fused": fuse_draft,
-                       "attention": attention, "norm_rope": norm, "products": products, "scalars": scalars,
-                       "plain_step_ms": step}
+                row = {
+                    "prompt_tokens": P,
+                    "block": block,
+                    "fused": fuse,
+                    "draft_fused": fuse_draft,
+                    "attention": attention,
+                    "norm_rope": norm,
+                    "products": products,
+                    "scalars": scalars,
+                    "plain_step_ms": step,
+                }
                 if len(settings) > 1:  # a warm-up of this setting's graphs
                     dflash_cycle(model, draft, tokenizer, prompt, 8, block, clock)
                 row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
                 if pad is not None:
-                    row["pads"] = padded_cycles(pad, pads, row["cycle_ms"],
-                                                lambda: dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock))
+                    row["pads"] = padded_cycles(
+                        pad,
+                        pads,
+                        row["cycle_ms"],
+                        lambda: dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block, clock),
+                    )
                 row.update(synced_pieces(model, draft, prompt, block))
                 clock.reset()
                 row["cycle_in_plain_steps"] = row["cycle_ms"] / step
@@ -335,7 +408,7 @@ def main():
                 rows.append(row)
     record = {
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, "
-                   f"device {mx.default_device()}",
+        f"device {mx.default_device()}",
         "shape": args.shape + (f" {args.quantize}-bit" if args.quantize else " bf16"),
         "mode": "cold (first request)" if args.cold else "warm",
         "compiled": args.compile,
@@ -348,23 +421,33 @@ def main():
         return
     print(record["machine"])
     print(f"{record['shape']}, {record['mode']}, compiled={args.compile}, projected at tau {args.tau}")
-    print(f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>10} {'norm':>5} {'prod':>12} {'scal':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
-          f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}")
+    print(
+        f"{'prompt':>6} {'block':>5} {'fused':>5} {'draft':>5} {'attn':>10} {'norm':>5} {'prod':>12} {'scal':>6} {'step ms':>8} {'cycle ms':>9} {'host ms':>8} {'wait ms':>8} "
+        f"{'verify ms':>10} {'draft ms':>9} {'steps':>6} {'x plain':>8}"
+    )
     for r in record["rows"]:
-        print(f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:10]:>10} {r['norm_rope'][:5]:>5} {r['products']:>12} {r['scalars']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
-              f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
-              f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}")
+        print(
+            f"{r['prompt_tokens']:>6} {r['block']:>5} {'yes' if r['fused'] else 'no':>5} {'yes' if r['draft_fused'] else 'no':>5} {r['attention'][:10]:>10} {r['norm_rope'][:5]:>5} {r['products']:>12} {r['scalars']:>6} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
+            f"{r['host_ms']:>8.2f} {r['wait_ms']:>8.2f} {r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
+            f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}"
+        )
     padded = [r for r in record["rows"] if r.get("pads")]
     if padded:
-        print("device pads (device_pad.py): busy = padded cycle - pad, idle = the row's cycle - busy; read them "
-              "where the pad grew the cycle")
-        print(f"{'prompt':>6} {'block':>5} {'attn':>10} {'prod':>12} {'scal':>6} {'cycle ms':>9} {'pad ms':>7} {'padded':>8} "
-              f"{'busy ms':>8} {'idle ms':>8}")
+        print(
+            "device pads (device_pad.py): busy = padded cycle - pad, idle = the row's cycle - busy; read them "
+            "where the pad grew the cycle"
+        )
+        print(
+            f"{'prompt':>6} {'block':>5} {'attn':>10} {'prod':>12} {'scal':>6} {'cycle ms':>9} {'pad ms':>7} {'padded':>8} "
+            f"{'busy ms':>8} {'idle ms':>8}"
+        )
         for r in padded:
             for q in r["pads"]:
-                print(f"{r['prompt_tokens']:>6} {r['block']:>5} {r['attention'][:10]:>10} {r['products']:>12} "
-                      f"{r['scalars']:>6} {r['cycle_ms']:>9.2f} {q['pad_ms']:>7.2f} {q['cycle_ms']:>8.2f} {q['busy_ms']:>8.2f} "
-                      f"{q['idle_ms']:>8.2f}")
+                print(
+                    f"{r['prompt_tokens']:>6} {r['block']:>5} {r['attention'][:10]:>10} {r['products']:>12} "
+                    f"{r['scalars']:>6} {r['cycle_ms']:>9.2f} {q['pad_ms']:>7.2f} {q['cycle_ms']:>8.2f} {q['busy_ms']:>8.2f} "
+                    f"{q['idle_ms']:>8.2f}"
+                )
 
 
 if __name__ == "__main__":

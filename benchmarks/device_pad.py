@@ -52,15 +52,21 @@ class DevicePad:
         if backend is None:
             raise SystemExit("the device pad needs a GPU (Metal or CUDA); drop --pad-ms on a CPU.")
         factory = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-        self._kernel = factory(name="dflash_device_pad", input_names=["count", "seed"], output_names=["out"],
-                               source=SOURCE)
+        self._kernel = factory(
+            name="dflash_device_pad", input_names=["count", "seed"], output_names=["out"], source=SOURCE
+        )
         self._seed = mx.array([7], dtype=mx.uint32)
         self._counts: dict[float, mx.array] = {}
         self.steps_per_ms = self._calibrate()
 
     def run(self, count: mx.array) -> mx.array:
-        (out,) = self._kernel(inputs=[count, self._seed], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                              output_shapes=[(1,)], output_dtypes=[mx.uint32])
+        (out,) = self._kernel(
+            inputs=[count, self._seed],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.uint32],
+        )
         return out
 
     def _synced_ms(self, steps: int, repeat: int = 5) -> float:

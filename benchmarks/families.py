@@ -52,14 +52,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from kernel_switches import use_attention
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import stream_generate
+from dflash_mlx.decode.traces import forget_traces
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
-from dflash_mlx.decode.traces import forget_traces
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
-from kernel_switches import use_attention
 
 
 def qwen35_9b(small: bool) -> dict:
@@ -70,11 +70,23 @@ def qwen35_9b(small: bool) -> dict:
         h, layers, vocab = 4096, 32, 248320
         heads, kv, hd, vh, kh, kd, vd, inter = 16, 4, 256, 32, 16, 128, 128, 12288
     return {
-        "model_type": "qwen3_5", "hidden_size": h, "num_hidden_layers": layers, "vocab_size": vocab,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
-        "linear_num_value_heads": vh, "linear_num_key_heads": kh, "linear_key_head_dim": kd,
-        "linear_value_head_dim": vd, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "model_type": "qwen3_5",
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "intermediate_size": inter,
+        "linear_num_value_heads": vh,
+        "linear_num_key_heads": kh,
+        "linear_key_head_dim": kd,
+        "linear_value_head_dim": vd,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
         "rope_parameters": {"type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     }
 
@@ -85,10 +97,20 @@ def gpt_oss_20b(small: bool) -> dict:
     else:
         h, layers, vocab, heads, kv, hd, experts, inter = 2880, 24, 201088, 64, 8, 64, 32, 2880
     return {
-        "model_type": "gpt_oss", "hidden_size": h, "num_hidden_layers": layers, "vocab_size": vocab,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
-        "num_local_experts": experts, "num_experts_per_tok": 4, "sliding_window": 128, "rope_theta": 150000,
-        "rms_norm_eps": 1e-5, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "model_type": "gpt_oss",
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "intermediate_size": inter,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "rope_theta": 150000,
+        "rms_norm_eps": 1e-5,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
     }
 
 
@@ -104,7 +126,9 @@ def target(cfg: dict, bits: int | None, dtype=mx.bfloat16):
 
 def drafter_config(cfg: dict) -> dict:
     n = cfg["num_hidden_layers"]
-    return draft_config(cfg, layers=1 if cfg["hidden_size"] < 1024 else 5, block_size=16, taps=sorted({1, n // 2, n - 2}))
+    return draft_config(
+        cfg, layers=1 if cfg["hidden_size"] < 1024 else 5, block_size=16, taps=sorted({1, n // 2, n - 2})
+    )
 
 
 def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
@@ -212,14 +236,23 @@ def main() -> None:
     parser.add_argument("--blocks", default="4,8,16")
     parser.add_argument("--models", default="qwen3.5-9b-like,gpt-oss-20b-like", help="which shapes, comma-separated")
     parser.add_argument("--bits", default="16,4", help="weights: 16 (bf16) and/or 4 (mlx-lm 4-bit), comma-separated")
-    parser.add_argument("--official", action="store_true",
-                        help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)")
-    parser.add_argument("--rollback", default=",".join(ROLLBACKS),
-                        help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})")
+    parser.add_argument(
+        "--official",
+        action="store_true",
+        help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)",
+    )
+    parser.add_argument(
+        "--rollback",
+        default=",".join(ROLLBACKS),
+        help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256; 32 with --small)")
-    parser.add_argument("--attention", default="table",
-                        help="comma-separated, side by side: 'table' (the block-attention kernel where its measured "
-                             "table picks it: the default) and/or 'fused' (mlx-lm's attention everywhere)")
+    parser.add_argument(
+        "--attention",
+        default="table",
+        help="comma-separated, side by side: 'table' (the block-attention kernel where its measured "
+        "table picks it: the default) and/or 'fused' (mlx-lm's attention everywhere)",
+    )
     args = parser.parse_args()
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
     if not attentions or any(a not in ("table", "fused") for a in attentions):
@@ -231,7 +264,12 @@ def main() -> None:
     n = 3 if args.small else 32
     blocks = [int(b) for b in args.blocks.split(",")]
     default_rollback = DeltaCache.rollback
-    results = {"rollback_default": default_rollback, "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}", "mlx": mx.__version__, "rows": []}
+    results = {
+        "rollback_default": default_rollback,
+        "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}",
+        "mlx": mx.__version__,
+        "rows": [],
+    }
     print(results["machine"])
     shapes = {"qwen3.5-9b-like": qwen35_9b, "gpt-oss-20b-like": gpt_oss_20b}
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -246,7 +284,12 @@ def main() -> None:
             tok = make_tokenizer(cfg["vocab_size"])
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else args.prompt_tokens)]
             plain = plain_ms(model, prompt, n)
-            row = {"model": name, "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"), "plain_ms": plain, "blocks": {}}
+            row = {
+                "model": name,
+                "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"),
+                "plain_ms": plain,
+                "blocks": {},
+            }
             hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
             for bs in blocks:
                 rb = rollback_ms(model, prompt, bs, 3 if args.small else 10, strategies)
@@ -261,17 +304,26 @@ def main() -> None:
                         c = cycle_ms(model, draft, tok, prompt, bs, n)
                         key = strategy if len(attentions) == 1 else f"{strategy} {attention}"
                         cell["cycle_ms"][key], cell["cycle_in_steps"][key] = c, c / plain
-                        print(f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
-                              f" = {c / plain:4.2f} steps" + (f", attention {attention}" if len(attentions) > 1 else "")
-                              + (f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
-                                 f" ({rb[strategy] / c:.1%} of the cycle)" if hybrid else ""))
+                        print(
+                            f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                            f" = {c / plain:4.2f} steps"
+                            + (f", attention {attention}" if len(attentions) > 1 else "")
+                            + (
+                                f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
+                                f" ({rb[strategy] / c:.1%} of the cycle)"
+                                if hybrid
+                                else ""
+                            )
+                        )
                     use_attention("table")
                 DeltaCache.rollback = default_rollback
                 if args.official:
                     o = official_cycle_ms(cfg, bits, mx.float32 if args.small else mx.bfloat16, tok, prompt, bs, n)
                     cell["official_cycle_ms"] = o
-                    print(f"{name:18} {row['weights']:7} official loop, block {bs:2}: " +
-                          (f"cycle {o:7.2f} ms = {o / plain:4.2f} steps" if o is not None else "did not run"))
+                    print(
+                        f"{name:18} {row['weights']:7} official loop, block {bs:2}: "
+                        + (f"cycle {o:7.2f} ms = {o / plain:4.2f} steps" if o is not None else "did not run")
+                    )
             results["rows"].append(row)
             del model, draft
             mx.clear_cache()

@@ -33,7 +33,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_builtin import PROMPTS, machine  # noqa: E402
 
-PATTERNS = {"plain": r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", "dflash": r"generated (\d+) tokens, ([\d.]+) tok/s"}
+PATTERNS = {
+    "plain": r"Generation: (\d+) tokens, ([\d.]+) tokens-per-sec",
+    "dflash": r"generated (\d+) tokens, ([\d.]+) tok/s",
+}
 
 
 def run(mode: str, prompt: str, max_tokens: int, home: str) -> tuple[int, float]:
@@ -42,8 +45,18 @@ def run(mode: str, prompt: str, max_tokens: int, home: str) -> tuple[int, float]
     if mode == "plain":
         from dflash_mlx import builtin
 
-        cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(builtin.TARGET), "--prompt", prompt,
-               "-m", str(max_tokens)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            str(builtin.TARGET),
+            "--prompt",
+            prompt,
+            "-m",
+            str(max_tokens),
+        ]
     else:
         cmd = [str(Path(sys.executable).with_name("dflash-mlx")), "generate", "--prompt", prompt, "-m", str(max_tokens)]
         env["DFLASH_MLX_AUTO_MEMORY"] = "0" if mode == "fresh" else "1"
@@ -70,8 +83,10 @@ def main():
             run("remembered", prompts[-1], args.max_tokens, home)  # the memory's first lesson, not measured
             totals = {}
             for mode in ("plain", "fresh", "remembered"):
-                runs = [run(mode, p, args.max_tokens, home if mode == "remembered" else fresh_home)
-                        for p in prompts[: args.prompts]]
+                runs = [
+                    run(mode, p, args.max_tokens, home if mode == "remembered" else fresh_home)
+                    for p in prompts[: args.prompts]
+                ]
                 totals[mode] = (sum(n for n, _ in runs), sum(s for _, s in runs))
             base = totals["plain"][0] / totals["plain"][1]
             for mode, (n, s) in totals.items():

@@ -46,7 +46,6 @@ import sys
 from collections import defaultdict
 
 import mlx.core as mx
-
 from cycle import SHAPES, prefilled, random_pair, synthetic_prompt
 
 LAYERS = 36
@@ -70,10 +69,12 @@ def marker() -> mx.array:
     """A one-thread kernel with a name of its own that opens each profiled case."""
     global _marker
     if _marker is None:
-        _marker = mx.fast.cuda_kernel(name="dflash_case_marker", input_names=["x"], output_names=["y"],
-                                      source="y[0] = x[0];")
-    return _marker(inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                   output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+        _marker = mx.fast.cuda_kernel(
+            name="dflash_case_marker", input_names=["x"], output_names=["y"], source="y[0] = x[0];"
+        )
+    return _marker(
+        inputs=[mx.zeros((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32]
+    )[0]
 
 
 def profiled(name: str, fn) -> None:
@@ -90,11 +91,16 @@ def profiled(name: str, fn) -> None:
     rt.cudaProfilerStop()
 
 
-def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], query_heads: int = 32,
-                    stagings: list[tuple[int | None, int | None]] = ((None, None),)) -> None:
+def attention_cases(
+    keys: list[int],
+    rows: list[int],
+    chunks: list[int | None],
+    query_heads: int = 32,
+    stagings: list[tuple[int | None, int | None]] = ((None, None),),
+) -> None:
+    from dflash_mlx.cache.buffer import positions_mask
     from dflash_mlx.kernels import dispatch
     from dflash_mlx.kernels.attention import BlockAttentionKernel
-    from dflash_mlx.cache.buffer import positions_mask
 
     kernel = BlockAttentionKernel(dispatch.backend())
     for n in keys:
@@ -106,15 +112,34 @@ def attention_cases(keys: list[int], rows: list[int], chunks: list[int | None], 
             start = mx.array(n - L, mx.int32)
             mask = positions_mask(L, start, n)
             mx.eval(ks, vs, q, mask)
-            profiled(f"fused+mask {L} rows {query_heads}/8 heads {n}", lambda: [mx.fast.scaled_dot_product_attention(
-                q, ks[i], vs[i], scale=128 ** -0.5, mask=mask) for i in range(LAYERS)])
+            profiled(
+                f"fused+mask {L} rows {query_heads}/8 heads {n}",
+                lambda: [
+                    mx.fast.scaled_dot_product_attention(q, ks[i], vs[i], scale=128**-0.5, mask=mask)
+                    for i in range(LAYERS)
+                ],
+            )
             for chunk in chunks:
                 for kt, st in stagings:
                     staged = f" KT={kt} ST={st}" if kt or st else ""
-                    profiled(f"kernel C={chunk or 'default'}{staged} {L} rows {query_heads}/8 heads {n}",
-                             lambda c=chunk, kt=kt, st=st: [kernel(
-                                 q, ks[i], vs[i], scale=128 ** -0.5, q_offset=start, kv_length=start + L, causal=True,
-                                 chunk=c, tile_keys=kt, stages=st) for i in range(LAYERS)])
+                    profiled(
+                        f"kernel C={chunk or 'default'}{staged} {L} rows {query_heads}/8 heads {n}",
+                        lambda c=chunk, kt=kt, st=st: [
+                            kernel(
+                                q,
+                                ks[i],
+                                vs[i],
+                                scale=128**-0.5,
+                                q_offset=start,
+                                kv_length=start + L,
+                                causal=True,
+                                chunk=c,
+                                tile_keys=kt,
+                                stages=st,
+                            )
+                            for i in range(LAYERS)
+                        ],
+                    )
         del ks, vs
 
 
@@ -150,7 +175,7 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
     model, draft = random_pair(shape, None)
     for P in prompts:
         target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
-        cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+        cycle = Cycle(target, draft, cache, SamplingParams(), 0)
         last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
 
         def one_cycle():
@@ -162,8 +187,10 @@ def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
         del target, cache, cycle
         plain = make_prompt_cache(model)
         mx.eval(model(mx.array(synthetic_prompt(draft.config.vocab_size, P))[None], cache=plain))
-        profiled(f"plain mlx-lm step after {P}",
-                 lambda: [model(mx.array([[1]]), cache=plain), *[a for c in plain for a in c.state]])
+        profiled(
+            f"plain mlx-lm step after {P}",
+            lambda: [model(mx.array([[1]]), cache=plain), *[a for c in plain for a in c.state]],
+        )
         del plain
 
 
@@ -198,7 +225,7 @@ def scalar_cases(block: int) -> None:
         raise SystemExit("the q/k norm + RoPE kernel did not check out here (bf16, head dim 128).")
     fused = [mx.random.normal((1, block, 48 * 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
     qs = [f[..., : 32 * 128].reshape(1, block, 32, 128) for f in fused]
-    ks = [f[..., 32 * 128: 40 * 128].reshape(1, block, 8, 128) for f in fused]
+    ks = [f[..., 32 * 128 : 40 * 128].reshape(1, block, 8, 128) for f in fused]
     made_here = mx.ones((128,), mx.bfloat16)  # computed on the device
     loaded = mx.array(np.ones(128, np.float32), dtype=mx.bfloat16)  # written by the host, as loaded weights are
     narrow = mx.array(1000, mx.int32) + mx.array(24, mx.int32)  # 4 bytes, computed on the device
@@ -224,17 +251,25 @@ def scalar_cases(block: int) -> None:
 
     name = f"norm+rope {block} rows"
     profiled(f"{name}, device-made inputs, 4-byte offset", lambda: run_layers(narrow, made_here, device_params, False))
-    profiled(f"{name}, device-made inputs, 4-byte offset, host touching",
-             lambda: run_layers(narrow, made_here, device_params, True))
-    profiled(f"{name}, device-made inputs, 16-byte offset, host touching",
-             lambda: run_layers(wide, made_here, device_params, True))
-    profiled(f"{name}, host-made weights and parameters, 16-byte offset, host touching",
-             lambda: run_layers(wide, loaded, host_params, True))
+    profiled(
+        f"{name}, device-made inputs, 4-byte offset, host touching",
+        lambda: run_layers(narrow, made_here, device_params, True),
+    )
+    profiled(
+        f"{name}, device-made inputs, 16-byte offset, host touching",
+        lambda: run_layers(wide, made_here, device_params, True),
+    )
+    profiled(
+        f"{name}, host-made weights and parameters, 16-byte offset, host touching",
+        lambda: run_layers(wide, loaded, host_params, True),
+    )
     qn, kn = nn.RMSNorm(128, eps=1e-6), nn.RMSNorm(128, eps=1e-6)
     qn.weight = kn.weight = loaded
     rope = nn.RoPE(128, base=1e6)
-    profiled(f"MLX's ops (copies, rms_norm, rope) {block} rows, host-made weights, 4-byte offset",
-             lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)])
+    profiled(
+        f"MLX's ops (copies, rms_norm, rope) {block} rows, host-made weights, 4-byte offset",
+        lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)],
+    )
 
 
 def kernel_rows(path: str):
@@ -317,10 +352,17 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["attention", "verify", "cycle", "scalars", "summarize", "launches"])
-    ap.add_argument("paths", nargs="*", help="summarize: ncu's CSV log, then the run's stdout (its case names); "
-                                             "launches: ncu's CSV log")
-    ap.add_argument("--shape", choices=sorted(SHAPES) + ["builtin"], default="qwen3-8b",
-                    help="a model's shapes (random weights); cycle: also builtin, the shipped pair")
+    ap.add_argument(
+        "paths",
+        nargs="*",
+        help="summarize: ncu's CSV log, then the run's stdout (its case names); launches: ncu's CSV log",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES) + ["builtin"],
+        default="qwen3-8b",
+        help="a model's shapes (random weights); cycle: also builtin, the shipped pair",
+    )
     ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
@@ -328,8 +370,11 @@ def main():
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
     ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")
     ap.add_argument("--chunks", default="0,256,512,1024,4096", help="attention: chunk sizes, 0 = the kernel's choice")
-    ap.add_argument("--staging", default="0x0",
-                    help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)")
+    ap.add_argument(
+        "--staging",
+        default="0x0",
+        help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)",
+    )
     from kernel_switches import add_scalars_argument, use_scalars
 
     add_scalars_argument(ap, "one for the run")
@@ -342,8 +387,9 @@ def main():
     elif args.what == "attention":
         ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
         stagings = [tuple(int(x) or None for x in pair.split("x")) for pair in args.staging.split(",")]
-        attention_cases(ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads,
-                        stagings)
+        attention_cases(
+            ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads, stagings
+        )
     elif args.what == "scalars":
         scalar_cases(args.block)
     elif args.what == "cycle":

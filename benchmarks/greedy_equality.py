@@ -21,7 +21,6 @@ import json
 import platform
 
 import mlx.core as mx
-
 from bench_builtin import PROMPTS, prompt_sets
 from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
 
@@ -38,8 +37,8 @@ def main():
     args = ap.parse_args()
 
     from dflash_mlx import load, stream_generate
-    from dflash_mlx.tiny import greedy_reference
     from dflash_mlx.decode.traces import forget_traces
+    from dflash_mlx.tiny import greedy_reference
 
     model, draft, tok = load(args.model, draft=args.draft)
     texts = json.loads(PROMPTS.read_text())
@@ -54,24 +53,39 @@ def main():
         for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
             firsts = []
             for p, ref in zip(prompts, references):
-                got = [t for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
-                       for t in r.tokens]
+                got = [
+                    t
+                    for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
+                    for t in r.tokens
+                ]
                 n = min(len(ref), len(got))
                 first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
                 firsts.append(first)
-            rows.append({"products": products, "norm_rope": norm, "block": block,
-                         "equal": sum(f is None for f in firsts), "prompts": len(firsts), "first_difference": firsts})
+            rows.append(
+                {
+                    "products": products,
+                    "norm_rope": norm,
+                    "block": block,
+                    "equal": sum(f is None for f in firsts),
+                    "prompts": len(firsts),
+                    "first_difference": firsts,
+                }
+            )
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     if args.json:
         print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
         return
     print(machine)
-    print(f"{args.model}: {len(prompts)} prompts, {args.max_tokens} new tokens; equal: DFlash's greedy tokens all "
-          "equal to mlx-lm's; first difference: the token index where they part (- where equal)")
+    print(
+        f"{args.model}: {len(prompts)} prompts, {args.max_tokens} new tokens; equal: DFlash's greedy tokens all "
+        "equal to mlx-lm's; first difference: the token index where they part (- where equal)"
+    )
     for r in rows:
         firsts = " ".join("-" if f is None else str(f) for f in r["first_difference"])
-        print(f"products {r['products']:<6} norm/rope {r['norm_rope']:<6} block {str(r['block']):<4} "
-              f"equal {r['equal']:>2}/{r['prompts']}  first difference: {firsts}")
+        print(
+            f"products {r['products']:<6} norm/rope {r['norm_rope']:<6} block {str(r['block']):<4} "
+            f"equal {r['equal']:>2}/{r['prompts']}  first difference: {firsts}"
+        )
 
 
 if __name__ == "__main__":

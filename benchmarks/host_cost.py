@@ -47,7 +47,7 @@ def cases(args):
 
     mask = positions_mask(B, length, keys + 256)
     mx.eval(w_h, w_qkv, w_f, w_gu, x1, xb, qw.parameters(), kbuf, vbuf, q1, qb, length, norm_w, mask)
-    scale = D ** -0.5
+    scale = D**-0.5
     upd = r(1, hkv, B, D)
     mx.eval(upd)
 
@@ -61,18 +61,34 @@ def cases(args):
     yield f"rms_norm {B} rows", lambda i: mx.fast.rms_norm(xb + i, norm_w, 1e-6)
     yield f"rope {B} rows", lambda i: mx.fast.rope(qb + i, D, traditional=False, base=1e6, scale=1.0, offset=length)
     yield "add (elementwise)", lambda i: xb + i
-    yield "sdpa 1 row, exact keys", lambda i: mx.fast.scaled_dot_product_attention(
-        q1 + i, kbuf[:, :, :keys], vbuf[:, :, :keys], scale=scale)
-    yield f"sdpa {B} rows, causal, exact keys", lambda i: mx.fast.scaled_dot_product_attention(
-        qb + i, kbuf[:, :, : keys + B], vbuf[:, :, : keys + B], scale=scale, mask="causal")
-    yield f"sdpa {B} rows, bool mask, buffer", lambda i: mx.fast.scaled_dot_product_attention(
-        qb + i, kbuf, vbuf, scale=scale, mask=mask)
-    yield f"mask + sdpa {B} rows, buffer", lambda i: mx.fast.scaled_dot_product_attention(
-        qb + i, kbuf, vbuf, scale=scale, mask=positions_mask(B, length + i, keys + 256))
-    yield f"block_attention kernel {B} rows", lambda i: block_attention(
-        qb + i, kbuf, vbuf, scale=scale, q_offset=length, kv_length=length + B, causal=True)
-    yield "slice_update at an array offset", lambda i: mx.slice_update(
-        kbuf, upd + i, mx.reshape(length, (1,)), axes=(2,))
+    yield (
+        "sdpa 1 row, exact keys",
+        lambda i: mx.fast.scaled_dot_product_attention(q1 + i, kbuf[:, :, :keys], vbuf[:, :, :keys], scale=scale),
+    )
+    yield (
+        f"sdpa {B} rows, causal, exact keys",
+        lambda i: mx.fast.scaled_dot_product_attention(
+            qb + i, kbuf[:, :, : keys + B], vbuf[:, :, : keys + B], scale=scale, mask="causal"
+        ),
+    )
+    yield (
+        f"sdpa {B} rows, bool mask, buffer",
+        lambda i: mx.fast.scaled_dot_product_attention(qb + i, kbuf, vbuf, scale=scale, mask=mask),
+    )
+    yield (
+        f"mask + sdpa {B} rows, buffer",
+        lambda i: mx.fast.scaled_dot_product_attention(
+            qb + i, kbuf, vbuf, scale=scale, mask=positions_mask(B, length + i, keys + 256)
+        ),
+    )
+    yield (
+        f"block_attention kernel {B} rows",
+        lambda i: block_attention(qb + i, kbuf, vbuf, scale=scale, q_offset=length, kv_length=length + B, causal=True),
+    )
+    yield (
+        "slice_update at an array offset",
+        lambda i: mx.slice_update(kbuf, upd + i, mx.reshape(length, (1,)), axes=(2,)),
+    )
     yield "slice assignment at an int offset", lambda i: _assign(kbuf, upd + i, keys)
 
 
@@ -130,8 +146,10 @@ def main():
         print(json.dumps({"machine": machine, "args": vars(args), "rows": results}, indent=2))
         return
     print(machine)
-    print(f"hidden {args.hidden}, ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, keys {args.keys}, "
-          f"{args.repeat} copies per graph; microseconds per operation (median of {args.runs})")
+    print(
+        f"hidden {args.hidden}, ffn {args.ffn}, heads {args.heads}/{args.kv_heads}, keys {args.keys}, "
+        f"{args.repeat} copies per graph; microseconds per operation (median of {args.runs})"
+    )
     print(f"{'operation':<40} {'build':>8} {'launch':>8} {'total':>8}")
     for r in results:
         print(f"{r['op']:<40} {r['build_us']:>8.1f} {r['launch_us']:>8.1f} {r['total_us']:>8.1f}")

@@ -57,6 +57,7 @@ def main():
     args = ap.parse_args()
 
     from bench_builtin import PROMPTS, dflash, machine, plain, prompt_sets
+
     from dflash_mlx import load
 
     model, draft, tok = load("builtin")
@@ -72,6 +73,7 @@ def main():
             plain(model, tok, prompts[0], 16, 0.0, 0)
         else:
             dflash(model, draft, tok, prompts[0], 32, 0.0, loop, 0, Counter())
+
         def run() -> tuple[float, int]:
             seconds, cycles, used = 0.0, 0, Counter()
             for p in prompts:
@@ -84,7 +86,9 @@ def main():
 
         seconds, cycles, rows = profile(run)
         unit = "step" if loop == "plain" else "cycle"
-        print(f"\n{loop}: {cycles} {unit}s, {1e6 * seconds / cycles:.0f} us a {unit} profiled; us a {unit} of own time:")
+        print(
+            f"\n{loop}: {cycles} {unit}s, {1e6 * seconds / cycles:.0f} us a {unit} profiled; us a {unit} of own time:"
+        )
         for where, us, calls in rows[: args.top]:
             print(f"  {us:8.1f}  {calls:6.2f} calls  {where}")
 

@@ -12,10 +12,10 @@ itself does. Compiled cycles keep what they were traced with: forget them
 after a switch.
 """
 
-from dflash_mlx.kernels.cuda import products as _products
-from dflash_mlx.kernels import dispatch as _dispatch
 from dflash_mlx.kernels import attention as _kernel
+from dflash_mlx.kernels import dispatch as _dispatch
 from dflash_mlx.kernels import norm_rope as _norm_rope
+from dflash_mlx.kernels.cuda import products as _products
 
 _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
 
@@ -23,12 +23,12 @@ _CHECKED = {_norm_rope: _norm_rope.passed, _products: _products.passed}
 CHOICES = {"norm_rope": ("kernel", "ops"), "products": ("kernel", "kernel-norms-apart", "mlx")}
 MEANING = {
     "norm_rope": "'kernel' (q/k norms and RoPE in one launch on a GPU where that kernel checked out), 'ops' (MLX's "
-                 "rms_norm and rope)",
+    "rms_norm and rope)",
     "products": "'kernel' (a verify's 2-16-row products in one launch each on CUDA where that kernel checked out; "
-                "'kernel@TxWxA' launches the products that are neither down-shaped nor gate/up with SwiGLU with T "
-                "tiles a warp, W warps, A loads ahead: block_products.SHAPE and WIDE_SHAPE), 'kernel-norms-apart' (the "
-                "kernel, each RMSNorm before a product a launch of its own: block_products.NORMS_IN_PRODUCTS off), "
-                "'mlx' (MLX's products, cuBLASLt)",
+    "'kernel@TxWxA' launches the products that are neither down-shaped nor gate/up with SwiGLU with T "
+    "tiles a warp, W warps, A loads ahead: block_products.SHAPE and WIDE_SHAPE), 'kernel-norms-apart' (the "
+    "kernel, each RMSNorm before a product a launch of its own: block_products.NORMS_IN_PRODUCTS off), "
+    "'mlx' (MLX's products, cuBLASLt)",
 }
 
 
@@ -36,8 +36,11 @@ def add_kernel_arguments(ap, each: str, products: str = "kernel") -> None:
     """--norm-rope and --products, comma-separated (repeat a value to
     alternate); ``each`` says what one value gets ("one table each")."""
     for name, default in (("norm_rope", "kernel"), ("products", products)):
-        ap.add_argument("--" + name.replace("_", "-"), default=default,
-                        help=f"comma-separated, {each}, crossed with the other's: {MEANING[name]}; default {default}")
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            default=default,
+            help=f"comma-separated, {each}, crossed with the other's: {MEANING[name]}; default {default}",
+        )
 
 
 def kernel_settings(args) -> list[tuple[str, str]]:
@@ -65,7 +68,9 @@ def product_shape(choice: str) -> tuple[str, tuple | None]:
         return choice, None
     parts = shape.split("x")
     if route != "kernel" or len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise SystemExit(f"--products takes kernel@TxWxA (tiles, warps, loads ahead, e.g. kernel@2x8x4), not {choice!r}.")
+        raise SystemExit(
+            f"--products takes kernel@TxWxA (tiles, warps, loads ahead, e.g. kernel@2x8x4), not {choice!r}."
+        )
     return route, tuple(int(p) for p in parts)
 
 
@@ -87,11 +92,14 @@ ATTENTION = ("table", "kernel", "fused")
 
 def add_attention_argument(ap, each: str) -> None:
     """--attention, comma-separated: where the block-attention kernel runs."""
-    ap.add_argument("--attention", default="table",
-                    help=f"comma-separated, {each}: 'table' (the block-attention kernel where its measured table "
-                         "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, short prefill "
-                         "chunks too), 'fused' (never: MLX's attention); '@N' after 'table' or 'kernel' sets the "
-                         "kernel's fewest keys a chunk (kernel.TILE_CHUNK_FLOOR) to N, e.g. table@64")
+    ap.add_argument(
+        "--attention",
+        default="table",
+        help=f"comma-separated, {each}: 'table' (the block-attention kernel where its measured table "
+        "picks it: the default), 'kernel' (for every call of up to 256 query rows a kv head, short prefill "
+        "chunks too), 'fused' (never: MLX's attention); '@N' after 'table' or 'kernel' sets the "
+        "kernel's fewest keys a chunk (kernel.TILE_CHUNK_FLOOR) to N, e.g. table@64",
+    )
 
 
 def use_attention(choice: str) -> None:
@@ -114,10 +122,13 @@ SCALARS = ("wide", "narrow")
 
 def add_scalars_argument(ap, each: str) -> None:
     """--scalars, comma-separated: where a cycle's lengths live for its kernels."""
-    ap.add_argument("--scalars", default="wide",
-                    help=f"comma-separated, {each}: 'wide' (a cycle's lengths in 16-byte arrays the device writes, "
-                         "device.device_scalar: the default), 'narrow' (4-byte arrays, which MLX's CUDA backend keeps "
-                         "in managed memory)")
+    ap.add_argument(
+        "--scalars",
+        default="wide",
+        help=f"comma-separated, {each}: 'wide' (a cycle's lengths in 16-byte arrays the device writes, "
+        "device.device_scalar: the default), 'narrow' (4-byte arrays, which MLX's CUDA backend keeps "
+        "in managed memory)",
+    )
 
 
 def use_scalars(choice: str) -> None:

@@ -57,7 +57,7 @@ def rounds(capacity: int, how: str, read: bool, pipelined: bool) -> tuple[float,
         for i in range(BUFFERS):
             bufs[i] = write(bufs[i], new, start, how)
             if read:
-                outs.append(mx.fast.scaled_dot_product_attention(q, bufs[i], bufs[i], scale=HEAD_DIM ** -0.5))
+                outs.append(mx.fast.scaled_dot_product_attention(q, bufs[i], bufs[i], scale=HEAD_DIM**-0.5))
         if pipelined:
             mx.async_eval(bufs, outs)
             if previous is not None:
@@ -67,7 +67,9 @@ def rounds(capacity: int, how: str, read: bool, pipelined: bool) -> tuple[float,
             mx.eval(bufs, outs)
         times.append(time.perf_counter() - tic)
     mx.synchronize()
-    landed = bool(mx.all(bufs[0][0, :, AT : AT + BLOCK] == 1).item()) and bool(mx.all(bufs[0][0, :, AT + BLOCK :] == 0).item())
+    landed = bool(mx.all(bufs[0][0, :, AT : AT + BLOCK] == 1).item()) and bool(
+        mx.all(bufs[0][0, :, AT + BLOCK :] == 0).item()
+    )
     return 1000 * sorted(times[2:])[4], landed
 
 
@@ -81,8 +83,12 @@ def main():
     for how in ("dynamic", "put_along", "setitem", "static"):
         for read, pipelined in ((False, False), (True, False), (True, True)):
             cells = [rounds(c, how, read, pipelined) for c in caps]
-            print(f"{how:>10} {str(read):>5} {str(pipelined):>9} " + " ".join(f"{ms:>10.2f}" for ms, _ in cells)
-                  + f"  {all(ok for _, ok in cells)}", flush=True)
+            print(
+                f"{how:>10} {str(read):>5} {str(pipelined):>9} "
+                + " ".join(f"{ms:>10.2f}" for ms, _ in cells)
+                + f"  {all(ok for _, ok in cells)}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

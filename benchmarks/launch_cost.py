@@ -43,17 +43,19 @@ import time
 import mlx.core as mx
 
 COPY = "  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);\n  if (i < x_shape[0] * x_shape[1]) y[i] = x[i];\n"
-FOUR = ("  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);\n"
-        "  if (i < x_shape[0] * x_shape[1]) y[i] = SCALE ? x[i] + a[0] + b[0] + c[0] : x[i];\n")
+FOUR = (
+    "  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);\n"
+    "  if (i < x_shape[0] * x_shape[1]) y[i] = SCALE ? x[i] + a[0] + b[0] + c[0] : x[i];\n"
+)
 
 
 def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
     """(name, step, x) triples: step(x) is one operation on x, same shape out
     (x [rows, hidden]; attention's: queries [1, hidden / 64, rows, 64])."""
-    from dflash_mlx.kernels.cuda import products as block_products
-    from dflash_mlx.kernels import dispatch
-    from dflash_mlx.device import backend
     from dflash_mlx.cache.buffer import positions_mask
+    from dflash_mlx.device import backend
+    from dflash_mlx.kernels import dispatch
+    from dflash_mlx.kernels.cuda import products as block_products
 
     where = backend()
     norm_w = mx.ones((hidden,), dtype)
@@ -70,10 +72,18 @@ def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
         yield "custom copy", lambda x: copy(inputs=[x], **launch)[0], x
         # the same kernel with 16 KB of comments: MLX's CUDA backend hashes a
         # custom kernel's whole source at every launch (kernels.launch_source)
-        padded = factory(name="launch_cost_copy_padded", input_names=["x"], output_names=["y"],
-                         source=COPY + ("// " + "x" * 77 + "\n") * 205)
+        padded = factory(
+            name="launch_cost_copy_padded",
+            input_names=["x"],
+            output_names=["y"],
+            source=COPY + ("// " + "x" * 77 + "\n") * 205,
+        )
         yield "custom copy, 16 KB source", lambda x: padded(inputs=[x], **launch)[0], x
-        yield "custom 4 inputs", lambda x: four(inputs=[x, *extra], template=[("T", dtype), ("SCALE", 0)], **launch)[0], x
+        yield (
+            "custom 4 inputs",
+            lambda x: four(inputs=[x, *extra], template=[("T", dtype), ("SCALE", 0)], **launch)[0],
+            x,
+        )
     up = (mx.random.normal((ffn, hidden)) * 0.02).astype(dtype)
     back = (mx.random.normal((hidden, ffn)) * 0.02).astype(dtype)
     mx.eval(norm_w, up, back)
@@ -90,11 +100,14 @@ def kinds(rows: int, hidden: int, ffn: int, keys: int, dtype):
     start = mx.array(keys - rows - 8, mx.int32)
     mask = positions_mask(rows, start, keys)
     mx.eval(q, k, v, start, mask)
-    yield "sdpa, masked", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask), q
+    yield "sdpa, masked", lambda q: mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask), q
     attend = dispatch.checked_kernel(where, dtype, d, False) if where != "cpu" else None
     if attend is not None:
-        yield "block attention (2)", lambda q: attend(q, k, v, scale=d ** -0.5, q_offset=start, kv_length=start + rows,
-                                                   causal=True), q
+        yield (
+            "block attention (2)",
+            lambda q: attend(q, k, v, scale=d**-0.5, q_offset=start, kv_length=start + rows, causal=True),
+            q,
+        )
 
 
 def measure(step, x: mx.array, chain: int, runs: int, compiled: bool) -> dict:
@@ -147,11 +160,15 @@ def main():
     if args.json:
         print(json.dumps({"machine": machine, "max_ops_per_buffer": batching, "args": vars(args), "rows": results}))
         return
-    print(f"{machine}; MLX_MAX_OPS_PER_BUFFER={batching}; {args.chain} chained operations a graph, "
-          f"{args.rows} rows; microseconds per operation (median of {args.runs})")
+    print(
+        f"{machine}; MLX_MAX_OPS_PER_BUFFER={batching}; {args.chain} chained operations a graph, "
+        f"{args.rows} rows; microseconds per operation (median of {args.runs})"
+    )
     print(f"{'kind':<18} {'compiled':>8} {'build':>8} {'launch':>8} {'total':>8}")
     for r in results:
-        print(f"{r['kind']:<18} {str(r['compiled']):>8} {r['build_us']:>8.2f} {r['launch_us']:>8.2f} {r['total_us']:>8.2f}")
+        print(
+            f"{r['kind']:<18} {str(r['compiled']):>8} {r['build_us']:>8.2f} {r['launch_us']:>8.2f} {r['total_us']:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

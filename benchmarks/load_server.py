@@ -42,7 +42,9 @@ def stream_one(client: httpx.Client, url: str, body: dict) -> dict:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if first is None and any(c["delta"].get("content") or c["delta"].get("reasoning_content") for c in chunk["choices"]):
+            if first is None and any(
+                c["delta"].get("content") or c["delta"].get("reasoning_content") for c in chunk["choices"]
+            ):
                 first = time.perf_counter()
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
@@ -59,8 +61,14 @@ def run_client(index: int, url: str, args, prompts: list[str], results: list, er
                 errors.append(f"client {index}: out of time before request {r}")
                 return
             prompt = prompts[(index * args.requests + r) % len(prompts)]
-            body = {"model": args.model_name, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": args.model_name,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             try:
                 results.append({"client": index, **stream_one(client, url, body)})
             except Exception as e:  # counted, reported, and the load goes on
@@ -71,7 +79,10 @@ def drive(url: str, args) -> dict:
     prompts = json.loads(PROMPTS.read_text())["chat"]
     results, errors = [], []
     deadline = time.perf_counter() + args.timeout
-    threads = [threading.Thread(target=run_client, args=(i, url, args, prompts, results, errors, deadline)) for i in range(args.clients)]
+    threads = [
+        threading.Thread(target=run_client, args=(i, url, args, prompts, results, errors, deadline))
+        for i in range(args.clients)
+    ]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -96,11 +107,16 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
     ttft = sorted(r["ttft"] for r in results) or [0.0]
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
-        "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-        "completed": len(results), "errors": len(errors), "wall_s": round(wall, 2),
+        "clients": args.clients,
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
+        "completed": len(results),
+        "errors": len(errors),
+        "wall_s": round(wall, 2),
         "requests_per_s": round(len(results) / wall, 3),
         "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 1),
-        "ttft_s_median": round(statistics.median(ttft), 3), "ttft_s_max": round(ttft[-1], 3),
+        "ttft_s_median": round(statistics.median(ttft), 3),
+        "ttft_s_max": round(ttft[-1], 3),
         "tokens_per_s_per_client_mean": round(statistics.mean(per_client), 1) if per_client else 0.0,
         "error_messages": errors[:5],
     }
@@ -114,7 +130,9 @@ def direct_tokens_per_s(pair, prompts: list[str], max_tokens: int) -> float:
     model, draft, tokenizer = pair
     tokens, start = 0, time.perf_counter()
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens):
             pass
         tokens += r.generation_tokens
@@ -148,7 +166,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--requests", type=int, default=3, help="Requests per client, one after another.")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=600, help="Seconds for the whole run; requests left then count as errors.")
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="Seconds for the whole run; requests left then count as errors."
+    )
     args = parser.parse_args()
 
     server = nullcontext(args.url.rstrip("/")) if args.url else local_server(args)

@@ -24,13 +24,12 @@ import argparse
 import platform
 
 import mlx.core as mx
-
 from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
 
 
 def pieces(model, draft, shape: str, P: int, block: int) -> dict:
-    from dflash_mlx.kernels import block_attention
     from dflash_mlx.cache.buffer import positions_mask, put_positions
+    from dflash_mlx.kernels import block_attention
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
     prompt = synthetic_prompt(draft.config.vocab_size, P)
@@ -53,7 +52,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     v_buf = mx.random.normal((1, kv, cap, hd)).astype(mx.bfloat16)
     q = mx.random.normal((1, heads, block, hd)).astype(mx.bfloat16)
     mx.eval(k_buf, v_buf, q)
-    scale = hd ** -0.5
+    scale = hd**-0.5
 
     def attention():
         mask = positions_mask(block, length, cap)
@@ -61,9 +60,12 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
 
     out["attention_ms"] = synced_ms(attention)
     if mx.default_device() == mx.gpu:
-        out["kernel_attention_ms"] = synced_ms(lambda: [
-            block_attention(q, k_buf, v_buf, scale=scale, q_offset=length, kv_length=length + block, causal=True)
-            for _ in range(layers)])
+        out["kernel_attention_ms"] = synced_ms(
+            lambda: [
+                block_attention(q, k_buf, v_buf, scale=scale, q_offset=length, kv_length=length + block, causal=True)
+                for _ in range(layers)
+            ]
+        )
     new_k = mx.random.normal((1, kv, block, hd)).astype(mx.bfloat16)
     bufs = [[mx.zeros((1, kv, cap, hd), mx.bfloat16) for _ in range(2)] for _ in range(layers)]
     mx.eval(new_k, bufs)
@@ -78,6 +80,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     out["cache_writes_ms"] = synced_ms(writes)
     del bufs
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
+
     lm = lm_cache(model)
     mx.eval(model(mx.array([prompt]), cache=lm))
 
@@ -108,13 +111,25 @@ def main():
     args = parser(__doc__).parse_args()
     model, draft = random_pair(args.shape, None)
     print(machine(args))
-    cols = ["prompt_tokens", "capacity", "plain_step_ms", "verify_ms", "attention_ms", "kernel_attention_ms",
-            "cache_writes_ms"]
+    cols = [
+        "prompt_tokens",
+        "capacity",
+        "plain_step_ms",
+        "verify_ms",
+        "attention_ms",
+        "kernel_attention_ms",
+        "cache_writes_ms",
+    ]
     print(" ".join(f"{c:>20}" for c in cols))
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         row = pieces(model, draft, args.shape, P, args.block)
-        print(" ".join(f"{row.get(c, float('nan')):>20.2f}" if c != "prompt_tokens" and c != "capacity"
-                       else f"{row[c]:>20}" for c in cols), flush=True)
+        print(
+            " ".join(
+                f"{row.get(c, float('nan')):>20.2f}" if c != "prompt_tokens" and c != "capacity" else f"{row[c]:>20}"
+                for c in cols
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

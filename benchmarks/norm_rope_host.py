@@ -18,11 +18,11 @@ import statistics
 import time
 
 import mlx.core as mx
-
 from cycle import SHAPES, configs, prefilled, random_pair, synthetic_prompt
+from kernel_switches import use_kernels
+
 from dflash_mlx import DFlashDraft, DraftConfig
 from dflash_mlx.decode.cycle import Cycle
-from kernel_switches import use_kernels
 from dflash_mlx.targets import adapt
 
 
@@ -58,8 +58,10 @@ def main():
             done = time.perf_counter()
             times[name][0].append(1e3 * (launched - tic))
             times[name][1].append(1e3 * (done - tic))
-    print(f"{args.shape}, prompt {args.prompt_tokens}, block {args.block}, {args.cycles} cycles each, "
-          f"alternating; MLX {mx.__version__} on {mx.default_device()}")
+    print(
+        f"{args.shape}, prompt {args.prompt_tokens}, block {args.block}, {args.cycles} cycles each, "
+        f"alternating; MLX {mx.__version__} on {mx.default_device()}"
+    )
     for name, (launch_ms, total_ms) in times.items():
         print(f"{name:>7}: launch {statistics.median(launch_ms):.2f} ms, total {statistics.median(total_ms):.2f} ms")
 

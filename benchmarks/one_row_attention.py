@@ -49,11 +49,20 @@ def main() -> None:
         vs = [mx.random.normal((1, 8, width, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
         mask = mx.arange(width)[None] < filled
         mx.eval(ks, vs, mask)
-        exact = wall_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k[:, :, :filled], v[:, :, :filled], scale=0.088)
-                                 for k, v in zip(ks, vs)])
-        masked = wall_ms(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=mask)
-                                  for k, v in zip(ks, vs)])
-        own = "-" if kernel is None else f"{wall_ms(lambda: [kernel(q, k, v, scale=0.088, q_offset=filled - 1, kv_length=filled, causal=True) for k, v in zip(ks, vs)]):.3f}"
+        exact = wall_ms(
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, k[:, :, :filled], v[:, :, :filled], scale=0.088)
+                for k, v in zip(ks, vs)
+            ]
+        )
+        masked = wall_ms(
+            lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=mask) for k, v in zip(ks, vs)]
+        )
+        own = (
+            "-"
+            if kernel is None
+            else f"{wall_ms(lambda: [kernel(q, k, v, scale=0.088, q_offset=filled - 1, kv_length=filled, causal=True) for k, v in zip(ks, vs)]):.3f}"
+        )
         print(f"| {width} | {exact:.3f} | {masked:.3f} | {own} |")
 
 

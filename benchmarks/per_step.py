@@ -34,8 +34,17 @@ def call_per_step(q, k, v, a, b, layer, state):
     states, ys = [state], []
     for t in range(q.shape[1]):
         one = slice(t, t + 1)
-        y, state = gated_delta_update(q[:, one], k[:, one], v[:, one], a[:, one], b[:, one], layer.A_log,
-                                      layer.dt_bias, state, use_kernel=not layer.training)
+        y, state = gated_delta_update(
+            q[:, one],
+            k[:, one],
+            v[:, one],
+            a[:, one],
+            b[:, one],
+            layer.A_log,
+            layer.dt_bias,
+            state,
+            use_kernel=not layer.training,
+        )
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), mx.stack(states), state
@@ -54,8 +63,10 @@ def main():
     v = mx.random.normal((1, T, hv, D))
     a, b = mx.random.normal((1, T, hv)), mx.random.normal((1, T, hv))
     state, layer = mx.zeros((1, hv, D, D)), Gates(hv)
-    print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; "
-          f"{T} steps, {hk}/{hv} heads of {D}, {args.layers} layers")
+    print(
+        f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; "
+        f"{T} steps, {hk}/{hv} heads of {D}, {args.layers} layers"
+    )
     want = call_per_step(q, k, v, a, b, layer, state)
     for name, fn in (("gated_delta_update per step", call_per_step), ("per_step_update", per_step_update)):
         times = []

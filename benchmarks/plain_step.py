@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads, as for a user)
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
+
+import dflash_mlx  # noqa: F401  (first: it opens OpenBLAS before MLX loads, as for a user)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,8 +52,13 @@ def ours(model, draft, prompt, steps, clock):
     P = len(prompt)
     with mx.stream(generation_stream):
         held = [cycle.launch(1, mx.array([1], mx.int32), mx.array(P, mx.int32), P, exact=True)]
-        return timed_steps(steps, clock, lambda i: cycle.launch(1, held[0].last, held[0].length, P + i, exact=True),
-                           held, lambda flight: flight.result.tolist())
+        return timed_steps(
+            steps,
+            clock,
+            lambda i: cycle.launch(1, held[0].last, held[0].length, P + i, exact=True),
+            held,
+            lambda flight: flight.result.tolist(),
+        )
 
 
 def theirs(model, prompt, steps, clock):
@@ -85,8 +91,12 @@ def timed_steps(steps, clock, launch, held, read):
         launched += mid - tic
         held[0] = following
     n = steps / 1000
-    return {"step_ms": (time.perf_counter() - start) / n, "host_ms": launched / n,
-            "async_eval_ms": clock.seconds / n, "wait_ms": waited / n}
+    return {
+        "step_ms": (time.perf_counter() - start) / n,
+        "host_ms": launched / n,
+        "async_eval_ms": clock.seconds / n,
+        "wait_ms": waited / n,
+    }
 
 
 def main():
@@ -96,8 +106,12 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--fuse", choices=["on", "off"], default="on",
-                    help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own")
+    ap.add_argument(
+        "--fuse",
+        choices=["on", "off"],
+        default="on",
+        help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own",
+    )
     args = ap.parse_args()
 
     from bench_builtin import machine
@@ -112,8 +126,10 @@ def main():
     clock = AsyncClock()
     print(f"machine: {machine()}; BLAS: {fast_blas.describe()}; fused projections {args.fuse}")
     for _ in range(args.repeat):
-        for name, run in (("dflash-mlx", lambda: ours(model, draft, prompt, args.steps, clock)),
-                          ("mlx-lm", lambda: theirs(model, prompt, args.steps, clock))):
+        for name, run in (
+            ("dflash-mlx", lambda: ours(model, draft, prompt, args.steps, clock)),
+            ("mlx-lm", lambda: theirs(model, prompt, args.steps, clock)),
+        ):
             r = run()
             print(f"{name:>10}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
 

@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-
 from cycle import SHAPES, configs, random_target, synthetic_prompt
+from mlx_lm.generate import generate_step
 
 
 def random_pair(shape: str, tmp: Path):
@@ -87,20 +86,37 @@ def main():
     ap.add_argument("--draft")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="length of the synthetic prompt (token ids)")
-    ap.add_argument("--prompt", help="a text prompt instead (a trained pair accepts little on synthetic ids); "
-                    "'@FILE' reads it from FILE")
+    ap.add_argument(
+        "--prompt",
+        help="a text prompt instead (a trained pair accepts little on synthetic ids); '@FILE' reads it from FILE",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--block-size", default="16,auto", help="comma-separated block sizes for dflash-mlx (ints or 'auto'); "
-                    "the official loop runs the first integer one")
+    ap.add_argument(
+        "--block-size",
+        default="16,auto",
+        help="comma-separated block sizes for dflash-mlx (ints or 'auto'); "
+        "the official loop runs the first integer one",
+    )
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--cold", action="store_true",
-                    help="one round and no warm-up: includes the kernel and graph builds a first request pays "
-                    "(kernel builds, graph builds on CUDA)")
-    ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
-                    help="dflash-mlx's cycle through mx.compile (default: on a GPU)")
-    ap.add_argument("--products", choices=["kernel", "mlx"], default="kernel",
-                    help="a verify's 2-16-row products: one launch each through dflash-mlx's kernel on CUDA where it "
-                         "checked out (the default), or MLX's (cuBLASLt); alternate processes to compare")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="one round and no warm-up: includes the kernel and graph builds a first request pays "
+        "(kernel builds, graph builds on CUDA)",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=["default", "on", "off"],
+        default="default",
+        help="dflash-mlx's cycle through mx.compile (default: on a GPU)",
+    )
+    ap.add_argument(
+        "--products",
+        choices=["kernel", "mlx"],
+        default="kernel",
+        help="a verify's 2-16-row products: one launch each through dflash-mlx's kernel on CUDA where it "
+        "checked out (the default), or MLX's (cuBLASLt); alternate processes to compare",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -149,7 +165,13 @@ def main():
             run = ours(model, draft, tok, prompt, args.max_tokens, block, stats)
             round_rows.append({**timed(f"dflash-mlx {block}", run, args.max_tokens), **stats})
         if have_official:
-            round_rows.append(timed("official dflash", official(their_model, their_draft, tok, prompt, args.max_tokens, bs), args.max_tokens))
+            round_rows.append(
+                timed(
+                    "official dflash",
+                    official(their_model, their_draft, tok, prompt, args.max_tokens, bs),
+                    args.max_tokens,
+                )
+            )
         if rep or args.cold:
             rows.extend(round_rows)
 
@@ -179,9 +201,10 @@ def main():
         print(json.dumps(summary, indent=2))
         return
     print(summary["machine"])
-    print(f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
-          f"products {args.products}, "
-          + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}"))
+    print(
+        f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
+        f"products {args.products}, " + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}")
+    )
     for r in summary["results"]:
         tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
         print(f"{r['mode']:>18}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")

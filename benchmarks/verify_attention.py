@@ -21,9 +21,7 @@ Synced, median of 7, ms.
 
 from __future__ import annotations
 
-
 import mlx.core as mx
-
 from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
 from long_context import machine, parser
 
@@ -42,9 +40,12 @@ def isolated(shape: str, capacity: int, block: int, buffers: int) -> dict:
     q = mx.random.normal((1, heads, block, hd)).astype(mx.bfloat16)
     mask = positions_mask(block, mx.array(capacity - block), capacity)
     mx.eval(ks, vs, q, mask)
-    return {f"isolated over {buffers} buffers, {name}": synced_ms(
-                lambda m=m: [FUSED(q, ks[i % buffers], vs[i % buffers], scale=hd ** -0.5, mask=m) for i in range(layers)])
-            for name, m in (("mask", mask), ("no mask", None))}
+    return {
+        f"isolated over {buffers} buffers, {name}": synced_ms(
+            lambda m=m: [FUSED(q, ks[i % buffers], vs[i % buffers], scale=hd**-0.5, mask=m) for i in range(layers)]
+        )
+        for name, m in (("mask", mask), ("no mask", None))
+    }
 
 
 def in_verify(model, draft, P: int, block: int) -> dict:
@@ -71,10 +72,13 @@ def in_verify(model, draft, P: int, block: int) -> dict:
             if variant == "kernel":
                 mx.fast.scaled_dot_product_attention = FUSED  # its fallback calls the fused op
                 try:
-                    return block_attention(q, k, v, scale=scale, q_offset=length, kv_length=length + q.shape[2], causal=True)
+                    return block_attention(
+                        q, k, v, scale=scale, q_offset=length, kv_length=length + q.shape[2], causal=True
+                    )
                 finally:
                     mx.fast.scaled_dot_product_attention = attend
             return FUSED(q, k, v, scale=scale, mask=mask, **kw)
+
         return attend
 
     variants = ["as is", "contiguous q", "no mask", "skipped"]
@@ -85,6 +89,7 @@ def in_verify(model, draft, P: int, block: int) -> dict:
     dispatch.KERNEL_WINS = ((10**6, 0),)  # the kernel for any rows
     try:
         for variant in variants:
+
             def run():
                 for c in cache.target:
                     c.set_length(length, P)
@@ -93,6 +98,7 @@ def in_verify(model, draft, P: int, block: int) -> dict:
                     return target(mx.array([[1] * block]), cache.target, taps)
                 finally:
                     mx.fast.scaled_dot_product_attention = FUSED
+
             out[f"verify, {variant}"] = synced_ms(run)
     finally:
         kv_cache.BufferKVCache.write, dispatch.KERNEL_WINS = real_write, real_table
@@ -102,8 +108,11 @@ def in_verify(model, draft, P: int, block: int) -> dict:
 
 def main():
     ap = parser(__doc__)
-    ap.add_argument("--buffers", default="1,36",
-                    help="comma-separated counts of distinct buffers for the isolated calls (a verify has one a layer)")
+    ap.add_argument(
+        "--buffers",
+        default="1,36",
+        help="comma-separated counts of distinct buffers for the isolated calls (a verify has one a layer)",
+    )
     args = ap.parse_args()
     print(machine(args))
     model, draft = random_pair(args.shape, None)
@@ -111,7 +120,10 @@ def main():
         row = in_verify(model, draft, P, args.block)
         for n in [int(b) for b in args.buffers.split(",")]:
             row.update(isolated(args.shape, row["capacity"], args.block, n))
-        print(f"prompt {P}: " + ", ".join(f"{k} {v:.2f}" if k != "capacity" else f"{k} {v}" for k, v in row.items()), flush=True)
+        print(
+            f"prompt {P}: " + ", ".join(f"{k} {v:.2f}" if k != "capacity" else f"{k} {v}" for k, v in row.items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

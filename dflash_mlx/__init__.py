@@ -1,8 +1,8 @@
 """dflash-mlx: lossless DFlash speculative decoding on MLX.
 
-    from dflash_mlx import load, generate, stream_generate
-    model, draft, tokenizer = load("Qwen/Qwen3-8B", draft="z-lab/Qwen3-8B-DFlash-b16")
-    print(generate(model, draft, tokenizer, "The capital of France is", max_tokens=64))
+from dflash_mlx import load, generate, stream_generate
+model, draft, tokenizer = load("Qwen/Qwen3-8B", draft="z-lab/Qwen3-8B-DFlash-b16")
+print(generate(model, draft, tokenizer, "The capital of France is", max_tokens=64))
 """
 
 from importlib import import_module

@@ -42,8 +42,10 @@ def integer(name: str, value, minimum: int | None = None) -> int:
     an integral float; never a bool."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)) or (
-        isinstance(value, float) and not value.is_integer()
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (numbers.Integral, float))
+        or (isinstance(value, float) and not value.is_integer())
     ):
         raise ValueError(f"{name} must be an integer, got {value!r}.")
     value = int(value)
@@ -135,5 +137,7 @@ def check_generation_args(
             raise
         message = str(e)
         for name, flag in FLAGS.items():
-            message = message.replace(f"{name} must", f"{flag} must").replace(f"{name} {block_size}", f"{flag} {block_size}")
+            message = message.replace(f"{name} must", f"{flag} must").replace(
+                f"{name} {block_size}", f"{flag} {block_size}"
+            )
         raise ValueError(message) from None

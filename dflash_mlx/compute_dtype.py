@@ -64,8 +64,10 @@ def check(dtype: str, flags: bool = False) -> None:
     """A ValueError naming the choices unless ``dtype`` is one of CHOICES
     (``flags``: name the command line's --dtype, else load's dtype=)."""
     if dtype not in CHOICES:
-        raise ValueError(f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
-                         f"{', '.join(CHOICES[:-1])} or {CHOICES[-1]}.")
+        raise ValueError(
+            f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
+            f"{', '.join(CHOICES[:-1])} or {CHOICES[-1]}."
+        )
 
 
 def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: bool = True) -> mx.Dtype:

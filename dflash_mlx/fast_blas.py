@@ -54,8 +54,11 @@ def load() -> str | None:
                 continue
             loaded = name
             return loaded
-        why_not = (f"{setting} (from {SETTING}) could not be opened" if setting else
-                   "no OpenBLAS on this system (Debian/Ubuntu: apt-get install libopenblas0)")
+        why_not = (
+            f"{setting} (from {SETTING}) could not be opened"
+            if setting
+            else "no OpenBLAS on this system (Debian/Ubuntu: apt-get install libopenblas0)"
+        )
     return None
 
 

@@ -10,8 +10,8 @@ turned into text and the statistics kept.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -21,9 +21,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .arguments import check_generation_args
 from .auto import memory as block_memory
 from .auto.chooser import auto_range
-from .decode.loop import decode
-from .draft.dflash import DFlashDraft
 from .cache.prompt import PromptCache, make_prompt_cache
+from .decode.loop import decode
+from .decode.sampling import SamplingParams
+from .draft.dflash import DFlashDraft
 from .prompts import encode
 from .targets import adapt
 
@@ -102,6 +103,8 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.
     if any(not 0 <= t < vocab_size for t in ids):
         raise ValueError(f"the prompt holds token ids outside the target's vocabulary [0, {vocab_size}).")
     return ids
+
+
 def stream_generate(
     model,
     draft: DFlashDraft,
@@ -140,8 +143,15 @@ def stream_generate(
     target = adapt(model)
     draft.bind(target)
     args = check_generation_args(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        block_size=block_size, seed=seed, prefill_step_size=prefill_step_size, trained_block_size=draft.config.block_size,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        block_size=block_size,
+        seed=seed,
+        prefill_step_size=prefill_step_size,
+        trained_block_size=draft.config.block_size,
     )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -153,18 +163,21 @@ def stream_generate(
     auto = args.block_size == "auto"
     block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
     steps = decode(
-        target, draft, prompt_cache, ids, max_tokens=args.max_tokens,
-        sampling=_sampling(args), seed=args.seed, block=block,
-        eos=set(tokenizer.eos_token_ids), prefill_step_size=args.prefill_step_size, progress=prompt_progress,
+        target,
+        draft,
+        prompt_cache,
+        ids,
+        max_tokens=args.max_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p),
+        seed=args.seed,
+        block=block,
+        eos=set(tokenizer.eos_token_ids),
+        prefill_step_size=args.prefill_step_size,
+        progress=prompt_progress,
     )
     if auto:  # what it learned, for the next process (block_memory.py)
         steps = block_memory.remembered(steps, block)
     return _responses(target, tokenizer, steps, len(ids), hi)
-
-
-def _sampling(args) -> tuple:
-    """decode's sampling tuple: (temperature, top_p, top_k, min_p)."""
-    return (args.temperature, args.top_p, args.top_k, args.min_p)
 
 
 def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:
@@ -231,5 +244,3 @@ def generate(model, draft: DFlashDraft, tokenizer, prompt, *, verbose: bool = Fa
             f"acceptance rate {last.acceptance_rate:.1%}, peak memory {last.peak_memory:.2f} GB"
         )
     return "".join(text)
-
-

@@ -95,7 +95,7 @@ def _repo_id_of(path: Path) -> str | None:
     (.../models--org--name/snapshots/<revision>), else None."""
     for part in path.resolve().parts[::-1]:
         if part.startswith("models--"):
-            return part[len("models--"):].replace("--", "/")
+            return part[len("models--") :].replace("--", "/")
     return None
 
 
@@ -135,8 +135,6 @@ def hub_cache() -> str | None:
     if os.environ.get("HF_HOME"):
         return os.path.join(os.environ["HF_HOME"], "hub")
     return None
-
-
 
 
 def hub_offline() -> bool:
@@ -187,14 +185,15 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *
     try:
         return Path(
             snapshot_download(
-                repo, allow_patterns=allow_patterns, cache_dir=hub_cache(), local_files_only=offline,
+                repo,
+                allow_patterns=allow_patterns,
+                cache_dir=hub_cache(),
+                local_files_only=offline,
                 tqdm_class=tqdm_class,
             )
         )
     except HFValidationError as e:
-        raise ValueError(
-            f"{repo} is not a local directory nor a valid Hub repo id (org/name); check the path."
-        ) from e
+        raise ValueError(f"{repo} is not a local directory nor a valid Hub repo id (org/name); check the path.") from e
     except GatedRepoError as e:
         raise ValueError(
             f"{repo} is a gated Hub repo; accept its terms on huggingface.co and log in with `hf auth login`."
@@ -226,7 +225,7 @@ def looks_local(name: str | Path) -> bool:
     """Whether a model argument names a local path rather than a Hub repo id
     (org/name): it starts with /, ., ~ or holds more than one /."""
     name = str(name)
-    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name)
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def is_drafter_config(cfg: dict) -> bool:
@@ -260,8 +259,7 @@ def safetensors_files(path: Path) -> list[Path]:
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ValueError(
-                f"{path} lacks the shard(s) {', '.join(missing)} named in {INDEX_FILE}; "
-                "re-download the checkpoint."
+                f"{path} lacks the shard(s) {', '.join(missing)} named in {INDEX_FILE}; re-download the checkpoint."
             )
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
@@ -269,8 +267,7 @@ def safetensors_files(path: Path) -> list[Path]:
         repo = _repo_id_of(path)
         if repo:
             raise ValueError(
-                f"the cached copy of {repo} has no weights yet; download it again while online "
-                "(HF_HUB_OFFLINE unset)."
+                f"the cached copy of {repo} has no weights yet; download it again while online (HF_HUB_OFFLINE unset)."
             )
         raise ValueError(f"no .safetensors files in {path}; is this a model directory?")
     return files
@@ -350,8 +347,10 @@ def check_target(path_or_repo: str | Path, *, tqdm_class=None, flags: bool = Fal
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         if Path(name).expanduser().is_dir():
-            raise ValueError(f"{name} is not a model directory (it has no config.json); pass the directory "
-                             "holding the target's config.json and weights, or a Hub repo id.")
+            raise ValueError(
+                f"{name} is not a model directory (it has no config.json); pass the directory "
+                "holding the target's config.json and weights, or a Hub repo id."
+            )
         return  # load_target says what the repo lacks
     try:
         cfg = json.loads(cfg_file.read_text())
@@ -371,12 +370,20 @@ def check_adapter_path(adapter_path: str | Path) -> None:
     path = Path(adapter_path).expanduser()
     if not (path / "adapter_config.json").is_file():
         what = "does not exist" if not path.exists() else "has no adapter_config.json"
-        raise ValueError(f"the adapter path {adapter_path} {what}; pass the directory mlx_lm.lora wrote "
-                         "(adapter_config.json and adapters.safetensors).")
+        raise ValueError(
+            f"the adapter path {adapter_path} {what}; pass the directory mlx_lm.lora wrote "
+            "(adapter_config.json and adapters.safetensors)."
+        )
 
 
-def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None,
-                adapter_path: str | Path | None = None, trust_remote_code: bool = False):
+def load_target(
+    path_or_repo: str | Path,
+    *,
+    lazy: bool = False,
+    tqdm_class=None,
+    adapter_path: str | Path | None = None,
+    trust_remote_code: bool = False,
+):
     """(model, tokenizer) of a target, by mlx-lm, from a directory or Hub repo;
     ``adapter_path``: LoRA adapters (mlx_lm.lora's) applied to it."""
     from mlx_lm import load as mlx_lm_load
@@ -389,7 +396,9 @@ def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None
         raise ValueError(f"{path} has no config.json; pass the target model's directory or Hub repo id.")
     try:
         return mlx_lm_load(
-            str(path), lazy=lazy, adapter_path=None if adapter_path is None else str(adapter_path),
+            str(path),
+            lazy=lazy,
+            adapter_path=None if adapter_path is None else str(adapter_path),
             tokenizer_config={"trust_remote_code": True} if trust_remote_code else None,
             trust_remote_code=trust_remote_code,
         )
@@ -400,9 +409,17 @@ def load_target(path_or_repo: str | Path, *, lazy: bool = False, tqdm_class=None
         ) from e
 
 
-def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: bool = False, tqdm_class=None,
-         adapter_path: str | Path | None = None, trust_remote_code: bool = False, dtype: str = "auto",
-         flags: bool = False):
+def load(
+    path_or_repo: str | Path,
+    draft: str | Path | None = None,
+    *,
+    lazy: bool = False,
+    tqdm_class=None,
+    adapter_path: str | Path | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+    flags: bool = False,
+):
     """Load a target with mlx-lm and its DFlash drafter.
 
     ``draft`` defaults to the drafter the registry knows for the target.
@@ -431,14 +448,18 @@ def load(path_or_repo: str | Path, draft: str | Path | None = None, *, lazy: boo
     if draft is None:
         draft = find_drafter(path_or_repo)
         if draft is None:
-            how = ("pass its drafter with --draft-model (`dflash-mlx models` lists the known pairs)" if flags else
-                   "pass draft=<drafter directory or Hub repo id> (known_pairs() lists the known pairs)")
+            how = (
+                "pass its drafter with --draft-model (`dflash-mlx models` lists the known pairs)"
+                if flags
+                else "pass draft=<drafter directory or Hub repo id> (known_pairs() lists the known pairs)"
+            )
             raise ValueError(f"no known DFlash drafter for {path_or_repo}; {how}.")
     if not local:
         check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
     drafter = load_draft(draft, tqdm_class=tqdm_class)
-    model, tokenizer = load_target(path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path,
-                                   trust_remote_code=trust_remote_code)
+    model, tokenizer = load_target(
+        path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path, trust_remote_code=trust_remote_code
+    )
     # (cast before the adapter fuses projections and checks kernels for the dtype)
     compute_dtype.apply(model, drafter, dtype, evaluate=not lazy)
     drafter.bind(adapt(model))

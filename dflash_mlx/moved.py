@@ -37,9 +37,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        warnings.warn(
-            f"{spec.name} moved to {MOVED[spec.name]}; import it from there.", FutureWarning, stacklevel=3
-        )
+        warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there.", FutureWarning, stacklevel=3)
         module = importlib.import_module(MOVED[spec.name])
         sys.modules[spec.name] = module
         return module

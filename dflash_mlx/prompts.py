@@ -106,8 +106,10 @@ def _item(line: str, path: Path, n: int) -> dict:
 
 
 def _messages(messages: list, where: str) -> list[dict]:
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-        raise ValueError(f"{where}: every message needs a \"role\" and a \"content\" string; fix that line.")
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ValueError(f'{where}: every message needs a "role" and a "content" string; fix that line.')
     while messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
     if not messages:

@@ -115,7 +115,9 @@ def write_zlab_draft(path: Path, cfg: dict, weights: dict[str, mx.array], dtype=
     """A drafter directory as Z Lab publishes it: config.json + safetensors."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()}, metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), {k: v.astype(dtype) for k, v in weights.items()}, metadata={"format": "pt"}
+    )
     return path
 
 
@@ -135,12 +137,16 @@ def write_target(path: Path, cfg: dict, model: nn.Module, tokenizer: TokenizerWr
     """A target directory in the Hugging Face layout that mlx_lm.load reads."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     tokenizer._tokenizer.save_pretrained(str(path))
     return path
 
 
-def mean_acceptance(model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int = 40) -> float:
+def mean_acceptance(
+    model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int = 40
+) -> float:
     """Mean over ``prompts`` of each greedy DFlash generation's acceptance
     length, at the drafter's own block (not ``auto``, whose choices follow
     the machine's timings)."""
@@ -157,7 +163,9 @@ def mean_acceptance(model: nn.Module, draft: DFlashDraft, tokenizer, prompts: li
 def greedy_reference(model: nn.Module, prompt: list[int], max_tokens: int, eos: set[int] = frozenset()) -> list[int]:
     """mlx-lm's own greedy decoding of the target, cut after the first EOS."""
     out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)):
+    for token, _ in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
         out.append(token)
         if token in eos:
             break

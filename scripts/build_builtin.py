@@ -46,7 +46,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from builtin_corpus import (  # noqa: E402
-    chat_request, code_prompts, functions, mixed_prompts, python_files, stdlib_files, stdlib_root,
+    chat_request,
+    code_prompts,
+    functions,
+    mixed_prompts,
+    python_files,
+    stdlib_files,
+    stdlib_root,
 )
 
 DEST = ROOT / "dflash_mlx" / "builtin"
@@ -57,10 +63,22 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TARGET = dict(
-    model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=8,
-    intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-    vocab_size=VOCAB, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
-    bos_token_id=None, eos_token_id=[0, 2], torch_dtype="bfloat16",
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=256,
+    num_hidden_layers=8,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=[0, 2],
+    torch_dtype="bfloat16",
 )
 SEQ = 512
 CALIBRATE = 60  # steps timed before the step count is fitted to the budget
@@ -93,6 +111,7 @@ def machine() -> str:
 
 # -- tokenizer --------------------------------------------------------------------
 
+
 def build_tokenizer(dest: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -102,13 +121,20 @@ def build_tokenizer(dest: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIAL, min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", mask_token="<|mask|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=TARGET["max_position_embeddings"],
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=TARGET["max_position_embeddings"],
     )
     hf.chat_template = CHAT_TEMPLATE
     out = dest / "target"
@@ -116,20 +142,40 @@ def build_tokenizer(dest: Path) -> None:
     hf.save_pretrained(str(out))
     # The chat template lives in tokenizer_config.json, readable by transformers 4 and 5 alike.
     (out / "chat_template.jinja").unlink(missing_ok=True)
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "mask_token": "<|mask|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "model_max_length": TARGET["max_position_embeddings"], "chat_template": CHAT_TEMPLATE,
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "mask_token": "<|mask|>",
+                "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+                "model_max_length": TARGET["max_position_embeddings"],
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     n = sum(len(t) for t in texts)
     ids = tok.encode_batch(texts[:200])
     ratio = sum(len(t) for t in texts[:200]) / sum(len(e.ids) for e in ids)
     log(f"tokenizer: {tok.get_vocab_size()} ids from {len(texts)} files ({n / 1e6:.1f} MB), {ratio:.2f} chars/token")
-    record(dest, "tokenizer", {"vocab": tok.get_vocab_size(), "files": len(texts), "chars_per_token": round(ratio, 2),
-                               "python": platform.python_version()})
+    record(
+        dest,
+        "tokenizer",
+        {
+            "vocab": tok.get_vocab_size(),
+            "files": len(texts),
+            "chars_per_token": round(ratio, 2),
+            "python": platform.python_version(),
+        },
+    )
 
 
 # -- target -------------------------------------------------------------------------
+
 
 def chat_text(request: str, answer: str) -> str:
     return f"<|im_start|>user\n{request}<|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>\n"
@@ -180,8 +226,10 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path
     tok = AutoTokenizer.from_pretrained(str(out))
     t0 = time.perf_counter()
     train_ids, val_ids, n_docs = load_or_make_corpus(tok, corpus, seed)
-    log(f"corpus: {len(train_ids) / 1e6:.2f}M training tokens ({n_docs} documents), "
-        f"{len(val_ids) / 1e6:.2f}M held-out tokens, tokenized in {time.perf_counter() - t0:.0f}s")
+    log(
+        f"corpus: {len(train_ids) / 1e6:.2f}M training tokens ({n_docs} documents), "
+        f"{len(val_ids) / 1e6:.2f}M held-out tokens, tokenized in {time.perf_counter() - t0:.0f}s"
+    )
 
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(TARGET))
@@ -249,14 +297,25 @@ def train_target(dest: Path, minutes: float, seed: int, batch: int, corpus: Path
     weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(TARGET, indent=2) + "\n")
-    record(dest, "target", {
-        "parameters": n_params, "steps": total, "batch": f"{batch}x{SEQ}", "train_tokens": len(train_ids),
-        "seconds": round(train_s), "final_train_loss": round(losses[-1][1], 3), "held_out_loss": round(val_loss, 3),
-        "machine": machine(), "python": platform.python_version(),
-    })
+    record(
+        dest,
+        "target",
+        {
+            "parameters": n_params,
+            "steps": total,
+            "batch": f"{batch}x{SEQ}",
+            "train_tokens": len(train_ids),
+            "seconds": round(train_s),
+            "final_train_loss": round(losses[-1][1], 3),
+            "held_out_loss": round(val_loss, 3),
+            "machine": machine(),
+            "python": platform.python_version(),
+        },
+    )
 
 
 # -- drafter ------------------------------------------------------------------------
+
 
 def draft_data(path: Path, args, seed: int) -> dict:
     """The drafter's training prompts (JSONL), and what went into them.
@@ -282,7 +341,10 @@ def draft_data(path: Path, args, seed: int) -> dict:
         code = code_prompts(files, n_code - n_mixed, seed) + mixed_prompts(files, n_mixed, seed)
         fns = [f for _, t in files for f in functions(t)]
         random.Random(seed).shuffle(fns)
-        chat = [{"messages": [{"role": "user", "content": chat_request(sig, doc)}]} for sig, doc, _ in fns[: int(args.chat_prompts * share)]]
+        chat = [
+            {"messages": [{"role": "user", "content": chat_request(sig, doc)}]}
+            for sig, doc, _ in fns[: int(args.chat_prompts * share)]
+        ]
         rows += [{"prompt": p} for p in code] + chat
         counts[name] = {"files": len(files), "code_prompts": len(code), "chat_prompts": len(chat)}
     random.Random(seed + 1).shuffle(rows)
@@ -308,10 +370,22 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
 
     def cfg(out, steps):
         return TrainConfig(
-            model=str(dest / "target"), data=str(data), out=str(out), block_size=16, draft_layers=args.draft_layers,
-            target_layer_ids=taps, steps=steps, batch_size=args.draft_batch, blocks_per_seq=16, seq_len=args.seq_len,
-            lr=args.draft_lr, seed=seed, save_every=args.save_every, gen_batch=args.gen_batch,
-            min_block_size=args.min_block, val_fraction=args.val_fraction,
+            model=str(dest / "target"),
+            data=str(data),
+            out=str(out),
+            block_size=16,
+            draft_layers=args.draft_layers,
+            target_layer_ids=taps,
+            steps=steps,
+            batch_size=args.draft_batch,
+            blocks_per_seq=16,
+            seq_len=args.seq_len,
+            lr=args.draft_lr,
+            seed=seed,
+            save_every=args.save_every,
+            gen_batch=args.gen_batch,
+            min_block_size=args.min_block,
+            val_fraction=args.val_fraction,
         )
 
     # Calibration run: makes the self-distilled data and times a few steps.
@@ -327,8 +401,10 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
     run = work / "draft"
     if (run / "train_args.json").is_file() and not args.draft_steps:  # a run cut short keeps its step count
         steps = json.loads((run / "train_args.json").read_text())["steps"]
-    log(f"self-distillation {distill_s:.0f}s for {first['sequences'] + first['held_out_sequences']} sequences; "
-        f"{rate:.2f} steps/s: training {steps} steps")
+    log(
+        f"self-distillation {distill_s:.0f}s for {first['sequences'] + first['held_out_sequences']} sequences; "
+        f"{rate:.2f} steps/s: training {steps} steps"
+    )
     if not (run / "checkpoint").is_dir():  # a run cut short resumes where it stopped
         shutil.rmtree(run, ignore_errors=True)
         run.mkdir()
@@ -341,15 +417,29 @@ def train_draft(dest: Path, work: Path, minutes: float, seed: int, args) -> None
     out.mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "model.safetensors"):
         shutil.copy(run / f, out / f)
-    record(dest, "draft", {
-        "layers": args.draft_layers, "block_size": 16, "min_block_size": args.min_block, "taps": taps, "steps": steps,
-        "batch": f"{args.draft_batch} sequences x 16 blocks", "prompts": sources, "sequences": summary["sequences"],
-        "held_out_sequences": summary["held_out_sequences"], "seq_len": args.seq_len,
-        "seconds": round(summary["train_seconds"]), "distill_seconds": round(distill_s),
-        "final_loss": round(summary["loss"], 3), "acceptance_estimate_b16": round(summary["acceptance_estimate"], 2),
-        "held_out_acceptance_b16": summary["held_out_acceptance"], "held_out_history": summary["held_out"],
-        "machine": machine(),
-    })
+    record(
+        dest,
+        "draft",
+        {
+            "layers": args.draft_layers,
+            "block_size": 16,
+            "min_block_size": args.min_block,
+            "taps": taps,
+            "steps": steps,
+            "batch": f"{args.draft_batch} sequences x 16 blocks",
+            "prompts": sources,
+            "sequences": summary["sequences"],
+            "held_out_sequences": summary["held_out_sequences"],
+            "seq_len": args.seq_len,
+            "seconds": round(summary["train_seconds"]),
+            "distill_seconds": round(distill_s),
+            "final_loss": round(summary["loss"], 3),
+            "acceptance_estimate_b16": round(summary["acceptance_estimate"], 2),
+            "held_out_acceptance_b16": summary["held_out_acceptance"],
+            "held_out_history": summary["held_out"],
+            "machine": machine(),
+        },
+    )
 
 
 def main():
@@ -364,22 +454,32 @@ def main():
     ap.add_argument("--draft-steps", type=int, help="optimizer steps (default: as many as --draft-minutes allow)")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--taps", default="1,3,5,7", help="target layers the drafter reads")
-    ap.add_argument("--min-block", type=int, default=4, help="blocks of random length min..16, so block sizes 4-16 all work")
+    ap.add_argument(
+        "--min-block", type=int, default=4, help="blocks of random length min..16, so block sizes 4-16 all work"
+    )
     ap.add_argument("--draft-batch", type=int, default=64)
     ap.add_argument("--draft-lr", type=float, default=1e-3)
     ap.add_argument("--seq-len", type=int, default=320, help="prompt + response tokens per distilled sequence")
     ap.add_argument("--code-prompts", type=int, default=120000, help="half of them mixed (scripts/builtin_corpus.py)")
     ap.add_argument("--chat-prompts", type=int, default=30000)
-    ap.add_argument("--extra-code", action="append", type=Path,
-                    help="a directory of .py files the target never saw (e.g. an installed package tree): --extra-share "
-                    "of the prompts come from it (repeatable)")
+    ap.add_argument(
+        "--extra-code",
+        action="append",
+        type=Path,
+        help="a directory of .py files the target never saw (e.g. an installed package tree): --extra-share "
+        "of the prompts come from it (repeatable)",
+    )
     ap.add_argument("--extra-files", type=int, default=20000, help="at most this many files from --extra-code")
     ap.add_argument("--extra-share", type=float, default=0.5)
     ap.add_argument("--gen-batch", type=int, default=1024, help="prompts the target answers at once")
     ap.add_argument("--val-fraction", type=float, default=0.02)
     ap.add_argument("--save-every", type=int, default=1000)
-    ap.add_argument("--corpus", type=Path, help="token ids of the stdlib corpus (.npz): read if it exists, else made "
-                    "from this Python's stdlib and saved there (lets another machine train on the same text)")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        help="token ids of the stdlib corpus (.npz): read if it exists, else made "
+        "from this Python's stdlib and saved there (lets another machine train on the same text)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a toy-sized run that only checks the script works")
     args = ap.parse_args()
     if args.smoke:
@@ -396,8 +496,12 @@ def main():
             ap.error("the corpus stage needs --corpus PATH.npz")
         from transformers import AutoTokenizer
 
-        ids, val, docs = load_or_make_corpus(AutoTokenizer.from_pretrained(str(args.dest / "target")), args.corpus, args.seed)
-        log(f"corpus: {len(ids) / 1e6:.2f}M training tokens ({docs} documents), {len(val) / 1e6:.2f}M held-out -> {args.corpus}")
+        ids, val, docs = load_or_make_corpus(
+            AutoTokenizer.from_pretrained(str(args.dest / "target")), args.corpus, args.seed
+        )
+        log(
+            f"corpus: {len(ids) / 1e6:.2f}M training tokens ({docs} documents), {len(val) / 1e6:.2f}M held-out -> {args.corpus}"
+        )
     if args.stage in ("target", "all"):
         train_target(args.dest, args.target_minutes, args.seed, args.target_batch, args.corpus)
     if args.stage in ("draft", "all"):

@@ -1,6 +1,7 @@
 """Does mx.fast.scaled_dot_product_attention honour a per-batch boolean mask
 [B, 1, L, K] (the trainer's block masks) on this backend? Prints the largest
 difference from the attention written out, for a few mask layouts."""
+
 import mlx.core as mx
 
 mx.random.seed(0)

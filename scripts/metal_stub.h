@@ -81,16 +81,15 @@ template <typename T> using floating_t = typename enable_if<is_floating<typename
 template <typename T> using scalar_number_t =
     typename enable_if<element<T>::scalar && is_scalar_number<T>::value, T>::type;
 
-// Vector constructors, as Metal spells them: floatN(x) (every element x) or
-// floatN(e0, ..., eN-1) (the macros below route floatN(...) here; floatN
-// alone stays the type).
-template <typename T, int N, typename... A> inline vec<T, N> make_vec(A... a) {
-  static_assert(sizeof...(A) == 1 || sizeof...(A) == N, "a vector is built from one scalar or one per element");
-  if constexpr (sizeof...(A) == 1) {
-    return vec<T, N>(T(a...));
-  } else {
-    return vec<T, N>{T(a)...};
-  }
+// Vector constructors, as Metal spells them: floatN() (zeros), floatN(x)
+// (every element x) or floatN(e0, ..., eN-1) (the macros below route
+// floatN(...) here; floatN alone stays the type). C++14 throughout, like
+// Metal before 4.0.
+template <typename T, int N> inline vec<T, N> make_vec() { return vec<T, N>(T(0)); }
+template <typename T, int N, typename A> inline vec<T, N> make_vec(A a) { return vec<T, N>(T(a)); }
+template <typename T, int N, typename A0, typename A1, typename... A> inline vec<T, N> make_vec(A0 a0, A1 a1, A... a) {
+  static_assert(2 + sizeof...(A) == N, "a vector is built from one scalar or one per element");
+  return vec<T, N>{T(a0), T(a1), T(a)...};
 }
 
 // Barriers and their memory flags.

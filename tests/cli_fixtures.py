@@ -8,8 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-
-from tiny import draft_config, make_target, make_tokenizer, random_draft_weights, target_config, write_target, write_zlab_draft
+from tiny import (
+    draft_config,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+    write_target,
+    write_zlab_draft,
+)
 
 VOCAB = 64
 

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+from tiny import draft_config, make_target, random_draft_weights, target_config, write_zlab_draft
 from typer.testing import CliRunner
 
 from dflash_mlx.cli.app import app
 from dflash_mlx.targets import adapt
-from tiny import draft_config, make_target, random_draft_weights, target_config, write_zlab_draft
 
 runner = CliRunner()
 

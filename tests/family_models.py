@@ -31,39 +31,86 @@ def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 6
         # text_config, the vocabulary at the top, a vision tower's config too.
         text = family_config(WRAPPED[family], vocab, layers, hidden, **extra)
         del text["vocab_size"]
-        return {"architectures": [f"{family.capitalize()}ForConditionalGeneration"], "model_type": family,
-                "text_config": text, "vocab_size": vocab,
-                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16, "num_hidden_layers": 1}}
+        return {
+            "architectures": [f"{family.capitalize()}ForConditionalGeneration"],
+            "model_type": family,
+            "text_config": text,
+            "vocab_size": vocab,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16, "num_hidden_layers": 1},
+        }
     cfg = _common(family, vocab, layers, hidden)
     if family == "qwen3_moe":
-        cfg.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                   moe_intermediate_size=hidden // 2, intermediate_size=2 * hidden, norm_topk_prob=True)
+        cfg.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=hidden // 2,
+            intermediate_size=2 * hidden,
+            norm_topk_prob=True,
+        )
     elif family == "gpt_oss":
-        cfg.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=hidden // 2, sliding_window=8,
-                   layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+        cfg.update(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=hidden // 2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        )
         del cfg["tie_word_embeddings"]
     elif family == "gemma3_text":
-        cfg.update(intermediate_size=2 * hidden, query_pre_attn_scalar=hidden // 4, sliding_window=8,
-                   sliding_window_pattern=3, rope_local_base_freq=10000.0)
+        cfg.update(
+            intermediate_size=2 * hidden,
+            query_pre_attn_scalar=hidden // 4,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            rope_local_base_freq=10000.0,
+        )
     elif family == "gemma4_text":
-        cfg.update(intermediate_size=2 * hidden, global_head_dim=hidden // 2, num_kv_shared_layers=2,
-                   hidden_size_per_layer_input=32, vocab_size_per_layer_input=vocab, sliding_window=8,
-                   sliding_window_pattern=3, final_logit_softcapping=4.0, tie_word_embeddings=True)
+        cfg.update(
+            intermediate_size=2 * hidden,
+            global_head_dim=hidden // 2,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=32,
+            vocab_size_per_layer_input=vocab,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            final_logit_softcapping=4.0,
+            tie_word_embeddings=True,
+        )
     elif family == "muse_glimmer":
         # [local x3, global] from the default pattern; a multiplier and a cap
         # that both change the logits.
-        cfg.update(intermediate_size=2 * hidden, sliding_window=8, qk_scale_factor=2.0, output_multiplier=0.5,
-                   final_logit_softcapping=4.0)
+        cfg.update(
+            intermediate_size=2 * hidden,
+            sliding_window=8,
+            qk_scale_factor=2.0,
+            output_multiplier=0.5,
+            final_logit_softcapping=4.0,
+        )
     elif family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        cfg.update(intermediate_size=2 * hidden, linear_num_value_heads=4, linear_num_key_heads=2,
-                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                   full_attention_interval=2, partial_rotary_factor=0.5)
+        cfg.update(
+            intermediate_size=2 * hidden,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+            partial_rotary_factor=0.5,
+        )
         if family == "qwen3_5":
             cfg["rope_parameters"] = {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         if family in ("qwen3_5_moe", "qwen3_next"):
-            cfg.update(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                       moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
-                       norm_topk_prob=True)
+            cfg.update(
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                moe_intermediate_size=hidden // 2,
+                shared_expert_intermediate_size=hidden // 2,
+                norm_topk_prob=True,
+            )
     else:
         raise ValueError(family)
     cfg.update(extra)
@@ -141,8 +188,16 @@ def greedy_over_blocks(model, draft, vocab: int, lengths, blocks, prefill_step_s
     accepted = set()
     for i, bs in enumerate(blocks):
         k = i % len(prompts)
-        tokens, responses = run(model, draft, prompts[k], refs[k], vocab=vocab, max_tokens=32, block_size=bs,
-                                prefill_step_size=prefill_step_size)
+        tokens, responses = run(
+            model,
+            draft,
+            prompts[k],
+            refs[k],
+            vocab=vocab,
+            max_tokens=32,
+            block_size=bs,
+            prefill_step_size=prefill_step_size,
+        )
         assert tokens == refs[k], (bs, len(prompts[k]))
         accepted |= {r.accepted for r in responses[1:]}
     return accepted

@@ -11,11 +11,19 @@ import random
 
 import mlx.core as mx
 import pytest
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kernels import dispatch, ops_attention
 from dflash_mlx.targets import adapt
-from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
 
@@ -66,7 +74,9 @@ def test_attention_goes_through_the_kernel_and_stays_exact(fake_gpu, family):
     for n, block in ((5, 4), (40, 8), (90, 2)):
         prompt = [rng.randrange(VOCAB - 1) for _ in range(n)]
         kernel.calls.clear()
-        assert decode(model, draft, prompt, block_size=block, prefill_step_size=16) == greedy_reference(model, prompt, 24)
+        assert decode(model, draft, prompt, block_size=block, prefill_step_size=16) == greedy_reference(
+            model, prompt, 24
+        )
         starts, drafts = [], []
         for c in kernel.calls:
             start, length = (x.item() if isinstance(x, mx.array) else x for x in (c["q_offset"], c["kv_length"]))
@@ -85,7 +95,9 @@ def test_the_check_runs_when_the_layers_are_made_not_inside_a_cycle(fake_gpu):
     target = adapt(model)
     checked = dict(dispatch._checks)
     assert [k[1:] for k in checked] == [(target.dtype, 64, False)] and all(r.ok for r in checked.values())
-    assert len(kernel.calls) == len(list(dispatch._check_cases(target.dtype, 64, False)))  # the check's, nothing else yet
+    assert len(kernel.calls) == len(
+        list(dispatch._check_cases(target.dtype, 64, False))
+    )  # the check's, nothing else yet
 
 
 def test_a_kernel_that_fails_its_check_is_never_called(fake_gpu):

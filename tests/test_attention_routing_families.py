@@ -12,12 +12,12 @@ import random
 
 import mlx.core as mx
 import pytest
-
-from dflash_mlx.kernels import dispatch
-from dflash_mlx.targets import adapt
 from family_models import family_config, make_family_target
 from test_attention_routing import VOCAB, RecordingKernel, decode, fake_gpu  # noqa: F401
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
+
+from dflash_mlx.kernels import dispatch
+from dflash_mlx.targets import adapt
 
 S, F = 8, None  # the tiny configs' sliding window; a full layer's
 

@@ -4,9 +4,6 @@ import json
 
 import mlx.core as mx
 import pytest
-
-from dflash_mlx import DraftConfig, generate, load, load_draft, stream_generate
-from dflash_mlx.draft.dflash import default_target_layer_ids
 from tiny import (
     draft_config,
     make_draft,
@@ -17,6 +14,9 @@ from tiny import (
     write_target,
     write_zlab_draft,
 )
+
+from dflash_mlx import DraftConfig, generate, load, load_draft, stream_generate
+from dflash_mlx.draft.dflash import default_target_layer_ids
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,10 @@ def test_misshapen_tensor(tmp_path, setup):
     [
         ({"hidden_size": 32, "head_dim": 8, "intermediate_size": 64}, "hidden size is 32 but the target's is 64"),
         ({"vocab_size": 50}, "vocabulary is 50 tokens but the target's is 32"),
-        ({"dflash_config": {"target_layer_ids": [1, 9], "mask_token_id": 31}}, r"target_layer_ids \[9\] do not exist in a 6-layer target"),
+        (
+            {"dflash_config": {"target_layer_ids": [1, 9], "mask_token_id": 31}},
+            r"target_layer_ids \[9\] do not exist in a 6-layer target",
+        ),
         ({"num_target_layers": 8}, "trained on a 8-layer target but this one has 6"),
         ({"dflash_config": {"target_layer_ids": [1, 4], "mask_token_id": 40}}, "mask_token_id 40 is outside"),
     ],

@@ -4,12 +4,12 @@ import json
 import random
 
 import mlx.core as mx
+from tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, target_config
 
-from dflash_mlx.auto import memory as block_memory
 from dflash_mlx import stream_generate
+from dflash_mlx.auto import memory as block_memory
 from dflash_mlx.auto.chooser import BlockChooser, forget
 from dflash_mlx.targets import adapt
-from tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, target_config
 
 # a chooser that knows nothing: hi, lo, the middle, plain
 PROBES = [b for b in (16, 4, 8, 1) for _ in range(BlockChooser.PROBE_RUN)]
@@ -137,10 +137,17 @@ def test_a_remembered_time_not_measured_again_is_forgotten_after_a_few_processes
 
 def test_a_state_that_does_not_fit_changes_nothing():
     state = learned_plain_wins().state()
-    for broken in ({**state, "range": [4, 8]}, {**state, "reached": state["reached"][:3]},
-                   {**state, "seconds": {"7": 0.01}}, {**state, "seconds": {"16": -1}},
-                   {**state, "hit": [r + 1 for r in state["reached"]]}, {"range": [4, 16]}, {**state, "reached": "x"},
-                   {**state, "ages": {"16": -1}}, {**state, "ages": {"16": "old"}}):
+    for broken in (
+        {**state, "range": [4, 8]},
+        {**state, "reached": state["reached"][:3]},
+        {**state, "seconds": {"7": 0.01}},
+        {**state, "seconds": {"16": -1}},
+        {**state, "hit": [r + 1 for r in state["reached"]]},
+        {"range": [4, 16]},
+        {**state, "reached": "x"},
+        {**state, "ages": {"16": -1}},
+        {**state, "ages": {"16": "old"}},
+    ):
         chooser = BlockChooser(4, 16)
         assert not chooser.restore(broken, block_memory.PRIOR_CYCLES)
         assert chooser.times == {} and chooser.reached == [0] * 16 and chooser.choose() == 16
@@ -164,8 +171,9 @@ def test_an_unwritable_home_is_no_error(agreeing_pair, monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("DFLASH_MLX_HOME", str(blocker))  # a file where the folder should be
-    responses = list(stream_generate(model, new_process(draft), make_tokenizer(24), [1, 2], max_tokens=40,
-                                     block_size="auto"))
+    responses = list(
+        stream_generate(model, new_process(draft), make_tokenizer(24), [1, 2], max_tokens=40, block_size="auto")
+    )
     assert sum(len(r.tokens) for r in responses) == 40
 
 

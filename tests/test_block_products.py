@@ -10,12 +10,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from test_norm_rope import run_layer as run_qwen3_layer
+from test_norm_rope import tiny_qwen3_layer
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
 
+from dflash_mlx.kernels import norm_rope as nr
 from dflash_mlx.kernels.cuda import products as bp
 from dflash_mlx.layers import linear
-from dflash_mlx.kernels import norm_rope as nr
-from test_norm_rope import run_layer as run_qwen3_layer, tiny_qwen3_layer
-from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 
 def kernel_arithmetic(x, weight, bias=None, residual=None):
@@ -208,11 +217,15 @@ def test_the_swiglu_check_fails_a_wrong_activation(fake_gpu, wrong):
     """Its cases keep gate and up O(1), where a wrong activation shows
     beyond the bf16 tolerance (at products of spread sqrt(K) the sigmoid
     saturates and relu passed)."""
+
     def epilogue(x, w):
         gate, up = mx.split(kernel_arithmetic(x, w), 2, axis=-1)
         g = gate.astype(mx.float32)
-        act = {"relu": mx.maximum(g, 0), "half slope": g * mx.sigmoid(g / 2),
-               "gelu-like slope": g * mx.sigmoid(1.702 * g)}[wrong]
+        act = {
+            "relu": mx.maximum(g, 0),
+            "half slope": g * mx.sigmoid(g / 2),
+            "gelu-like slope": g * mx.sigmoid(1.702 * g),
+        }[wrong]
         return (act * up.astype(mx.float32)).astype(x.dtype)
 
     fake_gpu(FakeKernel(epilogue=epilogue))
@@ -221,7 +234,7 @@ def test_the_swiglu_check_fails_a_wrong_activation(fake_gpu, wrong):
 
 
 def test_the_swiglu_epilogue_refuses_a_bias_a_residual_or_odd_rows():
-    kernel = bp.BlockProductKernel("cuda", factory=lambda **made: (lambda **kw: [mx.zeros((1,))]))
+    kernel = bp.BlockProductKernel("cuda", factory=lambda **made: lambda **kw: [mx.zeros((1,))])
     x, w = mx.zeros((1, 4, 64), mx.bfloat16), mx.zeros((10, 64), mx.bfloat16)
     for bad in (dict(bias=mx.zeros((10,), mx.bfloat16)), dict(residual=mx.zeros((1, 4, 5), mx.bfloat16))):
         with pytest.raises(ValueError, match="SwiGLU epilogue"):
@@ -257,7 +270,9 @@ def test_float32_and_quantized_layers_keep_mlxs_products(fake_gpu):
 
 
 def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
-    kernel = fake_gpu(FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w[::-1], b, r)))  # the columns in the wrong order
+    kernel = fake_gpu(
+        FakeKernel(lambda x, w, b, r: kernel_arithmetic(x, w[::-1], b, r))
+    )  # the columns in the wrong order
     with pytest.warns(RuntimeWarning, match=r"fake bfloat16 block-product kernel failed its self-check"):
         bp.prepare(mx.bfloat16)
     checked = kernel.calls
@@ -308,8 +323,11 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu):
     model, draft = bf16_pair(vocab=24, draft_layers=1, seed=51)
     prompt = [1, 2, 3, 4, 5]
     want = greedy_reference(model, prompt, 24)
-    got = [t for r in stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=24, block_size=6)
-           for t in r.tokens]
+    got = [
+        t
+        for r in stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=24, block_size=6)
+        for t in r.tokens
+    ]
     assert got == want
     assert kernel.calls > 0 and kernel.norms > 0
 
@@ -439,8 +457,9 @@ def test_an_attentions_heads_are_the_kernels_rows_in_place(fake_gpu):
     kernel = fake_gpu(FakeKernel())
     bp.prepare(mx.bfloat16)
     calls, heads = kernel.calls, kernel.heads
-    assert mx.array_equal(linear.apply_linear_heads(module, out, residual),
-                          kernel_arithmetic(rows_of(out), module.weight, None, residual))
+    assert mx.array_equal(
+        linear.apply_linear_heads(module, out, residual), kernel_arithmetic(rows_of(out), module.weight, None, residual)
+    )
     assert (kernel.calls, kernel.heads) == (calls + 1, heads + 1)
     for other in (out[:, :, :1], mx.concatenate([out, out])):  # one row; a batch of two: rows made first
         assert rel_err(linear.apply_linear_heads(module, other), module(rows_of(other))) < 1e-2
@@ -544,8 +563,14 @@ def test_each_product_launches_with_its_shapes_launch_shape():
 
     kernel = bp.BlockProductKernel("cuda", factory=factory)
     assert len({bp.SHAPE, bp.WIDE_SHAPE, bp.LONG_K_SHAPE}) == 3
-    expected = {(4096, 12288): bp.LONG_K_SHAPE, (6144, 4096): bp.WIDE_SHAPE, (4096, 4096): bp.WIDE_SHAPE,
-                (24576, 4096): bp.WIDE_SHAPE, (4088, 4096): bp.SHAPE, (1024, 3072): bp.SHAPE}
+    expected = {
+        (4096, 12288): bp.LONG_K_SHAPE,
+        (6144, 4096): bp.WIDE_SHAPE,
+        (4096, 4096): bp.WIDE_SHAPE,
+        (24576, 4096): bp.WIDE_SHAPE,
+        (4088, 4096): bp.SHAPE,
+        (1024, 3072): bp.SHAPE,
+    }
     for (n, k), shape in expected.items():
         y = kernel(mx.zeros((1, 16, k), mx.bfloat16), mx.zeros((n, k), mx.bfloat16))
         assert y.shape == (1, 16, n)
@@ -562,8 +587,8 @@ def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_tra
     kernel (keys alone: one launch a layer), with the keys and values the
     training path computes; ``context`` and ``keys_values`` as training calls
     them take neither."""
-    from dflash_mlx.cache.buffer import BufferKVCache
-    from test_norm_rope import Recorder, kernel_arithmetic as norm_rope_arithmetic
+    from test_norm_rope import Recorder
+    from test_norm_rope import kernel_arithmetic as norm_rope_arithmetic
 
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=256)  # (heads of 64: the rope kernel's least)
     dcfg = draft_config(tcfg, layers=2, block_size=8, taps=[0, 2])

@@ -4,15 +4,16 @@ target's own while the block size changes from cycle to cycle."""
 import random
 
 import pytest
+from tiny import greedy_reference, make_tokenizer
 
 from dflash_mlx import stream_generate
 from dflash_mlx.auto.chooser import BlockChooser, chooser_for, forget
 from dflash_mlx.decode.traces import forget_traces
-from tiny import greedy_reference, make_tokenizer
 
 
-def feed(chooser: BlockChooser, accept_rate: float, seconds, cycles: int, seed: int = 0,
-         change: float = 0.0) -> list[int]:
+def feed(
+    chooser: BlockChooser, accept_rate: float, seconds, cycles: int, seed: int = 0, change: float = 0.0
+) -> list[int]:
     """Run ``cycles`` simulated cycles: each draft accepted with ``accept_rate``
     given the ones before, a cycle of block b taking seconds(b), plus ``change``
     when b differs from the last cycle's block (what a GPU's host pays for it)."""
@@ -113,6 +114,7 @@ def test_a_change_of_size_is_not_charged_to_the_size():
     states). A chooser that settled on plain steps while the drafter was
     wrong must see drafting's own cost once the text turns predictable, not
     the change's, and go back to drafting."""
+
     def seconds(b):  # the built-in pair on an H100, roughly (ms): plain 1.8, any block 3
         return 0.0018 if b == 1 else 0.003
 
@@ -131,6 +133,7 @@ def test_a_sizes_slow_first_cycles_do_not_rule_it_out():
     Probing leaves a size two timed cycles and takes the lower median, so one
     slow cycle does not make the longest block look dearer than plain steps
     for the rest of the process."""
+
     def seconds(b):  # the built-in pair on an H100, roughly: plain 1.3 ms, any block 2.5 ms
         return 0.0013 if b == 1 else 0.0025
 
@@ -193,8 +196,7 @@ def test_jittery_times_of_blocks_that_cost_alike_keep_the_longest():
     for seed in range(3):
         noise = random.Random(100 + seed)
         c = BlockChooser(4, 16)
-        used = feed(c, 0.78, lambda b: h100_pair(b) * noise.lognormvariate(0.0, 0.25),
-                    1500, seed=seed, change=0.004)
+        used = feed(c, 0.78, lambda b: h100_pair(b) * noise.lognormvariate(0.0, 0.25), 1500, seed=seed, change=0.004)
         assert used[-1000:].count(16) > 0.9 * 1000, seed
 
 
@@ -211,7 +213,7 @@ def test_an_exploring_run_that_pays_goes_on():
         assert used[-100:].count(1) > 90  # plain steps won the hard text
         used = feed(c, 1.0, cpu_pair, 2000, seed=seed, change=0.0005)
         first = used.index(16)
-        assert used[first:first + 20] == [16] * 20, seed  # the run went on
+        assert used[first : first + 20] == [16] * 20, seed  # the run went on
         assert used[-500:].count(16) > 0.85 * 500, seed  # and drafting won (exploring aside)
 
 
@@ -227,8 +229,9 @@ def test_a_host_that_speeds_up_does_not_send_a_gpu_to_short_blocks():
         assert used[-500:].count(16) > 0.9 * 500, seed
 
 
-def replies(chooser: BlockChooser, accept_rates: list[float], seconds, cycles: int, change: float,
-            seed: int = 0) -> list[list[int]]:
+def replies(
+    chooser: BlockChooser, accept_rates: list[float], seconds, cycles: int, change: float, seed: int = 0
+) -> list[list[int]]:
     """One ``feed`` of ``cycles`` cycles per reply, the chooser told of each
     new reply as the decode loop tells it; the blocks used, by reply."""
     used = []
@@ -403,8 +406,9 @@ def test_auto_is_lossless_while_the_block_changes(agreeing_pair):
 def test_auto_with_sampling(agreeing_pair):
     model, draft = agreeing_pair
     tok = make_tokenizer(24)
-    responses = list(stream_generate(model, fresh(draft), tok, [3, 4, 5], max_tokens=80, temperature=0.8,
-                                     block_size="auto", seed=7))
+    responses = list(
+        stream_generate(model, fresh(draft), tok, [3, 4, 5], max_tokens=80, temperature=0.8, block_size="auto", seed=7)
+    )
     assert sum(len(r.tokens) for r in responses) == 80
     probes = [b for b in (16, 4, 8, 1) for _ in range(BlockChooser.PROBE_RUN)]
     assert [r.block_size for r in responses[1 : 1 + len(probes)]] == probes
@@ -482,7 +486,9 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
     chooser = chooser_for(fresh(draft), 4, 16)
     seen = []
     record = chooser.record
-    monkeypatch.setattr(chooser, "record", lambda b, a, s, built=None: seen.append((b, s, built)) or record(b, a, s, built))
+    monkeypatch.setattr(
+        chooser, "record", lambda b, a, s, built=None: seen.append((b, s, built)) or record(b, a, s, built)
+    )
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=40, block_size="auto"))
     assert {b for b, s, _ in seen if s is not None} >= {1, 4, 8, 16}  # the probes change size from cycle to cycle
     for b, s, _ in seen:
@@ -498,7 +504,9 @@ def test_a_cycle_that_built_new_graphs_is_not_timed(agreeing_pair, monkeypatch):
     chooser = chooser_for(fresh(draft), 4, 16)
     seen = []
     record = chooser.record
-    monkeypatch.setattr(chooser, "record", lambda b, a, s, built=None: seen.append((b, s, built)) or record(b, a, s, built))
+    monkeypatch.setattr(
+        chooser, "record", lambda b, a, s, built=None: seen.append((b, s, built)) or record(b, a, s, built)
+    )
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=300, block_size="auto"))
     first = {}
     for i, (b, _, _) in enumerate(seen):

@@ -8,14 +8,22 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
-import pytest
+from test_dflash2 import dflash2_config, random_dflash2_weights
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+    write_zlab_draft,
+)
 
 from dflash_mlx import stream_generate
 from dflash_mlx.auto.chooser import auto_range, chooser_for, forget
 from dflash_mlx.loading import load_draft
 from dflash_mlx.targets import adapt
-from test_dflash2 import dflash2_config, random_dflash2_weights
-from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config, write_zlab_draft
 
 VOCAB = 24
 TCFG = target_config("qwen3", vocab=VOCAB, layers=5)
@@ -64,9 +72,8 @@ def test_auto_with_a_quantized_target_and_a_dflash2_drafter(tmp_path):
 def test_a_moe_target_with_quantized_experts(tmp_path):
     """A qwen3_moe target whose experts are mlx-lm's QuantizedSwitchLinear
     counts as quantized, even when its experts are all that is quantized."""
-    from mlx_lm.models.switch_layers import SwitchLinear
-
     from family_models import family_config, make_family_target
+    from mlx_lm.models.switch_layers import SwitchLinear
 
     cfg = {**family_config("qwen3_moe", vocab=VOCAB, layers=5, hidden=64), "tie_word_embeddings": False}
     model = make_family_target(cfg, seed=21)

@@ -10,9 +10,9 @@ import sys
 
 import pexpect
 import pytest
+from cli_fixtures import make_tiny_pair, screen_lines
 
 import dflash_mlx
-from cli_fixtures import make_tiny_pair, screen_lines
 
 PROMPT = ">>> "
 
@@ -26,7 +26,16 @@ def spawn(pair, *flags):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TERM="xterm-256color", PYTHONUNBUFFERED="1")
     env.pop("COLUMNS", None)
     env.pop("LINES", None)
-    args = ["-m", "dflash_mlx.cli.app", "chat", "--model", str(pair.target), "--draft-model", str(pair.draft), *map(str, flags)]
+    args = [
+        "-m",
+        "dflash_mlx.cli.app",
+        "chat",
+        "--model",
+        str(pair.target),
+        "--draft-model",
+        str(pair.draft),
+        *map(str, flags),
+    ]
     child = pexpect.spawn(sys.executable, args, env=env, dimensions=(40, 400), encoding="utf-8", timeout=60)
     log = []
 

@@ -23,34 +23,56 @@ def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():
     recorder = script.Recorder()
     script.record_all(recorder)
     names = list(recorder.variants)
-    for family in ("dflash_block_attn_partial_tiles", "dflash_block_attn_partial_", "dflash_block_attn_merge",
-                   "dflash_norm_rope_v", "dflash_block_product_bf16", "dflash_block_product_f16"):
+    for family in (
+        "dflash_block_attn_partial_tiles",
+        "dflash_block_attn_partial_",
+        "dflash_block_attn_merge",
+        "dflash_norm_rope_v",
+        "dflash_block_product_bf16",
+        "dflash_block_product_f16",
+    ):
         assert any(n.startswith(family) for n in names), family
     from dflash_mlx.kernels.cuda import products as bp
 
     for shape in (bp.SHAPE, bp.WIDE_SHAPE, bp.LONG_K_SHAPE):
         tag = "_" + "_".join(map(str, shape)) + "_"
         # (a plain product's variant: names end in SWIGLU, HAS_NORM, EPS_BITS)
-        assert any(n.startswith("dflash_block_product_bf16") and tag in n and n.endswith("_False_False_0")
-                   for n in names), shape
-    src = next(v for n, v in recorder.variants.items()  # (a bias and a residual)
-               if n.startswith("dflash_block_product_bf16") and n.endswith("True_True_False_False_0"))
+        assert any(
+            n.startswith("dflash_block_product_bf16") and tag in n and n.endswith("_False_False_0") for n in names
+        ), shape
+    src = next(
+        v
+        for n, v in recorder.variants.items()  # (a bias and a residual)
+        if n.startswith("dflash_block_product_bf16") and n.endswith("True_True_False_False_0")
+    )
     # MLX's layout: typed pointers, the shapes the body reads, outputs, then the template constants
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
-        "const __nv_bfloat16* x", "const __grid_constant__ Shape x_shape", "const __nv_bfloat16* w",
-        "const __grid_constant__ Shape w_shape", "const __nv_bfloat16* b", "const __nv_bfloat16* r",
-        "const __nv_bfloat16* nw", "__nv_bfloat16* y"]
+        "const __nv_bfloat16* x",
+        "const __grid_constant__ Shape x_shape",
+        "const __nv_bfloat16* w",
+        "const __grid_constant__ Shape w_shape",
+        "const __nv_bfloat16* b",
+        "const __nv_bfloat16* r",
+        "const __nv_bfloat16* nw",
+        "__nv_bfloat16* y",
+    ]
     assert "using T = __nv_bfloat16;" in src and "constexpr bool HAS_BIAS = true;" in src
     assert "constexpr bool HAS_RESIDUAL = true;" in src and "constexpr bool SWIGLU = false;" in src
     # the SwiGLU epilogue: its own variant, two tiles a warp
-    swiglu = next(v for n, v in recorder.variants.items()
-                  if n.startswith("dflash_block_product_bf16") and n.endswith("False_False_True_False_0"))
+    swiglu = next(
+        v
+        for n, v in recorder.variants.items()
+        if n.startswith("dflash_block_product_bf16") and n.endswith("False_False_True_False_0")
+    )
     assert "constexpr bool SWIGLU = true;" in swiglu and "constexpr int NT = 2;" in swiglu
     # the RMSNorm prologue: its epsilon's float32 bits a template constant, alone and with the SwiGLU
     eps = bp.float_bits(1e-6)
-    normed = [v for n, v in recorder.variants.items()
-              if n.startswith("dflash_block_product_bf16") and n.endswith(f"_True_{eps}")]
+    normed = [
+        v
+        for n, v in recorder.variants.items()
+        if n.startswith("dflash_block_product_bf16") and n.endswith(f"_True_{eps}")
+    ]
     assert any("constexpr bool SWIGLU = true;" in v for v in normed)
     assert any("constexpr bool SWIGLU = false;" in v for v in normed)
     assert all("constexpr bool HAS_NORM = true;" in v and f"constexpr int EPS_BITS = {eps};" in v for v in normed)

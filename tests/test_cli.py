@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_fixtures import make_tiny_pair
 from typer.testing import CliRunner
 
 import dflash_mlx
@@ -13,7 +14,6 @@ from dflash_mlx import builtin, loading
 from dflash_mlx.cli.app import app
 from dflash_mlx.cli.progress import PrefillProgress, hub_progress_class
 from dflash_mlx.targets import ADAPTERS
-from cli_fixtures import make_tiny_pair
 
 runner = CliRunner()
 
@@ -79,7 +79,9 @@ def test_version():
 
 # -- generate -----------------------------------------------------------------
 def test_generate_streams_what_the_library_generates(pair, loaded):
-    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "--max-tokens", 24)
+    result = run(
+        "generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1 w2 w3", "--max-tokens", 24
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w1 w2 w3", max_tokens=24) + "\n"
     stats = result.stderr
@@ -89,8 +91,27 @@ def test_generate_streams_what_the_library_generates(pair, loaded):
 
 
 def test_generate_sampled_with_seed_is_repeatable(pair, loaded):
-    args = ["generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w5 w6",
-            "-m", 20, "--temp", 0.8, "--top-p", 0.9, "--top-k", 20, "--seed", 7, "--block-size", 4]
+    args = [
+        "generate",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        "w5 w6",
+        "-m",
+        20,
+        "--temp",
+        0.8,
+        "--top-p",
+        0.9,
+        "--top-k",
+        20,
+        "--seed",
+        7,
+        "--block-size",
+        4,
+    ]
     result = run(*args)
     assert result.exit_code == 0, result.output
     want = expected(loaded, "raw", "w5 w6", max_tokens=20, temperature=0.8, top_p=0.9, top_k=20, seed=7, block_size=4)
@@ -98,8 +119,19 @@ def test_generate_sampled_with_seed_is_repeatable(pair, loaded):
 
 
 def test_generate_with_automatic_block_size(pair, loaded):
-    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1 w2",
-                 "-m", 30, "--block-size", "AUTO")
+    result = run(
+        "generate",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        "w1 w2",
+        "-m",
+        30,
+        "--block-size",
+        "AUTO",
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w1 w2", max_tokens=30) + "\n"  # greedy: the same text
 
@@ -107,14 +139,35 @@ def test_generate_with_automatic_block_size(pair, loaded):
 def test_generate_applies_the_chat_template(pair, loaded):
     model, draft, tok = loaded["chat"]
     ids = tok.encode("w1 w9 w4 w2 w7 w8 w4 w3", add_special_tokens=False)  # TEMPLATE with system + user
-    result = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7 w8",
-                 "--system-prompt", "w9", "--max-tokens", 16)
+    result = run(
+        "generate",
+        "--model",
+        pair.chat_target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        "w7 w8",
+        "--system-prompt",
+        "w9",
+        "--max-tokens",
+        16,
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == dflash_mlx.generate(model, draft, tok, ids, max_tokens=16) + "\n"
     assert "no chat template" not in result.stderr
 
-    raw = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7 w8",
-              "--ignore-chat-template", "--max-tokens", 16)
+    raw = run(
+        "generate",
+        "--model",
+        pair.chat_target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        "w7 w8",
+        "--ignore-chat-template",
+        "--max-tokens",
+        16,
+    )
     assert raw.exit_code == 0
     assert raw.stdout == expected(loaded, "chat", "w7 w8", max_tokens=16) + "\n"
 
@@ -122,25 +175,50 @@ def test_generate_applies_the_chat_template(pair, loaded):
 def test_generate_enable_thinking(pair, loaded):
     model, draft, tok = loaded["chat"]
     ids = tok.encode("w2 w7 w4 w3 w5", add_special_tokens=False)
-    result = run("generate", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", "w7",
-                 "--enable-thinking", "-m", 10)
+    result = run(
+        "generate",
+        "--model",
+        pair.chat_target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        "w7",
+        "--enable-thinking",
+        "-m",
+        10,
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == dflash_mlx.generate(model, draft, tok, ids, max_tokens=10) + "\n"
     assert "changes nothing" not in result.stderr
-    raw = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w7", "--enable-thinking", "-m", 2)
+    raw = run(
+        "generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w7", "--enable-thinking", "-m", 2
+    )
     assert raw.exit_code == 0 and "changes nothing" in raw.stderr
 
 
 def test_generate_reads_the_prompt_from_stdin(pair, loaded):
-    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", "-m", 12, input="w3 w4\n")
+    result = run(
+        "generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", "-m", 12, input="w3 w4\n"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", "w3 w4", max_tokens=12) + "\n"
 
 
 def test_generate_long_prefill_in_steps(pair, loaded):
     prompt = " ".join(f"w{i % 60}" for i in range(40))
-    result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", prompt, "-m", 12,
-                 "--prefill-step-size", 8)
+    result = run(
+        "generate",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        prompt,
+        "-m",
+        12,
+        "--prefill-step-size",
+        8,
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout == expected(loaded, "raw", prompt, max_tokens=12) + "\n"
 
@@ -188,8 +266,13 @@ def test_generate_without_model_or_prompt(pair, monkeypatch):
     assert_user_error(run("generate", "--prompt", "w1"), "no model given", "--model")
     monkeypatch.undo()
     assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft), "no prompt given")
-    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "  "), "the prompt is empty")
-    assert_user_error(run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", input=""), "the prompt is empty")
+    assert_user_error(
+        run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "  "), "the prompt is empty"
+    )
+    assert_user_error(
+        run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "-", input=""),
+        "the prompt is empty",
+    )
 
 
 def test_generate_bad_paths_and_wrong_pairs(pair, tmp_path):
@@ -270,7 +353,9 @@ def test_chat_with_template_keeps_the_conversation(pair, loaded):
 def test_chat_errors(pair, monkeypatch):
     from dflash_mlx import builtin
 
-    assert_user_error(run("chat", "--model", pair.target, "--draft-model", pair.draft, "--temp", "-0.5"), "--temp must be")
+    assert_user_error(
+        run("chat", "--model", pair.target, "--draft-model", pair.draft, "--temp", "-0.5"), "--temp must be"
+    )
     # Without --model the built-in target is used, which this drafter does not fit ...
     assert_user_error(run("chat", "--draft-model", pair.draft), "does not fit the target")
     # ... and without the built-in pair there is no model at all.
@@ -284,8 +369,20 @@ def test_chat_errors(pair, monkeypatch):
 def test_bench_json(pair, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w1 w2"}\n\n{"turns": ["w3 w4", "w5"]}\n')
-    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "--prompts", prompts, "-m", 12,
-                 "--block-size", 6, "--json")  # a fixed block: auto's choices follow the machine's timings
+    result = run(
+        "bench",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "--prompts",
+        prompts,
+        "-m",
+        12,
+        "--block-size",
+        6,
+        "--json",
+    )  # a fixed block: auto's choices follow the machine's timings
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [r["prompt"] for r in data["results"]] == ["w1 w2", "w3 w4", "w5"]  # every MT-Bench turn
@@ -303,8 +400,23 @@ def test_bench_json(pair, tmp_path):
 def test_bench_table(pair, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3\nw4 [bold]w5\n")
-    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "--prompts", prompts, "-m", 8,
-                 "--repeat", 2, "--temp", 0.7, "--seed", 3)
+    result = run(
+        "bench",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "--prompts",
+        prompts,
+        "-m",
+        8,
+        "--repeat",
+        2,
+        "--temp",
+        0.7,
+        "--seed",
+        3,
+    )
     assert result.exit_code == 0, result.output
     out = result.stdout
     for head in ("mlx-lm tok/s", "dflash tok/s", "speedup", "τ", "peak GB"):
@@ -331,8 +443,12 @@ def test_bench_bad_prompt_files(pair, tmp_path, content, fragments):
 
 
 def test_bench_bad_flags(pair):
-    assert_user_error(run("bench", "--model", pair.target, "--draft-model", pair.draft, "--repeat", 0), "--repeat must be")
-    assert_user_error(run("bench", "--model", pair.target, "--draft-model", pair.draft, "--top-p", 0), "--top-p must be")
+    assert_user_error(
+        run("bench", "--model", pair.target, "--draft-model", pair.draft, "--repeat", 0), "--repeat must be"
+    )
+    assert_user_error(
+        run("bench", "--model", pair.target, "--draft-model", pair.draft, "--top-p", 0), "--top-p must be"
+    )
 
 
 # -- models -----------------------------------------------------------------------
@@ -405,9 +521,16 @@ def test_download_bars_are_tasks_of_one_rich_progress():
     files.refresh()
     files.update(40)
     files.refresh()
-    assert hf_thread_map(lambda x: (time.sleep(0.01), x)[1], range(4), desc="Fetching 4 files", tqdm_class=cls) == [0, 1, 2, 3]
+    assert hf_thread_map(lambda x: (time.sleep(0.01), x)[1], range(4), desc="Fetching 4 files", tqdm_class=cls) == [
+        0,
+        1,
+        2,
+        3,
+    ]
     assert [(t.description, t.completed, t.total) for t in progress.tasks] == [
-        ("Downloading bytes", 0, 0), ("Reconstructing", 40, 100)]
+        ("Downloading bytes", 0, 0),
+        ("Reconstructing", 40, 100),
+    ]
     files.update(60)
     transfer.close()
     files.close()
@@ -419,9 +542,9 @@ def test_download_bars_are_tasks_of_one_rich_progress():
 def test_reply_view_wraps_long_lines_on_a_narrow_terminal():
     import io
 
+    from cli_fixtures import screen_lines
     from rich.console import Console
 
-    from cli_fixtures import screen_lines
     from dflash_mlx.cli.chat import ReplyView
 
     buf = io.StringIO()
@@ -485,7 +608,16 @@ def test_status_line_names_the_chosen_block():
 
     from dflash_mlx.cli.status import status_text
 
-    r = SimpleNamespace(cycles=3, prompt_tokens=5, prompt_tps=10.0, generation_tokens=12, generation_tps=40.0,
-                        acceptance_length=4.0, acceptance_rate=0.2, block_size=6, peak_memory=0.01)
+    r = SimpleNamespace(
+        cycles=3,
+        prompt_tokens=5,
+        prompt_tps=10.0,
+        generation_tokens=12,
+        generation_tps=40.0,
+        acceptance_length=4.0,
+        acceptance_rate=0.2,
+        block_size=6,
+        peak_memory=0.01,
+    )
     assert "block auto (6)" in status_text(r, "auto")
     assert "block 8" in status_text(r, 8) and "block 6" in status_text(r)

@@ -9,14 +9,14 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from cli_fixtures import make_tiny_pair
 from mlx.utils import tree_flatten
+from test_cli import assert_user_error
 from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx.cli.app import app
 from dflash_mlx.prompts import apply_chat_template
-from cli_fixtures import make_tiny_pair
-from test_cli import assert_user_error
 
 runner = CliRunner()
 COMMANDS = ["generate", "chat", "bench", "models", "serve", "convert", "train", "doctor", "cache-prompt", "version"]
@@ -29,8 +29,10 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(pair):
-    return {"raw": dflash_mlx.load(str(pair.target), draft=str(pair.draft)),
-            "chat": dflash_mlx.load(str(pair.chat_target), draft=str(pair.draft))}
+    return {
+        "raw": dflash_mlx.load(str(pair.target), draft=str(pair.draft)),
+        "chat": dflash_mlx.load(str(pair.chat_target), draft=str(pair.draft)),
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -92,11 +94,16 @@ def test_num_draft_tokens_is_block_size_plus_one(pair):
     assert by_drafts.exit_code == 0 and by_drafts.stdout == by_block.stdout
     assert "block 4" in by_drafts.stderr
     assert_user_error(gen(pair, "--prompt", "w1", "--num-draft-tokens", 3, "--block-size", 4), "not both")
-    assert_user_error(gen(pair, "--prompt", "w1", "--num-draft-tokens", 0), "--num-draft-tokens must be a positive integer")
+    assert_user_error(
+        gen(pair, "--prompt", "w1", "--num-draft-tokens", 0), "--num-draft-tokens must be a positive integer"
+    )
 
 
 def test_a_block_past_the_trained_one_is_one_sentence(pair):
-    assert_user_error(gen(pair, "--prompt", "w1", "--block-size", 999), "--block-size 999 is larger than the block the drafter was trained for (6)")
+    assert_user_error(
+        gen(pair, "--prompt", "w1", "--block-size", 999),
+        "--block-size 999 is larger than the block the drafter was trained for (6)",
+    )
     assert_user_error(gen(pair, "--prompt", "w1", "--num-draft-tokens", 9), "--block-size 10 is larger")
 
 
@@ -107,10 +114,10 @@ def test_min_p_is_checked(pair):
 def test_min_p_filters_as_mlx_lm_does():
     from mlx_lm.sample_utils import apply_min_p
 
-    from dflash_mlx.decode.sampling import target_logprobs
+    from dflash_mlx.decode.sampling import SamplingParams, target_logprobs
 
     logits = mx.random.normal((3, 40), key=mx.random.key(0)) * 3
-    ours = target_logprobs(logits, 1.0, min_p=0.1)
+    ours = target_logprobs(logits, SamplingParams(1.0, min_p=0.1))
     ref = apply_min_p(logits - mx.logsumexp(logits, axis=-1, keepdims=True), 0.1)
     assert mx.array_equal(mx.isinf(ours), mx.isinf(ref)).item()
     assert mx.allclose(mx.where(mx.isinf(ref), 0, ours), mx.where(mx.isinf(ref), 0, ref)).item()
@@ -123,7 +130,9 @@ def test_extra_eos_token_ends_the_reply(pair, loaded):
     result = gen(pair, "--prompt", "w1 w2", "-m", 30, "--extra-eos-token", stop)
     assert result.exit_code == 0, result.output
     assert result.stdout.split() == free[: free.index(stop)]
-    assert_user_error(gen(pair, "--prompt", "w1", "--extra-eos-token", "<nonsense>"), "--extra-eos-token '<nonsense>' is not a token")
+    assert_user_error(
+        gen(pair, "--prompt", "w1", "--extra-eos-token", "<nonsense>"), "--extra-eos-token '<nonsense>' is not a token"
+    )
 
 
 def test_prefill_response_and_template_config(pair, loaded):
@@ -137,8 +146,12 @@ def test_prefill_response_and_template_config(pair, loaded):
     for flag in ("--chat-template-config", "--chat-template-args"):
         configured = gen(pair, "--prompt", "w7", "-m", 10, flag, '{"enable_thinking": true}', target=pair.chat_target)
         assert configured.exit_code == 0 and configured.stdout == thinking.stdout
-    assert_user_error(gen(pair, "--prompt", "w7", "--chat-template-config", "{bad", target=pair.chat_target), "is not valid JSON")
-    assert_user_error(gen(pair, "--prompt", "w7", "--chat-template-config", "[1]", target=pair.chat_target), "must be a JSON object")
+    assert_user_error(
+        gen(pair, "--prompt", "w7", "--chat-template-config", "{bad", target=pair.chat_target), "is not valid JSON"
+    )
+    assert_user_error(
+        gen(pair, "--prompt", "w7", "--chat-template-config", "[1]", target=pair.chat_target), "must be a JSON object"
+    )
 
 
 def test_adapter_path_applies_lora_to_the_target(pair, tmp_path):
@@ -147,26 +160,37 @@ def test_adapter_path_applies_lora_to_the_target(pair, tmp_path):
     model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
     lora = {"rank": 4, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]}
     linear_to_lora_layers(model, 2, lora)
-    adapters = {k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5
-                for i, (k, v) in enumerate(tree_flatten(model.trainable_parameters())) if k.endswith(("lora_a", "lora_b"))}
+    adapters = {
+        k: mx.random.normal(v.shape, key=mx.random.key(i)) * 0.5
+        for i, (k, v) in enumerate(tree_flatten(model.trainable_parameters()))
+        if k.endswith(("lora_a", "lora_b"))
+    }
     out = tmp_path / "adapters"
     out.mkdir()
     mx.save_safetensors(str(out / "adapters.safetensors"), adapters)
-    (out / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora}))
+    (out / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora})
+    )
 
     tuned = dflash_mlx.load(str(pair.target), draft=str(pair.draft), adapter_path=str(out))
     want = dflash_mlx.generate(*tuned, "w1 w2 w3", max_tokens=20)
     result = gen(pair, "--prompt", "w1 w2 w3", "-m", 20, "--adapter-path", out, "--trust-remote-code")
     assert result.exit_code == 0, result.output
     assert result.stdout == want + "\n"
-    assert want != dflash_mlx.generate(*dflash_mlx.load(str(pair.target), draft=str(pair.draft)), "w1 w2 w3", max_tokens=20)
-    assert_user_error(gen(pair, "--prompt", "w1", "--adapter-path", tmp_path / "none"), "the adapter path", "does not exist")
+    assert want != dflash_mlx.generate(
+        *dflash_mlx.load(str(pair.target), draft=str(pair.draft)), "w1 w2 w3", max_tokens=20
+    )
+    assert_user_error(
+        gen(pair, "--prompt", "w1", "--adapter-path", tmp_path / "none"), "the adapter path", "does not exist"
+    )
 
 
 # -- messages ---------------------------------------------------------------------------
 def test_mistakes_are_one_clear_sentence(pair, tmp_path):
     assert_user_error(gen(pair, "--prompt", "-", input=b"w1 \xff\xfe w2\n"), "the prompt on stdin is not UTF-8 text")
-    assert_user_error(gen(pair, "--prompt", "w1", target=pair.draft), "is a DFlash drafter, not a target model", "--draft-model")
+    assert_user_error(
+        gen(pair, "--prompt", "w1", target=pair.draft), "is a DFlash drafter, not a target model", "--draft-model"
+    )
     (tmp_path / "notes").mkdir()
     assert_user_error(run("generate", "--model", tmp_path / "notes", "--prompt", "w1"), "is not a model directory")
     typo = run("generate", "--model", "./qwen3-8b", "--prompt", "w1")
@@ -177,8 +201,10 @@ def test_mistakes_are_one_clear_sentence(pair, tmp_path):
     shutil.copytree(pair.target, mamba)
     cfg = json.loads((mamba / "config.json").read_text())
     (mamba / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
-    assert_user_error(run("generate", "--model", mamba, "--draft-model", "z-lab/Qwen3-8B-DFlash-b16", "--prompt", "w1"),
-                      "target model type 'mamba' is not supported yet")
+    assert_user_error(
+        run("generate", "--model", mamba, "--draft-model", "z-lab/Qwen3-8B-DFlash-b16", "--prompt", "w1"),
+        "target model type 'mamba' is not supported yet",
+    )
     # an unknown target without --draft-model: the flag, not the Python keyword, and no list of pairs on one line
     unknown = run("generate", "--model", pair.target, "--prompt", "w1")
     assert_user_error(unknown, "no known DFlash drafter", "--draft-model", "dflash-mlx models")
@@ -225,7 +251,9 @@ def test_generation_stops_at_the_context_length(pair, tmp_path, loaded):
     assert result.stdout == dflash_mlx.generate(model, draft, tok, "w1 w2 w3", max_tokens=17) + "\n"
     assert "cut at the target's context length (20 positions)" in " ".join(result.stderr.split())
     assert "stopped at the target's context length" in result.stderr
-    assert_user_error(gen(pair, "--prompt", " ".join(["w1"] * 30), target=short), "fills the target's context of 20 positions")
+    assert_user_error(
+        gen(pair, "--prompt", " ".join(["w1"] * 30), target=short), "fills the target's context of 20 positions"
+    )
     chat = run("chat", "--model", short, "--draft-model", pair.draft, "-m", 100, input="w1 w2 w3\nw4\n")
     assert chat.exit_code == 0 and "reached the target's context length" in chat.stdout
 
@@ -235,16 +263,30 @@ def test_prompt_lines_opening_with_a_brace(tmp_path):
 
     path = tmp_path / "p.txt"
     path.write_text('{a, b} is a set literal\n{"prompt": "w1"}\n{"turns": ["w1", "w2"]}\n')
-    assert read_prompts(path) == [{"prompt": "{a, b} is a set literal"}, {"prompt": "w1"},
-                                  {"prompt": "w1", "turns": ["w1", "w2"]}]
+    assert read_prompts(path) == [
+        {"prompt": "{a, b} is a set literal"},
+        {"prompt": "w1"},
+        {"prompt": "w1", "turns": ["w1", "w2"]},
+    ]
 
 
 # -- prompt-cache files ---------------------------------------------------------------------
 def test_cache_prompt_then_generate_decodes_the_uncached_prompt(pair, tmp_path, loaded):
     doc = " ".join(f"w{i % 50 + 6}" for i in range(80)) + " "  # the question follows it
     path = tmp_path / "doc.safetensors"
-    made = run("cache-prompt", "--model", pair.chat_target, "--draft-model", pair.draft, "--prompt", doc,
-               "--system-prompt", "w9", "--prompt-cache-file", path)
+    made = run(
+        "cache-prompt",
+        "--model",
+        pair.chat_target,
+        "--draft-model",
+        pair.draft,
+        "--prompt",
+        doc,
+        "--system-prompt",
+        "w9",
+        "--prompt-cache-file",
+        path,
+    )
     assert made.exit_code == 0, made.output
     assert "cached" in made.stdout and path.is_file()
     for question in ("w7 w8", "w11"):
@@ -254,15 +296,31 @@ def test_cache_prompt_then_generate_decodes_the_uncached_prompt(pair, tmp_path, 
         assert result.stdout == uncached.stdout
         assert "shares only" not in result.stderr
     # chat continues the cached prefix the same way
-    chat = run("chat", "--model", pair.chat_target, "--draft-model", pair.draft, "-m", 16, "--prompt-cache-file", path,
-               input="w7 w8\n")
-    first = gen(pair, "--prompt-cache-file", path, "--prompt", "w7 w8", "-m", 16, target=pair.chat_target).stdout.strip()
+    chat = run(
+        "chat",
+        "--model",
+        pair.chat_target,
+        "--draft-model",
+        pair.draft,
+        "-m",
+        16,
+        "--prompt-cache-file",
+        path,
+        input="w7 w8\n",
+    )
+    first = gen(
+        pair, "--prompt-cache-file", path, "--prompt", "w7 w8", "-m", 16, target=pair.chat_target
+    ).stdout.strip()
     assert chat.exit_code == 0 and first in chat.stdout
     # the built-in pair's file is refused by the tiny pair, in one sentence
     builtin_file = tmp_path / "builtin.safetensors"
     assert run("cache-prompt", "--prompt", "import os", "--prompt-cache-file", builtin_file).exit_code == 0
-    assert_user_error(gen(pair, "--prompt-cache-file", builtin_file, "--prompt", "w1"), "was made for another model pair (builtin)")
-    assert_user_error(gen(pair, "--prompt-cache-file", tmp_path / "none.safetensors", "--prompt", "w1"), "does not exist")
+    assert_user_error(
+        gen(pair, "--prompt-cache-file", builtin_file, "--prompt", "w1"), "was made for another model pair (builtin)"
+    )
+    assert_user_error(
+        gen(pair, "--prompt-cache-file", tmp_path / "none.safetensors", "--prompt", "w1"), "does not exist"
+    )
     assert_user_error(run("cache-prompt", "--prompt", "x"), "no --prompt-cache-file given")
 
 
@@ -285,8 +343,10 @@ def test_readme_python_example_on_the_builtin_pair_prints_a_haiku():
     model, draft, tokenizer = load("builtin")
     messages = [{"role": "user", "content": "Write a haiku about MLX."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    text = "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=128, temperature=0.7,
-                                                    top_p=0.95, seed=0))
+    text = "".join(
+        r.text
+        for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=128, temperature=0.7, top_p=0.95, seed=0)
+    )
     assert text.strip()
 
 
@@ -335,8 +395,22 @@ def test_min_p_reaches_the_reply(pair, loaded):
 
 
 def test_bench_takes_min_p_and_num_draft_tokens(pair):
-    result = run("bench", "--model", pair.target, "--draft-model", pair.draft, "-m", 6, "--min-p", 0.2, "--temp", 0.8,
-                 "--num-draft-tokens", 3, "--json")
+    result = run(
+        "bench",
+        "--model",
+        pair.target,
+        "--draft-model",
+        pair.draft,
+        "-m",
+        6,
+        "--min-p",
+        0.2,
+        "--temp",
+        0.8,
+        "--num-draft-tokens",
+        3,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["min_p"] == 0.2 and data["block_size"] == 4

@@ -5,13 +5,13 @@ old trace."""
 
 import mlx.core as mx
 import pytest
+from test_sampling import plain_sampled
+from tiny import greedy_reference, make_tokenizer
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.traces import traces_for
 from dflash_mlx.targets import adapt
-from test_sampling import plain_sampled
-from tiny import greedy_reference, make_tokenizer
 
 
 @pytest.fixture
@@ -111,6 +111,7 @@ def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, mo
     prompt = [1, 2, 3, 4]
     assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == greedy_reference(model, prompt, 20)
     import mlx.nn as nn
+
     nn.quantize(model, group_size=32, bits=4)
     want = greedy_reference(model, prompt, 20)
     assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == want

@@ -7,16 +7,8 @@ import shutil
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
-from typer.testing import CliRunner
-
 from convert_fixtures import assert_clean_failure
-from dflash_mlx.auto import memory as block_memory
-from dflash_mlx import compute_dtype, fast_blas, load, stream_generate
-from dflash_mlx.cli.app import app
-from dflash_mlx.decode.cycle import Cycle
-from dflash_mlx.cache.prompt import PromptCache
-from dflash_mlx.targets import adapt
+from mlx.utils import tree_flatten
 from tiny import (
     draft_config,
     greedy_reference,
@@ -28,6 +20,15 @@ from tiny import (
     write_target,
     write_zlab_draft,
 )
+from typer.testing import CliRunner
+
+from dflash_mlx.decode.sampling import SamplingParams
+from dflash_mlx import compute_dtype, fast_blas, load, stream_generate
+from dflash_mlx.auto import memory as block_memory
+from dflash_mlx.cache.prompt import PromptCache
+from dflash_mlx.cli.app import app
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.targets import adapt
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +98,12 @@ def test_a_named_dtype_is_what_both_models_compute_in(bf16_pair, fast, dtype):
 def test_an_unknown_dtype_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match=r"unknown dtype 'float64'; pass dtype= auto, float32, bfloat16 or float16"):
         load(tmp_path / "nowhere", draft=tmp_path / "nothing", dtype="float64")
-    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "nowhere"), "--dtype", "float64", "-p", "a"],
-                                prog_name="dflash-mlx", env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        app,
+        ["generate", "--model", str(tmp_path / "nowhere"), "--dtype", "float64", "-p", "a"],
+        prog_name="dflash-mlx",
+        env={"COLUMNS": "200"},
+    )
     assert_clean_failure(result, "unknown dtype 'float64'", "--dtype auto, float32, bfloat16 or float16")
 
 
@@ -106,9 +111,26 @@ def test_the_cli_decodes_in_the_dtype_it_is_given(bf16_pair, reference):
     target, draft_dir = bf16_pair
 
     def cli(*args):
-        return CliRunner().invoke(app, ["generate", "--model", target, "--draft-model", draft_dir, "--ignore-chat-template",
-                                        "-p", "w3 w1 w4", "-m", "24", "--block-size", "4", *args],
-                                  prog_name="dflash-mlx", env={"COLUMNS": "200"})
+        return CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                target,
+                "--draft-model",
+                draft_dir,
+                "--ignore-chat-template",
+                "-p",
+                "w3 w1 w4",
+                "-m",
+                "24",
+                "--block-size",
+                "4",
+                *args,
+            ],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200"},
+        )
 
     for dtype in ("float32", "bfloat16"):
         result = cli("--dtype", dtype)
@@ -122,8 +144,24 @@ def test_the_cli_says_when_auto_computes_in_float32(bf16_pair, fast):
     target, draft_dir = bf16_pair
 
     def cli(*args):
-        return CliRunner().invoke(app, ["generate", "--model", target, "--draft-model", draft_dir, "--ignore-chat-template",
-                                        "-p", "w3 w1", "-m", "4", *args], prog_name="dflash-mlx", env={"COLUMNS": "200"})
+        return CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                target,
+                "--draft-model",
+                draft_dir,
+                "--ignore-chat-template",
+                "-p",
+                "w3 w1",
+                "-m",
+                "4",
+                *args,
+            ],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200"},
+        )
 
     said = "computing in float32: this CPU's matrix products run on OpenBLAS"
     result = cli()
@@ -137,7 +175,7 @@ def test_a_cpu_with_a_fast_blas_compiles_its_cycles(bf16_pair, monkeypatch):
     monkeypatch.setattr(Cycle, "compile_graphs", None)
 
     def compiled() -> bool:
-        return Cycle(adapt(model), draft, PromptCache(model, draft), (0.0, 1.0, 0, 0.0), 0).compiled
+        return Cycle(adapt(model), draft, PromptCache(model, draft), SamplingParams(), 0).compiled
 
     monkeypatch.setattr(fast_blas, "loaded", None)
     monkeypatch.delenv("LD_PRELOAD", raising=False)

@@ -14,7 +14,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-
 from convert_fixtures import (
     TCFG,
     assert_clean_failure,
@@ -27,10 +26,11 @@ from convert_fixtures import (
     tiny_target,
     zlab_draft,
 )
+from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
+
 from dflash_mlx import DraftConfig, load_draft
 from dflash_mlx.convert import weights as convert_module
 from dflash_mlx.convert.weights import convert
-from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
 
 @pytest.fixture
@@ -66,7 +66,10 @@ def test_round_trip_keeps_logits_config_and_writes_card(tmp_path, src):
 
     assert str(src.resolve()) in card and f"dflash-mlx\n{__version__}" in card and "bfloat16" in card
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "config.json", "model.safetensors", "model.safetensors.index.json"
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
     ]
     assert leftovers(tmp_path, "mlx") == ["mlx"]
 
@@ -129,7 +132,9 @@ def test_quantized_round_trip_within_bound(tmp_path, src, args, bound):
     conv = load_draft(out)
     linears = {n: m for n, m in conv.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))}
     assert linears and all(isinstance(m, nn.QuantizedLinear) for m in linears.values())
-    assert all(m.bits == q["bits"] and m.group_size == q["group_size"] and m.mode == q["mode"] for m in linears.values())
+    assert all(
+        m.bits == q["bits"] and m.group_size == q["group_size"] and m.mode == q["mode"] for m in linears.values()
+    )
     # Norms are 1-D and stay unquantized, in the chosen dtype.
     for name, m in conv.named_modules():
         if isinstance(m, nn.RMSNorm):
@@ -175,11 +180,22 @@ VARIANTS = {
     # The keys a transformers-5 save adds around the DFlash fields (as in
     # z-lab/Qwen3-4B-DFlash-b16's config.json).
     "hf_layout": dict(
-        attention_bias=False, attention_dropout=0.0, auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-        bos_token_id=0, eos_token_id=1, hidden_act="silu", initializer_range=0.02,
-        layer_types=["full_attention", "full_attention"], max_window_layers=2, rope_scaling=None,
-        sliding_window=None, tie_word_embeddings=False, use_cache=True, use_sliding_window=False,
-        transformers_version="5.0.0", _name_or_path="/home/zlab/ckpt",
+        attention_bias=False,
+        attention_dropout=0.0,
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        bos_token_id=0,
+        eos_token_id=1,
+        hidden_act="silu",
+        initializer_range=0.02,
+        layer_types=["full_attention", "full_attention"],
+        max_window_layers=2,
+        rope_scaling=None,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        use_cache=True,
+        use_sliding_window=False,
+        transformers_version="5.0.0",
+        _name_or_path="/home/zlab/ckpt",
     ),
 }
 
@@ -519,7 +535,11 @@ def test_upload_repo(tmp_path, src, fake_hub):
     _ok(cli("--hf-path", src, "--mlx-path", out, "--upload-repo", "me/Tiny-DFlash-mlx"))
     assert fake_hub.calls == [
         ("create_repo", "me/Tiny-DFlash-mlx", "model", True),
-        ("upload_folder", "me/Tiny-DFlash-mlx", ["README.md", "config.json", "model.safetensors", "model.safetensors.index.json"]),
+        (
+            "upload_folder",
+            "me/Tiny-DFlash-mlx",
+            ["README.md", "config.json", "model.safetensors", "model.safetensors.index.json"],
+        ),
     ]
     assert 'draft="me/Tiny-DFlash-mlx"' in (out / "README.md").read_text()
 
@@ -534,10 +554,7 @@ def test_upload_failure_is_one_sentence_and_keeps_the_conversion(tmp_path, src, 
 
 def test_convert_module_keeps_imports_light():
     """The CLI imports every command at startup; the converter loads only when run."""
-    code = (
-        "import sys; import dflash_mlx.cli.app; "
-        "print('dflash_mlx.convert.weights' in sys.modules)"
-    )
+    code = "import sys; import dflash_mlx.cli.app; print('dflash_mlx.convert.weights' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert convert_module.__name__ == "dflash_mlx.convert.weights"
@@ -561,7 +578,6 @@ def test_converted_directory_matches_the_official_code(tmp_path, monkeypatch):
     too, and computes from it what we compute from it and from the raw one."""
     import dflash.model_mlx as official  # the oracle: pip install --no-deps dflash==0.1.0
     from mlx_lm.models.cache import make_prompt_cache
-
     from tiny import random_draft_weights, write_zlab_draft
 
     # A window shorter than the context (11) but not than the block (8).

@@ -12,10 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx import make_prompt_cache
+from dflash_mlx.cache.buffer import SharedPositions, positions_mask
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.loop import prefill
-from dflash_mlx.cache.buffer import SharedPositions, positions_mask
 from dflash_mlx.targets import adapt
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -51,7 +52,7 @@ def cycle_outputs(pair, temperature: float) -> tuple:
     target = adapt(model)
     cache = make_prompt_cache(model, draft)
     prefill(target, draft, cache, PROMPT, 2048, None)
-    cycle = Cycle(target, draft, cache, (temperature, 1.0, 0, 0.0), 7)
+    cycle = Cycle(target, draft, cache, SamplingParams(temperature), 7)
     return cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))[:3]
 
 

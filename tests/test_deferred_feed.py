@@ -6,12 +6,12 @@ plain steps, or resumes drafting after them, with cycles compiled or not."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import greedy_reference, make_tokenizer
 
 import dflash_mlx.generation as speculative
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.auto.chooser import BlockChooser
 from dflash_mlx.decode.cycle import Cycle
-from tiny import greedy_reference, make_tokenizer
 
 # Runs of plain steps (1) between drafting cycles of several sizes.
 SCRIPT = [1, 1, 1, 4, 1, 1, 1, 1, 1, 8, 16, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 16, 1]
@@ -30,8 +30,18 @@ class Scripted(BlockChooser):
         return b
 
 
-def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_after=None, cache=None,
-        compiled: bool = False, script=SCRIPT):
+def run(
+    monkeypatch,
+    model,
+    draft,
+    prompt,
+    defer: bool,
+    max_tokens=80,
+    stop_after=None,
+    cache=None,
+    compiled: bool = False,
+    script=SCRIPT,
+):
     """Decode with the script (cycles through mx.compile, as on a GPU, when
     ``compiled``); returns the responses and the prompt cache (closing the
     generator after ``stop_after`` responses when given)."""
@@ -39,8 +49,9 @@ def run(monkeypatch, model, draft, prompt, defer: bool, max_tokens=80, stop_afte
     monkeypatch.setattr(Cycle, "compile_graphs", compiled)
     monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted(script))
     cache = cache or make_prompt_cache(model, draft)
-    gen = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto",
-                          prompt_cache=cache)
+    gen = stream_generate(
+        model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto", prompt_cache=cache
+    )
     responses = []
     for r in gen:
         responses.append(r)
@@ -111,8 +122,9 @@ def test_drafting_after_plain_steps_grows_the_drafters_buffers_as_the_targets(mo
 
     monkeypatch.setattr(Cycle, "launch", spy)
     prompt = list(range(1, 21)) * 11  # 220 positions: a run of 30 plain steps crosses 256, then 4 drafting cycles
-    responses, cache = run(monkeypatch, model, draft, prompt, defer=True, max_tokens=150, compiled=compiled,
-                           script=[1] * 30 + [4] * 4)
+    responses, cache = run(
+        monkeypatch, model, draft, prompt, defer=True, max_tokens=150, compiled=compiled, script=[1] * 30 + [4] * 4
+    )
     assert [t for r in responses for t in r.tokens] == greedy_reference(model, prompt, 150)
     assert widths and widths == predicted
     assert max(widths) > 256 and all(c.capacity <= cache.target[0].capacity for c in cache.draft)

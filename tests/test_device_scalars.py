@@ -9,13 +9,14 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from dflash_mlx import device, stream_generate
-from dflash_mlx.decode.cycle import Cycle
-from dflash_mlx.decode.traces import forget_traces
-from dflash_mlx.cache.buffer import BufferKVCache, set_lengths
 from test_cycle_graph import VIEWS, graph
 from tiny import greedy_reference, make_tokenizer
+
+from dflash_mlx.decode.sampling import SamplingParams
+from dflash_mlx import device, stream_generate
+from dflash_mlx.cache.buffer import BufferKVCache, set_lengths
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.traces import forget_traces
 
 
 @pytest.fixture
@@ -86,8 +87,9 @@ def test_wide_lengths_keep_the_output_the_targets(cuda_lengths, monkeypatch, agr
     for wide in (True, False):
         monkeypatch.setattr(device, "WIDE_SCALARS", wide)
         forget_traces(draft)  # (a compiled cycle keeps the lengths it was traced with)
-        out = stream_generate(model, draft, make_tokenizer(24), prompt, max_tokens=30, block_size=8, temperature=0.9,
-                              seed=11)
+        out = stream_generate(
+            model, draft, make_tokenizer(24), prompt, max_tokens=30, block_size=8, temperature=0.9, seed=11
+        )
         texts.append([t for r in out for t in r.tokens])
     assert texts[0] == texts[1]
 
@@ -104,16 +106,16 @@ def wide(array, tmp_path) -> bool:
     return node is not None and "Slice" in passed and kind[node.strip('"')] == "Add"
 
 
-def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths, monkeypatch, agreeing_pair,
-                                                                   tmp_path):
+def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths, monkeypatch, agreeing_pair, tmp_path):
     """Every layer's attention, the target's and the drafter's, is handed
     its start and its length with the block as device scalars (what the
     CUDA kernels read), one of each a forward for all its layers."""
     from dflash_mlx import make_prompt_cache
     from dflash_mlx.decode.loop import prefill
     from dflash_mlx.draft import dflash as draft_module
+    from dflash_mlx.layers import attention
+    from dflash_mlx.layers import blocks as layers
     from dflash_mlx.targets import adapt
-    from dflash_mlx.layers import attention, blocks as layers
 
     model, draft = agreeing_pair
     target = adapt(model)
@@ -129,12 +131,14 @@ def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths
 
     monkeypatch.setattr(layers, "attention_output", spy)  # the target's layers
     monkeypatch.setattr(draft_module, "cache_attention", spy)  # the drafter's
-    cycle = Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0)
+    cycle = Cycle(target, draft, cache, SamplingParams(), 0)
     cycle._build(8, mx.array([2], mx.int32), mx.array(len(prompt), mx.int32), len(prompt))
     layers = len(cache.target) + len(cache.draft)
     assert len(seen) == layers
     starts, ends = {id(s) for s, _ in seen}, {id(e) for _, e in seen}
-    assert len(starts) == 1 and len(ends) == 2  # one length a cycle; one end for the target's forward, one the drafter's
+    assert (
+        len(starts) == 1 and len(ends) == 2
+    )  # one length a cycle; one end for the target's forward, one the drafter's
     assert wide(seen[0][0], tmp_path) and all(wide(e, tmp_path) for e in {id(e): e for _, e in seen}.values())
 
 
@@ -142,10 +146,11 @@ def test_a_hybrid_targets_attention_layers_share_their_lengths():
     """A hybrid target (delta-net layers between attention layers) sets its
     attention buffers' length together: one write position and one end a
     forward for all of them, as a dense target's layers share."""
+    from test_hybrid import make_pair
+
     from dflash_mlx import make_prompt_cache
     from dflash_mlx.decode.loop import prefill
     from dflash_mlx.targets import adapt
-    from test_hybrid import make_pair
 
     model, draft = make_pair("qwen3_5")
     target = adapt(model)

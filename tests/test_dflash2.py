@@ -9,10 +9,10 @@ equals mlx-lm's; each bad config is one sentence."""
 import json
 import random
 
+import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 import mlx.core as mx
 import numpy as np
 import pytest
-from dflash_mlx.convert.weights import convert
 from family_models import family_config, make_family_target
 from mlx import nn
 from mlx.utils import tree_flatten
@@ -28,11 +28,10 @@ from tiny import (
 )
 
 from dflash_mlx import load_draft, stream_generate
+from dflash_mlx.convert.weights import convert
+from dflash_mlx.decode.sampling import SamplingParams, accept_proposals
 from dflash_mlx.draft.dflash2 import CODEBOOKS, DFlash2Draft, Draft2Config
-from dflash_mlx.decode.sampling import accept_proposals
 from dflash_mlx.targets import adapt
-
-import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 
 TCFG = target_config("qwen3", vocab=40, layers=6)
 
@@ -45,12 +44,21 @@ def dflash2_config(tcfg, layers=2, block_size=6, taps=(1, 4), window=64, **dflas
     for k in ("block_size", "rope_theta"):
         cfg.pop(k)
     cfg.update(
-        architectures=["DFlash2DraftModel"], is_causal=False, layer_types=["sliding_attention"] * layers,
-        sliding_window=window, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}, use_sliding_window=True,
+        architectures=["DFlash2DraftModel"],
+        is_causal=False,
+        layer_types=["sliding_attention"] * layers,
+        sliding_window=window,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+        use_sliding_window=True,
     )
     cfg["dflash_config"].update(
-        block_size=block_size, conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=5,
-        output_multiplier=0.6, final_logit_softcapping=6.0,
+        block_size=block_size,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=32,
+        selector_top_k=5,
+        output_multiplier=0.6,
+        final_logit_softcapping=6.0,
     )
     cfg["dflash_config"].update(dflash)
     return cfg
@@ -129,16 +137,32 @@ def spec_select(hidden, logits, anchor, sel, top_k, temperature, path=None):
 def test_fixture_config_parses_and_round_trips():
     # The fields of z-lab/dflash tests/fixtures/dflash2-config.json (Muse-Glimmer-30B-DFlash2).
     raw = {
-        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False, "head_dim": 128,
-        "hidden_size": 6656, "intermediate_size": 19968, "layer_types": ["sliding_attention"] * 5,
-        "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 5,
-        "num_key_value_heads": 8, "num_target_layers": 52, "rms_norm_eps": 1e-05,
-        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": 2048,
+        "architectures": ["DFlash2DraftModel"],
+        "model_type": "qwen3",
+        "is_causal": False,
+        "head_dim": 128,
+        "hidden_size": 6656,
+        "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 5,
+        "num_key_value_heads": 8,
+        "num_target_layers": 52,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "sliding_window": 2048,
         "vocab_size": 202048,
         "dflash_config": {
-            "block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2, "final_logit_softcapping": 20.0,
-            "mask_token_id": 201818, "output_multiplier": 0.19611613513818404, "selector_rank": 256,
-            "selector_top_k": 16, "target_layer_ids": [1, 13, 25, 37, 49],
+            "block_size": 16,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": 201818,
+            "output_multiplier": 0.19611613513818404,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [1, 13, 25, 37, 49],
         },
     }
     cfg = Draft2Config.from_dict(raw)
@@ -171,7 +195,7 @@ def test_layer_and_selector_match_the_spec(checkpoint):
     def conv(module, h):  # the spec's convolutions, numpy
         dyn = np.array(module.kernel_projection(mx.array(h)[None]))[0].reshape(6, 2, 2, 4)
         base = np.array(module.base_kernel)
-        return (lambda y, i: spec_conv(y, base[i], dyn[:, i], 16))
+        return lambda y, i: spec_conv(y, base[i], dyn[:, i], 16)
 
     h = np.array(layer.input_layernorm(x))[0]
     c = conv(layer.attention_conv, h)
@@ -224,7 +248,9 @@ def test_logits_and_proposals_match_official(checkpoint, monkeypatch):
         their_q = np.zeros((bs - 1, 40))
         np.put_along_axis(their_q, np.array(candidates[0]), np.array(q_rows[0]), axis=-1)
         hidden = np.array(ours.hidden_states(block, None, our_cache))[0]
-        _, want_q = spec_select(hidden, np.array(a)[0], int(block[0, 0]), ours.candidate_selector, 5, 0.9, path_[0].tolist())
+        _, want_q = spec_select(
+            hidden, np.array(a)[0], int(block[0, 0]), ours.candidate_selector, 5, 0.9, path_[0].tolist()
+        )
         np.testing.assert_allclose(their_q, want_q, atol=1e-5, err_msg=f"step {step}")
 
 
@@ -267,10 +293,14 @@ def _dflash(**kw):
 
 
 BAD = {
-    "missing selector field": (lambda c: c["dflash_config"].pop("selector_top_k"),
-                               "DFlash 2 drafter's config.json is missing dflash_config.selector_top_k"),
-    "missing conv fields": (lambda c: [c["dflash_config"].pop(k) for k in ("conv_kernel_size", "conv_group_size")],
-                            "missing dflash_config.conv_kernel_size, dflash_config.conv_group_size"),
+    "missing selector field": (
+        lambda c: c["dflash_config"].pop("selector_top_k"),
+        "DFlash 2 drafter's config.json is missing dflash_config.selector_top_k",
+    ),
+    "missing conv fields": (
+        lambda c: [c["dflash_config"].pop(k) for k in ("conv_kernel_size", "conv_group_size")],
+        "missing dflash_config.conv_kernel_size, dflash_config.conv_group_size",
+    ),
     "zero kernel": (_dflash(conv_kernel_size=0), "dflash_config.conv_kernel_size must be a positive integer, got 0"),
     "string rank": (_dflash(selector_rank="32"), "dflash_config.selector_rank must be a positive integer, got '32'"),
     "group not dividing hidden": (_dflash(conv_group_size=24), "conv_group_size 24 does not divide hidden_size 64"),
@@ -280,17 +310,24 @@ BAD = {
 BAD_WEIGHTS = {
     "codebook of the wrong vocabulary": (
         lambda w: w.update({"candidate_selector.predecessor_codebook": mx.zeros((39, 32))}),
-        "misshapen tensors: candidate_selector.predecessor_codebook is (39, 32), expected (40, 32)"),
+        "misshapen tensors: candidate_selector.predecessor_codebook is (39, 32), expected (40, 32)",
+    ),
     "codebook of the wrong rank": (
         lambda w: w.update({"candidate_selector.successor_codebook": mx.zeros((40, 16))}),
-        "candidate_selector.successor_codebook is (40, 16), expected (40, 32)"),
-    "missing codebook": (lambda w: w.pop("candidate_selector.successor_codebook"),
-                         "missing tensors candidate_selector.successor_codebook"),
-    "missing static kernel": (lambda w: w.pop("layers.1.mlp_conv.base_kernel"),
-                              "missing tensors layers.1.mlp_conv.base_kernel"),
+        "candidate_selector.successor_codebook is (40, 16), expected (40, 32)",
+    ),
+    "missing codebook": (
+        lambda w: w.pop("candidate_selector.successor_codebook"),
+        "missing tensors candidate_selector.successor_codebook",
+    ),
+    "missing static kernel": (
+        lambda w: w.pop("layers.1.mlp_conv.base_kernel"),
+        "missing tensors layers.1.mlp_conv.base_kernel",
+    ),
     "kernel projection for another group size": (
         lambda w: w.update({"layers.0.attention_conv.kernel_projection.weight": mx.zeros((32, 64))}),
-        "layers.0.attention_conv.kernel_projection.weight is (32, 64), expected (16, 64)"),
+        "layers.0.attention_conv.kernel_projection.weight is (32, 64), expected (16, 64)",
+    ),
 }
 
 
@@ -366,10 +403,10 @@ def sampled_selector_decode(target, draft, prompt, length, temperature, seed):
         # The drafter's context: every committed position but the last (a causal target's taps stay exact).
         drafts, q = draft.propose(block, hidden[:, : len(seq) - 1], draft.make_cache(), temperature, k_draft)
         logits, hidden = target(mx.array(seq + drafts.tolist())[None], target.make_cache(), taps)
-        result = accept_proposals(drafts, q, logits[0, len(seq) - 1:], temperature, 1.0, 0, k_accept).tolist()
+        result = accept_proposals(drafts, q, logits[0, len(seq) - 1 :], SamplingParams(temperature), k_accept).tolist()
         accepted, rejected = accepted + result[0], rejected + (result[0] < bs - 1)
-        seq += result[1: result[0] + 2]
-    return seq[len(prompt): len(prompt) + length], accepted, rejected
+        seq += result[1 : result[0] + 2]
+    return seq[len(prompt) : len(prompt) + length], accepted, rejected
 
 
 def check_sequence_distribution(model, sample, n: int = 700) -> None:
@@ -403,23 +440,30 @@ def test_sampled_selector_with_the_general_rule_keeps_the_target_distribution(tm
     model, draft = small_sampling_pair(tmp_path)
     target = adapt(model)
     draft.bind(target)
-    check_sequence_distribution(model, lambda prompt, length, seed: sampled_selector_decode(target, draft, prompt, length, 1.0, seed))
+    check_sequence_distribution(
+        model, lambda prompt, length, seed: sampled_selector_decode(target, draft, prompt, length, 1.0, seed)
+    )
 
 
 def test_the_loop_samples_through_the_selector_and_keeps_the_target_distribution(tmp_path):
     """stream_generate with a DFlash 2 drafter at temperature > 0: drafts
     sampled by the selector, accepted by min(1, p/q), the sequences follow
     the target's own distribution."""
-    from dflash_mlx import stream_generate
     from tiny import make_tokenizer
+
+    from dflash_mlx import stream_generate
 
     model, draft = small_sampling_pair(tmp_path)
     tok = make_tokenizer(6)
 
     def sample(prompt, length, seed):
-        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=1.0,
-                                         block_size=3, seed=seed))
-        return ([t for r in responses for t in r.tokens], sum(r.accepted for r in responses[1:]),
-                sum(r.accepted < r.block_size - 1 for r in responses[1:]))
+        responses = list(
+            stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=1.0, block_size=3, seed=seed)
+        )
+        return (
+            [t for r in responses for t in r.tokens],
+            sum(r.accepted for r in responses[1:]),
+            sum(r.accepted < r.block_size - 1 for r in responses[1:]),
+        )
 
     check_sequence_distribution(model, sample)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import dflash_mlx.train.data as data
-from dflash_mlx.train.data import Sequence, distill, greedy_batch, load_distilled
 from dflash_mlx.tiny import greedy_reference, make_target, make_tokenizer, target_config
+from dflash_mlx.train.data import Sequence, distill, greedy_batch, load_distilled
 
 VOCAB = 48
 LENGTHS = [1, 40, 7, 23, 2, 15, 31, 4, 11, 40, 3, 19]

@@ -6,8 +6,8 @@ import re
 import mlx.core as mx
 from typer.testing import CliRunner
 
-from dflash_mlx.cli.app import app
 from dflash_mlx.cli import doctor
+from dflash_mlx.cli.app import app
 from dflash_mlx.kernels import dispatch
 
 
@@ -96,10 +96,11 @@ def test_doctor_names_the_blas_it_opened_and_the_dtype_that_follows(monkeypatch)
 def test_doctor_lists_the_block_product_kernels_checks(monkeypatch):
     """On CUDA the block-product kernel's check gets a line per dtype; a
     failed one says MLX's products are used, and counts in the total."""
-    from dflash_mlx.kernels.cuda import products as bp
-    from dflash_mlx.layers import linear
     from test_block_products import kernel_arithmetic, norm_arithmetic, swiglu_arithmetic
     from test_kernels import two_pass
+
+    from dflash_mlx.kernels.cuda import products as bp
+    from dflash_mlx.layers import linear
 
     def products(x, w, b=None, r=None, heads=False, swiglu=False, norm=None):
         if norm is not None:

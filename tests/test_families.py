@@ -3,15 +3,14 @@ gemma4_text, muse_glimmer): greedy DFlash output equals mlx-lm's own greedy deco
 for token, over block sizes, prompt lengths past the sliding window, an EOS,
 a prompt cache reused across turns, and 4-bit weights."""
 
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
+from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.targets import ADAPTERS, adapt
-from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
-from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 VOCAB = 48
 FAMILIES = ["qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text", "muse_glimmer"]
@@ -85,9 +84,19 @@ def test_muse_glimmer_shares_the_raw_embedding_and_head_with_the_drafter():
 
 
 def test_the_registry_says_runs_only_for_tested_families():
-    from dflash_mlx.loading import FAMILIES as REGISTRY, family_runs, why_not_runs
+    from dflash_mlx.loading import FAMILIES as REGISTRY
+    from dflash_mlx.loading import family_runs, why_not_runs
 
-    tested = {"qwen3", "llama", *FAMILIES, "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_next"}  # test_greedy, here, test_families_wrappers, test_hybrid
+    tested = {
+        "qwen3",
+        "llama",
+        *FAMILIES,
+        "gemma3",
+        "gemma4",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+    }  # test_greedy, here, test_families_wrappers, test_hybrid
     assert set(ADAPTERS) == tested
     for target, family in REGISTRY.items():
         assert family_runs(family) == (family in tested) and (why_not_runs(target) is None) == (family in tested)

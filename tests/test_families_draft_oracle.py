@@ -18,18 +18,16 @@ does it in the PyTorch reference), while the official MLX code looks for an
 There the oracle is given the target's scale; no published drafter targets
 Gemma 3."""
 
+import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
-
+from family_models import family_config, make_family_target
 from mlx_lm.models.cache import make_prompt_cache as official_cache
+from tiny import draft_config, random_draft_weights, write_zlab_draft
 
 from dflash_mlx import load_draft
 from dflash_mlx.targets import adapt
-from family_models import family_config, make_family_target
-from tiny import draft_config, random_draft_weights, write_zlab_draft
 
 VOCAB = 40
 CASES = {

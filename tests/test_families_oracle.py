@@ -14,11 +14,9 @@ layer and fails on it."""
 
 import random
 
+import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 import mlx.core as mx
 import pytest
-
-import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
-
 from family_models import family_config, make_family_target, scripted
 from tiny import (
     draft_config,
@@ -70,7 +68,11 @@ def test_cycles_match_the_official_loop(tmp_path, monkeypatch, family):
         ours.set_script(prompt + greedy_reference(ours_target, prompt, 30), seed=n)
         theirs.script, theirs.right, theirs.position = ours.script, ours.right, 0
         a = list(stream_generate(ours_target, ours, tok, prompt, max_tokens=30, block_size=bs))
-        b = [r for r in dflash_official.stream_generate(their_target, theirs, tok, prompt, block_size=bs, max_tokens=30) if r.tokens]
+        b = [
+            r
+            for r in dflash_official.stream_generate(their_target, theirs, tok, prompt, block_size=bs, max_tokens=30)
+            if r.tokens
+        ]
         assert [r.tokens for r in a] == [r.tokens for r in b], (family, n)
         # Official `accepted` counts committed tokens (drafts + bonus).
         for ra, rb in zip(a[1:-1], b[1:-1]):

@@ -45,8 +45,20 @@ def test_sampled_sequences_follow_the_target(family, temperature, top_p, top_k):
     observed = np.zeros(len(seqs))
     accepted = rejected = 0
     for seed in range(n):
-        responses = list(stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=temperature,
-                                         top_p=top_p, top_k=top_k, block_size=3, seed=seed))
+        responses = list(
+            stream_generate(
+                model,
+                draft,
+                tok,
+                prompt,
+                max_tokens=length,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                block_size=3,
+                seed=seed,
+            )
+        )
         observed[index[tuple(t for r in responses for t in r.tokens)]] += 1
         accepted += sum(r.accepted for r in responses[1:])
         rejected += sum(r.accepted < r.block_size - 1 for r in responses[1:])

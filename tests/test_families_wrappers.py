@@ -8,12 +8,12 @@ for token, over block sizes and prompt lengths, with an EOS, and 4-bit."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from family_models import WRAPPED, check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
 from mlx.utils import tree_flatten
+from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx.loading import family_runs, load_target
 from dflash_mlx.targets import adapt
-from family_models import WRAPPED, check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
-from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 VOCAB = 48
 

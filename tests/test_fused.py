@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.tuner.lora import LoRALinear
-
-from dflash_mlx.targets import adapt
-from dflash_mlx.layers.fused import projections
 from tiny import greedy_reference, make_target, target_config
+
+from dflash_mlx.layers.fused import projections
+from dflash_mlx.targets import adapt
 
 VOCAB = 40
 
@@ -109,7 +109,9 @@ def test_new_weights_or_a_quantization_are_fused_again():
     tokens = mx.array([[2, 7, 1, 8, 2, 8]])
     first = [projections(layer) for layer in adapt(model).inner.layers]
     attn = model.model.layers[0].self_attn
-    model.load_weights([("model.layers.0.self_attn.k_proj.weight", mx.random.normal(attn.k_proj.weight.shape))], strict=False)
+    model.load_weights(
+        [("model.layers.0.self_attn.k_proj.weight", mx.random.normal(attn.k_proj.weight.shape))], strict=False
+    )
     nn.quantize(model.model.layers[1], group_size=32, bits=4)
     target = adapt(model)
     assert all(projections(layer) is not f for layer, f in zip(model.model.layers, first))

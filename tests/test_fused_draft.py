@@ -7,11 +7,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from test_dflash2 import TCFG, dflash2_config, random_dflash2_weights
+from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config, write_zlab_draft
 
 from dflash_mlx import load_draft
 from dflash_mlx.targets import adapt
-from test_dflash2 import TCFG, dflash2_config, random_dflash2_weights
-from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config, write_zlab_draft
 
 
 def dflash_pair(bits):
@@ -76,8 +76,10 @@ def test_new_drafter_weights_are_fused_again():
     model, draft = dflash_pair(None)
     block = mx.array([[5] + [draft.config.mask_token_id] * 7])
     draft_twice(model, draft, block)  # fuses
-    fresh = random_draft_weights(draft_config(target_config("qwen3", vocab=40, layers=4, hidden=128),
-                                              layers=2, block_size=8, taps=[0, 3]), seed=99)
+    fresh = random_draft_weights(
+        draft_config(target_config("qwen3", vocab=40, layers=4, hidden=128), layers=2, block_size=8, taps=[0, 3]),
+        seed=99,
+    )
     draft.load_weights(list(fresh.items()))
     out = draft_twice(model, draft, block)
     for got, want in zip(out[True], out[False]):
@@ -88,15 +90,18 @@ def test_new_drafter_weights_are_fused_again():
 def test_a_decode_call_checks_the_drafters_fused_products_once_not_every_cycle(which, tmp_path, monkeypatch):
     """Each check walks every layer's projections: a call makes them once for
     all its cycles (the prompt's chunks, read before, check their own)."""
-    from dflash_mlx import stream_generate
     from tiny import greedy_reference, make_tokenizer
+
+    from dflash_mlx import stream_generate
 
     model, draft = dflash_pair(None) if which == "dflash" else dflash2_pair(tmp_path)
     calls = []
     real = type(draft).fused_projections
     monkeypatch.setattr(type(draft), "fused_projections", lambda self: calls.append(1) or real(self))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    out = list(stream_generate(model, draft, make_tokenizer(model.args.vocab_size), prompt, max_tokens=40, block_size=4))
+    out = list(
+        stream_generate(model, draft, make_tokenizer(model.args.vocab_size), prompt, max_tokens=40, block_size=4)
+    )
     cycles = len(out)
     assert [t for r in out for t in r.tokens] == greedy_reference(model, prompt, 40)
     assert cycles >= 10 and len(calls) <= 3  # the prompt's one chunk, the call's Cycle (and a retrace's rebind)

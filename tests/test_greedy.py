@@ -6,9 +6,17 @@ import random
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
 
 from dflash_mlx import generate, make_prompt_cache, stream_generate
-from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
 
@@ -78,7 +86,12 @@ def test_greedy_with_eos_in_play(pair):
 
 def test_llama_and_tied_and_quantized_targets():
     rng = random.Random(2)
-    for family, tie, quantize in [("llama", False, False), ("qwen3", True, False), ("qwen3", False, True), ("llama", True, True)]:
+    for family, tie, quantize in [
+        ("llama", False, False),
+        ("qwen3", True, False),
+        ("qwen3", False, True),
+        ("llama", True, True),
+    ]:
         tcfg = target_config(family, vocab=64, hidden=64, tie=tie)
         model = make_target(tcfg, seed=5)
         if quantize:
@@ -184,6 +197,8 @@ def test_buffer_boundaries_decode_exactly(pair, request):
         for bs, n in [(2, 1), (5, 40), (16, 250), (16, 300)]:
             prompt = [rng.randrange(vocab - 1) for _ in range(n)]
             cache = make_prompt_cache(model, draft)
-            tokens, _ = dflash_tokens(model, draft, tok, prompt, max_tokens=40, block_size=bs, prompt_cache=cache, prefill_step_size=64)
+            tokens, _ = dflash_tokens(
+                model, draft, tok, prompt, max_tokens=40, block_size=bs, prompt_cache=cache, prefill_step_size=64
+            )
             assert tokens == greedy_reference(model, prompt, 40), (bs, n)
             assert all(c.keys.shape[2] % 256 == 0 for c in cache.target + cache.draft)

@@ -10,14 +10,14 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
+from test_sampling import plain_sampled
+from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
-from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
-from test_sampling import plain_sampled
-from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 VOCAB = 48
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -33,7 +33,6 @@ def make_pair(family: str, seed: int = 1, **extra):
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     return make_pair(request.param)
-
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,7 +81,9 @@ def test_eos_and_prompt_cache_across_turns(pair):
     prompt, ref = check_eos(model, draft, VOCAB, 25)
 
     cache = make_prompt_cache(model, draft)
-    out1, _ = run(model, draft, prompt, ref, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache, prefill_step_size=10)
+    out1, _ = run(
+        model, draft, prompt, ref, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache, prefill_step_size=10
+    )
     assert out1 == ref[:12]
     turn2 = prompt + out1 + [3, 4, 5]
     out2, _ = run(model, draft, turn2, vocab=VOCAB, max_tokens=16, block_size=4, prompt_cache=cache)
@@ -128,9 +129,16 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
         with monkeypatch.context() as m:
             interrupt = Interrupt(m, at=rng.randrange(1, 120))
             with pytest.raises(KeyboardInterrupt):
-                for r in stream_generate(model, draft, make_tokenizer(VOCAB), conversation, max_tokens=30,
-                                         prompt_cache=cache, block_size=block_size,
-                                         prefill_step_size=rng.choice([7, 16, 64])):
+                for r in stream_generate(
+                    model,
+                    draft,
+                    make_tokenizer(VOCAB),
+                    conversation,
+                    max_tokens=30,
+                    prompt_cache=cache,
+                    block_size=block_size,
+                    prefill_step_size=rng.choice([7, 16, 64]),
+                ):
                     got += r.tokens
                 if interrupt.count < interrupt.at:
                     raise KeyboardInterrupt
@@ -138,7 +146,9 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
         assert got == ref[: len(got)]
         conversation += got + [rng.randrange(VOCAB - 1)]
         want = greedy_reference(model, conversation, 10)
-        out, _ = run(model, draft, conversation, want, vocab=VOCAB, max_tokens=10, block_size=block_size, prompt_cache=cache)
+        out, _ = run(
+            model, draft, conversation, want, vocab=VOCAB, max_tokens=10, block_size=block_size, prompt_cache=cache
+        )
         assert out == want, trial
         conversation += want
 
@@ -158,7 +168,19 @@ def test_seeded_sampling_is_the_targets_own(family):
         want = plain_sampled(model, prompt, 24, seed, temperature, top_p, top_k)
         draft.set_script(prompt + want)
         for bs in (2, 6, 16):
-            responses = list(stream_generate(model, draft, make_tokenizer(VOCAB), prompt, max_tokens=24, seed=seed,
-                                             temperature=temperature, top_p=top_p, top_k=top_k, block_size=bs))
+            responses = list(
+                stream_generate(
+                    model,
+                    draft,
+                    make_tokenizer(VOCAB),
+                    prompt,
+                    max_tokens=24,
+                    seed=seed,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    block_size=bs,
+                )
+            )
             assert [t for r in responses for t in r.tokens] == want, (seed, bs)
             assert any(r.accepted for r in responses[1:])

@@ -10,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import block_attention, dispatch, ops_attention, attention_source as source, attention_tiles as source_tiles
-from dflash_mlx.kernels import launch_source
-from dflash_mlx.kernels.cuda.products import BlockProductKernel
+from dflash_mlx.kernels import attention_source as source
+from dflash_mlx.kernels import attention_tiles as source_tiles
+from dflash_mlx.kernels import block_attention, dispatch, launch_source, ops_attention
 from dflash_mlx.kernels.attention import BlockAttentionKernel, chunk_size, max_warps
+from dflash_mlx.kernels.cuda.products import BlockProductKernel
 from dflash_mlx.kernels.norm_rope import NormRopeKernel
 from dflash_mlx.kernels.ops import visible
 
@@ -208,7 +209,9 @@ def test_a_wrong_kernel_fails_its_check_warns_once_and_is_never_used(fake_gpu):
     wrong = Recorder(lambda q, k, v, **kw: two_pass(q, k, v, **{**kw, "causal": not kw["causal"]}))
     fake_gpu(wrong)
     q, k, v, kw = small_verify(mx.float16, 64)
-    with pytest.warns(RuntimeWarning, match=r"fake float16 head_dim=64 full .*failed its self-check \(max relative error"):
+    with pytest.warns(
+        RuntimeWarning, match=r"fake float16 head_dim=64 full .*failed its self-check \(max relative error"
+    ):
         out = block_attention(q, k, v, **kw)
     assert mx.array_equal(out, ops_attention(q, k, v, **kw))
     first = wrong.calls
@@ -265,18 +268,26 @@ def test_self_check_all_reports_each_variant_before_building_the_next(fake_gpu):
         return two_pass(q, k, v, **kw)
 
     fake_gpu(Recorder(kernel))
-    results = dispatch.self_check_all(dtypes=(mx.float32, mx.bfloat16), head_dims=(64,),
-                                      report=lambda r: events.append(("report", r.dtype, r.head_dim, r.window)))
+    results = dispatch.self_check_all(
+        dtypes=(mx.float32, mx.bfloat16),
+        head_dims=(64,),
+        report=lambda r: events.append(("report", r.dtype, r.head_dim, r.window)),
+    )
     reports = [i for i, e in enumerate(events) if e[0] == "report"]
-    assert [events[i][1:] for i in reports] == [("float32", 64, False), ("float32", 64, True),
-                                               ("bfloat16", 64, False), ("bfloat16", 64, True)]
+    assert [events[i][1:] for i in reports] == [
+        ("float32", 64, False),
+        ("float32", 64, True),
+        ("bfloat16", 64, False),
+        ("bfloat16", 64, True),
+    ]
     start = 0
     for i in reports:
         ran = events[start:i]
         assert ran and all(e[1:] == events[i][1:] for e in ran)  # only this variant ran since the last report
         start = i + 1
-    assert [r.case for r in results] == [f"fake {d} head_dim=64 {w}" for d in ("float32", "bfloat16")
-                                         for w in ("full", "sliding window")]
+    assert [r.case for r in results] == [
+        f"fake {d} head_dim=64 {w}" for d in ("float32", "bfloat16") for w in ("full", "sliding window")
+    ]
 
 
 def test_the_measured_table_picks_by_rows_and_keys(fake_gpu, monkeypatch):
@@ -333,7 +344,9 @@ def test_both_dialects_come_from_one_body(monkeypatch):
         assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
         assert m["source"].replace(source.PRELUDE["metal"], "") == c["source"].replace(source.PRELUDE["cuda"], "")
     body = source.PARTIAL_BODY + source.MERGE_BODY
-    used = set(re.findall(r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F)\b", body))
+    used = set(
+        re.findall(r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F)\b", body)
+    )
     for where, builtin in (("metal", {"simd_max", "simd_sum"}), ("cuda", set())):
         hdr = source.header(where)
         missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|\b{n}\s*\(|\b{n}\s*<)", hdr)]
@@ -346,8 +359,14 @@ def test_both_dialects_come_from_one_body(monkeypatch):
     for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
         out_next = source_tiles.OUT[where].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
         assert all(part.strip("\n") in t["source"] for part in shared)
-        assert all(getattr(source_tiles, h)[where].strip().replace("OUT_ELEM", source_tiles.OUT[where])
-                   .replace("OUT_NEXT", out_next) in t["source"] for h in holes)
+        assert all(
+            getattr(source_tiles, h)[where]
+            .strip()
+            .replace("OUT_ELEM", source_tiles.OUT[where])
+            .replace("OUT_NEXT", out_next)
+            in t["source"]
+            for h in holes
+        )
         assert source_tiles.OUT[where] in t["source"]
     # only CUDA's pass writes a single chunk's output itself (a run-time flag, params[1]); Metal's
     # store is the partials' alone
@@ -401,13 +420,25 @@ def test_a_kernel_gets_the_header_items_it_calls_directly_or_through_others():
         "#include <x.h>\n#define USED(a) helper(a)\n#define UNUSED 3\ntypedef long long idx_t;\n"
         "__device__ float helper(float v) {\n  return twice(v);\n}\n__device__ float twice(float v) { return 2 * v; }\n"
         "template <typename U> __device__ U conv(float x);\ntemplate <> __device__ float conv<float>(float x) { return x; }\n"
-        "__device__ float lonely(float v) {\n  if (v) {\n    return v;\n  }\n  return 0;\n}\n")
+        "__device__ float lonely(float v) {\n  if (v) {\n    return v;\n  }\n  return 0;\n}\n"
+    )
     assert [name for name, _ in launch_source.definitions(header)] == [
-        None, "USED", "UNUSED", "idx_t", "helper", "twice", "conv", "conv", "lonely"]
+        None,
+        "USED",
+        "UNUSED",
+        "idx_t",
+        "helper",
+        "twice",
+        "conv",
+        "conv",
+        "lonely",
+    ]
     kept = launch_source.used_header(header, "y[i] = conv<T>(USED(x[i]));")
-    assert kept == ("#include <x.h>\n#define USED(a) helper(a)\n__device__ float helper(float v) {\nreturn twice(v);\n}\n"
-                    "__device__ float twice(float v) { return 2 * v; }\ntemplate <typename U> __device__ U conv(float x);\n"
-                    "template <> __device__ float conv<float>(float x) { return x; }\n")
+    assert kept == (
+        "#include <x.h>\n#define USED(a) helper(a)\n__device__ float helper(float v) {\nreturn twice(v);\n}\n"
+        "__device__ float twice(float v) { return 2 * v; }\ntemplate <typename U> __device__ U conv(float x);\n"
+        "template <> __device__ float conv<float>(float x) { return x; }\n"
+    )
     # Metal's headers are compacted, not cut: nothing here compiles them
     made = []
     BlockAttentionKernel("metal", factory=lambda **kw: made.append(kw) or (lambda **_: None))

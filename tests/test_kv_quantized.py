@@ -8,11 +8,11 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.cache.quantized import QuantizedBufferKVCache
-from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
 STEP = 16  # prefill chunk, the same for DFlash and mlx-lm
@@ -28,16 +28,31 @@ def qpair():
 
 def reference(model, prompt, n, kv_bits=None, kv_group_size=32, quantized_kv_start=0):
     """mlx-lm's greedy decoding with its own (quantized) KV cache."""
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1),
-                                        kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                        quantized_kv_start=quantized_kv_start, prefill_step_size=STEP)]
+    return [
+        t
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=n,
+            sampler=lambda x: mx.argmax(x, axis=-1),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            prefill_step_size=STEP,
+        )
+    ]
 
 
 def run(pair, prompt, cache, n, block_size):
     model, draft = pair
     tok = make_tokenizer(VOCAB)
-    return [t for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=block_size,
-                                       prompt_cache=cache, prefill_step_size=STEP) for t in r.tokens]
+    return [
+        t
+        for r in stream_generate(
+            model, draft, tok, prompt, max_tokens=n, block_size=block_size, prompt_cache=cache, prefill_step_size=STEP
+        )
+        for t in r.tokens
+    ]
 
 
 @pytest.mark.parametrize("bits,start", [(4, 0), (8, 20), (2, 10), (4, 40)])
@@ -49,7 +64,7 @@ def test_greedy_equals_mlx_lm_with_its_quantized_cache(qpair, bits, start):
         prompt = [rng.randrange(VOCAB - 1) for _ in range(length)]
         want = reference(model, prompt, 40, bits, 32, start)
         differs += want != reference(model, prompt, 40)
-        for bs in ([2, 16] if i != 1 else [5]):
+        for bs in [2, 16] if i != 1 else [5]:
             cache = make_prompt_cache(model, draft, kv_bits=bits, kv_group_size=32, quantized_kv_start=start)
             assert run(qpair, prompt, cache, 40, bs) == want, (bits, start, length, bs)
             if length >= start:  # quantized by the prefill at the latest
@@ -93,6 +108,7 @@ def test_an_interrupt_at_any_write_leaves_the_cache_exact(qpair, monkeypatch):
         count, at = [0], rng.randrange(1, 60)
         with monkeypatch.context() as m:
             for cls in (BufferKVCache, QuantizedBufferKVCache):
+
                 def write(cache, keys, values, start, real=cls.write):
                     count[0] += 1
                     if count[0] == at:
@@ -102,8 +118,16 @@ def test_an_interrupt_at_any_write_leaves_the_cache_exact(qpair, monkeypatch):
                 m.setattr(cls, "write", write)
             got = []
             with pytest.raises(KeyboardInterrupt):
-                for r in stream_generate(model, draft, tok, conversation, max_tokens=30, prompt_cache=cache,
-                                         block_size=rng.choice([4, 16]), prefill_step_size=STEP):
+                for r in stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    conversation,
+                    max_tokens=30,
+                    prompt_cache=cache,
+                    block_size=rng.choice([4, 16]),
+                    prefill_step_size=STEP,
+                ):
                     got += r.tokens
                 raise KeyboardInterrupt  # finished before its moment: still a valid trial
         assert cache.consistent(), trial
@@ -128,19 +152,22 @@ def test_the_quantized_cache_is_smaller(qpair):
 
 def test_bad_settings_are_refused_in_one_sentence(qpair):
     model, draft = qpair
-    for kw, words in [({"kv_bits": 7}, "kv_bits must be one of"), ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be"),
-                      ({"kv_bits": 4, "kv_group_size": 128}, "does not divide the target's head dimension 32"),
-                      ({"kv_bits": 4, "quantized_kv_start": -1}, "quantized_kv_start must be 0 or more")]:
+    for kw, words in [
+        ({"kv_bits": 7}, "kv_bits must be one of"),
+        ({"kv_bits": 4, "kv_group_size": 48}, "kv_group_size must be"),
+        ({"kv_bits": 4, "kv_group_size": 128}, "does not divide the target's head dimension 32"),
+        ({"kv_bits": 4, "quantized_kv_start": -1}, "quantized_kv_start must be 0 or more"),
+    ]:
         with pytest.raises(ValueError, match=words):
             make_prompt_cache(model, draft, **kw)
 
 
 def test_cli_kv_flags(tmp_path, monkeypatch):
+    from tiny import write_target, write_zlab_draft
     from typer.testing import CliRunner
 
     import dflash_mlx
     from dflash_mlx.cli.app import app
-    from tiny import write_target, write_zlab_draft
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tcfg = target_config("qwen3", vocab=VOCAB, hidden=128)
@@ -149,21 +176,44 @@ def test_cli_kv_flags(tmp_path, monkeypatch):
     write_zlab_draft(tmp_path / "d", dcfg, random_draft_weights(dcfg, seed=4))
 
     def cli(*args):
-        return CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
-                                        "--ignore-chat-template", "-p", "a b c", "-m", "24", "--block-size", "4", *args],
-                                  prog_name="dflash-mlx", env={"COLUMNS": "200"})
+        return CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "--model",
+                str(tmp_path / "t"),
+                "--draft-model",
+                str(tmp_path / "d"),
+                "--ignore-chat-template",
+                "-p",
+                "a b c",
+                "-m",
+                "24",
+                "--block-size",
+                "4",
+                *args,
+            ],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200"},
+        )
 
     kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
     result = cli("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")
     assert result.exit_code == 0, result.output
     model, draft, tok = dflash_mlx.load(str(tmp_path / "t"), draft=str(tmp_path / "d"))
-    want = dflash_mlx.generate(model, draft, tok, "a b c", max_tokens=24, block_size=4,
-                               prompt_cache=make_prompt_cache(model, draft, **kv))
+    want = dflash_mlx.generate(
+        model, draft, tok, "a b c", max_tokens=24, block_size=4, prompt_cache=make_prompt_cache(model, draft, **kv)
+    )
     assert result.stdout.strip() == want.strip()
-    for args, words in [(["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8, got 7."),
-                        (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128"),
-                        (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be 0 or more"),
-                        (["--kv-bits", "4", "--kv-group-size", "128"], "--kv-group-size 128 does not divide the target's head dimension 32.")]:
+    for args, words in [
+        (["--kv-bits", "7"], "--kv-bits must be one of 2, 3, 4, 5, 6, 8, got 7."),
+        (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128"),
+        (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be 0 or more"),
+        (
+            ["--kv-bits", "4", "--kv-group-size", "128"],
+            "--kv-group-size 128 does not divide the target's head dimension 32.",
+        ),
+    ]:
         result = cli(*args)
         assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
         assert "Traceback" not in result.output
@@ -187,8 +237,10 @@ def test_a_quantized_cache_saved_and_loaded_decodes_the_same(qpair, tmp_path, st
     fresh = make_prompt_cache(model, draft, **kv)
     run(qpair, prefix, fresh, 1, 2)  # the same prefix read first, then the rest: as the file's user does
     assert run(qpair, prompt, loaded, 30, 5) == run(qpair, prompt, fresh, 30, 5)
-    for other, words in [({}, "was made with kv_bits 4, kv_group_size 32, quantized_kv_start %d, not no KV quantization" % start),
-                         ({**kv, "kv_bits": 8}, "not kv_bits 8, kv_group_size 32")]:
+    for other, words in [
+        ({}, f"was made with kv_bits 4, kv_group_size 32, quantized_kv_start {start}, not no KV quantization"),
+        ({**kv, "kv_bits": 8}, "not kv_bits 8, kv_group_size 32"),
+    ]:
         with pytest.raises(ValueError, match=words):
             load_prompt_cache(tmp_path / "c.safetensors", model, draft, **other)
 
@@ -206,9 +258,20 @@ def test_a_start_reached_after_the_first_turn_matches_mlx_lm_reusing_its_cache(q
     theirs = mlx_prompt_cache(model)
     conversation, new = [], [rng.randrange(VOCAB - 1) for _ in range(20)]
     for turn, (bs, following) in enumerate([(4, 24), (16, 10), (3, 5)]):
-        want = [t for t, _ in generate_step(mx.array(new), model, max_tokens=12, sampler=lambda x: mx.argmax(x, axis=-1),
-                                            prompt_cache=theirs, kv_bits=2, kv_group_size=32,
-                                            quantized_kv_start=start, prefill_step_size=STEP)]
+        want = [
+            t
+            for t, _ in generate_step(
+                mx.array(new),
+                model,
+                max_tokens=12,
+                sampler=lambda x: mx.argmax(x, axis=-1),
+                prompt_cache=theirs,
+                kv_bits=2,
+                kv_group_size=32,
+                quantized_kv_start=start,
+                prefill_step_size=STEP,
+            )
+        ]
         conversation += new
         assert run(qpair, conversation, cache, 12, bs) == want, turn
         conversation += want

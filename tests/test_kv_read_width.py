@@ -5,14 +5,13 @@ bound is exact reads only the filled keys with no mask at all."""
 
 import mlx.core as mx
 import pytest
+from tiny import greedy_reference, make_tokenizer
 
 import dflash_mlx.generation as speculative
-from dflash_mlx import stream_generate
+from dflash_mlx import device, stream_generate
 from dflash_mlx.auto.chooser import BlockChooser
-from dflash_mlx.decode.cycle import Cycle
-from dflash_mlx import device
 from dflash_mlx.cache.buffer import BufferKVCache
-from tiny import greedy_reference, make_tokenizer
+from dflash_mlx.decode.cycle import Cycle
 
 
 def written(cache: BufferKVCache, n: int):
@@ -105,7 +104,8 @@ def test_exact_plain_steps_keep_every_family_exact(monkeypatch, family):
     # sliding windows (passed during the reply), sinks, a hybrid's delta-net
     # layers: plain steps between drafting cycles, greedy equal to mlx-lm's
     from test_deferred_feed import Scripted
-    from test_families import VOCAB, make_pair as dense_pair
+    from test_families import VOCAB
+    from test_families import make_pair as dense_pair
     from test_hybrid import make_pair as hybrid_pair
 
     model, draft = hybrid_pair(family) if family == "qwen3_5" else dense_pair(family)

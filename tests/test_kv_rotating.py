@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.cache.rotating import DraftWindowCache, RotatingBufferKVCache
-from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 48
 M = 24  # max_kv_size
@@ -33,14 +33,36 @@ def greedy(x):
 
 def reference(model, prompt, n, step, max_kv_size=M, cache=None):
     """mlx-lm's greedy decoding, bounded by max_kv_size (or continuing ``cache``)."""
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=greedy, max_kv_size=max_kv_size,
-                                        prompt_cache=cache, prefill_step_size=step)]
+    return [
+        t
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=n,
+            sampler=greedy,
+            max_kv_size=max_kv_size,
+            prompt_cache=cache,
+            prefill_step_size=step,
+        )
+    ]
 
 
 def run(pair, prompt, cache, n, block_size, step):
     model, draft = pair
-    return [t for r in stream_generate(model, draft, make_tokenizer(VOCAB), prompt, max_tokens=n, block_size=block_size,
-                                       prompt_cache=cache, prefill_step_size=step) for t in r.tokens]
+    return [
+        t
+        for r in stream_generate(
+            model,
+            draft,
+            make_tokenizer(VOCAB),
+            prompt,
+            max_tokens=n,
+            block_size=block_size,
+            prompt_cache=cache,
+            prefill_step_size=step,
+        )
+        for t in r.tokens
+    ]
 
 
 @pytest.mark.parametrize("step", [2048, 7])
@@ -52,7 +74,7 @@ def test_greedy_equals_mlx_lm_with_its_rotating_cache(pair, step):
         prompt = [rng.randrange(VOCAB - 1) for _ in range(length)]
         want = reference(model, prompt, 70, step)
         differs += want != reference(model, prompt, 70, step, max_kv_size=None)
-        for bs in ((2, 5, 16) if length in (10, 60) else (5,)):
+        for bs in (2, 5, 16) if length in (10, 60) else (5,):
             cache = make_prompt_cache(model, draft, max_kv_size=M)
             assert run(pair, prompt, cache, 70, bs, step) == want, (length, bs)
             assert cache.consistent()
@@ -80,7 +102,10 @@ def test_memory_stays_bounded(pair):
     assert max(s[1] for s in sizes) == sizes[1][1]  # the drafter's context stops growing
     ring = cache.target[0]
     assert ring.capacity == M + 16 - 1 < len(cache.tokens) // 4
-    assert all(type(c) is DraftWindowCache and c.base > 0 and c.capacity <= -(-(ring.slots + 256 + 16) // 256) * 256 for c in cache.draft)
+    assert all(
+        type(c) is DraftWindowCache and c.base > 0 and c.capacity <= -(-(ring.slots + 256 + 16) // 256) * 256
+        for c in cache.draft
+    )
 
 
 @pytest.mark.parametrize("step", [2048, 5])
@@ -119,8 +144,10 @@ def test_a_prompt_that_leaves_the_conversation_is_read_afresh(pair):
 
 def test_bad_settings_are_refused_in_one_sentence(pair):
     model, draft = pair
-    for kw, words in [({"max_kv_size": 4}, "max_kv_size must be an integer above 4"),
-                      ({"max_kv_size": 64, "kv_bits": 4}, "max_kv_size and kv_bits cannot be combined")]:
+    for kw, words in [
+        ({"max_kv_size": 4}, "max_kv_size must be an integer above 4"),
+        ({"max_kv_size": 64, "kv_bits": 4}, "max_kv_size and kv_bits cannot be combined"),
+    ]:
         with pytest.raises(ValueError, match=words):
             make_prompt_cache(model, draft, **kw)
 
@@ -128,11 +155,11 @@ def test_bad_settings_are_refused_in_one_sentence(pair):
 def test_cli_max_kv_size(tmp_path, monkeypatch):
     """--max-kv-size on generate: the API's output, no stop at the target's
     context length (here 40 positions), and mistakes in one sentence."""
+    from tiny import write_target, write_zlab_draft
     from typer.testing import CliRunner
 
     import dflash_mlx
     from dflash_mlx.cli.app import app
-    from tiny import write_target, write_zlab_draft
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tcfg = {**target_config("qwen3", vocab=VOCAB, hidden=128), "max_position_embeddings": 40}  # head_dim 32
@@ -141,40 +168,85 @@ def test_cli_max_kv_size(tmp_path, monkeypatch):
     write_zlab_draft(tmp_path / "d", dcfg, random_draft_weights(dcfg, seed=6))
 
     def cli(*args, command="generate"):
-        return CliRunner().invoke(app, [command, "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
-                                        "--ignore-chat-template", "-p", "a b c", *args],
-                                  prog_name="dflash-mlx", env={"COLUMNS": "200"})
+        return CliRunner().invoke(
+            app,
+            [
+                command,
+                "--model",
+                str(tmp_path / "t"),
+                "--draft-model",
+                str(tmp_path / "d"),
+                "--ignore-chat-template",
+                "-p",
+                "a b c",
+                *args,
+            ],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200"},
+        )
 
     result = cli("-m", "60", "--block-size", "4", "--max-kv-size", str(M))
     assert result.exit_code == 0, result.output
     model, draft, tok = dflash_mlx.load(str(tmp_path / "t"), draft=str(tmp_path / "d"))
-    want = dflash_mlx.generate(model, draft, tok, "a b c", max_tokens=60, block_size=4,
-                               prompt_cache=make_prompt_cache(model, draft, max_kv_size=M))
+    want = dflash_mlx.generate(
+        model,
+        draft,
+        tok,
+        "a b c",
+        max_tokens=60,
+        block_size=4,
+        prompt_cache=make_prompt_cache(model, draft, max_kv_size=M),
+    )
     assert result.stdout.strip() == want.strip()
     assert "context" not in result.stderr and "60 tokens" in result.stderr
     unbounded = cli("-m", "60", "--block-size", "4")
-    assert unbounded.exit_code == 0 and "the target's context length (40 positions)" in " ".join(unbounded.stderr.split())
-    for args, words in [(["--max-kv-size", "4"], "--max-kv-size must be more than 4"),
-                        (["--max-kv-size", "64", "--kv-bits", "4"], "--max-kv-size and --kv-bits cannot be combined")]:
+    assert unbounded.exit_code == 0 and "the target's context length (40 positions)" in " ".join(
+        unbounded.stderr.split()
+    )
+    for args, words in [
+        (["--max-kv-size", "4"], "--max-kv-size must be more than 4"),
+        (["--max-kv-size", "64", "--kv-bits", "4"], "--max-kv-size and --kv-bits cannot be combined"),
+    ]:
         result = cli(*args)
         assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
         assert "Traceback" not in result.output
     # a quantized prefix cached, then used with its settings; other settings refused
     kv = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
-    made = CliRunner().invoke(app, ["cache-prompt", "--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"),
-                                    "--ignore-chat-template", "-p", "x y z w", "--prompt-cache-file",
-                                    str(tmp_path / "q.safetensors"), *kv], prog_name="dflash-mlx")
+    made = CliRunner().invoke(
+        app,
+        [
+            "cache-prompt",
+            "--model",
+            str(tmp_path / "t"),
+            "--draft-model",
+            str(tmp_path / "d"),
+            "--ignore-chat-template",
+            "-p",
+            "x y z w",
+            "--prompt-cache-file",
+            str(tmp_path / "q.safetensors"),
+            *kv,
+        ],
+        prog_name="dflash-mlx",
+    )
     assert made.exit_code == 0, made.output
     used = cli("-m", "8", "--block-size", "4", "--prompt-cache-file", str(tmp_path / "q.safetensors"), *kv)
     assert used.exit_code == 0, used.output
     fresh = cli("-m", "8", "--block-size", "4", *kv, "-p", "x y z wa b c")
     refused = cli("-m", "8", "--prompt-cache-file", str(tmp_path / "q.safetensors"))
-    assert refused.exit_code == 1 and "was made with --kv-bits 8, --kv-group-size 32, --quantized-kv-start 0, not no KV " \
-        "quantization; use the settings it was made with" in " ".join(refused.stderr.split()), refused.output
+    assert (
+        refused.exit_code == 1
+        and "was made with --kv-bits 8, --kv-group-size 32, --quantized-kv-start 0, not no KV "
+        "quantization; use the settings it was made with"
+        in " ".join(refused.stderr.split())
+    ), refused.output
     assert fresh.exit_code == 0 and used.stdout
     bounded = cli("-m", "8", "--prompt-cache-file", str(tmp_path / "q.safetensors"), "--max-kv-size", "64")
-    assert bounded.exit_code == 1 and "a prompt-cache file holds an unbounded cache; run without --max-kv-size to use it." \
+    assert (
+        bounded.exit_code == 1
+        and "a prompt-cache file holds an unbounded cache; run without --max-kv-size to use it."
         in " ".join(bounded.stderr.split())
+    )
 
 
 def test_a_reply_stopped_early_keeps_the_turns_exact(pair):
@@ -185,8 +257,16 @@ def test_a_reply_stopped_early_keeps_the_turns_exact(pair):
     theirs = mlx_prompt_cache(model, max_kv_size=M)
     conversation, new = [], [3, 1, 4, 1, 5, 9, 2, 6]
     for turn, cycles in enumerate([9, 4, 12]):
-        gen = stream_generate(model, draft, make_tokenizer(VOCAB), conversation + new, max_tokens=60, block_size=5,
-                              prompt_cache=cache, prefill_step_size=5)
+        gen = stream_generate(
+            model,
+            draft,
+            make_tokenizer(VOCAB),
+            conversation + new,
+            max_tokens=60,
+            block_size=5,
+            prompt_cache=cache,
+            prefill_step_size=5,
+        )
         got = [t for _, r in zip(range(cycles), gen) for t in r.tokens]
         gen.close()
         assert cache.consistent() and got == reference(model, new, len(got), 5, cache=theirs), turn

@@ -11,9 +11,9 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kv_rotating import VOCAB, M, pair, reference, run  # noqa: F401  (pair: the fixture)
 
 from dflash_mlx import make_prompt_cache
-from test_kv_rotating import M, VOCAB, pair, reference, run  # noqa: F401  (pair: the fixture)
 
 
 @pytest.mark.parametrize("step", [2048, 7])
@@ -47,7 +47,6 @@ def test_a_prefill_interrupted_mid_chunk_keeps_the_ring_exact(pair, step):  # no
     the ring, the chunk not yet committed) leaves the bounded cache as it
     was: the turn read again gives what mlx-lm gives reusing its cache."""
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
-
     from test_kv_rotating import make_tokenizer, stream_generate
 
     model, draft = pair
@@ -74,8 +73,18 @@ def test_a_prefill_interrupted_mid_chunk_keeps_the_ring_exact(pair, step):  # no
     draft.extend = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            list(stream_generate(model, draft, make_tokenizer(VOCAB), conversation, max_tokens=20, block_size=5,
-                                 prompt_cache=cache, prefill_step_size=step))
+            list(
+                stream_generate(
+                    model,
+                    draft,
+                    make_tokenizer(VOCAB),
+                    conversation,
+                    max_tokens=20,
+                    block_size=5,
+                    prompt_cache=cache,
+                    prefill_step_size=step,
+                )
+            )
     finally:
         del draft.extend
     assert cache.consistent()

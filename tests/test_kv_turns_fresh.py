@@ -11,7 +11,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-
 from tiny import make_target, target_config
 
 VOCAB = 48
@@ -24,8 +23,18 @@ def model():
 
 
 def run(model, prompt, n, step, cache=None, **kv):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1),
-                                        prompt_cache=cache, prefill_step_size=step, **kv)]
+    return [
+        t
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=n,
+            sampler=lambda x: mx.argmax(x, -1),
+            prompt_cache=cache,
+            prefill_step_size=step,
+            **kv,
+        )
+    ]
 
 
 def agreements(model, first: int, step: int, **kv) -> int:

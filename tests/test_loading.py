@@ -9,13 +9,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.utils import quantize_model
-
 from convert_fixtures import TCFG, draft_logits, hub_cache, shard, zlab_draft
-from dflash_mlx import load, load_draft
-from dflash_mlx.loading import KNOWN_PAIRS, find_drafter, is_cached, known_pairs, read_weights, resolve
-from dflash_mlx.convert.weights import convert
+from mlx_lm.utils import quantize_model
 from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
+
+from dflash_mlx import load, load_draft
+from dflash_mlx.convert.weights import convert
+from dflash_mlx.loading import KNOWN_PAIRS, find_drafter, is_cached, known_pairs, read_weights, resolve
 
 QWEN3_8B_DRAFTER = "z-lab/Qwen3-8B-DFlash-b16"
 
@@ -202,9 +202,10 @@ def test_a_snapshot_with_only_its_config_is_not_cached(tmp_path, offline_hub):
     (tmp_path / "c" / "config.json").write_text(json.dumps(draft_config(TCFG)))
     hub_cache(offline_hub, QWEN3_8B_DRAFTER, tmp_path / "c")
     assert not is_cached(QWEN3_8B_DRAFTER)
-    with pytest.raises(ValueError, match=f"the cached copy of {QWEN3_8B_DRAFTER} has no weights yet; download it again"):
+    with pytest.raises(
+        ValueError, match=f"the cached copy of {QWEN3_8B_DRAFTER} has no weights yet; download it again"
+    ):
         load_draft(QWEN3_8B_DRAFTER)
-
 
 
 def test_missing_local_target_is_named_before_the_registry(tmp_path):

@@ -14,8 +14,8 @@ import pytest
 
 from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels import norm_rope as nr
-from dflash_mlx.kernels.dispatch import TOLERANCE
 from dflash_mlx.kernels.attention_source import HEADER
+from dflash_mlx.kernels.dispatch import TOLERANCE
 
 
 def kernel_arithmetic(q, k, q_weight, k_weight, *, eps, scale, base, offset):
@@ -85,9 +85,20 @@ def test_the_kernels_arithmetic_is_mlxs_norm_then_rope(dtype, head_dim):
 def tiny_qwen3_layer(dtype=mx.float32):
     from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
-    args = ModelArgs(model_type="qwen3", hidden_size=128, num_hidden_layers=1, intermediate_size=256,
-                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=32,
-                     max_position_embeddings=512, rope_theta=1_000_000.0, head_dim=64, tie_word_embeddings=True)
+    args = ModelArgs(
+        model_type="qwen3",
+        hidden_size=128,
+        num_hidden_layers=1,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=32,
+        max_position_embeddings=512,
+        rope_theta=1_000_000.0,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(5)
     layer = TransformerBlock(args)
     layer.set_dtype(dtype)
@@ -160,9 +171,19 @@ def test_rotations_the_kernel_does_not_do_take_the_ops_path(fake_gpu, rope):
     if rope == "llama3":
         from mlx_lm.models.rope_utils import initialize_rope
 
-        rope = initialize_rope(64, 500_000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 8192}, 131072)
+        rope = initialize_rope(
+            64,
+            500_000.0,
+            False,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            131072,
+        )
     good = Recorder(kernel_arithmetic)
     fake_gpu(good)
     nr.prepare(mx.float32, 64)
@@ -186,7 +207,11 @@ def test_both_dialects_come_from_one_body(monkeypatch):
     used = set(re.findall(r"\b(to_float|from_float|simd_sum|DEV|idx_t|NR_\w+)\b", nr.BODY))
     for where, builtin in (("metal", {"simd_sum"}), ("cuda", set())):
         defined = HEADER[where] + nr.PRELUDE[where]
-        missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|typedef .* {n};|\b{n}\s*\(|\b{n}\s*<)", defined)]
+        missing = [
+            n
+            for n in used
+            if n not in builtin and not re.search(rf"(#define {n}\b|typedef .* {n};|\b{n}\s*\(|\b{n}\s*<)", defined)
+        ]
         assert not missing, (where, missing)
 
 
@@ -205,7 +230,8 @@ def test_self_check_all_checks_every_dtype_and_head_dim_once(fake_gpu):
     assert [r for r, _ in heard] == results
     assert all(a < b for (_, a), (_, b) in zip(heard, heard[1:]))  # the kernel ran between reports
     assert sorted((r.dtype, r.head_dim) for r in results) == sorted(
-        (str(t).split(".")[-1], d) for t in (mx.float32, mx.bfloat16, mx.float16) for d in (64, 128, 256))
+        (str(t).split(".")[-1], d) for t in (mx.float32, mx.bfloat16, mx.float16) for d in (64, 128, 256)
+    )
     assert all(r.ok for r in results)
     calls = good.calls
     nr.self_check_all()

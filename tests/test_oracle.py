@@ -4,16 +4,11 @@ tokens and accepted counts cycle by cycle."""
 
 import random
 
+import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
-
 from mlx_lm.models.cache import make_prompt_cache as official_cache  # noqa: E402
-
-from dflash_mlx import load_draft, stream_generate  # noqa: E402
-from dflash_mlx.targets import adapt  # noqa: E402
 from tiny import (  # noqa: E402
     draft_config,
     lean_towards_one_token,
@@ -23,6 +18,9 @@ from tiny import (  # noqa: E402
     target_config,
     write_zlab_draft,
 )
+
+from dflash_mlx import load_draft, stream_generate  # noqa: E402
+from dflash_mlx.targets import adapt  # noqa: E402
 
 
 def official_load_draft(path, monkeypatch):
@@ -53,7 +51,9 @@ VARIANTS = {
         }
     },
     "sliding": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 9},
-    "scaled_softcapped": {"dflash_extra": {"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 3.0}},
+    "scaled_softcapped": {
+        "dflash_extra": {"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 3.0}
+    },
     "causal_full": {"is_causal": True},
 }
 
@@ -103,7 +103,13 @@ def test_drafter_logits_match_official(tmp_path, monkeypatch, variant):
         assert a.shape == fresh.shape == (1, bs - 1, tcfg["vocab_size"])
         np.testing.assert_allclose(np.array(a), np.array(fresh), rtol=1e-4, atol=1e-4, err_msg=f"{variant} step {step}")
         on_device = ours(block, taps, device_cache)
-        np.testing.assert_allclose(np.array(on_device), np.array(fresh), rtol=1e-4, atol=1e-4, err_msg=f"{variant} step {step} (device lengths)")
+        np.testing.assert_allclose(
+            np.array(on_device),
+            np.array(fresh),
+            rtol=1e-4,
+            atol=1e-4,
+            err_msg=f"{variant} step {step} (device lengths)",
+        )
         # ... and incrementally, as its decode loop runs it. Its sliding layers
         # keep a rotating cache whose slots leave temporal order once it
         # wraps, while its mask assumes temporal order (the PyTorch reference
@@ -127,7 +133,11 @@ def test_decode_cycles_match_official_loop(tmp_path, monkeypatch, family, bs):
     for n in (1, 9, 60, 100):
         prompt = [rng.randrange(23) for _ in range(n)]
         a = list(stream_generate(ours_target, ours, tok, prompt, max_tokens=40, block_size=bs))
-        b = [r for r in dflash_official.stream_generate(their_target, theirs, tok, prompt, block_size=bs, max_tokens=40) if r.tokens]
+        b = [
+            r
+            for r in dflash_official.stream_generate(their_target, theirs, tok, prompt, block_size=bs, max_tokens=40)
+            if r.tokens
+        ]
         assert [t for r in a for t in r.tokens] == [t for r in b for t in r.tokens]
         # Cycle by cycle, until the official loop cuts its last blocks to the
         # tokens still wanted (dflash-mlx keeps the block and drops the excess).

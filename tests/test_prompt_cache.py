@@ -9,12 +9,20 @@ import signal
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.draft.dflash import DraftConfig
 from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.cache.prompt import StaleGenerationError
-from tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+from dflash_mlx.draft.dflash import DraftConfig
 
 VOCAB = 24
 
@@ -92,8 +100,16 @@ def test_an_interrupt_at_any_write_leaves_the_cache_exact(agreeing_pair, monkeyp
             interrupt = Interrupt(m, at=rng.randrange(1, 60))
             got = []
             with pytest.raises(KeyboardInterrupt):
-                for r in stream_generate(model, draft, tok, conversation, max_tokens=40, prompt_cache=cache,
-                                         block_size=block_size, prefill_step_size=rng.choice([7, 16, 64])):
+                for r in stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    conversation,
+                    max_tokens=40,
+                    prompt_cache=cache,
+                    block_size=block_size,
+                    prefill_step_size=rng.choice([7, 16, 64]),
+                ):
                     got += r.tokens
                 if interrupt.count < interrupt.at:
                     raise KeyboardInterrupt  # finished before its moment: still a valid trial
@@ -125,8 +141,16 @@ def test_random_sigints_over_a_conversation(agreeing_pair):
             got = []
             signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.05))
             try:
-                for r in stream_generate(model, draft, tok, conversation, max_tokens=60, prompt_cache=cache,
-                                         block_size=rng.choice([3, 8, 16, "auto"]), prefill_step_size=rng.choice([5, 32])):
+                for r in stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    conversation,
+                    max_tokens=60,
+                    prompt_cache=cache,
+                    block_size=rng.choice([3, 8, 16, "auto"]),
+                    prefill_step_size=rng.choice([5, 32]),
+                ):
                     got += r.tokens
                 signal.setitimer(signal.ITIMER_REAL, 0)
             except KeyboardInterrupt:
@@ -152,14 +176,26 @@ def test_a_cache_refuses_another_model_pair(agreeing_pair):
         stream_generate(other, draft, make_tokenizer(VOCAB), [1, 2], prompt_cache=cache)
     dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
     with pytest.raises(ValueError, match="made for another model pair"):
-        stream_generate(model, make_draft(dcfg, random_draft_weights(dcfg, seed=5)), make_tokenizer(VOCAB), [1, 2], prompt_cache=cache)
+        stream_generate(
+            model,
+            make_draft(dcfg, random_draft_weights(dcfg, seed=5)),
+            make_tokenizer(VOCAB),
+            [1, 2],
+            prompt_cache=cache,
+        )
 
 
 def test_prompts_of_any_integer_kind(agreeing_pair):
     model, draft = agreeing_pair
     want = greedy_reference(model, [1, 2, 3], 8)
-    for prompt in ([1, 2, 3], np.array([1, 2, 3]), np.array([[1, 2, 3]], np.int64), mx.array([[1, 2, 3]]),
-                   mx.array([1, 2, 3], mx.uint32), [np.int32(1), np.int64(2), 3]):
+    for prompt in (
+        [1, 2, 3],
+        np.array([1, 2, 3]),
+        np.array([[1, 2, 3]], np.int64),
+        mx.array([[1, 2, 3]]),
+        mx.array([1, 2, 3], mx.uint32),
+        [np.int32(1), np.int64(2), 3],
+    ):
         assert run(agreeing_pair, prompt, None, max_tokens=8) == want, type(prompt)
 
 

@@ -4,10 +4,10 @@ another pair, or that is not one, is refused with a sentence."""
 
 import mlx.core as mx
 import pytest
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.cache.files import load_prompt_cache, read_metadata, save_prompt_cache
-from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 24
 
@@ -83,8 +83,11 @@ def test_a_file_made_in_another_dtype_names_the_dtype_to_read_it_with(tmp_path):
     path = tmp_path / "bf16.safetensors"
     save_prompt_cache(path, cached_prefix(pairs[mx.bfloat16], [1, 2, 3, 4]))
     assert read_metadata(path)["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match=r"made with the pair computing in bfloat16, and this one computes in "
-                                         r"float32; load it with --dtype bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"made with the pair computing in bfloat16, and this one computes in "
+        r"float32; load it with --dtype bfloat16",
+    ):
         load_prompt_cache(path, *pairs[mx.float32])
     cache, _ = load_prompt_cache(path, *pairs[mx.bfloat16])
     assert cache.tokens == [1, 2, 3, 4]

@@ -7,10 +7,10 @@ import json
 
 import mlx.core as mx
 import pytest
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.cache.files import load_prompt_cache, save_prompt_cache
-from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 VOCAB = 24
 SENTENCE = r"^\S+ is damaged \([^()]+\); make it again with `dflash-mlx cache-prompt`\.$"
@@ -103,25 +103,34 @@ def test_a_file_cut_short_is_refused_in_one_sentence(pair, files, tmp_path):
 
 
 def test_through_the_cli(pair, tmp_path, monkeypatch):
+    from tiny import write_target, write_zlab_draft
     from typer.testing import CliRunner
 
     from dflash_mlx.cli.app import app
-    from tiny import write_target, write_zlab_draft
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     write_target(tmp_path / "t", TCFG, pair[0], make_tokenizer(VOCAB))
     write_zlab_draft(tmp_path / "d", DCFG, random_draft_weights(DCFG, seed=22))
     pair = ["--model", str(tmp_path / "t"), "--draft-model", str(tmp_path / "d"), "--ignore-chat-template"]
-    made = CliRunner().invoke(app, ["cache-prompt", *pair, "-p", "a b c d", "--prompt-cache-file",
-                                    str(tmp_path / "c.safetensors")], prog_name="dflash-mlx")
+    made = CliRunner().invoke(
+        app,
+        ["cache-prompt", *pair, "-p", "a b c d", "--prompt-cache-file", str(tmp_path / "c.safetensors")],
+        prog_name="dflash-mlx",
+    )
     assert made.exit_code == 0, made.output
-    cases = {"tokens": dict(meta=edit(tokens="[1, 2")),
-             "template": dict(meta=edit(template_kwargs="{not json")),
-             "tensor": dict(arrays=lambda a: {k: v for k, v in a.items() if k != "target.3.keys"})}
+    cases = {
+        "tokens": dict(meta=edit(tokens="[1, 2")),
+        "template": dict(meta=edit(template_kwargs="{not json")),
+        "tensor": dict(arrays=lambda a: {k: v for k, v in a.items() if k != "target.3.keys"}),
+    }
     for how, change in cases.items():
         path = damaged(tmp_path / "c.safetensors", tmp_path / f"{how}.safetensors", **change)
-        result = CliRunner().invoke(app, ["generate", *pair, "-p", " e", "-m", "4", "--prompt-cache-file", str(path)],
-                                    prog_name="dflash-mlx", env={"COLUMNS": "300"})
+        result = CliRunner().invoke(
+            app,
+            ["generate", *pair, "-p", " e", "-m", "4", "--prompt-cache-file", str(path)],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "300"},
+        )
         said = " ".join(result.stderr.split())
         assert result.exit_code == 1 and said.startswith("error: ") and "is damaged (" in said, (how, result.output)
         assert "Traceback" not in result.output and said.endswith("make it again with `dflash-mlx cache-prompt`."), how

@@ -9,12 +9,12 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from family_models import family_config, greedy_over_blocks, make_family_target, scripted
+from tiny import draft_config, make_draft, random_draft_weights
 
 import dflash_mlx.targets.recurrent as recurrent
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
-from family_models import family_config, greedy_over_blocks, make_family_target, scripted
-from tiny import draft_config, make_draft, random_draft_weights
 
 VOCAB = 48
 
@@ -53,8 +53,12 @@ def test_both_rollbacks_leave_the_same_states_as_plain_decoding(model, monkeypat
         # The per-step cut is a take among the verify's states: no re-run.
         reruns, steps = [], []
         real, real_steps = recurrent.gated_delta_update, recurrent.gated_delta_ops
-        monkeypatch.setattr(recurrent, "gated_delta_update", lambda *a, **k: reruns.append(a[0].shape[1]) or real(*a, **k))
-        monkeypatch.setattr(recurrent, "gated_delta_ops", lambda *a, **k: steps.append(a[0].shape[1]) or real_steps(*a, **k))
+        monkeypatch.setattr(
+            recurrent, "gated_delta_update", lambda *a, **k: reruns.append(a[0].shape[1]) or real(*a, **k)
+        )
+        monkeypatch.setattr(
+            recurrent, "gated_delta_ops", lambda *a, **k: steps.append(a[0].shape[1]) or real_steps(*a, **k)
+        )
         per_step, held = verify_then_cut(target, "per-step", prompt, block, accepted)
         monkeypatch.undo()
         assert held == [B + 1] * len(per_step)

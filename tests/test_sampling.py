@@ -11,12 +11,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.generate import generate_step
+from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import stream_generate
-from mlx_lm.generate import generate_step
-
-from dflash_mlx.decode.sampling import accept_proposals, gumbel_noise, pick, seed_words, target_logprobs
-from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
+from dflash_mlx.decode.sampling import SamplingParams, accept_proposals, gumbel_noise, pick, seed_words, target_logprobs
 
 ALPHA = 1e-3
 
@@ -62,7 +61,9 @@ def test_target_logprobs_is_mlx_lm_chain(temperature, top_p, top_k):
     rng = np.random.default_rng(0)
     for _ in range(20):
         logits = rng.standard_normal(11).astype(np.float32) * 2
-        ours = np.array(mx.softmax(target_logprobs(mx.array(logits)[None], temperature, top_p, top_k), axis=-1))[0]
+        ours = np.array(
+            mx.softmax(target_logprobs(mx.array(logits)[None], SamplingParams(temperature, top_p, top_k)), axis=-1)
+        )[0]
         np.testing.assert_allclose(ours, reference_probs(logits, temperature, top_p, top_k), atol=1e-5)
 
 
@@ -77,7 +78,9 @@ def test_gumbel_max_pick_follows_target_distribution(temperature, top_p, top_k):
     rows = mx.broadcast_to(mx.array(logits)[None], (n, 9))
     counts = np.zeros(9)
     for seed in range(2):
-        tokens = np.array(pick(rows, mx.arange(n, dtype=mx.int32), temperature, top_p, top_k, seed_words(seed)))
+        tokens = np.array(
+            pick(rows, mx.arange(n, dtype=mx.int32), SamplingParams(temperature, top_p, top_k), seed_words(seed))
+        )
         counts += np.bincount(tokens, minlength=9)
     assert chi_square_pvalue(counts, 2 * n * p) > ALPHA
     positions = mx.array([5, 6, 7], mx.int32)
@@ -107,7 +110,9 @@ def test_general_rejection_rule_emits_target_distribution(temperature, top_p, to
     draws = rng.random((n, 2))
     for i in range(n):
         drafts = mx.array([int(np.searchsorted(np.cumsum(q[j]), draws[i, j] * q[j].sum())) for j in range(2)], mx.int32)
-        out = accept_proposals(drafts, mx.array(q), mx.array(logits), temperature, top_p, top_k, keys[i]).tolist()
+        out = accept_proposals(
+            drafts, mx.array(q), mx.array(logits), SamplingParams(temperature, top_p, top_k), keys[i]
+        ).tolist()
         first[out[1]] += 1
         if out[0] >= 1:
             second[out[2]] += 1
@@ -148,8 +153,16 @@ def test_generated_sequences_follow_target_distribution(small_pair, temperature,
     for seed in range(n):
         responses = list(
             stream_generate(
-                model, draft, tok, prompt, max_tokens=length, temperature=temperature,
-                top_p=top_p, top_k=top_k, block_size=3, seed=seed,
+                model,
+                draft,
+                tok,
+                prompt,
+                max_tokens=length,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                block_size=3,
+                seed=seed,
             )
         )
         observed[index[tuple(t for r in responses for t in r.tokens)]] += 1
@@ -164,7 +177,11 @@ def test_seed_makes_runs_repeatable(small_pair):
     model, draft, tok = small_pair
 
     def run(seed):
-        return [t for r in stream_generate(model, draft, tok, [1, 2], max_tokens=30, temperature=1.0, seed=seed) for t in r.tokens]
+        return [
+            t
+            for r in stream_generate(model, draft, tok, [1, 2], max_tokens=30, temperature=1.0, seed=seed)
+            for t in r.tokens
+        ]
 
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
@@ -177,7 +194,9 @@ def plain_sampled(model, prompt, max_tokens, seed, temperature, top_p, top_k):
     position = [len(prompt)]
 
     def sampler(logprobs):
-        token = pick(logprobs, mx.array(position, mx.int32), temperature, top_p, top_k, seed_words(seed))
+        token = pick(
+            logprobs, mx.array(position, mx.int32), SamplingParams(temperature, top_p, top_k), seed_words(seed)
+        )
         position[0] += 1
         return token
 
@@ -195,8 +214,20 @@ def test_seeded_text_is_the_same_at_every_block_size(agreeing_pair, temperature,
         want = plain_sampled(model, prompt, 40, seed, temperature, top_p, top_k)
         accepted = 0
         for bs in [*range(2, 17), "auto"]:
-            responses = list(stream_generate(model, draft, tok, prompt, max_tokens=40, temperature=temperature,
-                                             top_p=top_p, top_k=top_k, block_size=bs, seed=seed))
+            responses = list(
+                stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    prompt,
+                    max_tokens=40,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    block_size=bs,
+                    seed=seed,
+                )
+            )
             assert [t for r in responses for t in r.tokens] == want, (seed, bs)
             accepted += sum(r.accepted for r in responses[1:])
         assert accepted > 0

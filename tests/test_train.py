@@ -11,12 +11,12 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig
-from dflash_mlx.targets import adapt
 from dflash_mlx.prompts import read_prompts
+from dflash_mlx.targets import adapt
+from dflash_mlx.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
 from dflash_mlx.train.data import Sequence
 from dflash_mlx.train.forward import draft_logits, target_taps
 from dflash_mlx.train.trainer import TrainConfig, make_batch, train
-from dflash_mlx.tiny import draft_config, make_target, make_tokenizer, mean_acceptance, target_config, write_target
 
 VOCAB = 32
 
@@ -39,13 +39,25 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(tiny, out, **kw):
-    base = dict(model=str(tiny / "target"), data=str(tiny / "data.jsonl"), out=str(out), block_size=8,
-                draft_layers=2, steps=20, batch_size=4, blocks_per_seq=8, seq_len=48, lr=3e-3, save_every=10)
+    base = dict(
+        model=str(tiny / "target"),
+        data=str(tiny / "data.jsonl"),
+        out=str(out),
+        block_size=8,
+        draft_layers=2,
+        steps=20,
+        batch_size=4,
+        blocks_per_seq=8,
+        seq_len=48,
+        lr=3e-3,
+        save_every=10,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 # -- the training forward is the inference forward -------------------------------
+
 
 @pytest.mark.parametrize("sliding,min_block", [(False, None), (True, None), (False, 2), (True, 3)])
 def test_training_blocks_match_inference(sliding, min_block):
@@ -56,8 +68,9 @@ def test_training_blocks_match_inference(sliding, min_block):
     draft = DFlashDraft(DraftConfig.from_dict(draft_config(tcfg, layers=2, block_size=5, **extra))).bind(target)
     rng = np.random.default_rng(1)
     seqs = [Sequence([int(t) for t in rng.integers(0, VOCAB, size=n)], 3) for n in (20, 14)]
-    cfg = TrainConfig(model="", data="", out="", block_size=5, batch_size=2, blocks_per_seq=4, seq_len=24,
-                      min_block_size=min_block)
+    cfg = TrainConfig(
+        model="", data="", out="", block_size=5, batch_size=2, blocks_per_seq=4, seq_len=24, min_block_size=min_block
+    )
     batch = make_batch(seqs, rng, cfg, draft.config.mask_token_id)
     taps = target_taps(target, batch["tokens"], draft.config.target_layer_ids)
     got = draft_logits(draft, taps, batch)
@@ -78,6 +91,7 @@ def test_training_blocks_match_inference(sliding, min_block):
 
 
 # -- it learns ------------------------------------------------------------------
+
 
 def test_loss_falls_and_acceptance_rises(tiny, tmp_path):
     summary = train(_cfg(tiny, tmp_path / "d", steps=200, save_every=200))
@@ -127,6 +141,7 @@ def test_held_out_sequences_never_train(tiny, tmp_path):
 
 
 # -- checkpoints and output ------------------------------------------------------------
+
 
 def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
     straight = train(_cfg(tiny, tmp_path / "a", steps=20))
@@ -183,7 +198,9 @@ def test_output_is_a_zlab_drafter(tiny, tmp_path):
 
 def test_chat_conversations_need_a_template(tiny, tmp_path):
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]}) + "\n"
+    )
     assert read_prompts(data) == [{"messages": [{"role": "user", "content": "w1 w2"}]}]
     with pytest.raises(ValueError, match="no chat template"):
         train(_cfg(tiny, tmp_path / "d", data=str(data)))
@@ -191,6 +208,7 @@ def test_chat_conversations_need_a_template(tiny, tmp_path):
 
 
 # -- errors a user can cause -----------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "content, message",
@@ -255,7 +273,18 @@ def test_command_prints_one_red_sentence(tiny, tmp_path):
 
     from dflash_mlx.cli.app import app
 
-    result = CliRunner().invoke(app, ["train", "--model", str(tiny / "target"), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "d")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(tiny / "target"),
+            "--data",
+            str(tmp_path / "none.jsonl"),
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert result.exit_code == 1
     assert result.stderr.startswith("error: ") and "does not exist" in result.stderr
     assert "Traceback" not in result.output
@@ -267,12 +296,44 @@ def test_command_trains_with_every_flag(tiny, tmp_path):
     from dflash_mlx.cli.app import app
 
     out = tmp_path / "d"
-    result = CliRunner().invoke(app, [
-        "train", "--model", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out", str(out),
-        "--block-size", "6", "--min-block-size", "3", "--draft-layers", "1", "--target-layer-ids", "1,3",
-        "--steps", "3", "--batch-size", "2", "--blocks-per-seq", "4", "--lr", "1e-3", "--seq-len", "32",
-        "--val-fraction", "0.1", "--gen-batch", "16", "--save-every", "3", "--seed", "1",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--model",
+            str(tiny / "target"),
+            "--data",
+            str(tiny / "data.jsonl"),
+            "--out",
+            str(out),
+            "--block-size",
+            "6",
+            "--min-block-size",
+            "3",
+            "--draft-layers",
+            "1",
+            "--target-layer-ids",
+            "1,3",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--blocks-per-seq",
+            "4",
+            "--lr",
+            "1e-3",
+            "--seq-len",
+            "32",
+            "--val-fraction",
+            "0.1",
+            "--gen-batch",
+            "16",
+            "--save-every",
+            "3",
+            "--seed",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "held out" in result.output and "drafter saved to" in result.output
     args = json.loads((out / "train_args.json").read_text())
@@ -281,6 +342,7 @@ def test_command_trains_with_every_flag(tiny, tmp_path):
 
 
 # -- the built-in pair trained with this trainer ------------------------------------------
+
 
 def test_builtin_pair_is_lossless():
     from dflash_mlx import builtin
@@ -291,10 +353,12 @@ def test_builtin_pair_is_lossless():
 
     model, draft, tok = load(str(builtin.TARGET), draft=str(builtin.DRAFT))
     assert draft.config.mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
-    prompt = tok.encode("def read_config(path):\n    \"\"\"Return the parsed JSON file at path.\"\"\"\n")
+    prompt = tok.encode('def read_config(path):\n    """Return the parsed JSON file at path."""\n')
     got = []
     for r in stream_generate(model, draft, tok, prompt, max_tokens=24):
         got += r.tokens
     assert got == greedy_reference(model, prompt, 24, set(tok.eos_token_ids))
-    chat = tok.apply_chat_template([{"role": "user", "content": "Write the Python function `def add(a, b)`."}], add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Write the Python function `def add(a, b)`."}], add_generation_prompt=True
+    )
     assert tok.decode(chat).endswith("<|im_start|>assistant\n")

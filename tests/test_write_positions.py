@@ -3,13 +3,14 @@ per layer: every layer of a forward writes at the same positions, and on a
 GPU each copy of them was two more kernels to launch per layer."""
 
 import mlx.core as mx
+from tiny import greedy_reference
 
-from dflash_mlx.cache import buffer as kv_cache
+from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx import make_prompt_cache
+from dflash_mlx.cache import buffer as kv_cache
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.loop import prefill
 from dflash_mlx.targets import adapt
-from tiny import greedy_reference
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -24,7 +25,7 @@ def prefilled_cycle(pair, monkeypatch):
     seen = []
     real = kv_cache.put_positions
     monkeypatch.setattr(kv_cache, "put_positions", lambda buf, new, at: (seen.append(at), real(buf, new, at))[1])
-    return Cycle(target, draft, cache, (0.0, 1.0, 0, 0.0), 0), cache, seen
+    return Cycle(target, draft, cache, SamplingParams(), 0), cache, seen
 
 
 def test_a_cycle_makes_its_write_positions_once_per_length(agreeing_pair, monkeypatch):

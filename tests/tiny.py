@@ -6,7 +6,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.tiny import draft_config, greedy_reference, make_draft, make_target, make_tokenizer, mean_acceptance, random_draft_weights, target_config, write_target, write_zlab_draft
+from dflash_mlx.tiny import (  # noqa: F401  (re-exported for the tests)
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    mean_acceptance,
+    random_draft_weights,
+    target_config,
+    write_target,
+    write_zlab_draft,
+)
 
 
 def lean_towards_one_token(model: nn.Module, strength: float, seed: int = 99) -> nn.Module:

@@ -154,8 +154,14 @@ class BlockChooser:
             age = 0 if any(k > 0 for k, _ in self.times[b]) else self.ages.get(b, 0)  # (restored times are cycle 0's)
             if age <= self.MEMORY_AGE:
                 seconds[str(b)], ages[str(b)] = t, age
-        return {"range": [self.lo, self.hi], "reached": self.reached, "hit": self.hit,
-                "seconds": seconds, "ages": ages, "drafted": self.drafted}
+        return {
+            "range": [self.lo, self.hi],
+            "reached": self.reached,
+            "hit": self.hit,
+            "seconds": seconds,
+            "ages": ages,
+            "drafted": self.drafted,
+        }
 
     def restore(self, state: dict, prior_cycles: int) -> bool:
         """Start from an earlier chooser's ``state``: its acceptance counts,
@@ -478,18 +484,21 @@ def _quantized(module) -> bool:
     """Any layer of ``module`` holds quantized weights: nn's QuantizedLinear
     and QuantizedEmbedding, mlx-lm's QuantizedSwitchLinear (a MoE's experts)
     and any other layer packing its weight with ``scales`` beside it."""
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
-               or ("scales" in m and "weight" in m) for _, m in module.named_modules())
+    return any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
+        or ("scales" in m and "weight" in m)
+        for _, m in module.named_modules()
+    )
 
 
 def auto_range(target, draft) -> tuple[int, int]:
     """The block range ``block_size="auto"`` chooses in for this pair
     (``target``: the adapter or the mlx-lm model): (2, 5) for a DFlash 2
-    drafter (one with ``propose``) when the target or the drafter is
+    drafter (``selects_candidates``) when the target or the drafter is
     quantized, else (4, the drafter's trained block); never past the trained
     block."""
     hi = draft.config.block_size
-    if hasattr(draft, "propose") and (_quantized(getattr(target, "model", target)) or _quantized(draft)):
+    if draft.selects_candidates and (_quantized(getattr(target, "model", target)) or _quantized(draft)):
         lo, top = QUANTIZED_DFLASH2_RANGE
         return min(lo, hi), min(top, hi)
     return min(4, hi), hi

@@ -168,8 +168,12 @@ class DeviceLengthCache:
         ``update_and_fetch`` (mlx-lm asks before the layers run): it spans
         the buffer as it will be after that write; None where the row sees
         every key read (an exact one-row step within its window)."""
-        if N == 1 and self.exact_bound and self.read_width(1) == self.bound + 1 and (
-                window_size is None or self.bound < window_size):
+        if (
+            N == 1
+            and self.exact_bound
+            and self.read_width(1) == self.bound + 1
+            and (window_size is None or self.bound < window_size)
+        ):
             return None
         return positions_mask(N, self.offset, self.read_width(N), window_size)
 

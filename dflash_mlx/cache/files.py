@@ -33,10 +33,10 @@ from mlx.utils import tree_flatten
 
 from .. import compute_dtype
 from ..draft.dflash import DFlashDraft
-from .buffer import BufferKVCache
-from .quantized import QuantizedBufferKVCache
-from .prompt import PromptCache
 from ..targets import adapt
+from .buffer import BufferKVCache
+from .prompt import PromptCache
+from .quantized import QuantizedBufferKVCache
 
 FORMAT = "dflash-mlx prompt cache"
 VERSION = "1"
@@ -60,7 +60,9 @@ def _module_digest(h, module, dtypes: bool = True) -> None:
         samples = [s.astype(mx.bfloat16) if mx.issubdtype(s.dtype, mx.floating) else s for s in samples]
     mx.eval(samples)
     for (name, a), s in zip(leaves, samples):
-        h.update(f"{name}:{a.shape}:{a.dtype if dtypes or not mx.issubdtype(a.dtype, mx.floating) else 'float'};".encode())
+        h.update(
+            f"{name}:{a.shape}:{a.dtype if dtypes or not mx.issubdtype(a.dtype, mx.floating) else 'float'};".encode()
+        )
         h.update(np.array(s.astype(mx.float32) if s.dtype == mx.bfloat16 else s).tobytes())
 
 
@@ -78,8 +80,9 @@ def pair_fingerprint(model, draft: DFlashDraft, dtypes: bool = True) -> str:
 
 def _attention_caches(cache: PromptCache) -> None:
     if cache.max_kv_size is not None:
-        raise ValueError("a bounded prompt cache (max_kv_size) cannot be saved to a file; "
-                         "make the file without max_kv_size.")
+        raise ValueError(
+            "a bounded prompt cache (max_kv_size) cannot be saved to a file; make the file without max_kv_size."
+        )
     if not all(type(c) in (BufferKVCache, QuantizedBufferKVCache) for c in cache.target + cache.draft):
         raise ValueError(
             "prompt-cache files hold attention caches only, and this target has recurrent (delta-net) layers; "
@@ -123,10 +126,15 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
                 else:
                     arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta.update(format=FORMAT, version=VERSION, tokens=json.dumps(cache.tokens),
-                fingerprint=pair_fingerprint(cache.model, cache.draft_model), dtype=compute_dtype.name(cache.model),
-                weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
-                **_kv_meta(*kv_settings(cache)))
+    meta.update(
+        format=FORMAT,
+        version=VERSION,
+        tokens=json.dumps(cache.tokens),
+        fingerprint=pair_fingerprint(cache.model, cache.draft_model),
+        dtype=compute_dtype.name(cache.model),
+        weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
+        **_kv_meta(*kv_settings(cache)),
+    )
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
     mx.save_safetensors(str(tmp), arrays, metadata=meta)
@@ -147,12 +155,15 @@ def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception:
-        raise ValueError(f"{path} is not a safetensors file, or is cut short; make a prompt cache with "
-                         "`dflash-mlx cache-prompt`.") from None
+        raise ValueError(
+            f"{path} is not a safetensors file, or is cut short; make a prompt cache with `dflash-mlx cache-prompt`."
+        ) from None
     if not isinstance(arrays, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`.")
     if meta.get("version") != VERSION:
-        raise ValueError(f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again.")
+        raise ValueError(
+            f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again."
+        )
     try:
         tokens = json.loads(meta["tokens"])
     except (KeyError, ValueError):
@@ -171,8 +182,9 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return _open(path)[1]
 
 
-def _tensors(path, arrays: dict[str, mx.array], name: str, quantized: bool, n: int,
-             heads: tuple[int, int] | None = None) -> mx.array | tuple:
+def _tensors(
+    path, arrays: dict[str, mx.array], name: str, quantized: bool, n: int, heads: tuple[int, int] | None = None
+) -> mx.array | tuple:
     """One layer's keys or values, as saved (a packed triple when quantized),
     checked to hold ``n`` positions of one sequence (``heads``: the (heads,
     head dim) they must have, where known)."""
@@ -188,13 +200,22 @@ def _tensors(path, arrays: dict[str, mx.array], name: str, quantized: bool, n: i
             shape_ok = (a.shape[1], a.shape[3]) == heads
         if not (dtype_ok and shape_ok):
             kind = str(a.dtype).removeprefix("mlx.core.")
-            raise damaged(path, f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
-                                 f"hold {n} cached positions for this pair")
+            raise damaged(
+                path,
+                f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
+                f"hold {n} cached positions for this pair",
+            )
     return tuple(parts) if quantized else parts[0]
 
 
-def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
-                      quantized_kv_start: int = 0) -> tuple[PromptCache, dict[str, str]]:
+def load_prompt_cache(
+    path: str | Path,
+    model,
+    draft: DFlashDraft,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+) -> tuple[PromptCache, dict[str, str]]:
     """A PromptCache for ``model`` and ``draft`` holding what ``path`` saved,
     and the file's metadata. A file made for another pair, or with other KV
     cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused;
@@ -209,21 +230,29 @@ def load_prompt_cache(path: str | Path, model, draft: DFlashDraft, kv_bits: int 
         if same_weights and meta.get("dtype", now) != now:  # (the same pair cast: compute_dtype.py)
             raise ValueError(
                 f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
-                f"{now}; load it with --dtype {meta['dtype']} (dtype=\"{meta['dtype']}\" in Python) "
+                f'{now}; load it with --dtype {meta["dtype"]} (dtype="{meta["dtype"]}" in Python) '
                 "to read the file, or make the prompt cache again."
             )
         made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
-        older = ("" if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model)) else
-                 " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)")
+        older = (
+            ""
+            if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model))
+            else " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)"
+        )
         raise ValueError(
             f"{path} was made for another model pair{f' ({made})' if made else ''}; "
             f"make a prompt cache for this pair with `dflash-mlx cache-prompt`{older}."
         )
-    made = (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"])) if "kv_bits" in meta \
+    made = (
+        (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"]))
+        if "kv_bits" in meta
         else (None, None, None)
+    )
     if made != kv_settings(cache):
-        raise ValueError(f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
-                         "use the settings it was made with, or make it again with these.")
+        raise ValueError(
+            f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
+            "use the settings it was made with, or make it again with these."
+        )
     tokens = json.loads(meta["tokens"])
     n = len(tokens)
     if max(tokens) >= cache.adapter.vocab_size:

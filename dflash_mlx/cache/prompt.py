@@ -33,11 +33,10 @@ that does not extend it is read afresh.
 from __future__ import annotations
 
 from ..draft.dflash import DFlashDraft
-from . import quantized as kvq
-from .buffer import align, set_lengths
-from .quantized import check_settings
-from .rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 from ..targets import DenseTarget, adapt
+from .buffer import align, set_lengths
+from .quantized import QuantizedBufferKVCache, check_settings
+from .rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 
 
 class StaleGenerationError(RuntimeError):
@@ -45,8 +44,15 @@ class StaleGenerationError(RuntimeError):
 
 
 class PromptCache:
-    def __init__(self, model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
-                 quantized_kv_start: int = 0, max_kv_size: int | None = None):
+    def __init__(
+        self,
+        model,
+        draft: DFlashDraft,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 0,
+        max_kv_size: int | None = None,
+    ):
         target = adapt(model)
         check_max_kv_size(target, max_kv_size, kv_bits)
         check_settings(target, kv_bits, kv_group_size, quantized_kv_start)
@@ -145,14 +151,45 @@ class PromptCache:
         most ``step``: see the module's docstring."""
         self.reply_from = len(self.tokens) + len(new)
         first = []
-        if self.reply_next and (self.max_kv_size is not None or kvq.pending(self)):
+        if self.reply_next and (self.max_kv_size is not None or self.quantization_pending):
             first, new = [new[:1]], new[1:]
+
         def pieces(ids: list[int]) -> list[list[int]]:
             return [ids[i : i + step] for i in range(0, len(ids), step)]
 
-        if self.max_kv_size is None and not kvq.pending(self):
+        if self.max_kv_size is None and not self.quantization_pending:
             return first + pieces(new)
         return first + pieces(new[:-1]) + ([new[-1:]] if new else [])
+
+    # -- KV quantization: the target's layers convert once the cache holds
+    # quantized_kv_start positions, and no verify block straddles that start.
+    @property
+    def quantization_pending(self) -> bool:
+        """Quantization is asked for and the target cache is not quantized yet."""
+        return self.kv_bits is not None and not isinstance(self.target[0], QuantizedBufferKVCache)
+
+    def maybe_quantize(self) -> None:
+        """mlx-lm's maybe_quantize_kv_cache: convert once the cache holds
+        ``quantized_kv_start`` positions (and at least one)."""
+        n = len(self.tokens)
+        if self.quantization_pending and n > 0 and n >= self.quantized_kv_start:
+            self.target[:] = [
+                QuantizedBufferKVCache.from_buffer(c, self.kv_group_size, self.kv_bits) for c in self.target
+            ]
+
+    def may_queue(self, bound: int, block_size: int) -> bool:
+        """Whether a block may be queued before the length is known: not if its
+        positions (up to ``bound`` + block_size - 1) might reach the start
+        while the cache is not yet quantized."""
+        return not self.quantization_pending or bound + block_size <= self.quantized_kv_start
+
+    def block_from_here(self, block_size: int) -> int:
+        """Before a block queued from the exact length ``len(tokens)``:
+        quantize if it is time, else cut the block to end at the start."""
+        self.maybe_quantize()
+        if self.quantization_pending:
+            return max(1, min(block_size, self.quantized_kv_start - len(self.tokens)))
+        return block_size
 
     def arrays(self) -> list:
         """Every buffer both caches hold (what a queued cycle writes)."""
@@ -163,8 +200,14 @@ class PromptCache:
         return sum(c.nbytes for c in self.target + self.draft)
 
 
-def make_prompt_cache(model, draft: DFlashDraft, kv_bits: int | None = None, kv_group_size: int = 64,
-                      quantized_kv_start: int = 0, max_kv_size: int | None = None) -> PromptCache:
+def make_prompt_cache(
+    model,
+    draft: DFlashDraft,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    max_kv_size: int | None = None,
+) -> PromptCache:
     """A cache to pass to ``stream_generate`` across calls (multi-turn chat):
     give the whole conversation as the prompt each turn and only the part
     not already cached is read. ``kv_bits`` etc.: quantize the target's

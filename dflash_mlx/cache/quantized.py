@@ -43,7 +43,7 @@ class QuantizedBufferKVCache(DeviceLengthCache):
         self.group_size, self.bits = group_size, bits
 
     @classmethod
-    def from_buffer(cls, cache: BufferKVCache, group_size: int, bits: int) -> "QuantizedBufferKVCache":
+    def from_buffer(cls, cache: BufferKVCache, group_size: int, bits: int) -> QuantizedBufferKVCache:
         """The same positions, quantized (as mlx-lm's KVCache.to_quantized)."""
         q = cls(group_size, bits)
         if cache.keys is not None:
@@ -96,6 +96,7 @@ class QuantizedBufferKVCache(DeviceLengthCache):
 
 # -- settings and the token loop's calls ---------------------------------------
 
+
 def check_settings(adapter, kv_bits: int | None, kv_group_size: int, quantized_kv_start: int) -> None:
     """Refuse, in one sentence, settings mlx-lm would refuse or this target cannot use."""
     if kv_bits is None:
@@ -113,32 +114,3 @@ def check_settings(adapter, kv_bits: int | None, kv_group_size: int, quantized_k
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     if head_dim % kv_group_size:
         raise ValueError(f"kv_group_size {kv_group_size} does not divide the target's head dimension {head_dim}.")
-
-
-def pending(cache) -> bool:
-    """Quantization is asked for and the target cache is not quantized yet."""
-    return cache.kv_bits is not None and not isinstance(cache.target[0], QuantizedBufferKVCache)
-
-
-def maybe_quantize(cache) -> None:
-    """mlx-lm's maybe_quantize_kv_cache: convert once the cache holds
-    ``quantized_kv_start`` positions (and at least one)."""
-    n = len(cache.tokens)
-    if pending(cache) and n > 0 and n >= cache.quantized_kv_start:
-        cache.target[:] = [QuantizedBufferKVCache.from_buffer(c, cache.kv_group_size, cache.kv_bits) for c in cache.target]
-
-
-def may_queue(cache, bound: int, block_size: int) -> bool:
-    """Whether a block may be queued before the length is known: not if its
-    positions (up to ``bound`` + block_size - 1) might reach the start while
-    the cache is not yet quantized."""
-    return not pending(cache) or bound + block_size <= cache.quantized_kv_start
-
-
-def ready(cache, block_size: int) -> int:
-    """Before a block queued from the exact length ``len(cache.tokens)``:
-    quantize if it is time, else cut the block to end at the start."""
-    maybe_quantize(cache)
-    if pending(cache):
-        return max(1, min(block_size, cache.quantized_kv_start - len(cache.tokens)))
-    return block_size

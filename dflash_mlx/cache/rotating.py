@@ -58,11 +58,15 @@ def check_max_kv_size(adapter, max_kv_size: int | None, kv_bits: int | None) -> 
     if max_kv_size is None:
         return
     if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size <= KEEP:
-        raise ValueError(f"max_kv_size must be an integer above {KEEP} (the first {KEEP} positions are always kept), "
-                         f"not {max_kv_size}.")
+        raise ValueError(
+            f"max_kv_size must be an integer above {KEEP} (the first {KEEP} positions are always kept), "
+            f"not {max_kv_size}."
+        )
     if kv_bits is not None:
-        raise ValueError("max_kv_size and kv_bits cannot be combined (mlx-lm cannot quantize its rotating cache "
-                         "either); drop one of them.")
+        raise ValueError(
+            "max_kv_size and kv_bits cannot be combined (mlx-lm cannot quantize its rotating cache "
+            "either); drop one of them."
+        )
     plain = adapter.family in ("dense", "llama", "qwen3", "qwen3_moe") and all(w is None for w in adapter.windows())
     if not plain:
         raise ValueError(f"max_kv_size is not supported for {adapter.family} targets; run without it.")
@@ -163,8 +167,12 @@ class RotatingBufferKVCache(DeviceLengthCache):
         kept = np.nonzero((positions < self.keep) | (positions >= P + n - self.window))[0]
         self._grow(n, keys, values)
         rows = mx.array(kept)
-        self.staged = (P + n, mx.array(self.slot(positions[kept])), mx.take(keys, rows, axis=2),
-                       mx.take(values, rows, axis=2))
+        self.staged = (
+            P + n,
+            mx.array(self.slot(positions[kept])),
+            mx.take(keys, rows, axis=2),
+            mx.take(values, rows, axis=2),
+        )
         self.offset, self.bound = P + n, P + n
         return full_k, full_v
 
@@ -211,7 +219,9 @@ def _rotation(rope):
         return rope.dims, rope.traditional, rope.base, rope.scale, None
     if kind is rope_utils.SuScaledRoPE:  # (its input scaling is not a rotation: kept keys already carry it)
         return rope.dim, False, None, 1.0, rope._freqs
-    fixed = tuple(getattr(rope_utils, n) for n in ("Llama3RoPE", "YarnRoPE", "ProportionalRoPE") if hasattr(rope_utils, n))
+    fixed = tuple(
+        getattr(rope_utils, n) for n in ("Llama3RoPE", "YarnRoPE", "ProportionalRoPE") if hasattr(rope_utils, n)
+    )
     if kind in fixed:  # (Yarn's mscale, like SuScaled's, was applied before the rotation)
         return rope.dims, rope.traditional, None, 1.0, rope._freqs
     return None
@@ -240,8 +250,10 @@ class DraftWindowCache(BufferKVCache):
 
     def __init__(self, window: int, rope):
         if not can_shift(rope):
-            raise ValueError(f"max_kv_size cannot bound this drafter's context: its RoPE ({type(rope).__name__}) "
-                             "cannot move kept keys to new positions; run without max_kv_size.")
+            raise ValueError(
+                f"max_kv_size cannot bound this drafter's context: its RoPE ({type(rope).__name__}) "
+                "cannot move kept keys to new positions; run without max_kv_size."
+            )
         super().__init__()
         self.window, self.rope = window, rope
         self.base = 0
@@ -260,11 +272,15 @@ class DraftWindowCache(BufferKVCache):
             # (at a device-side length n is a verify block, far less than window: what
             # is dropped is surely held)
             drop = min(self.bound + n - self.window, self.bound)
-            kept_k = shift_rope(self.rope, self.keys[..., drop:self.bound, :], -drop)
+            kept_k = shift_rope(self.rope, self.keys[..., drop : self.bound, :], -drop)
             pad = [(0, 0), (0, 0), (0, self.capacity - (self.bound - drop)), (0, 0)]
             keys = shift_rope(self.rope, keys, -drop)
             # one assignment: an interrupt leaves the cache as it was or compacted in full
             self.keys, self.values, self.base, self.offset, self.bound = (
-                mx.pad(kept_k, pad), mx.pad(self.values[..., drop:self.bound, :], pad), self.base + drop,
-                self.offset - drop, self.bound - drop)
+                mx.pad(kept_k, pad),
+                mx.pad(self.values[..., drop : self.bound, :], pad),
+                self.base + drop,
+                self.offset - drop,
+                self.bound - drop,
+            )
         return super().update_and_fetch(keys, values)

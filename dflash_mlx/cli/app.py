@@ -8,16 +8,26 @@ import typer
 import typer.core
 from rich.text import Text
 
-from .bench import EXAMPLES as BENCH_EXAMPLES, bench_command
-from .cache_prompt import EXAMPLES as CACHE_PROMPT_EXAMPLES, cache_prompt_command
-from .chat import EXAMPLES as CHAT_EXAMPLES, chat_command
-from .console import click_exceptions as cx, err, print_error
-from .convert import EXAMPLES as CONVERT_EXAMPLES, convert_command
-from .doctor import EXAMPLES as DOCTOR_EXAMPLES, doctor_command
-from .generate import EXAMPLES as GENERATE_EXAMPLES, generate_command
-from .models import EXAMPLES as MODELS_EXAMPLES, models_command
-from .serve import EXAMPLES as SERVE_EXAMPLES, serve_command
-from .train import EXAMPLES as TRAIN_EXAMPLES, train_command
+from .bench import EXAMPLES as BENCH_EXAMPLES
+from .bench import bench_command
+from .cache_prompt import EXAMPLES as CACHE_PROMPT_EXAMPLES
+from .cache_prompt import cache_prompt_command
+from .chat import EXAMPLES as CHAT_EXAMPLES
+from .chat import chat_command
+from .console import click_exceptions as cx
+from .console import err, print_error
+from .convert import EXAMPLES as CONVERT_EXAMPLES
+from .convert import convert_command
+from .doctor import EXAMPLES as DOCTOR_EXAMPLES
+from .doctor import doctor_command
+from .generate import EXAMPLES as GENERATE_EXAMPLES
+from .generate import generate_command
+from .models import EXAMPLES as MODELS_EXAMPLES
+from .models import models_command
+from .serve import EXAMPLES as SERVE_EXAMPLES
+from .serve import serve_command
+from .train import EXAMPLES as TRAIN_EXAMPLES
+from .train import train_command
 
 
 def _bare_flags(params: list) -> list:
@@ -84,14 +94,16 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", help="Print the installed version and exit.",
-                                 callback=_print_version, is_eager=True),
+    version: bool = typer.Option(
+        False, "--version", help="Print the installed version and exit.", callback=_print_version, is_eager=True
+    ),
 ):
     """Lossless DFlash speculative decoding on MLX: a small block-diffusion drafter proposes, the
     target verifies, the output is exactly the target's."""
     from dflash_mlx import use_fast_blas
 
     use_fast_blas()  # before a command imports MLX
+
 
 app.command("generate", cls=_Command, epilog=GENERATE_EXAMPLES)(generate_command)
 app.command("chat", cls=_Command, epilog=CHAT_EXAMPLES)(chat_command)

@@ -5,18 +5,39 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
-from typing_extensions import Annotated
 
 from dflash_mlx.prompts import read_prompts
 
 from .console import UserError, console, err, user_errors
-from .options import Dtype, BlockSize, DraftModel, EnableThinking, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, Seed, SystemPrompt, Temp, TopK, TopP, Verbose, check_args
-from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
+from .options import (
+    BlockSize,
+    DraftModel,
+    Dtype,
+    EnableThinking,
+    IgnoreChatTemplate,
+    KvBits,
+    KvGroupSize,
+    MaxKvSize,
+    MaxTokens,
+    MinP,
+    Model,
+    NumDraftTokens,
+    QuantizedKvStart,
+    Seed,
+    SystemPrompt,
+    Temp,
+    TopK,
+    TopP,
+    Verbose,
+    check_args,
+    check_kv,
+    kv_cache,
+)
 from .pair import load_pair, model_or_builtin
 from .prompt_input import prompt_ids, thinking_note
 
@@ -40,6 +61,7 @@ DEFAULT_PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 ]
 
+
 def _plain(model, tokenizer, ids, max_tokens, sampler, **kv):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as lm_stream_generate
@@ -48,21 +70,34 @@ def _plain(model, tokenizer, ids, max_tokens, sampler, **kv):
     text, last = [], None
     for last in lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **kv):
         text.append(last.text)
-    return {"tokens": last.generation_tokens, "tps": last.generation_tps, "prompt_tps": last.prompt_tps,
-            "peak_memory": last.peak_memory, "text": "".join(text)}
+    return {
+        "tokens": last.generation_tokens,
+        "tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,
+        "peak_memory": last.peak_memory,
+        "text": "".join(text),
+    }
 
 
 def _dflash(model, draft, tokenizer, ids, max_tokens, **sampling):
     import mlx.core as mx
+
     from dflash_mlx import stream_generate
 
     mx.reset_peak_memory()
     text, last = [], None
     for last in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **sampling):
         text.append(last.text)
-    return {"tokens": last.generation_tokens, "tps": last.generation_tps, "prompt_tps": last.prompt_tps,
-            "peak_memory": last.peak_memory, "acceptance_length": last.acceptance_length,
-            "acceptance_rate": last.acceptance_rate, "block_size": last.block_size, "text": "".join(text)}
+    return {
+        "tokens": last.generation_tokens,
+        "tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,
+        "peak_memory": last.peak_memory,
+        "acceptance_length": last.acceptance_length,
+        "acceptance_rate": last.acceptance_rate,
+        "block_size": last.block_size,
+        "text": "".join(text),
+    }
 
 
 def _short(text: str, n: int = 40) -> str:
@@ -93,7 +128,9 @@ def bench_command(
     kv_group_size: KvGroupSize = 64,
     quantized_kv_start: QuantizedKvStart = 5000,
     max_kv_size: MaxKvSize = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")
+    ] = False,
     verbose: Verbose = False,
 ):
     """Compare plain mlx-lm decoding of the target with DFlash on the same prompts.
@@ -103,8 +140,9 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p,
-                                num_draft_tokens=num_draft_tokens)
+        block_size = check_args(
+            max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, num_draft_tokens=num_draft_tokens
+        )
         check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
@@ -125,14 +163,26 @@ def bench_command(
         notes = iter([False])  # the template notes once, for the first prompt
 
         def encode(prompt):
-            return prompt_ids(tokenizer, prompt, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
-                              enable_thinking=enable_thinking, quiet=next(notes, True))
+            return prompt_ids(
+                tokenizer,
+                prompt,
+                system_prompt=system_prompt,
+                ignore_chat_template=ignore_chat_template,
+                enable_thinking=enable_thinking,
+                quiet=next(notes, True),
+            )
+
         sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
-        plain_kv = {} if kv_bits is None else dict(kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                                   quantized_kv_start=quantized_kv_start)  # the same cache for mlx-lm
+        plain_kv = (
+            {}
+            if kv_bits is None
+            else dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+        )  # the same cache for mlx-lm
         if max_kv_size is not None:
             plain_kv["max_kv_size"] = max_kv_size
-        kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # refuses a target it cannot serve
+        kv_cache(
+            target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size
+        )  # refuses a target it cannot serve
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
 
         def plain(ids, n, run):
@@ -141,15 +191,26 @@ def bench_command(
             return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
 
         def dflash(ids, n, run):
-            cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)  # (a fresh one each run)
-            return _dflash(target, draft, tokenizer, ids, n, seed=None if seed is None else seed + run, prompt_cache=cache,
-                           **sampling)
+            cache = kv_cache(
+                target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size
+            )  # (a fresh one each run)
+            return _dflash(
+                target,
+                draft,
+                tokenizer,
+                ids,
+                n,
+                seed=None if seed is None else seed + run,
+                prompt_cache=cache,
+                **sampling,
+            )
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         results = []
-        with Progress(TextColumn("[dim]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      console=err, transient=True) as bar:
+        with Progress(
+            TextColumn("[dim]{task.description}"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
+        ) as bar:
             warm = min(max_tokens, 16)
             task = bar.add_task("warm-up", total=2)
             first = items[0]
@@ -179,14 +240,28 @@ def bench_command(
         summary = _overall(results)
         if as_json:
             out = {
-                "model": target_name, "draft_model": draft_name, "device": str(mx.default_device()),
-                "max_tokens": max_tokens, "repeat": repeat, "temp": temp, "top_p": top_p, "min_p": min_p, "top_k": top_k,
+                "model": target_name,
+                "draft_model": draft_name,
+                "device": str(mx.default_device()),
+                "max_tokens": max_tokens,
+                "repeat": repeat,
+                "temp": temp,
+                "top_p": top_p,
+                "min_p": min_p,
+                "top_k": top_k,
                 "block_size": block_size or draft.config.block_size,
-                "results": results, "summary": summary,
+                "results": results,
+                "summary": summary,
             }
             typer.echo(json.dumps(out, indent=2))
             return
-        _table(results, summary, f"{target_name} · block {block_size or draft.config.block_size}", str(mx.default_device()), temp == 0)
+        _table(
+            results,
+            summary,
+            f"{target_name} · block {block_size or draft.config.block_size}",
+            str(mx.default_device()),
+            temp == 0,
+        )
 
 
 def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:
@@ -247,9 +322,13 @@ def _table(results, summary, model_name, device, greedy) -> None:
 
     def cells(r, name, tokens):
         row = [
-            name, tokens, f"{r['plain_tps']:.1f}", f"{r['dflash_tps']:.1f}",
+            name,
+            tokens,
+            f"{r['plain_tps']:.1f}",
+            f"{r['dflash_tps']:.1f}",
             f"[{'green' if r['speedup'] >= 1 else 'red'}]{r['speedup']:.2f}x[/]",
-            f"{r['acceptance_length']:.2f}", f"{r['acceptance_rate']:.0%}",
+            f"{r['acceptance_length']:.2f}",
+            f"{r['acceptance_rate']:.0%}",
             f"{r['plain_peak_memory_gb']:.2f} / {r['dflash_peak_memory_gb']:.2f}",
         ]
         if greedy:

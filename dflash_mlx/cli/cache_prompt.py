@@ -7,13 +7,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
-from typing_extensions import Annotated
 
 from .console import UserError, console, note, user_errors
-from .options import Dtype, AdapterPath, ChatTemplateConfig, DraftModel, IgnoreChatTemplate, KvBits, KvGroupSize, Model, PrefillStepSize, QuantizedKvStart, SystemPrompt, TrustRemoteCode, Verbose, check_kv, flag_names, kv_cache, template_args
+from .options import (
+    AdapterPath,
+    ChatTemplateConfig,
+    DraftModel,
+    Dtype,
+    IgnoreChatTemplate,
+    KvBits,
+    KvGroupSize,
+    Model,
+    PrefillStepSize,
+    QuantizedKvStart,
+    SystemPrompt,
+    TrustRemoteCode,
+    Verbose,
+    check_kv,
+    flag_names,
+    kv_cache,
+    template_args,
+)
 from .pair import context_length, load_pair, model_or_builtin
 from .progress import PrefillProgress
 from .prompt_input import read_prompt, uses_template
@@ -41,9 +58,11 @@ def prefix_ids(tokenizer, prefix: str, system_prompt: Optional[str], template: b
     if not template:
         return encode(tokenizer, prefix)
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": prefix}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                         continue_final_message=True, **kwargs)
+        {"role": "user", "content": prefix}
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True, **kwargs
+    )
     return encode(tokenizer, text)
 
 
@@ -59,8 +78,11 @@ def read_cache_file(path: Path) -> dict:
         template_kwargs = None
     if not isinstance(template_kwargs, dict):
         raise damaged(path, "its chat template settings are not a JSON object")
-    return {"prompt": meta.get("prompt", ""), "system_prompt": meta.get("system_prompt") or None,
-            "template_kwargs": template_kwargs}
+    return {
+        "prompt": meta.get("prompt", ""),
+        "system_prompt": meta.get("system_prompt") or None,
+        "template_kwargs": template_kwargs,
+    }
 
 
 def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64, 0)):
@@ -75,8 +97,10 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
         raise UserError(flag_names(str(e))) from None
     shared = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
     if shared < len(cache.tokens) - 1:
-        note(f"the prompt shares only {shared} of the {len(cache.tokens)} cached tokens (another system prompt or "
-             "template?); the rest is read again.")
+        note(
+            f"the prompt shares only {shared} of the {len(cache.tokens)} cached tokens (another system prompt or "
+            "template?); the rest is read again."
+        )
     return cache
 
 
@@ -85,7 +109,8 @@ def cache_prompt_command(
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",
     prompt: Annotated[
-        Optional[str], typer.Option("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.", show_default=False)
+        Optional[str],
+        typer.Option("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.", show_default=False),
     ] = None,
     prompt_cache_file: Annotated[
         Optional[Path], typer.Option("--prompt-cache-file", help="The file to write (safetensors).", show_default=False)
@@ -110,7 +135,9 @@ def cache_prompt_command(
     """
     with user_errors(verbose):
         if prompt_cache_file is None:
-            raise UserError("no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors.")
+            raise UserError(
+                "no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors."
+            )
         text = read_prompt(prompt)
         kwargs = template_args(chat_template_config)
         if prefill_step_size < 1:
@@ -120,25 +147,45 @@ def cache_prompt_command(
         from dflash_mlx.cache.files import save_prompt_cache
 
         name = model_or_builtin(model)
-        target, draft, tokenizer = load_pair(name, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code, dtype=dtype)
+        target, draft, tokenizer = load_pair(
+            name, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
+        )
         template = uses_template(tokenizer, ignore_chat_template)
         ids = prefix_ids(tokenizer, text, system_prompt, template, kwargs)
         limit = context_length(target)
         if limit is not None and len(ids) >= limit:
-            raise UserError(f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it.")
-        cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(target, draft)
+            raise UserError(
+                f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it."
+            )
+        cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(
+            target, draft
+        )
         progress = PrefillProgress()
         try:
-            for _ in stream_generate(target, draft, tokenizer, ids, max_tokens=1, prompt_cache=cache,
-                                     prefill_step_size=prefill_step_size, prompt_progress=progress):
+            for _ in stream_generate(
+                target,
+                draft,
+                tokenizer,
+                ids,
+                max_tokens=1,
+                prompt_cache=cache,
+                prefill_step_size=prefill_step_size,
+                prompt_progress=progress,
+            ):
                 pass
         finally:
             progress.close()
-        meta = {"model": name if model is not None else "builtin", "draft_model": draft_model or "",
-                "prompt": text, "system_prompt": (system_prompt or "") if template else "",
-                "template_kwargs": json.dumps(kwargs), "chat_template": str(template).lower()}
+        meta = {
+            "model": name if model is not None else "builtin",
+            "draft_model": draft_model or "",
+            "prompt": text,
+            "system_prompt": (system_prompt or "") if template else "",
+            "template_kwargs": json.dumps(kwargs),
+            "chat_template": str(template).lower(),
+        }
         prompt_cache_file.parent.mkdir(parents=True, exist_ok=True)
         save_prompt_cache(prompt_cache_file, cache, meta)
         size = prompt_cache_file.stat().st_size / 1e6
-        console.print(f"[green]cached {len(cache.tokens)} prompt tokens in {prompt_cache_file}[/] [dim]({size:.1f} MB)[/]")
+        console.print(
+            f"[green]cached {len(cache.tokens)} prompt tokens in {prompt_cache_file}[/] [dim]({size:.1f} MB)[/]"
+        )

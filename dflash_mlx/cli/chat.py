@@ -15,11 +15,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
-from typing_extensions import Annotated
-
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
@@ -28,8 +26,39 @@ from dflash_mlx.prompts import apply_chat_template, encode
 
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
-from .options import Dtype, AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP, TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args
-from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, flag_names, kv_cache
+from .options import (
+    AdapterPath,
+    BlockSize,
+    ChatTemplateConfig,
+    DraftModel,
+    Dtype,
+    EnableThinking,
+    ExtraEosToken,
+    IgnoreChatTemplate,
+    KvBits,
+    KvGroupSize,
+    MaxKvSize,
+    MaxTokens,
+    MinP,
+    Model,
+    NumDraftTokens,
+    PrefillStepSize,
+    PromptCacheFile,
+    QuantizedKvStart,
+    Seed,
+    SystemPrompt,
+    Temp,
+    TopK,
+    TopP,
+    TrustRemoteCode,
+    Verbose,
+    add_eos_tokens,
+    check_args,
+    check_kv,
+    flag_names,
+    kv_cache,
+    template_args,
+)
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, thinking_note, uses_template
@@ -124,7 +153,9 @@ def load_conversation(path: Path) -> dict:
     models, the token ids)."""
     how = "pass a file written by /save in dflash-mlx chat."
     if not path.is_file():
-        raise UserError(f"the conversation file {path} {'is a directory' if path.is_dir() else 'does not exist'}; {how}")
+        raise UserError(
+            f"the conversation file {path} {'is a directory' if path.is_dir() else 'does not exist'}; {how}"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -187,8 +218,9 @@ class ReplyView:
 
     def add(self, text: str, status: str) -> None:
         if self.live is None:
-            self.live = Live(console=self.out, transient=True, auto_refresh=False,
-                             redirect_stdout=False, redirect_stderr=False)
+            self.live = Live(
+                console=self.out, transient=True, auto_refresh=False, redirect_stdout=False, redirect_stderr=False
+            )
             self.live.start()
         self.tail += text
         rows = self._finished_rows()
@@ -252,7 +284,8 @@ def stats_chart(s: SessionStats, width: int = 30) -> Text:
     out = Text()
     out.append(
         f"{s.replies} repl{'y' if s.replies == 1 else 'ies'} · {s.tokens} tokens · {s.cycles} cycles · "
-        f"acceptance length {s.committed / s.cycles:.2f}\n", style="bold"
+        f"acceptance length {s.committed / s.cycles:.2f}\n",
+        style="bold",
     )
     out.append("draft accepted, by block position (share of cycles)\n", style="dim")
     for i, c in enumerate(s.by_position):
@@ -267,18 +300,43 @@ def stats_chart(s: SessionStats, width: int = 30) -> Text:
 
 
 class ChatSession:
-    def __init__(self, model, draft, tokenizer, *, model_name: str, max_tokens: int, temp: float, top_p: float,
-                 top_k: int, seed: Optional[int], block_size: int | str | None, system_prompt: Optional[str],
-                 ignore_chat_template: bool, enable_thinking: bool, prefill_step_size: int, min_p: float = 0.0,
-                 template_kwargs: Optional[dict] = None, cache_file: Optional[Path] = None, prefix: str = "",
-                 kv: tuple = (None, 64, 0, None)):
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        *,
+        model_name: str,
+        max_tokens: int,
+        temp: float,
+        top_p: float,
+        top_k: int,
+        seed: Optional[int],
+        block_size: int | str | None,
+        system_prompt: Optional[str],
+        ignore_chat_template: bool,
+        enable_thinking: bool,
+        prefill_step_size: int,
+        min_p: float = 0.0,
+        template_kwargs: Optional[dict] = None,
+        cache_file: Optional[Path] = None,
+        prefix: str = "",
+        kv: tuple = (None, 64, 0, None),
+    ):
         from dflash_mlx import make_prompt_cache
 
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.model_name = model_name
         self.max_tokens = max_tokens
-        self.sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             block_size=block_size, seed=seed, prefill_step_size=prefill_step_size)
+        self.sampling = dict(
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            block_size=block_size,
+            seed=seed,
+            prefill_step_size=prefill_step_size,
+        )
         self.block_size = block_size or "auto"
         self.system_prompt = system_prompt
         self.template = uses_template(tokenizer, ignore_chat_template)
@@ -300,7 +358,9 @@ class ChatSession:
                 raise ValueError(flag_names(str(e))) from None
         else:
             self.cache = self._make_cache()
-        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.template else []
+        self.messages = (
+            [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.template else []
+        )
         self.history: list[int] = []
         self.stats = SessionStats()
 
@@ -319,7 +379,9 @@ class ChatSession:
             who = {"user": ">>> ", "assistant": "", "system": "system: "}[m["role"]]
             console.print(Text(who + m["content"], style="dim"))
         turns = sum(m["role"] == "user" for m in self.messages)
-        console.print(Text(f"(resumed {turns} turn{'s' if turns != 1 else ''}; the next reply re-reads them)", style="dim"))
+        console.print(
+            Text(f"(resumed {turns} turn{'s' if turns != 1 else ''}; the next reply re-reads them)", style="dim")
+        )
 
     def save(self, path: Path) -> None:
         save_conversation(path, self.messages, None if self.template else self.history, self.model_name)
@@ -346,16 +408,25 @@ class ChatSession:
             console.print(Text(str(e), style="yellow"))
             return
         if first and self.cache_file is not None:
-            self.cache = kv_cache(self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
-                                  *self.kv)
+            self.cache = kv_cache(
+                self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]), *self.kv
+            )
         progress = PrefillProgress()
         view = ReplyView(console)
         tokens: list[int] = []
         pieces: list[str] = []
         last = None
         interrupted = False
-        gen = stream_generate(self.model, self.draft, self.tokenizer, ids, prompt_cache=self.cache,
-                              prompt_progress=progress, max_tokens=max_tokens, **self.sampling)
+        gen = stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            ids,
+            prompt_cache=self.cache,
+            prompt_progress=progress,
+            max_tokens=max_tokens,
+            **self.sampling,
+        )
         try:
             try:
                 with keys_not_echoed():
@@ -399,19 +470,25 @@ class ChatSession:
             cut = f" · cut at {limit}" if last.finish_reason == "length" else ""
             console.print(Text("── " + status_text(last, self.block_size, final=True) + cut, style="dim"))
             if last.finish_reason == "length" and max_tokens < self.max_tokens:
-                console.print(Text("the conversation has reached the target's context length; /save it and /reset "
-                                   "to go on.", style="yellow"))
+                console.print(
+                    Text(
+                        "the conversation has reached the target's context length; /save it and /reset to go on.",
+                        style="yellow",
+                    )
+                )
 
     def _unshown(self, tokens: list[int], shown: str) -> str:
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
         full = self.tokenizer.decode([t for t in tokens if t not in eos])
-        return full[len(shown):] if full.startswith(shown) else ""
+        return full[len(shown) :] if full.startswith(shown) else ""
 
     # -- the loop --------------------------------------------------------------
     def banner(self) -> None:
         mode = "chat template" if self.template else "raw text (no chat template)"
         thinking = ", thinking on" if self.thinking else ""
-        console.print(Text(f"dflash-mlx chat · {self.model_name} · block {self.block_size} · {mode}{thinking}", style="bold"))
+        console.print(
+            Text(f"dflash-mlx chat · {self.model_name} · block {self.block_size} · {mode}{thinking}", style="bold")
+        )
         console.print(Text("/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit leaves", style="dim"))
 
     def command(self, line: str) -> bool:
@@ -427,7 +504,7 @@ class ChatSession:
         elif name == "/stats":
             console.print(stats_chart(self.stats))
         elif name == "/save":
-            where = line[len(name):].strip()
+            where = line[len(name) :].strip()
             if not where:
                 console.print(Text("/save needs a file name, e.g. /save talk.json", style="yellow"))
                 return True
@@ -436,7 +513,9 @@ class ChatSession:
             except OSError as e:
                 console.print(Text(f"cannot write {where}: {e.strerror}; check the path.", style="yellow"))
                 return True
-            console.print(Text(f"saved {len(self.messages)} messages to {where}; chat --resume {where} continues", style="dim"))
+            console.print(
+                Text(f"saved {len(self.messages)} messages to {where}; chat --resume {where} continues", style="dim")
+            )
         elif name == "/think":
             if not (self.template and supports_thinking(self.tokenizer)):
                 console.print(Text("this model's chat template has no thinking section.", style="dim"))
@@ -494,7 +573,8 @@ def chat_command(
     trust_remote_code: TrustRemoteCode = False,
     prompt_cache_file: PromptCacheFile = None,
     resume: Annotated[
-        Optional[Path], typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False)
+        Optional[Path],
+        typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False),
     ] = None,
     prefill_step_size: PrefillStepSize = 2048,
     kv_bits: KvBits = None,
@@ -512,7 +592,9 @@ def chat_command(
     """
     with user_errors(verbose):
         flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
-        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags)
+        block_size = check_args(
+            max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags
+        )
         kwargs = template_args(chat_template_config)
         check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         conversation = None if resume is None else load_conversation(resume)
@@ -521,19 +603,34 @@ def chat_command(
             cached = read_cache_file(prompt_cache_file)
             prefix, system_prompt = cached["prompt"], system_prompt or cached["system_prompt"]
             kwargs = kwargs or cached["template_kwargs"]
-        target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code, dtype=dtype)
+        target, draft, tokenizer = load_pair(
+            model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
+        )
         check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
         add_eos_tokens(tokenizer, extra_eos_token)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         if not ignore_chat_template and not uses_template(tokenizer, False):
             console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))
         session = ChatSession(
-            target, draft, tokenizer, model_name=str(model or "builtin"), max_tokens=max_tokens, temp=temp,
-            top_p=top_p, top_k=top_k, seed=seed, block_size=block_size, system_prompt=system_prompt,
-            ignore_chat_template=ignore_chat_template, enable_thinking=enable_thinking,
-            prefill_step_size=prefill_step_size, min_p=min_p, template_kwargs=kwargs,
-            cache_file=prompt_cache_file, prefix=prefix, kv=(kv_bits, kv_group_size, quantized_kv_start, max_kv_size),
+            target,
+            draft,
+            tokenizer,
+            model_name=str(model or "builtin"),
+            max_tokens=max_tokens,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            block_size=block_size,
+            system_prompt=system_prompt,
+            ignore_chat_template=ignore_chat_template,
+            enable_thinking=enable_thinking,
+            prefill_step_size=prefill_step_size,
+            min_p=min_p,
+            template_kwargs=kwargs,
+            cache_file=prompt_cache_file,
+            prefix=prefix,
+            kv=(kv_bits, kv_group_size, quantized_kv_start, max_kv_size),
         )
         if conversation is not None:
             session.resume(conversation)

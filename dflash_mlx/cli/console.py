@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import typer
 from rich.console import Console

@@ -10,10 +10,10 @@ import sys
 import time
 import traceback
 from importlib import metadata
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from typing_extensions import Annotated
 
 EXAMPLES = """\
 Examples:
@@ -32,8 +32,11 @@ PROBE_TOKENS = 128  # a run's reply, as benchmarks/bench_builtin.py's; runs repe
 def doctor_command(
     seconds: Annotated[
         float,
-        typer.Option("--seconds", help=f"Time for the decoding probe: runs of {PROBE_TOKENS} tokens, plain decoding "
-                                      "and DFlash in turn, after one untimed run of each; 0 skips it."),
+        typer.Option(
+            "--seconds",
+            help=f"Time for the decoding probe: runs of {PROBE_TOKENS} tokens, plain decoding "
+            "and DFlash in turn, after one untimed run of each; 0 skips it.",
+        ),
     ] = 30.0,
 ):
     """Check this machine: MLX backend, kernel self-checks, a decoding probe.
@@ -127,8 +130,12 @@ def kernels(line, note) -> None:
     try:
         for keys in (1024, 4096):
             fused, kernel = time_attention(keys)
-            line(f"attention {keys // 1024}k keys", f"fused {fused:.3f} ms, kernel {kernel:.3f} ms (16 rows, 32/8 heads, d128, bf16)"
-                 if kernel is not None else f"fused {fused:.3f} ms, kernel not usable")
+            line(
+                f"attention {keys // 1024}k keys",
+                f"fused {fused:.3f} ms, kernel {kernel:.3f} ms (16 rows, 32/8 heads, d128, bf16)"
+                if kernel is not None
+                else f"fused {fused:.3f} ms, kernel not usable",
+            )
     except Exception as e:
         line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
 
@@ -143,18 +150,22 @@ def small_kernel_checks(line) -> list:
     kernel's (CUDA), a line each; their results."""
     import warnings
 
-    from dflash_mlx.kernels.cuda import products as block_products
     from dflash_mlx.kernels import norm_rope
+    from dflash_mlx.kernels.cuda import products as block_products
 
     results = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (the lines below say it)
-            for label, module, fallback in (("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
-                                            ("products", block_products, "MLX's products used")):
+            for label, module, fallback in (
+                ("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
+                ("products", block_products, "MLX's products used"),
+            ):
 
                 def small_line(r, label=label, fallback=fallback) -> None:
-                    check_line(line, f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else ""), r, fallback)
+                    check_line(
+                        line, f"check {label} {r.dtype}" + (f" d{r.head_dim}" if r.head_dim else ""), r, fallback
+                    )
 
                 results += module.self_check_all(report=small_line)
     except Exception as e:  # doctor reports, it does not crash
@@ -181,20 +192,30 @@ def products(line) -> None:
         line("16 rows / 1 row", f"could not run: {type(e).__name__}: {e}", "red")
         return
     slow = min(ratios.values()) > SLOW_ROWS
-    line("16 rows / 1 row", ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + " (1024 x 1024)",
-         "yellow" if slow else "")
+    line(
+        "16 rows / 1 row",
+        ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()) + " (1024 x 1024)",
+        "yellow" if slow else "",
+    )
     if backend() != "cpu":
         return
     if slow:
-        hint = ("a verify of 16 tokens costs many plain steps here, so DFlash runs slower than plain decoding "
-                "on this CPU; use a GPU (Apple silicon) for speed")
+        hint = (
+            "a verify of 16 tokens costs many plain steps here, so DFlash runs slower than plain decoding "
+            "on this CPU; use a GPU (Apple silicon) for speed"
+        )
         if sys.platform.startswith("linux"):
-            hint += ("; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian/Ubuntu: "
-                     "apt-get install libopenblas0), which dflash_mlx then opens for MLX and computes in float32")
+            hint += (
+                "; on Linux, MLX's CPU wheel uses the reference BLAS: install OpenBLAS (Debian/Ubuntu: "
+                "apt-get install libopenblas0), which dflash_mlx then opens for MLX and computes in float32"
+            )
         line("hint", hint, "yellow")
     elif fast_blas.active():
-        line("dtype", "auto: float32 on this CPU (its products reach the fast BLAS; --dtype with the checkpoint's "
-             "own dtype, e.g. bfloat16, computes in that instead)")
+        line(
+            "dtype",
+            "auto: float32 on this CPU (its products reach the fast BLAS; --dtype with the checkpoint's "
+            "own dtype, e.g. bfloat16, computes in that instead)",
+        )
 
 
 def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:
@@ -276,8 +297,11 @@ def probe(line, seconds: float) -> None:
         return
     rate = {name: tokens[name] / max(spent[name], 1e-9) for name in runs}
     line("plain decoding", f"{rate['plain']:.1f} tok/s ({tokens['plain']} tokens)")
-    line("dflash", f"{rate['dflash']:.1f} tok/s ({tokens['dflash']} tokens, acceptance length "
-         f"{committed / max(drafted, 1):.2f}, block auto up to {draft.config.block_size})")
+    line(
+        "dflash",
+        f"{rate['dflash']:.1f} tok/s ({tokens['dflash']} tokens, acceptance length "
+        f"{committed / max(drafted, 1):.2f}, block auto up to {draft.config.block_size})",
+    )
     ratio = rate["dflash"] / max(rate["plain"], 1e-9)
     line("dflash / plain", f"{ratio:.2f}x", "green" if ratio >= 1 else "yellow")
 
@@ -322,7 +346,9 @@ def _device_info(mx) -> dict:
 def _cpu_name() -> str:
     if sys.platform == "darwin":
         try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5).stdout.strip()
+            return subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
         except Exception:
             pass
     try:

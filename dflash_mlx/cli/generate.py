@@ -4,16 +4,45 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.text import Text
-from typing_extensions import Annotated
 
 from .cache_prompt import open_cache, read_cache_file
 from .console import err, note, user_errors
-from .options import Dtype, AdapterPath, BlockSize, ChatTemplateConfig, DraftModel, EnableThinking, ExtraEosToken, IgnoreChatTemplate, MaxTokens, MinP, Model, NumDraftTokens, PrefillStepSize, PromptCacheFile, Seed, SystemPrompt, Temp, TopK, TopP, TrustRemoteCode, Verbose, add_eos_tokens, check_args, template_args
-from .options import KvBits, KvGroupSize, MaxKvSize, QuantizedKvStart, check_kv, kv_cache
+from .options import (
+    AdapterPath,
+    BlockSize,
+    ChatTemplateConfig,
+    DraftModel,
+    Dtype,
+    EnableThinking,
+    ExtraEosToken,
+    IgnoreChatTemplate,
+    KvBits,
+    KvGroupSize,
+    MaxKvSize,
+    MaxTokens,
+    MinP,
+    Model,
+    NumDraftTokens,
+    PrefillStepSize,
+    PromptCacheFile,
+    QuantizedKvStart,
+    Seed,
+    SystemPrompt,
+    Temp,
+    TopK,
+    TopP,
+    TrustRemoteCode,
+    Verbose,
+    add_eos_tokens,
+    check_args,
+    check_kv,
+    kv_cache,
+    template_args,
+)
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import prompt_ids, read_prompt, thinking_note
@@ -53,8 +82,12 @@ def generate_command(
     num_draft_tokens: NumDraftTokens = None,
     system_prompt: SystemPrompt = None,
     prefill_response: Annotated[
-        Optional[str], typer.Option("--prefill-response", help="Start the reply with this text (chat template); the model continues it.",
-                                    show_default=False)
+        Optional[str],
+        typer.Option(
+            "--prefill-response",
+            help="Start the reply with this text (chat template); the model continues it.",
+            show_default=False,
+        ),
     ] = None,
     ignore_chat_template: IgnoreChatTemplate = False,
     enable_thinking: EnableThinking = False,
@@ -89,15 +122,30 @@ def generate_command(
         check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         from dflash_mlx import stream_generate
 
-        target, draft, tokenizer = load_pair(model, draft_model, adapter_path=adapter_path,
-                                             trust_remote_code=trust_remote_code, dtype=dtype)
-        check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, min_p=min_p,
-                   prefill_step_size=prefill_step_size)
+        target, draft, tokenizer = load_pair(
+            model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
+        )
+        check_args(
+            max_tokens,
+            temp,
+            top_p,
+            top_k,
+            block_size,
+            seed,
+            draft=draft,
+            min_p=min_p,
+            prefill_step_size=prefill_step_size,
+        )
         add_eos_tokens(tokenizer, extra_eos_token)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         ids = prompt_ids(
-            tokenizer, text, system_prompt=system_prompt, ignore_chat_template=ignore_chat_template,
-            enable_thinking=enable_thinking, template_kwargs=kwargs, prefill_response=prefill_response,
+            tokenizer,
+            text,
+            system_prompt=system_prompt,
+            ignore_chat_template=ignore_chat_template,
+            enable_thinking=enable_thinking,
+            template_kwargs=kwargs,
+            prefill_response=prefill_response,
         )
         kv = (kv_bits, kv_group_size, quantized_kv_start)
         cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids, kv)
@@ -110,10 +158,20 @@ def generate_command(
         out = sys.stdout
         try:
             for last in stream_generate(
-                target, draft, tokenizer, ids,
-                max_tokens=reply_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                block_size=block_size, seed=seed, prompt_progress=progress,
-                prefill_step_size=prefill_step_size, prompt_cache=cache,
+                target,
+                draft,
+                tokenizer,
+                ids,
+                max_tokens=reply_tokens,
+                temperature=temp,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                block_size=block_size,
+                seed=seed,
+                prompt_progress=progress,
+                prefill_step_size=prefill_step_size,
+                prompt_cache=cache,
             ):
                 out.write(last.text)
                 out.flush()

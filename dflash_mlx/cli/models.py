@@ -4,10 +4,10 @@ and what is cached."""
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from .console import console, user_errors
 from .options import Verbose
@@ -22,12 +22,18 @@ $ dflash-mlx models --cached
 $ dflash-mlx models --json
 """
 
-_CACHED = {(True, True): "[green]both[/]", (True, False): "[yellow]target[/]",
-           (False, True): "[yellow]drafter[/]", (False, False): "[dim]-[/]"}
+_CACHED = {
+    (True, True): "[green]both[/]",
+    (True, False): "[yellow]target[/]",
+    (False, True): "[yellow]drafter[/]",
+    (False, False): "[dim]-[/]",
+}
 
 
 def models_command(
-    cached: Annotated[bool, typer.Option("--cached", help="Only pairs whose target and drafter are both in the local cache.")] = False,
+    cached: Annotated[
+        bool, typer.Option("--cached", help="Only pairs whose target and drafter are both in the local cache.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     verbose: Verbose = False,
 ):
@@ -45,8 +51,16 @@ def models_command(
             if cached and not (t and d):
                 continue
             why_not = loading.why_not_runs(target)
-            rows.append({"target": target, "drafter": drafter, "runs": why_not is None, "why_not": why_not,
-                         "target_cached": t, "drafter_cached": d})
+            rows.append(
+                {
+                    "target": target,
+                    "drafter": drafter,
+                    "runs": why_not is None,
+                    "why_not": why_not,
+                    "target_cached": t,
+                    "drafter_cached": d,
+                }
+            )
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return

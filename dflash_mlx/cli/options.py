@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, Optional
 
 import typer
-from typing_extensions import Annotated
 
 from .console import UserError
 
@@ -16,8 +15,9 @@ BUILTIN_HELP = "Left out (or 'builtin'): the small built-in pair shipped with df
 
 Model = Annotated[
     Optional[str],
-    typer.Option("--model", help=f"Target model: a local directory or a Hugging Face repo id. {BUILTIN_HELP}",
-                 show_default=False),
+    typer.Option(
+        "--model", help=f"Target model: a local directory or a Hugging Face repo id. {BUILTIN_HELP}", show_default=False
+    ),
 ]
 DraftModel = Annotated[
     Optional[str],
@@ -29,60 +29,113 @@ DraftModel = Annotated[
 ]
 AdapterPath = Annotated[
     Optional[str],
-    typer.Option("--adapter-path", help="LoRA adapters for the target (a directory written by mlx_lm.lora).",
-                 show_default=False),
+    typer.Option(
+        "--adapter-path", help="LoRA adapters for the target (a directory written by mlx_lm.lora).", show_default=False
+    ),
 ]
 TrustRemoteCode = Annotated[
     bool, typer.Option("--trust-remote-code", help="Let the target's tokenizer run code from its repo.")
 ]
 Dtype = Annotated[
     str,
-    typer.Option("--dtype", help="What the pair computes in: float32, bfloat16, float16, or auto: the weights' own dtype, "
-                 "except float32 on a CPU whose products run on OpenBLAS (faster there; see `dflash-mlx doctor`)."),
+    typer.Option(
+        "--dtype",
+        help="What the pair computes in: float32, bfloat16, float16, or auto: the weights' own dtype, "
+        "except float32 on a CPU whose products run on OpenBLAS (faster there; see `dflash-mlx doctor`).",
+    ),
 ]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate per reply.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")]
-MinP = Annotated[float, typer.Option("--min-p", help="Min-p sampling: drop tokens less likely than this share of the most likely one; 0 keeps all.")]
+TopP = Annotated[
+    float, typer.Option("--top-p", help="Nucleus sampling: keep the smallest set of tokens with this much probability.")
+]
+MinP = Annotated[
+    float,
+    typer.Option(
+        "--min-p", help="Min-p sampling: drop tokens less likely than this share of the most likely one; 0 keeps all."
+    ),
+]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed (any integer): fixes a sampled reply's text, whatever the block size.", show_default=False)]
+Seed = Annotated[
+    Optional[int],
+    typer.Option(
+        "--seed",
+        help="Random seed (any integer): fixes a sampled reply's text, whatever the block size.",
+        show_default=False,
+    ),
+]
 BlockSize = Annotated[
     Optional[str],
-    typer.Option("--block-size", help="Tokens per verify (1 committed + drafts), at most the drafter's trained block. "
-                 "Default 'auto': picked before every cycle (plain steps included) from the measured acceptance and "
-                 "cycle times.", show_default=False),
+    typer.Option(
+        "--block-size",
+        help="Tokens per verify (1 committed + drafts), at most the drafter's trained block. "
+        "Default 'auto': picked before every cycle (plain steps included) from the measured acceptance and "
+        "cycle times.",
+        show_default=False,
+    ),
 ]
 NumDraftTokens = Annotated[
     Optional[int],
-    typer.Option("--num-draft-tokens", help="mlx-lm's name: N drafted tokens per verify, the same as --block-size N+1.",
-                 show_default=False),
+    typer.Option(
+        "--num-draft-tokens",
+        help="mlx-lm's name: N drafted tokens per verify, the same as --block-size N+1.",
+        show_default=False,
+    ),
 ]
 ExtraEosToken = Annotated[
-    Optional[List[str]],
-    typer.Option("--extra-eos-token", help="Another token (text or id) that ends a reply; repeat for several.", metavar="<str>",
-                 show_default=False),
+    Optional[list[str]],
+    typer.Option(
+        "--extra-eos-token",
+        help="Another token (text or id) that ends a reply; repeat for several.",
+        metavar="<str>",
+        show_default=False,
+    ),
 ]
-SystemPrompt = Annotated[Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)]
-IgnoreChatTemplate = Annotated[bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")]
-EnableThinking = Annotated[bool, typer.Option("--enable-thinking", help="Let chat templates that have it emit a thinking section.")]
+SystemPrompt = Annotated[
+    Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)
+]
+IgnoreChatTemplate = Annotated[
+    bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")
+]
+EnableThinking = Annotated[
+    bool, typer.Option("--enable-thinking", help="Let chat templates that have it emit a thinking section.")
+]
 ChatTemplateConfig = Annotated[
     Optional[str],
-    typer.Option("--chat-template-config", "--chat-template-args",
-                 help='Extra arguments for the chat template, as a JSON object, e.g. \'{"enable_thinking": false}\'.',
-                 show_default=False),
+    typer.Option(
+        "--chat-template-config",
+        "--chat-template-args",
+        help="Extra arguments for the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}'.",
+        show_default=False,
+    ),
 ]
 PromptCacheFile = Annotated[
     Optional[Path],
-    typer.Option("--prompt-cache-file", help="A prefix cached by `dflash-mlx cache-prompt` for this model pair; "
-                 "the prompt continues it.", show_default=False),
+    typer.Option(
+        "--prompt-cache-file",
+        help="A prefix cached by `dflash-mlx cache-prompt` for this model pair; the prompt continues it.",
+        show_default=False,
+    ),
 ]
-PrefillStepSize = Annotated[int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step (lower: less peak memory).")]
+PrefillStepSize = Annotated[
+    int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step (lower: less peak memory).")
+]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail, and a traceback on errors.")]
 
 
-def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_size: Optional[str],
-               seed: Optional[int] = None, *, min_p: float = 0.0, num_draft_tokens: Optional[int] = None,
-               prefill_step_size: int = 2048, draft=None) -> int | str | None:
+def check_args(
+    max_tokens: int,
+    temp: float,
+    top_p: float,
+    top_k: int,
+    block_size: Optional[str],
+    seed: Optional[int] = None,
+    *,
+    min_p: float = 0.0,
+    num_draft_tokens: Optional[int] = None,
+    prefill_step_size: int = 2048,
+    draft=None,
+) -> int | str | None:
     """Checks the generation flags with the library's own rules
     (dflash_mlx.arguments); returns the block size (an int or "auto") from
     --block-size or --num-draft-tokens. With ``draft`` loaded, a block past
@@ -96,10 +149,18 @@ def check_args(max_tokens: int, temp: float, top_p: float, top_k: int, block_siz
             raise UserError(f"--num-draft-tokens must be a positive integer, got {num_draft_tokens}.")
         block_size = str(num_draft_tokens + 1)
     try:
-        args = check_generation_args(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                     block_size=block_size, seed=seed, prefill_step_size=prefill_step_size,
-                                     trained_block_size=None if draft is None else draft.config.block_size,
-                                     flags=True)
+        args = check_generation_args(
+            max_tokens=max_tokens,
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            block_size=block_size,
+            seed=seed,
+            prefill_step_size=prefill_step_size,
+            trained_block_size=None if draft is None else draft.config.block_size,
+            flags=True,
+        )
     except ValueError as e:
         raise UserError(str(e)) from None
     return args.block_size
@@ -113,14 +174,18 @@ def template_args(text: Optional[str]) -> dict:
     try:
         extra = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"--chat-template-config (--chat-template-args) is not valid JSON ({e.msg}); pass an object such as "
-                        '\'{"enable_thinking": false}\'.') from None
+        raise UserError(
+            f"--chat-template-config (--chat-template-args) is not valid JSON ({e.msg}); pass an object such as "
+            "'{\"enable_thinking\": false}'."
+        ) from None
     if not isinstance(extra, dict):
-        raise UserError('--chat-template-config (--chat-template-args) must be a JSON object such as \'{"enable_thinking": false}\'.')
+        raise UserError(
+            "--chat-template-config (--chat-template-args) must be a JSON object such as '{\"enable_thinking\": false}'."
+        )
     return extra
 
 
-def add_eos_tokens(tokenizer, tokens: Optional[List[str]]) -> None:
+def add_eos_tokens(tokenizer, tokens: Optional[list[str]]) -> None:
     """--extra-eos-token: each a token's exact text or its id, added to the tokenizer's EOS set."""
     for token in tokens or ():
         try:
@@ -131,21 +196,30 @@ def add_eos_tokens(tokenizer, tokens: Optional[List[str]]) -> None:
             if token_id is not None and token_id == unk and token != getattr(tokenizer, "unk_token", None):
                 token_id = None  # an unknown text maps to the unknown token
         if token_id is None or token_id < 0:
-            raise UserError(f"--extra-eos-token {token!r} is not a token of this tokenizer; "
-                            "pass one token's exact text or its id.")
+            raise UserError(
+                f"--extra-eos-token {token!r} is not a token of this tokenizer; pass one token's exact text or its id."
+            )
         tokenizer.add_eos_token(str(token_id))
 
 
 KvBits = Annotated[
     Optional[int],
-    typer.Option("--kv-bits", help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8), as mlx-lm's "
-                 "QuantizedKVCache does; lossless against mlx-lm with the same settings. Default: not quantized.",
-                 show_default=False),
+    typer.Option(
+        "--kv-bits",
+        help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8), as mlx-lm's "
+        "QuantizedKVCache does; lossless against mlx-lm with the same settings. Default: not quantized.",
+        show_default=False,
+    ),
 ]
-KvGroupSize = Annotated[int, typer.Option("--kv-group-size", help="Group size for KV cache quantization (32, 64 or 128).")]
+KvGroupSize = Annotated[
+    int, typer.Option("--kv-group-size", help="Group size for KV cache quantization (32, 64 or 128).")
+]
 QuantizedKvStart = Annotated[
-    int, typer.Option("--quantized-kv-start", help="With --kv-bits: quantize once the cache holds this many tokens "
-                      "(mlx-lm's default, 5000).")
+    int,
+    typer.Option(
+        "--quantized-kv-start",
+        help="With --kv-bits: quantize once the cache holds this many tokens (mlx-lm's default, 5000).",
+    ),
 ]
 
 
@@ -153,9 +227,13 @@ NO_BOUNDED_FILE = "a prompt-cache file holds an unbounded cache; run without --m
 
 MaxKvSize = Annotated[
     Optional[int],
-    typer.Option("--max-kv-size", help="Bound the target's KV cache to this many tokens, as mlx-lm's rotating cache "
-                 "does (the first 4 and the latest kept); lossless against mlx-lm with the same bound, and replies "
-                 "may then run past the target's context length. Default: unbounded.", show_default=False),
+    typer.Option(
+        "--max-kv-size",
+        help="Bound the target's KV cache to this many tokens, as mlx-lm's rotating cache "
+        "does (the first 4 and the latest kept); lossless against mlx-lm with the same bound, and replies "
+        "may then run past the target's context length. Default: unbounded.",
+        show_default=False,
+    ),
 ]
 
 
@@ -166,8 +244,13 @@ def flag_names(message: str) -> str:
     return message
 
 
-def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int, max_kv_size: Optional[int] = None,
-             cache_file: Optional[Path] = None) -> None:
+def check_kv(
+    kv_bits: Optional[int],
+    kv_group_size: int,
+    quantized_kv_start: int,
+    max_kv_size: Optional[int] = None,
+    cache_file: Optional[Path] = None,
+) -> None:
     """--kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size: the values, before anything loads."""
     from dflash_mlx.cache.quantized import BITS, GROUP_SIZES
     from dflash_mlx.cache.rotating import KEEP
@@ -179,22 +262,32 @@ def check_kv(kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int
     if quantized_kv_start < 0:
         raise UserError(f"--quantized-kv-start must be 0 or more, got {quantized_kv_start}.")
     if max_kv_size is not None and max_kv_size <= KEEP:
-        raise UserError(f"--max-kv-size must be more than {KEEP} (the first {KEEP} tokens are always kept), got {max_kv_size}.")
+        raise UserError(
+            f"--max-kv-size must be more than {KEEP} (the first {KEEP} tokens are always kept), got {max_kv_size}."
+        )
     if max_kv_size is not None and kv_bits is not None:
-        raise UserError("--max-kv-size and --kv-bits cannot be combined (mlx-lm cannot quantize its rotating cache "
-                        "either); drop one of them.")
+        raise UserError(
+            "--max-kv-size and --kv-bits cannot be combined (mlx-lm cannot quantize its rotating cache "
+            "either); drop one of them."
+        )
     if max_kv_size is not None and cache_file is not None:
         raise UserError(NO_BOUNDED_FILE)
 
 
-def kv_cache(target, draft, cache, kv_bits: Optional[int], kv_group_size: int, quantized_kv_start: int,
-             max_kv_size: Optional[int] = None):
+def kv_cache(
+    target,
+    draft,
+    cache,
+    kv_bits: Optional[int],
+    kv_group_size: int,
+    quantized_kv_start: int,
+    max_kv_size: Optional[int] = None,
+):
     """The prompt cache to run with: ``cache`` (one loaded from a file, made
     with these settings) or a new one set per --kv-bits / --max-kv-size; None
     when there is nothing to set."""
     from dflash_mlx import make_prompt_cache
     from dflash_mlx.cache.quantized import check_settings
-    from dflash_mlx.cache.rotating import check_max_kv_size
     from dflash_mlx.targets import adapt
 
     try:
@@ -205,7 +298,13 @@ def kv_cache(target, draft, cache, kv_bits: Optional[int], kv_group_size: int, q
             return cache
         if kv_bits is None and max_kv_size is None:
             return None
-        return make_prompt_cache(target, draft, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                 quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+        return make_prompt_cache(
+            target,
+            draft,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            max_kv_size=max_kv_size,
+        )
     except ValueError as e:
         raise UserError(flag_names(str(e))) from None

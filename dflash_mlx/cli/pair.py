@@ -20,14 +20,22 @@ def model_or_builtin(model: Optional[str]) -> str:
     from dflash_mlx import builtin
 
     if not builtin.available():
-        raise UserError("no model given and the built-in pair is not installed; pass --model <target directory or Hugging Face repo id>.")
+        raise UserError(
+            "no model given and the built-in pair is not installed; pass --model <target directory or Hugging Face repo id>."
+        )
     if model is None:
         note(f"no --model given: using the {builtin.NAME}")
     return str(builtin.TARGET)
 
 
-def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optional[str] = None,
-              trust_remote_code: bool = False, dtype: str = "auto"):
+def load_pair(
+    model: Optional[str],
+    draft: Optional[str],
+    *,
+    adapter_path: Optional[str] = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+):
     """(model, drafter, tokenizer) for --model (see ``model_or_builtin``) and
     --draft-model. dflash_mlx.load fetches the drafter and the target's config
     first, so a pair that cannot work fails before the target's weights are
@@ -39,13 +47,22 @@ def load_pair(model: Optional[str], draft: Optional[str], *, adapter_path: Optio
     columns = (SpinnerColumn(), TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         progress.add_task(f"loading {model}", total=None)
-        pair = loading.load(model, draft, tqdm_class=hub_progress_class(progress), adapter_path=adapter_path,
-                            trust_remote_code=trust_remote_code, dtype=dtype, flags=True)
+        pair = loading.load(
+            model,
+            draft,
+            tqdm_class=hub_progress_class(progress),
+            adapter_path=adapter_path,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            flags=True,
+        )
     from dflash_mlx import compute_dtype
 
     if dtype == "auto" and compute_dtype.on_fast_blas(compute_dtype.computing(pair[0])):
-        note("computing in float32: this CPU's matrix products run on OpenBLAS (--dtype with the checkpoint's own "
-             "dtype, e.g. bfloat16, computes in that instead)")
+        note(
+            "computing in float32: this CPU's matrix products run on OpenBLAS (--dtype with the checkpoint's own "
+            "dtype, e.g. bfloat16, computes in that instead)"
+        )
     return pair
 
 
@@ -63,6 +80,8 @@ def room_for_reply(model, prompt_tokens: int, max_tokens: int, bounded: bool = F
     if n is None or prompt_tokens + max_tokens <= n:
         return max_tokens, f"--max-tokens {max_tokens}"
     if prompt_tokens >= n:
-        raise UserError(f"the prompt ({prompt_tokens} tokens) fills the target's context of {n} positions; "
-                        "shorten it (or /reset the conversation).")
+        raise UserError(
+            f"the prompt ({prompt_tokens} tokens) fills the target's context of {n} positions; "
+            "shorten it (or /reset the conversation)."
+        )
     return n - prompt_tokens, f"the target's context length ({n} positions)"

@@ -49,8 +49,12 @@ class PrefillProgress:
             if done >= total:
                 return
             self.bar = Progress(
-                TextColumn("[dim]prefill"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                console=err, transient=True,
+                TextColumn("[dim]prefill"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
             )
             self.task = self.bar.add_task("prefill", total=total)
             self.bar.start()

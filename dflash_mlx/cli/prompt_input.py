@@ -17,12 +17,18 @@ def read_prompt(prompt: Optional[str]) -> str:
     if prompt is None:
         raise UserError("no prompt given; pass --prompt TEXT, or --prompt - to read it from stdin.")
     if prompt == "-":
-        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+        data = (
+            sys.stdin.buffer.read()
+            if hasattr(sys.stdin, "buffer")
+            else sys.stdin.read().encode("utf-8", "surrogateescape")
+        )
         try:
             prompt = data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"the prompt on stdin is not UTF-8 text (at byte {e.start}); "
-                            "convert it first, e.g. with iconv -t UTF-8.") from None
+            raise UserError(
+                f"the prompt on stdin is not UTF-8 text (at byte {e.start}); "
+                "convert it first, e.g. with iconv -t UTF-8."
+            ) from None
         if prompt.endswith("\n"):
             prompt = prompt[:-1]
     if not prompt.strip():
@@ -55,8 +61,11 @@ def prompt_ids(
         return apply_chat_template(tokenizer, messages, prefill=prefill_response, **kwargs)
     if not quiet and not ignore_chat_template:
         note("the tokenizer has no chat template; using the prompt as is.")
-    for flag, given in (("--system-prompt", system_prompt), ("--prefill-response", prefill_response),
-                        ("--chat-template-config", template_kwargs)):
+    for flag, given in (
+        ("--system-prompt", system_prompt),
+        ("--prefill-response", prefill_response),
+        ("--chat-template-config", template_kwargs),
+    ):
         if not quiet and given:
             note(f"{flag} needs a chat template; ignored.")
     return encode(tokenizer, messages[-1]["content"])

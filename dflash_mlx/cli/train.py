@@ -40,8 +40,12 @@ class TrainingBars:
             self.close()
             self.stage = stage
             self.bar = Progress(
-                TextColumn("{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=console,
             )
             self.task = self.bar.add_task(self.LABELS.get(stage, stage), total=total, info="")
             self.bar.start()
@@ -63,25 +67,61 @@ def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def train_command(
-    model: Optional[str] = typer.Option(None, "--model", help="Target model: local directory or Hugging Face repo id (mlx-lm format). Left out (or 'builtin'): the built-in target.", show_default=False),
-    data: str = typer.Option(..., "--data", help="JSONL of prompts: one {\"prompt\": ...} or {\"messages\": [...]} per line."),
-    out: str = typer.Option(..., "--out", help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts."),
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        help="Target model: local directory or Hugging Face repo id (mlx-lm format). Left out (or 'builtin'): the built-in target.",
+        show_default=False,
+    ),
+    data: str = typer.Option(
+        ..., "--data", help='JSONL of prompts: one {"prompt": ...} or {"messages": [...]} per line.'
+    ),
+    out: str = typer.Option(
+        ...,
+        "--out",
+        help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data.",
+    ),
+    block_size: int = typer.Option(
+        16, "--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts."
+    ),
     draft_layers: int = typer.Option(5, "--draft-layers", help="Decoder layers in the drafter."),
-    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Target layers to tap, comma-separated (default: Z Lab's spread rule)."),
+    target_layer_ids: Optional[str] = typer.Option(
+        None, "--target-layer-ids", help="Target layers to tap, comma-separated (default: Z Lab's spread rule)."
+    ),
     steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
-    blocks_per_seq: int = typer.Option(16, "--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step."),
+    blocks_per_seq: int = typer.Option(
+        16, "--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step."
+    ),
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine decay)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Prompt + response tokens per training sequence."),
-    min_block_size: Optional[int] = typer.Option(None, "--min-block-size", help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only)."),
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of the self-distilled sequences held out of training (default 0.05; none below 20 sequences); the acceptance estimate on them is shown at each checkpoint.", show_default=False),
-    gen_batch: int = typer.Option(64, "--gen-batch", help="Prompts the target answers at once while writing the training data (larger is faster on a GPU)."),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."),
-    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."),
+    min_block_size: Optional[int] = typer.Option(
+        None,
+        "--min-block-size",
+        help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only).",
+    ),
+    val_fraction: Optional[float] = typer.Option(
+        None,
+        "--val-fraction",
+        help="Share of the self-distilled sequences held out of training (default 0.05; none below 20 sequences); the acceptance estimate on them is shown at each checkpoint.",
+        show_default=False,
+    ),
+    gen_batch: int = typer.Option(
+        64,
+        "--gen-batch",
+        help="Prompts the target answers at once while writing the training data (larger is faster on a GPU).",
+    ),
+    gamma: Optional[float] = typer.Option(
+        None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."
+    ),
+    mask_token_id: Optional[int] = typer.Option(
+        None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."
+    ),
     max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
     save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed for the drafter's init and the batch sampling."),
     verbose: Verbose = False,
 ) -> None:
@@ -90,11 +130,26 @@ def train_command(
         from dflash_mlx.train.trainer import TrainConfig, train
 
         cfg = TrainConfig(
-            model=model_or_builtin(model), data=data, out=out, block_size=block_size, draft_layers=draft_layers,
-            target_layer_ids=_layer_ids(target_layer_ids), steps=steps, batch_size=batch_size,
-            blocks_per_seq=blocks_per_seq, lr=lr, seq_len=seq_len, resume=resume, seed=seed,
-            gamma=gamma, mask_token_id=mask_token_id, max_prompts=max_prompts, save_every=save_every,
-            min_block_size=min_block_size, val_fraction=val_fraction, gen_batch=gen_batch,
+            model=model_or_builtin(model),
+            data=data,
+            out=out,
+            block_size=block_size,
+            draft_layers=draft_layers,
+            target_layer_ids=_layer_ids(target_layer_ids),
+            steps=steps,
+            batch_size=batch_size,
+            blocks_per_seq=blocks_per_seq,
+            lr=lr,
+            seq_len=seq_len,
+            resume=resume,
+            seed=seed,
+            gamma=gamma,
+            mask_token_id=mask_token_id,
+            max_prompts=max_prompts,
+            save_every=save_every,
+            min_block_size=min_block_size,
+            val_fraction=val_fraction,
+            gen_batch=gen_batch,
         )
         bars = TrainingBars()
         try:

@@ -16,10 +16,10 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -128,7 +128,7 @@ def _remove_stale_partials(out: Path) -> None:
     if not out.parent.is_dir():
         return
     for p in out.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
+        pid = p.name[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -163,13 +163,23 @@ def _card(
         if quant
         else "no quantization"
     )
-    meta = ["---", "library_name: mlx", "pipeline_tag: text-generation",
-            "tags:", "- mlx", "- dflash", "- dflash-mlx", "- speculative-decoding"]
+    meta = [
+        "---",
+        "library_name: mlx",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- mlx",
+        "- dflash",
+        "- dflash-mlx",
+        "- speculative-decoding",
+    ]
     if from_hub:
         meta.append(f"base_model: {source}")
     meta.append("---")
     use_target = target or "<target model>"
-    return "\n".join(meta) + f"""
+    return (
+        "\n".join(meta)
+        + f"""
 
 # {name}
 
@@ -190,6 +200,7 @@ model, draft, tokenizer = load("{use_target}", draft="{upload_repo or out}")
 print(generate(model, draft, tokenizer, "The capital of France is", max_tokens=64))
 ```
 """
+    )
 
 
 def _write(
@@ -279,7 +290,8 @@ def convert(
         problems = target_problems(cfg, target)
         if problems:
             raise ValueError(
-                f"the drafter does not fit --target {target}: " + "; ".join(problems)
+                f"the drafter does not fit --target {target}: "
+                + "; ".join(problems)
                 + ". Use the drafter published for this target."
             )
 
@@ -312,8 +324,16 @@ def convert(
     src_id = str(hf_path)
     from_hub = not Path(src_id).expanduser().is_dir()
     card_target = str(target) if target else next((t for t, d in KNOWN_PAIRS.items() if d == src_id), None)
-    card = _card(out, src_id if from_hub else str(src.resolve()), revision_of(src), dtype_name, quant,
-                 card_target, upload_repo, from_hub)
+    card = _card(
+        out,
+        src_id if from_hub else str(src.resolve()),
+        revision_of(src),
+        dtype_name,
+        quant,
+        card_target,
+        upload_repo,
+        from_hub,
+    )
 
     created, tmp = _first_missing_ancestor(out.parent), None
     try:
@@ -331,8 +351,7 @@ def convert(
             shutil.rmtree(created, ignore_errors=True)
         if isinstance(e, OSError):
             raise ValueError(
-                f"cannot write {out} ({e.strerror or e}); check that its directory is writable "
-                "and the disk has room."
+                f"cannot write {out} ({e.strerror or e}); check that its directory is writable and the disk has room."
             ) from e
         raise
 

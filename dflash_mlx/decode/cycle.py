@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import compute_dtype
+from ..cache.buffer import BufferKVCache, set_lengths
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
-from ..cache.buffer import BufferKVCache, set_lengths
-from .sampling import accept_proposals, accepted_count, pick, position_key, seed_words
 from ..targets import DenseTarget
+from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
 from .traces import traces_for
 
 
@@ -67,22 +67,24 @@ class Cycle:
     # docstring), where its caches are plain buffers.
     defer_feed: bool = True
 
-    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: tuple[float, float, int, float], seed: int):
+    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: SamplingParams, seed: int):
         self.target, self.draft, self.caches = target, draft, caches
         compiled = self.compile_graphs
         if compiled is None:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
-                compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None)
+                compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None
+            )
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers
-        self.temperature, self.top_p, self.top_k, self.min_p = sampling
+        self.sampling = sampling
+        self.temperature = sampling.temperature
         self.seed = seed_words(seed) if self.temperature > 0 else None
         self.taps = list(draft.config.target_layer_ids)
         self.mask_id = draft.config.mask_token_id
         # A DFlash 2 drafter proposes through its candidate selector (greedy,
         # or sampled with its distribution q at temperature > 0).
-        self.selects = hasattr(draft, "propose")
+        self.selects = draft.selects_candidates
         # The drafter's fused projections, checked for staleness once per call, not twice a cycle.
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
@@ -94,7 +96,7 @@ class Cycle:
         self.deferred_bound = 0  # a host-side upper bound on deferred_from
 
     def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
-        return pick(logits, positions, self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
+        return pick(logits, positions, self.sampling, self.seed)
 
     def first_token(self, last_logits: mx.array, position: int) -> mx.array:
         """The token after the prompt, from the prefill's last logits [V]."""
@@ -193,14 +195,16 @@ class Cycle:
                     key, k_draft = mx.random.split(position_key(self.seed, length))
                 drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft, self.draft_fused)
             else:
-                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1).astype(mx.int32)
+                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1).astype(
+                    mx.int32
+                )
             verify = mx.concatenate([last, drafts])
         else:
             verify = last
         logits, hidden = self.target(verify[None], target_cache, self.taps)
         if q is not None:
             # sampled proposals: the general rule, min(1, p/q)
-            kept = accept_proposals(drafts, q, logits.squeeze(0), self.temperature, self.top_p, self.top_k, key, self.min_p)
+            kept = accept_proposals(drafts, q, logits.squeeze(0), self.sampling, key)
             accepted, tokens = kept[0], kept[1:]
         else:
             # row i predicts the token at position length + i + 1
@@ -228,8 +232,14 @@ class Cycle:
         traces = self.traces
         now = traces.now
         defer = block_size == 1 and self.defers
-        key = (block_size, self.temperature, self.top_p, self.top_k, self.min_p, self.seed is not None,
-               self.target.fuse_projections, self.draft.fuse_projections, defer)
+        key = (
+            block_size,
+            self.sampling,
+            self.seed is not None,
+            self.target.fuse_projections,
+            self.draft.fuse_projections,
+            defer,
+        )
 
         def make():
             def step(last, length, seed, *buffers):
@@ -246,8 +256,13 @@ class Cycle:
                     for c in layers:
                         c.fixed_width = False
                 result, new_last, new_length, taps = out
-                return (result, new_last, new_length, *([taps] if defer else []),
-                        *[a for c in layers for a in (c.keys, c.values)])
+                return (
+                    result,
+                    new_last,
+                    new_length,
+                    *([taps] if defer else []),
+                    *[a for c in layers for a in (c.keys, c.values)],
+                )
 
             return mx.compile(step)
 
@@ -256,7 +271,9 @@ class Cycle:
             fn = traces.compiled_step(key, layers[0].capacity, make)
             try:
                 now.update(cycle=self, layers=layers, bound=bound)
-                result, new_last, new_length, *buffers = fn(last, length, seed, *[a for c in layers for a in (c.keys, c.values)])
+                result, new_last, new_length, *buffers = fn(
+                    last, length, seed, *[a for c in layers for a in (c.keys, c.values)]
+                )
             finally:
                 now.clear()  # the call's caches are not held past it
         taps = buffers.pop(0) if defer else None

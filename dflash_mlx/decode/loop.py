@@ -15,18 +15,18 @@ speculative.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from ..auto.chooser import BlockChooser
-from .cycle import Cycle, Flight
-from ..cache import quantized as kvq
-from ..draft.dflash import DFlashDraft
 from ..cache.prompt import PromptCache
+from ..draft.dflash import DFlashDraft
 from ..targets import DenseTarget
+from .cycle import Cycle, Flight
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -37,12 +37,18 @@ class Step:
     finish: str | None  # "stop" (EOS), "length" (max_tokens) or None
 
 
-def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: list[int], step: int,
-            progress: Callable[[int, int], None] | None) -> mx.array:
+def prefill(
+    target: DenseTarget,
+    draft: DFlashDraft,
+    cache: PromptCache,
+    ids: list[int],
+    step: int,
+    progress: Callable[[int, int], None] | None,
+) -> mx.array:
     """Read the part of ``ids`` the cache lacks into both caches, in chunks of
     ``step``; returns the target's logits [V] after the last id."""
     taps = list(draft.config.target_layer_ids)
-    new = ids[cache.keep_prefix(ids):]
+    new = ids[cache.keep_prefix(ids) :]
     logits = None
     done = 0
     for chunk in cache.chunks(new, step):
@@ -50,7 +56,7 @@ def prefill(target: DenseTarget, draft: DFlashDraft, cache: PromptCache, ids: li
         draft.extend(hidden, cache.draft)
         mx.eval(logits, cache.arrays())
         cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
-        kvq.maybe_quantize(cache)
+        cache.maybe_quantize()
         done += len(chunk)
         if progress is not None:
             progress(done, len(new))
@@ -64,7 +70,7 @@ def decode(
     ids: list[int],
     *,
     max_tokens: int,
-    sampling: tuple[float, float, int, float],
+    sampling: SamplingParams,
     seed: int,
     block: int | BlockChooser,
     eos: set[int],
@@ -80,23 +86,34 @@ def decode(
     owner = object()
     cache.claim(owner)
     try:
-        yield from _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos,
-                           prefill_step_size, progress)
+        cycle = Cycle(target, draft, cache, sampling, seed)
+        yield from _settled(
+            cycle,
+            ids,
+            owner=owner,
+            max_tokens=max_tokens,
+            block=block,
+            eos=eos,
+            step=prefill_step_size,
+            progress=progress,
+        )
     finally:
         cache.release(owner)
 
 
-def _decode(target, draft, cache, owner, ids, max_tokens, sampling, seed, block, eos, step, progress):
-    cycle = Cycle(target, draft, cache, sampling, seed)
+def _settled(cycle: Cycle, ids: list[int], **loop):
+    """``_cycles``, then the drafter's context fed up to the committed tokens."""
+    cache, owner = cycle.caches, loop["owner"]
     try:
-        yield from _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress)
+        yield from _cycles(cycle, ids, **loop)
     finally:
         if cache.owner is owner:  # (a newer call that took the cache over settles it itself)
             with mx.stream(generation_stream):
                 cycle.feed_deferred(len(cache.tokens))
 
 
-def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, step, progress):
+def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress):
+    target, draft, cache = cycle.target, cycle.draft, cycle.caches
     chooser = block if isinstance(block, BlockChooser) else None
 
     def launch(bs: int, last, length, bound: int, exact: bool) -> Flight:
@@ -120,7 +137,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length")
         return
-    flight = launch(kvq.ready(cache, choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
+    flight = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
     yield Step([first], None, 1, None)
     cache.check_owner(owner)
     last_host = first
@@ -132,7 +149,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
             bs = choose()
-            if kvq.may_queue(cache, bound, bs):  # (not if it might straddle the start of KV quantization)
+            if cache.may_queue(bound, bs):  # (not if it might straddle the start of KV quantization)
                 # (exact after a plain step: it commits one position)
                 following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
         tic = time.perf_counter()
@@ -145,8 +162,12 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
             # that built new graphs is no measure of its size's cost, but what
             # exploring that size cost (block_size.py).
             took = flight.launch_seconds + time.perf_counter() - tic
-            chooser.record(flight.block_size, values[0], None if flight.new_shape else took,
-                           built=took if flight.new_shape else None)
+            chooser.record(
+                flight.block_size,
+                values[0],
+                None if flight.new_shape else took,
+                built=took if flight.new_shape else None,
+            )
         accepted, proposals = values[0], values[1:]
         new = proposals[: min(accepted + 1, max_tokens - n)]
         stop = next((i for i, t in enumerate(new) if t in eos), None)
@@ -162,7 +183,7 @@ def _cycles(cycle, target, draft, cache, owner, ids, max_tokens, block, eos, ste
             return
         cache.check_owner(owner)
         if following is None:  # held back above: queued now, from the exact length
-            following = launch(kvq.ready(cache, bs), flight.last, flight.length, len(cache.tokens), exact=True)
+            following = launch(cache.block_from_here(bs), flight.last, flight.length, len(cache.tokens), exact=True)
         flight = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()

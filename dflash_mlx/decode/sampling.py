@@ -26,16 +26,29 @@ propose from a distribution q.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from ..device import constant_arange
 
 
-def target_logprobs(logits: mx.array, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0) -> mx.array:
+@dataclass(frozen=True)
+class SamplingParams:
+    """The target's sampling: its argmax at temperature 0, else mlx-lm's
+    filters (top-p, min-p, top-k, in that order) at ``temperature``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+def target_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Unnormalised log-probabilities of the target's sampling distribution
     (rows of ``logits``), with filtered tokens at -inf. temperature > 0."""
+    temperature, top_p, top_k, min_p = params.temperature, params.top_p, params.top_k, params.min_p
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if 0 < top_p < 1:
@@ -86,13 +99,12 @@ def position_key(seed: mx.array, position: mx.array) -> mx.array:
     return mx.stack([_mix(_word(seed, 0) ^ _mix(pos)), _mix(_word(seed, 1) + pos * mx.array(0x9E3779B9, mx.uint32))])
 
 
-def pick(logits: mx.array, positions: mx.array, temperature: float, top_p: float, top_k: int, seed: mx.array | None,
-         min_p: float = 0.0) -> mx.array:
+def pick(logits: mx.array, positions: mx.array, params: SamplingParams, seed: mx.array | None) -> mx.array:
     """The target's token at each of ``positions`` from its logits rows
     [R, V]: the argmax at temperature 0, else its seeded Gumbel-max sample."""
-    if temperature == 0:
+    if params.temperature == 0:
         return mx.argmax(logits, axis=-1).astype(mx.int32)
-    scores = target_logprobs(logits, temperature, top_p, top_k, min_p) + gumbel_noise(seed, positions, logits.shape[-1])
+    scores = target_logprobs(logits, params) + gumbel_noise(seed, positions, logits.shape[-1])
     return mx.argmax(scores, axis=-1).astype(mx.int32)
 
 
@@ -103,14 +115,7 @@ def accepted_count(drafts: mx.array, tokens: mx.array) -> mx.array:
 
 
 def accept_proposals(
-    drafts: mx.array,
-    q: mx.array,
-    logits: mx.array,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    key: mx.array,
-    min_p: float = 0.0,
+    drafts: mx.array, q: mx.array, logits: mx.array, params: SamplingParams, key: mx.array
 ) -> mx.array:
     """Speculative rejection sampling for drafts [bs-1] drawn from proposal
     distributions q [bs-1, V]: accept d_i with probability min(1, p(d_i) /
@@ -119,7 +124,7 @@ def accept_proposals(
     [bs, V] the target's verify logits. Returns [1 + bs]: the number a of
     accepted drafts, then tokens whose first a + 1 are committed."""
     bs = logits.shape[0]
-    logprobs = target_logprobs(logits, temperature, top_p, top_k, min_p)
+    logprobs = target_logprobs(logits, params)
     p = mx.softmax(logprobs, axis=-1)
     p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
     q_d = mx.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]

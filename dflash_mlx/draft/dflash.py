@@ -19,12 +19,12 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..layers.linear import apply_linear, apply_linear_output, takes_norm
-from ..kernels.norm_rope import norm_rope, norm_rope_keys
 from ..cache.buffer import BufferKVCache, positions_mask
+from ..kernels.norm_rope import norm_rope, norm_rope_keys
 from ..layers.attention import attention_output as cache_attention
 from ..layers.attention import prepare as prepare_attention
 from ..layers.fused import projections
+from ..layers.linear import apply_linear, apply_linear_output, takes_norm
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -81,7 +81,7 @@ class DraftConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
         """Parse a Z Lab drafter config.json (v1, sliding-window, and the
         transformers-5 ``rope_parameters`` layouts). Raises ValueError naming
         what is wrong."""
@@ -90,8 +90,8 @@ class DraftConfig:
         archs = cfg.get("architectures") or []
         if any("DFlash2" in a for a in archs):
             raise ValueError(
-                "this is a DFlash2 drafter (architectures lists DFlash2DraftModel), "
-                "which dflash-mlx does not support yet; use a DFlash (v1) drafter."
+                "this is a DFlash 2 drafter (architectures lists DFlash2DraftModel); "
+                "read it with dflash_mlx.draft.dflash2.parse_draft_config, as dflash_mlx.load does."
             )
         dflash = cfg.get("dflash_config") or {}
         if not dflash and "mask_token_id" not in cfg and "target_layer_ids" not in cfg:
@@ -110,7 +110,8 @@ class DraftConfig:
             missing.append("rope_theta")
         if missing:
             raise ValueError(
-                "the drafter's config.json is missing " + ", ".join(missing)
+                "the drafter's config.json is missing "
+                + ", ".join(missing)
                 + "; re-download or re-convert the checkpoint."
             )
 
@@ -132,8 +133,7 @@ class DraftConfig:
         sliding_window = cfg.get("sliding_window")
         if "sliding_attention" in layer_types and not sliding_window:
             raise ValueError(
-                "the drafter has sliding_attention layers but no sliding_window; "
-                "add sliding_window to config.json."
+                "the drafter has sliding_attention layers but no sliding_window; add sliding_window to config.json."
             )
 
         num_target_layers = int(cfg["num_target_layers"])
@@ -281,7 +281,9 @@ def pair_problems(cfg: DraftConfig, hidden_size: int, vocab_size: int, num_layer
     if cfg.vocab_size != vocab_size:
         problems.append(f"the drafter's vocabulary is {cfg.vocab_size} tokens but the target's is {vocab_size}")
     if cfg.num_target_layers != num_layers:
-        problems.append(f"the drafter was trained on a {cfg.num_target_layers}-layer target but this one has {num_layers}")
+        problems.append(
+            f"the drafter was trained on a {cfg.num_target_layers}-layer target but this one has {num_layers}"
+        )
     bad = [t for t in cfg.target_layer_ids if not 0 <= t < num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} do not exist in a {num_layers}-layer target")
@@ -294,7 +296,8 @@ def check_pair(cfg: DraftConfig, hidden_size: int, vocab_size: int, num_layers: 
     problems = pair_problems(cfg, hidden_size, vocab_size, num_layers)
     if problems:
         raise ValueError(
-            "the drafter does not fit the target: " + "; ".join(problems)
+            "the drafter does not fit the target: "
+            + "; ".join(problems)
             + ". Use the drafter published for this target."
         )
 
@@ -326,8 +329,9 @@ class DraftAttention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def keys_values(self, x: mx.array, rope, offset, fused=None, cached: bool = False,
-                    norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
+    def keys_values(
+        self, x: mx.array, rope, offset, fused=None, cached: bool = False, norm: nn.Module | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Roped, normed keys and plain values of ``x`` at positions offset..
         (``fused``: the layer's FusedProjections, k and v from one product;
         ``cached``: for the context cache, at inference, the keys normed and
@@ -348,8 +352,9 @@ class DraftAttention(nn.Module):
     def _keys(self, k: mx.array, rope, offset) -> mx.array:
         return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None,
-                 residual=None, norm=None):
+    def __call__(
+        self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None, residual=None, norm=None
+    ):
         """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
         int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
 
@@ -375,8 +380,14 @@ class DraftAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         values = self._heads(v, self.n_kv_heads)
         if cache is not None:  # (inference: one launch where that kernel checked out, kernels/norm_rope.py)
-            queries, keys = norm_rope(q.reshape(B, L, self.n_heads, -1), k.reshape(B, L, self.n_kv_heads, -1),
-                                      self.q_norm, self.k_norm, rope, offset)
+            queries, keys = norm_rope(
+                q.reshape(B, L, self.n_heads, -1),
+                k.reshape(B, L, self.n_kv_heads, -1),
+                self.q_norm,
+                self.k_norm,
+                rope,
+                offset,
+            )
         else:
             queries = rope(self.q_norm(self._heads(q, self.n_heads)), offset=offset)
             keys = self._keys(k, rope, offset)
@@ -390,12 +401,16 @@ class DraftAttention(nn.Module):
             # block's product is one launch where that kernel checked out, reading it in place;
             # training keeps the module, which has a gradient)
             if attend is None:
-                out, as_rows = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask), False
+                out, as_rows = (
+                    mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask),
+                    False,
+                )
             else:
                 given = attend(queries, keys, values, scale=self.scale, mask=mask)
                 if not isinstance(given, tuple):  # (an array would unpack along its batch axis)
-                    raise TypeError("with a cache, attend must return (output, as_rows) as "
-                                    "targets.attention.attention_output does.")
+                    raise TypeError(
+                        "with a cache, attend must return (output, as_rows) as targets.attention.attention_output does."
+                    )
                 out, as_rows = given
             return apply_linear_output(self.o_proj, out, as_rows, residual)
         attend = attend or mx.fast.scaled_dot_product_attention
@@ -415,14 +430,19 @@ class DraftLayer(nn.Module):
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         """``fused``: this layer's FusedProjections (targets/fused.py), which
         run q/k/v as one product and gate/up as another; None: the modules."""
-        h = self.self_attn(x, ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused, residual=x,
-                           norm=self.input_layernorm)
+        h = self.self_attn(
+            x, ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused, residual=x, norm=self.input_layernorm
+        )
         if fused is not None:  # (both norms in their products' launches, where the kernel takes them)
             return fused.mlp(self.mlp, h, h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDraft(nn.Module):
+    # Whether drafts come from a candidate selector (``propose``, DFlash 2)
+    # rather than straight from the drafter's logits.
+    selects_candidates = False
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
@@ -441,7 +461,7 @@ class DFlashDraft(nn.Module):
         self._target = None  # a plain attribute: the target's weights are not ours
 
     # -- binding ---------------------------------------------------------
-    def bind(self, target) -> "DFlashDraft":
+    def bind(self, target) -> DFlashDraft:
         """Share the target adapter's token embedding and output head, after
         checking that this drafter was made for a target of its shape."""
         check_pair(self.config, target.hidden_size, target.vocab_size, target.num_layers)
@@ -509,7 +529,9 @@ class DFlashDraft(nn.Module):
         for layer, c, f in zip(self.layers, cache, fused):
             c.update_and_fetch(*layer.self_attn.keys_values(features, self.rope, c.offset, f, cached=True, norm=norm))
 
-    def __call__(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None) -> mx.array:
+    def __call__(
+        self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None
+    ) -> mx.array:
         """Draft one block.
 
         block: [1, bs] token ids [last committed, MASK, ...] at the positions
@@ -523,8 +545,14 @@ class DFlashDraft(nn.Module):
         """
         return self.logits(self.hidden_states(block, taps, cache, fused, normed=False), self.norm)
 
-    def hidden_states(self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache],
-                      fused: list | None = None, normed: bool = True) -> mx.array:
+    def hidden_states(
+        self,
+        block: mx.array,
+        taps: mx.array | None,
+        cache: list[BufferKVCache],
+        fused: list | None = None,
+        normed: bool = True,
+    ) -> mx.array:
         """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
         arguments as for ``__call__``; ``normed=False``: before the final
         norm)."""
@@ -535,7 +563,7 @@ class DFlashDraft(nn.Module):
         L = block.shape[1]
         masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
         ends = {}  # the context's length with the block, one per length
-        for layer, c, fused in zip(self.layers, cache, fused):
+        for layer, c, layer_fused in zip(self.layers, cache, fused):
             attn = layer.self_attn
             # The buffer as the cache hands it (up to its bound, or whole and
             # fixed in shape where compiled): the mask hides the unfilled
@@ -548,9 +576,10 @@ class DFlashDraft(nn.Module):
                 ends[length] = c.after(L)
             # the block-attention kernel where it pays (the block is written right after the
             # context, positions offset..offset+L-1), else the fused op with the mask
-            attend = partial(cache_attention, cache=c, start=c.offset, length=ends[length],
-                             causal=attn.causal, window=attn.window)
-            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=fused, attend=attend)
+            attend = partial(
+                cache_attention, cache=c, start=c.offset, length=ends[length], causal=attn.causal, window=attn.window
+            )
+            x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=layer_fused, attend=attend)
         return self.norm(x[:, 1:]) if normed else x[:, 1:]
 
 

@@ -72,7 +72,8 @@ class Draft2Config(DraftConfig):
         missing = [f"dflash_config.{k}" for k in DFLASH2_FIELDS if k not in dflash]
         if missing:
             raise ValueError(
-                "the DFlash 2 drafter's config.json is missing " + ", ".join(missing)
+                "the DFlash 2 drafter's config.json is missing "
+                + ", ".join(missing)
                 + "; re-download or re-convert the checkpoint."
             )
         return cls(**vars(base), **{k: dflash[k] for k in DFLASH2_FIELDS})
@@ -102,7 +103,9 @@ def _shown(name: str) -> str:
     return name.removesuffix(".weight") if name.removesuffix(".weight") in CODEBOOKS else name
 
 
-def check_draft_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantization: dict | None = None) -> dict[str, mx.array]:
+def check_draft_weights(
+    weights: dict[str, mx.array], cfg: DraftConfig, quantization: dict | None = None
+) -> dict[str, mx.array]:
     """The drafter's weights under module names, after raising ValueError for
     missing, unexpected or misshapen tensors (v1 and DFlash 2 alike)."""
     if not isinstance(cfg, Draft2Config):
@@ -120,7 +123,9 @@ def check_draft_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantiza
     found = {
         "missing tensors": sorted(_shown(k) for k in set(want) - set(have)),
         "unexpected tensors": sorted(_shown(k) for k in set(have) - set(want)),
-        "misshapen tensors:": sorted(f"{_shown(k)} is {have[k]}, expected {want[k]}" for k in set(want) & set(have) if want[k] != have[k]),
+        "misshapen tensors:": sorted(
+            f"{_shown(k)} is {have[k]}, expected {want[k]}" for k in set(want) & set(have) if want[k] != have[k]
+        ),
     }
     problems = [f"{what} {_short(names)}" for what, names in found.items() if names]
     if problems:
@@ -197,7 +202,9 @@ class Draft2Layer(DraftLayer):
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
         h = self.input_layernorm(x)
         dyn = self.attention_conv.dynamic(h)
-        a = self.self_attn(self.attention_conv(h, dyn, 0), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused)
+        a = self.self_attn(
+            self.attention_conv(h, dyn, 0), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused
+        )
         x = x + self.attention_conv(a, dyn, 1)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.dynamic(h)
@@ -217,7 +224,14 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
         self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
 
-    def __call__(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float = 0.0, key: mx.array | None = None):
+    def __call__(
+        self,
+        hidden: mx.array,
+        logits: mx.array,
+        anchor: mx.array,
+        temperature: float = 0.0,
+        key: mx.array | None = None,
+    ):
         """hidden [n, H], logits [n, V] of block positions 1..n; anchor: the
         last committed token (an int32 array of shape [] or [1]).
 
@@ -235,7 +249,9 @@ class CandidateSelector(nn.Module):
         # Pair scores with the anchor at position 0, and every candidate-to-
         # candidate transition after it, in one batched product.
         first = succ[0] @ (pred[0] * proj[0])  # [k]
-        trans = (pred[1:].reshape(n - 1, self.top_k, pred.shape[-1]) * proj[1:, None]) @ succ[1:].transpose(0, 2, 1)  # [n-1, k, k]
+        trans = (pred[1:].reshape(n - 1, self.top_k, pred.shape[-1]) * proj[1:, None]) @ succ[1:].transpose(
+            0, 2, 1
+        )  # [n-1, k, k]
         keys = mx.random.split(key, n) if (temperature > 0 and key is not None) else [None] * n
         picks, q_rows = [], []
         prev = None
@@ -254,13 +270,22 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Draft(DFlashDraft):
+    selects_candidates = True
+
     def __init__(self, cfg: Draft2Config):
         super().__init__(cfg)
         self.layers = [Draft2Layer(cfg, t) for t in cfg.layer_types]
         self.candidate_selector = CandidateSelector(cfg)
 
-    def propose(self, block: mx.array, taps: mx.array | None, cache, temperature: float = 0.0, key: mx.array | None = None,
-                fused: list | None = None):
+    def propose(
+        self,
+        block: mx.array,
+        taps: mx.array | None,
+        cache,
+        temperature: float = 0.0,
+        key: mx.array | None = None,
+        fused: list | None = None,
+    ):
         """The selector's drafts for block positions 1..bs-1 and their
         proposal distribution: (drafts [bs-1] int32, q [bs-1, V] float32),
         q None at temperature 0 (the drafts are then the selector's greedy
@@ -270,7 +295,9 @@ class DFlash2Draft(DFlashDraft):
         ``key`` seeds the draws (the global generator when None)."""
         hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
-        drafts, candidates, q = self.candidate_selector(hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key)
+        drafts, candidates, q = self.candidate_selector(
+            hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key
+        )
         if q is not None:
             q = mx.put_along_axis(mx.zeros(logits.shape[1:], mx.float32), candidates, q, axis=-1)
         return drafts, q

@@ -144,8 +144,9 @@ def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
     return compare_with_ops(where, dtype, head_dim, windowed, _kernels, BUILDERS, outputs)
 
 
-def compare_with_ops(where: str, dtype, head_dim: int, windowed: bool, kernels: dict, builders: dict,
-                     outputs) -> CheckResult:
+def compare_with_ops(
+    where: str, dtype, head_dim: int, windowed: bool, kernels: dict, builders: dict, outputs
+) -> CheckResult:
     """A kernel variant's self-check: ``where``'s kernel, built once by
     ``builders`` and kept in ``kernels``, passes if every (kernel's, ops
     path's) output pair that ``outputs(kernel)`` yields agrees within
@@ -187,18 +188,32 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
     v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
     sinks = mx.random.normal((4,), key=ks)
     window = 45 if windowed else None
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     yield q, k, v, dict(scale=scale, q_offset=mx.array(500), kv_length=mx.array(500 + lq), causal=True, window=window)
-    yield mx.contiguous(q), k, v, dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window,
-                                        sinks=sinks)
-    yield q, k, v, dict(scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window,
-                        sinks=sinks)
+    yield (
+        mx.contiguous(q),
+        k,
+        v,
+        dict(scale=scale, q_offset=300, kv_length=300 + lq, causal=False, window=window, sinks=sinks),
+    )
+    yield (
+        q,
+        k,
+        v,
+        dict(
+            scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window, sinks=sinks
+        ),
+    )
     # 12 and 20 rows at GQA 2: 24 and 40 rows per kv head, the matrix-unit pass's
     # threadgroups of two and four warps (kernel.tile_warps)
     for rows in (12, 20):
         qr = mx.random.normal((1, 4, rows, head_dim), key=kq).astype(dtype)
-        yield qr, k, v, dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True,
-                             window=window)
+        yield (
+            qr,
+            k,
+            v,
+            dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True, window=window),
+        )
     # a buffer of one key chunk (256 wide), verify-like and drafter-like with no sinks: on CUDA the
     # matrix-unit pass writes the output itself, with no merge (source_tiles.STORE)
     one = k[:, :, :256], v[:, :, :256]

@@ -84,9 +84,11 @@ def compacting(factory, backend: str):
     header each source uses (``compact``, ``used_header``; NVRTC checks that
     on any machine, scripts/check_cuda_kernels.py, where nothing here
     compiles Metal's)."""
+
     def build(*, source: str, header: str = "", **kw):
         source, header = compact(source), compact(header)
         if COMPACT_SOURCES and backend == "cuda":
             header = used_header(header, source)
         return factory(source=source, header=header, **kw)
+
     return build

@@ -16,9 +16,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from ..cache.buffer import BufferKVCache
 from ..kernels import dispatch, norm_rope
 from . import linear
-from ..cache.buffer import BufferKVCache
 
 
 def prepare(dtype, head_dim: int, windows) -> None:
@@ -36,8 +36,20 @@ def prepare(dtype, head_dim: int, windows) -> None:
         dispatch.checked_kernel(where, dtype, head_dim, windowed)
 
 
-def attention(queries, keys, values, *, cache, scale: float, mask, start, length=None, causal: bool = True,
-              window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+def attention(
+    queries,
+    keys,
+    values,
+    *,
+    cache,
+    scale: float,
+    mask,
+    start,
+    length=None,
+    causal: bool = True,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
     """Attention of the rows written at ``start`` (an int or a device scalar)
     over the cache's buffers ``keys``/``values``; ``mask`` is what mlx-lm's
     path needs for the same thing. ``length``: the valid length with those
@@ -45,16 +57,39 @@ def attention(queries, keys, values, *, cache, scale: float, mask, start, length
     moved past them). Causal or not (the drafter's block), within ``window``
     when given, with per-head sink logits ``sinks`` (gpt-oss) when given.
     Returns [B, heads, L, D]."""
-    out, as_rows = attention_output(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start,
-                                    length=length, causal=causal, window=window, sinks=sinks)
+    out, as_rows = attention_output(
+        queries,
+        keys,
+        values,
+        cache=cache,
+        scale=scale,
+        mask=mask,
+        start=start,
+        length=length,
+        causal=causal,
+        window=window,
+        sinks=sinks,
+    )
     if as_rows:
         B, L, _ = out.shape
         return out.reshape(B, L, queries.shape[1], -1).transpose(0, 2, 1, 3)
     return out
 
 
-def attention_output(queries, keys, values, *, cache, scale: float, mask, start, length=None, causal: bool = True,
-                     window: int | None = None, sinks: mx.array | None = None) -> tuple[mx.array, bool]:
+def attention_output(
+    queries,
+    keys,
+    values,
+    *,
+    cache,
+    scale: float,
+    mask,
+    start,
+    length=None,
+    causal: bool = True,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> tuple[mx.array, bool]:
     """``attention`` in the layout its result is stored in, so that the
     output product reads it without a copy (linear.apply_linear_output):
     (rows [B, L, heads * D], True) where the block-attention kernel ran (it
@@ -65,9 +100,17 @@ def attention_output(queries, keys, values, *, cache, scale: float, mask, start,
         if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2], where):
             kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
             if kernel is not None:
-                out = kernel(queries, keys, values, scale=scale, q_offset=start,
-                             kv_length=cache.offset if length is None else length, causal=causal, window=window,
-                             sinks=sinks)
+                out = kernel(
+                    queries,
+                    keys,
+                    values,
+                    scale=scale,
+                    q_offset=start,
+                    kv_length=cache.offset if length is None else length,
+                    causal=causal,
+                    window=window,
+                    sinks=sinks,
+                )
                 B, _, L, _ = out.shape
                 return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False

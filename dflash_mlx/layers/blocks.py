@@ -11,34 +11,37 @@ products and sparse MLP."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .linear import apply_linear_output
 from ..kernels.norm_rope import norm_rope
 from .attention import attention_output
+from .linear import apply_linear_output
 
 
-def attend(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
-           sinks: mx.array | None = None) -> mx.array:
+def attend(
+    rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None, sinks: mx.array | None = None
+) -> mx.array:
     """mlx-lm's attention modules after their projections: queries, keys
     and values [B, heads, L, D] rotated by ``rope`` at the cache's offset
     (None: a layer without positions, NoPE), keys and values written to
     ``cache`` (None: a whole sequence, no cache), then attention of the new
     rows from that offset, within ``window``, with per-head ``sinks`` if
     given. Returns [B, L, heads * D]."""
-    out, as_rows = attend_output(rope, queries, keys, values, cache=cache, scale=scale, mask=mask, window=window,
-                                 sinks=sinks)
+    out, as_rows = attend_output(
+        rope, queries, keys, values, cache=cache, scale=scale, mask=mask, window=window, sinks=sinks
+    )
     if as_rows:
         return out
     B, _, L, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
-def attend_output(rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None,
-                  sinks: mx.array | None = None) -> tuple[mx.array, bool]:
+def attend_output(
+    rope, queries, keys, values, *, cache, scale: float, mask, window: int | None = None, sinks: mx.array | None = None
+) -> tuple[mx.array, bool]:
     """``attend``'s output as the attention stores it: (rows, True) or
     (heads [B, heads, L, D], False), see ``attention.attention_output``
     (``block_products.apply_linear_output`` takes either without a copy)."""
@@ -49,12 +52,14 @@ def attend_output(rope, queries, keys, values, *, cache, scale: float, mask, win
         queries, keys = rope(queries), rope(keys)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    return attention_output(queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window,
-                            sinks=sinks)
+    return attention_output(
+        queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window, sinks=sinks
+    )
 
 
 def own_projections(attn: nn.Module) -> Callable:
     """(h, norm) -> (q, k, v) of norm(h) through the attention module's own three products."""
+
     def qkv(h, norm):
         x = norm(h)
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)

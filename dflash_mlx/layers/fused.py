@@ -23,14 +23,14 @@ their own module.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .linear import apply_linear, apply_linear_swiglu
 from .blocks import dense_block
+from .linear import apply_linear, apply_linear_swiglu
 
 # mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
 # projection names; their forward takes the fused projections, draft.py)
@@ -56,8 +56,9 @@ class FusedProjections:
         k, v = mx.split(apply_linear(self.kv, x, norm=norm), self.kvq_splits[:1], axis=-1)
         return k, v
 
-    def mlp(self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None,
-            norm: nn.Module | None = None) -> mx.array:
+    def mlp(
+        self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
+    ) -> mx.array:
         """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)``, gate and up from one
         product with the norm and the SwiGLU in its launch where it can
         (plus ``residual``, added by the down product's launch where it can)."""
@@ -146,8 +147,12 @@ def _sources(layer: nn.Module) -> tuple:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     mods = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     mods += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
-    return tuple(x for m in mods if isinstance(m, nn.Module)
-                 for x in (m, *(m[k] for k in sorted(m) if isinstance(m[k], mx.array))))
+    return tuple(
+        x
+        for m in mods
+        if isinstance(m, nn.Module)
+        for x in (m, *(m[k] for k in sorted(m) if isinstance(m[k], mx.array)))
+    )
 
 
 def _unchanged(then: tuple, now: tuple) -> bool:

@@ -67,8 +67,9 @@ def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | 
     return apply_linear(module, heads.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 
-def apply_linear(module: nn.Module, x: mx.array, residual: mx.array | None = None,
-                 norm: nn.Module | None = None) -> mx.array:
+def apply_linear(
+    module: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
+) -> mx.array:
     """``module(norm(x))``, or ``residual + module(norm(x))`` (``norm``:
     None, or the RMSNorm before the product): for an nn.Linear through the
     kernel where it takes the product and has checked out (the residual
@@ -90,8 +91,10 @@ def takes_norm(module: nn.Module, x: mx.array, norm: nn.Module) -> bool:
     """Whether ``apply_linear(module, x, norm=norm)`` takes the norm into the
     kernel's launch (a caller with several products of one normed input
     then hands each the norm instead of norming once)."""
-    return (_taking(module, x.shape[:-1], x.shape[-1], x.dtype, None) is not None
-            and _norm_operands(norm, x, module) is not None)
+    return (
+        _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None) is not None
+        and _norm_operands(norm, x, module) is not None
+    )
 
 
 def _norm_operands(norm: nn.Module | None, x: mx.array, module: nn.Module) -> tuple[mx.array, float] | None:

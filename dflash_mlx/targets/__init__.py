@@ -36,10 +36,23 @@ def adapt(model: nn.Module) -> DenseTarget:
     model_type = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
     if model_type not in ADAPTERS:
         raise ValueError(
-            f"target model type {model_type!r} is not supported yet; "
-            f"supported families: {', '.join(sorted(ADAPTERS))}."
+            f"target model type {model_type!r} is not supported yet; supported families: {', '.join(sorted(ADAPTERS))}."
         )
     return ADAPTERS[model_type](model)
 
 
-__all__ = ["ADAPTERS", "DenseTarget", "Gemma3Target", "Gemma4Target", "GptOssTarget", "HybridTarget", "LlamaTarget", "MuseGlimmerTarget", "Qwen3MoeTarget", "Qwen3NextTarget", "Qwen3_5MoeTarget", "Qwen3Target", "adapt"]
+__all__ = [
+    "ADAPTERS",
+    "DenseTarget",
+    "Gemma3Target",
+    "Gemma4Target",
+    "GptOssTarget",
+    "HybridTarget",
+    "LlamaTarget",
+    "MuseGlimmerTarget",
+    "Qwen3MoeTarget",
+    "Qwen3NextTarget",
+    "Qwen3_5MoeTarget",
+    "Qwen3Target",
+    "adapt",
+]

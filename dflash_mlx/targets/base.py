@@ -6,16 +6,16 @@ itself, calling the model's embedding, layers, norm and head."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..layers.linear import NORM_MOST, apply_linear
 from ..cache.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
+from ..layers.linear import NORM_MOST, apply_linear
 
 
 class DenseTarget:

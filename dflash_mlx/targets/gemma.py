@@ -21,7 +21,7 @@ own config's ``final_logit_softcapping``, so it is never capped twice."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,8 +30,8 @@ from mlx_lm.models.gemma3_text import clip_residual
 
 from ..cache.buffer import BufferKVCache
 from ..layers.attention import attention, prepare
-from .base import DenseTarget
 from ..layers.blocks import attend
+from .base import DenseTarget
 
 
 class Gemma3Target(DenseTarget):
@@ -153,7 +153,9 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
         else:
             k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
             v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
-            offset = 0 if cache is None else (cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset))
+            offset = (
+                0 if cache is None else (cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset))
+            )
             k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
             v = attn.v_norm(v).transpose(0, 2, 1, 3)
             source = cache
@@ -168,8 +170,12 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
         out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         h = h + layer.post_attention_layernorm(out)
         h = h + layer.post_feedforward_layernorm(feed_forward(layer, h))
-        if (layer.per_layer_input_gate is not None and layer.per_layer_projection is not None
-                and layer.post_per_layer_input_norm is not None and per_layer_input is not None):
+        if (
+            layer.per_layer_input_gate is not None
+            and layer.per_layer_projection is not None
+            and layer.post_per_layer_input_norm is not None
+            and per_layer_input is not None
+        ):
             gate = mx.multiply(nn.gelu_approx(layer.per_layer_input_gate(h)), per_layer_input)
             h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
         if layer.layer_scalar is not None:

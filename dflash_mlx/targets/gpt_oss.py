@@ -7,13 +7,13 @@ and the window lives in the mask. Each layer is mlx-lm's TransformerBlock
 forward with its attention through ``attention.attention_output``, sinks included
 (the kernel takes them as per-head logits, as mx.fast's attention does)."""
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import DenseTarget
 from ..layers.blocks import attend
+from .base import DenseTarget
 
 
 class GptOssTarget(DenseTarget):

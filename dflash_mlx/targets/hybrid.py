@@ -16,7 +16,7 @@ second half of the query projection. They run here op for op
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,8 +24,8 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..cache.buffer import BufferKVCache, positions_mask, set_lengths
 from ..layers.attention import prepare
-from .base import DenseTarget
 from ..layers.blocks import attend
+from .base import DenseTarget
 from .recurrent import DeltaCache, _value
 
 

@@ -17,13 +17,13 @@ multiplier and softcap, applied by the drafter): so ``embed`` and ``lm_head``
 are the raw ones, and the target's own forward adds the norm, the multiplier
 and the cap."""
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import DenseTarget
 from ..layers.blocks import attend
+from .base import DenseTarget
 
 
 class MuseGlimmerTarget(DenseTarget):

@@ -6,8 +6,8 @@ a single decode step would. The attention is qwen3's (q/k norms), run as
 layers.dense_block runs it, through ``attention.attention_output``, with mlx-lm's
 own projections and MLP."""
 
-from .base import DenseTarget
 from ..layers.blocks import dense_block, own_projections
+from .base import DenseTarget
 
 
 class Qwen3MoeTarget(DenseTarget):

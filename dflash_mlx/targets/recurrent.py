@@ -45,7 +45,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, gated_delta_kernel, gated_delta_ops, gated_delta_update, normalize_qk
 
-
 ROLLBACKS = ("replay", "per-step")
 
 
@@ -86,8 +85,9 @@ def _metal_kernel(k: mx.array, layer: nn.Module) -> bool:
     rule in mlx-lm 0.32, which pyproject.toml pins below 0.33: check it again
     on a bump): the same steps must run the same arithmetic."""
     Dk = k.shape[-1]
-    return (not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available()
-            and Dk >= 32 and Dk % 32 == 0)
+    return (
+        not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available() and Dk >= 32 and Dk % 32 == 0
+    )
 
 
 @dataclass
@@ -126,8 +126,18 @@ class Write:
             return conv, self.states[s] if isinstance(s, int) else mx.take(self.states, s, axis=0)
         mask = (mx.arange(self.steps) < s)[None]
         layer = self.layer
-        _, state = gated_delta_update(self.q, self.k, self.v, self.a, self.b, layer.A_log, layer.dt_bias,
-                                      self.state0, mask, use_kernel=not layer.training)
+        _, state = gated_delta_update(
+            self.q,
+            self.k,
+            self.v,
+            self.a,
+            self.b,
+            layer.A_log,
+            layer.dt_bias,
+            self.state0,
+            mask,
+            use_kernel=not layer.training,
+        )
         return conv, state
 
 
@@ -175,7 +185,9 @@ class DeltaCache:
             qkv = layer.in_proj_qkv(x)
             z = layer.in_proj_z(x).reshape(B, T, layer.num_v_heads, layer.head_v_dim)
             b, a = layer.in_proj_b(x), layer.in_proj_a(x)
-        conv = self.conv if self.conv is not None else mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), x.dtype)
+        conv = (
+            self.conv if self.conv is not None else mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), x.dtype)
+        )
         conv_input = mx.concatenate([conv, qkv], axis=1)
         conv_out = nn.silu(layer.conv1d(conv_input))
         q, k, v = [
@@ -191,8 +203,9 @@ class DeltaCache:
         if self.rollback == "per-step" and T <= self.per_step_longest:
             out, states, state = per_step_update(q, k, v, a, b, layer, self.ssm)
         else:
-            out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm,
-                                            use_kernel=not layer.training)
+            out, state = gated_delta_update(
+                q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm, use_kernel=not layer.training
+            )
         if T <= self.longest_write:
             self.pending = Write(self.offset, layer, conv_input, q, k, v, a, b, self.ssm, state, states)
         self.offset = self.offset + T

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..prompts import apply_chat_template, encode
 
@@ -43,7 +43,7 @@ def encode_prompts(items: list[dict], tokenizer, max_prompt_len: int) -> list[li
             if getattr(tokenizer, "chat_template", None) is None:
                 raise ValueError(
                     "the data holds chat conversations but the target's tokenizer has no chat "
-                    "template; use plain {\"prompt\": ...} lines or a target with a chat template."
+                    'template; use plain {"prompt": ...} lines or a target with a chat template.'
                 )
             ids = apply_chat_template(tokenizer, item["messages"])
         ids = ids[-max_prompt_len:]

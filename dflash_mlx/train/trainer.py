@@ -29,9 +29,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,7 +71,9 @@ class TrainConfig:
     max_prompts: int | None = None
     mask_token_id: int | None = None
     min_block_size: int | None = None  # blocks get random lengths in [min_block_size, block_size]; None: all full
-    val_fraction: float | None = None  # share held out to measure acceptance on unseen text; None: 0.05 (or the run's, on resume)
+    val_fraction: float | None = (
+        None  # share held out to measure acceptance on unseen text; None: 0.05 (or the run's, on resume)
+    )
     compile: bool = True  # compile the training step (fixed shapes: same result, faster)
 
     def check(self) -> None:
@@ -82,7 +85,9 @@ class TrainConfig:
         for name in ("draft_layers", "steps", "batch_size", "blocks_per_seq", "save_every", "gen_batch"):
             positive(name)
         if self.block_size < 2:
-            raise ValueError(f"--block-size must be at least 2 (the anchor token plus one draft), got {self.block_size}.")
+            raise ValueError(
+                f"--block-size must be at least 2 (the anchor token plus one draft), got {self.block_size}."
+            )
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8 tokens, got {self.seq_len}.")
         if not self.lr > 0:
@@ -90,7 +95,9 @@ class TrainConfig:
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"--gamma must be positive, got {self.gamma}.")
         if self.min_block_size is not None and not 2 <= self.min_block_size <= self.block_size:
-            raise ValueError(f"--min-block-size must be between 2 and --block-size ({self.block_size}), got {self.min_block_size}.")
+            raise ValueError(
+                f"--min-block-size must be between 2 and --block-size ({self.block_size}), got {self.min_block_size}."
+            )
         if self.val_fraction is not None and not 0 <= self.val_fraction < 0.5:
             raise ValueError(f"--val-fraction must be in [0, 0.5), got {self.val_fraction}.")
 
@@ -107,6 +114,7 @@ def position_weights(block_size: int, gamma: float) -> mx.array:
 
 
 # -- the drafter's shape ------------------------------------------------------
+
 
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
     """A token id for the MASK slots of a block, and why it was chosen.
@@ -176,6 +184,7 @@ def new_draft_config(target_model, adapter, tokenizer, cfg: TrainConfig) -> tupl
 
 
 # -- batches ------------------------------------------------------------------
+
 
 def make_batch(seqs: list[Sequence], rng: np.random.Generator, cfg: TrainConfig, mask_id: int) -> dict[str, mx.array]:
     """Sample ``batch_size`` sequences and ``blocks_per_seq`` anchors in each.
@@ -248,8 +257,9 @@ def split_held_out(seqs: list[Sequence], fraction: float, seed: int) -> tuple[li
     return [s for i, s in enumerate(seqs) if i not in held], [seqs[i] for i in sorted(held)]
 
 
-def held_out_acceptance(draft, adapter, seqs: list[Sequence], cfg: TrainConfig, mask_id: int, weights,
-                        batches: int = 4) -> dict:
+def held_out_acceptance(
+    draft, adapter, seqs: list[Sequence], cfg: TrainConfig, mask_id: int, weights, batches: int = 4
+) -> dict:
     """Loss and acceptance estimate (as in ``loss_and_stats``, full-length
     blocks) on held-out sequences, over the same fixed anchors at every call."""
     full = TrainConfig(**{**asdict(cfg), "min_block_size": None})
@@ -266,6 +276,7 @@ def held_out_acceptance(draft, adapter, seqs: list[Sequence], cfg: TrainConfig, 
 
 
 # -- checkpoints and output -----------------------------------------------------
+
 
 def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: dict) -> None:
     tmp = out / (CHECKPOINT + ".tmp")
@@ -302,7 +313,15 @@ def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
 
 # -- the loop -----------------------------------------------------------------------
 
-_SAME_ON_RESUME = ("block_size", "draft_layers", "target_layer_ids", "seq_len", "mask_token_id", "min_block_size", "val_fraction")
+_SAME_ON_RESUME = (
+    "block_size",
+    "draft_layers",
+    "target_layer_ids",
+    "seq_len",
+    "mask_token_id",
+    "min_block_size",
+    "val_fraction",
+)
 DEFAULT_VAL_FRACTION = 0.05
 
 # log(message): one line for the user. progress(stage, done, total, info): how far
@@ -324,7 +343,9 @@ def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for the drafter.")
     if out.exists() and any(out.iterdir()) and not cfg.resume:
-        raise ValueError(f"the output directory {out} already exists; pass --resume to continue training there, or choose a new --out.")
+        raise ValueError(
+            f"the output directory {out} already exists; pass --resume to continue training there, or choose a new --out."
+        )
     out.mkdir(parents=True, exist_ok=True)
     filled = {}
     args_file = out / TRAIN_ARGS
@@ -337,7 +358,9 @@ def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
                 f"--{k.replace('_', '-')} is {getattr(cfg, k)} but {out} was trained with {old[k]}; "
                 "resume with the same value or choose a new --out."
             )
-        filled = {k: old.get(k) for k in ("target_layer_ids", "mask_token_id", "min_block_size") if getattr(cfg, k) is None}
+        filled = {
+            k: old.get(k) for k in ("target_layer_ids", "mask_token_id", "min_block_size") if getattr(cfg, k) is None
+        }
         if cfg.val_fraction is None:  # a run from before the held-out split had none
             filled["val_fraction"] = old.get("val_fraction", 0.0)
     if cfg.val_fraction is None and "val_fraction" not in filled:
@@ -407,14 +430,31 @@ def prepare(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: Sta
     cfg = replace(cfg, target_layer_ids=list(draft_cfg.target_layer_ids), mask_token_id=draft_cfg.mask_token_id)
     (out / TRAIN_ARGS).write_text(json.dumps(asdict(cfg), indent=2))
     layers = draft_cfg.num_hidden_layers
-    log(f"drafter: {layers} layer{'s' if layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {why}")
+    log(
+        f"drafter: {layers} layer{'s' if layers > 1 else ''}, block {draft_cfg.block_size}, taps {draft_cfg.target_layer_ids}, {why}"
+    )
 
-    meta = {"data": data_fingerprint(cfg.data), "model": str(cfg.model), "seq_len": cfg.seq_len, "prompts": len(prompts)}
-    seqs = distill(model, tokenizer, prompts, cfg.seq_len, out, meta, cfg.gen_batch,
-                   progress=lambda done, total: progress("distill", done, total, ""))
+    meta = {
+        "data": data_fingerprint(cfg.data),
+        "model": str(cfg.model),
+        "seq_len": cfg.seq_len,
+        "prompts": len(prompts),
+    }
+    seqs = distill(
+        model,
+        tokenizer,
+        prompts,
+        cfg.seq_len,
+        out,
+        meta,
+        cfg.gen_batch,
+        progress=lambda done, total: progress("distill", done, total, ""),
+    )
     seqs = [s for s in seqs if len(s.tokens) - s.prompt_len >= 2]
     if not seqs:
-        raise ValueError("the target's responses are all shorter than 2 tokens, so there is nothing to learn; give longer prompts or a larger --seq-len.")
+        raise ValueError(
+            "the target's responses are all shorter than 2 tokens, so there is nothing to learn; give longer prompts or a larger --seq-len."
+        )
     seqs, held_out = split_held_out(seqs, cfg.val_fraction, cfg.seed)
     return Prepared(cfg, out, adapter, draft_cfg, seqs, held_out, resuming)
 
@@ -424,8 +464,10 @@ def _optimizer(cfg: TrainConfig, draft: DFlashDraft) -> optim.Optimizer:
     warmup = cfg.warmup if cfg.warmup is not None else max(1, int(0.04 * cfg.steps))
     warmup = min(warmup, cfg.steps)
     schedule = optim.join_schedules(
-        [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warmup),
-         optim.cosine_decay(cfg.lr, max(1, cfg.steps - warmup), cfg.lr * 0.1)],
+        [
+            optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warmup),
+            optim.cosine_decay(cfg.lr, max(1, cfg.steps - warmup), cfg.lr * 0.1),
+        ],
         [warmup],
     )
     optimizer = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.95], weight_decay=0.01)
@@ -462,8 +504,10 @@ def fit(prep: Prepared, *, log: Log = _nothing, progress: StageProgress = _nothi
     if cfg.compile:  # every batch has the same shapes, so this compiles once
         one_step = mx.compile(one_step, inputs=[draft.state, optimizer.state], outputs=[draft.state, optimizer.state])
 
-    log(f"{len(prep.seqs)} sequences for training, {len(prep.held_out)} held out; training steps {step}..{cfg.steps} "
-        f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)")
+    log(
+        f"{len(prep.seqs)} sequences for training, {len(prep.held_out)} held out; training steps {step}..{cfg.steps} "
+        f"({cfg.batch_size} sequences x {cfg.blocks_per_seq} blocks per step)"
+    )
     tic, done_here, by_position = time.perf_counter(), 0, None
     val_note = f" held-out≈{val_history[-1][1]:.2f}" if val_history else ""
     progress("train", step, cfg.steps, "")
@@ -484,10 +528,16 @@ def fit(prep: Prepared, *, log: Log = _nothing, progress: StageProgress = _nothi
                 val = held_out_acceptance(draft, adapter, prep.held_out, cfg, draft_cfg.mask_token_id, weights)
                 val_history.append([step, round(val["acceptance"], 4), round(val["loss"], 5)])
                 val_note = f" held-out≈{val['acceptance']:.2f}"
-            save_checkpoint(out, draft, optimizer, step,
-                            {"seed": cfg.seed, "history": history, "ema": ema, "held_out": val_history})
+            save_checkpoint(
+                out, draft, optimizer, step, {"seed": cfg.seed, "history": history, "ema": ema, "held_out": val_history}
+            )
             save_draft(out, draft, _out_dtype(adapter))
-        progress("train", step, cfg.steps, f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}{val_note} /{cfg.block_size} {rate:.1f} step/s")
+        progress(
+            "train",
+            step,
+            cfg.steps,
+            f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}{val_note} /{cfg.block_size} {rate:.1f} step/s",
+        )
     if not (out / "model.safetensors").is_file():  # resumed an already finished run
         save_draft(out, draft, _out_dtype(adapter))
     return Fitted(step, history, val_history, ema, by_position, time.perf_counter() - tic)
@@ -513,10 +563,15 @@ def summarize(prep: Prepared, fitted: Fitted, *, log: Log = _nothing) -> dict[st
         log(f"drafter saved to {prep.out}")
         return summary
     lengths = f" (blocks of {cfg.min_block_size}-{cfg.block_size})" if cfg.min_block_size else ""
-    held = (f", {summary['held_out_acceptance']:.2f} on {len(prep.held_out)} held-out sequences"
-            if summary["held_out_acceptance"] is not None else "")
-    log(f"drafter saved to {prep.out} (loss {summary['loss']:.3f}, estimated acceptance length "
-        f"{summary['acceptance_estimate']:.2f} on training batches{lengths}{held} at block {cfg.block_size})")
+    held = (
+        f", {summary['held_out_acceptance']:.2f} on {len(prep.held_out)} held-out sequences"
+        if summary["held_out_acceptance"] is not None
+        else ""
+    )
+    log(
+        f"drafter saved to {prep.out} (loss {summary['loss']:.3f}, estimated acceptance length "
+        f"{summary['acceptance_estimate']:.2f} on training batches{lengths}{held} at block {cfg.block_size})"
+    )
     return summary
 
 

@@ -44,14 +44,13 @@ import struct
 import warnings
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from .products_source import BODY, MMA_HEADER, VERSION
-from ..dispatch import CheckResult, backend, compare_with_ops
 from ..attention import make_factory
-from ..launch_source import compacting
 from ..attention_source import HEADER
+from ..dispatch import CheckResult, backend, compare_with_ops
+from ..launch_source import compacting
+from .products_source import BODY, MMA_HEADER, VERSION
 
 MOST_ROWS = 16  # one matrix-unit tile's rows
 DTYPES = (mx.bfloat16, mx.float16)
@@ -90,16 +89,28 @@ class BlockProductKernel:
             raise ValueError("the block-product kernel is CUDA's (MLX's Metal products launch cheaply)")
         factory = compacting(factory or make_factory(backend_name), backend_name)
         self.kernels = {
-            dtype: factory(name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}", input_names=["x", "w", "b", "r", "nw"],
-                           output_names=["y"], source=BODY, header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]])
+            dtype: factory(
+                name=f"dflash_block_product_{MMA[dtype]}_v{VERSION}",
+                input_names=["x", "w", "b", "r", "nw"],
+                output_names=["y"],
+                source=BODY,
+                header=HEADER[backend_name] + MMA_HEADER[MMA[dtype]],
+            )
             for dtype in DTYPES
         }
         self.shape = shape  # None: launch_shape's choice per product (benchmarks fix one; SwiGLU keeps 2 tiles)
         self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
-    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None = None,
-                 residual: mx.array | None = None, heads: bool = False, swiglu: bool = False,
-                 norm: tuple[mx.array, float] | None = None) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        weight: mx.array,
+        bias: mx.array | None = None,
+        residual: mx.array | None = None,
+        heads: bool = False,
+        swiglu: bool = False,
+        norm: tuple[mx.array, float] | None = None,
+    ) -> mx.array:
         """residual + (x @ weight.T + bias), x [..., K] with 2-16 rows; the
         bias and the residual [..., N] optional. ``heads``: x is an
         attention's output [1, heads, rows, D], multiplied as its rows
@@ -115,8 +126,10 @@ class BlockProductKernel:
             rows = x.size // k
             x = x.reshape(rows, k)
         if swiglu and (bias is not None or residual is not None or heads or weight.shape[0] % 2):
-            raise ValueError("the SwiGLU epilogue takes a fused gate/up weight (an even number of rows) with no "
-                             "bias, residual or heads.")
+            raise ValueError(
+                "the SwiGLU epilogue takes a fused gate/up weight (an even number of rows) with no "
+                "bias, residual or heads."
+            )
         if norm is not None and (heads or norm[0].shape != (k,)):
             raise ValueError("a norm in the product's launch takes rows (not heads) and a weight of their length.")
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
@@ -126,11 +139,25 @@ class BlockProductKernel:
             tiles, split, ahead = self.shape or launch_shape(n, k)
         none = self._none[x.dtype]
         (y,) = self.kernels[x.dtype](
-            inputs=[x, weight, none if bias is None else bias, none if residual is None else residual.reshape(rows, n),
-                    none if norm is None else norm[0]],
-            template=[("T", x.dtype), ("NT", tiles), ("KW", split), ("U", ahead), ("HEADS", heads),
-                      ("HAS_BIAS", bias is not None), ("HAS_RESIDUAL", residual is not None), ("SWIGLU", swiglu),
-                      ("HAS_NORM", norm is not None), ("EPS_BITS", 0 if norm is None else float_bits(norm[1]))],
+            inputs=[
+                x,
+                weight,
+                none if bias is None else bias,
+                none if residual is None else residual.reshape(rows, n),
+                none if norm is None else norm[0],
+            ],
+            template=[
+                ("T", x.dtype),
+                ("NT", tiles),
+                ("KW", split),
+                ("U", ahead),
+                ("HEADS", heads),
+                ("HAS_BIAS", bias is not None),
+                ("HAS_RESIDUAL", residual is not None),
+                ("SWIGLU", swiglu),
+                ("HAS_NORM", norm is not None),
+                ("EPS_BITS", 0 if norm is None else float_bits(norm[1])),
+            ],
             grid=(-(-n // (8 * (1 if swiglu else tiles))) * 32 * split, 1, 1),
             threadgroup=(32 * split, 1, 1),
             output_shapes=[(rows, n)],
@@ -158,10 +185,16 @@ def fits(lead: tuple, k: int, dtype, weight: mx.array, bias: mx.array | None, re
     dtype, K a multiple of 32, a residual (if any) of the output's shape and
     dtype."""
     n = weight.shape[0]
-    return (2 <= math.prod(lead) <= MOST_ROWS and dtype in DTYPES and weight.ndim == 2 and weight.shape[1] == k
-            and weight.dtype == dtype and k % 32 == 0
-            and (bias is None or (bias.shape == (n,) and bias.dtype == dtype))
-            and (residual is None or (residual.shape == (*lead, n) and residual.dtype == dtype)))
+    return (
+        2 <= math.prod(lead) <= MOST_ROWS
+        and dtype in DTYPES
+        and weight.ndim == 2
+        and weight.shape[1] == k
+        and weight.dtype == dtype
+        and k % 32 == 0
+        and (bias is None or (bias.shape == (n,) and bias.dtype == dtype))
+        and (residual is None or (residual.shape == (*lead, n) and residual.dtype == dtype))
+    )
 
 
 BUILDERS = {"cuda": BlockProductKernel}
@@ -193,14 +226,31 @@ def prepare(dtype) -> None:
         if result.ok:
             _ready[key] = _kernels[where]
         else:
-            warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
-                          f"({result.detail}); using MLX's matrix products instead.", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
+                f"({result.detail}); using MLX's matrix products instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     # the SwiGLU epilogue and the RMSNorm prologue, each checked on its own (the prologue with the
     # SwiGLU where that passed): where one fails, the products keep the kernel and it its own launch
-    _check_part(key, "swiglu", "SwiGLU epilogue", "a gate/up product's SwiGLU stays a launch of its own",
-                _swiglu_passed, swiglu=True)
-    _check_part(key, "norm", "RMSNorm prologue", "a layer's norms stay launches of their own",
-                _norm_passed, norm=True, swiglu=key in _swiglu_passed)
+    _check_part(
+        key,
+        "swiglu",
+        "SwiGLU epilogue",
+        "a gate/up product's SwiGLU stays a launch of its own",
+        _swiglu_passed,
+        swiglu=True,
+    )
+    _check_part(
+        key,
+        "norm",
+        "RMSNorm prologue",
+        "a layer's norms stay launches of their own",
+        _norm_passed,
+        norm=True,
+        swiglu=key in _swiglu_passed,
+    )
 
 
 def _check_part(key: tuple, part: str, name: str, otherwise: str, passed_set: set, **check) -> None:
@@ -215,8 +265,12 @@ def _check_part(key: tuple, part: str, name: str, otherwise: str, passed_set: se
     if result.ok:
         passed_set.add(key)
     else:
-        warnings.warn(f"dflash_mlx: the {where} {result.dtype} block-product kernel's {name} failed its self-check "
-                      f"({result.detail}); {otherwise}.", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"dflash_mlx: the {where} {result.dtype} block-product kernel's {name} failed its self-check "
+            f"({result.detail}); {otherwise}.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def self_check_all(report=None) -> list[CheckResult]:
@@ -292,7 +346,7 @@ def norm_check_cases(dtype, swiglu: bool):
     n = 100
     for k, eps in ((96, 1e-6), (256, 1e-6), (4096, 1e-5)):  # (96: lanes with no part of a row)
         # (K ** -0.5: gate and up of normed rows O(1), where the sigmoid is not saturated)
-        whole = (k ** -0.5 * mx.random.normal((4 * n, k), key=mx.random.key(30 + k))).astype(dtype)
+        whole = (k**-0.5 * mx.random.normal((4 * n, k), key=mx.random.key(30 + k))).astype(dtype)
         nw = (1 + 0.5 * mx.random.normal((k,), key=mx.random.key(31 + k))).astype(dtype)
         for rows in (2, 9, 16):
             scales = mx.exp(2 * mx.random.normal((1, rows, 1), key=mx.random.key(400 + rows)))
@@ -328,16 +382,17 @@ def swiglu_check_cases(dtype):
         whole = mx.random.normal((5 * n, k), key=mx.random.key(20 + k)).astype(dtype)
         w = whole[n : 3 * n]
         for rows in (2, 9, 16):
-            yield (k ** -0.5 * mx.random.normal((1, rows, k), key=mx.random.key(300 + rows))).astype(dtype), w
+            yield (k**-0.5 * mx.random.normal((1, rows, k), key=mx.random.key(300 + rows))).astype(dtype), w
     k = 512
     flat = mx.random.normal((2 * n * k + 8,), key=mx.random.key(21)).astype(dtype)
-    x = (k ** -0.5 * mx.random.normal((1, 5, k), key=mx.random.key(22))).astype(dtype)
+    x = (k**-0.5 * mx.random.normal((1, 5, k), key=mx.random.key(22))).astype(dtype)
     yield x, flat[3 : 3 + 2 * n * k].reshape(2 * n, k)
     yield x, flat[3 : 3 + 2 * 37 * k].reshape(2 * 37, k)
 
 
-def reference(x: mx.array, weight: mx.array, bias: mx.array | None = None,
-              residual: mx.array | None = None, heads: bool = False) -> mx.array:
+def reference(
+    x: mx.array, weight: mx.array, bias: mx.array | None = None, residual: mx.array | None = None, heads: bool = False
+) -> mx.array:
     """What the kernel computes, by MLX's ops: the product in float32 (on
     float32 copies: MLX's CUDA backend hands a bf16/fp16 product to cuBLASLt,
     which fails on a view off a 16-byte boundary, as some check cases are),

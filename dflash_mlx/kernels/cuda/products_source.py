@@ -179,7 +179,8 @@ __device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
   return make_uint4(h[0] | (unsigned(h[1]) << 16), h[2] | (unsigned(h[3]) << 16),
                     h[4] | (unsigned(h[5]) << 16), h[6] | (unsigned(h[7]) << 16));
 }
-""" + f"""
+"""
+    + f"""
 __device__ __forceinline__ float add_pair_squares(unsigned x, float sq) {{
   const float2 a = {to2}(*reinterpret_cast<const {pair}*>(&x));
   return fmaf(a.y, a.y, fmaf(a.x, a.x, sq));
@@ -196,13 +197,16 @@ __device__ __forceinline__ uint4 normed(uint4 x, uint4 w, float scale) {{
   return make_uint4(normed_pair(x.x, w.x, scale), normed_pair(x.y, w.y, scale), normed_pair(x.z, w.z, scale),
                     normed_pair(x.w, w.w, scale));
 }}
-""" + f"""
+"""
+    + f"""
 #define MMA16816(c, a0, a1, a2, a3, b0, b1) \\
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "  \\
                "{{%0,%1,%2,%3}};\\n"                                                                                \\
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                     \\
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 """
-    for ab, pair, to2, from2 in (("bf16", "__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn"),
-                                 ("f16", "__half2", "__half22float2", "__floats2half2_rn"))
+    for ab, pair, to2, from2 in (
+        ("bf16", "__nv_bfloat162", "__bfloat1622float2", "__floats2bfloat162_rn"),
+        ("f16", "__half2", "__half22float2", "__floats2half2_rn"),
+    )
 }
