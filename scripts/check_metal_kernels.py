@@ -43,22 +43,44 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal_stub.h")
 
 # mlx/backend/common/compiled.cpp's get_type_string
-METAL_TYPES = {mx.bfloat16: "bfloat16_t", mx.float16: "float16_t", mx.float32: "float", mx.int32: "int32_t",
-               mx.uint32: "uint32_t", mx.bool_: "bool", mx.int64: "int64_t", mx.int8: "int8_t",
-               mx.uint8: "uint8_t", mx.int16: "int16_t", mx.uint16: "uint16_t", mx.uint64: "uint64_t"}
+METAL_TYPES = {
+    mx.bfloat16: "bfloat16_t",
+    mx.float16: "float16_t",
+    mx.float32: "float",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.bool_: "bool",
+    mx.int64: "int64_t",
+    mx.int8: "int8_t",
+    mx.uint8: "uint8_t",
+    mx.int16: "int16_t",
+    mx.uint16: "uint16_t",
+    mx.uint64: "uint64_t",
+}
 # Inputs of fewer elements are passed in the constant address space (MLX's max_constant_array_size).
 MAX_CONSTANT_ARRAY_SIZE = 8
 # The thread attributes MLX adds as parameters, in its order, where the source names them.
 ATTRIBUTES = [
-    ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
-    ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
-    ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
-    ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
-    ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
-    ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
-    ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
-    ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"), ("threads_per_grid", "uint3"),
-    ("threads_per_simdgroup", "uint"), ("threads_per_threadgroup", "uint3"),
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
 ]
 # Apple GPUs' limits.
 THREADGROUP_MEMORY = 32 * 1024
@@ -66,8 +88,18 @@ MOST_THREADS = 1024
 SIMD_WIDTH = 32
 
 # Headers a Metal source may include; each resolves to the stand-in.
-METAL_HEADERS = ("metal_stdlib", "metal_math", "metal_simdgroup", "metal_simdgroup_matrix", "metal_compute",
-                 "metal_atomic", "metal_integer", "metal_common", "metal_relational", "metal_geometric")
+METAL_HEADERS = (
+    "metal_stdlib",
+    "metal_math",
+    "metal_simdgroup",
+    "metal_simdgroup_matrix",
+    "metal_compute",
+    "metal_atomic",
+    "metal_integer",
+    "metal_common",
+    "metal_relational",
+    "metal_geometric",
+)
 
 
 class Variant:
@@ -87,16 +119,37 @@ class Recorder:
     def __init__(self):
         self.variants: dict[str, Variant] = {}
 
-    def factory(self, *, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                atomic_outputs=False, shared_memory=0, **_):
+    def factory(
+        self,
+        *,
+        name,
+        input_names,
+        output_names,
+        source,
+        header="",
+        ensure_row_contiguous=True,
+        atomic_outputs=False,
+        shared_memory=0,
+        **_,
+    ):
         attributes = [f"  {t} {a} [[{a}]]" for a, t in ATTRIBUTES if a in source]
 
         def launch(*, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), **_):
             full = kernel_name(name, inputs, template, output_dtypes)
             variant = self.variants.get(full)
             if variant is None:
-                src = write_signature(full, header, source, input_names, inputs, output_names, output_dtypes,
-                                      template, attributes, atomic_outputs)
+                src = write_signature(
+                    full,
+                    header,
+                    source,
+                    input_names,
+                    inputs,
+                    output_names,
+                    output_dtypes,
+                    template,
+                    attributes,
+                    atomic_outputs,
+                )
                 variant = self.variants[full] = Variant(name, src)
             variant.launches.add((tuple(grid), tuple(threadgroup)))
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
@@ -124,8 +177,9 @@ def kernel_name(name, inputs, template, output_dtypes) -> str:
     return full
 
 
-def write_signature(full, header, source, input_names, inputs, output_names, output_dtypes, template, attributes,
-                    atomic_outputs=False) -> str:
+def write_signature(
+    full, header, source, input_names, inputs, output_names, output_dtypes, template, attributes, atomic_outputs=False
+) -> str:
     """The source MLX compiles for this launch (write_signature and the explicit instantiation)."""
     out = header
     if template:
@@ -138,8 +192,11 @@ def write_signature(full, header, source, input_names, inputs, output_names, out
         out += f"  const {where} {METAL_TYPES[a.dtype]}{'&' if a.ndim == 0 else '*'} {n} [[buffer({index})]],\n"
         index += 1
         if a.ndim > 0:
-            for suffix, kind in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
-                                 ("_ndim", "const constant int&")):
+            for suffix, kind in (
+                ("_shape", "const constant int*"),
+                ("_strides", "const constant int64_t*"),
+                ("_ndim", "const constant int&"),
+            ):
                 if n + suffix in source:
                     out += f"  {kind} {n}{suffix} [[buffer({index})]],\n"
                     index += 1
@@ -160,8 +217,9 @@ def write_signature(full, header, source, input_names, inputs, output_names, out
 
 # --- Metal to C++ ----------------------------------------------------------------------------------------
 
-_ATTRIBUTE = re.compile(r"\[\[\s*(?:kernel|host_name\(\"[^\"]*\"\)|buffer\(\d+\)|"
-                        + "|".join(a for a, _ in ATTRIBUTES) + r")\s*\]\]")
+_ATTRIBUTE = re.compile(
+    r"\[\[\s*(?:kernel|host_name\(\"[^\"]*\"\)|buffer\(\d+\)|" + "|".join(a for a, _ in ATTRIBUTES) + r")\s*\]\]"
+)
 
 
 def lower(source: str) -> tuple[str, list[str]]:
@@ -187,11 +245,18 @@ def lower(source: str) -> tuple[str, list[str]]:
         stripped = line.strip()
         first = re.match(r"(?:const\s+)?(\w+)\b", stripped)
         bare = re.sub(r"\[[^\]]*\]", "[]", stripped)
-        if (first and first.group(1) in words and not line.endswith("\\") and stripped.endswith(";")
-                and not re.search(r"[*&=(]", bare)):
+        if (
+            first
+            and first.group(1) in words
+            and not line.endswith("\\")
+            and stripped.endswith(";")
+            and not re.search(r"[*&=(]", bare)
+        ):
             if depth != 1:
-                problems.append(f"a threadgroup declaration inside a nested block (line {i + 1}): "
-                                "the check totals only those at the kernel's top level")
+                problems.append(
+                    f"a threadgroup declaration inside a nested block (line {i + 1}): "
+                    "the check totals only those at the kernel's top level"
+                )
             declared = [re.search(r"(\w+)\s*(?:\[\]\s*)*$", d).group(1) for d in bare.rstrip(";").split(",")]
             lines[i] = line.replace(stripped, "static " + stripped, 1)
             for n in declared:
@@ -202,10 +267,12 @@ def lower(source: str) -> tuple[str, list[str]]:
             last = i
         depth += line.count("{") - line.count("}")
     if last is not None:
-        lines[last] += (f" (void)sizeof(metal_stub_threadgroup_memory<metal_stub_tg_bytes_{len(names) - 1}>);")
-    limit = (f"template <size_t BYTES> struct metal_stub_threadgroup_memory {{\n"
-             f"  static_assert(BYTES <= {THREADGROUP_MEMORY}, \"threadgroup memory over {THREADGROUP_MEMORY} bytes\");\n"
-             "};\n")
+        lines[last] += f" (void)sizeof(metal_stub_threadgroup_memory<metal_stub_tg_bytes_{len(names) - 1}>);"
+    limit = (
+        f"template <size_t BYTES> struct metal_stub_threadgroup_memory {{\n"
+        f'  static_assert(BYTES <= {THREADGROUP_MEMORY}, "threadgroup memory over {THREADGROUP_MEMORY} bytes");\n'
+        "};\n"
+    )
     return '#include "metal_stub.h"\n' + limit + "\n".join(lines), problems
 
 
@@ -234,8 +301,9 @@ def find_clang() -> str | None:
 class Compiler:
     """clang++ -fsyntax-only against the stand-in header (aarch64: half and __fp16 exist there)."""
 
-    def __init__(self, clang: str, stub: str = STUB):
+    def __init__(self, clang: str, stub: str = STUB, std: str = "c++17"):
         self.clang = clang
+        self.std = std
         self.dir = tempfile.mkdtemp(prefix="metal_stub_")
         shutil.copy(stub, os.path.join(self.dir, "metal_stub.h"))
         for h in METAL_HEADERS:
@@ -247,9 +315,23 @@ class Compiler:
 
     def check(self, source: str) -> tuple[bool, str]:
         text, problems = lower(source)
-        cmd = [self.clang, "--target=aarch64-linux-gnu", "-fsyntax-only", "-std=c++17", "-x", "c++", "-nostdinc",
-               "-nostdinc++", "-fno-exceptions", "-fno-rtti", "-ferror-limit=10", "-fno-color-diagnostics",
-               "-I", self.dir, "-"]
+        cmd = [
+            self.clang,
+            "--target=aarch64-linux-gnu",
+            "-fsyntax-only",
+            f"-std={self.std}",
+            "-x",
+            "c++",
+            "-nostdinc",
+            "-nostdinc++",
+            "-fno-exceptions",
+            "-fno-rtti",
+            "-ferror-limit=10",
+            "-fno-color-diagnostics",
+            "-I",
+            self.dir,
+            "-",
+        ]
         run = subprocess.run(cmd, input=text, capture_output=True, text=True)
         log = run.stderr.strip()
         return run.returncode == 0 and not problems, "\n".join(problems + ([log] if log else []))
@@ -295,8 +377,16 @@ def record_all(recorder: Recorder, dtypes=None, head_dims=None, rows=None, decod
                 continue
             # a decode step's keys alone (norm_rope_keys: k as the queries too), one token
             k1 = mx.zeros((1, 1, 1, d), dtype)
-            rope(k1, k1, mx.ones((d,), dtype), mx.ones((d,), dtype), eps=1e-6, scale=1.0, base=10_000.0,
-                 offset=mx.array(7, mx.int32))
+            rope(
+                k1,
+                k1,
+                mx.ones((d,), dtype),
+                mx.ones((d,), dtype),
+                eps=1e-6,
+                scale=1.0,
+                base=10_000.0,
+                offset=mx.array(7, mx.int32),
+            )
             for heads in (1, 8):
                 for r in row_counts:
                     if r % heads:
@@ -308,13 +398,20 @@ def record_all(recorder: Recorder, dtypes=None, head_dims=None, rows=None, decod
                         for causal in (True, False):
                             for window in (None,) + MODEL_WINDOWS:
                                 for s in (None, sinks):
-                                    attention(q, kv, kv, scale=d ** -0.5, q_offset=mx.array([n // 2], mx.int32),
-                                              kv_length=mx.array([n // 2 + r], mx.int32), causal=causal,
-                                              window=window, sinks=s)
+                                    attention(
+                                        q,
+                                        kv,
+                                        kv,
+                                        scale=d**-0.5,
+                                        q_offset=mx.array([n // 2], mx.int32),
+                                        kv_length=mx.array([n // 2 + r], mx.int32),
+                                        causal=causal,
+                                        window=window,
+                                        sinks=s,
+                                    )
 
 
-def check_all(recorder: Recorder, compiler: Compiler, jobs: int = os.cpu_count() or 1,
-              report=print) -> list[str]:
+def check_all(recorder: Recorder, compiler: Compiler, jobs: int = os.cpu_count() or 1, report=print) -> list[str]:
     """Compile and check every recorded variant; the names of those that failed."""
     names = sorted(recorder.variants)
 
@@ -340,6 +437,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilers run at once")
     ap.add_argument("--only", default=None, help="a regular expression: check only variants whose name matches")
     ap.add_argument("--list", action="store_true", help="print every variant's name")
+    ap.add_argument(
+        "--std",
+        default="c++17",
+        help="the C++ standard (Metal 4 is C++17; Metal 3.1-3.2, which MLX uses on macOS 14-15, is C++14)",
+    )
     ap.add_argument("--dump", default=None, help="a directory: write each variant's lowered C++ there")
     args = ap.parse_args()
     clang = args.clang or find_clang()
@@ -360,7 +462,7 @@ def main():
         for name, v in recorder.variants.items():
             with open(os.path.join(args.dump, name + ".cpp"), "w") as f:
                 f.write(lower(v.source)[0])
-    compiler = Compiler(clang)
+    compiler = Compiler(clang, std=args.std)
     try:
         failed = check_all(recorder, compiler, args.jobs)
     finally:
@@ -370,9 +472,11 @@ def main():
     if failed:
         print(f"{len(failed)} of {n} Metal variants failed: {', '.join(failed)}")
         sys.exit(1)
-    print(f"{n} Metal variants compiled ({len(beyond & set(recorder.variants))} of them beyond the self-checks' "
-          f"cases; {launches} launch shapes), all within limits ({os.path.basename(clang)} -std=c++17, "
-          "scripts/metal_stub.h)")
+    print(
+        f"{n} Metal variants compiled ({len(beyond & set(recorder.variants))} of them beyond the self-checks' "
+        f"cases; {launches} launch shapes), all within limits ({os.path.basename(clang)} -std={args.std}, "
+        "scripts/metal_stub.h)"
+    )
 
 
 if __name__ == "__main__":

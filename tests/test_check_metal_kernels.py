@@ -24,30 +24,37 @@ def load_script():
 
 script = load_script()
 CLANG = script.find_clang()
-needs_clang = pytest.mark.skipif(CLANG is None, reason="no clang++ on PATH (apt-get install -y clang): "
-                                                      "the Metal sources cannot be compiled here")
+needs_clang = pytest.mark.skipif(
+    CLANG is None, reason="no clang++ on PATH (apt-get install -y clang): the Metal sources cannot be compiled here"
+)
 
 
 def test_variants_are_named_and_wrapped_as_mlx_does():
     recorder = script.Recorder()
     script.record_all(recorder, dtypes=[mx.bfloat16, mx.float32], head_dims=[64])
     names = list(recorder.variants)
-    for family in ("dflash_block_attn_partial_tiles", "dflash_block_attn_partial", "dflash_block_attn_merge",
-                   "dflash_norm_rope_v"):
+    for family in (
+        "dflash_block_attn_partial_tiles",
+        "dflash_block_attn_partial",
+        "dflash_block_attn_merge",
+        "dflash_norm_rope_v",
+    ):
         assert any(v.kernel.startswith(family) for v in recorder.variants.values()), family
     # every warps count the SIMT pass picks at head dim 64 (16 at most) and the tiles' 1, 2, 4
     for nw in range(1, 17):
         assert f"custom_kernel_dflash_block_attn_partial__float_64_{nw}_1_0_4_" in "".join(names), nw
     for nw in (1, 2, 4):
-        assert any(n.startswith(f"custom_kernel_dflash_block_attn_partial_tiles__bfloat16_t_64_{nw}_1_0_32_2_")
-                   for n in names), nw
+        assert any(
+            n.startswith(f"custom_kernel_dflash_block_attn_partial_tiles__bfloat16_t_64_{nw}_1_0_32_2_") for n in names
+        ), nw
     # a model's window, and the merge's partials and sinks in constant memory (under 8 elements) or device
     assert any("_64_4_1_128_32_2_" in n for n in names)
     merges = [n for n in names if "merge" in n]
     assert any(n.endswith("_64_1_float_floatc_floatc_floatc_bfloat16_t") for n in merges)
     assert any(n.endswith("_64_1_float_float_float_float_bfloat16_t") for n in merges)
-    src = recorder.variants["custom_kernel_dflash_block_attn_merge__bfloat16_t_64_1_float_floatc_floatc_floatc_bfloat16_t"
-                            ].source
+    src = recorder.variants[
+        "custom_kernel_dflash_block_attn_merge__bfloat16_t_64_1_float_floatc_floatc_floatc_bfloat16_t"
+    ].source
     assert "template <typename T, int D, bool HAS_SINKS>\n[[kernel]] void custom_kernel_dflash_block_attn_merge_" in src
     assert "  const device float* o_part [[buffer(0)]],\n  const constant float* m_part [[buffer(1)]],\n" in src
     assert "  const constant int* m_part_shape [[buffer(2)]],\n" in src
@@ -57,8 +64,12 @@ def test_variants_are_named_and_wrapped_as_mlx_does():
 
 def test_launch_limits():
     variant = script.Variant("k", "")
-    variant.launches = {((128, 1, 1), (128, 1, 1)), ((2048, 1, 1), (2048, 1, 1)), ((96, 1, 1), (48, 1, 1)),
-                        ((100, 1, 1), (64, 1, 1))}
+    variant.launches = {
+        ((128, 1, 1), (128, 1, 1)),
+        ((2048, 1, 1), (2048, 1, 1)),
+        ((96, 1, 1), (48, 1, 1)),
+        ((100, 1, 1), (64, 1, 1)),
+    }
     problems = "\n".join(script.launch_problems(variant))
     assert "2048 threads > 1024" in problems and "48 threads, not whole simdgroups" in problems
     assert "grid (100, 1, 1) is not whole threadgroups (64, 1, 1)" in problems
