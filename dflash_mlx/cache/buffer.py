@@ -1,26 +1,10 @@
 """A KV cache whose length may live on the device.
 
-mlx-lm's KVCache keeps its length (``offset``) as a Python int and hands
-attention exactly the filled part of its buffer. A pipelined speculative
-loop cannot: how many drafted positions a verify keeps is known only on the
-device, and the next cycle must be queued before the host reads it. This
-cache therefore
-
-- keeps a buffer of fixed capacity (grown by the host, ``reserve``, in steps
-  of ``step`` positions, ahead of any write);
-- writes new keys/values at ``offset``, a Python int or an int32 scalar
-  array, without reading it on the host;
-- hands attention its buffer up to ``bound`` (a host-side upper bound on
-  the length) and makes its own mask (mlx-lm's ``make_mask`` protocol):
-  positions at or past the valid length are hidden. Inside a compiled cycle,
-  whose shapes must not change from one cycle to the next, and on MLX's
-  CUDA backend (below), it hands the whole buffer instead;
-- rolls back by moving ``offset``: positions past it are garbage that the
-  next write overwrites.
-
-Fixed shapes have a second benefit on MLX's CUDA backend, where attention
-with several query rows rebuilds a backend graph for every key length it has
-not seen (~30 ms each on an H200, see the project's reference notes).
+How many drafted positions a verify keeps is known only on the device, and
+the next cycle is queued before the host reads it. So the length
+(``offset``) may be an int32 scalar array; the buffer is grown by the host
+ahead of writes from ``bound``, a host-side upper bound; the cache makes its
+own mask hiding positions past the length; rollback just moves ``offset``.
 """
 
 from __future__ import annotations
@@ -31,11 +15,9 @@ from .. import device
 
 
 def positions_mask(L: int, offset, total: int, window: int | None = None, causal: bool = True, limit=None) -> mx.array:
-    """Boolean [L, total]: which of ``total`` buffer positions each of ``L``
-    query rows at positions offset..offset+L-1 sees. Keys at or past ``limit``
-    (default offset + L) are unfilled; ``causal`` hides keys after the query;
-    ``window`` hides keys ``window`` or more positions away (before the query,
-    and after it too when not causal). ``offset`` and ``limit`` may be arrays."""
+    """Boolean [L, total]: which buffer positions each query row at
+    offset..offset+L-1 sees. Keys at or past ``limit`` (default offset + L)
+    are unfilled; ``window`` hides keys that far away or more."""
     q = device.constant_arange(L)[:, None] + offset
     k = device.constant_arange(total)[None]
     visible = k < (offset + L if limit is None else limit)
@@ -49,25 +31,19 @@ def positions_mask(L: int, offset, total: int, window: int | None = None, causal
 
 
 def put_positions(buffer: mx.array, new: mx.array, positions: mx.array) -> mx.array:
-    """``buffer`` [B, H, N, d] with ``new`` [B, H, n, d] stored at the ``n``
-    buffer positions ``positions`` (a device array, not read on the host).
+    """``buffer`` [B, H, N, d] with ``new`` [B, H, n, d] stored at
+    ``positions`` (a device array, not read on the host).
 
-    A scatter (``put_along_axis``), not ``mx.slice_update`` at an array
-    offset: MLX 0.32's CUDA backend copies the whole buffer for every
-    dynamic slice update, which at a 16k context was ~5 ms of a verify's
-    ~35 (72 writes of 34 MB each, benchmarks/long_context.py), while the
-    scatter updates the buffer in place whenever MLX may reuse it."""
+    A scatter, not a slice update at an array offset: the CUDA backend copies
+    the whole buffer for a dynamic slice update; the scatter works in place."""
     at = mx.broadcast_to(positions.astype(mx.int32)[None, None, :, None], new.shape)
     return mx.put_along_axis(buffer, at, new, axis=2)
 
 
 class SharedPositions:
     """``length + arange(n)`` (``at``) and ``length + n`` (``end``), made once
-    for every cache given ``length`` together (``set_lengths``). A forward's
-    layers all write at the same positions and end at the same length; each
-    making its own positions cost two kernels (an arange and an add) per
-    layer, 88 of the 1,023 a Qwen3-8B cycle launched on a GPU (BENCHMARKS.md,
-    session 10), where launching is what a cycle's host time is spent on."""
+    for all caches given ``length`` together, so that layers do not each
+    launch the same two kernels."""
 
     def __init__(self, length: mx.array):
         self.length = length
@@ -80,22 +56,18 @@ class SharedPositions:
         return self.made[n]
 
     def end(self, n: int) -> mx.array:
-        """``length + n``: every layer's length once it has written ``n``
-        positions, which attention kernels read (a device scalar, see
-        device.device_scalar)."""
+        """Every layer's length after writing ``n`` positions (a device scalar)."""
         if n not in self.ends:
             self.ends[n] = device.device_scalar(self.length, n)
         return self.ends[n]
 
 
 class DeviceLengthCache:
-    """What every cache with a device-side length shares: the bookkeeping.
+    """Bookkeeping shared by caches with a device-side length.
 
-    ``offset`` is the valid length (an int, or an int32 scalar array that the
-    host does not read); ``bound`` is a host-side upper bound on it, from
-    which the buffer is grown before every write, so growing never waits for
-    the device. Subclasses hold the storage: ``capacity``, ``_grow``,
-    ``write``, ``state`` and ``nbytes``."""
+    ``bound`` is a host-side upper bound on ``offset``, so growing never waits
+    for the device. Subclasses provide ``capacity``, ``_grow``, ``write``,
+    ``state`` and ``nbytes``."""
 
     step = 256
     shared: SharedPositions | None = None  # set by set_lengths
@@ -115,37 +87,31 @@ class DeviceLengthCache:
         """The buffer's length once ``n`` more positions are written."""
         return self.room(self.bound + n)
 
-    # Set while a one-row step is built whose host bound is its length (a
-    # plain step after plain steps, cycle.py): it reads exactly the filled
-    # keys and needs no mask, so attention takes the fused one-row kernel
-    # (on MLX's CUDA backend a mask costs that kernel's fallback: 36 one-row
-    # calls 0.56 -> 2.3 ms, BENCHMARKS.md). Plain buffers only (BufferKVCache).
+    # Set while a one-row step is built whose bound is its exact length: it
+    # reads only filled keys and needs no mask, so attention may take the
+    # fused one-row kernel. Plain buffers only.
     exact_bound = False
 
     def read_width(self, n: int) -> int:
-        """How much of the buffer attention reads once ``n`` more positions
-        are written (and the width of ``make_mask``): all of it."""
+        """How much of the buffer attention (and ``make_mask``) spans after ``n`` more writes."""
         return self.width_after(n)
 
     def after(self, n: int) -> int | mx.array:
-        """The length once ``n`` more positions are written: shared with the
-        caches whose length was set with this one."""
+        """The length once ``n`` more positions are written."""
         shared = self.shared
         if shared is not None and self.offset is shared.length:
             return shared.end(n)
         return self.offset + n
 
     def positions(self, start: mx.array, n: int) -> mx.array:
-        """The ``n`` positions from ``start`` (an array), shared with the
-        caches whose length was set with this one where ``start`` is it."""
+        """The ``n`` positions from ``start`` (an array)."""
         shared = self.shared
         if shared is not None and start is shared.length:
             return shared.at(n)
         return start + device.constant_arange(n)
 
     def reserve(self, n: int) -> None:
-        """Grow a buffer already made to hold ``n`` positions (the layer's
-        next write would grow it anyway; this grows it ahead)."""
+        """Grow an existing buffer ahead of time to hold ``n`` positions."""
         if self.keys is not None:
             self._grow(n, self.keys, self.values)
 
@@ -164,10 +130,8 @@ class DeviceLengthCache:
         return out
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
-        """The mask for ``N`` positions about to be stored by
-        ``update_and_fetch`` (mlx-lm asks before the layers run): it spans
-        the buffer as it will be after that write; None where the row sees
-        every key read (an exact one-row step within its window)."""
+        """The mask for ``N`` positions about to be written, spanning the
+        buffer as it will be then; None where the row sees every key read."""
         if (
             N == 1
             and self.exact_bound
@@ -191,12 +155,9 @@ class DeviceLengthCache:
 class BufferKVCache(DeviceLengthCache):
     """Keys and values in a fixed-capacity buffer with a device-side length."""
 
-    # Attention reads the buffer up to ``bound``, not its whole capacity: on
-    # a CPU at short contexts the unfilled tail costs as much as the filled
-    # part (a plain step of the built-in pair, 11.3 -> 10.6 ms, BENCHMARKS.md).
-    # Fixed widths where shapes must not change: a compiled trace sets
-    # ``fixed_width`` on the caches while it traces (cycle.py), and MLX's CUDA
-    # backend builds a graph for every key length (the module docstring).
+    # Attention reads up to ``bound``, skipping the unfilled tail, except where
+    # shapes must not change: a compiled trace sets ``fixed_width``, and the
+    # CUDA backend builds a graph for every key length it sees.
     fixed_width = False
 
     def read_width(self, n: int) -> int:
@@ -224,9 +185,8 @@ class BufferKVCache(DeviceLengthCache):
         self.values = mx.concatenate([self.values, mx.zeros((B, H, pad, vd), self.values.dtype)], axis=2)
 
     def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
-        """Store keys/values [B, H, n, d] at positions start..start+n-1, where
-        start is ``offset`` (an int or an array), without moving it; returns
-        the buffers as attention reads them (``read_width``)."""
+        """Store keys/values at start..start+n-1 without moving ``offset``;
+        returns the buffers as attention reads them."""
         n = keys.shape[2]
         self._grow(self.bound + n, keys, values)
         if isinstance(start, int):
@@ -258,9 +218,8 @@ def set_lengths(caches: list, length: int | mx.array, bound: int | None = None) 
 
 
 def align(caches: list) -> None:
-    """Let layers that grew unevenly (a write interrupted between two layers)
-    grow to the same capacity on their next write, so that one mask, made by
-    the first layer's cache, fits every layer."""
+    """Let layers that grew unevenly (an interrupted write) regrow to one
+    capacity, so the mask made by the first layer fits every layer."""
     floor = max((c.capacity for c in caches), default=0)
     for c in caches:
         c.floor = floor

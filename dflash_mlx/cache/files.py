@@ -1,23 +1,11 @@
-"""Prompt caches on disk: the target's and the drafter's caches for a prefix
-(a long system prompt, a document), saved once and loaded by later runs so
-that they read only what follows the prefix.
+"""Prompt caches on disk: both caches for a prefix, saved once so later runs
+read only what follows it.
 
-A file is one safetensors file: each layer's keys and values for the cached
-positions (``target.{i}.keys`` ..., ``draft.{i}.keys`` ...), and metadata
-naming what it was made from: the token ids, the model pair as the caller
-named it (paths or repo ids, informative only), and a fingerprint of the
-pair (both configs and a sample of every weight tensor), which must match
-the pair that loads it. What a loaded cache decodes is exactly what the same
-prompt decodes without it: the cache holds the keys and values that reading
-the prefix again would write.
-
-A quantized target cache (``kv_bits``) is saved as it is, each layer's
-packed keys, scales and biases (``target.{i}.keys.0`` ...), with its settings
-in the metadata (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``);
-a file loads only under the settings it was made with, since what a
-position holds depends on them. A bounded cache (``max_kv_size``) is not
-saved: its ring depends on the bound and the block; make the file without it.
-A hybrid target's delta-net layers are refused for now.
+One safetensors file holds each layer's keys and values and metadata: the
+token ids, the pair's names (informative only) and a fingerprint of the pair,
+which must match on load. A loaded cache decodes exactly what re-reading the
+prefix would. A quantized cache is saved packed with its settings and loads
+only under them; a bounded cache (``max_kv_size``) is not saved.
 """
 
 from __future__ import annotations

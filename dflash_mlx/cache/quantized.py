@@ -1,27 +1,11 @@
 """A quantized target KV cache with a device-side length (``--kv-bits``).
 
-mlx-lm's QuantizedKVCache stores each position's keys and values quantized
-in groups of ``group_size`` along the head dimension, (packed, scales,
-biases), and its attention modules take the quantized path whenever the
-cache has ``bits`` (mlx_lm.models.base.scaled_dot_product_attention). Every
-position is quantized on its own, so this cache can keep BufferKVCache's
-scheme: a fixed-capacity buffer written at ``offset`` (an int, or an int32
-array the host does not read), rollback by moving ``offset``, exactly.
-
-mlx-lm starts quantizing once the cache holds ``quantized_kv_start``
-positions (maybe_quantize_kv_cache, after every forward): a position is
-computed against a quantized cache exactly when the forward that reads it
-starts at or past that point. The token loop keeps to that rule:
-
-- ``PromptCache.chunks`` cuts a prompt as mlx-lm does (all but the last id
-  in chunks, then the last one alone) while the cache is not yet quantized;
-- ``maybe_quantize`` converts the target caches after each chunk and before
-  each cycle once the cache holds enough positions (one list assignment, so
-  an interrupt leaves either all layers converted or none);
-- ``may_queue`` / ``ready`` keep a verify block from straddling the start:
-  such a block waits for the exact length and is cut to end at the start.
-
-Only the target's cache is quantized; the drafter's stays as it is.
+Like mlx-lm's QuantizedKVCache, each position is quantized on its own in
+groups along the head dimension, so BufferKVCache's scheme (write at
+``offset``, roll back by moving it) stays exact. mlx-lm starts quantizing at
+``quantized_kv_start``; PromptCache reads prompts as mlx-lm does, converts all
+layers in one assignment, and keeps a verify block from straddling that start.
+Only the target's cache is quantized.
 """
 
 from __future__ import annotations

@@ -1,44 +1,17 @@
-"""A bounded target KV cache (``max_kv_size``) with a device-side length.
+"""A bounded target KV cache (``max_kv_size``) with a device-side length,
+reproducing mlx-lm's RotatingKVCache(max_size=M, keep=4) exactly.
 
-mlx-lm bounds its cache with RotatingKVCache(max_size=M, keep=4) (its
-make_prompt_cache, used by generate_step when max_kv_size is given). What a
-position sees there depends on how it was read:
+In mlx-lm a prompt chunk attends to [the cache in temporal order, the chunk]
+under a sliding window of M; a single token sees the kept positions and the
+last M - keep up to itself. Here keys live in a ring of ``keep + window``
+slots, ``window`` being M - keep plus the largest verify block less one, so a
+block never overwrites a position it or a rolled-back block still needs. A
+prompt chunk gets mlx-lm's concatenated array and mask, and its ring writes
+are staged until committed, so an interrupted chunk leaves the ring intact.
 
-- a prompt chunk of S > 1 tokens starting at position P (``_update_concat``)
-  attends to [the cache in temporal order, the chunk], the old part being
-  positions 0..P-1 while P < M and the 4 kept positions plus the last M-5
-  otherwise, through a sliding-window mask of M over that array (so the
-  chunk's first rows still see some kept positions and later rows none);
-- a single token (``_update_in_place``: the prompt's last token, every
-  decoded one) sees the 4 kept positions and the last M-4 up to itself.
-
-This cache reproduces both, exactly:
-
-- keys/values live in a ring of ``keep + window`` slots: positions 0..keep-1
-  in the first slots for good, position p >= keep in slot
-  keep + (p - keep) % window. ``window`` is M - keep plus the largest verify
-  block less one, so writing a block never overwrites a position that a row
-  of it, or of the block after a rollback, still needs: rollback stays a move
-  of the (device-side) length, as in kv_cache.DeviceLengthCache.
-- a write at a host-known length of more than one token is a prompt chunk:
-  attention gets mlx-lm's concatenated array (gathered from the ring) and
-  its mask; the ring keeps what fits, written only once the chunk is
-  committed (the next write, or a length set at or past its end): a chunk
-  longer than the slack overwrites positions the cache still needs at the
-  chunk's start, so one interrupted, the length set back to its start,
-  leaves the ring as it was.
-- any other write (one token, or a verify block at a device-side length,
-  whose rows are positions mlx-lm decodes one at a time) goes to the ring,
-  and the mask the cache makes shows each row the kept positions and the
-  last M - keep up to itself, from the position each slot holds.
-
-The drafter's context is bounded to match by DraftWindowCache: it keeps the
-last ``window`` positions or more, dropping older ones in steps (a copy),
-their keys turned back by RoPE's shift so that relative positions, all the
-drafter sees, are kept. It only changes proposals, never the output. A
-drafter whose RoPE has no fixed rotation per position (mlx-lm's dynamic NTK
-scaling, or a class this does not know) is refused: its context could not be
-bounded.
+DraftWindowCache bounds the drafter's context to match, turning kept keys
+back with RoPE so relative positions are preserved; it changes proposals
+only, never the output.
 """
 
 from __future__ import annotations
@@ -97,13 +70,9 @@ class RotatingBufferKVCache(DeviceLengthCache):
 
     @property
     def wrapped(self) -> bool:
-        """The cache can no longer be cut back exactly: a position at or past
-        max_size was written (it saw only part of its past, a part that
-        depends on how it was read, alone or in a chunk, so a fresh read of
-        the same prefix may differ), or one was overwritten. mlx-lm's
-        RotatingKVCache is trimmable only while it holds fewer than max_size
-        positions too. (Written counts verify positions later rejected: a
-        cut back it refuses is read afresh, never wrong.)"""
+        """The cache can no longer be cut back exactly: a position past
+        max_size was written, whose view of its past depends on how it was
+        read (mlx-lm's RotatingKVCache stops being trimmable there too)."""
         return self.written > self.max_size
 
     def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
@@ -121,8 +90,7 @@ class RotatingBufferKVCache(DeviceLengthCache):
         return np.where(positions < k, positions, k + (positions - k) % self.window)
 
     def write(self, keys: mx.array, values: mx.array, start) -> tuple[mx.array, mx.array]:
-        """Store keys/values [B, H, n, d] at positions start.. (n at most
-        ``window``), in their slots; returns the whole ring."""
+        """Store keys/values at positions start.. in their slots; return the ring."""
         n = keys.shape[2]
         self._grow(n, keys, values)
         idx = self.slot(self.positions(start, n))
@@ -210,10 +178,8 @@ class RotatingBufferKVCache(DeviceLengthCache):
 
 
 def _rotation(rope):
-    """(dims, traditional, base, scale, freqs) of the rotation ``rope`` gives
-    a key at each position, for mlx-lm's RoPE classes (rope_utils), or None
-    where there is no fixed one (DynamicNTKScalingRoPE: its base grows with
-    the context length) or the class is unknown."""
+    """(dims, traditional, base, scale, freqs) of ``rope``'s per-position
+    rotation, or None where it has no fixed one (dynamic NTK) or is unknown."""
     kind = type(rope)
     if kind is nn.RoPE:
         return rope.dims, rope.traditional, rope.base, rope.scale, None
@@ -242,11 +208,9 @@ def shift_rope(rope, x: mx.array, delta: int) -> mx.array:
 
 
 class DraftWindowCache(BufferKVCache):
-    """The drafter's context cache, holding the last ``window`` to
-    ``window + step`` positions. Lengths given to ``set_length`` are the
-    target's (absolute); ``base`` positions were dropped from the front, so
-    ``offset`` (what the drafter uses for RoPE and its mask) is length - base,
-    and kept keys are turned back by ``base`` positions."""
+    """The drafter's context, holding the last ``window`` to ``window + step``
+    positions. Lengths set are the target's; ``base`` positions were dropped,
+    so ``offset`` is length - base and kept keys are turned back by ``base``."""
 
     def __init__(self, window: int, rope):
         if not can_shift(rope):
@@ -269,8 +233,7 @@ class DraftWindowCache(BufferKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]
         if self.keys is not None and self.bound + n > self.window + self.step:
-            # (at a device-side length n is a verify block, far less than window: what
-            # is dropped is surely held)
+            # at a device-side length n is a small verify block: what is dropped is held
             drop = min(self.bound + n - self.window, self.bound)
             kept_k = shift_rope(self.rope, self.keys[..., drop : self.bound, :], -drop)
             pad = [(0, 0), (0, 0), (0, self.capacity - (self.bound - drop)), (0, 0)]
