@@ -1,11 +1,6 @@
-"""The DFlash block-diffusion drafter: its config and its MLX module.
-
-One definition serves inference (a context-only KV cache, one block per call)
-and training (many blocks of one sequence at once, the blocks on the batch
-axis, each with its own context mask).
-
-The drafter owns no embedding and no output head: ``bind`` attaches it to a
-target adapter, whose token embedding and lm_head it shares.
+"""The DFlash block-diffusion drafter: its config and its MLX module, for
+inference (a context KV cache, one block a call) and training (blocks on the
+batch axis). It owns no embedding or head: ``bind`` shares the target's.
 """
 
 from __future__ import annotations
@@ -28,8 +23,6 @@ from ..layers.linear import apply_linear, apply_linear_output, takes_norm
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-# Fields read from config.json that must be present, in the order a user would
-# look for them.
 _REQUIRED = (
     "hidden_size",
     "num_hidden_layers",
@@ -82,9 +75,7 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
-        """Parse a Z Lab drafter config.json (v1, sliding-window, and the
-        transformers-5 ``rope_parameters`` layouts). Raises ValueError naming
-        what is wrong."""
+        """Parse a Z Lab drafter config.json; raises ValueError naming what is wrong."""
         if not isinstance(cfg, dict):
             raise ValueError("the drafter's config.json must hold a JSON object.")
         archs = cfg.get("architectures") or []
@@ -232,10 +223,8 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantization: dict | None = None) -> None:
-    """Raise ValueError naming missing, unexpected or misshapen tensors.
-
-    With ``quantization`` (mlx-lm's {"bits", "group_size"}), quantized linear
-    layers carry packed weights plus ``scales`` and ``biases``."""
+    """Raise ValueError naming missing, unexpected or misshapen tensors
+    (``quantization``: mlx-lm's {"bits", "group_size"})."""
     want = expected_shapes(cfg)
     bits = group = None
     if quantization:
@@ -333,10 +322,7 @@ class DraftAttention(nn.Module):
         self, x: mx.array, rope, offset, fused=None, cached: bool = False, norm: nn.Module | None = None
     ) -> tuple[mx.array, mx.array]:
         """Roped, normed keys and plain values of ``x`` at positions offset..
-        (``fused``: the layer's FusedProjections, k and v from one product;
-        ``cached``: for the context cache, at inference, the keys normed and
-        rotated in one launch where that kernel checked out, kernels/norm_rope.py;
-        ``norm``: the RMSNorm x goes through first, None: x is the context)."""
+        (``cached``: for the inference context cache; ``norm``: applied to x first)."""
         if fused is not None:
             k, v = fused.keys_values(x, norm)
         else:
@@ -355,23 +341,15 @@ class DraftAttention(nn.Module):
     def __call__(
         self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None, residual=None, norm=None
     ):
-        """x: [B, L, H] block states at positions offset..offset+L-1 (offset an
-        int or an array); ctx_keys/values: [B, kv_heads, C, head_dim].
+        """x: [B, L, H] block states at positions offset..offset+L-1;
+        ctx_keys/values: [B, kv_heads, C, head_dim].
 
-        With ``cache`` (inference) the context comes from the cache instead:
-        the block's keys/values are written into the cache's buffer right
-        after its valid length, without moving it, so the context is never
-        copied and the next write replaces them; ``attend`` is attention over
-        it that returns its output as stored, as
-        ``targets.attention.attention_output`` does (None: the fused op's
-        heads). Without a cache,
-        ``attend`` replaces the fused attention (the signature of
-        mx.fast.scaled_dot_product_attention);
-        ``fused``, the layer's FusedProjections, makes q/k/v one product;
-        ``residual`` is added to the output (by the output product's launch,
-        where the block-product kernel takes it); ``norm``, where given, is
-        the RMSNorm x goes through first (into the q/k/v product's launch,
-        where the kernel takes it)."""
+        With ``cache`` (inference) the block's keys/values are written right
+        after the cache's valid length without moving it, so the next write
+        replaces them, and ``attend`` returns (output, as_rows) as
+        ``attention_output`` does. Without a cache ``attend`` has the signature
+        of mx.fast.scaled_dot_product_attention. ``residual`` is added to the
+        output; ``norm`` is applied to x first."""
         B, L, _ = x.shape
         if fused is not None:
             q, k, v = fused.qkv(x, norm)
@@ -379,7 +357,7 @@ class DraftAttention(nn.Module):
             x = x if norm is None else norm(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         values = self._heads(v, self.n_kv_heads)
-        if cache is not None:  # (inference: one launch where that kernel checked out, kernels/norm_rope.py)
+        if cache is not None:
             queries, keys = norm_rope(
                 q.reshape(B, L, self.n_heads, -1),
                 k.reshape(B, L, self.n_kv_heads, -1),
@@ -397,9 +375,7 @@ class DraftAttention(nn.Module):
             keys = mx.concatenate([ctx_keys, keys], axis=2)
             values = mx.concatenate([ctx_values, values], axis=2)
         if cache is not None:
-            # (inference: ``attend`` gives the output as stored, attention_output's pair, and the
-            # block's product is one launch where that kernel checked out, reading it in place;
-            # training keeps the module, which has a gradient)
+            # Training keeps the plain modules below: they have a gradient.
             if attend is None:
                 out, as_rows = (
                     mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask),
@@ -407,7 +383,7 @@ class DraftAttention(nn.Module):
                 )
             else:
                 given = attend(queries, keys, values, scale=self.scale, mask=mask)
-                if not isinstance(given, tuple):  # (an array would unpack along its batch axis)
+                if not isinstance(given, tuple):  # an array would unpack along its batch axis
                     raise TypeError(
                         "with a cache, attend must return (output, as_rows) as targets.attention.attention_output does."
                     )
@@ -428,19 +404,17 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
-        """``fused``: this layer's FusedProjections (targets/fused.py), which
-        run q/k/v as one product and gate/up as another; None: the modules."""
+        """``fused``: this layer's FusedProjections; None: the modules."""
         h = self.self_attn(
             x, ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused, residual=x, norm=self.input_layernorm
         )
-        if fused is not None:  # (both norms in their products' launches, where the kernel takes them)
+        if fused is not None:
             return fused.mlp(self.mlp, h, h, self.post_attention_layernorm)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDraft(nn.Module):
-    # Whether drafts come from a candidate selector (``propose``, DFlash 2)
-    # rather than straight from the drafter's logits.
+    # Whether drafts come from a candidate selector (DFlash 2's ``propose``).
     selects_candidates = False
 
     def __init__(self, cfg: DraftConfig):
@@ -460,10 +434,8 @@ class DFlashDraft(nn.Module):
         )
         self._target = None  # a plain attribute: the target's weights are not ours
 
-    # -- binding ---------------------------------------------------------
     def bind(self, target) -> DFlashDraft:
-        """Share the target adapter's token embedding and output head, after
-        checking that this drafter was made for a target of its shape."""
+        """Share the target's embedding and head, after checking the pair fits."""
         check_pair(self.config, target.hidden_size, target.vocab_size, target.num_layers)
         self._target = target
         prepare_attention(target.dtype, self.config.head_dim, [layer.self_attn.window for layer in self.layers])
@@ -478,11 +450,10 @@ class DFlashDraft(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         scale = self.config.input_embedding_scale
         embedded = self.target.embed(tokens)
-        return embedded if scale == 1.0 else embedded * scale  # (a launch a cycle fewer at 1)
+        return embedded if scale == 1.0 else embedded * scale
 
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
-        """Logits of ``norm(h)`` (None: h already normed) through the
-        target's head (the norm in the head's launch where it can)."""
+        """Logits of ``norm(h)`` (None: h already normed) through the target's head."""
         logits = self.target.lm_head(h, norm)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
@@ -492,37 +463,28 @@ class DFlashDraft(nn.Module):
         return logits
 
     def context(self, taps: mx.array) -> mx.array:
-        """Context features from the target's concatenated tapped states, by
-        the modules (training: they have a gradient; inference's ``extend``
-        runs ``fc`` as one block-product launch and the norm in the k/v
-        products' launches where it can)."""
+        """Context features from the target's concatenated tapped states."""
         return self.hidden_norm(self.fc(taps))
 
-    # -- inference -------------------------------------------------------
-    # Inference runs each layer with q/k/v as one product and gate/up as
-    # another (and the context's k/v as one), as the target's layers do: at
-    # real sizes a cycle is bound by launching products (targets/fused.py).
+    # Inference fuses each layer's q/k/v and gate/up products, as the target does.
     fuse_projections = True
 
     def fused_projections(self) -> list:
-        """Each layer's FusedProjections (None where its projections cannot
-        be fused: mixed kinds or quantizations), or None for all with fusing off."""
+        """Each layer's FusedProjections (None where they cannot be fused)."""
         if not self.fuse_projections:
             return [None] * len(self.layers)
         return [projections(layer) for layer in self.layers]
 
     def make_cache(self) -> list[BufferKVCache]:
-        """Context caches, one per layer (fixed-capacity buffers whose length
-        may live on the device; see kv_cache)."""
+        """Context caches, one buffer per layer."""
         return [BufferKVCache() for _ in self.layers]
 
     def extend(self, taps: mx.array, cache: list[BufferKVCache], fused: list | None = None) -> None:
-        """Append the context keys/values of newly committed positions, given
-        their tapped target states taps: [1, S, n*H] (``fused``: the layers'
-        fused projections if the caller holds them, see ``fused_projections``)."""
+        """Append the context keys/values of newly committed positions from
+        their tapped target states taps [1, S, n*H]."""
         fused = self.fused_projections() if fused is None else fused
         features = apply_linear(self.fc, taps)
-        # hidden_norm in each layer's k/v product launch where the kernel takes them all, else once
+        # hidden_norm goes into each k/v product only if every layer's takes it.
         norm = self.hidden_norm
         if not all(f is not None and takes_norm(f.kv, features, norm) for f in fused):
             features, norm = norm(features), None
@@ -532,16 +494,9 @@ class DFlashDraft(nn.Module):
     def __call__(
         self, block: mx.array, taps: mx.array | None, cache: list[BufferKVCache], fused: list | None = None
     ) -> mx.array:
-        """Draft one block.
-
-        block: [1, bs] token ids [last committed, MASK, ...] at the positions
-        right after the cached context; taps: [1, S, n*H] tapped target states
-        of positions committed since the last call (None when there are none);
-        cache: from ``make_cache``, holding at least one context position.
-        fused: the layers' fused projections, as ``fused_projections`` makes
-        them (a decode call's Cycle makes them once; None: made here).
-        Returns logits [1, bs-1, V] for block positions 1..bs-1 (position i
-        proposes the token at start + i).
+        """Draft one block: block [1, bs] ids [last committed, MASK, ...] right
+        after the cached context; taps [1, S, n*H] of positions committed since
+        the last call, or None. Returns logits [1, bs-1, V] for positions 1..bs-1.
         """
         return self.logits(self.hidden_states(block, taps, cache, fused, normed=False), self.norm)
 
@@ -553,29 +508,23 @@ class DFlashDraft(nn.Module):
         fused: list | None = None,
         normed: bool = True,
     ) -> mx.array:
-        """Final-normed states [1, bs-1, H] of block positions 1..bs-1 (the
-        arguments as for ``__call__``; ``normed=False``: before the final
-        norm)."""
+        """States [1, bs-1, H] of block positions 1..bs-1, final-normed if ``normed``."""
         fused = self.fused_projections() if fused is None else fused
         if taps is not None and taps.shape[1]:
             self.extend(taps, cache, fused)
         x = self.embed(block)
         L = block.shape[1]
-        masks = {}  # one per kind of layer and length (the cycle hands every layer one length array)
-        ends = {}  # the context's length with the block, one per length
+        masks = {}
+        ends = {}
         for layer, c, layer_fused in zip(self.layers, cache, fused):
             attn = layer.self_attn
-            # The buffer as the cache hands it (up to its bound, or whole and
-            # fixed in shape where compiled): the mask hides the unfilled
-            # tail and does the windowing.
+            # The mask hides the buffer's unfilled tail and does the windowing.
             length = c.offset if isinstance(c.offset, int) else id(c.offset)
             kind = (attn.causal, attn.window, c.read_width(L), length)
             if kind not in masks:
                 masks[kind] = block_mask(L, c.offset, attn.causal, attn.window, total=kind[2])
             if length not in ends:
                 ends[length] = c.after(L)
-            # the block-attention kernel where it pays (the block is written right after the
-            # context, positions offset..offset+L-1), else the fused op with the mask
             attend = partial(
                 cache_attention, cache=c, start=c.offset, length=ends[length], causal=attn.causal, window=attn.window
             )
@@ -584,12 +533,9 @@ class DFlashDraft(nn.Module):
 
 
 def block_mask(L: int, C, causal: bool, window: int | None, total: int | None = None):
-    """Boolean [L, total] mask for one block after C context keys (C an int
-    or an array; total defaults to C + L; keys past C + L are unfilled
-    buffer), or None when every query sees every key. Positions are
-    absolute, as in Z Lab's PyTorch reference: causal keys at or before the
-    query, windowed keys less than ``window`` positions from it, on either
-    side."""
+    """Boolean [L, total] mask for one block after C context keys (keys past
+    C + L unfilled), or None when every query sees every key. Windows count
+    absolute positions on either side, as in Z Lab's reference."""
     if total is None:
         total = C + L
         if not causal and (window is None or total <= window):

@@ -1,14 +1,6 @@
-"""The DFlash 2 drafter (``architectures: ["DFlash2DraftModel"]``): a DFlash
-drafter whose layers wrap attention and MLP in grouped dynamic convolutions
-over the block, plus a candidate selector that walks the block left to right
-choosing among each position's top-k tokens.
-
-Same inference interface as ``DFlashDraft`` (make_cache, extend, __call__ ->
-logits), plus ``propose``: the selector's drafts and, when sampling, its
-proposal distribution q for ``sampling.accept_proposals``.
-
-``parse_draft_config``, ``check_draft_weights`` and ``draft_model`` serve
-loaders that take either kind of drafter.
+"""The DFlash 2 drafter (``DFlash2DraftModel``): DFlash layers wrapped in
+grouped dynamic convolutions over the block, plus a candidate selector that
+walks the block choosing among each position's top-k tokens (``propose``).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ from mlx.utils import tree_flatten
 
 from .dflash import DFlashDraft, DraftConfig, DraftLayer, _short, check_weights
 
-# dflash_config fields a DFlash 2 drafter must have.
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Z Lab stores the selector's two embedding tables without a ".weight" suffix.
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -64,9 +55,7 @@ class Draft2Config(DraftConfig):
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> Draft2Config:
-        """Parse a Z Lab DFlash 2 drafter config.json: a v1 config plus
-        dflash_config.{conv_kernel_size, conv_group_size, selector_rank,
-        selector_top_k}. Raises ValueError naming what is wrong."""
+        """Parse a Z Lab DFlash 2 config.json (a v1 config plus DFLASH2_FIELDS)."""
         base = DraftConfig.from_dict({**cfg, "architectures": ["DFlashDraftModel"]})
         dflash = cfg.get("dflash_config") or {}
         missing = [f"dflash_config.{k}" for k in DFLASH2_FIELDS if k not in dflash]
@@ -85,12 +74,8 @@ class Draft2Config(DraftConfig):
         return d
 
 
-# -- the checkpoint ------------------------------------------------------------
-
-
 def remap_codebooks(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Z Lab names -> module names: the codebooks gain ``.weight`` (converted
-    directories already have it)."""
+    """Z Lab names -> module names: the codebooks gain ``.weight``."""
     return {(f"{k}.weight" if k in CODEBOOKS else k): v for k, v in weights.items()}
 
 
@@ -106,15 +91,14 @@ def _shown(name: str) -> str:
 def check_draft_weights(
     weights: dict[str, mx.array], cfg: DraftConfig, quantization: dict | None = None
 ) -> dict[str, mx.array]:
-    """The drafter's weights under module names, after raising ValueError for
-    missing, unexpected or misshapen tensors (v1 and DFlash 2 alike)."""
+    """The drafter's weights under module names; raises ValueError for missing,
+    unexpected or misshapen tensors."""
     if not isinstance(cfg, Draft2Config):
         check_weights(weights, cfg, quantization)
         return weights
     weights = remap_codebooks(weights)
     check_weights({k: v for k, v in weights.items() if not _is_dflash2_tensor(k)}, cfg, quantization)
-    # The shapes the module has once quantized as the checkpoint says (its
-    # arrays are lazy: nothing is allocated).
+    # The module's arrays are lazy: building one to read its shapes allocates nothing.
     model = DFlash2Draft(cfg)
     if quantization:
         quantize_like(model, weights, quantization)
@@ -139,8 +123,7 @@ def check_draft_weights(
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], quantization: dict) -> None:
-    """Quantize the layers of ``model`` that ``weights`` holds quantized
-    (mlx-lm's {"bits", "group_size", "mode"} record)."""
+    """Quantize the layers of ``model`` that ``weights`` holds quantized."""
     nn.quantize(
         model,
         group_size=int(quantization["group_size"]),
@@ -159,13 +142,9 @@ def draft_model(cfg: DraftConfig) -> DFlashDraft:
     return DFlash2Draft(cfg) if isinstance(cfg, Draft2Config) else DFlashDraft(cfg)
 
 
-# -- the module ----------------------------------------------------------------
-
-
 class GroupedDynamicConv(nn.Module):
-    """Two causal convolutions over the block's positions (index 0 before a
-    sublayer, 1 after it), each with a static kernel per channel plus a
-    dynamic kernel per position and channel group."""
+    """Two causal convolutions over the block (0 before a sublayer, 1 after),
+    each a static kernel per channel plus a dynamic one per position and group."""
 
     def __init__(self, cfg: Draft2Config):
         super().__init__()
@@ -232,13 +211,9 @@ class CandidateSelector(nn.Module):
         temperature: float = 0.0,
         key: mx.array | None = None,
     ):
-        """hidden [n, H], logits [n, V] of block positions 1..n; anchor: the
-        last committed token (an int32 array of shape [] or [1]).
-
-        Returns (drafts [n] int32, candidates [n, k] int32, q [n, k] float32
-        or None): at temperature 0 each draft is the best-scoring candidate;
-        otherwise it is drawn from q = softmax(score / temperature), q being
-        the distribution it was drawn from given the previous draft."""
+        """hidden [n, H], logits [n, V] of block positions 1..n; anchor the last
+        committed token. Returns (drafts [n], candidates [n, k], q [n, k] or
+        None): q row t is the distribution draft t was drawn from given draft t-1."""
         n = logits.shape[0]
         candidates = mx.argpartition(-logits, self.top_k - 1, axis=-1)[:, : self.top_k].astype(mx.int32)
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
@@ -246,8 +221,6 @@ class CandidateSelector(nn.Module):
         succ = self.successor_codebook(candidates).astype(mx.float32)  # [n, k, r]
         pred = self.predecessor_codebook(mx.concatenate([anchor.reshape(1), candidates[:-1].reshape(-1)]))
         pred = pred.astype(mx.float32)
-        # Pair scores with the anchor at position 0, and every candidate-to-
-        # candidate transition after it, in one batched product.
         first = succ[0] @ (pred[0] * proj[0])  # [k]
         trans = (pred[1:].reshape(n - 1, self.top_k, pred.shape[-1]) * proj[1:, None]) @ succ[1:].transpose(
             0, 2, 1
@@ -286,13 +259,9 @@ class DFlash2Draft(DFlashDraft):
         key: mx.array | None = None,
         fused: list | None = None,
     ):
-        """The selector's drafts for block positions 1..bs-1 and their
-        proposal distribution: (drafts [bs-1] int32, q [bs-1, V] float32),
-        q None at temperature 0 (the drafts are then the selector's greedy
-        walk). With q, accept by ``sampling.accept_proposals(drafts, q,
-        verify_logits, ...)``: row i of q is the distribution draft i was
-        drawn from given drafts 0..i-1, zero outside position i's top-k.
-        ``key`` seeds the draws (the global generator when None)."""
+        """(drafts [bs-1], q [bs-1, V]) for block positions 1..bs-1, q None at
+        temperature 0: row i of q is what draft i was drawn from given drafts
+        0..i-1, zero outside its top-k, for ``sampling.accept_proposals``."""
         hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
         drafts, candidates, q = self.candidate_selector(

@@ -19,7 +19,7 @@ ADAPTERS: dict[str, type[DenseTarget]] = {
     "qwen3_moe": Qwen3MoeTarget,
     "gpt_oss": GptOssTarget,
     "gemma3_text": Gemma3Target,
-    "gemma3": Gemma3Target,  # the multimodal checkpoints: their text model
+    "gemma3": Gemma3Target,
     "gemma4_text": Gemma4Target,
     "gemma4": Gemma4Target,
     "muse_glimmer": MuseGlimmerTarget,

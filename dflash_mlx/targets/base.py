@@ -1,8 +1,5 @@
-"""The target adapter: a forward pass over mlx-lm's own layer modules that
-returns logits together with the hidden states DFlash taps, plus rollback.
-
-Nothing in mlx-lm is patched: the adapter runs the family's decoder loop
-itself, calling the model's embedding, layers, norm and head."""
+"""The target adapter: runs mlx-lm's own modules (nothing patched) and returns
+logits with the hidden states DFlash taps, plus rollback."""
 
 from __future__ import annotations
 
@@ -19,15 +16,12 @@ from ..layers.linear import NORM_MOST, apply_linear
 
 
 class DenseTarget:
-    """Dense-attention decoder (``model.model.{embed_tokens, layers, norm}`` and
-    ``lm_head`` or tied embeddings), bf16 or mlx-lm-quantized alike. A
-    multimodal wrapper (mlx-lm's ``gemma3``, ``gemma4``, ``qwen3_5``: the text
-    model as ``model.language_model``, the vision tower dropped at load) is
-    served through its text model."""
+    """Dense-attention decoder (``model.model.{embed_tokens, layers, norm}``),
+    bf16 or quantized; a multimodal wrapper is served through its
+    ``language_model``."""
 
     family = "dense"
-    # Run each layer with its q/k/v and gate/up products fused (fused.py):
-    # families whose layers are mlx-lm's plain qwen3/llama blocks.
+    # Only for families whose layers are mlx-lm's plain qwen3/llama blocks.
     fuse_projections = False
 
     def __init__(self, model: nn.Module):
@@ -43,17 +37,13 @@ class DenseTarget:
         self.make_blocks()
 
     def make_blocks(self) -> None:
-        """The layers' forwards (``layer_block``, made from their projections
-        as they are now), and the kernel variants they reach, checked."""
+        """Build the layers' forwards from their current projections."""
         windows = self.windows()
         self.blocks = [self.layer_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
         prepare(self.dtype, self.head_dim, windows)
 
     def layer_block(self, layer: nn.Module, window: int | None):
-        """One layer's forward (h, mask, cache) -> h, its attention through
-        ``attention.attention``: here fused products where the layer allows
-        (fused.py), else the layer itself; families with layers of their
-        own shape override it."""
+        """One layer's forward (h, mask, cache) -> h."""
         return block(layer, window) if self.fuse_projections else layer
 
     @property
@@ -61,15 +51,12 @@ class DenseTarget:
         args = self.text.args
         return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
 
-    # -- pieces the drafter shares -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.inner.embed_tokens(tokens)
         return h * self.embed_scale if self.embed_scale != 1.0 else h
 
     def lm_head(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
-        """The output head's logits of ``norm(h)`` (``norm``: None, or the
-        RMSNorm before the head: in the head's product launch where a small
-        head takes the block-product kernel)."""
+        """The output head's logits of ``norm(h)`` (``norm`` None: already normed)."""
         head = self._small_head()
         if head is not None:
             return apply_linear(head, h, norm=norm)
@@ -79,18 +66,14 @@ class DenseTarget:
         return self.text.lm_head(h)
 
     def _small_head(self) -> nn.Linear | None:
-        """The output head as an nn.Linear (a tied embedding's weight held
-        by one, no copy; kept while that weight is the embedding's) where it
-        is a plain linear layer whose final norm can go into its product's
-        launch (fewer than linear.NORM_MOST elements: a small pair,
-        whose cycle is bound by launches), else None (quantized, or large:
-        Qwen3-8B's 622M-element head keeps MLX's product)."""
+        """The head as a plain nn.Linear below linear.NORM_MOST elements, so its
+        norm can join its product; None if quantized or large."""
         if not self.tied:
             head = self.text.lm_head
             return head if type(head) is nn.Linear and head.weight.size < NORM_MOST else None
         embed = self.inner.embed_tokens
         if type(embed) is not nn.Embedding or embed.weight.size >= NORM_MOST:
-            self._tied_head = None  # (a wrapper kept from before would hold the old weight)
+            self._tied_head = None  # a kept wrapper would hold the old weight
             return None
         kept = getattr(self, "_tied_head", None)
         if kept is None or kept.weight is not embed.weight:
@@ -101,10 +84,8 @@ class DenseTarget:
     def dtype(self):
         return self.inner.norm.weight.dtype
 
-    # -- forward and cache ---------------------------------------------------
     def make_cache(self) -> list:
-        """One cache per layer: fixed-capacity buffers whose length may live
-        on the device (see kv_cache), so a verify's rollback is decided there."""
+        """One buffer per layer; its length may live on the device."""
         return [BufferKVCache() for _ in self.inner.layers]
 
     def windows(self) -> list[int | None]:
@@ -112,7 +93,7 @@ class DenseTarget:
         return [None] * self.num_layers
 
     def masks(self, h: mx.array, cache: list) -> list:
-        """Each layer's mask, made by its cache (mlx-lm's protocol)."""
+        """Each layer's mask, made by its cache."""
         windows = self.windows()
         made = {w: create_attention_mask(h, cache[0], window_size=w, return_array=True) for w in set(windows)}
         return [made[w] for w in windows]
@@ -124,9 +105,8 @@ class DenseTarget:
         taps: Sequence[int],
         last_only: bool = False,
     ) -> tuple[mx.array, mx.array]:
-        """tokens: [1, L]. Returns (logits [1, L or 1, V], hidden [1, L, len(taps)*H]),
-        hidden being the outputs of decoder layers ``taps`` (0-based, before
-        the final norm), concatenated in the order given."""
+        """tokens [1, L] -> (logits [1, L or 1, V], hidden [1, L, len(taps)*H]):
+        the outputs of layers ``taps`` before the final norm, in that order."""
         h = self.first_input(tokens)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
@@ -139,18 +119,14 @@ class DenseTarget:
         return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
 
     def first_input(self, tokens: mx.array) -> mx.array:
-        """The first layer's input; ``embed`` unless the family transforms it
-        further than what the drafter shares."""
+        """The first layer's input."""
         return self.embed(tokens)
 
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
-        """The target's logits from its final states through ``norm`` (None:
-        already normed); ``lm_head`` unless the family scales them past what
-        the drafter shares."""
+        """The target's own logits (``lm_head`` unless the family rescales)."""
         return self.lm_head(h, norm)
 
     def set_length(self, cache: list, length, bound: int | None = None) -> None:
-        """Keep the first ``length`` cached positions (an int, or an array the
-        host does not read, with ``bound`` a host-side upper bound on it):
-        rollback moves the caches' lengths, no copy."""
+        """Keep the first ``length`` cached positions (an int or device array,
+        ``bound`` a host-side upper bound): a move of lengths, no copy."""
         set_lengths(cache, length, bound)

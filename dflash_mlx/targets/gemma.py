@@ -1,23 +1,8 @@
-"""Gemma 3 and Gemma 4: mlx-lm's ``gemma3_text`` and ``gemma4_text``, and the
-multimodal ``gemma3`` / ``gemma4`` checkpoints (their text model, wrapped).
-
-What sets them apart from the dense loop: embeddings scaled by sqrt(hidden)
-(the drafter's block embeddings too), sliding-window layers (a plain buffer
-each, the window in the mask), and for Gemma 4 a final logit softcap,
-per-layer input embeddings, and trailing layers that reuse an earlier layer's
-keys/values (they keep no cache of their own).
-
-Each layer is mlx-lm's decoder-layer forward with its attention through
-``attention.attention`` (the block-attention kernel where it pays): sliding
-layers with their window, full layers without. A Gemma 4 layer that reuses
-an earlier layer's keys and values attends over that layer's cache, from the
-offset that layer wrote at. (Gemma 4 31B's full layers have a head dim of
-512, past the kernel's: they keep mlx-lm's attention.)
-
-The softcap is the target's own (``logits``), not the shared ``lm_head``'s:
-the drafter gets the raw head, as Z Lab's reference and the official MLX code
-feed it (Hugging Face caps in the causal-LM forward), and applies only its
-own config's ``final_logit_softcapping``, so it is never capped twice."""
+"""Gemma 3 and Gemma 4 (``gemma3_text``, ``gemma4_text`` and their multimodal
+wrappers): scaled embeddings, sliding layers with the window in the mask, and
+for Gemma 4 per-layer inputs and layers reusing an earlier layer's keys/values.
+The softcap is in the target's ``logits``, not the shared ``lm_head``: the
+drafter applies its own config's cap, so logits are never capped twice."""
 
 from __future__ import annotations
 
@@ -43,7 +28,7 @@ class Gemma3Target(DenseTarget):
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.inner.embed_tokens(tokens)
-        # As mlx-lm does it: the scale rounded to bfloat16 first.
+        # As mlx-lm: the scale rounded to bfloat16 first.
         return h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
 
     def windows(self):
@@ -107,8 +92,7 @@ class Gemma4Target(DenseTarget):
             prepare(self.dtype, d, [w for w, e in zip(windows, dims) if e == d])
 
     def masks(self, h, cache):
-        # One mask per layer type, made by the first cache of that type; the
-        # layers sharing keys/values see the buffers of their source layer.
+        # One mask per layer type; layers sharing keys/values see their source's buffers.
         made = {}
         for i, t in enumerate(self.types[: self.with_kv]):
             if t not in made:
@@ -138,10 +122,8 @@ class Gemma4Target(DenseTarget):
 
 def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
     """mlx-lm's gemma4_text DecoderLayer forward (h, mask, cache,
-    per_layer_input, shared) -> (h, what a later layer reusing this one's
-    keys and values is given: ``shared``). ``shared``: None, or the keys,
-    values, offset and cache of the layer whose keys and values this one
-    reuses (then ``cache`` is None, as mlx-lm passes it)."""
+    per_layer_input, shared) -> (h, shared): ``shared`` the (keys, values,
+    offset, cache) a layer reusing keys/values gets (its ``cache`` is None)."""
     attn = layer.self_attn
 
     def forward(h: mx.array, mask, cache, per_layer_input=None, shared=None):
@@ -162,9 +144,8 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        # A reusing layer attends over its source's buffer from the offset the
-        # source wrote at. mlx-lm gives it no cache; for a plain buffer that is
-        # the same attention, for any other cache the kernel is not used anyway.
+        # A reusing layer attends over its source's buffer from the source's
+        # offset: the same attention as mlx-lm's cacheless call.
         over = source if cache is not None or type(source) is BufferKVCache else None
         out = attention(q, k, v, cache=over, scale=attn.scale, mask=mask, start=offset, window=window)
         out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -186,8 +167,7 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
 
 
 def feed_forward(layer: nn.Module, h: mx.array) -> mx.array:
-    """A gemma4_text layer's MLP, plus its experts where it has them, before
-    the post-feed-forward norm (as mlx-lm's DecoderLayer computes them)."""
+    """A gemma4_text layer's MLP plus experts, before the post-feed-forward norm."""
     if not layer.enable_moe:
         return layer.mlp(layer.pre_feedforward_layernorm(h))
     dense = layer.post_feedforward_layernorm_1(layer.mlp(layer.pre_feedforward_layernorm(h)))

@@ -1,11 +1,6 @@
-"""GPT-OSS: mlx-lm's ``gpt_oss`` models (20B, 120B).
-
-MoE layers alternate sliding-window and full attention, both with learned
-attention sinks. mlx-lm keeps the sliding layers in a rotating cache; here
-every layer keeps a plain buffer, so rollback stays a move of the length,
-and the window lives in the mask. Each layer is mlx-lm's TransformerBlock
-forward with its attention through ``attention.attention_output``, sinks included
-(the kernel takes them as per-head logits, as mx.fast's attention does)."""
+"""GPT-OSS: mlx-lm's ``gpt_oss`` models. Every layer keeps a plain buffer
+(sliding windows live in the mask) so rollback stays a move of the length;
+attention sinks are per-head logits, as in mx.fast's attention."""
 
 from collections.abc import Callable
 

@@ -1,18 +1,8 @@
-"""Hybrid targets: gated delta-net layers mixed with full attention.
-mlx-lm's ``qwen3_5`` (Qwen3.5 / 3.6 dense), ``qwen3_5_moe`` (Qwen3.5 / 3.6
-A3B / A10B) and ``qwen3_next`` (Qwen3-Coder-Next).
-
-Attention layers keep plain buffers; delta-net layers keep a DeltaCache
-(recurrent.py), whose rollback is exact. When a shortened conversation asks
-for a state no cache kept, the missing tokens are read again from the
-nearest checkpoint: the delta-net layers recompute, the attention layers
-read their keys and values in place (never rewritten below the committed
-length).
-
-The attention layers are mlx-lm's (qwen3_next's, which qwen3_5 reuses):
-q/k norms, RoPE over part of the head, the output gated by a sigmoid of a
-second half of the query projection. They run here op for op
-(``attention_block``), their attention through ``attention.attention_output``."""
+"""Hybrid targets (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``): gated
+delta-net layers (DeltaCache, exact rollback) mixed with attention layers
+(plain buffers). A state no cache kept is rebuilt by re-reading tokens from
+the nearest checkpoint; attention keys/values are read in place, as they are
+never rewritten below the committed length."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ from .recurrent import DeltaCache, _value
 
 
 class HybridCache(list):
-    """The per-layer caches, plus the ids written at each position (a log of
-    (start, ids) per write, read by the host only to re-read tokens)."""
+    """The per-layer caches plus a log of (start, ids) per write, for re-reads."""
 
     def __init__(self, layers):
         super().__init__(layers)
@@ -52,8 +41,7 @@ class HybridCache(list):
 
 
 class _Reading:
-    """An attention layer's cache during a re-read: keys and values already
-    in place are read, nothing is written."""
+    """An attention layer's cache during a re-read: reads in place, writes nothing."""
 
     def __init__(self, kv: BufferKVCache, start: int):
         self.kv, self.offset = kv, start
@@ -70,7 +58,7 @@ class HybridTarget(DenseTarget):
     family = "qwen3_5"
 
     def __init__(self, model: nn.Module):
-        super().__init__(model)  # qwen3_5 wraps a text model
+        super().__init__(model)
         self.linear = [layer.is_linear for layer in self.inner.layers]
         self.first_attention = self.linear.index(False)
 
@@ -108,9 +96,8 @@ class HybridTarget(DenseTarget):
 
     def set_length(self, cache: list, length, bound: int | None = None) -> None:
         """An array length: a verify's rollback, on the device. An int: the
-        exact state after ``length`` positions (a sync; settling only)."""
+        exact state after ``length`` positions (a sync)."""
         if not isinstance(length, int):
-            # (the attention layers' buffers together: one write position and one end a forward)
             set_lengths([c for c in cache if isinstance(c, BufferKVCache)], length, bound)
             for c in cache:
                 if not isinstance(c, BufferKVCache):
@@ -144,8 +131,7 @@ class HybridTarget(DenseTarget):
 
 
 def attention_block(layer: nn.Module) -> Callable:
-    """mlx-lm's forward (h, mask, cache) -> h of a hybrid's full-attention
-    layer (qwen3_next's Qwen3NextAttention, then the layer's MLP)."""
+    """mlx-lm's Qwen3NextAttention layer forward (h, mask, cache) -> h."""
     attn = layer.self_attn
 
     def forward(h: mx.array, mask, cache) -> mx.array:

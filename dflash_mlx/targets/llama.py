@@ -1,7 +1,5 @@
-"""Llama: mlx-lm's ``llama`` models, e.g. Llama-3.1-8B-Instruct.
-
-Sliding-window layers, where a config has them, keep a plain KV cache (so
-rollback stays a trim) and see the window through their mask."""
+"""Llama: mlx-lm's ``llama`` models. Sliding layers keep a plain buffer (the
+window lives in the mask), so rollback stays a trim."""
 
 from .base import DenseTarget
 

@@ -1,21 +1,7 @@
-"""Muse Glimmer: mlx-lm's ``muse_glimmer`` (its text model; the target of the
-Muse-Glimmer-30B DFlash 2 drafter).
-
-A dense loop with three differences, all inside or around mlx-lm's layers:
-[local, local, local, global] attention (the sliding layers keep a plain
-buffer each, the window in the mask; the global layers use no RoPE), token
-embeddings passed through a scaleless RMSNorm before the first layer, and
-logits multiplied by ``output_multiplier`` then soft-capped.
-
-Each layer is mlx-lm's DecoderLayer forward with its attention through
-``attention.attention_output`` (the block-attention kernel where it pays): sliding
-layers with their window, global layers without, and without RoPE.
-
-What the drafter shares is the raw embedding table and the raw output head,
-as Z Lab's reference feeds its drafters (their own config carries the output
-multiplier and softcap, applied by the drafter): so ``embed`` and ``lm_head``
-are the raw ones, and the target's own forward adds the norm, the multiplier
-and the cap."""
+"""Muse Glimmer: mlx-lm's ``muse_glimmer`` text model. A dense loop with
+sliding/global attention (global layers without RoPE), a scaleless RMSNorm on
+the embeddings and soft-capped, scaled logits. The drafter shares the raw
+``embed`` and ``lm_head`` (its config applies the multiplier and cap)."""
 
 from collections.abc import Callable
 
@@ -50,10 +36,7 @@ class MuseGlimmerTarget(DenseTarget):
 
 
 def block(layer: nn.Module, window: int | None) -> Callable:
-    """mlx-lm's muse_glimmer DecoderLayer forward (h, mask, cache) -> h:
-    scaleless q/k norms (the queries then scaled by ``qk_scale_factor``),
-    RoPE on the layers that have it, the output gated by a sigmoid of
-    ``gate_proj``, and centered norms after attention and around the MLP."""
+    """mlx-lm's muse_glimmer DecoderLayer forward (h, mask, cache) -> h."""
     attn = layer.self_attn
     rope = attn.rope if attn.use_rope else None
 

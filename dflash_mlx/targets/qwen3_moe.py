@@ -1,10 +1,5 @@
-"""Qwen3 MoE: mlx-lm's ``qwen3_moe`` models, e.g. Qwen3-Coder-30B-A3B.
-
-The decoder loop is the dense one: the sparse MLP is inside mlx-lm's layer
-module, and routing is per token, so a verify block routes each position as
-a single decode step would. The attention is qwen3's (q/k norms), run as
-layers.dense_block runs it, through ``attention.attention_output``, with mlx-lm's
-own projections and MLP."""
+"""Qwen3 MoE: mlx-lm's ``qwen3_moe`` models. Routing is per token, so a verify
+block routes each position as a decode step would."""
 
 from ..layers.blocks import dense_block, own_projections
 from .base import DenseTarget

@@ -1,39 +1,14 @@
 """Gated delta-net layers with exact rollback (Qwen3.5 / 3.6, Qwen3-Next).
 
-A delta-net layer keeps a recurrent state and a short convolution state
-instead of keys and values, so rolling back a verify block is not a move of
-a length. Each write (a prefill chunk or a verify block) keeps its inputs to
-the recurrence (q, k, v, the gates, the convolution input) and a reference to
-the state it started from; MLX arrays are immutable, so keeping a reference
-costs nothing. Keeping the first ``s`` of its ``T`` steps is then
-
-- convolution: a slice of the kept convolution input at ``s``;
-- recurrence: mlx-lm's ``gated_delta_update`` re-run over the T steps from the
-  saved state, steps at or past ``s`` masked (they leave the state as it is),
-
-both with ``s`` an array the host never reads, so a cycle's rollback is
-decided on the device. A re-run reads the layer's small recurrence inputs
-only, never its weights.
-
-That is the ``replay`` rollback. The other known way, ``per-step`` (the
-default), keeps the state after every step of a verify instead: the
-recurrence runs one step at a time (the same arithmetic, so the same
-states), and keeping ``s`` steps is a take of state ``s`` among them, again
-with ``s`` on the device. It trades the re-run for writing T states (a
-verify's states are dropped once it is cut: older writes replay). Choose
-with ``DeltaCache.rollback`` (or per cache); benchmarks/families.py
-``--rollback replay,per-step`` times both at real shapes: on an H200 at
-Qwen3.5-9B-like shapes (bf16) per-step's rollback cost 3.8 against 9.3 ms a
-cycle at block 4 and 22 against 42 ms at block 16 (BENCHMARKS.md). Only
-writes of at most ``per_step_longest`` steps (verify blocks) keep their
-states: a prefill chunk's would cost far more memory than its re-run.
-
-``set_length`` with a Python int (the prompt cache settling after an
-interrupt, a dropped cycle or a shortened conversation) finds the state at
-exactly that length among the current state, the last writes and a few
-checkpoints, reading their lengths (a sync, but rare). ``restore`` says when
-none of them has it; the adapter then re-reads the missing tokens
-(hybrid.py).
+A delta-net layer keeps a recurrent and a convolution state instead of keys
+and values, so each write keeps its recurrence inputs and the state it began
+from. Keeping the first ``s`` of its ``T`` steps (``s`` possibly an array the
+host never reads) is a slice of the convolution input plus either a masked
+re-run of ``gated_delta_update`` from the saved state (``replay``) or a take
+from the per-step states kept during the verify (``per-step``, the default,
+only for writes of at most ``per_step_longest`` steps). ``set_length`` with
+an int restores an exact state from the last writes or a few checkpoints;
+``restore`` says when none has it, and the adapter re-reads (hybrid.py).
 """
 
 from __future__ import annotations
@@ -53,16 +28,9 @@ def _value(n) -> int:
 
 
 def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
-    """mlx-lm's ``gated_delta_update`` one step at a time: the outputs
-    [B, T, Hv, Dv], the T+1 states before and after each step stacked
-    [T+1, B, Hv, Dv, Dk] (one buffer: a cut takes from it without another
-    copy, and the steps' own arrays are let go once it is computed), and the
-    last state on its own (the cache's next state must not hold the stack).
-
-    The gates and, off the Metal kernel, the key heads' repeat for the value
-    heads are made once for the block, as ``gated_delta_update`` makes them
-    once for its whole input: per step they were about six more kernels per
-    step and layer, most of the per-step rollback's cost at block 16."""
+    """mlx-lm's ``gated_delta_update`` one step at a time: returns the outputs
+    [B, T, Hv, Dv], the T+1 states stacked [T+1, B, Hv, Dv, Dk], and the last
+    state on its own (the cache's next state must not hold the stack)."""
     B, _, _, Dk = q.shape
     if state is None:
         state = mx.zeros((B, *v.shape[-2:], Dk), mx.float32)
@@ -81,9 +49,8 @@ def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
 
 
 def _metal_kernel(k: mx.array, layer: nn.Module) -> bool:
-    """Whether ``gated_delta_update`` would run its Metal kernel here (its own
-    rule in mlx-lm 0.32, which pyproject.toml pins below 0.33: check it again
-    on a bump): the same steps must run the same arithmetic."""
+    """Whether ``gated_delta_update`` would run its Metal kernel here (mlx-lm
+    0.32's rule): the steps must run the same arithmetic to give the same states."""
     Dk = k.shape[-1]
     return (
         not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available() and Dk >= 32 and Dk % 32 == 0
@@ -111,8 +78,7 @@ class Write:
         return self.q.shape[1]
 
     def after(self, s) -> tuple[mx.array, mx.array]:
-        """(convolution state, recurrent state) after the first ``s`` steps
-        (an int or an array)."""
+        """(convolution state, recurrent state) after the first ``s`` steps."""
         keep = self.conv_input.shape[1] - self.steps
         if isinstance(s, int):
             conv = self.conv_input[:, s : s + keep]
@@ -142,26 +108,23 @@ class Write:
 
 
 class DeltaCache:
-    """A gated delta-net layer's state at ``offset`` positions (an int, or an
-    array the host does not read; ``bound`` a host-side upper bound), with the
-    last ``keep`` writes and up to ``checkpoints`` states at known lengths,
-    for exact rollback."""
+    """A gated delta-net layer's state at ``offset`` positions (``bound`` a
+    host-side upper bound), with the last writes and a few checkpoints."""
 
     keep = 3
     checkpoints = 4
-    # Longer writes (prefill chunks) keep no inputs, only a checkpoint before
-    # them: their inputs would cost far more memory than their states.
+    # Longer writes (prefill chunks) keep only a checkpoint: their inputs cost more than a state.
     longest_write = 64
-    rollback = "per-step"  # or "replay" (see the module's doc); per cache: DeltaCache(rollback=...)
-    per_step_longest = 16  # writes this long or shorter keep their per-step states
+    rollback = "per-step"
+    per_step_longest = 16
 
     def __init__(self, rollback: str | None = None):
         if rollback is not None:
             if rollback not in ROLLBACKS:
                 raise ValueError(f"unknown rollback {rollback!r}; choose one of: {', '.join(ROLLBACKS)}.")
             self.rollback = rollback
-        self.conv: mx.array | None = None  # the convolution state [1, K-1, C]
-        self.ssm: mx.array | None = None  # the recurrent state [1, Hv, Dv, Dk]
+        self.conv: mx.array | None = None  # [1, K-1, C]
+        self.ssm: mx.array | None = None  # [1, Hv, Dv, Dk]
         self.offset: int | mx.array = 0
         self.bound = 0
         self.floor = 0
@@ -169,11 +132,9 @@ class DeltaCache:
         self.writes: deque[Write] = deque(maxlen=self.keep)
         self.saved: list[tuple[int, mx.array | None, mx.array | None]] = [(0, None, None)]
 
-    # -- the layer's forward -------------------------------------------------
     def forward(self, layer: nn.Module, x: mx.array) -> mx.array:
-        """mlx-lm's gated delta-net (``layer``: its GatedDeltaNet module) over
-        x [1, T, H] from this state, run from its parts so the recurrence
-        inputs are kept; returns the layer's output."""
+        """mlx-lm's GatedDeltaNet ``layer`` over x [1, T, H], run from its parts
+        so the recurrence inputs are kept."""
         self._settle_pending()
         if isinstance(self.offset, int):
             self._checkpoint(self.offset, self.conv, self.ssm)
@@ -215,19 +176,15 @@ class DeltaCache:
         return layer.out_proj(out.reshape(B, T, -1))
 
     def _settle_pending(self) -> None:
-        """Keep the pending write whole (a write followed by another, as
-        prefill chunks are)."""
+        """Keep the pending write whole."""
         if self.pending is not None:
             self.pending.states = None  # T states are too many to keep: an older write replays
             self.writes.append(self.pending)
             self.pending = None
 
-    # -- rollback ------------------------------------------------------------
     def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
-        """Keep the first ``length`` positions. An array length cuts the
-        pending write on the device (a verify's rollback), or else names the
-        current length; an int restores the exact state (see ``restore``),
-        raising LookupError if none is kept."""
+        """Keep the first ``length`` positions: an array cuts the pending write
+        on the device; an int restores the exact state or raises LookupError."""
         if isinstance(length, int):
             if not self.restore(length):
                 raise LookupError(f"no state kept at length {length}")
@@ -242,8 +199,7 @@ class DeltaCache:
         self.offset, self.bound = length, bound
 
     def restore(self, n: int) -> bool:
-        """Make the state exactly the one after ``n`` positions if it is kept
-        (the current one, a recent write's, or a checkpoint); False if not."""
+        """Make the state exactly the one after ``n`` positions; False if none is kept."""
         found = None
         if self.pending is None and _value(self.offset) == n:
             found = self.conv, self.ssm
@@ -265,8 +221,7 @@ class DeltaCache:
         return True
 
     def restorable(self, n: int) -> int:
-        """The longest length <= n this cache can restore exactly from its
-        checkpoints alone."""
+        """The longest length <= n restorable from checkpoints alone."""
         return max(m for m, _, _ in self.saved if m <= n)
 
     def _checkpoint(self, n: int, conv, state) -> None:
@@ -274,7 +229,6 @@ class DeltaCache:
         if len(self.saved) > self.checkpoints + 1:  # the empty state stays
             del self.saved[1]
 
-    # -- what the prompt cache reads -----------------------------------------
     @property
     def capacity(self) -> int:
         return self.bound
