@@ -1,9 +1,5 @@
-"""Putting a finished directory in place in one step.
-
-A directory is written under a temporary name beside its destination, then
-``replace_dir`` renames it into place: readers see the old directory or the
-new one, never a half-written one.
-"""
+"""Putting a finished directory in place in one step: readers see the old
+directory or the new one, never a half-written one."""
 
 from __future__ import annotations
 
@@ -13,9 +9,8 @@ from pathlib import Path
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the directory ``tmp`` to ``final``. An existing ``final`` is set
-    aside first and removed only once the new directory is in place; if the
-    move fails, it is put back."""
+    """Move ``tmp`` to ``final``; an existing ``final`` is set aside, removed
+    once the new one is in place, and put back if the move fails."""
     if not (final.exists() or final.is_symlink()):
         os.rename(tmp, final)
         return

@@ -1,15 +1,7 @@
-"""The dtype a model pair computes in.
-
-By default a pair runs in its weights' own dtype, as mlx-lm loads it, except
-on a CPU whose matrix products run on a fast BLAS (fast_blas.py): there
-bfloat16 and float16 products take MLX's own loops, and only float32 ones
-reach the BLAS, where a 16-row product costs about what two 1-row ones do
-(7x less than in bfloat16, BENCHMARKS.md), so that a verify costs few plain
-steps. A pair whose float32 copy would take over a quarter of the memory
-keeps its dtype, as does a quantized target (its products are MLX's own).
-
-Float32 decodes its own text: DFlash's output equals the target's own
-decoding in the dtype it computes in, so compare with mlx-lm in that dtype.
+"""The dtype a model pair computes in: the weights' own, except float32 on a
+CPU with a fast BLAS (only float32 products reach it), unless the copy would
+be too large or the target is quantized. Output equals the target's own
+decoding in the dtype it computes in.
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ from mlx.utils import tree_flatten
 from . import fast_blas
 
 CHOICES = ("auto", "float32", "bfloat16", "float16")
-MEMORY_SHARE = 0.25  # of the machine's memory, the most a float32 copy of the pair may take
+MEMORY_SHARE = 0.25  # the most of the memory a float32 copy of the pair may take
 
 
 def _floating(module: nn.Module) -> list[mx.array]:
@@ -61,8 +53,7 @@ def auto(model: nn.Module, draft: nn.Module) -> mx.Dtype | None:
 
 
 def check(dtype: str, flags: bool = False) -> None:
-    """A ValueError naming the choices unless ``dtype`` is one of CHOICES
-    (``flags``: name the command line's --dtype, else load's dtype=)."""
+    """Raise ValueError unless ``dtype`` is one of CHOICES."""
     if dtype not in CHOICES:
         raise ValueError(
             f"unknown dtype {dtype!r}; pass {'--dtype' if flags else 'dtype='} "
@@ -71,9 +62,8 @@ def check(dtype: str, flags: bool = False) -> None:
 
 
 def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: bool = True) -> mx.Dtype:
-    """Cast both models' floating weights to ``dtype`` (one of CHOICES) and
-    return the dtype the pair now computes in; ``evaluate``: cast now (else
-    lazily, with a lazy load)."""
+    """Cast both models' floating weights to ``dtype``; returns the dtype the
+    pair now computes in."""
     check(dtype)
     target = auto(model, draft) if dtype == "auto" else getattr(mx, dtype)
     if target is not None:
@@ -85,8 +75,7 @@ def apply(model: nn.Module, draft: nn.Module, dtype: str = "auto", evaluate: boo
 
 
 def on_fast_blas(dtype: mx.Dtype) -> bool:
-    """Whether a pair computing in ``dtype`` does so in float32 on a CPU
-    whose products run on a fast BLAS (what ``auto`` picks there)."""
+    """Whether ``dtype`` is float32 on a CPU with a fast BLAS."""
     cpu = mx.default_device().type == mx.DeviceType.cpu
     return cpu and fast_blas.active() and dtype == mx.float32
 

@@ -1,18 +1,10 @@
 """A fast BLAS under MLX's CPU backend on Linux.
 
-MLX's Linux CPU wheel carries the reference BLAS, whose float32 matrix
-products cost about rows times a one-row product: verifying a block of 16
-tokens then costs many plain steps, and no block pays (BENCHMARKS.md). The
-system's OpenBLAS, where installed (Debian/Ubuntu: libopenblas0), takes 16
-rows at about twice one row. Opened with its symbols global before MLX's
-library is, it is the BLAS that MLX's products call, as LD_PRELOAD would
-make it.
-
-That only works before ``mlx.core`` is imported: the CLI calls ``load``
-before any command runs, and the package's first lazy export (``load``,
-``generate``, ...) calls it before importing MLX; ``import dflash_mlx``
-alone opens nothing. ``DFLASH_MLX_BLAS`` names another library to open
-instead, or ``off``.
+MLX's Linux CPU wheel carries the reference BLAS, whose multi-row products
+cost about rows times one row, so verifying a block never pays. The system's
+OpenBLAS, opened with global symbols before ``mlx.core`` is imported, becomes
+the BLAS MLX calls, as LD_PRELOAD would. ``DFLASH_MLX_BLAS`` names another
+library, or ``off``.
 """
 
 from __future__ import annotations
@@ -20,12 +12,11 @@ from __future__ import annotations
 import os
 import sys
 
-# Sonames the dynamic loader finds in its usual directories (ld.so.cache).
 OPENBLAS = ("libopenblas.so.0", "libopenblas.so", "libopenblasp.so.0", "libopenblaso.so.0")
 SETTING = "DFLASH_MLX_BLAS"
 
-loaded: str | None = None  # the library opened, if any
-why_not = "not tried"  # why none was, for `dflash-mlx doctor`
+loaded: str | None = None
+why_not = "not tried"  # for `dflash-mlx doctor`
 
 
 def load() -> str | None:
@@ -43,7 +34,7 @@ def load() -> str | None:
     else:
         try:
             import ctypes
-        except ImportError:  # a Python built without ctypes: MLX's own BLAS, never an import error
+        except ImportError:
             why_not = "this Python has no ctypes"
             return None
         names = (setting,) if setting else OPENBLAS
@@ -63,8 +54,7 @@ def load() -> str | None:
 
 
 def active() -> bool:
-    """Whether MLX's CPU products run on a fast BLAS: one loaded here, or
-    one the user preloaded."""
+    """Whether MLX's CPU products run on a fast BLAS, loaded here or preloaded."""
     return loaded is not None or "blas" in os.environ.get("LD_PRELOAD", "").lower()
 
 

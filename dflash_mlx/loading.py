@@ -15,10 +15,7 @@ from .draft.dflash import DFlashDraft
 from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
 
-# -- known pairs ---------------------------------------------------------------
-
-# Targets, their family (config.json's model_type), and the drafters Z Lab
-# published for them (github.com/z-lab/dflash).
+# Targets, their model_type, and the drafters Z Lab published for them.
 _TARGETS: dict[str, tuple[str, str]] = {
     "Qwen/Qwen3-4B": ("qwen3", "z-lab/Qwen3-4B-DFlash-b16"),
     "Qwen/Qwen3-8B": ("qwen3", "z-lab/Qwen3-8B-DFlash-b16"),
@@ -31,18 +28,15 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "Qwen/Qwen3.5-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.5-35B-A3B-DFlash"),
     "Qwen/Qwen3.6-27B": ("qwen3_5", "z-lab/Qwen3.6-27B-DFlash"),
     "Qwen/Qwen3.6-35B-A3B": ("qwen3_5_moe", "z-lab/Qwen3.6-35B-A3B-DFlash"),
-    # DFlash 2 drafters (Z Lab mirrors of incoai's).
     "Qwen/Qwen3.8-27B": ("qwen3_5", "z-lab/Qwen3.8-27B-DFlash2"),
     "meta-models/Muse-Glimmer-30B": ("muse_glimmer", "z-lab/Muse-Glimmer-30B-DFlash2"),
-    # config.json says gemma4: the multimodal checkpoint, served through its text model.
     "google/gemma-4-31B-it": ("gemma4", "z-lab/gemma-4-31B-it-DFlash"),
     "openai/gpt-oss-20b": ("gpt_oss", "z-lab/gpt-oss-20b-DFlash"),
     "openai/gpt-oss-120b": ("gpt_oss", "z-lab/gpt-oss-120b-DFlash"),
 }
 _BASE_PAIRS: dict[str, str] = {target: drafter for target, (_, drafter) in _TARGETS.items()}
 
-# The mlx-community conversions of those targets share their drafter: the
-# drafter reads the target's hidden states, which quantization leaves in place.
+# Quantized conversions share their drafter: it reads the target's hidden states.
 _MLX_COMMUNITY: dict[str, tuple[str, ...]] = {
     "Qwen/Qwen3.8-27B": ("Qwen3.8-27B-4bit", "Qwen3.8-27B-8bit"),
     "meta-models/Muse-Glimmer-30B": ("Muse-Glimmer-30B-4bit",),
@@ -56,22 +50,20 @@ _MLX_COMMUNITY: dict[str, tuple[str, ...]] = {
 }
 
 KNOWN_PAIRS: dict[str, str] = dict(_BASE_PAIRS)
-# The family of every target in KNOWN_PAIRS.
 FAMILIES: dict[str, str] = {target: family for target, (family, _) in _TARGETS.items()}
 for _target, _names in _MLX_COMMUNITY.items():
     for _name in _names:
         KNOWN_PAIRS[f"mlx-community/{_name}"] = _BASE_PAIRS[_target]
         FAMILIES[f"mlx-community/{_name}"] = FAMILIES[_target]
 
-# Suffixes conversions add to a target's name (mlx-community's and others').
+# Suffixes conversions add to a target's name.
 _VARIANT_SUFFIX = re.compile(
     r"(-(mlx|\d+(\.\d+)?-?bits?|bf16|fp16|fp32|fp8|float16|bfloat16|int4|int8|mxfp4|mxfp8|nvfp4|dwq|awq|gptq|q\d(_k)?(_[ms])?))+$"
 )
 
 
 def known_pairs() -> list[tuple[str, str]]:
-    """Every (target, drafter) pair the registry knows, targets as published
-    followed by their mlx-community conversions."""
+    """Every (target, drafter) pair the registry knows."""
     return list(KNOWN_PAIRS.items())
 
 
@@ -100,9 +92,8 @@ def _repo_id_of(path: Path) -> str | None:
 
 
 def find_drafter(target: str | Path) -> str | None:
-    """The drafter repo id for a target repo id, one of its mlx-community (or
-    other quantized) conversions, or a local directory named after one; None
-    when the registry has no drafter for it."""
+    """The drafter repo id for a target repo id, a conversion of one, or a
+    local directory named after one; None if the registry has none."""
     from . import builtin
 
     if str(target) == "builtin" or Path(target).expanduser().resolve() == builtin.TARGET:
@@ -124,12 +115,9 @@ def find_drafter(target: str | Path) -> str | None:
     return None
 
 
-# -- the Hub -------------------------------------------------------------------
-
-
 def hub_cache() -> str | None:
-    """huggingface_hub reads its environment once, at import; read it at call
-    time so HF_HUB_CACHE / HF_HOME set later still count."""
+    """The Hub cache directory, read at call time (huggingface_hub reads its
+    environment once, at import)."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
     if os.environ.get("HF_HOME"):
@@ -142,8 +130,7 @@ def hub_offline() -> bool:
 
 
 def is_cached(repo_id: str) -> bool:
-    """Whether the Hub repo ``repo_id`` is in the local huggingface_hub cache
-    with its config.json and all its weights (so it loads offline)."""
+    """Whether ``repo_id`` is cached with its config.json and all its weights."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -161,9 +148,7 @@ def is_cached(repo_id: str) -> bool:
 
 def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *, tqdm_class=None) -> Path:
     """A local directory as is; otherwise a Hub repo id fetched through
-    huggingface_hub's cache (with HF_HUB_OFFLINE set, only what the cache
-    already holds). ``tqdm_class`` draws the download bars (huggingface_hub's
-    own by default)."""
+    huggingface_hub's cache (only the cache with HF_HUB_OFFLINE set)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
@@ -222,8 +207,7 @@ def resolve(path_or_repo: str | Path, allow_patterns: list[str] | None = None, *
 
 
 def looks_local(name: str | Path) -> bool:
-    """Whether a model argument names a local path rather than a Hub repo id
-    (org/name): it starts with /, ., ~ or holds more than one /."""
+    """Whether a model argument names a local path rather than a Hub repo id."""
     name = str(name)
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
 
@@ -241,14 +225,11 @@ def revision_of(path: Path) -> str | None:
     return None
 
 
-# -- reading checkpoints -------------------------------------------------------
-
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint: those its index names when it is
-    sharded with an index, else every *.safetensors file."""
+    """The weight files its index names, else every *.safetensors file."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
@@ -303,11 +284,10 @@ DRAFT_FILES = ["*.json", "*.safetensors", "*.md"]
 
 
 def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
-    """A DFlash (v1 or DFlash 2) drafter from a Z Lab or converted
-    (optionally quantized) directory, or a Hub repo."""
+    """A DFlash (v1 or 2) drafter, optionally quantized, from a directory or Hub repo."""
     path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
     raw = read_config(path)
-    cfg = parse_draft_config(raw)  # DFlash 2 drafters get their own config and module
+    cfg = parse_draft_config(raw)
     quantization = raw.get("quantization")
     weights = check_draft_weights(read_weights(path), cfg, quantization)
     model = draft_model(cfg)
@@ -320,8 +300,7 @@ def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
 
 
 def family_runs(model_type: str | None) -> bool:
-    """Whether a target adapter serves the mlx-lm ``model_type`` (or the one
-    mlx-lm remaps it to)."""
+    """Whether a target adapter serves ``model_type`` (or mlx-lm's remapping of it)."""
     from mlx_lm.utils import MODEL_REMAPPING
 
     from .targets import ADAPTERS
@@ -336,10 +315,8 @@ def unsupported_family(model_type: str | None) -> str:
 
 
 def check_target(path_or_repo: str | Path, *, tqdm_class=None, flags: bool = False) -> None:
-    """Refuse, reading only its config.json (and before any drafter is
-    fetched), a target that cannot run: a family no adapter serves (known
-    from the registry without a download), a directory that is not a model,
-    or a DFlash drafter where the target belongs."""
+    """Refuse, from its config.json alone, a target that cannot run: an
+    unserved family, a directory that is not a model, or a drafter."""
     name = str(path_or_repo)
     if name in FAMILIES and not family_runs(FAMILIES[name]):
         raise ValueError(unsupported_family(FAMILIES[name]))
@@ -420,18 +397,12 @@ def load(
     dtype: str = "auto",
     flags: bool = False,
 ):
-    """Load a target with mlx-lm and its DFlash drafter.
+    """Load a target with mlx-lm and its DFlash drafter (by default the one
+    the registry knows; ``"builtin"`` names the packaged pair).
 
-    ``draft`` defaults to the drafter the registry knows for the target.
-    Returns (model, draft, tokenizer): the mlx-lm model, the drafter bound to
-    it, and mlx-lm's tokenizer wrapper. ``"builtin"`` names the small pair
-    shipped in the package. ``adapter_path``: LoRA adapters for the target
-    (mlx-lm's); ``trust_remote_code``: for its tokenizer; ``dtype``: what the
-    pair computes in, ``"auto"`` (the weights' own, or float32 on a CPU with a
-    fast BLAS, see compute_dtype.py), ``"float32"``, ``"bfloat16"`` or
-    ``"float16"``. ``tqdm_class``
-    draws the Hub download bars; ``flags``: errors name the command line's
-    flags instead of the Python arguments."""
+    Returns (model, draft, tokenizer), the drafter bound to the model.
+    ``dtype``: what the pair computes in (see compute_dtype.py); ``flags``:
+    errors name the command line's flags instead of the Python arguments."""
     if str(path_or_repo) == "builtin":
         from . import builtin
 
@@ -439,9 +410,8 @@ def load(
     if adapter_path is not None:
         check_adapter_path(adapter_path)
     compute_dtype.check(dtype, flags)
-    # The target's config and the drafter are checked before paying for the
-    # target's weights; a local target before the registry, a Hub one after it
-    # (no download for a target without a drafter).
+    # Check the target's config and the drafter before paying for the target's
+    # weights; a Hub target only once a drafter is known (no wasted download).
     local = Path(str(path_or_repo)).expanduser().exists() or looks_local(path_or_repo)
     if local:
         check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
@@ -460,7 +430,7 @@ def load(
     model, tokenizer = load_target(
         path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path, trust_remote_code=trust_remote_code
     )
-    # (cast before the adapter fuses projections and checks kernels for the dtype)
+    # Cast before the adapter fuses projections and checks kernels for the dtype.
     compute_dtype.apply(model, drafter, dtype, evaluate=not lazy)
     drafter.bind(adapt(model))
     return model, drafter, tokenizer

@@ -1,33 +1,24 @@
-"""Prompts: text to token ids (the BOS rule, chat templates) and prompt files.
-
-One rule for raw text, as mlx-lm's own ``stream_generate`` has it: the
-tokenizer's special tokens are added unless the text already starts with the
-BOS token (a chat template that writes its own BOS). A conversation goes
-through the tokenizer's chat template as text, then through the same rule.
-"""
+"""Prompts: text to token ids (the BOS rule, chat templates) and prompt files."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-# Fields that hold a prompt in the JSONL files people have: ours, MT-Bench's
-# "turns", Alpaca's "instruction", and the usual others.
+# Fields that hold a prompt in common JSONL files (MT-Bench "turns", Alpaca "instruction").
 PROMPT_FIELDS = ("prompt", "question", "instruction", "input", "text", "turns")
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Raw text as token ids, the tokenizer's special tokens added unless the
-    text already starts with its BOS token."""
+    """Raw text as token ids, special tokens added unless the text already
+    starts with BOS (as mlx-lm's ``stream_generate`` does)."""
     bos = tokenizer.bos_token
     return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
 def apply_chat_template(tokenizer, messages: list[dict], prefill: str | None = None, **template_kwargs) -> list[int]:
-    """A conversation through the tokenizer's chat template, with the
-    generation prompt (the assistant's turn opened), as token ids. ``prefill``
-    starts the assistant's reply with that text, which the model continues
-    (mlx-lm's --prefill-response)."""
+    """A conversation through the chat template with the generation prompt, as
+    token ids; ``prefill`` starts the assistant's reply for the model to continue."""
     if prefill is not None:
         messages = [*messages, {"role": "assistant", "content": prefill}]
         template_kwargs = {**template_kwargs, "continue_final_message": True}
@@ -38,15 +29,10 @@ def apply_chat_template(tokenizer, messages: list[dict], prefill: str | None = N
 
 
 def read_prompts(path: str | Path) -> list[dict]:
-    """The prompts in a file, one per non-blank line, each ``{"prompt": str}``
-    or ``{"messages": [...]}`` (a conversation whose trailing assistant turns
-    are dropped, so the model answers the rest). A line is plain text (one
-    that starts with ``{`` but is not JSON too, unless it opens like a JSON
-    object, ``{"``), a JSON string, or a JSON object with a ``messages`` list
-    or a prompt field (``PROMPT_FIELDS``). A ``turns`` list (MT-Bench) gives
-    its first turn as ``prompt`` and all of them as ``turns``, for callers
-    that run the conversation turn by turn. Raises ValueError naming the
-    first bad line."""
+    """The prompts in a file, one per non-blank line (plain text, a JSON string,
+    or an object with ``messages`` or a ``PROMPT_FIELDS`` field), each as
+    ``{"prompt", ["turns"]}`` or ``{"messages"}`` with trailing assistant turns
+    dropped. Raises ValueError naming the first bad line."""
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"

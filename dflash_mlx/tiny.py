@@ -1,8 +1,6 @@
-"""Tiny random models made on the fly, for the tests and benchmarks that need
-no download: mlx-lm targets (qwen3, llama) in the Hugging Face layout, DFlash
-drafters in the Z Lab layout, a word-level tokenizer over "w0".."wN", and the
-two measures the tests hold a pair to: mlx-lm's own greedy decoding and the
-mean acceptance length."""
+"""Tiny random models made on the fly, for tests and benchmarks that need no
+download: mlx-lm targets, Z Lab-layout drafters, a word-level tokenizer, and
+the reference measures (mlx-lm's greedy decoding, mean acceptance length)."""
 
 from __future__ import annotations
 
@@ -147,9 +145,8 @@ def write_target(path: Path, cfg: dict, model: nn.Module, tokenizer: TokenizerWr
 def mean_acceptance(
     model: nn.Module, draft: DFlashDraft, tokenizer, prompts: list[list[int]], max_tokens: int = 40
 ) -> float:
-    """Mean over ``prompts`` of each greedy DFlash generation's acceptance
-    length, at the drafter's own block (not ``auto``, whose choices follow
-    the machine's timings)."""
+    """Mean greedy acceptance length over ``prompts``, at the drafter's own
+    block (``auto`` would follow the machine's timings)."""
     from dflash_mlx import stream_generate
 
     lengths = []

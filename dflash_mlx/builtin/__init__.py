@@ -1,14 +1,6 @@
-"""The built-in pair: a small Qwen3 target trained from scratch on the Python
-standard library, with its byte-level BPE tokenizer (ChatML template, <|mask|>),
-and its DFlash drafter trained with ``dflash-mlx train``. It runs offline, so
-``generate``/``chat``/``bench`` have something real to use without --model.
-
-Rebuilt by scripts/build_builtin.py; BUILD.json records how it was made.
-
-    from dflash_mlx import load
-    from dflash_mlx.builtin import TARGET, DRAFT
-    model, draft, tokenizer = load(str(TARGET), draft=str(DRAFT))
-"""
+"""The built-in pair: a small Qwen3 target trained on the Python standard
+library and its DFlash drafter, runnable offline. Rebuilt by
+scripts/build_builtin.py; BUILD.json records how."""
 
 from pathlib import Path
 

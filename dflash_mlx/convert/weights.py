@@ -1,12 +1,6 @@
-"""Z Lab DFlash drafter checkpoints -> MLX directories that
-``dflash_mlx.load_draft`` reads directly.
-
-The output holds config.json (the source config, DFlash fields kept, plus
-mlx-lm's ``quantization`` record when quantized), MLX safetensors written by
-mlx-lm's ``save_model``, and a README.md model card with provenance. It is
-written to a hidden temporary directory next to the destination and renamed
-into place at the end, so a failed or interrupted conversion leaves no output
-directory behind.
+"""Z Lab DFlash drafter checkpoints -> MLX directories ``load_draft`` reads
+(config.json, safetensors, a model card). Written beside the destination and
+renamed into place, so a failed conversion leaves no output behind.
 """
 
 from __future__ import annotations
@@ -100,13 +94,9 @@ def target_problems(cfg: DraftConfig, target: str | Path) -> list[str]:
             f"the target's config.json lacks {', '.join(missing)}, so it is not a language model; "
             "pass the target model's directory or repo id."
         )
-    # The mask token indexes the target's embedding table, which can be larger
-    # than the tokenizer (Qwen3's mask id 151669 is one past its tokenizer's
-    # last token, inside its 151936-row embedding), so that table is the bound.
+    # The mask token is bounded by the embedding table, which may exceed the tokenizer.
     return pair_problems(cfg, int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]))
 
-
-# -- writing -------------------------------------------------------------------
 
 _PARTIAL = ".partial-"
 
@@ -276,8 +266,8 @@ def convert(
         raise ValueError(
             f"{hf_path} is already a quantized MLX drafter; convert from the original Z Lab checkpoint instead."
         )
-    cfg = parse_draft_config(raw)  # v1 or DFlash 2
-    weights = check_draft_weights(read_weights(src), cfg)  # DFlash 2 codebooks gain .weight
+    cfg = parse_draft_config(raw)
+    weights = check_draft_weights(read_weights(src), cfg)
     not_float = sorted(k for k, v in weights.items() if not mx.issubdtype(v.dtype, mx.floating))
     if not_float:
         raise ValueError(
@@ -295,8 +285,7 @@ def convert(
                 + ". Use the drafter published for this target."
             )
 
-    # Default: the dtype the tensors are stored in (config.json's torch_dtype
-    # can disagree with the file; the file is what the user has).
+    # Default to the stored dtype: config.json's torch_dtype can disagree with the file.
     stored = str(weights["fc.weight"].dtype).split(".")[-1]
     dtype_name = dtype or (stored if stored in DTYPES else "float32")
     mx_dtype = getattr(mx, dtype_name)

@@ -1,9 +1,5 @@
-"""Training data: the target's own greedy responses to the prompts.
-
-Self-distillation (DFlash paper): the drafter learns to predict what the
-target itself would write, so the target first writes its greedy response to
-every training prompt. Those sequences are cached in the output directory
-(``distill.jsonl``) so that ``--resume`` never regenerates them.
+"""Training data: the target's own greedy responses to the prompts
+(self-distillation), cached in ``distill.jsonl`` so ``--resume`` reuses them.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from ..prompts import apply_chat_template, encode
 
 DISTILL_FILE = "distill.jsonl"
 DISTILL_META = "distill.meta.json"
-# ``distill`` sorts the prompts by length within windows of this many batches.
 SORT_WINDOW = 16
 
 
@@ -31,10 +26,8 @@ class Sequence:
 
 
 def encode_prompts(items: list[dict], tokenizer, max_prompt_len: int) -> list[list[int]]:
-    """Token ids of each item of ``dflash_mlx.prompts.read_prompts``: plain
-    prompts as they are, conversations through the chat template with the
-    generation prompt. Long prompts keep their last ``max_prompt_len``
-    tokens; empty ones are dropped."""
+    """Token ids of each ``read_prompts`` item (conversations through the chat
+    template), keeping the last ``max_prompt_len``; empty ones are dropped."""
     out = []
     for item in items:
         if "prompt" in item:
@@ -83,16 +76,10 @@ def distill(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Sequence]:
     """The target's greedy responses to ``prompts``, each sequence cut at
-    ``seq_len`` tokens (when the target stopped before that, the EOS it
-    wrote is the last token). Sequences already in ``out/distill.jsonl``
-    (from an interrupted run with the same ``meta``) are reused; new ones
-    are appended as they are made.
+    ``seq_len`` tokens, reusing those already in ``out/distill.jsonl``.
 
-    The prompts go through in windows of ``SORT_WINDOW`` batches: inside a
-    window they are sorted by length, so that each batch of ``gen_batch``
-    holds prompts of about one length (little padding, and the batch stops
-    when its rows have used their room), while the file keeps the prompts'
-    order, so that a resumed run finds the first sequences done."""
+    Prompts are sorted by length within windows of ``SORT_WINDOW`` batches
+    (less padding), but written in the prompts' order so a resume can count."""
     meta_file = out / DISTILL_META
     if meta_file.is_file():
         old = json.loads(meta_file.read_text())
@@ -123,7 +110,6 @@ def distill(
                 responses = greedy_batch(model, ps, [seq_len - len(p) for p in ps], eos)
                 for i, p, r in zip(rows, ps, responses):
                     made[i] = Sequence((p + r)[:seq_len], min(len(p), seq_len))
-                # Append the window's sequences that are now complete from its start.
                 while written in made:
                     done.append(made.pop(written))
                     f.write(_line(done[-1]))
@@ -142,17 +128,9 @@ def greedy_batch(
     prefill_step: int = 512,
     check_every: int = 16,
 ) -> list[list[int]]:
-    """The target's greedy (argmax) continuation of every prompt, decoded as
-    one batch: at most ``max_new`` tokens each (an int, or one per prompt),
-    cut after the first token in ``eos`` (that EOS kept).
-
-    The prompts are left-padded to one length and share one
-    ``BatchKVCache`` per layer (per-row RoPE offsets and padding masks; a
-    sliding-window layer keeps all its keys and the mask applies the
-    window). Produced tokens stay on the device; every ``check_every``
-    steps they come to the host, the loop stops once every row has met an
-    EOS or its budget, and the finished rows leave the batch when they are
-    a quarter of it or more."""
+    """The target's greedy continuation of every prompt, decoded as one
+    left-padded batch: at most ``max_new`` tokens each, cut after the first
+    token in ``eos`` (kept). Tokens are read every ``check_every`` steps."""
     import mlx.core as mx
 
     eos = set(eos)
@@ -169,8 +147,7 @@ def greedy_batch(
     tokens = mx.array([[0] * p + list(prompts[i]) for p, i in zip(pad, rows)])
     cache = _batch_cache(model, pad)
 
-    # Prefill all but the last column through the body only (no logits over
-    # the vocabulary), then the last column through the whole model.
+    # Prefill all but the last column through the body only: no vocabulary logits.
     body = getattr(model, "model", None)
     for s in range(0, L - 1, prefill_step):
         part = tokens[:, s : min(s + prefill_step, L - 1)]
@@ -183,9 +160,9 @@ def greedy_batch(
     y = step(tokens[:, -1])
     mx.async_eval(y)
     active = list(rows)  # the row of ``out`` that each batch row writes
-    left = {i: budget[i] for i in rows}  # how many tokens each row may still take
-    pending = []  # produced columns not yet read on the host
-    until = min(check_every, max(budget[i] for i in rows))  # columns to make before the next read
+    left = {i: budget[i] for i in rows}
+    pending = []
+    until = min(check_every, max(budget[i] for i in rows))
     while True:
         pending.append(y)
         # Queue the next step before reading anything, so the device stays busy.
@@ -220,9 +197,8 @@ def greedy_batch(
 
 
 def _batch_cache(model, left_padding: list[int]) -> list:
-    """One ``BatchKVCache`` per layer of ``model``, for prompts left-padded by
-    ``left_padding``. Layers that mlx-lm gives a rotating (sliding-window)
-    cache get a full one too: their mask applies the window."""
+    """One ``BatchKVCache`` per layer, sliding layers included: their mask
+    applies the window."""
     from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     layers = make_prompt_cache(model)

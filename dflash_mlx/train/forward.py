@@ -1,15 +1,7 @@
-"""The drafter's training forward: many blocks of a batch of sequences in
-one pass of the inference module ``DFlashDraft``.
-
-In each sequence, anchor positions a are sampled in the response; each
-anchor makes one block [token at a, MASK x (bs-1)] at positions a..a+bs-1,
-exactly what the drafter sees at inference when a is the first uncommitted
-position. The blocks go on the batch axis; each block sees the context
-keys/values of its own sequence at positions < a only (plus the window of
-sliding layers), through a boolean mask, and all of its own block.
-
-These pieces belong beside the drafter's own forward and block mask in
-dflash_mlx/draft.py; they live here until that file is free to take them.
+"""The drafter's training forward: many blocks of a batch in one pass of
+``DFlashDraft``. Each sampled anchor a makes a block [token at a, MASK ...]
+at positions a..a+bs-1, as at inference; blocks go on the batch axis and see
+their sequence's context before a only, through a boolean mask.
 """
 
 from __future__ import annotations
@@ -20,11 +12,9 @@ from ..draft.dflash import DFlashDraft
 
 
 def training_mask(anchor: mx.array, length: mx.array, T: int, bs: int, causal: bool, window: int | None) -> mx.array:
-    """Boolean [B, 1, bs, T + bs]: block b's query i (at position a_b + i) sees
-    context key j iff j < a_b (and a_b + i - j < window on sliding layers), and
-    the block's own first length_b keys (only those at or before it when
-    causal): the same visibility as inference's ``block_mask`` for a block of
-    length_b (the queries past length_b have no labels)."""
+    """Boolean [B, 1, bs, T + bs]: the same visibility as inference's
+    ``block_mask``: context keys before the anchor (within the window) and
+    the block's own first length_b keys (causal where the layer is)."""
     a = anchor[:, None, None]
     q = a + mx.arange(bs)[None, :, None]
     j = mx.arange(T)[None, None, :]
@@ -47,10 +37,8 @@ def target_taps(adapter, tokens: mx.array, taps: list[int]) -> mx.array:
 
 
 def written_out_attention(queries, keys, values, *, scale, mask):
-    """Attention spelled out (GQA, boolean mask), for the drafter's ``attend``
-    hook: training passes a per-block mask of shape [B, 1, L, C+L], and
-    written out its meaning cannot depend on a backend's fused kernel (the
-    equality with inference is tested)."""
+    """Attention spelled out (GQA, boolean mask [B, 1, L, C+L]), so its
+    meaning cannot depend on a backend's fused kernel."""
     B, H, L, hd = queries.shape
     kv = keys.shape[1]
     q = (queries * scale).reshape(B, kv, H // kv, L, hd)
@@ -61,7 +49,7 @@ def written_out_attention(queries, keys, values, *, scale, mask):
 
 
 def draft_logits(draft: DFlashDraft, taps: mx.array, batch: dict[str, mx.array]) -> mx.array:
-    """Logits [B, bs-1, V] of every block in the batch (see module docstring)."""
+    """Logits [B, bs-1, V] of every block in the batch."""
     ctx = draft.context(taps)  # [N, T, H]
     T = taps.shape[1]
     block, anchor, seq = batch["block"], batch["anchor"], batch["seq"]

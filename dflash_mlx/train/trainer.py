@@ -1,26 +1,11 @@
 """Training a DFlash drafter against a frozen target (the DFlash recipe).
 
-One step: a batch of self-distilled sequences goes through the frozen target
-once (no cache), which gives the tapped hidden states of every position. In
-each sequence ``blocks_per_seq`` anchor positions are sampled in the
-response, and the drafter predicts the block at each of them in one pass
-(forward.py). Block position i (1..bs-1) is trained to predict the target's token at a+i,
-with cross-entropy weighted by exp(-(i-1)/gamma): early positions matter most,
-since a draft is accepted only up to its first miss. gamma = 7 at block 16 (the
-DFlash paper's value), 7*(bs-1)/15 at other block sizes; --gamma overrides.
-
-The progress bar's acceptance estimate comes from the same blocks: with a_b the
-accepted prefix of block b's top-1 guesses, 1 / mean(1 / (1 + a_b)) tokens per
-verify cycle. It is measured on training sequences, so it flatters a drafter that memorizes;
-the "held-out" figure beside it is the same estimate on fixed batches drawn
-from 5% of the sequences (--val-fraction) that never enter a training batch,
-measured at every checkpoint, always with full blocks: when the two drift
-apart, more data helps more than more steps. (With --min-block-size the
-training figure covers blocks of random length, which cap it lower, so
-compare the held-out figure's trend instead.)
-
-The drafter is the inference module ``DFlashDraft`` itself; the target's
-embedding and lm_head are used through the bound adapter and never trained.
+Each step runs the target once over self-distilled sequences for its tapped
+states, and the drafter predicts ``blocks_per_seq`` sampled blocks per
+sequence (forward.py). Position i's cross-entropy is weighted by
+exp(-(i-1)/gamma): a draft is accepted only up to its first miss. The
+held-out acceptance estimate uses sequences never trained on. The target's
+embedding and head are shared through the adapter and never trained.
 """
 
 from __future__ import annotations
@@ -58,23 +43,21 @@ class TrainConfig:
     draft_layers: int = 5
     target_layer_ids: list[int] | None = None
     steps: int = 2000
-    batch_size: int = 8  # sequences per step
-    blocks_per_seq: int = 16  # anchors (blocks) sampled in each sequence per step
+    batch_size: int = 8
+    blocks_per_seq: int = 16
     lr: float = 6e-4
-    seq_len: int = 512  # prompt + response tokens per sequence
+    seq_len: int = 512  # prompt + response tokens
     resume: bool = False
     seed: int = 0
-    gamma: float | None = None  # loss decay over block position; None: default_gamma(block_size)
-    warmup: int | None = None  # lr warmup steps; None: 4% of steps
+    gamma: float | None = None  # None: default_gamma(block_size)
+    warmup: int | None = None  # None: 4% of steps
     save_every: int = 200
-    gen_batch: int = 32  # prompts the target answers at once
+    gen_batch: int = 32
     max_prompts: int | None = None
     mask_token_id: int | None = None
-    min_block_size: int | None = None  # blocks get random lengths in [min_block_size, block_size]; None: all full
-    val_fraction: float | None = (
-        None  # share held out to measure acceptance on unseen text; None: 0.05 (or the run's, on resume)
-    )
-    compile: bool = True  # compile the training step (fixed shapes: same result, faster)
+    min_block_size: int | None = None  # None: all blocks full
+    val_fraction: float | None = None  # None: 0.05, or the resumed run's
+    compile: bool = True
 
     def check(self) -> None:
         def positive(name):
@@ -103,9 +86,8 @@ class TrainConfig:
 
 
 def default_gamma(block_size: int) -> float:
-    """The decay constant of the loss weights exp(-(i-1)/gamma): the DFlash
-    paper's 7 for block 16, scaled with the number of drafted positions for
-    other block sizes (3.3 for block 8)."""
+    """The loss weights' decay: the DFlash paper's 7 at block 16, scaled with
+    the drafted positions elsewhere."""
     return 7.0 * (block_size - 1) / 15.0
 
 
@@ -113,17 +95,10 @@ def position_weights(block_size: int, gamma: float) -> mx.array:
     return mx.exp(-mx.arange(block_size - 1, dtype=mx.float32) / gamma)
 
 
-# -- the drafter's shape ------------------------------------------------------
-
-
 def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
-    """A token id for the MASK slots of a block, and why it was chosen.
-
-    Any fixed id works (the drafter always sees [token, MASK...]), but an id the
-    data never holds keeps the block's first slot unambiguous: the tokenizer's
-    own mask token if it has one, else the first embedding row past the
-    tokenizer's vocabulary (Qwen3 pads its embedding; Z Lab's 151669 is that
-    row), else an added special token that is not EOS/BOS/pad, else the last id."""
+    """A token id for the MASK slots, and why: preferably one the data never
+    holds (the tokenizer's mask token, the first embedding row past its
+    vocabulary, an unused special token), else the last id."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     mask = getattr(hf, "mask_token_id", None)
     if isinstance(mask, int) and 0 <= mask < vocab_size:
@@ -144,8 +119,7 @@ def choose_mask_token(tokenizer, vocab_size: int) -> tuple[int, str]:
 
 
 def new_draft_config(target_model, adapter, tokenizer, cfg: TrainConfig) -> tuple[DraftConfig, str]:
-    """A fresh drafter config shaped after the target: same hidden size, heads,
-    head size, MLP width, vocabulary, norm eps and RoPE; ``draft_layers`` layers."""
+    """A fresh drafter config shaped after the target, with ``draft_layers`` layers."""
     args = target_model.args
     n = adapter.num_layers
     if cfg.target_layer_ids:
@@ -183,19 +157,10 @@ def new_draft_config(target_model, adapter, tokenizer, cfg: TrainConfig) -> tupl
     return draft_cfg, f"mask token id {mask_id}: {why}"
 
 
-# -- batches ------------------------------------------------------------------
-
-
 def make_batch(seqs: list[Sequence], rng: np.random.Generator, cfg: TrainConfig, mask_id: int) -> dict[str, mx.array]:
-    """Sample ``batch_size`` sequences and ``blocks_per_seq`` anchors in each.
-
-    tokens [N, T] (right-padded to seq_len: the target is causal, so padding
-    never reaches a real position); block [B, bs] = [token at a, MASK...];
-    anchor [B]; seq [B] (which sequence a block belongs to); length [B] (the
-    block's own length: bs, or random in [min_block_size, bs], so that one
-    drafter serves every block size up to bs); labels and valid [B, bs-1] for
-    the tokens at a+1..a+bs-1 (valid 0 past the end of the sequence or of the
-    block)."""
+    """Sample ``batch_size`` sequences and ``blocks_per_seq`` anchors in each:
+    tokens [N, T] right-padded (harmless: the target is causal), block [B, bs],
+    anchor, seq, length [B], and labels/valid [B, bs-1] for a+1..a+bs-1."""
     N, K, bs, T = cfg.batch_size, cfg.blocks_per_seq, cfg.block_size, cfg.seq_len
     picks = rng.integers(0, len(seqs), size=N)
     tokens = np.zeros((N, T), dtype=np.int32)
@@ -229,11 +194,9 @@ def make_batch(seqs: list[Sequence], rng: np.random.Generator, cfg: TrainConfig,
 
 
 def loss_and_stats(draft, taps, batch, weights):
-    """Weighted cross-entropy, plus the acceptance estimate: with a_b the
-    accepted prefix of block b's top-1 guesses, 1 / mean(1 / (1 + a_b)) is the
-    tokens per verify cycle that a decode over these positions would commit
-    (a long accepted run is one cycle, not many; the plain mean of 1 + a_b
-    overstates acceptance when it varies), and the top-1 rate per position."""
+    """Weighted cross-entropy, the acceptance estimate 1 / mean(1 / (1 + a_b))
+    (a_b block b's accepted prefix; the plain mean overstates it when it
+    varies), and the top-1 rate per position."""
     logits = draft_logits(draft, taps, batch).astype(mx.float32)
     labels, valid = batch["labels"], batch["valid"]
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
@@ -246,9 +209,8 @@ def loss_and_stats(draft, taps, batch, weights):
 
 
 def split_held_out(seqs: list[Sequence], fraction: float, seed: int) -> tuple[list[Sequence], list[Sequence]]:
-    """(training, held-out): a fixed random ``fraction`` of the sequences (at
-    least one when there are 20 or more, none below) never enters a training
-    batch, to measure how the drafter does on text it has not learned."""
+    """(training, held-out): a fixed random ``fraction`` of the sequences never
+    trained on (none below 20 sequences)."""
     if fraction <= 0 or len(seqs) < 20:
         return seqs, []
     n = max(1, round(len(seqs) * fraction))
@@ -260,8 +222,7 @@ def split_held_out(seqs: list[Sequence], fraction: float, seed: int) -> tuple[li
 def held_out_acceptance(
     draft, adapter, seqs: list[Sequence], cfg: TrainConfig, mask_id: int, weights, batches: int = 4
 ) -> dict:
-    """Loss and acceptance estimate (as in ``loss_and_stats``, full-length
-    blocks) on held-out sequences, over the same fixed anchors at every call."""
+    """Loss and acceptance estimate on held-out sequences, full blocks, fixed anchors."""
     full = TrainConfig(**{**asdict(cfg), "min_block_size": None})
     inv, losses = [], []
     taps_ids = list(draft.config.target_layer_ids)
@@ -273,9 +234,6 @@ def held_out_acceptance(
         losses.append(loss.item())
         inv.append(1.0 / tau.item())
     return {"acceptance": 1.0 / float(np.mean(inv)), "loss": float(np.mean(losses))}
-
-
-# -- checkpoints and output -----------------------------------------------------
 
 
 def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: dict) -> None:
@@ -311,8 +269,6 @@ def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
     tmp.rmdir()
 
 
-# -- the loop -----------------------------------------------------------------------
-
 _SAME_ON_RESUME = (
     "block_size",
     "draft_layers",
@@ -324,9 +280,7 @@ _SAME_ON_RESUME = (
 )
 DEFAULT_VAL_FRACTION = 0.05
 
-# log(message): one line for the user. progress(stage, done, total, info): how far
-# a stage has come; the stages are "distill" (the target writes its responses) and
-# "train" (the optimizer steps; info holds the running loss and acceptance).
+# progress(stage, done, total, info), stage "distill" or "train".
 Log = Callable[[str], None]
 StageProgress = Callable[[str, int, int, str], None]
 
@@ -336,9 +290,8 @@ def _nothing(*args) -> None:
 
 
 def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
-    """Check and create --out; returns the run's config with what it did not
-    give filled in (on --resume, from the run being resumed) and the directory.
-    ``cfg`` itself is left as it is."""
+    """Check and create --out; returns a copy of the config with what it did not
+    give filled in (on --resume, from the resumed run) and the directory."""
     out = Path(cfg.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory for the drafter.")
@@ -372,31 +325,30 @@ def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
 class Prepared:
     """What ``fit`` trains from."""
 
-    cfg: TrainConfig  # the run's own: every default and resumed value filled in
+    cfg: TrainConfig  # every default and resumed value filled in
     out: Path
     adapter: Any
     draft_cfg: DraftConfig
-    seqs: list[Sequence]  # the self-distilled sequences trained on
-    held_out: list[Sequence]  # those never trained on, to measure acceptance on
+    seqs: list[Sequence]
+    held_out: list[Sequence]
     resuming: bool
 
 
 @dataclass
 class Fitted:
-    """What ``fit`` did: the steps' history and the last acceptance figures."""
+    """What ``fit`` did."""
 
     steps: int
     history: list  # [step, loss, acceptance estimate, seconds]
     held_out: list  # [step, acceptance estimate, loss] on the held-out sequences
-    ema: tuple[float, float] | None  # running (loss, acceptance estimate)
+    ema: tuple[float, float] | None  # (loss, acceptance estimate)
     top1_by_position: list | None
     seconds: float
 
 
 def prepare(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: StageProgress = _nothing) -> Prepared:
-    """Check the config and the data, set up --out, load the target (unless
-    ``target``, an already loaded (model, tokenizer, adapter), is given),
-    shape the drafter and have the target write its responses. A mistake
+    """Check the config and data, set up --out, load the target unless given
+    as (model, tokenizer, adapter), shape the drafter and distill. A mistake
     found before any work leaves nothing behind."""
     from ..loading import load_target
     from ..prompts import read_prompts
@@ -476,9 +428,7 @@ def _optimizer(cfg: TrainConfig, draft: DFlashDraft) -> optim.Optimizer:
 
 
 def fit(prep: Prepared, *, log: Log = _nothing, progress: StageProgress = _nothing) -> Fitted:
-    """The optimizer steps up to ``cfg.steps`` (from the checkpoint when
-    resuming), a checkpoint and the drafter written every ``save_every`` steps
-    and at the end."""
+    """Run the optimizer to ``cfg.steps``, saving every ``save_every`` steps and at the end."""
     cfg, out, adapter, draft_cfg = prep.cfg, prep.out, prep.adapter, prep.draft_cfg
     mx.random.seed(cfg.seed)
     draft = DFlashDraft(draft_cfg)
@@ -553,7 +503,7 @@ def summarize(prep: Prepared, fitted: Fitted, *, log: Log = _nothing) -> dict[st
         "acceptance_estimate": ema[1] if ema else None,
         "top1_by_position": fitted.top1_by_position,
         "history": fitted.history,
-        "held_out": fitted.held_out,  # [step, acceptance estimate, loss] on sequences never trained on
+        "held_out": fitted.held_out,
         "held_out_acceptance": fitted.held_out[-1][1] if fitted.held_out else None,
         "sequences": len(prep.seqs),
         "held_out_sequences": len(prep.held_out),
@@ -576,10 +526,7 @@ def summarize(prep: Prepared, fitted: Fitted, *, log: Log = _nothing) -> dict[st
 
 
 def train(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: StageProgress = _nothing) -> dict[str, Any]:
-    """The whole recipe: prepare (self-distilled data), fit (``steps``
-    optimizer steps, checkpoints) and summarize; the drafter ends in
-    ``cfg.out``. ``target``: an already loaded (model, tokenizer, adapter).
-    Returns the summary (final loss, acceptance estimates, history)."""
+    """The whole recipe, prepare -> fit -> summarize; returns the summary."""
     prep = prepare(cfg, target=target, log=log, progress=progress)
     return summarize(prep, fit(prep, log=log, progress=progress), log=log)
 
