@@ -1,9 +1,5 @@
-"""Generation arguments, checked once for the Python API and the CLI alike.
-
-Every rule here raises ValueError with one sentence that names the fix; with
-``flags=True`` the sentence names the command line's flags (--max-tokens,
---temp, ...) instead of the Python arguments.
-"""
+"""Generation arguments, checked once for the Python API and the CLI: each
+rule raises ValueError naming the fix (the CLI's flags with ``flags=True``)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ class GenerationArgs:
     top_p: float
     top_k: int
     min_p: float
-    block_size: int | str  # an int >= 2, or "auto"
-    seed: int  # in [0, 2**64)
+    block_size: int | str
+    seed: int
     prefill_step_size: int
 
 
@@ -38,8 +34,7 @@ FLAGS = {
 
 
 def integer(name: str, value, minimum: int | None = None) -> int:
-    """``value`` as an int: any integer type (Python, numpy, a 0-d array) or
-    an integral float; never a bool."""
+    """``value`` as an int from any integer type or integral float, never a bool."""
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
         value = value.item()
     if (
@@ -79,8 +74,7 @@ def check_sampling(temperature, top_p, top_k, min_p=0.0) -> tuple[float, float, 
 
 
 def check_block_size(block_size, trained: int | None) -> int | str:
-    """None or "auto" -> "auto"; else an int in [2, trained] (trained None:
-    not known yet, so not checked)."""
+    """ "auto" for None or "auto", else an int in [2, trained]."""
     if block_size is None or (isinstance(block_size, str) and block_size.strip().lower() == "auto"):
         return "auto"
     try:
@@ -119,7 +113,6 @@ def check_generation_args(
     trained_block_size: int | None,
     flags: bool = False,
 ) -> GenerationArgs:
-    """All of ``stream_generate``'s settings, checked and normalised."""
     try:
         temperature, top_p, top_k, min_p = check_sampling(temperature, top_p, top_k, min_p)
         return GenerationArgs(

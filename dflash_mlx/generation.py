@@ -1,11 +1,4 @@
-"""The text-level DFlash API: ``stream_generate``, ``generate`` and the
-responses they yield.
-
-Under it, decode.py runs the token-level loop (prefill, pipelined cycles,
-commit, EOS/length) and cycle.py one cycle on the device; here the prompt is
-encoded, the arguments checked (arguments.py, shared with the CLI), tokens
-turned into text and the statistics kept.
-"""
+"""The text-level DFlash API: ``stream_generate`` and ``generate``."""
 
 from __future__ import annotations
 
@@ -31,19 +24,9 @@ from .targets import adapt
 
 @dataclass
 class GenerationResponse:
-    """One step of ``stream_generate``: the first token, then one verify cycle.
-
-    text: the new text segment; tokens: ids committed by this response (an
-    EOS id included, though its text is not); accepted: drafted tokens the
-    target accepted this cycle (None for the first token); block_size: tokens
-    verified this cycle (1: a plain target step, which ``block_size="auto"``
-    runs when no block pays); acceptance_length: mean tokens committed per
-    drafting cycle so far, bonus included; acceptance_rate: accepted /
-    proposed drafts so far; generation_tps: tokens per second since the
-    first token (0.0 on the first response); peak_memory in GB;
-    finish_reason: "stop" (EOS), "length" (max_tokens) or None; block_sizes:
-    cycles run so far per block size.
-    """
+    """One step of ``stream_generate``: the first token, then one cycle.
+    ``tokens`` includes an EOS whose text is not in ``text``; ``block_size``
+    1 is a plain target step; ``acceptance_length`` counts the bonus token."""
 
     text: str
     tokens: list[int]
@@ -63,7 +46,6 @@ class GenerationResponse:
 
     @property
     def plain_cycles(self) -> int:
-        """Cycles run as plain target steps (no drafts)."""
         return self.block_sizes.get(1, 0)
 
 
@@ -92,8 +74,7 @@ def _token_ids(prompt) -> list[int]:
 
 
 def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.array, vocab_size: int) -> list[int]:
-    """Token ids from a str (encoded as is) or from ids of any integer kind:
-    a list, a numpy or an mx array, 1-D or a batch of one."""
+    """Token ids from a str or from integer ids, 1-D or a batch of one."""
     if isinstance(prompt, str):
         ids = encode(tokenizer, prompt)
     else:
@@ -122,22 +103,15 @@ def stream_generate(
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Generate with DFlash, yielding a GenerationResponse for the first token
-    and one per verify cycle. Output is exactly the target's own: its greedy
-    decoding at temperature 0, its sampling distribution (mlx-lm's
-    temperature, top-p, min-p, top-k) otherwise. Arguments are checked before this
-    returns (ValueError with one sentence).
+    """Yield a GenerationResponse for the first token and one per cycle;
+    the output is exactly the target's own. Arguments are checked before this
+    returns.
 
-    prompt: a str (encoded as is, no chat template) or token ids.
-    block_size: tokens per verify (last committed + block_size-1 drafts), at
-    most the drafter's trained block; None or "auto" (the default) chooses it
-    before every cycle, plain target steps included, from the acceptance and
-    cycle times measured so far with this drafter (block_size.py).
-    seed: fixes a sampled run's text, whatever the block sizes (the target's
-    noise is fixed per position); any integer.
-    prompt_cache: from ``make_prompt_cache``; pass the whole conversation as
-    the prompt each time and only the part not already cached is prefilled.
-    A newer call on the same cache takes it over from a generator still alive.
+    prompt: a str (no chat template applied) or token ids.
+    block_size: tokens per verify, at most the trained block; None or "auto"
+    chooses it before every cycle. seed: fixes a sampled run's text.
+    prompt_cache: only the part of the prompt not cached is prefilled; a newer
+    call on the same cache takes it over from a generator still alive.
     prompt_progress(done, total): called after each prefill chunk.
     """
     target = adapt(model)
@@ -175,13 +149,12 @@ def stream_generate(
         prefill_step_size=args.prefill_step_size,
         progress=prompt_progress,
     )
-    if auto:  # what it learned, for the next process (block_memory.py)
+    if auto:
         steps = block_memory.remembered(steps, block)
     return _responses(target, tokenizer, steps, len(ids), hi)
 
 
 def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:
-    """Text and running statistics for each Step of the token-level loop."""
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)

@@ -1,5 +1,4 @@
-"""``block_size="auto"``: the block size chosen as decoding goes
-(chooser.py), remembered across processes (memory.py)."""
+"""``block_size="auto"``: the chooser and its memory across processes."""
 
 from .chooser import forget
 

@@ -1,36 +1,7 @@
-"""What ``block_size="auto"`` learned, kept from one process to the next.
-
-A chooser (block_size.py) starts knowing nothing: its first cycles probe the
-block range and a plain step, and plain steps may win only after EVIDENCE
-drafting cycles. A process that decodes one reply (``dflash-mlx generate``)
-or the first request of a ``chat`` or ``serve`` pays that every time: on a
-machine where no block pays (a CPU), a block of 16 costs about ten plain
-steps, so the probes alone cost tens of tokens' time.
-
-So at the end of each decode the chooser's state is written to a small JSON
-file per pair and machine, and the first chooser a process makes for that
-pair starts from it:
-
-- the acceptance counts by draft position, scaled down to at most
-  PRIOR_CYCLES cycles so that the new text soon outweighs the old;
-- each block size's median cycle time, as one measurement the new ones
-  outvote after two cycles (costs move with the context and the machine's load);
-- sizes with a remembered time are not probed again; a time is passed on
-  unmeasured for at most MEMORY_AGE processes (BlockChooser), then left out,
-  so that one taken at a bad moment (a busy machine) is measured anew where
-  it would otherwise make its size look too dear ever to explore.
-
-Which block runs never changes the output (sampling.py), so a stale or
-foreign memory can cost speed for a few cycles, never correctness.
-
-The file: ``$DFLASH_MLX_HOME/auto/<key>.json`` (``DFLASH_MLX_HOME`` defaults to
-``~/.cache/dflash-mlx``), the key a hash of the pair (both configs and a sample
-of both models' weights), the dtype it computes in, the block range, and the
-machine (MLX's version, backend, device, and whether a fast BLAS is in use).
-``DFLASH_MLX_AUTO_MEMORY=0`` turns it off. A file that cannot be read is
-ignored and written afresh; one that cannot be written is skipped: memory is
-an optimisation, never an error.
-"""
+"""What ``block_size="auto"`` learned, kept from one process to the next in
+``$DFLASH_MLX_HOME/auto/<key>.json`` (``~/.cache/dflash-mlx`` by default),
+keyed by the pair, dtype, block range and machine; ``DFLASH_MLX_AUTO_MEMORY=0``
+turns it off. Memory only costs or saves speed: I/O errors are ignored."""
 
 from __future__ import annotations
 
@@ -61,8 +32,7 @@ def home() -> Path:
 
 
 def chooser(target, draft, lo: int, hi: int) -> BlockChooser:
-    """The process's chooser for this pair and range (block_size.chooser_for),
-    started from what an earlier process learned when it is new."""
+    """The process's chooser, started from an earlier process's when new."""
     found = chooser_for(draft, lo, hi)
     if found.memory_path is None and enabled():
         found.memory_path = home() / "auto" / f"{fingerprint(target, draft, lo, hi)}.json"
@@ -83,11 +53,10 @@ def remembered(steps: Iterator, chooser: BlockChooser) -> Iterator:
 
 
 def fingerprint(target, draft, lo: int, hi: int) -> str:
-    """A short hash of the pair, the block range and the machine."""
     device = mx.default_device()
     try:
         name = mx.device_info().get("device_name", "")
-    except Exception:  # not every backend describes its device
+    except Exception:
         name = ""
     parts = {
         "draft": _config(draft.config),
@@ -95,7 +64,7 @@ def fingerprint(target, draft, lo: int, hi: int) -> str:
         "weights": [_sample(draft), _sample(target.model)],
         "range": [lo, hi],
         "machine": [mx.__version__, str(device), name, platform.machine(), fast_blas.active()],
-        "dtype": str(compute_dtype.computing(target.model)),  # (costs differ by dtype on a CPU)
+        "dtype": str(compute_dtype.computing(target.model)),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -106,8 +75,7 @@ def _config(config) -> str:
 
 
 def _sample(model) -> list[float]:
-    """The first values of a model's first weight: two pairs of one shape but
-    different weights (a fine-tune) get different keys."""
+    """The first values of the first weight, so a fine-tune gets its own key."""
     leaves = tree_flatten(model.parameters())
     if not leaves:
         return []
@@ -125,7 +93,7 @@ def _read(path: Path) -> dict | None:
 
 
 def _write(path: Path, state: dict) -> None:
-    """Write ``state`` whole or not at all (a temporary file renamed over the old one)."""
+    """Write ``state`` whole or not at all."""
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

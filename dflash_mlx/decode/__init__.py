@@ -1,3 +1,1 @@
-"""The token loop (loop.py), one draft-verify-accept cycle on the device
-(cycle.py), sampling and acceptance (sampling.py), and what a pair's cycles
-keep across calls (traces.py)."""
+"""The token loop, one cycle on the device, sampling and kept traces."""

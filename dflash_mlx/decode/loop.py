@@ -1,15 +1,8 @@
-"""The token-level DFlash loop: prefill, queue cycles, commit, stop.
+"""The token loop: prefill, queue cycles, commit, stop.
 
-``decode`` yields one ``Step`` for the first token and one per verify cycle.
-Cycles are pipelined: cycle n+1 is built and queued from cycle n's device
-state before the host reads cycle n's tokens (see cycle.py), so graph
-building and kernel launches overlap the device's work. The host learns each
-cycle's tokens one cycle late; it then commits them to the prompt cache,
-checks EOS and ``max_tokens``, and a cycle queued past the end is dropped
-(the cache's lengths are settled from its committed tokens).
-
-Text, statistics and the public response live one level up, in
-speculative.py.
+Cycle n+1 is queued from cycle n's device state before the host reads cycle
+n's tokens, so the host learns each cycle's tokens one cycle late; a cycle
+queued past the end is dropped.
 """
 
 from __future__ import annotations
@@ -31,10 +24,10 @@ from .sampling import SamplingParams
 
 @dataclass
 class Step:
-    tokens: list[int]  # committed by this step (an EOS included)
-    accepted: int | None  # drafts accepted (None for the first token)
-    block_size: int  # tokens verified (1: a plain target step)
-    finish: str | None  # "stop" (EOS), "length" (max_tokens) or None
+    tokens: list[int]
+    accepted: int | None
+    block_size: int
+    finish: str | None
 
 
 def prefill(
@@ -45,8 +38,7 @@ def prefill(
     step: int,
     progress: Callable[[int, int], None] | None,
 ) -> mx.array:
-    """Read the part of ``ids`` the cache lacks into both caches, in chunks of
-    ``step``; returns the target's logits [V] after the last id."""
+    """Prefill what the cache lacks of ``ids``; returns the last logits [V]."""
     taps = list(draft.config.target_layer_ids)
     new = ids[cache.keep_prefix(ids) :]
     logits = None
@@ -77,12 +69,9 @@ def decode(
     prefill_step_size: int = 2048,
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[Step]:
-    """Yield the first token's Step, then one per cycle, until EOS or
-    ``max_tokens``. ``block``: a fixed block size or a chooser asked before
-    every cycle. The target cache holds the prompt and every committed token
-    but the last whenever a Step is yielded, and both caches do when the
-    generator ends or is closed (the drafter's context may lag by the plain
-    steps since the last drafting cycle until then, see cycle.py)."""
+    """Yield the first token's Step, then one per cycle. At each Step the
+    target cache holds every committed token but the last; the drafter's
+    context catches up (deferred plain steps) when the generator ends."""
     owner = object()
     cache.claim(owner)
     try:
@@ -102,12 +91,11 @@ def decode(
 
 
 def _settled(cycle: Cycle, ids: list[int], **loop):
-    """``_cycles``, then the drafter's context fed up to the committed tokens."""
     cache, owner = cycle.caches, loop["owner"]
     try:
         yield from _cycles(cycle, ids, **loop)
     finally:
-        if cache.owner is owner:  # (a newer call that took the cache over settles it itself)
+        if cache.owner is owner:  # a newer call that took the cache over settles it
             with mx.stream(generation_stream):
                 cycle.feed_deferred(len(cache.tokens))
 
@@ -142,25 +130,19 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
     cache.check_owner(owner)
     last_host = first
     while True:
-        # Queue the next cycle before reading this one, unless this one surely
-        # ends the reply. Blocks are not cut near the end (a cut block would
-        # be one more graph to build): what passes max_tokens is dropped.
+        # Queue the next cycle before reading this one. Blocks are not cut
+        # near the end (another graph to build): what passes max_tokens is dropped.
         following = None
         if n + 1 < max_tokens:
-            bound = len(cache.tokens) + flight.block_size  # the length before `flight`, plus its most
+            bound = len(cache.tokens) + flight.block_size
             bs = choose()
-            if cache.may_queue(bound, bs):  # (not if it might straddle the start of KV quantization)
-                # (exact after a plain step: it commits one position)
+            if cache.may_queue(bound, bs):  # not across the start of KV quantization
                 following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
         tic = time.perf_counter()
         values = flight.result.tolist()
         if chooser is not None:
-            # A cycle's cost: building and queuing it, plus waiting for its
-            # result once the next one is queued (the time between two reads
-            # would be the next cycle's launch wherever launching is the bound,
-            # as on a CPU, where queuing a graph computes most of it); a cycle
-            # that built new graphs is no measure of its size's cost, but what
-            # exploring that size cost (block_size.py).
+            # A cycle's cost is its launch plus the wait for its result, not
+            # the time between reads, which holds the next cycle's launch.
             took = flight.launch_seconds + time.perf_counter() - tic
             chooser.record(
                 flight.block_size,
@@ -182,7 +164,7 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         if finish is not None:
             return
         cache.check_owner(owner)
-        if following is None:  # held back above: queued now, from the exact length
+        if following is None:
             following = launch(cache.block_from_here(bs), flight.last, flight.length, len(cache.tokens), exact=True)
         flight = following
         if n // 256 != (n - len(new)) // 256:
