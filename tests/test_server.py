@@ -8,13 +8,18 @@ import json
 import anthropic
 import httpx
 import openai
-
-from dflash_mlx import generate, stream_generate
 from test_server_fixtures import chat_pair, chat_server, scripted_pair, scripted_server  # noqa: F401
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+from dflash_mlx import generate, stream_generate
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def openai_client(url: str) -> openai.OpenAI:
@@ -50,8 +55,16 @@ def test_chat_equals_generate_streamed_and_not(chat_pair, chat_server):
     assert figures["cycles"] >= 1 and figures["block_sizes"] and 0 <= figures["acceptance_rate"] <= 1
     assert isinstance(figures["plain_decoding"], bool)
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -61,8 +74,18 @@ def test_seeded_sampling_is_repeatable(chat_server):
     client = openai_client(chat_server)
 
     def sample(seed):
-        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w20 w21"}],
-                                              max_tokens=16, temperature=1.0, top_p=0.95, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "w20 w21"}],
+                max_tokens=16,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+            )
+            .choices[0]
+            .message.content
+        )
 
     first = sample(7)
     assert sample(7) == first
@@ -98,7 +121,9 @@ def test_reasoning_apart_from_content_and_thinking_off(scripted_pair, scripted_s
     assert message.content.strip() == "w13 w14 w15 w16 w17 w18 w19 w20"
     assert thinking.choices[0].finish_reason == "stop"
     model, draft, tokenizer = scripted_pair
-    committed = sum(len(r.tokens) for r in stream_generate(model, draft, tokenizer, prompt_ids(tokenizer, messages), max_tokens=50))
+    committed = sum(
+        len(r.tokens) for r in stream_generate(model, draft, tokenizer, prompt_ids(tokenizer, messages), max_tokens=50)
+    )
     assert thinking.usage.completion_tokens == committed
 
     for switch in ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}):
@@ -122,14 +147,22 @@ def test_tool_call_parsed(scripted_server):
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=20, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=20, stream=True
+        )
+    )
     calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [(0, "get_weather", {"city": "Paris"})]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # the call and its result go back through the template for the next turn
-    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                 {"role": "tool", "tool_call_id": call.id, "content": "w13"}]
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "w13"},
+    ]
     after = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20)
     assert after.choices[0].finish_reason == "stop"
 
@@ -152,22 +185,36 @@ def test_completions_models_and_health(scripted_server):
 def test_anthropic_text_and_system_equal_generate(chat_pair, chat_server):
     client = anthropic_client(chat_server)
     expected = reference(chat_pair, [{"role": "system", "content": "w9"}, {"role": "user", "content": "w7 w8"}], 10)
-    reply = client.messages.create(model="tiny", max_tokens=10, system="w9", messages=[{"role": "user", "content": "w7 w8"}])
+    reply = client.messages.create(
+        model="tiny", max_tokens=10, system="w9", messages=[{"role": "user", "content": "w7 w8"}]
+    )
     assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == expected
     assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 10
-    with client.messages.stream(model="tiny", max_tokens=10, system=[{"type": "text", "text": "w9"}],
-                                messages=[{"role": "user", "content": [{"type": "text", "text": "w7 w8"}]}]) as stream:
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=10,
+        system=[{"type": "text", "text": "w9"}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "w7 w8"}]}],
+    ) as stream:
         assert stream.get_final_text() == expected
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens"
-    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    assert (
+        final.usage.input_tokens + final.usage.cache_read_input_tokens
+        == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
+    )
 
 
 def test_anthropic_stop_sequences_thinking_and_tool_use(scripted_server):
     client = anthropic_client(scripted_server)
     user = [{"role": "user", "content": "w30"}]
-    stopped = client.messages.create(model="tiny", max_tokens=50, messages=user, stop_sequences=["w17"],
-                                     thinking={"type": "enabled", "budget_tokens": 1024})
+    stopped = client.messages.create(
+        model="tiny",
+        max_tokens=50,
+        messages=user,
+        stop_sequences=["w17"],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     assert [b.type for b in stopped.content] == ["thinking", "text"]
     assert stopped.content[0].thinking.strip() == "w12"
     assert stopped.content[1].text.strip() == "w13 w14 w15 w16"
@@ -176,8 +223,13 @@ def test_anthropic_stop_sequences_thinking_and_tool_use(scripted_server):
     plain = client.messages.create(model="tiny", max_tokens=50, messages=user, thinking={"type": "disabled"})
     assert [b.type for b in plain.content] == ["text"] and plain.stop_reason == "end_turn"
 
-    tools = [{"name": "get_weather", "description": "Weather in a city",
-              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
     called = client.messages.create(model="tiny", max_tokens=50, messages=user, tools=tools)
     (use,) = [b for b in called.content if b.type == "tool_use"]
     assert (use.name, use.input, called.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
@@ -185,8 +237,17 @@ def test_anthropic_stop_sequences_thinking_and_tool_use(scripted_server):
         final = stream.get_final_message()
     assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("tool_use", {"city": "Paris"})]
 
-    answered = client.messages.create(model="tiny", max_tokens=50, tools=tools, messages=user + [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "w13"}]},
-    ])
+    answered = client.messages.create(
+        model="tiny",
+        max_tokens=50,
+        tools=tools,
+        messages=user
+        + [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "w13"}]},
+        ],
+    )
     assert answered.stop_reason in ("tool_use", "end_turn")

@@ -4,7 +4,6 @@ count and bytes; a conversation's next turn continues its own cache."""
 from __future__ import annotations
 
 import httpx
-
 from test_server_fixtures import chat_pair, serving  # noqa: F401
 
 
@@ -15,7 +14,10 @@ def ask(url: str, messages: list[dict]) -> dict:
 
 
 def next_turn(messages: list[dict], reply: dict, text: str) -> list[dict]:
-    return messages + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]}, {"role": "user", "content": text}]
+    return messages + [
+        {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+        {"role": "user", "content": text},
+    ]
 
 
 def cached(reply: dict) -> int:

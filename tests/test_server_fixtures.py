@@ -13,10 +13,28 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tiny import draft_config, make_target, random_draft_weights, target_config, write_target, write_zlab_draft
+from dflash_mlx.tiny import (
+    draft_config,
+    make_target,
+    random_draft_weights,
+    target_config,
+    write_target,
+    write_zlab_draft,
+)
 
-SPECIAL = ["<sys>", "<user>", "<asst>", "<end>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-           '{"name":"get_weather","arguments":{"city":"Paris"}}', "<asst_tools>", "<eos>"]
+SPECIAL = [
+    "<sys>",
+    "<user>",
+    "<asst>",
+    "<end>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    '{"name":"get_weather","arguments":{"city":"Paris"}}',
+    "<asst_tools>",
+    "<eos>",
+]
 WORDS = SPECIAL + [f"w{i}" for i in range(12, 48)] + ["<mask>"]
 VOCAB = len(WORDS)
 ID = {w: i for i, w in enumerate(WORDS)}
@@ -35,9 +53,16 @@ SCRIPTED_TEMPLATE = (
 
 # What the scripted target writes after each token (anything else: <eos>).
 SCRIPT = {
-    "<asst>": "<think>", "<think>": "w12", "w12": "</think>", "</think>": "w13",
-    **{f"w{i}": f"w{i + 1}" for i in range(13, 20)}, "w20": "<eos>",
-    "<asst_tools>": "<tool_call>", "<tool_call>": SPECIAL[8], SPECIAL[8]: "</tool_call>", "</tool_call>": "<eos>",
+    "<asst>": "<think>",
+    "<think>": "w12",
+    "w12": "</think>",
+    "</think>": "w13",
+    **{f"w{i}": f"w{i + 1}" for i in range(13, 20)},
+    "w20": "<eos>",
+    "<asst_tools>": "<tool_call>",
+    "<tool_call>": SPECIAL[8],
+    SPECIAL[8]: "</tool_call>",
+    "</tool_call>": "<eos>",
 }
 
 
@@ -63,11 +88,22 @@ def scripted_target(cfg: dict):
     head[mx.array(nxt), mx.arange(vocab)] = 1.0
     layers = []
     for layer in model.model.layers:
-        layers.append({"self_attn": {"o_proj": {"weight": mx.zeros_like(layer.self_attn.o_proj.weight)}},
-                       "mlp": {"down_proj": {"weight": mx.zeros_like(layer.mlp.down_proj.weight)}}})
-    model.update({"model": {"embed_tokens": {"weight": mx.eye(vocab, hidden)}, "layers": layers,
-                            "norm": {"weight": mx.full((hidden,), 1.5)}},
-                  "lm_head": {"weight": head}})
+        layers.append(
+            {
+                "self_attn": {"o_proj": {"weight": mx.zeros_like(layer.self_attn.o_proj.weight)}},
+                "mlp": {"down_proj": {"weight": mx.zeros_like(layer.mlp.down_proj.weight)}},
+            }
+        )
+    model.update(
+        {
+            "model": {
+                "embed_tokens": {"weight": mx.eye(vocab, hidden)},
+                "layers": layers,
+                "norm": {"weight": mx.full((hidden,), 1.5)},
+            },
+            "lm_head": {"weight": head},
+        }
+    )
     mx.eval(model.parameters())
     return model
 
@@ -140,9 +176,9 @@ def kv_pair(tmp_path_factory):
     (group size 32) and whose context is short (64 positions), on disk for
     the command and loaded: (target dir, draft dir, (model, draft, tokenizer))."""
     from cli_fixtures import TEMPLATE, VOCAB
-    from tiny import make_tokenizer
 
     from dflash_mlx import load
+    from dflash_mlx.tiny import make_tokenizer
 
     root = tmp_path_factory.mktemp("kv-pair")
     cfg = {**target_config(vocab=VOCAB, hidden=128, layers=2), "max_position_embeddings": KV_PAIR_CONTEXT}

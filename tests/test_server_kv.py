@@ -1,19 +1,20 @@
 """`dflash-mlx serve` with the KV cache settings (--kv-bits, --kv-group-size,
 --quantized-kv-start, --max-kv-size): every prompt cache of the pool is made
 with them, so greedy replies equal `generate` with the same settings, turn
-after turn; a bounded cache lifts the context-length limits; the pool's
+after turn; a bounded cache lets a conversation run past the context (not one
+request's new prompt tokens); the pool's
 byte bound counts what the caches really hold; bad settings are refused."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+from test_server import openai_client, prompt_ids
+from test_server_fixtures import KV_PAIR_CONTEXT, kv_pair, serving  # noqa: F401
 from typer.testing import CliRunner
 
 from dflash_mlx import generate, make_prompt_cache
 from dflash_mlx.server.cache_pool import cache_bytes
-from test_server import openai_client, prompt_ids
-from test_server_fixtures import KV_PAIR_CONTEXT, kv_pair, serving  # noqa: F401
 
 FIRST = [{"role": "user", "content": "w7 w8 w9 w10 w11 w12"}]
 
@@ -27,7 +28,9 @@ def cli(*args: str):
 def cli_generate(kv_pair, text: str, max_tokens: int, *kv: str) -> str:
     """What `dflash-mlx generate` writes for one user message, with these KV flags."""
     target, draft, _ = kv_pair
-    result = cli("generate", "--model", str(target), "--draft-model", str(draft), "-p", text, "-m", str(max_tokens), *kv)
+    result = cli(
+        "generate", "--model", str(target), "--draft-model", str(draft), "-p", text, "-m", str(max_tokens), *kv
+    )
     assert result.exit_code == 0, result.output
     return result.stdout.strip()
 
@@ -37,7 +40,9 @@ def api_turns(pair, *turns: tuple[list[dict], int], **kv) -> list[str]:
     cache made by make_prompt_cache with ``kv`` (what a chat keeps across turns)."""
     model, draft, tokenizer = pair
     cache = make_prompt_cache(model, draft, **kv)
-    return [generate(model, draft, tokenizer, prompt_ids(tokenizer, m), max_tokens=n, prompt_cache=cache) for m, n in turns]
+    return [
+        generate(model, draft, tokenizer, prompt_ids(tokenizer, m), max_tokens=n, prompt_cache=cache) for m, n in turns
+    ]
 
 
 def ask(client, messages, max_tokens):
@@ -81,8 +86,13 @@ def test_a_bounded_server_runs_past_the_context_as_generate_does(kv_pair):
 
     with serving(*pair) as url:  # unbounded: the context limits the reply, and a prompt that fills it is refused
         client = openai_client(url)
-        cut = ask(client, FIRST, n)
+        cut = client.chat.completions.create(
+            model="tiny", messages=FIRST, temperature=0
+        )  # the server's default, shortened
         assert cut.usage.completion_tokens == KV_PAIR_CONTEXT - cut.usage.prompt_tokens
+        asked = httpx.post(f"{url}/v1/chat/completions", json={"messages": FIRST, "max_tokens": n}, timeout=60)
+        assert asked.status_code == 400 and asked.json()["error"]["param"] == "max_tokens"
+        assert f"9 + {n} > {KV_PAIR_CONTEXT}" in asked.json()["error"]["message"]
         refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": long_prompt, "max_tokens": 4}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
 
@@ -98,10 +108,11 @@ def test_a_bounded_server_runs_past_the_context_as_generate_does(kv_pair):
         second = ask(client, second_turn, 8)
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
         assert second.choices[0].message.content == api_turns(pair, (FIRST, n), (second_turn, 8), max_kv_size=M)[1]
-        long = ask(client, long_prompt, 6)
-        assert long.usage.prompt_tokens > KV_PAIR_CONTEXT and long.usage.completion_tokens == 6
-        assert long.choices[0].message.content == api_turns(pair, (long_prompt, 6), max_kv_size=M)[0]
-
+        # the conversation runs past the context, but one request may not read a context's worth of new
+        # tokens: that would hold the worker for as long as the body is large
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": long_prompt, "max_tokens": 6}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        assert "no kept cache holds" in refused.json()["error"]["message"]
 
 
 def test_the_pool_counts_the_bytes_quantized_and_bounded_caches_hold(kv_pair):
@@ -155,9 +166,10 @@ def test_serve_refuses_a_block_past_the_trained_one_in_one_sentence(kv_pair, mon
     target, draft, _ = kv_pair
     result = cli("serve", "--model", str(target), "--draft-model", str(draft), "--port", "1", "--block-size", "9")
     said = " ".join(result.stderr.split())
-    assert result.exit_code == 1 and said == ("error: --block-size 9 is larger than the block the drafter was trained "
-                                              "for (4), whose drafts past it are noise; use at most 4, or 'auto'."), \
-        result.output
+    assert result.exit_code == 1 and said == (
+        "error: --block-size 9 is larger than the block the drafter was trained "
+        "for (4), whose drafts past it are noise; use at most 4, or 'auto'."
+    ), result.output
     assert "Traceback" not in result.output and "serving" not in said
     generated = cli("generate", "--model", str(target), "--draft-model", str(draft), "-p", "w1", "--block-size", "9")
     assert generated.exit_code == 1 and " ".join(generated.stderr.split()) == said  # the same sentence

@@ -5,13 +5,34 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
-from typing_extensions import Annotated
 
 from .console import UserError, note, user_errors
-from .options import Dtype, BlockSize, ChatTemplateConfig, DraftModel, KvBits, KvGroupSize, MaxKvSize, MaxTokens, Model, PrefillStepSize, QuantizedKvStart, Seed, Temp, TopK, TopP, Verbose, check_args, check_kv, flag_names, template_args
+from .options import (
+    BlockSize,
+    ChatTemplateConfig,
+    DraftModel,
+    Dtype,
+    KvBits,
+    KvGroupSize,
+    MaxKvSize,
+    MaxTokens,
+    MinP,
+    Model,
+    PrefillStepSize,
+    QuantizedKvStart,
+    Seed,
+    Temp,
+    TopK,
+    TopP,
+    Verbose,
+    check_args,
+    check_kv,
+    flag_names,
+    template_args,
+)
 from .pair import load_pair, model_or_builtin
 
 EXAMPLES = """\
@@ -31,13 +52,13 @@ Then point any OpenAI or Anthropic client at http://127.0.0.1:8080/v1 (see docs/
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: Optional[str]) -> Optional[int]:
+def parse_size(text: Optional[str], flag: str = "--prompt-cache-bytes") -> Optional[int]:
     """'8GB', '512MB', '1e9'-free plain byte counts: bytes, or None."""
     if text is None:
         return None
     m = _SIZE.match(text)
     if not m:
-        raise UserError(f"--prompt-cache-bytes must be a size such as 4GB or 512MB, got {text!r}.")
+        raise UserError(f"{flag} must be a size such as 4GB or 512MB, got {text!r}.")
     scale = 1024 ** "bkmgt".index((m.group(2) or "b").lower())
     return int(float(m.group(1)) * scale)
 
@@ -46,25 +67,67 @@ def serve_command(
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",
-    host: Annotated[str, typer.Option("--host", help="Address to listen on; 0.0.0.0 opens the server to the network.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on; 0.0.0.0 opens the server to the network.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
     max_tokens: MaxTokens = 512,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
     top_k: TopK = 0,
+    min_p: MinP = 0.0,
     seed: Seed = None,
     block_size: BlockSize = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY').", show_default=False)] = None,
-    prompt_cache_size: Annotated[int, typer.Option("--prompt-cache-size", help="Most prompt caches kept for reuse across requests; 0 keeps none.")] = 10,
-    prompt_cache_bytes: Annotated[Optional[str], typer.Option("--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False)] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--api-key", help="Require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY').", show_default=False
+        ),
+    ] = None,
+    prompt_cache_size: Annotated[
+        int,
+        typer.Option("--prompt-cache-size", help="Most prompt caches kept for reuse across requests; 0 keeps none."),
+    ] = 10,
+    prompt_cache_bytes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False
+        ),
+    ] = None,
     chat_template_args: ChatTemplateConfig = None,
-    model_name: Annotated[Optional[str], typer.Option("--model-name", help="The model id clients send and /v1/models lists; defaults to --model, or 'builtin'.", show_default=False)] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")] = "info",
+    model_name: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model-name",
+            help="The model id clients send and /v1/models lists; defaults to --model, or 'builtin'.",
+            show_default=False,
+        ),
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
+    ] = "info",
     prefill_step_size: PrefillStepSize = 2048,
     kv_bits: KvBits = None,
     kv_group_size: KvGroupSize = 64,
     quantized_kv_start: QuantizedKvStart = 5000,
     max_kv_size: MaxKvSize = None,
+    max_body_bytes: Annotated[
+        str, typer.Option("--max-body-bytes", help="Largest request body accepted, e.g. 16MB; a larger one gets a 413.")
+    ] = "16MiB",
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue", help="Most requests waiting for the decode worker; more get a 503 with Retry-After."
+        ),
+    ] = 64,
+    allowed_host: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allowed-host",
+            help="A Host name requests may give besides the bound address and loopback (repeatable; '*' allows any).",
+            show_default=False,
+        ),
+    ] = None,
     verbose: Verbose = False,
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages.
@@ -74,25 +137,48 @@ def serve_command(
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
     with user_errors(verbose):
-        block = check_args(max_tokens, temp, top_p, top_k, block_size)
+        block = check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p)
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
         if prompt_cache_size < 0:
             raise UserError(f"--prompt-cache-size must be 0 or more, got {prompt_cache_size}.")
+        if max_queue < 1:
+            raise UserError(f"--max-queue must be 1 or more, got {max_queue}.")
+        body_limit = parse_size(max_body_bytes, "--max-body-bytes")
+        if body_limit < 1024:
+            raise UserError(f"--max-body-bytes must be at least 1KB, got {max_body_bytes!r}.")
         check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         try:
             from dflash_mlx.server import ServerConfig, create_app, run
         except ImportError as e:
-            raise UserError(f"the server needs its extra ({e.name} is missing): pip install 'dflash-mlx[server]'.") from None
+            raise UserError(
+                f"the server needs its extra ({e.name} is missing): pip install 'dflash-mlx[server]'."
+            ) from None
         config = ServerConfig(
-            model_name=model_name or model or "builtin", max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k,
-            seed=seed, block_size=block, prefill_step_size=prefill_step_size, api_key=api_key,
-            chat_template_args=template_args(chat_template_args), prompt_cache_size=prompt_cache_size,
-            prompt_cache_bytes=parse_size(prompt_cache_bytes), kv_bits=kv_bits, kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size,
+            model_name=model_name or model or "builtin",
+            max_tokens=max_tokens,
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            block_size=block,
+            prefill_step_size=prefill_step_size,
+            api_key=api_key,
+            chat_template_args=template_args(chat_template_args),
+            prompt_cache_size=prompt_cache_size,
+            prompt_cache_bytes=parse_size(prompt_cache_bytes),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            max_kv_size=max_kv_size,
+            max_body_bytes=body_limit,
+            max_queue=max_queue,
+            host=host,
+            allowed_hosts=tuple(allowed_host or ()),
         )
         target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model, dtype=dtype)
-        check_args(max_tokens, temp, top_p, top_k, block_size, draft=draft)  # a block past the trained one
+        check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft)  # a block past the trained one
         try:
             app = create_app(target, draft, tokenizer, config)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Iterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .anthropic_api import messages
+from .anthropic_api import count_tokens, messages
 from .errors import EXCEPTION_HANDLERS
+from .hosts import AllowedHosts, HostCheck
 from .openai_api import chat_completions, completions, models
 from .service import ServerConfig, Service
 
@@ -32,6 +34,7 @@ def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> S
         service.worker.start()
         yield
         service.worker.stop()
+        service.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(
         routes=[
@@ -40,7 +43,9 @@ def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> S
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         ],
+        middleware=[Middleware(HostCheck, allowed=AllowedHosts(service.config.host, service.config.allowed_hosts))],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
@@ -55,7 +60,9 @@ def run(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: st
 
 
 @contextmanager
-def running_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "warning") -> Iterator[str]:
+def running_in_thread(
+    app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "warning"
+) -> Iterator[str]:
     """Serves ``app`` from a thread of this process (tests, benchmarks);
     yields the base URL once it accepts connections, stops it on exit."""
     import uvicorn

@@ -5,7 +5,8 @@ when the pool is over its count or its bytes."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -48,15 +49,23 @@ class PromptCachePool:
         self.max_count, self.max_bytes = max_count, max_bytes
         self.entries: list[tuple[object, int]] = []  # (cache, its last prompt's length), least recently used first
 
-    def take(self, prompt: list[int]) -> tuple[object, int]:
-        """(cache, prompt tokens it already holds). The decode loop reads the
-        prompt's last token again, so at most len(prompt) - 1 count."""
+    def _best(self, prompt: list[int]) -> tuple[Optional[tuple[object, int]], int]:
         best, best_len = None, 0
         for entry in self.entries:
             cache, last_prompt = entry
             n = common_prefix(cache.tokens, prompt[:-1])
             if n > best_len and n >= last_prompt - 1 and (n == len(cache.tokens) or can_cut_back(cache)):
                 best, best_len = entry, n
+        return best, best_len
+
+    def held(self, prompt: list[int]) -> int:
+        """Prompt tokens ``take`` would find in a cache (none is taken)."""
+        return self._best(prompt)[1]
+
+    def take(self, prompt: list[int]) -> tuple[object, int]:
+        """(cache, prompt tokens it already holds). The decode loop reads the
+        prompt's last token again, so at most len(prompt) - 1 count."""
+        best, best_len = self._best(prompt)
         if best is None:
             return self.make_cache(), 0
         self.entries.remove(best)

@@ -5,6 +5,7 @@ the end, or within one cycle of the client going away."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from dflash_mlx import stream_generate
 
@@ -17,11 +18,14 @@ log = logging.getLogger("dflash_mlx.server")
 
 
 def dflash_figures(last, block_sizes: set[int]) -> dict:
-    """DFlash's own figures for a reply, so a client can see what happened."""
+    """DFlash's own figures for a reply, so a client can see what happened.
+    The acceptance figures count drafting cycles only: null when every
+    cycle was plain (nothing was drafted), not a 0 that reads as rejection."""
     plain_cycles = int(getattr(last, "plain_cycles", 0) or 0)
+    drafted = int(last.cycles) > plain_cycles
     return {
-        "acceptance_length": round(float(last.acceptance_length), 4),
-        "acceptance_rate": round(float(last.acceptance_rate), 4),
+        "acceptance_length": round(float(last.acceptance_length), 4) if drafted else None,
+        "acceptance_rate": round(float(last.acceptance_rate), 4) if drafted else None,
         "cycles": int(last.cycles),
         "block_sizes": sorted(block_sizes),
         "plain_decoding": plain_cycles > 0,
@@ -32,13 +36,39 @@ def dflash_figures(last, block_sizes: set[int]) -> dict:
 
 
 class Decoder:
-    def __init__(self, model, draft, tokenizer, pool: PromptCachePool, block_size=None, prefill_step_size: int = 2048):
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        pool: PromptCachePool,
+        block_size=None,
+        prefill_step_size: int = 2048,
+        read_limit: Optional[int] = None,
+    ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.pool = pool
         self.block_size, self.prefill_step_size = block_size, prefill_step_size
+        # with bounded caches a conversation runs past the context, but each
+        # request may read fewer new prompt tokens than this (the context)
+        self.read_limit = read_limit
 
     def run(self, job: Job) -> None:
         """Serve ``job``; every outcome, failures included, goes to its events."""
+        if self.read_limit is not None:
+            new = len(job.prompt) - self.pool.held(job.prompt)
+            if new >= self.read_limit:
+                job.post(
+                    Failed(
+                        APIError(
+                            400,
+                            f"the prompt has {new} tokens no kept cache holds, and this model's context "
+                            f"is {self.read_limit} tokens; shorten it.",
+                            code="context_length_exceeded",
+                        )
+                    )
+                )
+                return
         cache, cached = self.pool.take(job.prompt)
         try:
             done = self._generate(job, cache, cached)
@@ -58,9 +88,19 @@ class Decoder:
         p = job.params
         parser = ReplyParser(self.tokenizer, job.stops, job.structured, job.starts_in_reasoning, job.tools)
         responses = stream_generate(
-            self.model, self.draft, self.tokenizer, job.prompt,
-            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-            block_size=self.block_size, prompt_cache=cache, prefill_step_size=self.prefill_step_size,
+            self.model,
+            self.draft,
+            self.tokenizer,
+            job.prompt,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=p.seed,
+            block_size=self.block_size,
+            prompt_cache=cache,
+            prefill_step_size=self.prefill_step_size,
         )
         last, block_sizes = None, set()
         try:

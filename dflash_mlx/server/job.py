@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Union
+from typing import Optional, Union
 
 from starlette.requests import Request
 
@@ -44,6 +45,7 @@ class GenerationParams:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: Optional[int]
 
 

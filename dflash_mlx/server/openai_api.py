@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .errors import APIError, error_body
+from .errors import error_body
 from .job import Done, Event, Failed, Job, Usage
-from .templates import chat_prompt, check_context, starts_in_reasoning, text_prompt
 from .reply import Delta
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, event_stream, sse
+from .templates import rendered_chat, text_prompt
 
 
 def usage_body(usage: Usage) -> dict:
@@ -31,19 +31,17 @@ def usage_body(usage: Usage) -> dict:
 def tool_calls_body(calls: list[dict], first_index: int = 0, streaming: bool = False) -> list[dict]:
     out = []
     for i, call in enumerate(calls):
-        body = {"id": call["id"], "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+        body = {
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+        }
         out.append({"index": first_index + i, **body} if streaming else body)
     return out
 
 
 def _stops(stop) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-def _check_n(n: int) -> None:
-    if n != 1:
-        raise APIError(400, f"n: this server answers one choice per request (n=1), got {n}.", param="n")
 
 
 class _Reply:
@@ -56,21 +54,33 @@ class _Reply:
         self.kind = kind
 
     def body(self, choice: dict, **extra) -> dict:
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [choice] if choice is not None else [], **extra}
+        return {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice is not None else [],
+            **extra,
+        }
 
 
 # -- chat ---------------------------------------------------------------------------
-def chat_job(service: Service, body: ChatRequest) -> Job:
-    _check_n(body.n)
+async def chat_job(service: Service, body: ChatRequest) -> Job:
     tools = None if body.tool_choice == "none" else body.tools
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    kwargs = service.template_kwargs(body.chat_template_kwargs, body.enable_thinking)
-    ids = chat_prompt(service.tokenizer, messages, tools, kwargs)
-    check_context(ids, service.context_length)
-    job = Job(ids, service.params(body, body.max_completion_tokens), _stops(body.stop), structured=True,
-              starts_in_reasoning=starts_in_reasoning(service.tokenizer, ids), tools=tools)
-    service.fit_to_context(job)
+    kwargs = service.template_kwargs(
+        body.chat_template_kwargs, enable_thinking=body.enable_thinking, reasoning_effort=body.reasoning_effort
+    )
+    ids, reasoning = await service.off_loop(rendered_chat, service.tokenizer, messages, tools, kwargs)
+    job = Job(
+        ids,
+        service.params(body, body.max_completion_tokens),
+        _stops(body.stop),
+        structured=True,
+        starts_in_reasoning=reasoning,
+        tools=tools,
+    )
+    service.fit_to_context(job, body.max_completion_tokens or body.max_tokens)
     return job
 
 
@@ -119,25 +129,31 @@ def _endpoint(schema, make_job, kind: str, choice, stream):
     async def handler(request: Request) -> Response:
         service: Service = request.app.state.service
         body = await service.accept(request, schema)
-        return await _respond(service, request, make_job(service, body), _Reply(service, kind), body, choice, stream)
+        job = await make_job(service, body)
+        return await _respond(service, request, job, _Reply(service, kind), body, choice, stream)
 
     return handler
 
 
 chat_completions = _endpoint(
-    ChatRequest, chat_job, "chat.completion",
-    lambda delta, done: {"index": 0, "message": chat_message(delta), "finish_reason": done.finish_reason, "logprobs": None},
+    ChatRequest,
+    chat_job,
+    "chat.completion",
+    lambda delta, done: {
+        "index": 0,
+        "message": chat_message(delta),
+        "finish_reason": done.finish_reason,
+        "logprobs": None,
+    },
     chat_stream,
 )
 
 
 # -- completions ------------------------------------------------------------------
-def completion_job(service: Service, body: CompletionRequest) -> Job:
-    _check_n(body.n)
-    ids = text_prompt(service.tokenizer, body.prompt)
-    check_context(ids, service.context_length)
+async def completion_job(service: Service, body: CompletionRequest) -> Job:
+    ids = await service.off_loop(text_prompt, service.tokenizer, body.prompt, service.vocab_size)
     job = Job(ids, service.params(body), _stops(body.stop))
-    service.fit_to_context(job)
+    service.fit_to_context(job, body.max_tokens)
     return job
 
 
@@ -149,14 +165,18 @@ async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include
         done = event if isinstance(event, Done) else None
         text = (done.delta if done else event).content
         if text or done:
-            yield sse(reply.body({"index": 0, "text": text, "finish_reason": done and done.finish_reason, "logprobs": None}))
+            yield sse(
+                reply.body({"index": 0, "text": text, "finish_reason": done and done.finish_reason, "logprobs": None})
+            )
         if done and include_usage:
             yield sse(reply.body(None, usage=usage_body(done.usage)))
     yield sse("[DONE]")
 
 
 completions = _endpoint(
-    CompletionRequest, completion_job, "text_completion",
+    CompletionRequest,
+    completion_job,
+    "text_completion",
     lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason, "logprobs": None},
     completion_stream,
 )
@@ -179,6 +199,16 @@ async def _respond(service: Service, request: Request, job: Job, reply: _Reply, 
 async def models(request: Request) -> Response:
     service: Service = request.app.state.service
     service.authorize(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": service.config.model_name, "object": "model", "created": int(time.time()), "owned_by": "dflash-mlx"}
-    ]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": service.config.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "dflash-mlx",
+                }
+            ],
+        }
+    )

@@ -26,7 +26,7 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
-    def merge(self, other: "Delta") -> "Delta":
+    def merge(self, other: Delta) -> Delta:
         return Delta(self.content + other.content, self.reasoning + other.reasoning, self.tool_calls + other.tool_calls)
 
 
@@ -110,7 +110,13 @@ class ReplyParser:
             return Delta(content=f"{self.tokenizer.tool_call_start}{text}{self.tokenizer.tool_call_end or ''}")
         calls = parsed if isinstance(parsed, list) else [parsed]
         self.made_tool_call = True
-        return Delta(tool_calls=[
-            {"id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}", "name": c["name"], "arguments": c.get("arguments") or {}}
-            for c in calls
-        ])
+        return Delta(
+            tool_calls=[
+                {
+                    "id": c.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                    "name": c["name"],
+                    "arguments": c.get("arguments") or {},
+                }
+                for c in calls
+            ]
+        )

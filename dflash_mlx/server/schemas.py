@@ -1,22 +1,35 @@
-"""The request bodies the server accepts, checked with pydantic. Unknown
-fields are ignored, as OpenAI-compatible servers commonly do; a bad value
-becomes a 400 naming the field."""
+"""The request bodies the server accepts, checked with pydantic in strict
+mode ("7" is not an integer, "yes" not a boolean). Every field a client
+sends is either used, accepted as metadata (documented), accepted only at
+its neutral value, or refused with a 400 naming it: nothing is dropped
+without saying so."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+import re
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
 
 from .errors import APIError
 
 Stop = Optional[Union[str, list[str]]]
 
+# The only keys a request may pass to the chat template: the ones templates
+# read as switches. A request's own "chat_template" (or any other key) could
+# make rendering run for ever or fill the memory, so it is refused.
+TEMPLATE_KEYS = ("enable_thinking", "reasoning_effort", "thinking")
+
+DISTRIBUTION = "it would change the target's output distribution, which DFlash reproduces exactly"
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    def refusals(self) -> Optional[tuple[str, str]]:
+        """(field, sentence) for a value the server cannot honour, or None."""
+        return None
 
 
 class Sampling(_Body):
@@ -28,36 +41,116 @@ class Sampling(_Body):
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
     seed: Optional[int] = None
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # nothing is obfuscated here: accepted, no effect
+
+
+class TemplateKwargs(_Body):
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[str] = Field(None, max_length=32)
+    thinking: Optional[bool] = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
-class ChatRequest(Sampling):
+def _not_neutral(body: BaseModel, neutral: dict[str, tuple], why: dict[str, str]) -> Optional[tuple[str, str]]:
+    for name, values in neutral.items():
+        value = getattr(body, name)
+        if value is not None and value not in values:
+            return name, f"{name}: {why[name]}"
+    return None
+
+
+class _OpenAI(Sampling):
+    """What the OpenAI endpoints share, with the fields the official client
+    commonly sends: metadata (accepted, no effect) and options the server
+    supports only at their neutral value."""
+
+    stop: Stop = None
+    n: int = 1
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[int] = None
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "n": (1,),
+        "frequency_penalty": (0,),
+        "presence_penalty": (0,),
+        "repetition_penalty": (1,),
+        "logit_bias": ({},),
+        "top_logprobs": (0,),
+    }
+    WHY: ClassVar[dict[str, str]] = {
+        "n": "this server answers one choice per request (n=1).",
+        "frequency_penalty": f"penalties are not applied ({DISTRIBUTION}); remove it or send 0.",
+        "presence_penalty": f"penalties are not applied ({DISTRIBUTION}); remove it or send 0.",
+        "repetition_penalty": f"penalties are not applied ({DISTRIBUTION}); remove it or send 1.",
+        "logit_bias": f"logit_bias is not applied ({DISTRIBUTION}); remove it.",
+        "top_logprobs": "log probabilities are not supported yet; remove top_logprobs.",
+    }
+
+    def refusals(self) -> Optional[tuple[str, str]]:
+        return _not_neutral(self, self.NEUTRAL, self.WHY)
+
+
+class ChatRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    stop: Stop = None
-    n: int = 1
-    stream_options: Optional[StreamOptions] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[TemplateKwargs] = None
     enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[str] = Field(None, max_length=32)
+    logprobs: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def refusals(self) -> Optional[tuple[str, str]]:
+        if self.logprobs:
+            return "logprobs", "logprobs: log probabilities are not supported yet; remove logprobs."
+        if self.response_format not in (None, {"type": "text"}):
+            return (
+                "response_format",
+                'response_format: structured output is not supported; remove it or send {"type": "text"}.',
+            )
+        return super().refusals()
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(_OpenAI):
     prompt: Union[str, list[int], list[str]]
-    stop: Stop = None
-    n: int = 1
-    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def refusals(self) -> Optional[tuple[str, str]]:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs: log probabilities are not supported yet; remove logprobs."
+        if self.echo:
+            return "echo", "echo: the prompt is not echoed back; remove echo."
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of: this server answers one completion per request (best_of=1)."
+        if self.suffix:
+            return "suffix", "suffix: insertion after a suffix is not supported; remove suffix."
+        return super().refusals()
 
 
 class AnthropicMessage(_Body):
@@ -65,38 +158,90 @@ class AnthropicMessage(_Body):
     content: Union[str, list[dict[str, Any]]]
 
 
-class AnthropicRequest(Sampling):
+class _AnthropicPrompt(_Body):
+    """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
+
     model: str
-    max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Optional[Union[str, list[dict[str, Any]]]] = None
-    stop_sequences: Optional[list[str]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
 
 
-def _where(loc: tuple) -> str:
-    return ".".join(str(part) for part in loc) or "body"
+class CountTokensRequest(_AnthropicPrompt):
+    pass
+
+
+class AnthropicRequest(Sampling, _AnthropicPrompt):
+    model: str
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+
+
+# -- reading a body --------------------------------------------------------------------
+_UNION_BRANCH = re.compile(r"(str|int|bool|float|none|.*\[.*\])")
+# what a field that takes one of several shapes (a union) wants, by its name
+_HINTS = {
+    "prompt": "give a string, a list of one string, or a list of integer token ids",
+    "content": "give a string or a list of content blocks (objects)",
+    "system": "give a string or a list of text blocks (objects)",
+    "stop": "give a string or a list of strings",
+}
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str]:
     first = error.errors()[0]
-    where = _where(first["loc"])
+    parts = [str(p) for p in first["loc"] if not (isinstance(p, str) and _UNION_BRANCH.fullmatch(p))]
+    in_union = len(parts) < len(first["loc"])
+    where = ".".join(parts) or "body"
+    if first["type"] == "extra_forbidden":
+        if parts[0] == "chat_template_kwargs":
+            keys = ", ".join(TEMPLATE_KEYS)
+            return f"{where}: only {keys} may reach the chat template; remove {parts[-1]!r}.", where
+        return f"{where}: this server does not take this field; remove it (docs/server.md lists the fields).", where
+    if in_union and parts and parts[-1] in _HINTS:
+        return f"{where}: {_HINTS[parts[-1]]}.", where
     return f"{where}: {first['msg']}.", where
 
 
-async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
+# a JSON escape of a UTF-16 surrogate: only then can a lone one be in the body
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(data) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def parse_json(raw: bytes, schema: type[_Body]) -> _Body:
     """The JSON body checked against ``schema``, or a 400 naming the problem."""
-    raw = await request.body()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}).") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply; flatten it.") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise APIError(
+            400,
+            "the request body holds a lone UTF-16 surrogate (such as \\ud800), which is not text; send valid Unicode.",
+        )
     try:
-        return schema.model_validate(data)
+        body = schema.model_validate(data)
     except ValidationError as e:
         message, where = _validation_message(e)
         raise APIError(400, message, param=where) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply; flatten it.") from None
+    refused = body.refusals()
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0])
+    return body

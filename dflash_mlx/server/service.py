@@ -1,12 +1,16 @@
-"""What every endpoint shares: the loaded pair, the server's defaults, the
-API key, the model's name, and handing jobs to the worker."""
+"""What every endpoint shares: the loaded pair, the server's defaults and
+limits, the API key, the model's name, reading a body, preparing prompts off
+the event loop, and handing jobs to the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -18,7 +22,7 @@ from .decoder import Decoder
 from .errors import APIError
 from .job import Done, Event, Failed, GenerationParams, Job
 from .reply import Delta
-from .schemas import Sampling, parse_body
+from .schemas import Sampling, TemplateKwargs, parse_json
 from .worker import Worker
 
 
@@ -29,6 +33,7 @@ class ServerConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: Optional[int] = None
     block_size: int | str | None = None
     prefill_step_size: int = 2048
@@ -41,11 +46,43 @@ class ServerConfig:
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
     max_kv_size: Optional[int] = None
+    # limits on what one client can ask of the server
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_queue: int = 64  # requests waiting for the worker; more get a 503
+    prepare_timeout_s: float = 30.0  # reading a body, rendering and tokenizing its prompt
+    # the Host names requests may give besides loopback and ``host`` ("*": any)
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+
+
+RETRY_AFTER_S = 5
 
 
 def context_length(model) -> Optional[int]:
     args = getattr(model, "args", None)
     return getattr(args, "max_position_embeddings", None)
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to pass ``limit`` bytes."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes (--max-body-bytes); send a smaller one.",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _presented_key(request: Request) -> Optional[str]:
@@ -58,24 +95,60 @@ def _presented_key(request: Request) -> Optional[str]:
 class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
         self.tokenizer, self.config = tokenizer, config
-        # a bounded cache (max_kv_size) runs past the context length, as the CLI's do
-        self.context_length = None if config.max_kv_size is not None else context_length(model)
+        self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
+        self.context_length = context_length(model)
+        # templates render and prompts tokenize here, never on the event loop
+        self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-prepare")
 
         def new_cache():
-            return make_prompt_cache(model, draft, kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                                     quantized_kv_start=config.quantized_kv_start, max_kv_size=config.max_kv_size)
+            return make_prompt_cache(
+                model,
+                draft,
+                kv_bits=config.kv_bits,
+                kv_group_size=config.kv_group_size,
+                quantized_kv_start=config.quantized_kv_start,
+                max_kv_size=config.max_kv_size,
+            )
 
         new_cache()  # settings this pair cannot use: a ValueError now, not on every request
         pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes)
-        self.worker = Worker(Decoder(model, draft, tokenizer, pool, config.block_size, config.prefill_step_size))
+        bounded = config.max_kv_size is not None
+        self.worker = Worker(
+            Decoder(
+                model,
+                draft,
+                tokenizer,
+                pool,
+                config.block_size,
+                config.prefill_step_size,
+                read_limit=self.context_length if bounded else None,
+            )
+        )
 
     # -- checks --------------------------------------------------------------------
     async def accept(self, request: Request, schema: type[Sampling]) -> Sampling:
         """The request's body once the key, the JSON and the model are checked."""
         self.authorize(request)
-        body = await parse_body(request, schema)
+        if not _is_json(request.headers.get("content-type", "")):
+            raise APIError(415, "send the request body as JSON, with the header 'Content-Type: application/json'.")
+        raw = await read_body(request, self.config.max_body_bytes)
+        body = await self.off_loop(parse_json, raw, schema)
         self.check_model(body.model)
         return body
+
+    async def off_loop(self, fn: Callable, *args):
+        """``fn(*args)`` on a preparing thread, so that a long prompt or a slow
+        template never holds up the event loop; a request past
+        prepare_timeout_s gets a 400 (the thread finishes on its own)."""
+        future = asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self.config.prepare_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(
+                400,
+                f"preparing this request's prompt took longer than {self.config.prepare_timeout_s:g} s; "
+                f"send a shorter one.",
+            ) from None
 
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
@@ -83,15 +156,23 @@ class Service:
             return
         given = _presented_key(request)
         if given is None:
-            raise APIError(401, "this server needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.", code="missing_api_key")
+            raise APIError(
+                401,
+                "this server needs an API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+                code="missing_api_key",
+            )
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(401, "the API key is wrong.", code="invalid_api_key")
 
     def check_model(self, name: Optional[str]) -> None:
         if name in (None, "", self.config.model_name, "default_model"):
             return
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {self.config.model_name!r} (see GET /v1/models).",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {self.config.model_name!r} (see GET /v1/models).",
+            param="model",
+            code="model_not_found",
+        )
 
     def params(self, body: Sampling, max_tokens: Optional[int] = None) -> GenerationParams:
         """The request's sampling, the server's defaults where it has none."""
@@ -102,25 +183,52 @@ class Service:
             temperature=c.temperature if body.temperature is None else body.temperature,
             top_p=c.top_p if body.top_p is None else body.top_p,
             top_k=c.top_k if body.top_k is None else body.top_k,
+            min_p=c.min_p if body.min_p is None else body.min_p,
             seed=c.seed if body.seed is None else body.seed,
         )
 
-    def fit_to_context(self, job: Job) -> None:
-        """Shortens max_tokens to the room the context leaves after the prompt."""
-        if self.context_length is not None:
-            job.params.max_tokens = max(1, min(job.params.max_tokens, self.context_length - len(job.prompt)))
+    def fit_to_context(self, job: Job, asked: Optional[int]) -> None:
+        """A prompt must leave room in the model's context, and so must the
+        reply a client ``asked`` for; the server's own default is shortened to
+        the room left. With --max-kv-size a conversation and its reply run
+        past the context (as generate's do): the worker bounds only the new
+        prompt tokens a request reads."""
+        limit, n = self.context_length, len(job.prompt)
+        if limit is None or self.config.max_kv_size is not None:
+            return
+        if n >= limit:
+            raise APIError(
+                400,
+                f"the prompt is {n} tokens, and this model's context is {limit} tokens; shorten it.",
+                code="context_length_exceeded",
+            )
+        if asked is not None and n + asked > limit:
+            raise APIError(
+                400,
+                f"input length and `max_tokens` exceed context limit: {n} + {asked} > {limit}, "
+                f"decrease input length or `max_tokens` and try again.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        job.params.max_tokens = min(job.params.max_tokens, limit - n)
 
-    def template_kwargs(self, request_kwargs: Optional[dict], enable_thinking: Optional[bool] = None) -> dict:
-        kwargs = {**self.config.chat_template_args, **(request_kwargs or {})}
-        if enable_thinking is not None:
-            kwargs["enable_thinking"] = enable_thinking
-        return kwargs
+    def template_kwargs(self, request_kwargs: Optional[TemplateKwargs], **switches) -> dict:
+        """The server's template arguments, then the request's allowed ones."""
+        given = request_kwargs.model_dump(exclude_none=True) if request_kwargs else {}
+        given.update({k: v for k, v in switches.items() if v is not None})
+        return {**self.config.chat_template_args, **given}
 
     # -- running jobs ------------------------------------------------------------
     async def start(self, job: Job, request: Request) -> Optional[AsyncIterator[Event]]:
         """Queues ``job`` and waits for its first output, so a request the
         decode loop refuses gets its error status before any stream begins.
-        None if the client left first."""
+        None if the client left first. A full queue is a 503 with Retry-After."""
+        if self.worker.queued >= self.config.max_queue:
+            raise APIError(
+                503,
+                f"the server already has {self.worker.queued} requests waiting (--max-queue); retry in a few seconds.",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         self.worker.submit(job)
         events = job.events(request)
         first = await anext(events, None)
