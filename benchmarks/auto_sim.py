@@ -1,17 +1,17 @@
-"""`auto`'s chooser against simulated machines and texts: its decoding rate as
-a share of an oracle's that knows the text's acceptance (the best block size
-or plain steps for each cycle), with no
-model and no device, in seconds. Each scenario is a cost model measured on a
-real machine (BENCHMARKS.md) and an acceptance pattern; the chooser is the
-real one (dflash_mlx.block_size.BlockChooser), fed what the decode loop
-would feed it: each cycle's block, accepted drafts and time, plus what a
-change of block size costs the host.
+"""`auto`'s decoding rate as a share of an oracle's, per simulated machine and text.
+
+Reported in BENCHMARKS.md, "`auto`'s chooser, simulated".
 
     python benchmarks/auto_sim.py                  # every scenario, 5 seeds each
     python benchmarks/auto_sim.py --seeds 20 --cycles 4000
 
-A change to the chooser should keep every row near 1.0; where one falls,
-the cycles-by-choice column says what it did instead.
+No model and no device, in seconds. Each scenario is a cost model measured on
+a real machine and an acceptance pattern; the chooser is the real one
+(``dflash_mlx.auto.chooser.BlockChooser``), fed what the decode loop would
+feed it: each cycle's block, accepted drafts and time, plus what a change of
+block size costs the host. The oracle knows each cycle's acceptance and takes
+the best block size or plain steps. A change to the chooser should keep every
+row near 1.0; where one falls, the cycles-by-choice column says what it did.
 """
 
 from __future__ import annotations

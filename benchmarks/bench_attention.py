@@ -1,13 +1,15 @@
-"""Block attention on a GPU: the kernel against the fused op, checked and timed.
+"""The block-attention kernel against MLX's fused attention on a GPU: self-checks, errors and ms.
 
-    PYTHONPATH=$PWD python benchmarks/bench_attention.py [--out results.json] [--quick]
+Reported in BENCHMARKS.md, "GPU kernels" (block attention; the table there is
+device time from gpu_time.py), and docs/kernels.md.
+
+    python benchmarks/bench_attention.py [--out results.json] [--quick]
 
 Needs only mlx (Metal or CUDA backend). It runs every kernel self-check, then
-compares the kernel with mx.fast.scaled_dot_product_attention (through the
-ops path's boolean mask, as block_attention's fallback calls it) over the
-issue's shapes and more, and times both: 16 query rows over 1k..32k keys,
-bf16, 32 query / 8 key-value heads, head dim 128, plus a short-key sweep that
-locates the crossover recorded in dflash_mlx/kernels/dispatch.py.
+compares the kernel with ``mx.fast.scaled_dot_product_attention`` (through the
+ops path's boolean mask, as block_attention's fallback calls it) and times
+both: 2-16 query rows over 256..32k keys, bf16, 32 query / 8 key-value heads,
+head dim 128, which locates the crossover in dflash_mlx/kernels/dispatch.py.
 """
 
 from __future__ import annotations

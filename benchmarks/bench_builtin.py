@@ -1,7 +1,10 @@
-"""Acceptance and speed of the built-in pair on held-out prompts.
+"""The built-in pair's acceptance length and speedup over plain mlx-lm on held-out prompts.
 
-    python benchmarks/bench_builtin.py                     # the shipped pair, 8 code + 8 chat prompts
-    python benchmarks/bench_builtin.py --blocks 8,16 --temps 0,0.7 --max-tokens 128
+Reported in BENCHMARKS.md, "The built-in pair" ("Acceptance on held-out prompts",
+"H100", "CPU"), and README.md's built-in pair rows.
+
+    python benchmarks/bench_builtin.py --prompts 8 --blocks 16,auto --temps 0
+    python benchmarks/bench_builtin.py --prompts 16                  # acceptance at blocks 8, 16, temps 0, 0.7
 
 Prompts come from standard-library files that the build held out of every
 training stage (scripts/builtin_corpus.py: a fixed hash split of file paths):
@@ -131,15 +134,6 @@ def median_ms(gaps: list) -> float:
 
 
 def main():
-    from kernel_switches import (
-        add_attention_argument,
-        add_kernel_arguments,
-        kernel_settings,
-        use_attention,
-        use_fused_projections,
-        use_kernels,
-    )
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "dflash_mlx" / "builtin" / "target"))
     ap.add_argument("--draft", default=str(ROOT / "dflash_mlx" / "builtin" / "draft"))
@@ -156,14 +150,6 @@ def main():
         help="what both models compute in (dflash_mlx.load's dtype; the weights are stored in bf16, and "
         "auto takes float32 on a CPU whose products run on OpenBLAS, see BENCHMARKS.md)",
     )
-    add_kernel_arguments(ap, "one table each")
-    add_attention_argument(ap, "one table each")
-    ap.add_argument(
-        "--fuse",
-        choices=["on", "off"],
-        default="on",
-        help="fused q/k/v and gate/up products in the target's layers (the default), or mlx-lm's own",
-    )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--from-stdlib", action="store_true", help="draw the prompts from this Python's stdlib")
     ap.add_argument(
@@ -172,6 +158,9 @@ def main():
         help=f"write 32 prompts per set from this Python's stdlib to {PROMPTS.relative_to(ROOT)} and stop",
     )
     args = ap.parse_args()
+    from dflash_mlx import use_fast_blas
+
+    use_fast_blas()  # before anything imports MLX, or its CPU products keep the reference BLAS
     if args.write_prompts:
         PROMPTS.write_text(
             json.dumps({"python": platform.python_version(), **stdlib_prompts(32, args.seed)}, indent=1) + "\n"
@@ -181,7 +170,6 @@ def main():
 
     from dflash_mlx import compute_dtype, fast_blas, load
 
-    use_fused_projections(args.fuse == "on")
     model, draft, tok = load(args.model, draft=args.draft, dtype=args.dtype)
     dtype = compute_dtype.name(model)
     texts = stdlib_prompts(args.prompts, args.seed) if args.from_stdlib else json.loads(PROMPTS.read_text())
@@ -195,28 +183,16 @@ def main():
         else f"{PROMPTS.name} (Python {texts['python']})"
     )
     print(
-        f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); fused projections {args.fuse}; {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens"
+        f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens"
     )
-    from dflash_mlx.decode.traces import forget_traces
-
-    rows = []
-    for attention in args.attention.split(","):
-        for norm, prod in kernel_settings(args):
-            use_kernels(norm_rope=norm, products=prod)
-            use_attention(attention)
-            forget_traces(draft)  # (compiled cycles hold what they were traced with)
-            print(f"\nq/k norms and RoPE: {norm}; block products: {prod}; attention: {attention}")
-            rows += [
-                r | {"products": prod, "attention": attention}
-                for r in table(args, model, draft, tok, sets, blocks, temps, norm)
-            ]
+    rows = table(args, model, draft, tok, sets, blocks, temps)
     if args.json:
         args.json.write_text(
             json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2)
         )
 
 
-def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]:
+def table(args, model, draft, tok, sets, blocks, temps) -> list[dict]:
     # Warm-up: first calls build kernels and graphs.
     warm = sets["code"][0]
     plain(model, tok, warm, 16, 0.0, 0)
@@ -246,7 +222,6 @@ def table(args, model, draft, tok, sets, blocks, temps, norm: str) -> list[dict]
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
-                    "norm_rope": norm,
                     "set": name,
                     "block": b,
                     "temp": temp,

@@ -1,8 +1,12 @@
-"""The trainer end to end on a tiny random target (CPU-sized): self-distillation,
-``steps`` optimizer steps, then acceptance length of the trained drafter versus
-an untrained one of the same shape, on prompts the training never saw.
+"""Trainer throughput and what it learns: a tiny drafter's steps/s, loss and acceptance length.
+
+Reported in BENCHMARKS.md, "Training a drafter".
 
     python benchmarks/bench_train_tiny.py --steps 200
+
+On a tiny random target (CPU-sized): self-distillation, ``--steps`` optimizer
+steps, then the trained drafter's acceptance length against an untrained one
+of the same shape, on prompts the training never saw.
 """
 
 from __future__ import annotations

@@ -1,32 +1,27 @@
-"""A verify's products through MLX (cuBLASLt on CUDA) and through dflash-mlx's
-block-product kernel (kernels/block_products.py), side by side in one process.
+"""A verify's products through MLX (cuBLASLt) and through dflash-mlx's block-product kernel (CUDA).
 
-    python benchmarks/block_products.py                    # Qwen3-8B shapes, bf16, 16/8/4 rows
-    python benchmarks/block_products.py --rows 16 --repeat-rounds 3 --json
+Reported in BENCHMARKS.md, "GPU kernels" ("Block products": the host's launch
+cost here; device time from Nsight Compute through gpu_time.py).
+
+    python benchmarks/block_products.py --rows 16,8 --repeat-rounds 1
+    ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
+        python benchmarks/block_products.py --rows 16 --repeat 4 --runs 1 --repeat-rounds 1
+    python benchmarks/gpu_time.py launches ncu.csv
 
 For each of a qwen3 layer's four products (fused q/k/v, o, fused gate/up,
 down), and the gate/up product with its SwiGLU (MLX: the product, then
-mlx-lm's ``swiglu``; the kernel: its SwiGLU epilogue), it makes ``--repeat`` distinct weight matrices (one per layer, so the
-device reads each from memory as a forward does), then times, per product,
-microseconds (median of ``--runs``, as benchmarks/host_cost.py does):
+mlx-lm's ``swiglu``; the kernel: its SwiGLU epilogue), it makes ``--repeat``
+distinct weight matrices (one per layer, so the device reads each from memory
+as a forward does), then times per product, in microseconds (median of
+``--runs``):
 
 - build: Python building the graph;
 - launch: inside ``mx.async_eval`` (the backend encoding the kernel);
-- total: build + launch + waiting for the device (the device's time where it
-  is the longer).
+- total: build + launch + waiting for the device.
 
-It also checks the kernel against MLX's product (largest difference over
-the largest element). CUDA only: elsewhere the kernel is not used.
-
-``--shapes`` puts kernels of fixed launch shapes (tiles per warp, warps per
-block over K, steps of loads in flight; a SwiGLU launch keeps its two tiles)
-beside the default choice. With ``--repeat 36`` the device is the longer
-side for every product at Qwen3-8B sizes, so the totals compare shapes. Their
-device time, which wall-clock totals hide where launching is the longer, comes
-from Nsight Compute, each kernel's name carrying its shape:
-
-    ncu --metrics gpu__time_duration.sum --csv python benchmarks/block_products.py \
-        --rows 16 --repeat 8 --runs 1 --repeat-rounds 2 --shapes 1,8,8:2,16,4:2,4,1 > ncu.csv
+It also checks the kernel against MLX's product (largest difference over the
+largest element). ``--shapes`` adds kernels of fixed launch shapes (tiles per
+warp, warps per block over K, loads in flight) beside the shipped choice.
 """
 
 from __future__ import annotations
@@ -34,14 +29,37 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 
 import mlx.core as mx
-from host_cost import add_shape_arguments, measure
+
+
+def measure(make, repeat: int, runs: int) -> dict:
+    """Microseconds per call of ``make(i)`` over ``repeat`` distinct calls a
+    graph, median of ``runs``: building, launching, and in all."""
+    rows = []
+    for _ in range(runs + 1):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = [make(i) for i in range(repeat)]
+        t1 = time.perf_counter()
+        mx.async_eval(outs)
+        t2 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        rows.append((t1 - t0, t2 - t1, t3 - t0))
+    rows = rows[1:]  # the first run builds kernels
+    med = lambda k: 1e6 * sorted(r[k] for r in rows)[len(rows) // 2] / repeat  # noqa: E731
+    return {"build_us": med(0), "launch_us": med(1), "total_us": med(2)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_shape_arguments(ap)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=12288)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--rows", default="16,8,4", help="rows of the block, comma-separated (2-16)")
     ap.add_argument("--repeat", type=int, default=36, help="distinct weights per product (one per layer)")
@@ -115,7 +133,7 @@ def main():
                             **{key: round(v, 1) for key, v in r.items()},
                         }
                     )
-        del weights
+        weights.clear()  # free this product's weights before the next one's
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     if args.json:
         print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))

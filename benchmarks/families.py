@@ -1,42 +1,22 @@
-"""Target families on a GPU: a DFlash cycle in plain decode steps, and the
-hybrid rollback's own cost, at real shapes with random weights.
+"""A DFlash cycle in plain decode steps for other target families, and the hybrid's rollback share.
 
-    PYTHONPATH=$PWD python benchmarks/families.py [--small] [--out results.json]
+Reported in BENCHMARKS.md, "Target families at real shapes" (and docs/families.md).
 
-Shapes: a Qwen3.5-9B-like hybrid (gated delta-net layers, full attention
-every 4th) and a gpt-oss-20b-like MoE (32 experts, top 4, sliding layers with
-sinks), each in bf16 and 4-bit. For each it times
+    python benchmarks/families.py --models qwen3.5-9b-like --bits 4,16 --blocks 4,16 --official
+    python benchmarks/families.py --models gpt-oss-20b-like --official
+    python benchmarks/families.py --small          # tiny shapes: a CPU smoke test, numbers meaningless
 
-- plain: mlx-lm's own decoding (generate_step), ms per token;
-- cycle: one DFlash verify cycle (drafter + target over a block + rollback)
-  at block sizes 4, 8, 16, through the library's own loop, in ms and in
-  plain decode steps (random drafter: the cycle's cost does not depend on how
-  many drafts are accepted);
-- rollback (hybrid), for each strategy of ``--rollback`` (default both):
-  what keeping the first half of a verify's steps adds to the delta-net
-  layers' own verify work, ms per cycle, summed over the layers: for
-  ``replay`` the re-run of the kept steps from the saved state, for
-  ``per-step`` running the recurrence one step at a time, keeping every
-  state, and taking the kept one. The hybrid's cycle is timed under each
-  strategy too.
+Shapes, random weights, bf16 and/or 4-bit: a Qwen3.5-9B-like hybrid (gated
+delta-net layers, full attention every 4th) and a gpt-oss-20b-like MoE (32
+experts, top 4, sliding layers with sinks). For each it times
 
-    PYTHONPATH=$PWD python benchmarks/families.py --rollback replay,per-step --out rollback.json
-    PYTHONPATH=$PWD python benchmarks/families.py --models gpt-oss-20b-like --bits 4 --official
-    PYTHONPATH=$PWD python benchmarks/families.py --models gpt-oss-20b-like --bits 16 --prompt-tokens 8192 \
-        --attention table,fused
-
-``--attention`` times the cycle with the block-attention kernel where its table picks it
-(``table``, the default) and with mlx-lm's fused attention everywhere (``fused``), side by
-side; the kernel's table takes a block of 4 at GQA 4 from 1k keys (a block of 16 at any length on
-CUDA), so give ``--prompt-tokens`` past 1k to see it everywhere (a hybrid's
-prefill off Metal steps its recurrence token by token: keep its prompts short).
-
-``--official`` times the official Z Lab MLX loop's cycle beside ours (same shapes, its own copy of
-the target, a random drafter of the same shape in Z Lab's layout); ``--models`` and ``--bits``
-choose what to run.
-
-Needs only mlx, mlx-lm and this repository. --small runs tiny shapes (a CPU
-smoke test in float32; its numbers mean nothing).
+- plain: mlx-lm's own decoding (``generate_step``), ms per token;
+- cycle: one DFlash cycle through the library's loop at each block size, in
+  ms and in plain steps (a random drafter: the cycle's cost does not depend on
+  how many drafts are accepted);
+- rollback (hybrid): what the shipped rollback adds to the delta-net layers'
+  verify when half of a verify's steps are kept, ms per cycle over the layers;
+- with ``--official``: the official Z Lab MLX loop's cycle on the same shapes.
 """
 
 from __future__ import annotations
@@ -52,13 +32,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from kernel_switches import use_attention
 from mlx_lm.generate import generate_step
+from speed import official_draft
 
 from dflash_mlx import stream_generate
-from dflash_mlx.decode.traces import forget_traces
 from dflash_mlx.targets import adapt
-from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
+from dflash_mlx.targets.recurrent import DeltaCache
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
 
 
@@ -154,9 +133,8 @@ def official_cycle_ms(cfg: dict, bits: int | None, dtype, tok, prompt, bs: int, 
     with tempfile.TemporaryDirectory() as d:
         dcfg = drafter_config(cfg)
         path = write_zlab_draft(Path(d) / "draft", dcfg, random_draft_weights(dcfg), dtype=dtype)
-        official.snapshot_download = lambda *a, **k: str(path)  # a local directory, not a Hub id
         try:
-            draft = official.load_draft(str(path))
+            draft = official_draft(str(path))
             mx.eval(draft.parameters())  # read before the directory goes
         except Exception as e:
             print(f"official loop: its drafter did not load ({type(e).__name__}: {e})", file=sys.stderr)
@@ -193,10 +171,11 @@ def cycle_ms(model, draft, tok, prompt, bs: int, n: int) -> float:
     return (t1 - t0) * 1000 / max(c1 - c0, 1)
 
 
-def rollback_ms(model, prompt, bs: int, reps: int, strategies: list[str]) -> dict[str, float] | None:
-    """Per strategy: the delta-net layers' verify of ``bs`` steps then a cut
-    to half of them, less the same verify with replay's bookkeeping and no
-    cut (the plain work); ms per cycle, over all the layers."""
+def rollback_ms(model, prompt, bs: int, reps: int) -> float | None:
+    """The delta-net layers' verify of ``bs`` steps then a cut to half of them
+    under the shipped rollback, less the same verify with replay's bookkeeping
+    and no cut (the plain work); ms per cycle, over all the layers. None for a
+    target without delta-net layers."""
     target = adapt(model)
     cache = target.make_cache()
     deltas = [(c, layer.linear_attn) for c, layer in zip(cache, target.inner.layers) if isinstance(c, DeltaCache)]
@@ -207,11 +186,11 @@ def rollback_ms(model, prompt, bs: int, reps: int, strategies: list[str]) -> dic
     n = len(prompt)
     x = (0.1 * mx.random.normal((1, bs, target.hidden_size))).astype(target.dtype)
 
-    def verify(strategy: str, cut: bool) -> float:
+    def verify(strategy: str | None, cut: bool) -> float:
         def once():
             out = []
             for c0, layer in deltas:
-                c = DeltaCache(strategy)
+                c = DeltaCache(strategy)  # a fresh cache at the prompt's state
                 c.conv, c.ssm, c.offset, c.bound = c0.conv, c0.ssm, n, n
                 y = c.forward(layer, x)
                 if cut:
@@ -226,11 +205,11 @@ def rollback_ms(model, prompt, bs: int, reps: int, strategies: list[str]) -> dic
         return (time.perf_counter() - t) * 1000 / reps
 
     plain = verify("replay", cut=False)
-    return {strategy: verify(strategy, cut=True) - plain for strategy in strategies}
+    return verify(None, cut=True) - plain
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--blocks", default="4,8,16")
@@ -241,31 +220,12 @@ def main() -> None:
         action="store_true",
         help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)",
     )
-    parser.add_argument(
-        "--rollback",
-        default=",".join(ROLLBACKS),
-        help=f"the hybrid's rollback strategies to time, comma-separated ({', '.join(ROLLBACKS)})",
-    )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256; 32 with --small)")
-    parser.add_argument(
-        "--attention",
-        default="table",
-        help="comma-separated, side by side: 'table' (the block-attention kernel where its measured "
-        "table picks it: the default) and/or 'fused' (mlx-lm's attention everywhere)",
-    )
     args = parser.parse_args()
-    attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
-    if not attentions or any(a not in ("table", "fused") for a in attentions):
-        parser.error(f"--attention takes table and/or fused (comma-separated), not {args.attention!r}.")
-    strategies = [r.strip() for r in args.rollback.split(",") if r.strip()]
-    unknown = [r for r in strategies if r not in ROLLBACKS]
-    if unknown or not strategies:
-        parser.error(f"--rollback takes {', '.join(ROLLBACKS)} (comma-separated), not {args.rollback!r}.")
     n = 3 if args.small else 32
     blocks = [int(b) for b in args.blocks.split(",")]
-    default_rollback = DeltaCache.rollback
     results = {
-        "rollback_default": default_rollback,
+        "rollback": DeltaCache.rollback,
         "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}",
         "mlx": mx.__version__,
         "rows": [],
@@ -276,11 +236,11 @@ def main() -> None:
     if not chosen or any(m not in shapes for m in chosen):
         parser.error(f"--models takes {', '.join(shapes)} (comma-separated), not {args.models!r}.")
     weights = [None if b.strip() == "16" else int(b) for b in args.bits.split(",") if b.strip()]
+    dtype = mx.float32 if args.small else mx.bfloat16  # MLX's CPU backend gathers MoE experts in float32 only
     for name in chosen:
         cfg = shapes[name](args.small)
         for bits in weights:
-            # MLX's CPU backend gathers MoE experts in float32 only.
-            model, draft = build(cfg, bits, mx.float32 if args.small else mx.bfloat16)
+            model, draft = build(cfg, bits, dtype)
             tok = make_tokenizer(cfg["vocab_size"])
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else args.prompt_tokens)]
             plain = plain_ms(model, prompt, n)
@@ -290,35 +250,17 @@ def main() -> None:
                 "plain_ms": plain,
                 "blocks": {},
             }
-            hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
             for bs in blocks:
-                rb = rollback_ms(model, prompt, bs, 3 if args.small else 10, strategies)
-                cell = row["blocks"][bs] = {"rollback_ms": rb, "cycle_ms": {}, "cycle_in_steps": {}}
-                for strategy in strategies if hybrid else ["-"]:
-                    DeltaCache.rollback = strategy if hybrid else DeltaCache.rollback
-                    for attention in attentions:
-                        use_attention(attention)
-                        forget_traces(draft)  # compiled cycles hold the attention they were traced with
-                        if len(attentions) > 1:
-                            cycle_ms(model, draft, tok, prompt, bs, 2)  # this setting's graphs
-                        c = cycle_ms(model, draft, tok, prompt, bs, n)
-                        key = strategy if len(attentions) == 1 else f"{strategy} {attention}"
-                        cell["cycle_ms"][key], cell["cycle_in_steps"][key] = c, c / plain
-                        print(
-                            f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
-                            f" = {c / plain:4.2f} steps"
-                            + (f", attention {attention}" if len(attentions) > 1 else "")
-                            + (
-                                f" | rollback {strategy:8} {rb[strategy]:7.3f} ms per cycle"
-                                f" ({rb[strategy] / c:.1%} of the cycle)"
-                                if hybrid
-                                else ""
-                            )
-                        )
-                    use_attention("table")
-                DeltaCache.rollback = default_rollback
+                rb = rollback_ms(model, prompt, bs, 3 if args.small else 10)
+                c = cycle_ms(model, draft, tok, prompt, bs, n)
+                cell = row["blocks"][bs] = {"rollback_ms": rb, "cycle_ms": c, "cycle_in_steps": c / plain}
+                print(
+                    f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
+                    f" = {c / plain:4.2f} steps"
+                    + (f" | rollback {rb:7.3f} ms per cycle ({rb / c:.1%} of the cycle)" if rb is not None else "")
+                )
                 if args.official:
-                    o = official_cycle_ms(cfg, bits, mx.float32 if args.small else mx.bfloat16, tok, prompt, bs, n)
+                    o = official_cycle_ms(cfg, bits, dtype, tok, prompt, bs, n)
                     cell["official_cycle_ms"] = o
                     print(
                         f"{name:18} {row['weights']:7} official loop, block {bs:2}: "

@@ -1,37 +1,30 @@
-"""Device time per kernel, under Nsight Compute: what the GPU itself spends.
+"""Device time per kernel of a cycle, a verify or 36 attention calls, read from Nsight Compute.
 
-    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file ncu.csv \\
-        python benchmarks/gpu_time.py attention > cases.txt
-    ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
+Reported in BENCHMARKS.md: "GPU kernels" (block attention, block products),
+the device-time table under "Qwen3-8B shapes, random weights", and the
+built-in pair's kernels a cycle under "The built-in pair" / "H100".
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
+        python benchmarks/gpu_time.py cycle --shape builtin --prompt-tokens 256 > cases.txt
     python benchmarks/gpu_time.py summarize ncu.csv cases.txt [--sequence]
+    ncu ... python benchmarks/gpu_time.py attention --rows 16 --keys 1024,2048,4096,16384,32768 > cases.txt
+    ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
     python benchmarks/gpu_time.py launches ncu.csv     # per distinct launch, any profiled run
-    ncu ... python benchmarks/gpu_time.py cycle --shape builtin --prompt-tokens 256 > cases.txt
-    ncu ... python benchmarks/gpu_time.py scalars > cases.txt
 
-Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost of
-encoding it (tens of microseconds for a custom kernel), which at these sizes is
-as large as the kernel itself; benchmarks/bench_attention.py therefore times
-the launch as much as the work. Here only the profiled regions run under the
-profiler (``cudaProfilerStart``/``Stop``), each case once after a warm-up, and
-``summarize`` adds up the kernels' device time per case and per kernel name.
+Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost
+of encoding it, which at these sizes is as large as the kernel itself. Here
+only the profiled regions run under the profiler (``cudaProfilerStart``/
+``Stop``), each case once after a warm-up, and ``summarize`` adds up the
+kernels' device time per case and per kernel name.
 
-- ``attention``: ``--rows`` query rows (``--query-heads``/8 heads, head dim 128, bf16) over
-  a full buffer of ``--keys`` keys, one distinct buffer per call as in a
-  verify's 36 layers: the fused op with a shared mask, and the block-attention
-  kernel at ``--chunks`` sizes (``0``: its own choice).
-- ``verify``: one 16-token verify of a target at a model's shapes (random
-  weights) after a prompt of each length, attention through the kernel and
-  through the fused op.
-- ``scalars``: the q/k norm + RoPE kernel (36 launches at a verify's shapes)
-  with its small inputs in managed memory (host-made weights and
-  parameters, a 4-byte offset) or in device memory, the host touching
-  small arrays between launches or not, and MLX's ops beside it: whether
-  managed memory costs the kernels that read it (session 16: this kernel
-  took 19-36 us a launch in the cycle, MLX's rms_norm of the same rows ~5).
-- ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``:
-  draft, verify, acceptance, cache moves; compiled on a GPU) after a prompt of
-  each length, with how many kernels it launches: the device's share of a
-  cycle, to hold against its wall time (benchmarks/cycle.py) and the host's.
+- ``attention``: ``--rows`` query rows (``--query-heads``/8 heads, head dim
+  128, bf16) over a full buffer of ``--keys`` keys, one distinct buffer per
+  call as in a verify's 36 layers: the fused op with a mask, and the
+  block-attention kernel at ``--chunks`` sizes (``0``: its own choice).
+- ``verify``: one verify of a target at a model's shapes (random weights)
+  after a prompt of each length.
+- ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``)
+  after a prompt of each length, and one plain mlx-lm step beside it.
 """
 
 from __future__ import annotations
@@ -98,177 +91,107 @@ def attention_cases(
     query_heads: int = 32,
     stagings: list[tuple[int | None, int | None]] = ((None, None),),
 ) -> None:
-    from dflash_mlx.cache.buffer import positions_mask
     from dflash_mlx.kernels import dispatch
     from dflash_mlx.kernels.attention import BlockAttentionKernel
 
     kernel = BlockAttentionKernel(dispatch.backend())
-    for n in keys:
-        ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
-        vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
-        for L in rows:
-            # a transposed view, as a layer's rotated query is
-            q = mx.random.normal((1, L, query_heads, 128)).astype(mx.bfloat16).transpose(0, 2, 1, 3)
-            start = mx.array(n - L, mx.int32)
-            mask = positions_mask(L, start, n)
-            mx.eval(ks, vs, q, mask)
-            profiled(
-                f"fused+mask {L} rows {query_heads}/8 heads {n}",
-                lambda: [
-                    mx.fast.scaled_dot_product_attention(q, ks[i], vs[i], scale=128**-0.5, mask=mask)
-                    for i in range(LAYERS)
-                ],
-            )
-            for chunk in chunks:
-                for kt, st in stagings:
-                    staged = f" KT={kt} ST={st}" if kt or st else ""
-                    profiled(
-                        f"kernel C={chunk or 'default'}{staged} {L} rows {query_heads}/8 heads {n}",
-                        lambda c=chunk, kt=kt, st=st: [
-                            kernel(
-                                q,
-                                ks[i],
-                                vs[i],
-                                scale=128**-0.5,
-                                q_offset=start,
-                                kv_length=start + L,
-                                causal=True,
-                                chunk=c,
-                                tile_keys=kt,
-                                stages=st,
-                            )
-                            for i in range(LAYERS)
-                        ],
-                    )
-        del ks, vs
+    for n in keys:  # one length's buffers at a time: they go when attention_at returns
+        attention_at(kernel, n, rows, chunks, query_heads, stagings)
+
+
+def attention_at(kernel, n: int, rows, chunks, query_heads: int, stagings) -> None:
+    from dflash_mlx.cache.buffer import positions_mask
+
+    ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    for L in rows:
+        # a transposed view, as a layer's rotated query is
+        q = mx.random.normal((1, L, query_heads, 128)).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+        start = mx.array(n - L, mx.int32)
+        mask = positions_mask(L, start, n)
+        mx.eval(ks, vs, q, mask)
+        profiled(
+            f"fused+mask {L} rows {query_heads}/8 heads {n}",
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, ks[i], vs[i], scale=128**-0.5, mask=mask) for i in range(LAYERS)
+            ],
+        )
+        for chunk in chunks:
+            for kt, st in stagings:
+                staged = f" KT={kt} ST={st}" if kt or st else ""
+                profiled(
+                    f"kernel C={chunk or 'default'}{staged} {L} rows {query_heads}/8 heads {n}",
+                    lambda c=chunk, kt=kt, st=st: [
+                        kernel(
+                            q,
+                            ks[i],
+                            vs[i],
+                            scale=128**-0.5,
+                            q_offset=start,
+                            kv_length=start + L,
+                            causal=True,
+                            chunk=c,
+                            tile_keys=kt,
+                            stages=st,
+                        )
+                        for i in range(LAYERS)
+                    ],
+                )
 
 
 def verify_cases(shape: str, prompts: list[int], block: int) -> None:
-    from dflash_mlx.kernels import dispatch
-
     model, draft = random_pair(shape, None)
-    taps = list(draft.config.target_layer_ids)
-    table = dispatch.KERNEL_WINS
     for P in prompts:
-        target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
-        length = mx.array(P, mx.int32)
+        verify_at(model, draft, P, block)
 
-        def verify():
-            for c in cache.target:
-                c.set_length(length, P)
-            return target(mx.array([[1] * block]), cache.target, taps)
 
-        for name, wins in (("kernel", ((256, 0),)), ("fused", ())):
-            dispatch.KERNEL_WINS = wins
-            profiled(f"verify {name} {P}", verify)
-        dispatch.KERNEL_WINS = table
-        del target, cache
+def verify_at(model, draft, P: int, block: int) -> None:
+    """One verify of ``block`` rows after a prompt of ``P`` tokens."""
+    target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
+    taps = list(draft.config.target_layer_ids)
+    length = mx.array(P, mx.int32)
+
+    def verify():
+        for c in cache.target:
+            c.set_length(length, P)
+        return target(mx.array([[1] * block]), cache.target, taps)
+
+    profiled(f"verify {block} rows after {P}", verify)
 
 
 def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
     """A DFlash cycle and, beside it, one plain mlx-lm decoding step
     (``shape`` "builtin": the shipped pair, bf16)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from dflash_mlx.decode.cycle import Cycle
-
     model, draft = random_pair(shape, None)
     for P in prompts:
-        target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
-        cycle = Cycle(target, draft, cache, SamplingParams(), 0)
-        last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
-
-        def one_cycle():
-            # the same length each time: the cycle writes the same positions again
-            flight = cycle.launch(block, last, length, P)
-            return [flight.result, flight.last, flight.length, *cache.arrays()]
-
-        profiled(f"cycle block {block} after {P}", one_cycle)
-        del target, cache, cycle
-        plain = make_prompt_cache(model)
-        mx.eval(model(mx.array(synthetic_prompt(draft.config.vocab_size, P))[None], cache=plain))
-        profiled(
-            f"plain mlx-lm step after {P}",
-            lambda: [model(mx.array([[1]]), cache=plain), *[a for c in plain for a in c.state]],
-        )
-        del plain
+        cycle_at(model, draft, P, block)
+        plain_at(model, draft, P)
 
 
-def scalar_cases(block: int) -> None:
-    """The q/k norm + RoPE kernel at a verify's shapes (one launch a layer,
-    each waited for) reading its small inputs from memory that MLX's CUDA
-    allocator places differently: arrays the host makes (a model's loaded
-    norm weights, the kernel's own parameters) and arrays of 8 bytes or less
-    (a cycle's length) live in managed memory, which the host's own small
-    arrays share; larger arrays a kernel writes live in device memory. If
-    the host's touching managed memory between launches makes the kernel's
-    reads fault, the cases differ:
+def cycle_at(model, draft, P: int, block: int) -> None:
+    from dflash_mlx.decode.cycle import Cycle
+    from dflash_mlx.decode.sampling import SamplingParams
 
-    - device-made weights and parameters, a 4-byte offset, the host idle;
-    - the same, the host making a scalar and reading one back between
-      launches (as the loop does each cycle);
-    - a 16-byte offset the device made (the kernel reads its first element),
-      the host touching;
-    - host-made weights and parameters (as a loaded model's and the kernel's
-      own are), the host touching;
+    target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
+    cycle = Cycle(target, draft, cache, SamplingParams(), 0)
+    last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
 
-    then MLX's own ops for the same work (copies, rms_norm, rope), whose
-    kernels read the same offset and weights."""
-    import mlx.nn as nn
-    import numpy as np
+    def one_cycle():
+        # the same length each time: the cycle writes the same positions again
+        flight = cycle.launch(block, last, length, P)
+        return [flight.result, flight.last, flight.length, *cache.arrays()]
 
-    from dflash_mlx.kernels import norm_rope as nr
+    profiled(f"cycle block {block} after {P}", one_cycle)
 
-    nr.prepare(mx.bfloat16, 128)
-    kernel = nr.passed(mx.bfloat16, 128)
-    if kernel is None:
-        raise SystemExit("the q/k norm + RoPE kernel did not check out here (bf16, head dim 128).")
-    fused = [mx.random.normal((1, block, 48 * 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
-    qs = [f[..., : 32 * 128].reshape(1, block, 32, 128) for f in fused]
-    ks = [f[..., 32 * 128 : 40 * 128].reshape(1, block, 8, 128) for f in fused]
-    made_here = mx.ones((128,), mx.bfloat16)  # computed on the device
-    loaded = mx.array(np.ones(128, np.float32), dtype=mx.bfloat16)  # written by the host, as loaded weights are
-    narrow = mx.array(1000, mx.int32) + mx.array(24, mx.int32)  # 4 bytes, computed on the device
-    wide = mx.full((4,), 1000, mx.int32) + 24  # 16 bytes, computed on the device
-    key = (1e-6, 1.0, 1e6)
-    kernel(qs[0], ks[0], made_here, made_here, eps=key[0], scale=key[1], base=key[2], offset=narrow)
-    host_params = kernel._params[key]  # made by the host, as the kernel makes it
-    device_params = host_params * 1  # the same values, made by the device (12 bytes: device memory)
-    mx.eval(fused, narrow, wide, made_here, loaded, device_params)
 
-    def run_layers(offset, weight, params, host_touches: bool):
-        kernel._params[key] = params
-        outs = []
-        for i in range(LAYERS):
-            if host_touches:
-                (narrow + i).item()  # a scalar the device wrote, read back
-                mx.array(i, mx.int32)  # a scalar the host writes
-            out = kernel(qs[i], ks[i], weight, weight, eps=key[0], scale=key[1], base=key[2], offset=offset)
-            mx.eval(out)
-            outs.extend(out)
-        kernel._params[key] = host_params
-        return outs
+def plain_at(model, draft, P: int) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
 
-    name = f"norm+rope {block} rows"
-    profiled(f"{name}, device-made inputs, 4-byte offset", lambda: run_layers(narrow, made_here, device_params, False))
+    plain = make_prompt_cache(model)
+    mx.eval(model(mx.array(synthetic_prompt(draft.config.vocab_size, P))[None], cache=plain))
     profiled(
-        f"{name}, device-made inputs, 4-byte offset, host touching",
-        lambda: run_layers(narrow, made_here, device_params, True),
-    )
-    profiled(
-        f"{name}, device-made inputs, 16-byte offset, host touching",
-        lambda: run_layers(wide, made_here, device_params, True),
-    )
-    profiled(
-        f"{name}, host-made weights and parameters, 16-byte offset, host touching",
-        lambda: run_layers(wide, loaded, host_params, True),
-    )
-    qn, kn = nn.RMSNorm(128, eps=1e-6), nn.RMSNorm(128, eps=1e-6)
-    qn.weight = kn.weight = loaded
-    rope = nn.RoPE(128, base=1e6)
-    profiled(
-        f"MLX's ops (copies, rms_norm, rope) {block} rows, host-made weights, 4-byte offset",
-        lambda: [a for i in range(LAYERS) for a in nr.ops_norm_rope(qs[i], ks[i], qn, kn, rope, narrow)],
+        f"plain mlx-lm step after {P}",
+        lambda: [model(mx.array([[1]]), cache=plain), *[a for c in plain for a in c.state]],
     )
 
 
@@ -351,7 +274,7 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "verify", "cycle", "scalars", "summarize", "launches"])
+    ap.add_argument("what", choices=["attention", "verify", "cycle", "summarize", "launches"])
     ap.add_argument(
         "paths",
         nargs="*",
@@ -375,11 +298,7 @@ def main():
         default="0x0",
         help="attention: keys per staged tile x staging buffers, comma-separated (0x0: the kernel's choice)",
     )
-    from kernel_switches import add_scalars_argument, use_scalars
-
-    add_scalars_argument(ap, "one for the run")
     args = ap.parse_intermixed_args()
-    use_scalars(args.scalars)
     if args.what == "summarize":
         summarize(*args.paths, sequence=args.sequence)
     elif args.what == "launches":
@@ -390,8 +309,6 @@ def main():
         attention_cases(
             ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads, stagings
         )
-    elif args.what == "scalars":
-        scalar_cases(args.block)
     elif args.what == "cycle":
         cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
     else:

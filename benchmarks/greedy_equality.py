@@ -1,17 +1,17 @@
-"""DFlash's greedy output against mlx-lm's own greedy decoding of the target,
-prompt by prompt, for the built-in pair on this device, with dflash-mlx's GPU
-kernels on and off.
+"""How many prompts DFlash decodes greedily to exactly mlx-lm's greedy text, and where the rest part.
 
-    python benchmarks/greedy_equality.py                         # 8 code + 8 chat prompts, block 16
-    python benchmarks/greedy_equality.py --products kernel,mlx --norm-rope kernel,ops --blocks 16,auto
+Reported in BENCHMARKS.md, "Greedy output against mlx-lm's", and README.md's
+"greedy text equal to mlx-lm's" row.
 
-On a CPU both are the same arithmetic and every prompt must match (the tests
-assert it). On a GPU a 16-row verify and a one-row step are different
-kernels (cuBLASLt or dflash-mlx's block products against MLX's matrix-vector
-kernel; attention over 16 rows against one), so their results can differ in
-the last bits, and where two tokens' logits tie that closely greedy can take
-either: this counts how often that happens and where the first difference
-falls, per setting.
+    python benchmarks/greedy_equality.py --prompts 8 --max-tokens 128
+    python benchmarks/greedy_equality.py --prompts 8 --blocks 8,16,auto
+
+The built-in pair (or ``--model``/``--draft``) on the held-out prompts. On a
+CPU both are the same arithmetic and every prompt must match (the tests assert
+it). On a GPU a 16-row verify and a one-row step are different kernels, so
+their results can differ in the last bits, and where two tokens' logits tie
+that closely greedy can take either: this counts how often that happens and
+where the first difference falls.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import platform
 
 import mlx.core as mx
 from bench_builtin import PROMPTS, prompt_sets
-from kernel_switches import add_kernel_arguments, kernel_settings, use_kernels
 
 
 def main():
@@ -32,12 +31,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=8, help="per set (code, chat)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes or 'auto'")
-    add_kernel_arguments(ap, "one row each", products="kernel,mlx")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     from dflash_mlx import load, stream_generate
-    from dflash_mlx.decode.traces import forget_traces
     from dflash_mlx.tiny import greedy_reference
 
     model, draft, tok = load(args.model, draft=args.draft)
@@ -47,30 +44,25 @@ def main():
     prompts = [p for ps in sets.values() for p in ps]
     references = [greedy_reference(model, p, args.max_tokens, eos=eos) for p in prompts]
     rows = []
-    for norm, products in kernel_settings(args):
-        use_kernels(norm_rope=norm, products=products)
-        forget_traces(draft)  # (compiled cycles hold what they were traced with)
-        for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
-            firsts = []
-            for p, ref in zip(prompts, references):
-                got = [
-                    t
-                    for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
-                    for t in r.tokens
-                ]
-                n = min(len(ref), len(got))
-                first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
-                firsts.append(first)
-            rows.append(
-                {
-                    "products": products,
-                    "norm_rope": norm,
-                    "block": block,
-                    "equal": sum(f is None for f in firsts),
-                    "prompts": len(firsts),
-                    "first_difference": firsts,
-                }
-            )
+    for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
+        firsts = []
+        for p, ref in zip(prompts, references):
+            got = [
+                t
+                for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
+                for t in r.tokens
+            ]
+            n = min(len(ref), len(got))
+            first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
+            firsts.append(first)
+        rows.append(
+            {
+                "block": block,
+                "equal": sum(f is None for f in firsts),
+                "prompts": len(firsts),
+                "first_difference": firsts,
+            }
+        )
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     if args.json:
         print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
@@ -82,10 +74,7 @@ def main():
     )
     for r in rows:
         firsts = " ".join("-" if f is None else str(f) for f in r["first_difference"])
-        print(
-            f"products {r['products']:<6} norm/rope {r['norm_rope']:<6} block {str(r['block']):<4} "
-            f"equal {r['equal']:>2}/{r['prompts']}  first difference: {firsts}"
-        )
+        print(f"block {str(r['block']):<4} equal {r['equal']:>2}/{r['prompts']}  first difference: {firsts}")
 
 
 if __name__ == "__main__":

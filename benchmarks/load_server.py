@@ -1,14 +1,15 @@
-"""Load on `dflash-mlx serve`: N clients, each sending M streamed chat
-requests one after another, over loopback. Reports requests/s, time to first
-token, tokens/s per client and errors (which must be 0), then stops.
+"""`dflash-mlx serve` under load: requests/s, time to first token, tok/s a client, errors (must be 0).
 
-    python benchmarks/load_server.py                      # the built-in pair, served in this process
+Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
+
     python benchmarks/load_server.py --clients 8 --requests 4 --max-tokens 64
     python benchmarks/load_server.py --url http://127.0.0.1:8080 --model-name builtin   # a server already running
 
-Prompts are the held-out chat prompts (benchmarks/prompts/held_out.json),
-taken in turn; greedy decoding. The server decodes one request at a time, so
-the time to first token includes the wait in the queue.
+N clients each send M streamed chat requests one after another over loopback
+(the held-out chat prompts, greedy). Without ``--url`` the built-in pair is
+served from this process, and the same prompts decoded directly give the
+server / direct ratio. The server decodes one request at a time, so the time
+to first token includes the wait in the queue.
 """
 
 from __future__ import annotations

@@ -1,21 +1,23 @@
-"""Where a verify's time goes as the context grows.
+"""A verify's time as the context grows, and the pieces that grow with it.
+
+Reported in BENCHMARKS.md, "Long contexts".
 
     python benchmarks/long_context.py --shape qwen3-8b --prompt-tokens 1024,16384 --block 16
 
-At each prompt length, on one target at a model's shapes (random weights),
+At each prompt length, on a target at a model's shapes (random weights),
 synced (built, evaluated alone, waited for), median of 7:
 
 - verify: the target's forward over one block, as the loop runs it;
-- attention: the layers' masked attention alone (one mask, ``layers`` fused
-  attention calls over the cache buffer), as the verify's layers call it;
+- attention: ``layers`` fused attention calls over the cache buffer with the
+  verify's mask;
 - kernel attention: the same through ``dflash_mlx.kernels.block_attention``
   (GPU only);
 - cache writes: every layer's key and value written at a device offset, as
-  the cache writes them (kv_cache.put_positions);
+  the cache writes them (``put_positions``);
 - plain step: mlx-lm's one-token forward at the same context.
 
-What grows with the context between two lengths is what a long-context cycle
-pays for; the rest of the verify (products, norms) does not depend on it.
+What grows between two lengths is what a long-context cycle pays for; the
+rest of the verify (products, norms) does not depend on the context.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
         return bufs
 
     out["cache_writes_ms"] = synced_ms(writes)
-    del bufs
+    bufs.clear()
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
 
     lm = lm_cache(model)
@@ -94,23 +96,17 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     return out
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The options of a long-context measurement (this one, verify_attention.py)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
-    return ap
-
-
-def machine(args) -> str:
-    return f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {args.shape} bf16, block {args.block}"
-
-
-def main():
-    args = parser(__doc__).parse_args()
+    args = ap.parse_args()
     model, draft = random_pair(args.shape, None)
-    print(machine(args))
+    print(
+        f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; "
+        f"{args.shape} bf16, block {args.block}"
+    )
     cols = [
         "prompt_tokens",
         "capacity",

@@ -1,13 +1,18 @@
-"""Side-by-side decode speed on the same weights, in one process:
-plain mlx-lm decoding, dflash-mlx, and the official Z Lab MLX loop
-(`dflash.model_mlx`, if installed).
+"""Decode tok/s of plain mlx-lm, dflash-mlx and the official Z Lab loop on the same weights.
 
-    python benchmarks/speed.py --model <target dir> --draft <drafter dir>
-    python benchmarks/speed.py --shape small      # random weights, no files
+Reported in BENCHMARKS.md, "Against the official Z Lab loop" (under "The built-in
+pair" and under "Qwen3-8B shapes, random weights"), and README.md's "vs the official
+Z Lab loop" row.
 
-With random weights the drafter accepts almost nothing, so the figure is the
-cost of a cycle against a plain decoding step (the worst case); with a trained
-pair it is the real speedup. Every run prints the machine it ran on.
+    python benchmarks/speed.py --shape qwen3-8b --max-tokens 96 --block-size 16,auto --repeat 2
+    python benchmarks/speed.py --model dflash_mlx/builtin/target --draft dflash_mlx/builtin/draft \
+        --prompt @benchmarks/prompts/held_out_code.txt --max-tokens 256
+
+All three run in one process, each round in turn; the official loop
+(``dflash.model_mlx``, ``pip install --no-deps dflash==0.1.0``) is skipped where
+it is not installed. With random weights (``--shape``) the drafter accepts almost
+nothing, so the figure is a cycle's cost against a plain step; with a trained pair
+it is the real speedup.
 """
 
 from __future__ import annotations
@@ -70,6 +75,16 @@ def ours(model, draft, tok, prompt, n, bs, stats):
         yield k
 
 
+def official_draft(path: str):
+    """The official loop's drafter from a local directory. Its ``load_draft``
+    takes a Hub id only (``snapshot_download``), so that name is pointed at
+    the directory: the one way in without a download."""
+    import dflash.model_mlx as official_mod
+
+    official_mod.snapshot_download = lambda *a, **k: path
+    return official_mod.load_draft(path)
+
+
 def official(model, draft, tok, prompt, n, bs):
     from dflash.model_mlx import stream_generate as official_stream
 
@@ -104,30 +119,10 @@ def main():
         help="one round and no warm-up: includes the kernel and graph builds a first request pays "
         "(kernel builds, graph builds on CUDA)",
     )
-    ap.add_argument(
-        "--compile",
-        choices=["default", "on", "off"],
-        default="default",
-        help="dflash-mlx's cycle through mx.compile (default: on a GPU)",
-    )
-    ap.add_argument(
-        "--products",
-        choices=["kernel", "mlx"],
-        default="kernel",
-        help="a verify's 2-16-row products: one launch each through dflash-mlx's kernel on CUDA where it "
-        "checked out (the default), or MLX's (cuBLASLt); alternate processes to compare",
-    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from kernel_switches import use_kernels
-
     from dflash_mlx import load
-
-    use_kernels(products=args.products)
-    from dflash_mlx.decode.cycle import Cycle
-
-    Cycle.compile_graphs = {"default": None, "on": True, "off": False}[args.compile]
 
     tmp = tempfile.TemporaryDirectory()
     if args.model:
@@ -147,12 +142,10 @@ def main():
 
     have_official = True
     try:
-        import dflash.model_mlx as official_mod
         from mlx_lm import load as mlx_lm_load
 
-        official_mod.snapshot_download = lambda *a, **k: draft_dir
         their_model, _ = mlx_lm_load(target_dir)
-        their_draft = official_mod.load_draft(draft_dir)
+        their_draft = official_draft(draft_dir)
     except Exception as e:  # the oracle is optional here
         print(f"official loop skipped: {e}", file=sys.stderr)
         have_official = False
@@ -184,7 +177,6 @@ def main():
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, device {mx.default_device()}",
         "target": target_dir if args.model else f"random {args.shape}",
         "block_size": bs,
-        "products": args.products,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "results": [
@@ -203,7 +195,7 @@ def main():
     print(summary["machine"])
     print(
         f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
-        f"products {args.products}, " + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}")
+        + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}")
     )
     for r in summary["results"]:
         tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
