@@ -59,7 +59,7 @@ def cpu(b: int) -> float:
 
 
 def cpu_near(b: int) -> float:
-    """The built-in pair on the 2-core CPU as bench_builtin.py measured it in session 11: plain 9.6 ms,
+    """The built-in pair on the 2-core CPU as bench_builtin.py measured it: plain 9.6 ms,
     a block of 4 34 ms (at its acceptance, 0.72-0.78x plain decoding), 4.5 ms more a position."""
     return 0.0096 if b == 1 else 0.034 + 0.0045 * (b - 4)
 
