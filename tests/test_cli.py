@@ -326,7 +326,7 @@ def test_chat_over_a_pipe(pair, loaded):
     out = result.stdout
     assert out.count(want) == 2  # the same reply before and after /reset
     assert "acceptance length" in out and "block position" in out  # /stats
-    assert "no thinking section" in out and "thinking on" in out  # /think
+    assert "no thinking section" in out and "thinking on" not in out  # /think: nothing to turn on
     assert "/reset" in out and "/quit" in out  # /help
     assert "unknown command /bogus" in out
     assert "conversation cleared" in out

@@ -14,8 +14,8 @@ from .cache_prompt import EXAMPLES as CACHE_PROMPT_EXAMPLES
 from .cache_prompt import cache_prompt_command
 from .chat import EXAMPLES as CHAT_EXAMPLES
 from .chat import chat_command
+from .console import BROKEN_PIPE, err, print_error, silence_stdout
 from .console import click_exceptions as cx
-from .console import err, print_error
 from .convert import EXAMPLES as CONVERT_EXAMPLES
 from .convert import convert_command
 from .doctor import EXAMPLES as DOCTOR_EXAMPLES
@@ -38,6 +38,30 @@ def _bare_flags(params: list) -> list:
     return params
 
 
+_BOOL_WORDS = {"true": True, "t": True, "false": False, "f": False}
+
+
+def mlx_lm_verbose(args: list[str]) -> list[str]:
+    """Accept mlx-lm's ``--verbose True|False`` (and ``--verbose=F``) for the
+    ``--verbose`` flag: the value is turned into the flag or its absence."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            out += args[i:]
+            break
+        name, eq, value = a.partition("=")
+        if name == "--verbose" and not eq and i + 1 < len(args) and args[i + 1].lower() in _BOOL_WORDS:
+            value, i = args[i + 1], i + 1
+        if name == "--verbose" and value.lower() in _BOOL_WORDS:
+            out += ["--verbose"] if _BOOL_WORDS[value.lower()] else []
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
 class _Command(typer.core.TyperCommand):
     def get_params(self, ctx):
         return _bare_flags(super().get_params(ctx))
@@ -51,6 +75,7 @@ class _Group(typer.core.TyperGroup):
     other user error: one red sentence on stderr and exit code 1."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = mlx_lm_verbose(sys.argv[1:] if args is None else list(args))
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except cx.NoArgsIsHelpError:  # typer has printed the help already
@@ -65,6 +90,9 @@ class _Group(typer.core.TyperGroup):
         except typer.Abort:
             err.print(Text("aborted", style="yellow"))
             rv = 1
+        except BrokenPipeError:  # outside a command's user_errors: --help | head
+            silence_stdout()
+            rv = BROKEN_PIPE
         if standalone_mode:
             sys.exit(rv if isinstance(rv, int) else 0)
         return rv

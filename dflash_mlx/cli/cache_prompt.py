@@ -30,6 +30,7 @@ from .options import (
     flag_names,
     kv_cache,
     template_args,
+    utf8_text,
 )
 from .pair import context_length, load_pair, model_or_builtin
 from .progress import PrefillProgress
@@ -110,7 +111,13 @@ def cache_prompt_command(
     dtype: Dtype = "auto",
     prompt: Annotated[
         Optional[str],
-        typer.Option("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.", show_default=False),
+        typer.Option(
+            "--prompt",
+            "-p",
+            help="The prefix to cache; '-' reads it from stdin.",
+            show_default=False,
+            callback=utf8_text,
+        ),
     ] = None,
     prompt_cache_file: Annotated[
         Optional[Path], typer.Option("--prompt-cache-file", help="The file to write (safetensors).", show_default=False)

@@ -265,10 +265,12 @@ class SessionStats:
     by_position: list = field(default_factory=list)
 
     def add(self, r) -> None:
+        """Count ``r``'s drafting cycles only: acceptance says nothing of plain steps."""
+        drafting = r.cycles - (getattr(r, "block_sizes", None) or {}).get(1, 0)
         self.replies += 1
         self.tokens += r.generation_tokens
-        self.cycles += r.cycles
-        self.committed += round(r.acceptance_length * r.cycles)
+        self.cycles += drafting
+        self.committed += round(r.acceptance_length * drafting)
         counts = list(r.accepted_by_position)
         if len(counts) > len(self.by_position):
             self.by_position += [0] * (len(counts) - len(self.by_position))
@@ -279,6 +281,8 @@ class SessionStats:
 def stats_chart(s: SessionStats, width: int = 30) -> Text:
     """Acceptance by block position: the share of verify cycles in which the
     draft at each position was accepted, as a bar chart."""
+    if s.cycles == 0 and s.replies:
+        return Text("no drafting cycles yet: every step was a plain target step.", style="dim")
     if s.cycles == 0:
         return Text("no verify cycles yet; ask something first.", style="dim")
     out = Text()
@@ -518,7 +522,10 @@ class ChatSession:
             )
         elif name == "/think":
             if not (self.template and supports_thinking(self.tokenizer)):
-                console.print(Text("this model's chat template has no thinking section.", style="dim"))
+                console.print(
+                    Text("this model's chat template has no thinking section; /think changes nothing.", style="dim")
+                )
+                return True
             self.thinking = not self.thinking
             console.print(Text(f"thinking {'on' if self.thinking else 'off'}", style="dim"))
         else:

@@ -7,6 +7,7 @@ turns Typer's usage errors into the same sentence (``print_error``).
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -20,9 +21,6 @@ try:  # typer >= 0.2x carries its own copy of click
     from typer._click import exceptions as click_exceptions
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
-
-console = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
 
 
 class UserError(Exception):
@@ -47,6 +45,29 @@ def _sentence(e: BaseException) -> str:
     return msg
 
 
+BROKEN_PIPE = 141  # the status of a Unix tool killed by SIGPIPE
+
+
+def silence_stdout() -> None:
+    """stdout's reader has gone (``| head``): point stdout at /dev/null so
+    that Python's flush at exit does not complain about it again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (CliRunner)
+        pass
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        silence_stdout()
+        raise SystemExit(BROKEN_PIPE)
+
+
+console = _Console(highlight=False)
+err = _Console(stderr=True, highlight=False)
+
+
 @contextmanager
 def user_errors(verbose: bool = False, interrupted: str = "interrupted") -> Iterator[None]:
     """Turn what users can cause into one red sentence and exit code 1 (a
@@ -58,6 +79,9 @@ def user_errors(verbose: bool = False, interrupted: str = "interrupted") -> Iter
     except KeyboardInterrupt:
         err.print(Text(f"\n{interrupted}", style="yellow"), soft_wrap=True)
         raise typer.Exit(130)
+    except BrokenPipeError:  # quiet, as Unix tools end in a closed pipe
+        silence_stdout()
+        raise typer.Exit(BROKEN_PIPE)
     except Exception as e:
         if verbose:
             traceback.print_exc(file=sys.stderr)

@@ -42,6 +42,7 @@ from .options import (
     check_kv,
     kv_cache,
     template_args,
+    utf8_text,
 )
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
@@ -70,7 +71,10 @@ def generate_command(
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",
     prompt: Annotated[
-        Optional[str], typer.Option("--prompt", "-p", help="The prompt; '-' reads it from stdin.", show_default=False)
+        Optional[str],
+        typer.Option(
+            "--prompt", "-p", help="The prompt; '-' reads it from stdin.", show_default=False, callback=utf8_text
+        ),
     ] = None,
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
@@ -87,6 +91,7 @@ def generate_command(
             "--prefill-response",
             help="Start the reply with this text (chat template); the model continues it.",
             show_default=False,
+            callback=utf8_text,
         ),
     ] = None,
     ignore_chat_template: IgnoreChatTemplate = False,
@@ -189,5 +194,12 @@ def generate_command(
         out.flush()
         if last is not None:
             err.print(Text(stats_line(last, block_size, limit), style="dim"), soft_wrap=True)
+            if verbose:  # mlx-lm's closing lines, for scripts that parse them
+                sys.stderr.write(
+                    f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"
+                    f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec\n"
+                    f"Peak memory: {last.peak_memory:.3f} GB\n"
+                )
+                sys.stderr.flush()
             if last.finish_reason == "length" and reply_tokens < max_tokens:
                 note(f"stopped at {limit}: the reply cannot be longer than the context the target was trained for.")

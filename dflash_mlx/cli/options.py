@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from .console import UserError
+from .console import click_exceptions as cx
 
 BUILTIN_HELP = "Left out (or 'builtin'): the small built-in pair shipped with dflash-mlx, offline."
 
@@ -91,8 +92,31 @@ ExtraEosToken = Annotated[
         show_default=False,
     ),
 ]
+
+
+def utf8_text(ctx, param, value: Optional[str]) -> Optional[str]:
+    """Refuse text that is not UTF-8: the shell passes such bytes through as
+    lone surrogates, which no tokenizer can encode."""
+    if value is None:
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(value[e.start])
+        what = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        flag = param.opts[0] if param is not None and param.opts else "the text"
+        raise cx.ClickException(
+            f"{flag} is not UTF-8 text ({what} at character {e.start}); pass UTF-8 text, "
+            "e.g. convert it with iconv -t UTF-8."
+        ) from None
+    return value
+
+
 SystemPrompt = Annotated[
-    Optional[str], typer.Option("--system-prompt", help="System message for the chat template.", show_default=False)
+    Optional[str],
+    typer.Option(
+        "--system-prompt", help="System message for the chat template.", show_default=False, callback=utf8_text
+    ),
 ]
 IgnoreChatTemplate = Annotated[
     bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")

@@ -31,13 +31,23 @@ def _generated(r) -> str:
     return f"generated {n} tokens, {r.generation_tps:.1f} tok/s"
 
 
+def drafted(r) -> bool:
+    """Whether any cycle drafted: acceptance is undefined over plain steps alone."""
+    sizes = getattr(r, "block_sizes", None)
+    return sizes is None or any(n for b, n in sizes.items() if b > 1)
+
+
 def stats_line(r, block_size: int | str | None = None, limit: str | None = None) -> str:
     """The stats line ``generate`` prints after the reply. ``limit``: what cut
     the reply when it ended for length (e.g. '--max-tokens 256')."""
+    acceptance = (
+        f"acceptance length {r.acceptance_length:.2f} · acceptance rate {r.acceptance_rate:.1%}"
+        if drafted(r)
+        else "acceptance length - (no drafting cycles)"
+    )
     line = (
         f"prompt {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s · {_generated(r)} · {block_text(r, block_size)} · "
-        f"acceptance length {r.acceptance_length:.2f} · acceptance rate {r.acceptance_rate:.1%} · "
-        f"peak memory {r.peak_memory:.2f} GB"
+        f"{acceptance} · peak memory {r.peak_memory:.2f} GB"
     )
     if r.finish_reason == "length" and limit:
         line += f" · cut at {limit}"
@@ -55,7 +65,5 @@ def status_text(r, block_size: int | str | None = None, final: bool = False) -> 
     else:
         lead = ""
     rate = f"{r.generation_tps:.1f} tok/s · " if r.generation_tokens > 1 and r.generation_tps else ""
-    return (
-        f"{lead}{rate}τ {r.acceptance_length:.2f} · accept {r.acceptance_rate:.0%} · "
-        f"block {block} · {r.peak_memory:.2f} GB"
-    )
+    acceptance = f"τ {r.acceptance_length:.2f} · accept {r.acceptance_rate:.0%}" if drafted(r) else "τ - · accept -"
+    return f"{lead}{rate}{acceptance} · block {block} · {r.peak_memory:.2f} GB"
