@@ -73,8 +73,7 @@ class BlockChooser:
         self.ages: dict[int, int] = {}  # block size -> processes since its remembered time was measured
         # Memoised between record() and restore(): both run on the cycle's critical path.
         self._memo: dict = {}
-        self._versions: dict[int, int] = {}
-        self._stats: dict[int, tuple] = {}  # block size -> (version, valid below, (times, median, error))
+        self._stats: dict[int, tuple] = {}  # block size -> (valid below, (times, median, error))
 
     # processes a remembered time is passed on unmeasured, so that one taken
     # on a busy machine is not written back forever
@@ -121,7 +120,7 @@ class BlockChooser:
         self._memo.clear()
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
-            self._versions[b] = self._versions.get(b, 0) + 1
+            self._stats.pop(b, None)
             self.ages[b] = ages.get(b, 0) + 1
             self.asked[b] = max(self.asked.get(b, 0), self.PROBE_RUN)
         return True
@@ -132,10 +131,11 @@ class BlockChooser:
         new graphs, charged to exploring when it was an exploring run's."""
         self.cycles += 1
         self._memo.clear()
+        in_trial = self.trial is not None and self.trial[0] == block
         if built is not None:
             self.seconds += built
             self.build_seconds = self.build_seconds[-15:] + [built]
-            if self.trial is not None and self.trial[0] == block and block in self.exploring_loss:
+            if in_trial and block in self.exploring_loss:
                 self.exploring_loss[block] += max(0.0, built - self.prepaid)
                 self.prepaid = 0.0
         for i in range(1, min(block - 1, accepted + 1) + 1):
@@ -147,7 +147,7 @@ class BlockChooser:
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
         changed, self.previous = block != self.previous, block
-        if self.trial is not None and self.trial[0] == block:
+        if in_trial:
             self.trial[1:] = [self.trial[1] * keep + 1, self.trial[2] * keep + accepted + 1]
         if seconds is None:
             return
@@ -168,7 +168,7 @@ class BlockChooser:
             return
         ts.append((self.cycles, seconds))
         del ts[:-32]
-        self._versions[block] = self._versions.get(block, 0) + 1
+        self._stats.pop(block, None)
 
     def expected_tokens(self, block: int) -> float:
         return self._expected()[block - 1]
@@ -194,18 +194,16 @@ class BlockChooser:
         floor = self.cycles - self.RECENT
         out = {}
         for b, ts in self.times.items():
-            if not ts:
-                continue
             kept = self._stats.get(b)
-            if kept is None or kept[0] != self._versions.get(b, 0) or floor >= kept[1]:
+            if kept is None or floor >= kept[0]:
                 recent_at = [k for k, _ in ts if k > floor]
                 recent = [t for k, t in ts if k > floor] or [t for _, t in ts]
                 mid = median(recent)
                 spread = 1.4826 * median(abs(t - mid) for t in recent)
                 error = 1.2533 * spread / math.sqrt(len(recent))
-                kept = (self._versions.get(b, 0), min(recent_at) if recent_at else math.inf, (recent, mid, error))
+                kept = (min(recent_at, default=math.inf), (recent, mid, error))
                 self._stats[b] = kept
-            out[b] = kept[2]
+            out[b] = kept[1]
         return out
 
     def cost(self) -> tuple[float, float]:
