@@ -331,10 +331,10 @@ def test_bad_input_is_one_sentence():
         assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
 
 
-def test_both_dialects_come_from_one_body(monkeypatch):
+def test_both_dialects_come_from_one_body():
     """Metal and CUDA sources differ only in header and prelude; each header
     defines every helper the body calls (or Metal has it built in)."""
-    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", False)  # (the sources as written)
+    compact = launch_source.compact  # (the factories are handed compact sources)
     calls = []
     for where in ("metal", "cuda"):
         kernel = BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
@@ -342,7 +342,17 @@ def test_both_dialects_come_from_one_body(monkeypatch):
     metal_p, metal_m, metal_t, cuda_p, cuda_m, cuda_t = calls
     for m, c in ((metal_p, cuda_p), (metal_m, cuda_m)):
         assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
-        assert m["source"].replace(source.PRELUDE["metal"], "") == c["source"].replace(source.PRELUDE["cuda"], "")
+    bodies = {
+        where: (
+            p["source"].replace(compact(source.PRELUDE[where]), ""),
+            g["source"].replace(compact(source.PRELUDE[where]), ""),
+        )
+        for where, p, g in (("metal", metal_p, metal_m), ("cuda", cuda_p, cuda_m))
+    }
+    assert bodies["metal"][0] == bodies["cuda"][0]
+    # the merge's bodies differ only in its parts' pointer type
+    for where, (_, merge) in bodies.items():
+        assert merge == compact(source.MERGE_BODY.replace("PARTS_PTR", source.PARTS_PTR[where]))
     body = source.PARTIAL_BODY + source.MERGE_BODY
     used = set(
         re.findall(r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F)\b", body)
@@ -358,12 +368,13 @@ def test_both_dialects_come_from_one_body(monkeypatch):
     shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM|OUT_NEXT", source_tiles.BODY)
     for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
         out_next = source_tiles.OUT[where].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
-        assert all(part.strip("\n") in t["source"] for part in shared)
+        assert all(compact(part).strip("\n") in t["source"] for part in shared)
         assert all(
-            getattr(source_tiles, h)[where]
-            .strip()
-            .replace("OUT_ELEM", source_tiles.OUT[where])
-            .replace("OUT_NEXT", out_next)
+            compact(
+                getattr(source_tiles, h)[where]
+                .replace("OUT_ELEM", source_tiles.OUT[where])
+                .replace("OUT_NEXT", out_next)
+            ).strip("\n")
             in t["source"]
             for h in holes
         )
@@ -396,17 +407,19 @@ def test_kernels_are_handed_compact_sources_that_keep_every_statement(monkeypatc
     text = 'x = "a//b"; // note\n    y;   // "q" b\n\n#define F(a) \\\n  a + 1 \\\n  + 2\n  // only a comment\n'
     assert launch_source.compact(text) == 'x = "a//b";\ny;\n#define F(a) \\\na + 1 \\\n+ 2\n'
 
-    def made(compact: bool) -> list[dict]:
-        monkeypatch.setattr(launch_source, "COMPACT_SOURCES", compact)
-        calls = []
-        factory = lambda **kw: calls.append(kw) or (lambda **_: None)  # noqa: E731
-        BlockAttentionKernel("cuda", factory=factory).partial_tiles(8192)
-        BlockProductKernel("cuda", factory=factory)
-        NormRopeKernel("cuda", factory=factory)
+    def made(written: bool) -> list[dict]:
+        with monkeypatch.context() as m:
+            if written:  # the sources as the kernels write them: the compacting undone
+                m.setattr(launch_source, "compact", lambda text: text)
+                m.setattr(launch_source, "used_header", lambda header, body: header)
+            calls = []
+            factory = lambda **kw: calls.append(kw) or (lambda **_: None)  # noqa: E731
+            BlockAttentionKernel("cuda", factory=factory).partial_tiles(8192)
+            BlockProductKernel("cuda", factory=factory)
+            NormRopeKernel("cuda", factory=factory)
         return calls
 
-    pairs = list(zip(made(True), made(False), strict=True))
-    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", True)
+    pairs = list(zip(made(False), made(True), strict=True))
     for short, full in pairs:
         for part in ("source", "header"):
             assert all(line and line == line.strip() for line in short[part].splitlines())

@@ -195,14 +195,18 @@ def test_rotations_the_kernel_does_not_do_take_the_ops_path(fake_gpu, rope):
         assert mx.array_equal(g, w)
 
 
-def test_both_dialects_come_from_one_body(monkeypatch):
-    monkeypatch.setattr(launch_source, "COMPACT_SOURCES", False)  # (the sources as written)
+def test_both_dialects_come_from_one_body():
     calls = []
     for where in ("metal", "cuda"):
         nr.NormRopeKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
     metal, cuda = calls
+    compact = launch_source.compact  # (the factories are handed compact sources)
     assert metal["name"] == cuda["name"] and metal["input_names"] == cuda["input_names"] == nr.INPUTS
-    assert metal["source"].replace(nr.PRELUDE["metal"], "") == cuda["source"].replace(nr.PRELUDE["cuda"], "") == nr.BODY
+    assert (
+        metal["source"].replace(compact(nr.PRELUDE["metal"]), "")
+        == cuda["source"].replace(compact(nr.PRELUDE["cuda"]), "")
+        == compact(nr.BODY)
+    )
     assert metal["ensure_row_contiguous"] is False and "q_strides" in nr.BODY and "k_strides" in nr.BODY
     used = set(re.findall(r"\b(to_float|from_float|simd_sum|DEV|idx_t|NR_\w+)\b", nr.BODY))
     for where, builtin in (("metal", {"simd_sum"}), ("cuda", set())):

@@ -1,10 +1,8 @@
 """Choose the kernel or the fused op per call; check each kernel variant once.
 
-A kernel variant (backend, dtype, head dim, window kind) is used only after it
-has matched the portable ops path on a small random case in this process. A
-build error or a mismatch sends that variant to the ops path for good, with
-one warning naming the case. After the check nothing here reads the device.
-"""
+A variant (backend, dtype, head dim, window kind) is used only after it has
+matched the ops path in this process; a failure sends it to the ops path for
+good, with one warning."""
 
 from __future__ import annotations
 
@@ -17,32 +15,10 @@ from ..device import backend
 from .attention import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
-# When the kernel beats the fused op (mx.fast.scaled_dot_product_attention with
-# the position mask that a fixed buffer needs), by query rows per key-value head
-# (GQA group x block rows): (most rows, fewest keys, None: never). The first entry
-# whose rows cover the call decides; keys are the buffer's, or kv_length when it is
-# a Python int. Measured on an NVIDIA H200 (MLX 0.32.4 CUDA), device time of 36
-# calls over distinct buffers (benchmarks/gpu_time.py attention), kernel / fused op:
-#   4 rows (one decode row at GQA 4): 2.2 / 1.1 ms at 512 keys, 3.3 / 2.7 at 4k: never
-#   (session 6's kernel);
-#   64 rows (a 16-token verify at GQA 4): 1.06 / 2.24 at 1k, 1.31 / 3.84 at 2k,
-#   2.54 / 19.07 at 16k, 3.33 / 36.26 at 32k; 1.5 / 1.5 at 512 (session 6).
-#   128 rows (GQA 8, two row tiles): 1.7 / 2.8 at 1k, 2.5 / 6.2 at 4k, 5.1 / 19.6 at 16k
-#   (session 6).
-# From 1k keys the whole cycle gains too (benchmarks/cycle.py, qwen3-8b shapes, a 1k
-# prompt, block 16: 7.53 and 7.55 ms with the kernel from 1k, 8.31 and 7.78 from 2k).
-# Under 1k keys, 17-128 rows (a block of 16 at GQA 2-8) take the kernel too on CUDA:
-# its device time equals the fused op's at 512 keys for 64 rows, and its two launches
-# cost the host less than the fused op's one and the mask it needs (cuDNN's attention:
-# ~30 us, benchmarks/host_cost.py; a custom kernel: 3-5 us, launch_cost.py); the
-# built-in pair's cycle after 256 tokens (GQA 2, 32 rows): 2.35-2.36 ms against
-# 2.62-2.86 with the fused op on one boot, 2.82-2.99 against 3.02-3.04 on another
-# (H100, session 15, BENCHMARKS.md). Up to 16 rows (a block of 4 at GQA 4) the kernel's
-# device time is the higher one under 1k keys (2.27 / 1.23 ms at 512), so they keep the
-# fused op there. More rows are unmeasured and keep the fused op.
+# Where the kernel beats the fused op, by query rows per key-value head:
+# (most rows, fewest keys; None: never). The first entry whose rows cover the call decides.
 KERNEL_WINS = ((4, None), (16, 1024), (128, 0))
-# Metal launches cheaply, so the host's reason for the kernel under 1k keys is CUDA's;
-# until a Mac measures it, Metal takes the kernel from this many keys at the least.
+# Metal launches cheaply, so it takes the kernel from this many keys at the least.
 METAL_FEWEST_KEYS = 1024
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
@@ -78,13 +54,11 @@ def reset() -> None:
 def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
     """Attention of a block of query rows over a fixed-capacity K/V buffer.
 
-    queries [B, Hq, L, D]; keys, values [B, Hkv, N, D] (Hq a multiple of Hkv,
-    D in 64/128/256, one dtype of bf16/fp16/fp32). Query row i sits at
-    position q_offset + i, key j at position j; keys at j >= kv_length are
-    never attended. causal: j <= q_offset + i. window: also
-    (q_offset + i) - j < window, and j - (q_offset + i) < window when not
-    causal. sinks: per-query-head sink logits [Hq]. q_offset and kv_length may
-    be ints or one-element int arrays (never read back to the host).
+    queries [B, Hq, L, D]; keys, values [B, Hkv, N, D]. Query row i sits at
+    q_offset + i, key j at j; keys at j >= kv_length are never attended.
+    causal: j <= q_offset + i. window: |q_offset + i - j| < window (the
+    future side only when not causal). sinks: per-query-head logits [Hq].
+    q_offset and kv_length may be ints or one-element int arrays (never read back).
     """
     check_inputs(queries, keys, values, q_offset, kv_length, window, sinks)
     kw = dict(scale=scale, q_offset=q_offset, kv_length=kv_length, causal=causal, window=window, sinks=sinks)
@@ -99,8 +73,7 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
 
 
 def kernel_wins(rows_per_kv_head: int, keys: int, where: str = "cuda") -> bool:
-    """Whether the measured table (KERNEL_WINS) picks the kernel on backend
-    ``where`` (Metal: from METAL_FEWEST_KEYS keys at the least)."""
+    """Whether KERNEL_WINS picks the kernel on backend ``where``."""
     for most_rows, fewest_keys in KERNEL_WINS:
         if rows_per_kv_head <= most_rows:
             if fewest_keys is None:
@@ -112,8 +85,7 @@ def kernel_wins(rows_per_kv_head: int, keys: int, where: str = "cuda") -> bool:
 
 
 def passed_kernel(where: str, dtype, head_dim: int, windowed: bool):
-    """The backend's kernel if this variant has already passed its self-check,
-    else None; never runs a check (so it is safe inside a compiled trace)."""
+    """The kernel if this variant already passed its check, else None; never checks."""
     result = _checks.get((where, dtype, head_dim, windowed))
     return _kernels.get(where) if result is not None and result.ok else None
 
@@ -147,11 +119,8 @@ def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
 def compare_with_ops(
     where: str, dtype, head_dim: int, windowed: bool, kernels: dict, builders: dict, outputs
 ) -> CheckResult:
-    """A kernel variant's self-check: ``where``'s kernel, built once by
-    ``builders`` and kept in ``kernels``, passes if every (kernel's, ops
-    path's) output pair that ``outputs(kernel)`` yields agrees within
-    TOLERANCE (the largest difference over the largest element); a build or
-    launch error fails it, named."""
+    """Self-check: every (kernel, ops) pair from ``outputs(kernel)`` agrees within
+    TOLERANCE of the largest element; a build or launch error fails it, named."""
     name = str(dtype).split(".")[-1]
     try:
         kernel = kernels.get(where)
@@ -175,11 +144,7 @@ def compare_with_ops(
 
 
 def _check_cases(dtype, head_dim: int, windowed: bool):
-    """Verify-like (causal, array offsets, the query a transposed view as a
-    layer's rotated query is; then with sinks, as gpt-oss verifies) and
-    drafter-like (non-causal, sinks) cases over a buffer with an unfilled tail
-    and several key chunks; then rows enough for several warps; then a buffer
-    of one key chunk."""
+    """Verify-like and drafter-like cases over a partly filled buffer, then more rows, then one key chunk."""
     key = mx.random.key(head_dim)
     kq, kk, kv, ks = mx.random.split(key, 4)
     n, lq = 640, 7
@@ -204,8 +169,7 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
             scale=scale, q_offset=mx.array(200), kv_length=mx.array(200 + lq), causal=True, window=window, sinks=sinks
         ),
     )
-    # 12 and 20 rows at GQA 2: 24 and 40 rows per kv head, the matrix-unit pass's
-    # threadgroups of two and four warps (kernel.tile_warps)
+    # 24 and 40 rows per kv head: the matrix-unit pass's two- and four-warp threadgroups
     for rows in (12, 20):
         qr = mx.random.normal((1, 4, rows, head_dim), key=kq).astype(dtype)
         yield (
@@ -214,17 +178,14 @@ def _check_cases(dtype, head_dim: int, windowed: bool):
             v,
             dict(scale=scale, q_offset=mx.array(600), kv_length=mx.array(600 + rows), causal=True, window=window),
         )
-    # a buffer of one key chunk (256 wide), verify-like and drafter-like with no sinks: on CUDA the
-    # matrix-unit pass writes the output itself, with no merge (source_tiles.STORE)
+    # one key chunk: on CUDA the matrix-unit pass writes the output itself, with no merge
     one = k[:, :, :256], v[:, :, :256]
     yield q, *one, dict(scale=scale, q_offset=mx.array(180), kv_length=mx.array(180 + lq), causal=True, window=window)
     yield mx.contiguous(q), *one, dict(scale=scale, q_offset=200, kv_length=200 + lq, causal=False, window=window)
 
 
 def self_check_all(dtypes=DTYPES, head_dims=HEAD_DIMS, report=None) -> list[CheckResult]:
-    """Check every variant on this backend (for `dflash-mlx doctor`); [] on the
-    CPU. ``report(result)``, where given, hears each variant's result as soon
-    as it is known (a cold CUDA process compiles each variant first)."""
+    """Check every variant on this backend (for `dflash-mlx doctor`); [] on the CPU."""
     where = backend()
     if where == "cpu":
         return []

@@ -1,32 +1,13 @@
-"""What a custom kernel's source looks like when it is handed to MLX.
-
-MLX's CUDA backend names a custom kernel's compiled module by a hash of its
-whole generated source (header, parameters, body), worked out in
-``CustomKernel::eval_gpu``, so at every launch: 0.28 us a kilobyte on an
-H100 (benchmarks/launch_cost.py, BENCHMARKS.md session 18), paid ~100 times
-a cycle of a small pair, whose cycle is bound by its launches. So every
-kernel's factory is wrapped (``compacting``): sources lose their comments,
-indentation and blank lines, and on CUDA a header keeps only the items its
-source calls. The kernels' Python keeps the comments; the device never
-needed them.
-"""
+"""Kernel sources as handed to MLX: compacted, since MLX's CUDA backend hashes a
+custom kernel's whole source at every launch (``CustomKernel::eval_gpu``)."""
 
 from __future__ import annotations
 
 import re
 
-COMPACT_SOURCES = True  # (benchmarks turn it off to measure what it saves)
-
 
 def compact(text: str) -> str:
-    """Kernel source without comments, indentation or blank lines: what the
-    backend compiles is the same, and MLX's CUDA backend hashes a custom
-    kernel's whole source at every launch (its module name, in
-    CustomKernel::eval_gpu), so the source's length is host time spent on
-    every launch of a cycle bound by its launches (BENCHMARKS.md, session
-    18). A ``//`` inside a string literal stays."""
-    if not COMPACT_SOURCES:
-        return text
+    """Kernel source without comments, indentation or blank lines (``//`` in a string stays)."""
     lines = []
     for line in text.splitlines():
         cut = line.find("//")
@@ -39,10 +20,8 @@ def compact(text: str) -> str:
 
 
 def definitions(header: str) -> list[tuple[str | None, str]]:
-    """A compact header's top-level items as (the name it defines, its text):
-    a ``#define`` (its continuation lines with it), a typedef, a function or
-    a template's declaration or definition (to its closing brace). None: an
-    item whose name is not read (an ``#include``, anything else), kept."""
+    """A compact header's top-level items as (the name it defines, or None for an
+    item always kept, its text)."""
     items, lines, depth = [], [], 0
     for line in header.splitlines(keepends=True):
         lines.append(line)
@@ -63,10 +42,7 @@ def definitions(header: str) -> list[tuple[str | None, str]]:
 
 
 def used_header(header: str, body: str) -> str:
-    """What of ``header`` a kernel's ``body`` calls, directly or through
-    what it keeps (every item whose name is unread stays): MLX hashes the
-    header with the body at every launch (compact), and one header serves
-    several kernels. Items keep their order."""
+    """The items of ``header`` that ``body`` calls, directly or through kept items, in order."""
     items = definitions(header)
     keep = [name is None for name, _ in items]
     seen = body + "".join(text for (name, text), k in zip(items, keep) if k)
@@ -80,14 +56,11 @@ def used_header(header: str, body: str) -> str:
 
 
 def compacting(factory, backend: str):
-    """``factory`` handed compact sources and, on CUDA, only the part of the
-    header each source uses (``compact``, ``used_header``; NVRTC checks that
-    on any machine, scripts/check_cuda_kernels.py, where nothing here
-    compiles Metal's)."""
+    """``factory`` handed compact sources and, on CUDA, only the header items each source uses."""
 
     def build(*, source: str, header: str = "", **kw):
         source, header = compact(source), compact(header)
-        if COMPACT_SOURCES and backend == "cuda":
+        if backend == "cuda":
             header = used_header(header, source)
         return factory(source=source, header=header, **kw)
 

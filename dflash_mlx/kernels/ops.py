@@ -1,8 +1,5 @@
-"""The portable path: the block-attention contract through mx.fast's fused op.
-
-Also the input checks shared by every path. Nothing here reads a value back
-from the device: q_offset and kv_length may be arrays and stay arrays.
-"""
+"""The portable block-attention path through mx.fast's fused op, and the input
+checks every path shares. Nothing here reads a value back from the device."""
 
 from __future__ import annotations
 
@@ -49,15 +46,12 @@ def check_inputs(queries, keys, values, q_offset, kv_length, window, sinks) -> N
 
 
 def visible(rows: int, keys: int, q_offset, kv_length, causal: bool, window: int | None) -> mx.array:
-    """Boolean [rows, keys]: which key each query row attends to (see
-    block_attention); the caches' own rule (kv_cache.positions_mask)."""
+    """Boolean [rows, keys]: which keys each query row attends to (positions_mask's rule)."""
     return positions_mask(rows, _scalar(q_offset), keys, window, causal, limit=_scalar(kv_length))
 
 
 def ops_attention(queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None):
-    """mx.fast.scaled_dot_product_attention over the whole buffer with a boolean
-    mask: the buffer's shape stays fixed, so backends that build a graph per
-    key length (MLX CUDA) build it once."""
+    """mx.fast.scaled_dot_product_attention over the whole buffer with a mask (a fixed shape)."""
     mask = visible(queries.shape[2], keys.shape[2], q_offset, kv_length, causal, window)
     if sinks is not None:
         sinks = sinks.astype(queries.dtype)

@@ -1,15 +1,6 @@
-"""A layer's attention over its cache, a target's or a drafter's: the
-block-attention kernel where it pays, mlx-lm's attention everywhere else.
-
-The kernel (dflash_mlx.kernels) takes the valid length instead of a mask, so
-it reads only the filled part of a buffer and needs no mask array. It is used
-for a plain buffer cache (``BufferKVCache``; quantized and rotating caches
-keep mlx-lm's path), on a GPU, where the measured table says it wins for the
-call's rows and keys, and only once its variant has passed its self-check.
-The check reads results back to the host, so it runs when a target's layers
-are made (``prepare``), never inside a compiled cycle: a variant not checked
-by then takes mlx-lm's path.
-"""
+"""A layer's attention over its cache: the block-attention kernel for a
+``BufferKVCache`` where it wins and passed its check (in ``prepare``, never
+inside a compiled cycle), mlx-lm's attention everywhere else."""
 
 from __future__ import annotations
 
@@ -22,11 +13,7 @@ from . import linear
 
 
 def prepare(dtype, head_dim: int, windows) -> None:
-    """Check the kernel variants a target's layers will ask for (its dtype,
-    head dim, full and/or sliding layers), so that ``attention`` can use them,
-    the q/k norm + RoPE kernel's (layers.dense_block, the drafter) and the
-    block-product kernel's (a verify's products: the fused projections, a
-    dense layer's o_proj, the drafter's inference products)."""
+    """Check every kernel variant a target's layers will use, outside compiled traces."""
     norm_rope.prepare(dtype, head_dim)
     linear.prepare(dtype)
     where = dispatch.backend()
@@ -50,13 +37,9 @@ def attention(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Attention of the rows written at ``start`` (an int or a device scalar)
-    over the cache's buffers ``keys``/``values``; ``mask`` is what mlx-lm's
-    path needs for the same thing. ``length``: the valid length with those
-    rows (default: the cache's offset, which its ``update_and_fetch`` has
-    moved past them). Causal or not (the drafter's block), within ``window``
-    when given, with per-head sink logits ``sinks`` (gpt-oss) when given.
-    Returns [B, heads, L, D]."""
+    """Attention of the rows written at ``start`` over the cache's buffers;
+    ``mask`` is mlx-lm's path's, ``length`` the valid length (default: the
+    cache's offset). Returns [B, heads, L, D]."""
     out, as_rows = attention_output(
         queries,
         keys,
@@ -90,10 +73,9 @@ def attention_output(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> tuple[mx.array, bool]:
-    """``attention`` in the layout its result is stored in, so that the
-    output product reads it without a copy (linear.apply_linear_output):
-    (rows [B, L, heads * D], True) where the block-attention kernel ran (it
-    writes each row's heads side by side), else (heads [B, heads, L, D], False)."""
+    """``attention`` in its stored layout, which the output product reads
+    without a copy: (rows [B, L, heads * D], True) where the kernel ran, else
+    (heads [B, heads, L, D], False)."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]

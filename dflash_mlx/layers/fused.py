@@ -1,24 +1,7 @@
-"""Dense decoder layers with fused projections: q, k and v as one matrix
-product, gate and up as another.
-
-A verify pass multiplies a few rows by every weight matrix of the target, and
-at real model sizes the cycle is bound by the host launching those products
-(benchmarks/host_cost.py: on MLX's CUDA backend a 16-row product costs the
-host ~25 us to launch, a 1-row one ~7 us, an elementwise kernel ~4 us). A
-layer of mlx-lm's qwen3 or llama has seven; fused, four, with the same
-arithmetic per output element (each output is still one row of one weight
-matrix times the input).
-
-Fusing concatenates the weights once per layer, then makes each of mlx-lm's
-own projections a view of its rows of the fused matrix (MLX slices share the
-buffer), so memory does not grow and the model still runs in mlx-lm
-unchanged. A verify's products go through kernels/block_products.py (one
-kernel launch each on CUDA). ``block`` runs a layer with them: mlx-lm's TransformerBlock
-forward (qwen3: q/k norms; llama: optional biases) with the products fused
-(layers.dense_block), its attention through ``attention.attention_output``.
-Layers that are not plain (a LoRA adapter, mixed quantization) are run by
-their own module.
-"""
+"""Dense decoder layers with fused projections: q, k and v as one product,
+gate and up as another, with the same arithmetic per output element (a
+verify's cycle is bound by its launches). mlx-lm's projections become views
+of the fused weights, so memory does not grow and mlx-lm still runs them."""
 
 from __future__ import annotations
 
@@ -32,8 +15,7 @@ import mlx.nn as nn
 from .blocks import dense_block
 from .linear import apply_linear, apply_linear_swiglu
 
-# mlx-lm's qwen3/llama blocks, and the DFlash drafters' layers (the same
-# projection names; their forward takes the fused projections, draft.py)
+# (the drafters' layers share qwen3's projection names)
 FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama", "dflash_mlx.draft.dflash", "dflash_mlx.draft.dflash2")
 
 
@@ -45,9 +27,7 @@ class FusedProjections:
     gate_up: nn.Module  # gate's rows, then up's (as many)
 
     def qkv(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        """The q, k and v projections of ``norm(x)`` (``norm``: None, or the
-        layer's input RMSNorm, taken into the product's launch where the
-        kernel can), from one product."""
+        """The q, k and v projections of ``norm(x)`` from one product."""
         k, v, q = mx.split(apply_linear(self.kvq, x, norm=norm), self.kvq_splits, axis=-1)
         return q, k, v
 
@@ -59,13 +39,11 @@ class FusedProjections:
     def mlp(
         self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
     ) -> mx.array:
-        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)``, gate and up from one
-        product with the norm and the SwiGLU in its launch where it can
-        (plus ``residual``, added by the down product's launch where it can)."""
+        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)`` (plus ``residual``), gate and up in one product."""
         return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x, norm), residual)
 
 
-# id(layer) -> (the layer, what was made, the projections' modules and arrays it was made from)
+# id(layer) -> (the layer, what was made, what it was made from)
 _fused: dict[int, tuple[weakref.ref, FusedProjections | None, tuple]] = {}
 
 
@@ -98,14 +76,12 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
 
 
 def first_rows(linear: nn.Module, n: int) -> nn.Module:
-    """A linear layer of the same kind whose arrays are views of ``linear``'s
-    first ``n`` output rows (its first outputs, no copy)."""
+    """A linear layer of views of ``linear``'s first ``n`` output rows."""
     return linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
 
 
 def linear_like(like: nn.Module | type, arrays: dict[str, mx.array]) -> nn.Module:
-    """A linear layer of ``like``'s kind and quantization holding ``arrays``
-    (``like``: a linear layer, or a class such as nn.Linear; no weights of its own)."""
+    """A linear layer of ``like``'s kind and quantization holding ``arrays``."""
     kind = like if isinstance(like, type) else type(like)
     made = kind.__new__(kind)  # no weights of its own: ``arrays`` are them
     nn.Module.__init__(made)
@@ -120,11 +96,7 @@ def linear_like(like: nn.Module | type, arrays: dict[str, mx.array]) -> nn.Modul
 
 
 def projections(layer: nn.Module) -> FusedProjections | None:
-    """The fused projections of an mlx-lm qwen3/llama layer, made once per
-    layer object and kept while its projections are the ones they were made
-    from (later calls, a new adapter of the same model, reuse them; new
-    weights, a LoRA adapter or a quantization since make them again); None
-    for a layer that cannot be fused."""
+    """A layer's fused projections (None: not fusable), remade when its projections change."""
     key = id(layer)
     entry = _fused.get(key)
     if entry is not None and entry[0]() is layer and _unchanged(entry[2], _sources(layer)):
@@ -160,9 +132,7 @@ def _unchanged(then: tuple, now: tuple) -> bool:
 
 
 def block(layer: nn.Module, window: int | None = None) -> Callable:
-    """``layer``'s forward (h, mask, cache) -> h, through fused projections
-    where the layer allows, else the layer itself. ``window``: the layer's
-    sliding window (None: full attention), which its mask also carries."""
+    """``layer``'s forward (h, mask, cache) -> h through fused projections, else the layer."""
     fused = projections(layer)
     if fused is None:
         return layer

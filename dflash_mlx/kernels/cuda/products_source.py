@@ -1,36 +1,16 @@
-"""The block-product kernel's CUDA source (kernels/block_products.py builds,
-launches and checks it): a block's rows times a weight matrix on the matrix
-units, with its optional bias, residual, heads-as-rows read and SwiGLU
-epilogue."""
+"""The block-product kernel's CUDA source (built, launched and checked by
+products.py)."""
 
 VERSION = 9  # of BODY and its inputs: a change must bump it (MLX caches built kernels by name)
 
-# Template constants: T (dtype), NT, KW, U (the launch shape), HEADS (x is an
-# attention's output [heads, M, D], read as the rows [M, heads * D] that its
-# transpose would make: one copy a layer fewer), HAS_BIAS (b is
-# the bias, else a placeholder), HAS_RESIDUAL (r [M, N] is added to the
-# product, else a placeholder); MMA16816 (MMA_HEADER) is the dtype's
-# matrix-unit product. x [M, K] with M <= 16, w [N, K] (both row contiguous, K
-# a multiple of 32), y [M, N]. A warp's lanes read 16 bytes each of x's rows g
-# and g + 8 and of weight rows n + g (g = lane / 4) at K offset 8 * (lane % 4)
-# of each 32; the two m16n8k16 products of a step take those registers as their
-# fragments, which pairs the same K positions in x and w (the sum runs over K
-# in another order, which a product may). Where x or w does not start on a 16-
-# byte boundary (a view at an odd offset), the same 16 bytes are read as 2-byte
-# elements. The bias is added in float32 before the product's rounding, as a
-# product with a bias epilogue does; a residual after it, in float32 and
-# rounded again, as a layer's ``h + o_proj(x)`` adds a rounded product to h
-# (its own launch otherwise: one a residual, two a layer). SWIGLU (NT = 2, no
-# bias or residual): w is a fused gate/up weight [2 N, K], tile 0 reads gate's
-# rows n0.., tile 1 up's rows N + n0.., and y [M, N] is silu(gate) * up of the
-# two products rounded, each step rounded as MLX's ops round it (the SwiGLU's
-# own launch otherwise: one a layer). HAS_NORM (not with HEADS): x is the
-# input of an RMSNorm whose weight is nw [K] (EPS_BITS: its epsilon's float32
-# bits), and y is the product of norm(x) (the norm's own launch otherwise: two
-# a layer). A block first works out each row's rsqrt(mean square + eps) as
-# MLX's rms_norm does (its sum in another order), then each x element goes to
-# the matrix units as MLX's rms_norm writes it: x * rsqrt rounded, times its
-# weight, rounded (a layer's input read twice: cheap for small K, from L2).
+# Template constants: T, the launch shape (NT, KW, U), HEADS (x [heads, M, D]
+# read as the rows [M, heads * D]), HAS_BIAS, HAS_RESIDUAL (else b, r are
+# placeholders), SWIGLU (NT = 2: w is gate/up [2 N, K], y = silu(gate) * up),
+# HAS_NORM (y is the product of RMSNorm(x) with weight nw, eps's bits EPS_BITS).
+# x [M <= 16, K], w [N, K] row contiguous, K a multiple of 32; unaligned views
+# are read as 2-byte elements. Rounding follows MLX's ops step by step: the
+# bias is added before the product's rounding, a residual after it (rounded
+# again); the SwiGLU and the norm round each step as MLX's own kernels do.
 BODY = """
   const int lane = int(threadIdx.x) & 31;
   const int wk = int(threadIdx.x) >> 5;
@@ -167,10 +147,8 @@ BODY = """
   }
 """
 
-# One m16n8k16 matrix-unit product, float32 accumulators; A's four and B's two
-# registers hold two elements each. load16: 8 consecutive 2-byte elements.
-# add_squares: 8 elements' squares added to ``sq``; normed: 8 elements of x
-# as MLX's rms_norm writes them, (x * scale) rounded, times their weights w, rounded.
+# load16: 8 consecutive 2-byte elements; normed: (x * scale) rounded, times w,
+# rounded, as MLX's rms_norm writes them; MMA16816: one m16n8k16 product.
 MMA_HEADER = {
     ab: """
 __device__ __forceinline__ uint4 load16(const void* p, bool aligned) {
