@@ -20,9 +20,10 @@ why_not = "not tried"  # for `dflash-mlx doctor`
 
 
 def load() -> str | None:
-    """Open a fast BLAS for MLX if this process can still use one; returns its name."""
+    """Open a fast BLAS for MLX if this process can still use one; returns its
+    name. Tries once: a later call keeps the first call's answer and reason."""
     global loaded, why_not
-    if loaded is not None:
+    if loaded is not None or why_not != "not tried":
         return loaded
     setting = os.environ.get(SETTING, "").strip()
     if not sys.platform.startswith("linux"):
