@@ -52,7 +52,7 @@ def test_seed_is_an_input_of_the_trace(compiled, agreeing_pair):
         assert got == plain_sampled(model, prompt, 30, seed, 0.8, 1.0, 0), seed
         texts.append(got)
     assert len({tuple(t) for t in texts}) > 1
-    keys = [k for k in traces_for(adapt(model), draft).compiled if k[0] == 8 and k[5]]  # block 8, seeded
+    keys = [k for k in traces_for(adapt(model), draft).compiled if k[0] == 8 and k[2]]  # block 8, seeded
     assert len(keys) == 1  # one sampled trace for block 8, replayed for each seed
 
 
@@ -142,4 +142,4 @@ def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
     for temperature in (0.5, 0.6, 0.7):
         tokens(model, draft, [3, 1, 4], max_tokens=8, temperature=temperature, seed=0, block_size=4)
     kept = traces_for(adapt(model), draft).compiled
-    assert [k[1] for k in kept] == [0.6, 0.7]
+    assert [k[1].temperature for k in kept] == [0.6, 0.7]
