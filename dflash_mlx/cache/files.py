@@ -3,8 +3,11 @@ read only what follows it.
 
 One safetensors file holds each layer's keys and values and metadata: the
 token ids, the pair's names (informative only) and a fingerprint of the pair,
-which must match on load. A loaded cache decodes exactly what re-reading the
-prefix would. A quantized cache is saved packed with its settings and loads
+which must match on load; and checksums of its metadata and of its tensors,
+which must match too (a file without them, from an earlier release, loads
+with a warning). Every tensor's shape is checked against the pair and its
+values for NaN. A loaded cache decodes exactly what re-reading the prefix
+would. A quantized cache is saved packed with its settings and loads
 only under them; a bounded cache (``max_kv_size``) is not saved.
 """
 
@@ -13,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import warnings
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,6 +34,28 @@ from .quantized import QuantizedBufferKVCache
 
 FORMAT = "dflash-mlx prompt cache"
 VERSION = "1"
+TENSORS_SUM, META_SUM = "tensors_crc32", "metadata_crc32"
+# A flat JSON list of ids, matched before json.loads so that no nesting is parsed.
+_TOKENS = re.compile(r"\[\s*(?:[0-9]{1,10}\s*(?:,\s*[0-9]{1,10}\s*)*)?\]")
+_warned: set[str] = set()
+
+
+def tensors_checksum(arrays: dict[str, mx.array]) -> str:
+    """A CRC-32 of every tensor's name, dtype, shape and bytes."""
+    crc = 0
+    for name in sorted(arrays):
+        a = arrays[name]
+        crc = zlib.crc32(f"{name}:{a.dtype}:{a.shape};".encode(), crc)
+        if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits as uint16
+            a = a.view(mx.uint16)
+        crc = zlib.crc32(np.ascontiguousarray(np.array(a, copy=False)).data, crc)
+    return f"{crc:08x}"
+
+
+def metadata_checksum(meta: dict[str, str]) -> str:
+    """A CRC-32 of every metadata entry but the metadata's own checksum."""
+    text = json.dumps({k: v for k, v in meta.items() if k != META_SUM}, sort_keys=True)
+    return f"{zlib.crc32(text.encode()):08x}"
 
 
 def _config_dict(obj) -> dict:
@@ -123,6 +151,8 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
         weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
         **_kv_meta(*kv_settings(cache)),
     )
+    meta[TENSORS_SUM] = tensors_checksum(arrays)
+    meta[META_SUM] = metadata_checksum(meta)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.safetensors")
     mx.save_safetensors(str(tmp), arrays, metadata=meta)
@@ -152,11 +182,12 @@ def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
         raise ValueError(
             f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again."
         )
-    try:
-        tokens = json.loads(meta["tokens"])
-    except (KeyError, ValueError):
-        raise damaged(path, "its metadata has no readable token ids") from None
-    if not isinstance(tokens, list) or not tokens or not all(type(t) is int and t >= 0 for t in tokens):
+    if META_SUM in meta and meta[META_SUM] != metadata_checksum(meta):
+        raise damaged(path, "its metadata checksum does not match")
+    if TENSORS_SUM in meta and not re.fullmatch(r"[0-9a-f]{8}", meta[TENSORS_SUM]):
+        raise damaged(path, "its tensor checksum is not one")
+    tokens = _tokens(path, meta)
+    if not tokens:
         raise damaged(path, "its token ids are not a list of ids")
     settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
     if any(v is not None for v in settings):
@@ -165,27 +196,35 @@ def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     return arrays, meta
 
 
+def _tokens(path, meta: dict[str, str]) -> list[int]:
+    """The file's token ids, read only from a flat list of ints."""
+    text = meta.get("tokens")
+    if text is None:
+        raise damaged(path, "its metadata has no readable token ids")
+    if not _TOKENS.fullmatch(text.strip()):
+        raise damaged(path, "its token ids are not a list of ids")
+    return json.loads(text)
+
+
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The metadata of a prompt-cache file (checked to be one)."""
     return _open(path)[1]
 
 
 def _tensors(
-    path, arrays: dict[str, mx.array], name: str, quantized: bool, n: int, heads: tuple[int, int] | None = None
+    path, arrays: dict[str, mx.array], name: str, n: int, dims: tuple[int, int] | None, packing: tuple | None
 ) -> mx.array | tuple:
-    """One layer's keys or values, as saved (a packed triple when quantized),
-    checked to hold ``n`` positions of one sequence (``heads``: the (heads,
-    head dim) they must have, where known)."""
-    names = [f"{name}.{j}" for j in range(3)] if quantized else [name]
+    """One layer's keys or values, as saved (a packed triple when ``packing``,
+    (bits, group size), is given), checked to hold ``n`` positions of one
+    sequence with ``dims``, (KV heads, head dim), where known."""
+    names = [f"{name}.{j}" for j in range(3)] if packing else [name]
     missing = [k for k in names if k not in arrays]
     if missing:
         raise damaged(path, f"the tensor {missing[0]} is missing")
     parts = [arrays[k] for k in names]
     for j, (k, a) in enumerate(zip(names, parts)):
-        dtype_ok = a.dtype == mx.uint32 if quantized and j == 0 else mx.issubdtype(a.dtype, mx.floating)
+        dtype_ok = a.dtype == mx.uint32 if packing and j == 0 else mx.issubdtype(a.dtype, mx.floating)
         shape_ok = a.ndim == 4 and a.shape[0] == 1 and a.shape[2] == n and a.shape[:3] == parts[0].shape[:3]
-        if shape_ok and heads is not None:
-            shape_ok = (a.shape[1], a.shape[3]) == heads
         if not (dtype_ok and shape_ok):
             kind = str(a.dtype).removeprefix("mlx.core.")
             raise damaged(
@@ -193,7 +232,41 @@ def _tensors(
                 f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
                 f"hold {n} cached positions for this pair",
             )
-    return tuple(parts) if quantized else parts[0]
+        if dims is not None:
+            heads, dim = dims
+            if packing:
+                dim = dim * packing[0] // 32 if j == 0 else dim // packing[1]
+            if a.shape[1] != heads:
+                raise damaged(path, f"the tensor {k} has {a.shape[1]} KV heads, and this pair's layer has {heads}")
+            if a.shape[3] != dim:
+                what = "a packed head dim" if packing else "a head dim"
+                raise damaged(path, f"the tensor {k} has {what} of {a.shape[3]}, and this pair's layer has {dim}")
+    return tuple(parts) if packing else parts[0]
+
+
+def _target_dims(cache: PromptCache) -> list | None:
+    """Each target layer's ((KV heads, key dim), (KV heads, value dim)), read
+    from the shapes one lazy forward step gives a fresh cache (nothing is
+    evaluated); None where a target's caches do not show them."""
+    try:
+        fresh = cache.adapter.make_cache()
+        cache.adapter(mx.array([[0]]), fresh, taps=[0])
+        return [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3])) for c in fresh]
+    except Exception:
+        return None
+
+
+def _finite(path, loaded: dict) -> None:
+    """Refuse NaN or infinity in a file's float tensors (one evaluation)."""
+    names, flags = [], []
+    for key, v in loaded.items():
+        for j, a in enumerate(v if isinstance(v, tuple) else (v,)):
+            if mx.issubdtype(a.dtype, mx.floating):
+                names.append(f"{key}.{j}" if isinstance(v, tuple) else key)
+                flags.append(mx.all(mx.isfinite(a)))
+    bad = [k for k, ok in zip(names, mx.stack(flags).tolist()) if not ok] if flags else []
+    if bad:
+        raise damaged(path, f"the tensor {bad[0]} holds NaN or infinity")
 
 
 def load_prompt_cache(
@@ -241,25 +314,40 @@ def load_prompt_cache(
             f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
             "use the settings it was made with, or make it again with these."
         )
-    tokens = json.loads(meta["tokens"])
+    tokens = _tokens(path, meta)
     n = len(tokens)
     if max(tokens) >= cache.adapter.vocab_size:
         raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")
     # a quantized cache's target is saved packed once it held quantized_kv_start positions
     packed = made[0] is not None and "target.0.keys.0" in arrays
     cfg = draft.config
+    target_dims = _target_dims(cache)
     expected, loaded = set(), {}
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i in range(len(layers)):
-            quantized = packed and role == "target"
-            heads = (cfg.num_key_value_heads, cfg.head_dim) if role == "draft" else None
-            for name in ("keys", "values"):
+            packing = (made[0], made[1]) if packed and role == "target" else None
+            if role == "draft":
+                dims = [(cfg.num_key_value_heads, cfg.head_dim)] * 2
+            else:
+                dims = target_dims[i] if target_dims else [None, None]
+            for name, d in zip(("keys", "values"), dims):
                 key = f"{role}.{i}.{name}"
-                loaded[key] = _tensors(path, arrays, key, quantized, n, heads)
-                expected.update([f"{key}.{j}" for j in range(3)] if quantized else [key])
+                loaded[key] = _tensors(path, arrays, key, n, d, packing)
+                expected.update([f"{key}.{j}" for j in range(3)] if packing else [key])
     extra = sorted(set(arrays) - expected)
     if extra:
         raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
+    if TENSORS_SUM in meta and tensors_checksum(arrays) != meta[TENSORS_SUM]:
+        raise damaged(path, "its tensor checksum does not match")
+    _finite(path, loaded)
+    if TENSORS_SUM not in meta:
+        if str(path) not in _warned:
+            _warned.add(str(path))
+            warnings.warn(
+                f"{path} has no checksums (an earlier dflash-mlx made it); it loads with its tensors' shapes "
+                "and values checked, and `dflash-mlx cache-prompt` makes it again with checksums.",
+                stacklevel=2,
+            )
     if packed:
         cache.target[:] = [QuantizedBufferKVCache(made[1], made[0]) for _ in cache.target]
 
