@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import compute_dtype
-from .draft.dflash import DFlashDraft
+from .draft.dflash import DFlashDraft, check_config
 from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
 
@@ -228,15 +228,39 @@ def revision_of(path: Path) -> str | None:
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def _check_inside(path: Path, file: Path, what: str) -> None:
+    """Refuse a weight file that resolves (symlinks followed) outside the
+    checkpoint ``path``. A Hub cache snapshot's files are links into the
+    repo's blobs/, so for a snapshot that repo directory is the bound."""
+    root = path.resolve()
+    if revision_of(path):
+        root = root.parents[1]
+    if not file.resolve().is_relative_to(root):
+        raise ValueError(
+            f"{what} resolves to {file.resolve()}, outside the checkpoint {path}; a checkpoint may only name "
+            "files inside its own directory, so re-download it from a source you trust."
+        )
+
+
 def safetensors_files(path: Path) -> list[Path]:
-    """The weight files its index names, else every *.safetensors file."""
+    """The weight files its index names, else every *.safetensors file; each
+    must lie inside ``path``."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            if not all(isinstance(n, str) and n for n in names):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index} is not a valid safetensors index; re-download the checkpoint.") from e
+        for n in names:
+            if Path(n).is_absolute() or ".." in Path(n).parts:
+                raise ValueError(
+                    f"{INDEX_FILE} names the weight file {n!r}, outside the checkpoint {path}; a checkpoint may "
+                    "only name files inside its own directory, so re-download it from a source you trust."
+                )
+            _check_inside(path, path / n, f"the weight file {n!r} named in {INDEX_FILE}")
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ValueError(
@@ -244,6 +268,8 @@ def safetensors_files(path: Path) -> list[Path]:
             )
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        _check_inside(path, f, f"the weight file {f.name}")
     if not files:
         repo = _repo_id_of(path)
         if repo:
@@ -288,6 +314,7 @@ def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
     path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
     raw = read_config(path)
     cfg = parse_draft_config(raw)
+    check_config(cfg)
     quantization = raw.get("quantization")
     weights = check_draft_weights(read_weights(path), cfg, quantization)
     model = draft_model(cfg)

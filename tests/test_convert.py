@@ -28,7 +28,7 @@ from convert_fixtures import (
 )
 from tiny import draft_config, make_target, make_tokenizer, target_config, write_target
 
-from dflash_mlx import DraftConfig, load_draft
+from dflash_mlx import DraftConfig, atomic_dir, load_draft
 from dflash_mlx.convert import weights as convert_module
 from dflash_mlx.convert.weights import convert
 
@@ -415,7 +415,7 @@ def test_unwritable_destination(tmp_path, src, monkeypatch):
     def denied(*a, **kw):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(convert_module.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(atomic_dir.tempfile, "mkdtemp", denied)
     result = cli("--hf-path", src, "--mlx-path", tmp_path / "sub" / "mlx")
     assert_clean_failure(result, "cannot write", "Permission denied", "writable")
     assert not (tmp_path / "sub").exists()

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_mlx.atomic_dir import replace_dir
-from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig, pair_problems
+from dflash_mlx.atomic_dir import partial_dir, replace_dir
+from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig, check_config, pair_problems
 from dflash_mlx.draft.dflash2 import check_draft_weights, draft_model, parse_draft_config
 from dflash_mlx.loading import DRAFT_FILES, KNOWN_PAIRS, load_draft, read_config, read_weights, resolve, revision_of
 
@@ -94,33 +92,14 @@ def target_problems(cfg: DraftConfig, target: str | Path) -> list[str]:
             f"the target's config.json lacks {', '.join(missing)}, so it is not a language model; "
             "pass the target model's directory or repo id."
         )
+    bad = next((f for f in fields if isinstance(text[f], bool) or not isinstance(text[f], int) or text[f] < 1), None)
+    if bad:
+        raise ValueError(
+            f"the target's config.json has {bad} = {text[bad]!r}, but it must be a positive integer; "
+            "re-download the target."
+        )
     # The mask token is bounded by the embedding table, which may exceed the tokenizer.
-    return pair_problems(cfg, int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"]))
-
-
-_PARTIAL = ".partial-"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Temporary directories of conversions that were killed (their process
-    is gone) before they could clean up."""
-    prefix = f".{out.name}{_PARTIAL}"
-    if not out.parent.is_dir():
-        return
-    for p in out.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+    return pair_problems(cfg, text["hidden_size"], text["vocab_size"], text["num_hidden_layers"])
 
 
 def _first_missing_ancestor(path: Path) -> Path | None:
@@ -267,6 +246,7 @@ def convert(
             f"{hf_path} is already a quantized MLX drafter; convert from the original Z Lab checkpoint instead."
         )
     cfg = parse_draft_config(raw)
+    check_config(cfg)
     weights = check_draft_weights(read_weights(src), cfg)
     not_float = sorted(k for k, v in weights.items() if not mx.issubdtype(v.dtype, mx.floating))
     if not_float:
@@ -327,8 +307,7 @@ def convert(
     created, tmp = _first_missing_ancestor(out.parent), None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_PARTIAL}{os.getpid()}-", dir=out.parent))
+        tmp = partial_dir(out)
         log(f"Writing {out}")
         _write(tmp, model, config, card)
         load_draft(tmp)  # what we wrote must load as is

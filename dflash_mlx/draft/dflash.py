@@ -5,6 +5,7 @@ batch axis). It owns no embedding or head: ``bind`` shares the target's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -34,6 +35,33 @@ _REQUIRED = (
     "max_position_embeddings",
     "num_target_layers",
 )
+
+
+# Upper bounds that no real drafter reaches; past them a config is damaged.
+_MAX_LAYERS = 1024
+_MAX_BLOCK = 256
+_MAX_DIM = 1 << 24
+_MAX_POSITIONS = 1 << 31
+
+
+def _bad(field: str, value: Any, want: str) -> ValueError:
+    return ValueError(f"the drafter's config.json has {field} = {value!r}, but it must be {want}; fix config.json.")
+
+
+def _count(field: str, value: Any, hi: int, lo: int = 1) -> int:
+    """``value`` as an int in [lo, hi], else ValueError naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(field, value, f"an integer from {lo} to {hi}")
+    return value
+
+
+def _positive(field: str, value: Any) -> float:
+    """``value`` as a finite positive float, else ValueError naming ``field``.
+    Non-finite values must stop here: mlx-lm's save_config writes them as
+    tagged objects that no float() reads back."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _bad(field, value, "a finite positive number")
+    return float(value)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -107,32 +135,44 @@ class DraftConfig:
             )
 
         rope_scaling = cfg.get("rope_scaling") or rope
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise _bad("rope_scaling", rope_scaling, "an object")
         if rope_scaling is not None:
             rope_type = rope_scaling.get("type") or rope_scaling.get("rope_type", "default")
             rope_scaling = None if rope_type == "default" else dict(rope_scaling)
 
-        n_layers = int(cfg["num_hidden_layers"])
-        layer_types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
+        n_layers = _count("num_hidden_layers", cfg["num_hidden_layers"], _MAX_LAYERS)
+        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+        if not isinstance(layer_types, list):
+            raise _bad("layer_types", layer_types, f"a list of {n_layers} layer types")
+        layer_types = list(layer_types)
         if len(layer_types) != n_layers:
             raise ValueError(
                 f"layer_types lists {len(layer_types)} layers but num_hidden_layers is "
                 f"{n_layers}; fix config.json so they agree."
             )
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        unknown = sorted({str(t) for t in layer_types} - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"unsupported drafter layer_types {unknown}; expected {list(LAYER_TYPES)}.")
         sliding_window = cfg.get("sliding_window")
+        if sliding_window:
+            sliding_window = _count("sliding_window", sliding_window, _MAX_POSITIONS)
         if "sliding_attention" in layer_types and not sliding_window:
             raise ValueError(
                 "the drafter has sliding_attention layers but no sliding_window; add sliding_window to config.json."
             )
 
-        num_target_layers = int(cfg["num_target_layers"])
+        num_target_layers = _count("num_target_layers", cfg["num_target_layers"], _MAX_LAYERS)
         taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
         if taps is None:
             taps = default_target_layer_ids(num_target_layers, n_layers)
+        if not isinstance(taps, list):
+            raise _bad("target_layer_ids", taps, "a list of target layer ids")
         if not taps:
             raise ValueError("the drafter's target_layer_ids is empty; list the target layers it reads.")
+        bad = [t for t in taps if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _MAX_LAYERS]
+        if bad:
+            raise _bad("target_layer_ids", taps, f"a list of layer ids from 0 to {_MAX_LAYERS - 1}")
         repeated = sorted({t for t in taps if list(taps).count(t) > 1})
         if repeated:
             raise ValueError(
@@ -140,35 +180,44 @@ class DraftConfig:
                 "each target layer may be tapped once."
             )
         block_size = dflash.get("block_size", cfg.get("block_size", 16))
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(
-                f"the drafter's block_size must be an integer >= 2 (one committed token plus drafts), "
-                f"got {block_size!r}; fix config.json."
-            )
+        # One committed token plus at least one draft.
+        block_size = _count("block_size", block_size, _MAX_BLOCK, lo=2)
         softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
-        heads = int(cfg["num_attention_heads"])
+        hidden = _count("hidden_size", cfg["hidden_size"], _MAX_DIM)
+        heads = _count("num_attention_heads", cfg["num_attention_heads"], _MAX_LAYERS)
+        kv_heads = _count("num_key_value_heads", cfg["num_key_value_heads"], heads)
+        if heads % kv_heads:
+            raise _bad("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads ({heads})")
+        head_dim = cfg.get("head_dim")
+        head_dim = _count("head_dim", head_dim, _MAX_DIM) if head_dim else hidden // heads
+        if head_dim < 1:
+            raise _bad("num_attention_heads", heads, f"at most hidden_size ({hidden})")
+        vocab = _count("vocab_size", cfg["vocab_size"], _MAX_DIM)
+        is_causal = cfg.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise _bad("is_causal", is_causal, "true or false")
         return cls(
-            hidden_size=int(cfg["hidden_size"]),
+            hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg["num_key_value_heads"]),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_count("intermediate_size", cfg["intermediate_size"], _MAX_DIM),
+            vocab_size=vocab,
+            rms_norm_eps=_positive("rms_norm_eps", cfg["rms_norm_eps"]),
+            rope_theta=_positive("rope_theta", rope_theta),
+            max_position_embeddings=_count("max_position_embeddings", cfg["max_position_embeddings"], _MAX_POSITIONS),
             block_size=block_size,
             num_target_layers=num_target_layers,
-            target_layer_ids=[int(t) for t in taps],
-            mask_token_id=int(mask_id),
+            target_layer_ids=list(taps),
+            mask_token_id=_count("mask_token_id", mask_id, _MAX_DIM, lo=0),
             rope_scaling=rope_scaling,
             layer_types=layer_types,
-            sliding_window=int(sliding_window) if sliding_window else None,
-            is_causal=cfg.get("is_causal"),
-            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
-            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
-            final_logit_softcapping=float(softcap) if softcap else None,
+            sliding_window=sliding_window or None,
+            is_causal=is_causal,
+            input_embedding_scale=_positive("input_embedding_scale", dflash.get("input_embedding_scale", 1.0)),
+            output_multiplier=_positive("output_multiplier", dflash.get("output_multiplier", 1.0)),
+            final_logit_softcapping=_positive("final_logit_softcapping", softcap) if softcap else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +308,24 @@ def check_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantization: 
             "the drafter checkpoint does not match its config.json ("
             + "; ".join(problems)
             + "); re-download or re-convert it."
+        )
+
+
+def check_config(cfg: DraftConfig) -> None:
+    """Refuse a drafter config that cannot serve the target it declares (its
+    taps and mask token must lie within num_target_layers and vocab_size);
+    ``check_pair`` checks the same against an actual target."""
+    bad = [t for t in cfg.target_layer_ids if t >= cfg.num_target_layers]
+    if bad:
+        raise ValueError(
+            f"the drafter's target_layer_ids lists {', '.join(map(str, bad))}, which are not layers of its "
+            f"{cfg.num_target_layers}-layer target (num_target_layers); fix config.json to use ids 0 to "
+            f"{cfg.num_target_layers - 1}."
+        )
+    if cfg.mask_token_id >= cfg.vocab_size:
+        raise ValueError(
+            f"the drafter's mask_token_id {cfg.mask_token_id} is outside its {cfg.vocab_size}-token vocabulary "
+            "(vocab_size); fix config.json."
         )
 
 
