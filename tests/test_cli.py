@@ -457,6 +457,8 @@ def test_models_lists_pairs_what_runs_and_cache_state(monkeypatch, tmp_path):
     result = run("models", "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
+    assert rows[0]["builtin"] and rows[0]["target"] == "builtin"  # the built-in pair, first
+    rows = rows[1:]
     assert {(r["target"], r["drafter"]) for r in rows} == set(loading.known_pairs())
     assert not any(r["target_cached"] or r["drafter_cached"] for r in rows)
     assert all(r["runs"] == (loading.FAMILIES[r["target"]] in ADAPTERS) for r in rows)
@@ -470,7 +472,7 @@ def test_models_lists_pairs_what_runs_and_cache_state(monkeypatch, tmp_path):
     assert not llama["runs"] and llama["why_not"] == "its family (llama) has no target adapter yet."
     assert "its family (llama) has no target adapter yet." in " ".join(run("models").stdout.split())
     none = run("models", "--cached")
-    assert none.exit_code == 0 and "no pair is fully cached" in none.stdout
+    assert none.exit_code == 0 and "no Hub pair is fully cached" in none.stdout
 
 
 def test_without_model_the_builtin_target_is_used(monkeypatch, pair, loaded):

@@ -37,7 +37,9 @@ def convert_command(
     ),
     q_mode: str = typer.Option("affine", "--q-mode", help="affine, mxfp4, nvfp4 or mxfp8."),
     target: Optional[str] = typer.Option(
-        None, "--target", help="Target model (repo id or directory) to check the pair against before writing."
+        None,
+        "--target",
+        help="Target model (repo id, directory or 'builtin') to check the pair against before writing.",
     ),
     upload_repo: Optional[str] = typer.Option(None, "--upload-repo", help="Hub repo to upload the result to."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
@@ -47,6 +49,10 @@ def convert_command(
     with user_errors(verbose, interrupted="interrupted; nothing was written."):
         from dflash_mlx.convert.weights import convert
 
+        from .pair import model_or_builtin
+
+        if target == "builtin":
+            target = model_or_builtin(target)
         path = convert(
             hf_path,
             mlx_path,

@@ -39,13 +39,27 @@ def models_command(
 ):
     """List the known target -> drafter pairs, which run today, and which are downloaded.
 
-    A target marked as running needs no --draft-model: its drafter is found
+    The first row is the built-in pair (--model builtin, or no --model). A
+    target marked as running needs no --draft-model: its drafter is found
     here. The others wait for an adapter for their model family.
     """
     with user_errors(verbose):
-        from dflash_mlx import loading
+        from dflash_mlx import builtin, loading
 
         rows = []
+        here = builtin.available()
+        if here or not cached:
+            rows.append(
+                {
+                    "target": "builtin",
+                    "drafter": "builtin",
+                    "runs": here,
+                    "why_not": None if here else "its weights are not installed with this copy of dflash-mlx.",
+                    "target_cached": here,
+                    "drafter_cached": here,
+                    "builtin": True,
+                }
+            )
         for target, drafter in loading.known_pairs():
             t, d = loading.is_cached(target), loading.is_cached(drafter)
             if cached and not (t and d):
@@ -59,6 +73,7 @@ def models_command(
                     "why_not": why_not,
                     "target_cached": t,
                     "drafter_cached": d,
+                    "builtin": False,
                 }
             )
         if as_json:
@@ -71,7 +86,8 @@ def models_command(
         table.add_column("cached", justify="center")
         for r in rows:
             runs = "[green]yes[/]" if r["runs"] else f"[dim]no: {r['why_not']}[/]"
-            table.add_row(r["target"], r["drafter"], runs, _CACHED[r["target_cached"], r["drafter_cached"]])
+            target = f"{r['target']} [cyan](built-in, offline)[/]" if r["builtin"] else r["target"]
+            table.add_row(target, r["drafter"], runs, _CACHED[r["target_cached"], r["drafter_cached"]])
         console.print(table)
-        if not rows:
-            console.print("[dim]no pair is fully cached yet; `dflash-mlx chat --model <target>` downloads one.[/]")
+        if not any(not r["builtin"] for r in rows):
+            console.print("[dim]no Hub pair is fully cached yet; `dflash-mlx chat --model <target>` downloads one.[/]")

@@ -12,9 +12,10 @@ from .console import UserError, err, note
 from .progress import hub_progress_class
 
 
-def model_or_builtin(model: Optional[str]) -> str:
-    """--model, or the built-in pair shipped in the package when it is left
-    out (said once) or is 'builtin'."""
+def model_or_builtin(model: Optional[str], draft: Optional[str] = None) -> str:
+    """--model, or the built-in pair's target shipped in the package when it
+    is left out (said once, naming ``draft``, the --draft-model given, as the
+    drafter in place of the built-in one) or is 'builtin'."""
     if model is not None and model != "builtin":
         return model
     from dflash_mlx import builtin
@@ -23,8 +24,10 @@ def model_or_builtin(model: Optional[str]) -> str:
         raise UserError(
             "no model given and the built-in pair is not installed; pass --model <target directory or Hugging Face repo id>."
         )
-    if model is None:
+    if model is None and draft is None:
         note(f"no --model given: using the {builtin.NAME}")
+    elif model is None:
+        note(f"no --model given: using the built-in pair's target with the drafter {draft}")
     return str(builtin.TARGET)
 
 
@@ -42,7 +45,7 @@ def load_pair(
     downloaded."""
     from dflash_mlx import loading
 
-    model = model_or_builtin(model)
+    model = model_or_builtin(model, draft)
 
     columns = (SpinnerColumn(), TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, console=err, transient=True) as progress:
