@@ -334,6 +334,94 @@ def test_missing_shard(tmp_path, src):
     _bad(tmp_path, src, fragments=["lacks the shard(s) model-00002-of-00002.safetensors"])
 
 
+def _outside_shard(src: Path, tmp_path: Path, how: str) -> None:
+    """Point the index's second shard at a file outside the checkpoint."""
+    shard(src, 2)
+    name = "model-00002-of-00002.safetensors"
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    (src / name).rename(outside)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    entry = {"dotdot": f"../elsewhere/{name}", "absolute": str(outside)}.get(how, name)
+    if how == "symlink":
+        (src / name).symlink_to(outside)
+    index["weight_map"] = {k: (entry if v == name else v) for k, v in index["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, src, how):
+    _outside_shard(src, tmp_path, how)
+    _bad(tmp_path, src, fragments=["outside the checkpoint", "re-download it from a source you trust"])
+    with pytest.raises(ValueError, match="outside the checkpoint"):
+        load_draft(src)
+
+
+def test_weight_file_linked_from_outside_is_refused(tmp_path, src):
+    outside = tmp_path / "elsewhere.safetensors"
+    (src / "model.safetensors").rename(outside)
+    (src / "model.safetensors").symlink_to(outside)
+    _bad(tmp_path, src, fragments=["the weight file model.safetensors resolves to", "outside the checkpoint"])
+
+
+def test_hub_snapshot_links_into_its_blobs_are_accepted(tmp_path, src, monkeypatch):
+    """huggingface_hub's snapshots are links into the repo's blobs/."""
+    snap = hub_cache(tmp_path / "hub", "z-lab/Tiny-DFlash", src)
+    blobs = snap.parents[1] / "blobs"
+    blobs.mkdir()
+    for f in list(snap.iterdir()):
+        f.rename(blobs / f.name)
+        f.symlink_to(Path("../..") / "blobs" / f.name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _ok(cli("--hf-path", "z-lab/Tiny-DFlash", "--mlx-path", tmp_path / "mlx"))
+    load_draft(tmp_path / "mlx")
+
+
+@pytest.mark.parametrize(
+    "field, value, fragments",
+    [
+        ("rms_norm_eps", float("nan"), ["rms_norm_eps = nan", "finite positive number"]),
+        ("rms_norm_eps", -1e-6, ["rms_norm_eps = -1e-06", "finite positive number"]),
+        ("rope_theta", "big", ["rope_theta = 'big'", "finite positive number"]),
+        ("num_hidden_layers", "two", ["num_hidden_layers = 'two'", "an integer from 1 to 1024"]),
+        ("hidden_size", 64.5, ["hidden_size = 64.5", "an integer"]),
+        ("num_key_value_heads", 3, ["num_key_value_heads = 3", "a divisor of num_attention_heads"]),
+        ("dflash_config.block_size", 10**9, ["block_size = 1000000000", "an integer from 2 to 256"]),
+        ("dflash_config.block_size", True, ["block_size = True", "an integer from 2 to 256"]),
+        ("dflash_config.target_layer_ids", [1, 99], ["target_layer_ids lists 99", "6-layer target", "ids 0 to 5"]),
+        ("dflash_config.target_layer_ids", [1, -2], ["target_layer_ids = [1, -2]", "layer ids from 0"]),
+        ("dflash_config.target_layer_ids", "1,4", ["target_layer_ids = '1,4'", "a list of target layer ids"]),
+        ("dflash_config.mask_token_id", 99, ["mask_token_id 99 is outside its 32-token vocabulary"]),
+        ("rope_scaling", [1], ["rope_scaling = [1]", "an object"]),
+        ("layer_types", "full_attention", ["layer_types = 'full_attention'", "a list of 2 layer types"]),
+    ],
+)
+def test_bad_config_field_is_one_sentence_naming_it(tmp_path, src, field, value, fragments):
+    def edit(c):
+        where, _, key = field.rpartition(".")
+        (c[where] if where else c)[key] = value
+
+    _edit_config(src, edit)
+    result = _bad(tmp_path, src, fragments=[*fragments, "fix config.json"])
+    assert result.output.count("error:") == 1
+    with pytest.raises(ValueError, match="fix config.json"):
+        load_draft(src)
+
+
+def test_target_with_a_bad_layer_count_is_one_sentence(tmp_path, src):
+    target = write_target(tmp_path / "target", TCFG, make_target(TCFG), make_tokenizer(TCFG["vocab_size"]))
+    _edit_config(target, lambda c: c.update(num_hidden_layers="six"))
+    _bad(tmp_path, src, "--target", target, fragments=["num_hidden_layers = 'six'", "positive integer"])
+
+
+def test_taps_outside_the_given_target_are_refused(tmp_path, src):
+    small = target_config(layers=4)
+    target = write_target(tmp_path / "target", small, make_target(small), make_tokenizer(small["vocab_size"]))
+    _edit_config(src, lambda c: c.update(num_target_layers=4) or c["dflash_config"].update(target_layer_ids=[1, 5]))
+    _bad(tmp_path, src, "--target", target, fragments=["target_layer_ids lists 5", "4-layer target"])
+
+
 def test_invalid_config_json(tmp_path, src):
     (src / "config.json").write_text("{not json")
     _bad(tmp_path, src, fragments=["config.json is not valid JSON"])
@@ -503,6 +591,28 @@ def test_sigkill_midway_leaves_no_output_and_the_next_run_cleans_up(tmp_path, sr
     convert(src, out)
     assert leftovers(tmp_path, "mlx") == ["mlx"]
     load_draft(out)
+
+
+def test_dead_leftovers_in_the_parent_are_removed_and_live_ones_kept(tmp_path, src):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    made = {
+        f".other.partial-{dead.pid}-abc": "dead partial of another destination",
+        f".mlx.partial-{dead.pid}-xyz": "dead partial of this destination",
+        f".mine.partial-{os.getpid()}-abc": "live partial (this process)",
+        f".gone.old-{dead.pid}": "set-aside copy nothing replaced",
+        f".kept.old-{dead.pid}": "set-aside copy already replaced",
+        "kept": "the replacement",
+        ".unrelated.partial-x": "not a writer's name",
+    }
+    for name, text in made.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text(text)
+    convert(src, tmp_path / "mlx")
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("zlab",))
+    assert names == sorted([".mine.partial-" + f"{os.getpid()}-abc", ".unrelated.partial-x", "gone", "kept", "mlx"])
+    assert (tmp_path / "gone" / "f").read_text() == "set-aside copy nothing replaced"
+    assert (tmp_path / "kept" / "f").read_text() == "the replacement"
 
 
 # -- upload ------------------------------------------------------------------------

@@ -214,3 +214,25 @@ def test_missing_local_target_is_named_before_the_registry(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(ValueError, match=f"{missing} does not exist; check the path"):
         load(str(missing))
+
+
+def test_load_refuses_a_drafter_index_naming_outside_files(tmp_path):
+    target_dir = tiny_target_dir(tmp_path / "target")
+    d = shard(zlab_draft(tmp_path / "d"), 2)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model-00002-of-00002.safetensors"
+    (d / name).rename(tmp_path / name)
+    index["weight_map"] = {k: (f"../{name}" if v == name else v) for k, v in index["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names the weight file '\.\./model-00002-of-00002\.safetensors', outside"):
+        load(str(target_dir), draft=str(d))
+
+
+def test_load_refuses_a_drafter_with_a_bad_field(tmp_path):
+    target_dir = tiny_target_dir(tmp_path / "target")
+    d = zlab_draft(tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["block_size"] = 10**9
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="block_size = 1000000000, but it must be an integer from 2 to 256"):
+        load(str(target_dir), draft=str(d))

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -169,6 +175,74 @@ def test_resume_continues_exactly(tiny, tmp_path, monkeypatch):
     assert all(mx.allclose(a[k], b[k], atol=1e-5).item() for k in a)
     # The self-distilled data was made once and reused.
     assert (tmp_path / "b" / "distill.jsonl").is_file()
+
+
+KILLED_TRAIN = """
+import json, sys, time
+from pathlib import Path
+import mlx.core as mx
+from dflash_mlx.train.trainer import TrainConfig, train
+
+save, calls = mx.save_safetensors, [0]
+
+def save_then_hang(path, *args, **kw):
+    save(path, *args, **kw)
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        Path(sys.argv[2]).write_text(path)
+        time.sleep(600)
+
+mx.save_safetensors = save_then_hang
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+# Each save writes the checkpoint's drafter and optimizer, then the drafter:
+# the 4th write is the second checkpoint's, the 6th the second drafter's.
+@pytest.mark.parametrize("hang_at", [4, 6])
+def test_sigkill_leaves_a_complete_drafter_and_resume_cleans_up(tiny, tmp_path, hang_at):
+    out, ready = tmp_path / "d", tmp_path / "ready"
+    cfg = _cfg(tiny, out, steps=6, save_every=2)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_TRAIN, json.dumps(asdict(cfg)), str(ready), str(hang_at)])
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.time() < deadline, "the child run never got to its save"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # Half-written: a partial directory, never the checkpoint or the drafter.
+    assert ".partial-" in Path(ready.read_text()).parent.name
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == (2 if hang_at == 4 else 4)
+    first = dict(tree_flatten(load_draft(out).parameters()))  # the drafter of step 2, complete
+    assert [p.name for p in out.iterdir() if ".partial-" in p.name]
+
+    train(_cfg(tiny, out, steps=6, save_every=2, resume=True))
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 6
+    last = dict(tree_flatten(load_draft(out).parameters()))
+    assert any(not mx.array_equal(first[k], last[k]).item() for k in first)
+
+
+def test_sigkill_before_the_first_save_leaves_no_drafter(tiny, tmp_path):
+    out, ready = tmp_path / "d", tmp_path / "ready"
+    cfg = _cfg(tiny, out, steps=4, save_every=2)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_TRAIN, json.dumps(asdict(cfg)), str(ready), "3"])
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.time() < deadline, "the child run never got to its save"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_draft(out)
+    train(_cfg(tiny, out, steps=4, save_every=2, resume=True))
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name]
+    load_draft(out)
 
 
 def test_resume_with_more_steps_extends_a_finished_run(tiny, tmp_path):

@@ -25,7 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..atomic_dir import replace_dir
+from ..atomic_dir import partial_dir, remove_dead_leftovers, replace_dir
 from ..draft.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
 from .data import Sequence
 from .forward import draft_logits, target_taps
@@ -237,10 +237,7 @@ def held_out_acceptance(
 
 
 def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, step: int, extra: dict) -> None:
-    tmp = out / (CHECKPOINT + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = partial_dir(out / CHECKPOINT)
     mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(draft.parameters())))
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
     (tmp / "config.json").write_text(json.dumps(draft.config.to_dict(), indent=2))
@@ -260,10 +257,11 @@ def save_draft(out: Path, draft: DFlashDraft, dtype=mx.bfloat16) -> None:
     cfg = draft.config.to_dict()
     cfg["torch_dtype"] = {mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
     weights = {k: v.astype(dtype) for k, v in tree_flatten(draft.parameters())}
-    tmp = out / ".partial"
-    tmp.mkdir(exist_ok=True)
+    tmp = partial_dir(out / "model.safetensors")
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    # Each rename is atomic, and config.json goes last: it never changes within
+    # a run, so once it exists out/ holds a complete drafter.
     os.replace(tmp / "model.safetensors", out / "model.safetensors")
     os.replace(tmp / "config.json", out / "config.json")
     tmp.rmdir()
@@ -300,6 +298,7 @@ def _resolve_out(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
             f"the output directory {out} already exists; pass --resume to continue training there, or choose a new --out."
         )
     out.mkdir(parents=True, exist_ok=True)
+    remove_dead_leftovers(out)
     filled = {}
     args_file = out / TRAIN_ARGS
     if cfg.resume and args_file.is_file():
@@ -488,7 +487,9 @@ def fit(prep: Prepared, *, log: Log = _nothing, progress: StageProgress = _nothi
             cfg.steps,
             f"loss {ema[0]:.3f} accept≈{ema[1]:.2f}{val_note} /{cfg.block_size} {rate:.1f} step/s",
         )
-    if not (out / "model.safetensors").is_file():  # resumed an already finished run
+    # A run killed between its last checkpoint and drafter saves resumes here
+    # with no steps left; the drafter must still come from that checkpoint.
+    if done_here == 0:
         save_draft(out, draft, _out_dtype(adapter))
     return Fitted(step, history, val_history, ema, by_position, time.perf_counter() - tic)
 
