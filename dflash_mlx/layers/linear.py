@@ -3,6 +3,8 @@ where it checked out (with the RMSNorm, residual or SwiGLU in its launch)."""
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
@@ -15,8 +17,12 @@ NORM_MOST = 1 << 24
 
 def _products():
     """The CUDA block-product kernel's module; None on Metal and the CPU."""
-    if backend() in ("cpu", "metal"):
-        return None
+    return None if backend() in ("cpu", "metal") else _cuda_products()
+
+
+@functools.cache
+def _cuda_products():
+    # imported once, on first use: every product of a verify asks
     from ..kernels.cuda import products
 
     return products
