@@ -190,3 +190,34 @@ def test_a_paste_is_one_message_and_typed_ahead_keys_are_not_echoed(pair):
     raw = "".join(log)
     assert "qqq" not in raw[raw.index("w1 w2 w3") : raw.index("── ")]  # the terminal did not echo them into the reply
     assert PROMPT + "qqq w4" in screen_lines(raw)
+
+
+def test_a_second_ctrl_c_early_in_a_reply_stops_only_the_reply(pair):
+    import time
+
+    child, log = spawn(pair, "--max-tokens", 100000, "--block-size", 4)
+    for k in range(8):
+        child.expect_exact(PROMPT)
+        text = f"w{k % 5 + 1} w2"
+        child.sendline(text)
+        child.expect_exact(text + "\r\n")  # the line is read: the reply begins
+        time.sleep(0.03 + 0.01 * k)  # past the 20 ms paste check: the prefill, first cycles, compile
+        child.sendintr()
+        time.sleep(0.05)
+        child.sendintr()
+        child.expect_exact("reply stopped")
+    child.expect_exact(PROMPT)
+    child.sendline("/stats")  # the session is still there ...
+    child.expect_exact("block position")
+    child.expect_exact(PROMPT)
+    child.sendline("w3 w4")  # ... and the next turn answers
+    child.expect_exact("tok/s · τ")
+    child.sendintr()
+    child.expect_exact("reply stopped")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    text = "\n".join(screen_lines("".join(log)))
+    assert "Traceback" not in text and "error" not in text.lower()

@@ -566,22 +566,37 @@ def test_reply_view_wraps_long_lines_on_a_narrow_terminal():
 
 def test_ctrl_c_during_a_shown_step_waits_for_the_step_to_be_shown():
     """A step's tokens and what is printed of them go together: Ctrl-C
-    pressed while a piece is being shown is raised once it is shown."""
+    pressed while a piece is being shown is raised once it is shown; later
+    presses in the same reply are absorbed; at the prompt Ctrl-C raises."""
     import os
     import signal
 
-    from dflash_mlx.cli.chat import sigint_deferred
+    from dflash_mlx.cli.chat import Interrupts, sigint_handled
 
     done = []
-    with pytest.raises(KeyboardInterrupt):
-        with sigint_deferred():
+    stops = Interrupts()
+    with sigint_handled(stops):
+        stops.reply()
+        stops.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            with stops.held():
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("shown")  # (not cut short)
+        assert done == ["shown"]
+        for _ in range(3):  # pressed again, armed or held: absorbed
             os.kill(os.getpid(), signal.SIGINT)
-            done.append("shown")  # (not cut short)
-    assert done == ["shown"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
-    with sigint_deferred():  # nothing pressed: nothing raised
-        done.append("again")
+            with stops.held():
+                os.kill(os.getpid(), signal.SIGINT)
+        stops.reply()  # the next reply
+        with stops.held():  # nothing pressed: nothing raised
+            done.append("again")
+        stops.at_prompt()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):
+                pass
     assert done == ["shown", "again"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
 def test_stats_chart():

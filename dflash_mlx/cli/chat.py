@@ -187,22 +187,51 @@ def sigint_handled(handler):
         signal.signal(signal.SIGINT, old)
 
 
-def sigint_ignored():
-    """Hold Ctrl-C off while the caches are being rolled back."""
-    return sigint_handled(signal.SIG_IGN)
+class Interrupts:
+    """The session's Ctrl-C. At the prompt it raises KeyboardInterrupt as
+    usual. During a reply the first press stops the reply: raised at once
+    while ``armed`` (the generator is running), or once the step being shown
+    is done (``held``); every later press is absorbed until the prompt is
+    back, so that a second press never ends the session."""
 
+    def __init__(self):
+        self.replying = False
+        self.armed = False
+        self.pressed = False
+        self.raised = False
 
-@contextmanager
-def sigint_deferred():
-    """Hold Ctrl-C until the block ends, then raise it: a step's tokens, its
-    text and what is printed of it go together, so an interrupt never leaves
-    on screen a part of a piece whose tokens were committed (seen in a
-    terminal test under load: a token shown cut short)."""
-    pressed = []
-    with sigint_handled(lambda *_: pressed.append(True)):
-        yield
-    if pressed:
-        raise KeyboardInterrupt
+    def __call__(self, *_):
+        if not self.replying:
+            raise KeyboardInterrupt
+        self.pressed = True
+        if self.armed and not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+
+    def at_prompt(self) -> None:
+        self.replying = False
+
+    def reply(self) -> None:
+        self.pressed = self.raised = self.armed = False
+        self.replying = True
+
+    def check(self) -> None:
+        """Raise a press not yet raised (once a reply)."""
+        if self.pressed and not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def held(self):
+        """A step's tokens, its text and what is printed of it go together:
+        an interrupt never leaves on screen a part of a piece whose tokens
+        were committed; a press here is raised once the block ends."""
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.armed = True
+        self.check()
 
 
 class ReplyView:
@@ -349,6 +378,7 @@ class ChatSession:
         self.prefix = prefix
         self.cache_file = cache_file
         self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
+        self.interrupts = Interrupts()
         self._make_cache = lambda: kv_cache(model, draft, None, *kv) or make_prompt_cache(model, draft)
         self.reset()
 
@@ -431,31 +461,42 @@ class ChatSession:
             max_tokens=max_tokens,
             **self.sampling,
         )
+        stops = self.interrupts
         try:
-            try:
-                with keys_not_echoed():
+            with keys_not_echoed():
+                try:
+                    stops.armed = True
+                    stops.check()  # pressed while the reply was being set up
                     for last in gen:
-                        with sigint_deferred():
+                        with stops.held():
                             tokens += last.tokens
                             pieces.append(last.text)
                             view.add(last.text, status_text(last))
-            except KeyboardInterrupt:
-                interrupted = True
-            with sigint_ignored():
-                # Closing the generator rolls the caches back to what was committed.
-                gen.close()
-                progress.close()
-                if interrupted:
-                    # The streaming detokenizer may hold back the end of the text.
-                    rest = self._unshown(tokens, "".join(pieces))
-                    if rest:
-                        pieces.append(rest)
-                        view.add(rest, "")
-                view.finish()
-        except KeyboardInterrupt:  # pressed again before the tidy-up began
+                finally:
+                    stops.armed = False  # from here on, presses are absorbed
+        except KeyboardInterrupt:
             interrupted = True
-            gen.close()
-            view.finish()
+        except Exception:
+            # An interrupt inside a compiled cycle's trace can leave MLX's
+            # compile state broken (an error then, or at the next call).
+            if not stops.pressed:
+                raise
+            interrupted = True
+        # Closing the generator rolls the caches back to what was committed.
+        gen.close()
+        progress.close()
+        if interrupted:
+            # The streaming detokenizer may hold back the end of the text.
+            rest = self._unshown(tokens, "".join(pieces))
+            if rest:
+                pieces.append(rest)
+                view.add(rest, "")
+            # Traces made while Ctrl-C was raised may be half built: the next
+            # reply traces its cycles afresh.
+            from dflash_mlx.decode.traces import forget_traces
+
+            forget_traces(self.draft)
+        view.finish()
         if not self.cache.consistent():
             # Never expected (the cache settles itself on any interrupt); said
             # aloud so that a test or a user would see it.
@@ -540,13 +581,20 @@ class ChatSession:
         tty = sys.stdout.isatty()
         prompt = "\001\033[1;32m\002>>> \001\033[0m\002" if tty else ">>> "
         self.banner()
+        with sigint_handled(self.interrupts):
+            self._loop(prompt, tty)
+
+    def _loop(self, prompt: str, tty: bool) -> None:
         while True:
             try:
+                self.interrupts.at_prompt()
                 line = read_message(prompt, tty).strip()
+                self.interrupts.reply()  # from here a press stops at most a reply
             except EOFError:
                 console.print()
                 return
             except KeyboardInterrupt:
+                self.interrupts.reply()  # a press while the reminder prints is absorbed
                 console.print()
                 console.print(Text("(Ctrl-D or /quit to leave)", style="dim"))
                 continue
