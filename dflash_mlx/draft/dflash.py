@@ -180,8 +180,11 @@ class DraftConfig:
                 "each target layer may be tapped once."
             )
         block_size = dflash.get("block_size", cfg.get("block_size", 16))
-        # One committed token plus at least one draft.
-        block_size = _count("block_size", block_size, _MAX_BLOCK, lo=2)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= _MAX_BLOCK:
+            raise ValueError(
+                f"the drafter's block_size must be an integer >= 2 (one committed token plus drafts) and at "
+                f"most {_MAX_BLOCK}, got {block_size!r}; fix config.json."
+            )
         softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
         hidden = _count("hidden_size", cfg["hidden_size"], _MAX_DIM)
         heads = _count("num_attention_heads", cfg["num_attention_heads"], _MAX_LAYERS)
