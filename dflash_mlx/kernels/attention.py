@@ -6,16 +6,15 @@ import math
 
 import mlx.core as mx
 
-from . import attention_source as source, attention_tiles as source_tiles
+from . import attention_source as source
+from . import attention_tiles as source_tiles
 from .launch_source import compacting
 
-THREADS_TARGET = 1024  # threadgroups pass 1 aims for; enough to fill an H200's 132 SMs several times
+THREADS_TARGET = 1024  # threadgroups pass 1 aims for: enough to fill a large GPU several times
 THREADGROUP_BYTES = 28 * 1024  # under the 32 KB of threadgroup memory Apple GPUs allow
 # The matrix-unit pass aims for TILE_GROUPS_TARGET threadgroups with chunks of at least
-# TILE_CHUNK_FLOOR keys. Device time (benchmarks/gpu_time.py attention, H200, 16 rows over
-# 36 distinct buffers) was lowest at 256 / 512 / 1024 keys a chunk for 4k / 16k / 32k keys,
-# i.e. 128-256 threadgroups: fewer leave the GPU's bandwidth idle (4096-key chunks ran
-# 2.4-5.8x slower), more make the merge read more partials.
+# TILE_CHUNK_FLOOR keys: fewer threadgroups leave the GPU's bandwidth idle, more make
+# the merge read more partials.
 TILE_GROUPS_TARGET = 256
 TILE_CHUNK_FLOOR = 256
 
@@ -44,11 +43,20 @@ class BlockAttentionKernel:
         # The partial passes read the queries through their strides (no copy of a
         # rotated, transposed query); keys and values are made contiguous below.
         self.partial = self._factory(
-            name="dflash_block_attn_partial", input_names=source.PARTIAL_INPUTS, output_names=source.PARTIAL_OUTPUTS,
-            source=source.partial_source(backend), header=hdr, ensure_row_contiguous=False)
+            name="dflash_block_attn_partial",
+            input_names=source.PARTIAL_INPUTS,
+            output_names=source.PARTIAL_OUTPUTS,
+            source=source.partial_source(backend),
+            header=hdr,
+            ensure_row_contiguous=False,
+        )
         self.merge = self._factory(
-            name="dflash_block_attn_merge", input_names=source.MERGE_INPUTS, output_names=source.MERGE_OUTPUTS,
-            source=source.merge_source(backend), header=hdr)
+            name="dflash_block_attn_merge",
+            input_names=source.MERGE_INPUTS,
+            output_names=source.MERGE_OUTPUTS,
+            source=source.merge_source(backend),
+            header=hdr,
+        )
         self._tiles_source = source_tiles.partial_source(source.PRELUDE[backend], backend)
         self._tiles_header = hdr + source_tiles.header(backend)
         self._tiles: dict[int, object] = {}
@@ -61,13 +69,32 @@ class BlockAttentionKernel:
         kernel = self._tiles.get(staging_bytes)
         if kernel is None:
             kernel = self._tiles[staging_bytes] = self._factory(
-                name="dflash_block_attn_partial_tiles", input_names=source.PARTIAL_INPUTS,
-                output_names=source.PARTIAL_OUTPUTS, source=self._tiles_source, header=self._tiles_header,
-                ensure_row_contiguous=False, shared_memory=staging_bytes)
+                name="dflash_block_attn_partial_tiles",
+                input_names=source.PARTIAL_INPUTS,
+                output_names=source.PARTIAL_OUTPUTS,
+                source=self._tiles_source,
+                header=self._tiles_header,
+                ensure_row_contiguous=False,
+                shared_memory=staging_bytes,
+            )
         return kernel
 
-    def __call__(self, queries, keys, values, *, scale, q_offset, kv_length, causal, window=None, sinks=None, chunk=None,
-                 tile_keys=None, stages=None):
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        *,
+        scale,
+        q_offset,
+        kv_length,
+        causal,
+        window=None,
+        sinks=None,
+        chunk=None,
+        tile_keys=None,
+        stages=None,
+    ):
         """chunk: keys per threadgroup; tile_keys, stages:
         keys per staged tile and staging buffers of the matrix-unit pass
         (defaults: chosen from the shape and backend; benchmarks sweep them).
@@ -130,9 +157,8 @@ class BlockAttentionKernel:
 
 def tile_warps(rows: int) -> int:
     """Warps per threadgroup of the matrix-unit pass for ``rows`` query rows
-    per kv head: a power of two up to MOST_WARPS (its threads stage each
-    tile in whole passes, which 3 warps' do not: 33-48 rows once failed to
-    compile, on a prefill chunk of 20 tokens at GQA 2)."""
+    per kv head: a power of two up to MOST_WARPS (its threads must stage
+    each tile in whole passes, which 3 warps' do not)."""
     want = -(-rows // source_tiles.ROWS_PER_WARP)
     return min(source_tiles.MOST_WARPS, 1 << (want - 1).bit_length())
 

@@ -463,7 +463,8 @@ STORE = {
       }
       continue;
     }
-""" + PARTS_STORE.replace("PARTIALS", "o_part"),
+"""
+    + PARTS_STORE.replace("PARTIALS", "o_part"),
 }
 
 ROWS_PER_WARP = 16
@@ -473,9 +474,8 @@ MOST_WARPS = 4  # 64 rows: a verify block of 16 at GQA 4 in one threadgroup
 # Keys per staged tile by head dim, and staging buffers, by backend. Metal: two
 # tiles of 4 KB of keys and 4 KB of values, 17 KB with the pitch, under the 32 KB
 # of threadgroup memory a Mac allows. CUDA: dynamic shared memory (up to 227 KB);
-# 64 keys at head dims 64 and 128 (device time on an H200, benchmarks/gpu_time.py
-# attention --staging: 64 x 2 ran 12-15% under 32 x 2 at 16k-32k keys, more
-# buffers did not help), 16 at 256, where the output's registers leave no room.
+# 64 keys at head dims 64 and 128 (more buffers do not help), 16 at 256, where the
+# output's registers leave no room.
 TILE_KEYS = {"metal": {64: 32, 128: 16, 256: 8}, "cuda": {64: 64, 128: 64, 256: 16}}
 STAGES = {"metal": 2, "cuda": 2}
 
@@ -487,7 +487,9 @@ def staging(d: int, backend: str, tile_keys: int | None = None, stages: int | No
     st = stages or STAGES[backend]
     step = 16 if backend == "cuda" else 8  # CUDA's P V product takes 16 keys at a time
     if kt < step or kt % step or st < 2:
-        raise ValueError(f"staging: keys per tile must be a multiple of {step} and stages at least 2, got {kt} and {st}.")
+        raise ValueError(
+            f"staging: keys per tile must be a multiple of {step} and stages at least 2, got {kt} and {st}."
+        )
     return kt, st
 
 
@@ -502,8 +504,15 @@ def header(backend: str) -> str:
 
 def partial_source(prelude: str, backend: str) -> str:
     body = BODY
-    for name, part in (("STAGING", STAGING), ("COORDS", COORDS), ("LOAD_Q", LOAD_Q), ("SCORES", SCORES),
-                       ("SCALE_OUT", SCALE_OUT), ("P_TIMES_V", P_TIMES_V), ("STORE", STORE)):
+    for name, part in (
+        ("STAGING", STAGING),
+        ("COORDS", COORDS),
+        ("LOAD_Q", LOAD_Q),
+        ("SCORES", SCORES),
+        ("SCALE_OUT", SCALE_OUT),
+        ("P_TIMES_V", P_TIMES_V),
+        ("STORE", STORE),
+    ):
         body = body.replace(f"\n{name}\n", "\n" + part[backend].strip("\n") + "\n")
     out_next = OUT[backend].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
     return prelude + body.replace("OUT_ELEM", OUT[backend]).replace("OUT_NEXT", out_next)

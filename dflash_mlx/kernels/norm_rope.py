@@ -5,24 +5,23 @@ and keys (``q_norm``, ``k_norm``) and rotates them (RoPE) before attention.
 Through MLX's ops that is six launches in a verify: a copy each of q and k
 (views into the fused q/k/v product, whose rows ``rms_norm`` cannot read
 through strides), the two norms and the two rotations. A cycle at real model
-sizes is bound by the host launching kernels (~10 us each on MLX's CUDA
-backend, BENCHMARKS.md), so this kernel does the six in one: a warp per
-(token, head) row of q or k, read through the views' strides, written as the
-[B, heads, L, D] arrays attention reads.
+sizes is bound by the host launching kernels, so this kernel does the six in
+one: a warp per (token, head) row of q or k, read through the views' strides,
+written as the [B, heads, L, D] arrays attention reads.
 
 Its arithmetic is MLX's: the norm in float32, rounded to the dtype (as the
 norm's output is), then the rotation in float32 at MLX's frequencies (pair i,
 non-traditional: x_i with x_{i+D/2}, angle scale * position * 2^(-(i/(D/2)) *
 log2 base), with the cosine and sine MLX's own rope kernels take), rounded
-again. Sums and products in another order leave some elements one unit in
-the last place apart (bf16: the self-check's error is 6-9e-3 of the largest
-element on an H100), so on a GPU, as with fused products and the attention
+again. Sums and products in another order leave some elements one unit in the
+last place apart, so on a GPU, as with fused products and the attention
 kernel, a near-tie between two greedy tokens can fall the other way from
-mlx-lm's own decoding (BENCHMARKS.md, session 12). Like the block-attention kernel (dispatch.py), a variant (backend,
-dtype, head dim) is used only after matching the ops path on random cases in
-this process, checked outside any compiled trace (``prepare``); on the CPU,
-for a rotation other than nn.RoPE's own (scaled variants, partial or
-traditional) and for variants that failed, the ops path runs.
+mlx-lm's own decoding. Like the block-attention kernel (dispatch.py), a
+variant (backend, dtype, head dim) is used only after matching the ops path on
+random cases in this process, checked outside any compiled trace
+(``prepare``); on the CPU, for a rotation other than nn.RoPE's own (scaled
+variants, partial or traditional) and for variants that failed, the ops path
+runs.
 
     q, k = norm_rope(q, k, q_norm, k_norm, rope, offset)   # q, k: [B, L, heads, D]
 """
@@ -35,11 +34,11 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 
-from .dispatch import CheckResult, backend, compare_with_ops
 from .attention import _int1, make_factory
+from .attention_source import HEADER
+from .dispatch import CheckResult, backend, compare_with_ops
 from .launch_source import compacting
 from .ops import DTYPES, HEAD_DIMS
-from .attention_source import HEADER
 
 INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
 OUTPUTS = ["q_out", "k_out"]
@@ -124,8 +123,14 @@ class NormRopeKernel:
     def __init__(self, backend_name: str, factory=None):
         factory = compacting(factory or make_factory(backend_name), backend_name)
         # (the version in the name: MLX caches built kernels on disk by name, not by source)
-        self.kernel = factory(name=f"dflash_norm_rope_v{VERSION}", input_names=INPUTS, output_names=OUTPUTS,
-                              source=source(backend_name), header=HEADER[backend_name], ensure_row_contiguous=False)
+        self.kernel = factory(
+            name=f"dflash_norm_rope_v{VERSION}",
+            input_names=INPUTS,
+            output_names=OUTPUTS,
+            source=source(backend_name),
+            header=HEADER[backend_name],
+            ensure_row_contiguous=False,
+        )
         self._params: dict[tuple, mx.array] = {}
 
     def __call__(self, q, k, q_weight, k_weight, *, eps: float, scale: float, base: float, offset):
@@ -182,9 +187,12 @@ def prepare(dtype, head_dim: int) -> None:
     if key not in _checks:
         result = _checks[key] = self_check(where, dtype, head_dim)
         if not result.ok:
-            warnings.warn(f"dflash_mlx: the {where} {result.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its self-check "
-                          f"({result.detail}); using MLX's rms_norm and rope for it instead.", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"dflash_mlx: the {where} {result.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its self-check "
+                f"({result.detail}); using MLX's rms_norm and rope for it instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def passed(dtype, head_dim: int) -> NormRopeKernel | None:
@@ -202,8 +210,7 @@ def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
     kernel = passed(q.dtype, d) if plain_rope(rope, d) and isinstance(q_norm, nn.RMSNorm) else None
     if kernel is None or k.dtype != q.dtype or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype:
         return ops_norm_rope(q, k, q_norm, k_norm, rope, offset)
-    return kernel(q, k, q_norm.weight, k_norm.weight, eps=q_norm.eps, scale=rope.scale, base=rope.base,
-                  offset=offset)
+    return kernel(q, k, q_norm.weight, k_norm.weight, eps=q_norm.eps, scale=rope.scale, base=rope.base, offset=offset)
 
 
 def norm_rope_keys(k, k_norm: nn.Module, rope, offset):
@@ -252,4 +259,3 @@ def self_check_all(report=None) -> list[CheckResult]:
             if report is not None:
                 report(_checks[(where, dtype, d)])
     return [r for (w, *_), r in _checks.items() if w == where]
-
