@@ -48,7 +48,7 @@ def tensors_checksum(arrays: dict[str, mx.array]) -> str:
         crc = zlib.crc32(f"{name}:{a.dtype}:{a.shape};".encode(), crc)
         if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits as uint16
             a = a.view(mx.uint16)
-        crc = zlib.crc32(np.ascontiguousarray(np.array(a, copy=False)).data, crc)
+        crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
     return f"{crc:08x}"
 
 
