@@ -53,7 +53,9 @@ def cycle_outputs(pair, temperature: float) -> tuple:
     cache = make_prompt_cache(model, draft)
     prefill(target, draft, cache, PROMPT, 2048, None)
     cycle = Cycle(target, draft, cache, SamplingParams(temperature), 7)
-    return cycle._build(8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT))[:3]
+    return cycle._build(
+        8, mx.array([2], mx.int32), mx.array(len(PROMPT), mx.int32), len(PROMPT), cycle.seed, read="bound"
+    )[:3]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -132,7 +132,7 @@ def test_a_cycles_attention_reads_wide_lengths_shared_by_its_layers(cuda_lengths
     monkeypatch.setattr(layers, "attention_output", spy)  # the target's layers
     monkeypatch.setattr(draft_module, "cache_attention", spy)  # the drafter's
     cycle = Cycle(target, draft, cache, SamplingParams(), 0)
-    cycle._build(8, mx.array([2], mx.int32), mx.array(len(prompt), mx.int32), len(prompt))
+    cycle._build(8, mx.array([2], mx.int32), mx.array(len(prompt), mx.int32), len(prompt), cycle.seed, read="bound")
     layers = len(cache.target) + len(cache.draft)
     assert len(seen) == layers
     starts, ends = {id(s) for s, _ in seen}, {id(e) for _, e in seen}

@@ -22,12 +22,13 @@ def written(cache: BufferKVCache, n: int):
     return mask, keys, values
 
 
-def filled(bound_slack: int = 0) -> BufferKVCache:
+def filled(bound_slack: int = 0, read: str = "bound") -> BufferKVCache:
     """A cache holding 40 positions, its length on the device, its bound
-    ``bound_slack`` past it (a verify's drafts that may be rolled back)."""
+    ``bound_slack`` past it (a verify's drafts that may be rolled back),
+    ``read`` the way the next forward spans it."""
     cache = BufferKVCache()
     written(cache, 40)
-    cache.set_length(mx.array(40, mx.int32), 40 + bound_slack)
+    cache.set_length(mx.array(40, mx.int32), 40 + bound_slack, read)
     return cache
 
 
@@ -41,8 +42,7 @@ def test_attention_reads_up_to_the_bound():
 
 
 def test_compiled_traces_and_cuda_read_the_whole_buffer(monkeypatch):
-    cache = filled()
-    cache.fixed_width = True
+    cache = filled(read="fixed")
     mask, keys, _ = written(cache, 3)
     assert keys.shape[2] == mask.shape[-1] == cache.capacity
 
@@ -56,21 +56,21 @@ def test_an_exact_one_row_step_reads_the_filled_keys_with_no_mask(monkeypatch):
     # A plain step after plain steps: the bound is the length itself.
     for where in ("cpu", "cuda"):
         monkeypatch.setattr(device, "backend", lambda: where)
-        cache = filled()
-        cache.exact_bound = True
+        cache = filled(read="exact")
         mask, keys, _ = written(cache, 1)
         assert mask is None and keys.shape[2] == 41, where
     # a sliding window the row has passed still needs its mask
-    cache = filled()
-    cache.exact_bound = True
+    cache = filled(read="exact")
     windowed = cache.make_mask(1, window_size=16)
     assert windowed.shape == (1, 41) and sum(windowed.tolist()[0]) == 16
     assert cache.make_mask(1, window_size=64) is None
     # a block of several rows keeps its mask (its drafts' rows are causal)
-    cache = filled()
-    cache.exact_bound = True
+    cache = filled(read="exact")
     mask, keys, _ = written(cache, 4)
     assert mask is not None and mask.shape == (4, keys.shape[2])
+    # only plain buffers take an exact read; a setting of the length resets it
+    cache.set_length(mx.array(40, mx.int32), 40)
+    assert cache.read == "bound"
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -87,10 +87,13 @@ class DeviceLengthCache:
         """The buffer's length once ``n`` more positions are written."""
         return self.room(self.bound + n)
 
-    # Set while a one-row step is built whose bound is its exact length: it
-    # reads only filled keys and needs no mask, so attention may take the
-    # fused one-row kernel. Plain buffers only.
-    exact_bound = False
+    # How attention spans the buffer in the next forward, set with the length:
+    # "bound" up to the host bound; "fixed" the whole buffer (a compiled trace,
+    # whose shapes must not follow the bound); "exact" a one-row step whose
+    # bound is its exact length, which reads only filled keys and needs no mask
+    # (so attention may take the fused one-row kernel; plain buffers only).
+    read = "bound"
+    takes_exact = False
 
     def read_width(self, n: int) -> int:
         """How much of the buffer attention (and ``make_mask``) spans after ``n`` more writes."""
@@ -115,9 +118,11 @@ class DeviceLengthCache:
         if self.keys is not None:
             self._grow(n, self.keys, self.values)
 
-    def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
+    def set_length(self, length: int | mx.array, bound: int | None = None, read: str = "bound") -> None:
         """Keep the first ``length`` positions (rollback is this move). An
-        array length comes with ``bound``, a host-side upper bound on it."""
+        array length comes with ``bound``, a host-side upper bound on it;
+        ``read``: how the next forward spans the buffer (see above)."""
+        self.read = "bound" if read == "exact" and not self.takes_exact else read
         self.offset = length
         self.bound = length if isinstance(length, int) else bound
 
@@ -134,7 +139,7 @@ class DeviceLengthCache:
         buffer as it will be then; None where the row sees every key read."""
         if (
             N == 1
-            and self.exact_bound
+            and self.read == "exact"
             and self.read_width(1) == self.bound + 1
             and (window_size is None or self.bound < window_size)
         ):
@@ -156,13 +161,13 @@ class BufferKVCache(DeviceLengthCache):
     """Keys and values in a fixed-capacity buffer with a device-side length."""
 
     # Attention reads up to ``bound``, skipping the unfilled tail, except where
-    # shapes must not change: a compiled trace sets ``fixed_width``, and the
-    # CUDA backend builds a graph for every key length it sees.
-    fixed_width = False
+    # shapes must not change: a compiled trace, and the CUDA backend, which
+    # builds a graph for every key length it sees.
+    takes_exact = True
 
     def read_width(self, n: int) -> int:
         """Up to the bound, or the whole buffer at a fixed width."""
-        if self.fixed_width or (device.backend() == "cuda" and not (self.exact_bound and n == 1)):
+        if self.read == "fixed" or (device.backend() == "cuda" and not (self.read == "exact" and n == 1)):
             return self.width_after(n)
         return self.bound + n
 
@@ -210,10 +215,10 @@ class BufferKVCache(DeviceLengthCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def set_lengths(caches: list, length: int | mx.array, bound: int | None = None) -> None:
+def set_lengths(caches: list, length: int | mx.array, bound: int | None = None, read: str = "bound") -> None:
     shared = SharedPositions(length) if isinstance(length, mx.array) else None
     for c in caches:
-        c.set_length(length, bound)
+        c.set_length(length, bound, read)
         c.shared = shared
 
 

@@ -108,13 +108,13 @@ class RotatingBufferKVCache(DeviceLengthCache):
         self.written = max(self.written, end)
         self.staged = None
 
-    def set_length(self, length, bound: int | None = None) -> None:
+    def set_length(self, length, bound: int | None = None, read: str = "bound") -> None:
         if self.staged is not None:
             if isinstance(length, int) and length < self.staged[0]:
                 self.staged = None  # an unfinished chunk (an interrupt): dropped, the ring as it was before it
             else:
                 self._commit()
-        super().set_length(length, bound)
+        super().set_length(length, bound, read)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.staged is not None:
@@ -222,13 +222,13 @@ class DraftWindowCache(BufferKVCache):
         self.window, self.rope = window, rope
         self.base = 0
 
-    def set_length(self, length, bound: int | None = None) -> None:
+    def set_length(self, length, bound: int | None = None, read: str = "bound") -> None:
         if isinstance(length, int):
             if length < self.base:
                 raise ValueError("the drafter's context no longer holds this position; rebuild the prompt cache.")
-            super().set_length(length - self.base)
+            super().set_length(length - self.base, read=read)
         else:
-            super().set_length(length - self.base, bound - self.base)
+            super().set_length(length - self.base, bound - self.base, read)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n = keys.shape[2]

@@ -67,12 +67,9 @@ class Cycle:
         self.deferred_from: mx.array | None = None
         self.deferred_bound = 0
 
-    def pick(self, logits: mx.array, positions: mx.array) -> mx.array:
-        return pick(logits, positions, self.sampling, self.seed)
-
     def first_token(self, last_logits: mx.array, position: int) -> mx.array:
         """The token after the prompt, from the prefill's last logits [V]."""
-        return self.pick(last_logits[None], mx.array([position], mx.int32))
+        return pick(last_logits[None], mx.array([position], mx.int32), self.sampling, self.seed)
 
     def would_build(self, block_size: int) -> bool:
         """Whether a cycle of ``block_size`` launched now would build new graphs."""
@@ -98,15 +95,11 @@ class Cycle:
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
             result, new_last, new_length, taps = self._run_compiled(block_size, last, length, bound)
         else:
-            plain = [c for c in self.caches.target if type(c) is BufferKVCache] if exact_step else []
-            for c in plain:
-                c.exact_bound = True
-            try:
-                at_host = exact_step and len(plain) == len(self.caches.target)
-                result, new_last, new_length, taps = self._build(block_size, last, length, bound, at_host)
-            finally:
-                for c in plain:
-                    c.exact_bound = False
+            at_host = exact_step and all(type(c) is BufferKVCache for c in self.caches.target)
+            read = "exact" if exact_step else "bound"
+            result, new_last, new_length, taps = self._build(
+                block_size, last, length, bound, self.seed, read=read, at_host=at_host
+            )
         if taps is not None:
             if not self.deferred:
                 self.deferred_from, self.deferred_bound = length, bound
@@ -132,23 +125,27 @@ class Cycle:
             self.draft.extend(taps, self.caches.draft, self.draft_fused)
         self.deferred, self.deferred_from = [], None
 
-    def _build(self, block_size: int, last: mx.array, length: mx.array, bound: int, at_host: bool = False):
+    def _build(
+        self, block_size: int, last: mx.array, length: mx.array, bound: int, seed, *, read: str, at_host: bool = False
+    ):
         """The cycle's graph: (result, next last token, new length, a deferred
-        plain step's tapped states or None). ``at_host``: ``bound`` is the
-        length, written as a host int (slice writes, as mlx-lm's step)."""
+        plain step's tapped states or None). ``seed``: the sampler's two words
+        (None when greedy); ``read``: how the forwards span the buffers
+        (cache/buffer.py); ``at_host``: ``bound`` is the length, written as a
+        host int (slice writes, as mlx-lm's step)."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
         if not (at_host and self.defers):
             length = device_scalar(length)
-        self.target.set_length(target_cache, bound if at_host else length, bound)
+        self.target.set_length(target_cache, bound if at_host else length, bound, read)
         defer = block_size == 1 and self.defers
         if not defer:
-            set_lengths(draft_cache, length, bound)
+            set_lengths(draft_cache, length, bound, "fixed" if read == "fixed" else "bound")
         drafts, q, key, k_draft = None, None, None, None
         if block_size > 1:
             block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
             if self.selects:
                 if self.temperature > 0:
-                    key, k_draft = mx.random.split(position_key(self.seed, length))
+                    key, k_draft = mx.random.split(position_key(seed, length))
                 drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft, self.draft_fused)
             else:
                 drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1).astype(
@@ -163,7 +160,7 @@ class Cycle:
             accepted, tokens = kept[0], kept[1:]
         else:
             # squeeze, not [0]: an int index is a gather, a copy of the logits
-            tokens = self.pick(logits.squeeze(0), length + 1 + constant_arange(block_size))
+            tokens = pick(logits.squeeze(0), length + 1 + constant_arange(block_size), self.sampling, seed)
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         new_length = length + accepted + 1
         self.target.set_length(target_cache, new_length, bound + block_size)
@@ -196,15 +193,9 @@ class Cycle:
             def step(last, length, seed, *buffers):
                 cycle, layers = now["cycle"], now["layers"]
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
-                    c.keys, c.values, c.fixed_width = k, v, True
-                kept_seed = cycle.seed
-                cycle.seed = seed if kept_seed is not None else None
-                try:
-                    out = cycle._build(block_size, last, length, now["bound"])
-                finally:
-                    cycle.seed = kept_seed
-                    for c in layers:
-                        c.fixed_width = False
+                    c.keys, c.values = k, v
+                traced_seed = seed if cycle.seed is not None else None
+                out = cycle._build(block_size, last, length, now["bound"], traced_seed, read="fixed")
                 result, new_last, new_length, taps = out
                 return (
                     result,

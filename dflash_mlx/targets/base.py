@@ -126,7 +126,8 @@ class DenseTarget:
         """The target's own logits (``lm_head`` unless the family rescales)."""
         return self.lm_head(h, norm)
 
-    def set_length(self, cache: list, length, bound: int | None = None) -> None:
+    def set_length(self, cache: list, length, bound: int | None = None, read: str = "bound") -> None:
         """Keep the first ``length`` cached positions (an int or device array,
-        ``bound`` a host-side upper bound): a move of lengths, no copy."""
-        set_lengths(cache, length, bound)
+        ``bound`` a host-side upper bound): a move of lengths, no copy.
+        ``read``: how the next forward's attention spans its buffers."""
+        set_lengths(cache, length, bound, read)

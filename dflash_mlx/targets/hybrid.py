@@ -94,11 +94,11 @@ class HybridTarget(DenseTarget):
             h = h[:, -1:]
         return self.lm_head(self.inner.norm(h)), mx.concatenate(tapped, axis=-1)
 
-    def set_length(self, cache: list, length, bound: int | None = None) -> None:
+    def set_length(self, cache: list, length, bound: int | None = None, read: str = "bound") -> None:
         """An array length: a verify's rollback, on the device. An int: the
         exact state after ``length`` positions (a sync)."""
         if not isinstance(length, int):
-            set_lengths([c for c in cache if isinstance(c, BufferKVCache)], length, bound)
+            set_lengths([c for c in cache if isinstance(c, BufferKVCache)], length, bound, read)
             for c in cache:
                 if not isinstance(c, BufferKVCache):
                     c.set_length(length, bound)
@@ -106,7 +106,7 @@ class HybridTarget(DenseTarget):
         delta = [c for c in cache if isinstance(c, DeltaCache)]
         for c in cache:
             if isinstance(c, BufferKVCache):
-                c.set_length(length)
+                c.set_length(length, read=read)
         ids = cache.ids(length) if isinstance(cache, HybridCache) else None
         if not all(c.restore(length) for c in delta):
             if ids is None:
