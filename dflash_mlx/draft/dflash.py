@@ -466,6 +466,8 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    fusable_projections = True  # qwen3's projections and forward (layers/fused.py)
+
     def __init__(self, cfg: DraftConfig, layer_type: str):
         super().__init__()
         self.self_attn = DraftAttention(cfg, layer_type)

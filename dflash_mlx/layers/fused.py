@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama, qwen3
 
 from .blocks import dense_block
 from .linear import apply_linear, apply_linear_swiglu
 
-# (the drafters' layers share qwen3's projection names)
-FUSABLE_BLOCKS = ("mlx_lm.models.qwen3", "mlx_lm.models.llama", "dflash_mlx.draft.dflash", "dflash_mlx.draft.dflash2")
+# Layers whose attention and MLP are qwen3's (projection names and forward);
+# a drafter's layer says so itself with ``fusable_projections``.
+FUSABLE_BLOCKS = (qwen3.TransformerBlock, llama.TransformerBlock)
 
 
 @dataclass
@@ -102,7 +104,7 @@ def projections(layer: nn.Module) -> FusedProjections | None:
     if entry is not None and entry[0]() is layer and _unchanged(entry[2], _sources(layer)):
         return entry[1]
     made = None
-    if type(layer).__module__ in FUSABLE_BLOCKS:
+    if type(layer) in FUSABLE_BLOCKS or getattr(type(layer), "fusable_projections", False):
         attn, mlp = layer.self_attn, layer.mlp
         kvq = fuse([attn.k_proj, attn.v_proj, attn.q_proj])
         gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if kvq is not None else None
