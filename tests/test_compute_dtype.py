@@ -22,12 +22,12 @@ from tiny import (
 )
 from typer.testing import CliRunner
 
-from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx import compute_dtype, fast_blas, load, stream_generate
 from dflash_mlx.auto import memory as block_memory
 from dflash_mlx.cache.prompt import PromptCache
 from dflash_mlx.cli.app import app
 from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx.targets import adapt
 
 
