@@ -29,8 +29,15 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
-              mx.uint32: "uint32_t", mx.bool_: "bool", mx.int64: "int64_t"}
+CUDA_TYPES = {
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float16: "__half",
+    mx.float32: "float",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.bool_: "bool",
+    mx.int64: "int64_t",
+}
 
 # In place of MLX's "mlx/backend/cuda/device/utils.cuh": the types the
 # generated parameters use.
@@ -52,8 +59,9 @@ class Recorder:
     def __init__(self):
         self.variants: dict[str, str] = {}
 
-    def factory(self, *, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                shared_memory=0, **_):
+    def factory(
+        self, *, name, input_names, output_names, source, header="", ensure_row_contiguous=True, shared_memory=0, **_
+    ):
         def launch(*, inputs, template=(), output_shapes, output_dtypes, **_):
             src = wrap(name, header, source, input_names, inputs, output_names, output_dtypes, template)
             tags = "".join(f"_{str(v).split('.')[-1]}" for _, v in template)
@@ -81,17 +89,26 @@ def wrap(name, header, source, input_names, inputs, output_names, output_dtypes,
             consts.append(f"  constexpr int {k} = {v};")
         else:
             consts.append(f"  using {k} = {CUDA_TYPES[v]};")
-    return (STAND_IN + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {name}(\n    " + ",\n    ".join(params) + ") {\n" + "\n".join(consts) + "\n"
-            + source + "\n}\n}\n")
+    return (
+        STAND_IN + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+        f"__global__ void {name}(\n    "
+        + ",\n    ".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n"
+        + source
+        + "\n}\n}\n"
+    )
 
 
 def nvrtc(cuda_root: str):
     found = sorted(glob.glob(os.path.join(cuda_root, "lib", "libnvrtc.so*")))
     found = [f for f in found if "builtins" not in f]
     if not found:
-        raise SystemExit(f"no libnvrtc.so under {cuda_root}/lib: point --cuda at an unpacked nvidia-cuda-nvrtc "
-                         "wheel's nvidia/cu13 (see this script's docstring).")
+        raise SystemExit(
+            f"no libnvrtc.so under {cuda_root}/lib: point --cuda at an unpacked nvidia-cuda-nvrtc "
+            "wheel's nvidia/cu13 (see this script's docstring)."
+        )
     return ctypes.CDLL(found[0])
 
 
@@ -99,8 +116,12 @@ def compile_source(lib, src: str, cuda_root: str, arch: str) -> tuple[bool, str]
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kernel.cu", 0, None, None) != 0:
         return False, "nvrtcCreateProgram failed"
-    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", f"-I{cuda_root}/include".encode(),
-            f"-I{cuda_root}/include/cccl".encode()]
+    opts = [
+        f"--gpu-architecture={arch}".encode(),
+        b"--std=c++17",
+        f"-I{cuda_root}/include".encode(),
+        f"-I{cuda_root}/include/cccl".encode(),
+    ]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -112,9 +133,9 @@ def compile_source(lib, src: str, cuda_root: str, arch: str) -> tuple[bool, str]
 
 def record_all(recorder: Recorder) -> None:
     """Every variant the kernels' self-checks launch, recorded."""
-    from dflash_mlx.kernels.cuda import products as block_products
     from dflash_mlx.kernels import dispatch, norm_rope
     from dflash_mlx.kernels.attention import BlockAttentionKernel
+    from dflash_mlx.kernels.cuda import products as block_products
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
 
     attention = BlockAttentionKernel("cuda", factory=recorder.factory)
