@@ -10,18 +10,27 @@ from contextlib import asynccontextmanager, contextmanager
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .anthropic_api import count_tokens, messages
 from .errors import EXCEPTION_HANDLERS
 from .hosts import AllowedHosts, HostCheck
+from .metrics import CONTENT_TYPE, RequestCounter
 from .openai_api import chat_completions, completions, models
+from .responses_api import responses, retrieve
 from .service import ServerConfig, Service
 
 
 async def health(request: Request) -> JSONResponse:
     return JSONResponse(request.app.state.service.health())
+
+
+async def metrics(request: Request) -> Response:
+    service = request.app.state.service
+    service.authorize(request)
+    text = service.metrics.render(service.worker.queued, service.worker.decoder.pool)
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> Starlette:
@@ -36,16 +45,25 @@ def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> S
         service.worker.stop()
         service.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve, methods=["GET"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    ]
+    # the metrics' endpoint label: a route's path, its parameters left as {names}
+    endpoints = {r.path.split("{", 1)[0]: r.path for r in routes}
     app = Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/messages", messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        routes=routes,
+        middleware=[
+            Middleware(RequestCounter, metrics=service.metrics, endpoints=endpoints),
+            Middleware(HostCheck, allowed=AllowedHosts(service.config.host, service.config.allowed_hosts)),
         ],
-        middleware=[Middleware(HostCheck, allowed=AllowedHosts(service.config.host, service.config.allowed_hosts))],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )

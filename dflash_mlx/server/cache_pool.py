@@ -48,6 +48,7 @@ class PromptCachePool:
         self.make_cache = make_cache
         self.max_count, self.max_bytes = max_count, max_bytes
         self.entries: list[tuple[object, int]] = []  # (cache, its last prompt's length), least recently used first
+        self.hits = self.misses = 0  # takes that found a cache to continue, and those that did not
 
     def _best(self, prompt: list[int]) -> tuple[Optional[tuple[object, int]], int]:
         best, best_len = None, 0
@@ -67,7 +68,9 @@ class PromptCachePool:
         prompt's last token again, so at most len(prompt) - 1 count."""
         best, best_len = self._best(prompt)
         if best is None:
+            self.misses += 1
             return self.make_cache(), 0
+        self.hits += 1
         self.entries.remove(best)
         return best[0], best_len
 

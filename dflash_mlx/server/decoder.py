@@ -12,6 +12,7 @@ from dflash_mlx import stream_generate
 from .cache_pool import PromptCachePool
 from .errors import APIError
 from .job import Done, Failed, Job, Usage
+from .metrics import Generation, Metrics
 from .reply import ReplyParser
 
 log = logging.getLogger("dflash_mlx.server")
@@ -45,6 +46,7 @@ class Decoder:
         block_size=None,
         prefill_step_size: int = 2048,
         read_limit: Optional[int] = None,
+        metrics: Optional[Metrics] = None,
     ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.pool = pool
@@ -52,6 +54,7 @@ class Decoder:
         # with bounded caches a conversation runs past the context, but each
         # request may read fewer new prompt tokens than this (the context)
         self.read_limit = read_limit
+        self.metrics = metrics
 
     def run(self, job: Job) -> None:
         """Serve ``job``; every outcome, failures included, goes to its events."""
@@ -103,9 +106,13 @@ class Decoder:
             prefill_step_size=self.prefill_step_size,
         )
         last, block_sizes = None, set()
+        figures = Generation(len(job.prompt), cached)
         try:
             for last in responses:
                 block_sizes.add(last.block_size)
+                if last.accepted is not None:  # None: the prefill's first token, not a cycle
+                    figures.add_cycle(last.block_size, last.accepted)
+                figures.generated_tokens, figures.generation_tps = last.generation_tokens, last.generation_tps
                 delta = parser.feed(last.text)
                 if delta:
                     job.post(delta)
@@ -113,6 +120,8 @@ class Decoder:
                     break
         finally:
             responses.close()
+            if self.metrics is not None:
+                self.metrics.record(figures)
         if job.cancelled.is_set() or last is None:
             return None
         finish = "stop" if parser.stopped or last.finish_reason == "stop" else "length"

@@ -56,7 +56,7 @@ async def handle_api_error(request: Request, exc: APIError) -> JSONResponse:
 async def handle_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own 404/405s, in the same shape."""
     if exc.status_code == 404:
-        message = f"there is no endpoint {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens."
+        message = f"there is no endpoint {request.method} {request.url.path}; see GET /v1/models, /metrics, POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens."
     elif exc.status_code == 405:
         message = f"{request.url.path} does not accept {request.method}."
     else:

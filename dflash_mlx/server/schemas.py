@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from .errors import APIError
 
@@ -181,21 +181,174 @@ class AnthropicRequest(Sampling, _AnthropicPrompt):
     service_tier: Optional[str] = None
 
 
+# -- the Responses API ------------------------------------------------------------------
+class TextPart(_Body):
+    """A text content part of a Responses message (input or earlier output)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: Optional[list[Any]] = None
+    logprobs: Optional[list[Any]] = None
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[TextPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+    phase: Optional[str] = None
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+    namespace: Optional[str] = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[TextPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ReasoningItem(_Body):
+    """An earlier reply's reasoning sent back: accepted, left out of the
+    prompt (chat templates drop earlier turns' thinking)."""
+
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: Optional[list[dict[str, Any]]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+
+def _item_kind(item: Any) -> Optional[str]:
+    return item.get("type", "message") if isinstance(item, dict) else None
+
+
+InputItem = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message")],
+        Annotated[FunctionCallItem, Tag("function_call")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[ReasoningItem, Tag("reasoning")],
+    ],
+    Discriminator(
+        _item_kind,
+        custom_error_type="input_item",
+        custom_error_message="give a message, function_call, function_call_output or reasoning item",
+    ),
+]
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ReasoningOptions(_Body):
+    effort: Optional[str] = Field(None, max_length=32)  # passed to the template as reasoning_effort
+    summary: Optional[str] = None  # no summaries are made: reasoning comes back as reasoning_text
+    generate_summary: Optional[str] = None
+
+
+class TextOptions(_Body):
+    format: Optional[dict[str, Any]] = None
+    verbosity: Optional[str] = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses."""
+
+    model: Optional[str] = None
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning: Optional[ReasoningOptions] = None
+    text: Optional[TextOptions] = None
+    include: Optional[list[str]] = None
+    truncation: Optional[str] = None
+    background: Optional[bool] = None
+    max_tool_calls: Optional[int] = None
+    top_logprobs: Optional[int] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+    @property
+    def max_tokens(self) -> Optional[int]:
+        return self.max_output_tokens
+
+    def refusals(self) -> Optional[tuple[str, str]]:
+        if self.text is not None and self.text.format not in (None, {"type": "text"}):
+            return "text.format", 'text.format: structured output is not supported; remove it or send {"type": "text"}.'
+        if self.truncation not in (None, "disabled"):
+            return "truncation", "truncation: items are never dropped to fit the context; remove it or send disabled."
+        if self.background:
+            return "background", "background: responses run in the foreground only; remove background."
+        if self.max_tool_calls is not None:
+            return "max_tool_calls", "max_tool_calls: a limit on tool calls is not supported; remove it."
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs: log probabilities are not supported yet; remove top_logprobs."
+        return None
+
+
 # -- reading a body --------------------------------------------------------------------
 _UNION_BRANCH = re.compile(r"(str|int|bool|float|none|.*\[.*\])")
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 # what a field that takes one of several shapes (a union) wants, by its name
 _HINTS = {
     "prompt": "give a string, a list of one string, or a list of integer token ids",
     "content": "give a string or a list of content blocks (objects)",
     "system": "give a string or a list of text blocks (objects)",
     "stop": "give a string or a list of strings",
+    "input": "give a string or a list of input items (objects)",
+    "output": "give a string or a list of text parts (objects)",
 }
 
 
 def _validation_message(error: ValidationError) -> tuple[str, str]:
-    first = error.errors()[0]
-    parts = [str(p) for p in first["loc"] if not (isinstance(p, str) and _UNION_BRANCH.fullmatch(p))]
-    in_union = len(parts) < len(first["loc"])
+    errors = error.errors()
+    first = errors[0]
+    if first["loc"][:1] == ("input",):  # a list of items: what is wrong inside it, not that it is no string
+        first = max(errors, key=lambda e: len(e["loc"]))
+    loc = first["loc"]
+    # a union's branch names, and the input item kinds after an item's index, are not fields
+    parts = [
+        str(p)
+        for i, p in enumerate(loc)
+        if not (
+            isinstance(p, str)
+            and (_UNION_BRANCH.fullmatch(p) or (p in _ITEM_KINDS and i > 0 and isinstance(loc[i - 1], int)))
+        )
+    ]
+    in_union = len(parts) < len(loc)
     where = ".".join(parts) or "body"
     if first["type"] == "extra_forbidden":
         if parts[0] == "chat_template_kwargs":

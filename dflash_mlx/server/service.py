@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .cache_pool import PromptCachePool
 from .decoder import Decoder
 from .errors import APIError
 from .job import Done, Event, Failed, GenerationParams, Job
+from .metrics import Metrics
 from .reply import Delta
 from .schemas import Sampling, TemplateKwargs, parse_json
 from .worker import Worker
@@ -53,6 +55,7 @@ class ServerConfig:
     # the Host names requests may give besides loopback and ``host`` ("*": any)
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
+    stored_responses: int = 256  # finished /v1/responses kept for previous_response_id
 
 
 RETRY_AFTER_S = 5
@@ -113,6 +116,8 @@ class Service:
         new_cache()  # settings this pair cannot use: a ValueError now, not on every request
         pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes)
         bounded = config.max_kv_size is not None
+        self.metrics = Metrics()
+        self.responses = StoredResponses(config.stored_responses)
         self.worker = Worker(
             Decoder(
                 model,
@@ -122,6 +127,7 @@ class Service:
                 config.block_size,
                 config.prefill_step_size,
                 read_limit=self.context_length if bounded else None,
+                metrics=self.metrics,
             )
         )
 
@@ -260,6 +266,33 @@ class Service:
             "served": self.worker.served,
             "prompt_caches": len(self.worker.decoder.pool),
         }
+
+
+class StoredResponses:
+    """Finished Responses-API replies by id, the least recently used dropped
+    past ``limit``: (the conversation's messages, its last reply included;
+    the response body). Touched on the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.entries: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+
+    def put(self, response_id: str, messages: list[dict], body: dict) -> None:
+        if self.limit < 1:
+            return
+        self.entries[response_id] = (messages, body)
+        self.entries.move_to_end(response_id)
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+
+    def get(self, response_id: str) -> Optional[tuple[list[dict], dict]]:
+        entry = self.entries.get(response_id)
+        if entry is not None:
+            self.entries.move_to_end(response_id)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
