@@ -1,5 +1,6 @@
-"""dflash-mlx's HTTP API: OpenAI chat completions and completions, Anthropic
-messages, over the DFlash decode loop, one request at a time.
+"""dflash-mlx's HTTP API: OpenAI chat completions, completions and
+responses, Anthropic messages, and Prometheus metrics, over the DFlash
+decode loop, one request at a time.
 
     from dflash_mlx import load
     from dflash_mlx.server import ServerConfig, create_app, run
