@@ -106,6 +106,7 @@ def _short(text: str, n: int = 40) -> str:
 
 
 def bench_command(
+    *,
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",
@@ -181,7 +182,7 @@ def bench_command(
         if max_kv_size is not None:
             plain_kv["max_kv_size"] = max_kv_size
         kv_cache(
-            target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size
+            target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
         )  # refuses a target it cannot serve
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
 
@@ -192,7 +193,7 @@ def bench_command(
 
         def dflash(ids, n, run):
             cache = kv_cache(
-                target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size
+                target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
             )  # (a fresh one each run)
             return _dflash(
                 target,

@@ -106,6 +106,7 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
 
 
 def cache_prompt_command(
+    *,
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",

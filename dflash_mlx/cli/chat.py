@@ -379,7 +379,9 @@ class ChatSession:
         self.cache_file = cache_file
         self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
         self.interrupts = Interrupts()
-        self._make_cache = lambda: kv_cache(model, draft, None, *kv) or make_prompt_cache(model, draft)
+        self._make_cache = lambda: (
+            kv_cache(model, draft, None, *kv[:3], max_kv_size=kv[3]) or make_prompt_cache(model, draft)
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -443,7 +445,11 @@ class ChatSession:
             return
         if first and self.cache_file is not None:
             self.cache = kv_cache(
-                self.model, self.draft, open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]), *self.kv
+                self.model,
+                self.draft,
+                open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
+                *self.kv[:3],
+                max_kv_size=self.kv[3],
             )
         progress = PrefillProgress()
         view = ReplyView(console)
@@ -608,6 +614,7 @@ class ChatSession:
 
 
 def chat_command(
+    *,
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",

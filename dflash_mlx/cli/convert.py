@@ -25,6 +25,7 @@ The output loads with dflash_mlx.load or --draft-model; an existing one is repla
 
 
 def convert_command(
+    *,
     hf_path: str = typer.Option(..., "--hf-path", help="Z Lab drafter: Hub repo id or local directory."),
     mlx_path: str = typer.Option("mlx_model", "--mlx-path", help="Output directory."),
     dtype: Optional[str] = typer.Option(

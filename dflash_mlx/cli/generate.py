@@ -67,6 +67,7 @@ Without --model the built-in pair runs; without --draft-model the drafter comes 
 
 
 def generate_command(
+    *,
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",
@@ -154,7 +155,7 @@ def generate_command(
         )
         kv = (kv_bits, kv_group_size, quantized_kv_start)
         cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids, kv)
-        cache = kv_cache(target, draft, cache, *kv, max_kv_size)
+        cache = kv_cache(target, draft, cache, *kv, max_kv_size=max_kv_size)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
         reply_tokens, limit = room_for_reply(target, len(ids), max_tokens, bounded=max_kv_size is not None)

@@ -305,6 +305,7 @@ def kv_cache(
     kv_bits: Optional[int],
     kv_group_size: int,
     quantized_kv_start: int,
+    *,
     max_kv_size: Optional[int] = None,
 ):
     """The prompt cache to run with: ``cache`` (one loaded from a file, made

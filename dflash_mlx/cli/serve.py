@@ -64,6 +64,7 @@ def parse_size(text: Optional[str], flag: str = "--prompt-cache-bytes") -> Optio
 
 
 def serve_command(
+    *,
     model: Model = None,
     draft_model: DraftModel = None,
     dtype: Dtype = "auto",

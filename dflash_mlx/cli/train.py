@@ -67,6 +67,7 @@ def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def train_command(
+    *,
     model: Optional[str] = typer.Option(
         None,
         "--model",

@@ -114,6 +114,7 @@ def _first_missing_ancestor(path: Path) -> Path | None:
 def _card(
     out: Path,
     source: str,
+    *,
     revision: str | None,
     dtype: str,
     quant: Quantization | None,
@@ -296,12 +297,12 @@ def convert(
     card = _card(
         out,
         src_id if from_hub else str(src.resolve()),
-        revision_of(src),
-        dtype_name,
-        quant,
-        card_target,
-        upload_repo,
-        from_hub,
+        revision=revision_of(src),
+        dtype=dtype_name,
+        quant=quant,
+        target=card_target,
+        upload_repo=upload_repo,
+        from_hub=from_hub,
     )
 
     created, tmp = _first_missing_ancestor(out.parent), None

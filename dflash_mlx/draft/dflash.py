@@ -409,7 +409,19 @@ class DraftAttention(nn.Module):
         return rope(self.k_norm(self._heads(k, self.n_kv_heads)), offset=offset)
 
     def __call__(
-        self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None, residual=None, norm=None
+        self,
+        x,
+        ctx_keys,
+        ctx_values,
+        rope,
+        offset,
+        mask,
+        *,
+        cache=None,
+        attend=None,
+        fused=None,
+        residual=None,
+        norm=None,
     ):
         """x: [B, L, H] block states at positions offset..offset+L-1;
         ctx_keys/values: [B, kv_heads, C, head_dim].
@@ -475,10 +487,20 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, *, cache=None, attend=None, fused=None):
         """``fused``: this layer's FusedProjections; None: the modules."""
         h = self.self_attn(
-            x, ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused, residual=x, norm=self.input_layernorm
+            x,
+            ctx_keys,
+            ctx_values,
+            rope,
+            offset,
+            mask,
+            cache=cache,
+            attend=attend,
+            fused=fused,
+            residual=x,
+            norm=self.input_layernorm,
         )
         if fused is not None:
             return fused.mlp(self.mlp, h, h, self.post_attention_layernorm)

@@ -178,12 +178,11 @@ class Draft2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(cfg)
         self.mlp_conv = GroupedDynamicConv(cfg)
 
-    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, cache=None, attend=None, fused=None):
+    def __call__(self, x, ctx_keys, ctx_values, rope, offset, mask, *, cache=None, attend=None, fused=None):
         h = self.input_layernorm(x)
         dyn = self.attention_conv.dynamic(h)
-        a = self.self_attn(
-            self.attention_conv(h, dyn, 0), ctx_keys, ctx_values, rope, offset, mask, cache, attend, fused
-        )
+        conv = self.attention_conv(h, dyn, 0)
+        a = self.self_attn(conv, ctx_keys, ctx_values, rope, offset, mask, cache=cache, attend=attend, fused=fused)
         x = x + self.attention_conv(a, dyn, 1)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.dynamic(h)

@@ -60,7 +60,7 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
     future side only when not causal). sinks: per-query-head logits [Hq].
     q_offset and kv_length may be ints or one-element int arrays (never read back).
     """
-    check_inputs(queries, keys, values, q_offset, kv_length, window, sinks)
+    check_inputs(queries, keys, values, q_offset, kv_length, window=window, sinks=sinks)
     kw = dict(scale=scale, q_offset=q_offset, kv_length=kv_length, causal=causal, window=window, sinks=sinks)
     where = backend()
     keys_hint = kv_length if isinstance(kv_length, int) else keys.shape[2]
@@ -113,11 +113,11 @@ def self_check(where: str, dtype, head_dim: int, windowed: bool) -> CheckResult:
         for q, k, v, kw in _check_cases(dtype, head_dim, windowed):
             yield kernel(q, k, v, **kw), ops_attention(q, k, v, **kw)
 
-    return compare_with_ops(where, dtype, head_dim, windowed, _kernels, BUILDERS, outputs)
+    return compare_with_ops(where, dtype, head_dim, windowed, kernels=_kernels, builders=BUILDERS, outputs=outputs)
 
 
 def compare_with_ops(
-    where: str, dtype, head_dim: int, windowed: bool, kernels: dict, builders: dict, outputs
+    where: str, dtype, head_dim: int, windowed: bool, *, kernels: dict, builders: dict, outputs
 ) -> CheckResult:
     """Self-check: every (kernel, ops) pair from ``outputs(kernel)`` agrees within
     TOLERANCE of the largest element; a build or launch error fails it, named."""

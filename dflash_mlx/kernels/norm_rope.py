@@ -230,7 +230,7 @@ def self_check(where: str, dtype, head_dim: int) -> CheckResult:
             got = kernel(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset)
             yield from zip(got, ops_norm_rope(q, k, qn, kn, rope, offset))
 
-    return compare_with_ops(where, dtype, head_dim, False, _kernels, BUILDERS, outputs)
+    return compare_with_ops(where, dtype, head_dim, False, kernels=_kernels, builders=BUILDERS, outputs=outputs)
 
 
 def _check_cases(dtype, head_dim: int):

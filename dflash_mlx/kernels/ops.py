@@ -11,7 +11,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def check_inputs(queries, keys, values, q_offset, kv_length, window, sinks) -> None:
+def check_inputs(queries, keys, values, q_offset, kv_length, *, window, sinks) -> None:
     """Raise ValueError (one sentence) for inputs outside the contract."""
     for name, a in (("queries", queries), ("keys", keys), ("values", values)):
         if not isinstance(a, mx.array) or a.ndim != 4:

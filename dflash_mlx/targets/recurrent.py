@@ -27,7 +27,7 @@ def _value(n) -> int:
     return n if isinstance(n, int) else int(n.item())
 
 
-def per_step_update(q, k, v, a, b, layer: nn.Module, state: mx.array | None):
+def per_step_update(q, k, v, a, b, *, layer: nn.Module, state: mx.array | None):
     """mlx-lm's ``gated_delta_update`` one step at a time: returns the outputs
     [B, T, Hv, Dv], the T+1 states stacked [T+1, B, Hv, Dv, Dk], and the last
     state on its own (the cache's next state must not hold the stack)."""
@@ -162,7 +162,7 @@ class DeltaCache:
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
         states = None
         if self.rollback == "per-step" and T <= self.per_step_longest:
-            out, states, state = per_step_update(q, k, v, a, b, layer, self.ssm)
+            out, states, state = per_step_update(q, k, v, a, b, layer=layer, state=self.ssm)
         else:
             out, state = gated_delta_update(
                 q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm, use_kernel=not layer.training

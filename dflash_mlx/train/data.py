@@ -72,6 +72,7 @@ def distill(
     seq_len: int,
     out: Path,
     meta: dict,
+    *,
     gen_batch: int = 32,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Sequence]:

@@ -220,7 +220,7 @@ def split_held_out(seqs: list[Sequence], fraction: float, seed: int) -> tuple[li
 
 
 def held_out_acceptance(
-    draft, adapter, seqs: list[Sequence], cfg: TrainConfig, mask_id: int, weights, batches: int = 4
+    draft, adapter, seqs: list[Sequence], cfg: TrainConfig, mask_id: int, weights, *, batches: int = 4
 ) -> dict:
     """Loss and acceptance estimate on held-out sequences, full blocks, fixed anchors."""
     full = TrainConfig(**{**asdict(cfg), "min_block_size": None})
@@ -398,7 +398,7 @@ def prepare(cfg: TrainConfig, *, target=None, log: Log = _nothing, progress: Sta
         cfg.seq_len,
         out,
         meta,
-        cfg.gen_batch,
+        gen_batch=cfg.gen_batch,
         progress=lambda done, total: progress("distill", done, total, ""),
     )
     seqs = [s for s in seqs if len(s.tokens) - s.prompt_len >= 2]

@@ -63,6 +63,7 @@ class BlockProductKernel:
         weight: mx.array,
         bias: mx.array | None = None,
         residual: mx.array | None = None,
+        *,
         heads: bool = False,
         swiglu: bool = False,
         norm: tuple[mx.array, float] | None = None,
@@ -274,7 +275,7 @@ def self_check(where: str, dtype, swiglu: bool = False, norm: bool = False) -> C
                 yield kernel(x, w, bias, residual, norm=(nw, eps)), reference(normed, w, bias, residual)
 
     chosen = norm_outputs if norm else swiglu_outputs if swiglu else outputs
-    return compare_with_ops(where, dtype, 0, False, _kernels, BUILDERS, chosen)
+    return compare_with_ops(where, dtype, 0, False, kernels=_kernels, builders=BUILDERS, outputs=chosen)
 
 
 def norm_check_cases(dtype, swiglu: bool):
