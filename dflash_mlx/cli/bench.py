@@ -151,7 +151,7 @@ def bench_command(
         import mlx.core as mx
         from mlx_lm.sample_utils import make_sampler
 
-        target_name = model_or_builtin(model)
+        target_name = model_or_builtin(model, draft_model)
         target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
         if model is None or model == "builtin":

@@ -75,7 +75,7 @@ def read_cache_file(path: Path) -> dict:
     meta = read_metadata(path)
     try:
         template_kwargs = json.loads(meta.get("template_kwargs") or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested past any template's settings)
         template_kwargs = None
     if not isinstance(template_kwargs, dict):
         raise damaged(path, "its chat template settings are not a JSON object")
@@ -154,7 +154,7 @@ def cache_prompt_command(
         from dflash_mlx import make_prompt_cache, stream_generate
         from dflash_mlx.cache.files import save_prompt_cache
 
-        name = model_or_builtin(model)
+        name = model_or_builtin(model, draft_model)
         target, draft, tokenizer = load_pair(
             name, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
         )

@@ -178,7 +178,7 @@ def serve_command(
             host=host,
             allowed_hosts=tuple(allowed_host or ()),
         )
-        target, draft, tokenizer = load_pair(model_or_builtin(model), draft_model, dtype=dtype)
+        target, draft, tokenizer = load_pair(model_or_builtin(model, draft_model), draft_model, dtype=dtype)
         check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft)  # a block past the trained one
         try:
             app = create_app(target, draft, tokenizer, config)
