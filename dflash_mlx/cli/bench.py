@@ -13,31 +13,8 @@ from rich.table import Table
 
 from dflash_mlx.prompts import read_prompts
 
+from . import options
 from .console import UserError, console, err, user_errors
-from .options import (
-    BlockSize,
-    DraftModel,
-    Dtype,
-    EnableThinking,
-    IgnoreChatTemplate,
-    KvBits,
-    KvGroupSize,
-    MaxKvSize,
-    MaxTokens,
-    MinP,
-    Model,
-    NumDraftTokens,
-    QuantizedKvStart,
-    Seed,
-    SystemPrompt,
-    Temp,
-    TopK,
-    TopP,
-    Verbose,
-    check_args,
-    check_kv,
-    kv_cache,
-)
 from .pair import load_pair, model_or_builtin
 from .prompt_input import prompt_ids, thinking_note
 
@@ -107,32 +84,32 @@ def _short(text: str, n: int = 40) -> str:
 
 def bench_command(
     *,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    dtype: Dtype = "auto",
+    model: options.Model = None,
+    draft_model: options.DraftModel = None,
+    dtype: options.Dtype = "auto",
     prompts: Annotated[
         Optional[Path], typer.Option("--prompts", help="Prompts file: one per line, or JSONL.", show_default=False)
     ] = None,
-    max_tokens: MaxTokens = 256,
+    max_tokens: options.MaxTokens = 256,
     repeat: Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; tok/s is the mean.")] = 1,
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    min_p: MinP = 0.0,
-    top_k: TopK = 0,
-    seed: Seed = 0,
-    block_size: BlockSize = None,
-    num_draft_tokens: NumDraftTokens = None,
-    system_prompt: SystemPrompt = None,
-    ignore_chat_template: IgnoreChatTemplate = False,
-    enable_thinking: EnableThinking = False,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = 64,
-    quantized_kv_start: QuantizedKvStart = 5000,
-    max_kv_size: MaxKvSize = None,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    min_p: options.MinP = 0.0,
+    top_k: options.TopK = 0,
+    seed: options.Seed = 0,
+    block_size: options.BlockSize = None,
+    num_draft_tokens: options.NumDraftTokens = None,
+    system_prompt: options.SystemPrompt = None,
+    ignore_chat_template: options.IgnoreChatTemplate = False,
+    enable_thinking: options.EnableThinking = False,
+    kv_bits: options.KvBits = None,
+    kv_group_size: options.KvGroupSize = 64,
+    quantized_kv_start: options.QuantizedKvStart = 5000,
+    max_kv_size: options.MaxKvSize = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")
     ] = False,
-    verbose: Verbose = False,
+    verbose: options.Verbose = False,
 ):
     """Compare plain mlx-lm decoding of the target with DFlash on the same prompts.
 
@@ -141,10 +118,10 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        block_size = check_args(
+        block_size = options.check_args(
             max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, num_draft_tokens=num_draft_tokens
         )
-        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
@@ -153,7 +130,7 @@ def bench_command(
 
         target_name = model_or_builtin(model, draft_model)
         target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
-        check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
+        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
         if model is None or model == "builtin":
             target_name, draft_name = "builtin", draft_model or "builtin"
         else:
@@ -181,7 +158,7 @@ def bench_command(
         )  # the same cache for mlx-lm
         if max_kv_size is not None:
             plain_kv["max_kv_size"] = max_kv_size
-        kv_cache(
+        options.kv_cache(
             target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
         )  # refuses a target it cannot serve
         sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
@@ -192,7 +169,7 @@ def bench_command(
             return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
 
         def dflash(ids, n, run):
-            cache = kv_cache(
+            cache = options.kv_cache(
                 target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
             )  # (a fresh one each run)
             return _dflash(

@@ -11,27 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import options
 from .console import UserError, console, note, user_errors
-from .options import (
-    AdapterPath,
-    ChatTemplateConfig,
-    DraftModel,
-    Dtype,
-    IgnoreChatTemplate,
-    KvBits,
-    KvGroupSize,
-    Model,
-    PrefillStepSize,
-    QuantizedKvStart,
-    SystemPrompt,
-    TrustRemoteCode,
-    Verbose,
-    check_kv,
-    flag_names,
-    kv_cache,
-    template_args,
-    utf8_text,
-)
 from .pair import context_length, load_pair, model_or_builtin
 from .progress import PrefillProgress
 from .prompt_input import read_prompt, uses_template
@@ -95,7 +76,7 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
     try:
         cache, _ = load_prompt_cache(path, target, draft, *kv)
     except ValueError as e:
-        raise UserError(flag_names(str(e))) from None
+        raise UserError(options.flag_names(str(e))) from None
     shared = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
     if shared < len(cache.tokens) - 1:
         note(
@@ -107,9 +88,9 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
 
 def cache_prompt_command(
     *,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    dtype: Dtype = "auto",
+    model: options.Model = None,
+    draft_model: options.DraftModel = None,
+    dtype: options.Dtype = "auto",
     prompt: Annotated[
         Optional[str],
         typer.Option(
@@ -117,22 +98,22 @@ def cache_prompt_command(
             "-p",
             help="The prefix to cache; '-' reads it from stdin.",
             show_default=False,
-            callback=utf8_text,
+            callback=options.utf8_text,
         ),
     ] = None,
     prompt_cache_file: Annotated[
         Optional[Path], typer.Option("--prompt-cache-file", help="The file to write (safetensors).", show_default=False)
     ] = None,
-    system_prompt: SystemPrompt = None,
-    ignore_chat_template: IgnoreChatTemplate = False,
-    chat_template_config: ChatTemplateConfig = None,
-    adapter_path: AdapterPath = None,
-    trust_remote_code: TrustRemoteCode = False,
-    prefill_step_size: PrefillStepSize = 2048,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = 64,
-    quantized_kv_start: QuantizedKvStart = 5000,
-    verbose: Verbose = False,
+    system_prompt: options.SystemPrompt = None,
+    ignore_chat_template: options.IgnoreChatTemplate = False,
+    chat_template_config: options.ChatTemplateConfig = None,
+    adapter_path: options.AdapterPath = None,
+    trust_remote_code: options.TrustRemoteCode = False,
+    prefill_step_size: options.PrefillStepSize = 2048,
+    kv_bits: options.KvBits = None,
+    kv_group_size: options.KvGroupSize = 64,
+    quantized_kv_start: options.QuantizedKvStart = 5000,
+    verbose: options.Verbose = False,
 ):
     """Cache a prompt prefix (a long system prompt or document) in a file.
 
@@ -147,10 +128,10 @@ def cache_prompt_command(
                 "no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors."
             )
         text = read_prompt(prompt)
-        kwargs = template_args(chat_template_config)
+        kwargs = options.template_args(chat_template_config)
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be a positive integer, got {prefill_step_size}.")
-        check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        options.check_kv(kv_bits, kv_group_size, quantized_kv_start)
         from dflash_mlx import make_prompt_cache, stream_generate
         from dflash_mlx.cache.files import save_prompt_cache
 
@@ -165,7 +146,7 @@ def cache_prompt_command(
             raise UserError(
                 f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it."
             )
-        cache = kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(
+        cache = options.kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(
             target, draft
         )
         progress = PrefillProgress()

@@ -24,41 +24,9 @@ from rich.text import Text
 
 from dflash_mlx.prompts import apply_chat_template, encode
 
+from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
-from .options import (
-    AdapterPath,
-    BlockSize,
-    ChatTemplateConfig,
-    DraftModel,
-    Dtype,
-    EnableThinking,
-    ExtraEosToken,
-    IgnoreChatTemplate,
-    KvBits,
-    KvGroupSize,
-    MaxKvSize,
-    MaxTokens,
-    MinP,
-    Model,
-    NumDraftTokens,
-    PrefillStepSize,
-    PromptCacheFile,
-    QuantizedKvStart,
-    Seed,
-    SystemPrompt,
-    Temp,
-    TopK,
-    TopP,
-    TrustRemoteCode,
-    Verbose,
-    add_eos_tokens,
-    check_args,
-    check_kv,
-    flag_names,
-    kv_cache,
-    template_args,
-)
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, thinking_note, uses_template
@@ -380,7 +348,7 @@ class ChatSession:
         self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
         self.interrupts = Interrupts()
         self._make_cache = lambda: (
-            kv_cache(model, draft, None, *kv[:3], max_kv_size=kv[3]) or make_prompt_cache(model, draft)
+            options.kv_cache(model, draft, None, *kv[:3], max_kv_size=kv[3]) or make_prompt_cache(model, draft)
         )
         self.reset()
 
@@ -391,7 +359,7 @@ class ChatSession:
             try:
                 self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft, *self.kv[:3])
             except ValueError as e:
-                raise ValueError(flag_names(str(e))) from None
+                raise ValueError(options.flag_names(str(e))) from None
         else:
             self.cache = self._make_cache()
         self.messages = (
@@ -444,7 +412,7 @@ class ChatSession:
             console.print(Text(str(e), style="yellow"))
             return
         if first and self.cache_file is not None:
-            self.cache = kv_cache(
+            self.cache = options.kv_cache(
                 self.model,
                 self.draft,
                 open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
@@ -615,35 +583,35 @@ class ChatSession:
 
 def chat_command(
     *,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    dtype: Dtype = "auto",
-    max_tokens: MaxTokens = 512,
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    min_p: MinP = 0.0,
-    top_k: TopK = 0,
-    seed: Seed = None,
-    block_size: BlockSize = None,
-    num_draft_tokens: NumDraftTokens = None,
-    system_prompt: SystemPrompt = None,
-    ignore_chat_template: IgnoreChatTemplate = False,
-    enable_thinking: EnableThinking = False,
-    chat_template_config: ChatTemplateConfig = None,
-    extra_eos_token: ExtraEosToken = None,
-    adapter_path: AdapterPath = None,
-    trust_remote_code: TrustRemoteCode = False,
-    prompt_cache_file: PromptCacheFile = None,
+    model: options.Model = None,
+    draft_model: options.DraftModel = None,
+    dtype: options.Dtype = "auto",
+    max_tokens: options.MaxTokens = 512,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    min_p: options.MinP = 0.0,
+    top_k: options.TopK = 0,
+    seed: options.Seed = None,
+    block_size: options.BlockSize = None,
+    num_draft_tokens: options.NumDraftTokens = None,
+    system_prompt: options.SystemPrompt = None,
+    ignore_chat_template: options.IgnoreChatTemplate = False,
+    enable_thinking: options.EnableThinking = False,
+    chat_template_config: options.ChatTemplateConfig = None,
+    extra_eos_token: options.ExtraEosToken = None,
+    adapter_path: options.AdapterPath = None,
+    trust_remote_code: options.TrustRemoteCode = False,
+    prompt_cache_file: options.PromptCacheFile = None,
     resume: Annotated[
         Optional[Path],
         typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False),
     ] = None,
-    prefill_step_size: PrefillStepSize = 2048,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = 64,
-    quantized_kv_start: QuantizedKvStart = 5000,
-    max_kv_size: MaxKvSize = None,
-    verbose: Verbose = False,
+    prefill_step_size: options.PrefillStepSize = 2048,
+    kv_bits: options.KvBits = None,
+    kv_group_size: options.KvGroupSize = 64,
+    quantized_kv_start: options.QuantizedKvStart = 5000,
+    max_kv_size: options.MaxKvSize = None,
+    verbose: options.Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
 
@@ -654,11 +622,11 @@ def chat_command(
     """
     with user_errors(verbose):
         flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
-        block_size = check_args(
+        block_size = options.check_args(
             max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags
         )
-        kwargs = template_args(chat_template_config)
-        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
+        kwargs = options.template_args(chat_template_config)
+        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         conversation = None if resume is None else load_conversation(resume)
         prefix = ""
         if prompt_cache_file is not None:
@@ -668,8 +636,8 @@ def chat_command(
         target, draft, tokenizer = load_pair(
             model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
         )
-        check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
-        add_eos_tokens(tokenizer, extra_eos_token)
+        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
+        options.add_eos_tokens(tokenizer, extra_eos_token)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         if not ignore_chat_template and not uses_template(tokenizer, False):
             console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))

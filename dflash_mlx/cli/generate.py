@@ -9,41 +9,9 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
+from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import err, note, user_errors
-from .options import (
-    AdapterPath,
-    BlockSize,
-    ChatTemplateConfig,
-    DraftModel,
-    Dtype,
-    EnableThinking,
-    ExtraEosToken,
-    IgnoreChatTemplate,
-    KvBits,
-    KvGroupSize,
-    MaxKvSize,
-    MaxTokens,
-    MinP,
-    Model,
-    NumDraftTokens,
-    PrefillStepSize,
-    PromptCacheFile,
-    QuantizedKvStart,
-    Seed,
-    SystemPrompt,
-    Temp,
-    TopK,
-    TopP,
-    TrustRemoteCode,
-    Verbose,
-    add_eos_tokens,
-    check_args,
-    check_kv,
-    kv_cache,
-    template_args,
-    utf8_text,
-)
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import prompt_ids, read_prompt, thinking_note
@@ -68,46 +36,50 @@ Without --model the built-in pair runs; without --draft-model the drafter comes 
 
 def generate_command(
     *,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    dtype: Dtype = "auto",
+    model: options.Model = None,
+    draft_model: options.DraftModel = None,
+    dtype: options.Dtype = "auto",
     prompt: Annotated[
         Optional[str],
         typer.Option(
-            "--prompt", "-p", help="The prompt; '-' reads it from stdin.", show_default=False, callback=utf8_text
+            "--prompt",
+            "-p",
+            help="The prompt; '-' reads it from stdin.",
+            show_default=False,
+            callback=options.utf8_text,
         ),
     ] = None,
-    max_tokens: MaxTokens = 256,
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    min_p: MinP = 0.0,
-    top_k: TopK = 0,
-    seed: Seed = None,
-    block_size: BlockSize = None,
-    num_draft_tokens: NumDraftTokens = None,
-    system_prompt: SystemPrompt = None,
+    max_tokens: options.MaxTokens = 256,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    min_p: options.MinP = 0.0,
+    top_k: options.TopK = 0,
+    seed: options.Seed = None,
+    block_size: options.BlockSize = None,
+    num_draft_tokens: options.NumDraftTokens = None,
+    system_prompt: options.SystemPrompt = None,
     prefill_response: Annotated[
         Optional[str],
         typer.Option(
             "--prefill-response",
             help="Start the reply with this text (chat template); the model continues it.",
             show_default=False,
-            callback=utf8_text,
+            callback=options.utf8_text,
         ),
     ] = None,
-    ignore_chat_template: IgnoreChatTemplate = False,
-    enable_thinking: EnableThinking = False,
-    chat_template_config: ChatTemplateConfig = None,
-    extra_eos_token: ExtraEosToken = None,
-    adapter_path: AdapterPath = None,
-    trust_remote_code: TrustRemoteCode = False,
-    prompt_cache_file: PromptCacheFile = None,
-    prefill_step_size: PrefillStepSize = 2048,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = 64,
-    quantized_kv_start: QuantizedKvStart = 5000,
-    max_kv_size: MaxKvSize = None,
-    verbose: Verbose = False,
+    ignore_chat_template: options.IgnoreChatTemplate = False,
+    enable_thinking: options.EnableThinking = False,
+    chat_template_config: options.ChatTemplateConfig = None,
+    extra_eos_token: options.ExtraEosToken = None,
+    adapter_path: options.AdapterPath = None,
+    trust_remote_code: options.TrustRemoteCode = False,
+    prompt_cache_file: options.PromptCacheFile = None,
+    prefill_step_size: options.PrefillStepSize = 2048,
+    kv_bits: options.KvBits = None,
+    kv_group_size: options.KvGroupSize = 64,
+    quantized_kv_start: options.QuantizedKvStart = 5000,
+    max_kv_size: options.MaxKvSize = None,
+    verbose: options.Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
 
@@ -123,15 +95,15 @@ def generate_command(
             system_prompt = system_prompt or cached["system_prompt"]
             chat_template_config = chat_template_config or json.dumps(cached["template_kwargs"])
         flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size)
-        block_size = check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
-        kwargs = template_args(chat_template_config)
-        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
+        block_size = options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
+        kwargs = options.template_args(chat_template_config)
+        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
         from dflash_mlx import stream_generate
 
         target, draft, tokenizer = load_pair(
             model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
         )
-        check_args(
+        options.check_args(
             max_tokens,
             temp,
             top_p,
@@ -142,7 +114,7 @@ def generate_command(
             min_p=min_p,
             prefill_step_size=prefill_step_size,
         )
-        add_eos_tokens(tokenizer, extra_eos_token)
+        options.add_eos_tokens(tokenizer, extra_eos_token)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         ids = prompt_ids(
             tokenizer,
@@ -155,7 +127,7 @@ def generate_command(
         )
         kv = (kv_bits, kv_group_size, quantized_kv_start)
         cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids, kv)
-        cache = kv_cache(target, draft, cache, *kv, max_kv_size=max_kv_size)
+        cache = options.kv_cache(target, draft, cache, *kv, max_kv_size=max_kv_size)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
         reply_tokens, limit = room_for_reply(target, len(ids), max_tokens, bounded=max_kv_size is not None)

@@ -9,30 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from . import options
 from .console import UserError, note, user_errors
-from .options import (
-    BlockSize,
-    ChatTemplateConfig,
-    DraftModel,
-    Dtype,
-    KvBits,
-    KvGroupSize,
-    MaxKvSize,
-    MaxTokens,
-    MinP,
-    Model,
-    PrefillStepSize,
-    QuantizedKvStart,
-    Seed,
-    Temp,
-    TopK,
-    TopP,
-    Verbose,
-    check_args,
-    check_kv,
-    flag_names,
-    template_args,
-)
 from .pair import load_pair, model_or_builtin
 
 EXAMPLES = """\
@@ -65,20 +43,20 @@ def parse_size(text: Optional[str], flag: str = "--prompt-cache-bytes") -> Optio
 
 def serve_command(
     *,
-    model: Model = None,
-    draft_model: DraftModel = None,
-    dtype: Dtype = "auto",
+    model: options.Model = None,
+    draft_model: options.DraftModel = None,
+    dtype: options.Dtype = "auto",
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on; 0.0.0.0 opens the server to the network.")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
-    max_tokens: MaxTokens = 512,
-    temp: Temp = 0.0,
-    top_p: TopP = 1.0,
-    top_k: TopK = 0,
-    min_p: MinP = 0.0,
-    seed: Seed = None,
-    block_size: BlockSize = None,
+    max_tokens: options.MaxTokens = 512,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    top_k: options.TopK = 0,
+    min_p: options.MinP = 0.0,
+    seed: options.Seed = None,
+    block_size: options.BlockSize = None,
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -95,7 +73,7 @@ def serve_command(
             "--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False
         ),
     ] = None,
-    chat_template_args: ChatTemplateConfig = None,
+    chat_template_args: options.ChatTemplateConfig = None,
     model_name: Annotated[
         Optional[str],
         typer.Option(
@@ -107,11 +85,11 @@ def serve_command(
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
-    prefill_step_size: PrefillStepSize = 2048,
-    kv_bits: KvBits = None,
-    kv_group_size: KvGroupSize = 64,
-    quantized_kv_start: QuantizedKvStart = 5000,
-    max_kv_size: MaxKvSize = None,
+    prefill_step_size: options.PrefillStepSize = 2048,
+    kv_bits: options.KvBits = None,
+    kv_group_size: options.KvGroupSize = 64,
+    quantized_kv_start: options.QuantizedKvStart = 5000,
+    max_kv_size: options.MaxKvSize = None,
     max_body_bytes: Annotated[
         str, typer.Option("--max-body-bytes", help="Largest request body accepted, e.g. 16MB; a larger one gets a 413.")
     ] = "16MiB",
@@ -129,7 +107,7 @@ def serve_command(
             show_default=False,
         ),
     ] = None,
-    verbose: Verbose = False,
+    verbose: options.Verbose = False,
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages.
 
@@ -138,7 +116,7 @@ def serve_command(
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
     with user_errors(verbose):
-        block = check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p)
+        block = options.check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p)
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
         if prompt_cache_size < 0:
@@ -148,7 +126,7 @@ def serve_command(
         body_limit = parse_size(max_body_bytes, "--max-body-bytes")
         if body_limit < 1024:
             raise UserError(f"--max-body-bytes must be at least 1KB, got {max_body_bytes!r}.")
-        check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         try:
             from dflash_mlx.server import ServerConfig, create_app, run
         except ImportError as e:
@@ -166,7 +144,7 @@ def serve_command(
             block_size=block,
             prefill_step_size=prefill_step_size,
             api_key=api_key,
-            chat_template_args=template_args(chat_template_args),
+            chat_template_args=options.template_args(chat_template_args),
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=parse_size(prompt_cache_bytes),
             kv_bits=kv_bits,
@@ -179,11 +157,13 @@ def serve_command(
             allowed_hosts=tuple(allowed_host or ()),
         )
         target, draft, tokenizer = load_pair(model_or_builtin(model, draft_model), draft_model, dtype=dtype)
-        check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft)  # a block past the trained one
+        options.check_args(
+            max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft
+        )  # a block past the trained one
         try:
             app = create_app(target, draft, tokenizer, config)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)
-            raise UserError(flag_names(str(e))) from None
+            raise UserError(options.flag_names(str(e))) from None
         note(f"serving {config.model_name} on http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic)")
         run(app, host=host, port=port, log_level=log_level)
     # The server has shut down (worker joined, sockets closed). Decoding ran in
