@@ -116,6 +116,15 @@ def test_function_call_item_and_its_output(scripted_server):
     )
     assert after.status == "completed"
 
+    # an agent's loop: the tool's output continues the stored call
+    followed = client.responses.create(
+        model="tiny",
+        previous_response_id=reply.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "w13"}],
+        max_output_tokens=20,
+    )
+    assert followed.status == "completed" and followed.usage.input_tokens > reply.usage.input_tokens
+
 
 def test_previous_response_id_continues_the_conversation(scripted_pair, scripted_server):
     client = openai_client(scripted_server)
