@@ -23,36 +23,10 @@ def prepare(dtype, head_dim: int, windows) -> None:
         dispatch.checked_kernel(where, dtype, head_dim, windowed)
 
 
-def attention(
-    queries,
-    keys,
-    values,
-    *,
-    cache,
-    scale: float,
-    mask,
-    start,
-    length=None,
-    causal: bool = True,
-    window: int | None = None,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """Attention of the rows written at ``start`` over the cache's buffers;
-    ``mask`` is mlx-lm's path's, ``length`` the valid length (default: the
-    cache's offset). Returns [B, heads, L, D]."""
-    out, as_rows = attention_output(
-        queries,
-        keys,
-        values,
-        cache=cache,
-        scale=scale,
-        mask=mask,
-        start=start,
-        length=length,
-        causal=causal,
-        window=window,
-        sinks=sinks,
-    )
+def attention(queries, keys, values, **where) -> mx.array:
+    """Attention of the rows written at ``start`` over the cache's buffers
+    (``where``: ``attention_output``'s keywords); returns [B, heads, L, D]."""
+    out, as_rows = attention_output(queries, keys, values, **where)
     if as_rows:
         B, L, _ = out.shape
         return out.reshape(B, L, queries.shape[1], -1).transpose(0, 2, 1, 3)
@@ -73,9 +47,10 @@ def attention_output(
     window: int | None = None,
     sinks: mx.array | None = None,
 ) -> tuple[mx.array, bool]:
-    """``attention`` in its stored layout, which the output product reads
-    without a copy: (rows [B, L, heads * D], True) where the kernel ran, else
-    (heads [B, heads, L, D], False)."""
+    """Attention in its stored layout, which the output product reads without
+    a copy: (rows [B, L, heads * D], True) where the kernel ran, else (heads
+    [B, heads, L, D], False). ``mask`` is mlx-lm's path's, ``length`` the
+    valid length (default: the cache's offset)."""
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
