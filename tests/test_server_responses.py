@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from test_server import openai_client, prompt_ids
-from test_server_fixtures import scripted_pair, scripted_server  # noqa: F401
+from test_server_fixtures import KV_PAIR_CONTEXT, kv_pair, scripted_pair, scripted_server, serving  # noqa: F401
 
 from dflash_mlx import stream_generate
 
@@ -175,3 +175,14 @@ def test_unknown_and_unsupported_fields_refused_by_name(scripted_server):
     assert ok.status_code == 200, ok.text
     plain = httpx.post(f"{scripted_server}/v1/responses", content=b'{"input": "w30"}', timeout=60)
     assert plain.status_code == 415
+
+
+def test_a_reply_past_the_context_is_refused_naming_max_output_tokens(kv_pair):
+    with serving(*kv_pair[2]) as url:
+        body = {"input": "w7 w8 w9 w10 w11 w12", "max_output_tokens": KV_PAIR_CONTEXT}
+        asked = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+        assert asked.status_code == 400, asked.text
+        error = asked.json()["error"]
+        assert (error["param"], error["code"]) == ("max_output_tokens", "context_length_exceeded")
+        assert f"+ {KV_PAIR_CONTEXT} > {KV_PAIR_CONTEXT}" in error["message"]
+        assert httpx.get(f"{url}/health").json()["stored_responses"] == 0

@@ -306,7 +306,7 @@ async def responses_job(service: Service, body: ResponsesRequest) -> tuple[Job, 
     tools = chat_tools(body)
     ids, reasoning = await service.off_loop(responses_prompt, service, body, messages, tools)
     job = Job(ids, service.params(body), structured=True, starts_in_reasoning=reasoning, tools=tools)
-    service.fit_to_context(job, body.max_output_tokens)
+    service.fit_to_context(job, body.max_output_tokens, "max_output_tokens")
     return job, _Turn(service, body, messages)
 
 

@@ -193,7 +193,7 @@ class Service:
             seed=c.seed if body.seed is None else body.seed,
         )
 
-    def fit_to_context(self, job: Job, asked: Optional[int]) -> None:
+    def fit_to_context(self, job: Job, asked: Optional[int], param: str = "max_tokens") -> None:
         """A prompt must leave room in the model's context, and so must the
         reply a client ``asked`` for; the server's own default is shortened to
         the room left. With --max-kv-size a conversation and its reply run
@@ -211,9 +211,9 @@ class Service:
         if asked is not None and n + asked > limit:
             raise APIError(
                 400,
-                f"input length and `max_tokens` exceed context limit: {n} + {asked} > {limit}, "
-                f"decrease input length or `max_tokens` and try again.",
-                param="max_tokens",
+                f"input length and `{param}` exceed context limit: {n} + {asked} > {limit}, "
+                f"decrease input length or `{param}` and try again.",
+                param=param,
                 code="context_length_exceeded",
             )
         job.params.max_tokens = min(job.params.max_tokens, limit - n)
@@ -265,6 +265,7 @@ class Service:
             "queued": self.worker.queued,
             "served": self.worker.served,
             "prompt_caches": len(self.worker.decoder.pool),
+            "stored_responses": len(self.responses),
         }
 
 
