@@ -77,6 +77,11 @@ def test_streamed_events_in_order(scripted_server):
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.status == "completed"
     assert final.usage.output_tokens > 0
 
+    # the client's stream helper reads the same events into the same response
+    with client.responses.stream(model="tiny", input="w30", max_output_tokens=50) as stream:
+        helped = stream.get_final_response()
+    assert helped.output_text == text and helped.status == "completed"
+
 
 def test_function_call_item_and_its_output(scripted_server):
     client = openai_client(scripted_server)
