@@ -105,10 +105,11 @@ def responses_prompt(service: Service, body: ResponsesRequest, messages: list[di
 class _Turn:
     """One request's reply: its id, its conversation and the response body."""
 
-    def __init__(self, service: Service, body: ResponsesRequest, messages: list[dict]):
+    def __init__(self, service: Service, body: ResponsesRequest, messages: list[dict], job: Job):
         self.id = _new_id("resp")
         self.created_at = int(time.time())
         self.service, self.body, self.messages = service, body, messages
+        self.params = job.params
 
     def response(self, status: str, output: list[dict], done: Optional[Done] = None) -> dict:
         b = self.body
@@ -124,10 +125,10 @@ class _Turn:
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": b.instructions,
-            "max_output_tokens": b.max_output_tokens,
+            "max_output_tokens": self.params.max_tokens,
             "previous_response_id": b.previous_response_id,
-            "temperature": b.temperature,
-            "top_p": b.top_p,
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
             "tool_choice": b.tool_choice or "auto",
             "parallel_tool_calls": b.parallel_tool_calls is not False,
@@ -307,7 +308,7 @@ async def responses_job(service: Service, body: ResponsesRequest) -> tuple[Job, 
     ids, reasoning = await service.off_loop(responses_prompt, service, body, messages, tools)
     job = Job(ids, service.params(body), structured=True, starts_in_reasoning=reasoning, tools=tools)
     service.fit_to_context(job, body.max_output_tokens, "max_output_tokens")
-    return job, _Turn(service, body, messages)
+    return job, _Turn(service, body, messages, job)
 
 
 async def responses(request: Request) -> Response:
