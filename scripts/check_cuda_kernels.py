@@ -150,7 +150,7 @@ def record_all(recorder: Recorder) -> None:
     products = block_products.BlockProductKernel("cuda", factory=recorder.factory)
     for dtype in block_products.DTYPES:
         for x, w, bias, residual, heads in block_products.check_cases(dtype):
-            products(x, w, bias, residual, heads)
+            products(x, w, bias, residual, heads=heads)
         for x, w in block_products.swiglu_check_cases(dtype):
             products(x, w, swiglu=True)
         for x, w, bias, residual, norm, swiglu in block_products.norm_check_cases(dtype, swiglu=True):

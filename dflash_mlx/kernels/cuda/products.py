@@ -260,7 +260,7 @@ def self_check(where: str, dtype, swiglu: bool = False, norm: bool = False) -> C
 
     def outputs(kernel):
         for x, w, bias, residual, heads in check_cases(dtype):
-            yield kernel(x, w, bias, residual, heads), reference(x, w, bias, residual, heads)
+            yield kernel(x, w, bias, residual, heads=heads), reference(x, w, bias, residual, heads)
 
     def swiglu_outputs(kernel):
         for x, w in swiglu_check_cases(dtype):
