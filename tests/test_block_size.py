@@ -475,8 +475,8 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
     real = Cycle.launch
     # seconds of host time per block size, 3x apart, so that a cycle charged
     # with any other size's cost falls outside its own bounds below even on
-    # a loaded machine
-    cost = {1: 0.01, 4: 0.06, 8: 0.18, 16: 0.54}
+    # a loaded machine (whose own cycles add up to ~0.05 s)
+    cost = {1: 0.05, 4: 0.15, 8: 0.45, 16: 1.35}
 
     def slow_launch(self, block_size, *args):
         time.sleep(cost[block_size])
@@ -492,7 +492,7 @@ def test_each_cycle_is_timed_under_its_own_block_size(agreeing_pair, monkeypatch
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=40, block_size="auto"))
     assert {b for b, s, _ in seen if s is not None} >= {1, 4, 8, 16}  # the probes change size from cycle to cycle
     for b, s, _ in seen:
-        assert s is None or cost[b] <= s < 1.7 * cost[b] + 0.03, (b, s)
+        assert s is None or cost[b] <= s < 2 * cost[b] + 0.05, (b, s)
 
 
 def test_a_cycle_that_built_new_graphs_is_not_timed(agreeing_pair, monkeypatch):
