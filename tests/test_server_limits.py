@@ -79,8 +79,8 @@ def test_a_request_template_is_refused_and_memory_stays_flat(server):
     assert ok.status_code == 200, ok.text
 
 
-SLOW_TEMPLATE = (  # the server's own template, slow to render: about 2 s of pure Python on a CPU
-    "{% set ns = namespace(x=0) %}{% for m in messages %}{% for i in range(200) %}{% for j in range(1000) %}"
+SLOW_TEMPLATE = (  # the server's own template, slow to render: about 4 s of pure Python on a CPU
+    "{% set ns = namespace(x=0) %}{% for m in messages %}{% for i in range(400) %}{% for j in range(1000) %}"
     "{% set ns.x = ns.x + (m['content'] | length) %}{% endfor %}{% endfor %}{% endfor %}" + SCRIPTED_TEMPLATE
 )
 
