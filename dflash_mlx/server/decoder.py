@@ -43,6 +43,7 @@ class Decoder:
         draft,
         tokenizer,
         pool: PromptCachePool,
+        *,
         block_size=None,
         prefill_step_size: int = 2048,
         read_limit: Optional[int] = None,

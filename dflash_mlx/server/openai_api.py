@@ -130,7 +130,7 @@ def _endpoint(schema, make_job, kind: str, choice, stream):
         service: Service = request.app.state.service
         body = await service.accept(request, schema)
         job = await make_job(service, body)
-        return await _respond(service, request, job, _Reply(service, kind), body, choice, stream)
+        return await _respond(service, request, job, _Reply(service, kind), body=body, choice=choice, stream=stream)
 
     return handler
 
@@ -183,7 +183,7 @@ completions = _endpoint(
 
 
 # -- shared -----------------------------------------------------------------------
-async def _respond(service: Service, request: Request, job: Job, reply: _Reply, body, choice, stream) -> Response:
+async def _respond(service: Service, request: Request, job: Job, reply: _Reply, *, body, choice, stream) -> Response:
     events = await service.start(job, request)
     if events is None:  # the client left before the first token
         return Response(status_code=499)

@@ -124,8 +124,8 @@ class Service:
                 draft,
                 tokenizer,
                 pool,
-                config.block_size,
-                config.prefill_step_size,
+                block_size=config.block_size,
+                prefill_step_size=config.prefill_step_size,
                 read_limit=self.context_length if bounded else None,
                 metrics=self.metrics,
             )
