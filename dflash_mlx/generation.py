@@ -21,6 +21,8 @@ from .draft.dflash import DFlashDraft
 from .prompts import encode
 from .targets import adapt
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass
 class GenerationResponse:
@@ -43,6 +45,10 @@ class GenerationResponse:
     cycles: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     block_sizes: dict[int, int] = field(default_factory=dict)
+    # With ``logprobs`` asked for, aligned with ``tokens``: the target's
+    # log-softmax at each token, and (logprobs > 0) the top (token, log-prob) pairs.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def plain_cycles(self) -> int:
@@ -102,6 +108,7 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse for the first token and one per cycle;
     the output is exactly the target's own. Arguments are checked before this
@@ -113,6 +120,8 @@ def stream_generate(
     prompt_cache: only the part of the prompt not cached is prefilled; a newer
     call on the same cache takes it over from a generator still alive.
     prompt_progress(done, total): called after each prefill chunk.
+    logprobs: None (off), 0 (each token's log-prob under the target's raw
+    distribution) or k in 1..20 (also the top k at each position).
     """
     target = adapt(model)
     draft.bind(target)
@@ -127,6 +136,10 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         trained_block_size=draft.config.block_size,
     )
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+    ):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}]; got {logprobs!r}.")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt, target.vocab_size)
@@ -148,6 +161,7 @@ def stream_generate(
         eos=set(tokenizer.eos_token_ids),
         prefill_step_size=args.prefill_step_size,
         progress=prompt_progress,
+        logprobs=logprobs,
     )
     if auto:
         steps = block_memory.remembered(steps, block)
@@ -200,6 +214,8 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
                 cycles=sum(sizes.values()),
                 accepted_by_position=list(by_position),
                 block_sizes=dict(sizes),
+                logprobs=step.logprobs,
+                top_logprobs=step.top_logprobs,
             )
 
 

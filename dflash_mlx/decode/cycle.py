@@ -35,6 +35,24 @@ class Flight:
     length: mx.array
     launch_seconds: float = 0.0
     new_shape: bool = False  # it built new graphs: not a measure of its size's cost
+    # With log-probs asked for: [bs, 1 + k] the picked token's then the top k's, and [bs, k] their ids.
+    logprobs: mx.array | None = None
+    top_ids: mx.array | None = None
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
+    """The target's raw log-softmax [R, 1 + k] at ``tokens`` [R] then at the
+    top ``k`` tokens (descending), and the top tokens' ids [R, k] (None for k 0)."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    if k == 0:
+        return chosen, None
+    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1).astype(mx.int32)
+    return mx.concatenate([chosen, mx.take_along_axis(values, order, axis=-1)], axis=-1), top
 
 
 class Cycle:
@@ -43,8 +61,17 @@ class Cycle:
     compile_graphs: bool | None = None
     defer_feed: bool = True
 
-    def __init__(self, target: DenseTarget, draft: DFlashDraft, caches, sampling: SamplingParams, seed: int):
+    def __init__(
+        self,
+        target: DenseTarget,
+        draft: DFlashDraft,
+        caches,
+        sampling: SamplingParams,
+        seed: int,
+        logprobs: int | None = None,
+    ):
         self.target, self.draft, self.caches = target, draft, caches
+        self.logprobs = logprobs  # None: none computed; k: the picked token's and the top k
         compiled = self.compile_graphs
         if compiled is None:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
@@ -71,6 +98,12 @@ class Cycle:
         """The token after the prompt, from the prefill's last logits [V]."""
         return pick(last_logits[None], mx.array([position], mx.int32), self.sampling, self.seed)
 
+    def first_logprobs(self, last_logits: mx.array, token: mx.array):
+        """``token_logprobs`` of the first token; (None, None) when not asked for."""
+        if self.logprobs is None:
+            return None, None
+        return token_logprobs(last_logits[None], token, self.logprobs)
+
     def would_build(self, block_size: int) -> bool:
         """Whether a cycle of ``block_size`` launched now would build new graphs."""
         return self._shape(block_size) not in self.traces.shapes
@@ -93,11 +126,11 @@ class Cycle:
             self._feed(len(self.deferred))
         exact_step = block_size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
-            result, new_last, new_length, taps = self._run_compiled(block_size, last, length, bound)
+            result, new_last, new_length, taps, scores = self._run_compiled(block_size, last, length, bound)
         else:
             at_host = exact_step and all(type(c) is BufferKVCache for c in self.caches.target)
             read = "exact" if exact_step else "bound"
-            result, new_last, new_length, taps = self._build(
+            result, new_last, new_length, taps, scores = self._build(
                 block_size, last, length, bound, self.seed, read=read, at_host=at_host
             )
         if taps is not None:
@@ -105,7 +138,10 @@ class Cycle:
                 self.deferred_from, self.deferred_bound = length, bound
             self.deferred.append(taps)
         flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape)
-        mx.async_eval(flight.result, flight.last, flight.length, *self.caches.arrays())
+        if scores is not None:
+            flight.logprobs, flight.top_ids = scores
+        extra = [a for a in (flight.logprobs, flight.top_ids) if a is not None]
+        mx.async_eval(flight.result, flight.last, flight.length, *extra, *self.caches.arrays())
         return flight
 
     def feed_deferred(self, committed: int) -> None:
@@ -129,7 +165,8 @@ class Cycle:
         self, block_size: int, last: mx.array, length: mx.array, bound: int, seed, *, read: str, at_host: bool = False
     ):
         """The cycle's graph: (result, next last token, new length, a deferred
-        plain step's tapped states or None). ``seed``: the sampler's two words
+        plain step's tapped states or None, ``token_logprobs`` of every verify
+        row or None). ``seed``: the sampler's two words
         (None when greedy); ``read``: how the forwards span the buffers
         (cache/buffer.py); ``at_host``: ``bound`` is the length, written as a
         host int (slice writes, as mlx-lm's step)."""
@@ -168,7 +205,10 @@ class Cycle:
             self.draft.extend(hidden, draft_cache, self.draft_fused)
             set_lengths(draft_cache, new_length, bound + block_size)
         result = mx.concatenate([accepted[None].astype(mx.int32), tokens])
-        return result, tokens[accepted][None], new_length, hidden if defer else None
+        scores = None
+        if self.logprobs is not None:  # of the logits the tokens were picked from
+            scores = token_logprobs(logits.squeeze(0), tokens, self.logprobs)
+        return result, tokens[accepted][None], new_length, hidden if defer else None, scores
 
     def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
         """``_build`` through mx.compile, traced per key and buffer width. The
@@ -188,6 +228,9 @@ class Cycle:
             self.draft.fuse_projections,
             defer,
         )
+        top = self.logprobs
+        if top is not None:
+            key += ("logprobs", top)
 
         def make():
             def step(last, length, seed, *buffers):
@@ -196,12 +239,13 @@ class Cycle:
                     c.keys, c.values = k, v
                 traced_seed = seed if cycle.seed is not None else None
                 out = cycle._build(block_size, last, length, now["bound"], traced_seed, read="fixed")
-                result, new_last, new_length, taps = out
+                result, new_last, new_length, taps, scores = out
                 return (
                     result,
                     new_last,
                     new_length,
                     *([taps] if defer else []),
+                    *([a for a in scores if a is not None] if top is not None else []),
                     *[a for c in layers for a in (c.keys, c.values)],
                 )
 
@@ -218,9 +262,12 @@ class Cycle:
             finally:
                 now.clear()
         taps = buffers.pop(0) if defer else None
+        scores = None
+        if top is not None:
+            scores = (buffers.pop(0), buffers.pop(0) if top > 0 else None)
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)
         if not defer:
             set_lengths(self.caches.draft, new_length, bound + block_size)
-        return result, new_last, new_length, taps
+        return result, new_last, new_length, taps, scores

@@ -28,6 +28,21 @@ class Step:
     accepted: int | None
     block_size: int
     finish: str | None
+    # With log-probs asked for, aligned with ``tokens``: the target's log-prob
+    # of each, and (k > 0) the top k (token, log-prob) pairs at its position.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def _scores(logprobs: mx.array | None, top_ids: mx.array | None, n: int):
+    """The first ``n`` rows' (log-probs, top pairs) as Step holds them."""
+    if logprobs is None:
+        return None, None
+    rows = logprobs[:n].tolist()
+    if top_ids is None:
+        return [r[0] for r in rows], None
+    ids = top_ids[:n].tolist()
+    return [r[0] for r in rows], [list(zip(i, r[1:])) for i, r in zip(ids, rows)]
 
 
 def prefill(
@@ -68,14 +83,16 @@ def decode(
     eos: set[int],
     prefill_step_size: int = 2048,
     progress: Callable[[int, int], None] | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Yield the first token's Step, then one per cycle. At each Step the
     target cache holds every committed token but the last; the drafter's
-    context catches up (deferred plain steps) when the generator ends."""
+    context catches up (deferred plain steps) when the generator ends.
+    ``logprobs``: None, or k to fill each Step's log-probs and top k."""
     owner = object()
     cache.claim(owner)
     try:
-        cycle = Cycle(target, draft, cache, sampling, seed)
+        cycle = Cycle(target, draft, cache, sampling, seed, logprobs)
         yield from _settled(
             cycle,
             ids,
@@ -120,13 +137,15 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
     with mx.stream(generation_stream):
         last_logits = prefill(target, draft, cache, ids, step, progress)
         last = cycle.first_token(last_logits, len(ids))
+        first_scores = cycle.first_logprobs(last_logits, last)
     first = last.item()
+    first_scores = _scores(*first_scores, 1)
     n = 1
     if first in eos or max_tokens == 1:
-        yield Step([first], None, 1, "stop" if first in eos else "length")
+        yield Step([first], None, 1, "stop" if first in eos else "length", *first_scores)
         return
     flight = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
-    yield Step([first], None, 1, None)
+    yield Step([first], None, 1, None, *first_scores)
     cache.check_owner(owner)
     last_host = first
     while True:
@@ -160,7 +179,8 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         last_host = new[-1]
         n += len(new)
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
-        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish)
+        scores = _scores(flight.logprobs, flight.top_ids, len(new))
+        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish, *scores)
         if finish is not None:
             return
         cache.check_owner(owner)
