@@ -19,6 +19,9 @@ class GenerationArgs:
     block_size: int | str
     seed: int
     prefill_step_size: int
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    min_tokens_to_keep: int = 1
 
 
 FLAGS = {
@@ -30,6 +33,9 @@ FLAGS = {
     "block_size": "--block-size",
     "seed": "--seed",
     "prefill_step_size": "--prefill-step-size",
+    "xtc_probability": "--xtc-probability",
+    "xtc_threshold": "--xtc-threshold",
+    "min_tokens_to_keep": "--min-tokens-to-keep",
 }
 
 
@@ -73,6 +79,17 @@ def check_sampling(temperature, top_p, top_k, min_p=0.0) -> tuple[float, float, 
     return temperature, top_p, top_k, min_p
 
 
+def check_xtc(xtc_probability, xtc_threshold, min_tokens_to_keep=1) -> tuple[float, float, int]:
+    """XTC's probability in [0, 1] and threshold in [0, 0.5] (mlx-lm's
+    ranges), and min-p's min_tokens_to_keep >= 1."""
+    xtc_probability, xtc_threshold = real("xtc_probability", xtc_probability), real("xtc_threshold", xtc_threshold)
+    if not 0 <= xtc_probability <= 1:
+        raise ValueError(f"xtc_probability must be in [0, 1] (0 disables XTC), got {xtc_probability}.")
+    if not 0 <= xtc_threshold <= 0.5:
+        raise ValueError(f"xtc_threshold must be in [0, 0.5], got {xtc_threshold}.")
+    return xtc_probability, xtc_threshold, integer("min_tokens_to_keep", min_tokens_to_keep, 1)
+
+
 def check_block_size(block_size, trained: int | None) -> int | str:
     """ "auto" for None or "auto", else an int in [2, trained]."""
     if block_size is None or (isinstance(block_size, str) and block_size.strip().lower() == "auto"):
@@ -110,11 +127,17 @@ def check_generation_args(
     block_size=None,
     seed=None,
     prefill_step_size=2048,
+    xtc_probability=0.0,
+    xtc_threshold=0.1,
+    min_tokens_to_keep=1,
     trained_block_size: int | None,
     flags: bool = False,
 ) -> GenerationArgs:
     try:
         temperature, top_p, top_k, min_p = check_sampling(temperature, top_p, top_k, min_p)
+        xtc_probability, xtc_threshold, min_tokens_to_keep = check_xtc(
+            xtc_probability, xtc_threshold, min_tokens_to_keep
+        )
         return GenerationArgs(
             max_tokens=integer("max_tokens", max_tokens, 1),
             temperature=temperature,
@@ -124,6 +147,9 @@ def check_generation_args(
             block_size=check_block_size(block_size, trained_block_size),
             seed=check_seed(seed),
             prefill_step_size=integer("prefill_step_size", prefill_step_size, 1),
+            xtc_probability=xtc_probability,
+            xtc_threshold=xtc_threshold,
+            min_tokens_to_keep=min_tokens_to_keep,
         )
     except ValueError as e:
         if not flags:
