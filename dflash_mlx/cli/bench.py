@@ -16,7 +16,7 @@ from dflash_mlx.prompts import read_prompts
 from . import options
 from .console import UserError, console, err, user_errors
 from .pair import load_pair, model_or_builtin
-from .prompt_input import prompt_ids, thinking_note
+from .prompt_input import prompt_ids, thinking_note, use_default_template
 
 EXAMPLES = """\
 Examples:
@@ -96,10 +96,14 @@ def bench_command(
     top_p: options.TopP = 1.0,
     min_p: options.MinP = 0.0,
     top_k: options.TopK = 0,
+    xtc_probability: options.XtcProbability = 0.0,
+    xtc_threshold: options.XtcThreshold = 0.1,
+    min_tokens_to_keep: options.MinTokensToKeep = 1,
     seed: options.Seed = 0,
     block_size: options.BlockSize = None,
     num_draft_tokens: options.NumDraftTokens = None,
     system_prompt: options.SystemPrompt = None,
+    use_default_chat_template: options.UseDefaultChatTemplate = False,
     ignore_chat_template: options.IgnoreChatTemplate = False,
     enable_thinking: options.EnableThinking = False,
     kv_bits: options.KvBits = None,
@@ -118,8 +122,9 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
+        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
         block_size = options.check_args(
-            max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, num_draft_tokens=num_draft_tokens
+            max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, num_draft_tokens=num_draft_tokens, **xtc
         )
         options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
         if repeat < 1:
@@ -130,7 +135,8 @@ def bench_command(
 
         target_name = model_or_builtin(model, draft_model)
         target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
-        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft)
+        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft, **xtc)
+        use_default_template(tokenizer, use_default_chat_template)
         if model is None or model == "builtin":
             target_name, draft_name = "builtin", draft_model or "builtin"
         else:
@@ -150,7 +156,14 @@ def bench_command(
                 quiet=next(notes, True),
             )
 
-        sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        sampler = make_sampler(
+            temp=temp,
+            top_p=top_p,
+            min_p=min_p,
+            top_k=top_k,
+            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+            **xtc,
+        )
         plain_kv = (
             {}
             if kv_bits is None
@@ -161,7 +174,7 @@ def bench_command(
         options.kv_cache(
             target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
         )  # refuses a target it cannot serve
-        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size)
+        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size, **xtc)
 
         def plain(ids, n, run):
             if seed is not None:
@@ -227,6 +240,7 @@ def bench_command(
                 "top_p": top_p,
                 "min_p": min_p,
                 "top_k": top_k,
+                **xtc,
                 "block_size": block_size or draft.config.block_size,
                 "results": results,
                 "summary": summary,

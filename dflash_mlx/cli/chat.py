@@ -29,7 +29,7 @@ from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
-from .prompt_input import supports_thinking, thinking_note, uses_template
+from .prompt_input import supports_thinking, thinking_note, use_default_template, uses_template
 from .status import status_text
 
 EXAMPLES = """\
@@ -319,6 +319,7 @@ class ChatSession:
         enable_thinking: bool,
         prefill_step_size: int,
         min_p: float = 0.0,
+        xtc: Optional[dict] = None,
         template_kwargs: Optional[dict] = None,
         cache_file: Optional[Path] = None,
         prefix: str = "",
@@ -337,6 +338,7 @@ class ChatSession:
             block_size=block_size,
             seed=seed,
             prefill_step_size=prefill_step_size,
+            **(xtc or {}),  # --xtc-probability, --xtc-threshold, --min-tokens-to-keep
         )
         self.block_size = block_size or "auto"
         self.system_prompt = system_prompt
@@ -591,10 +593,14 @@ def chat_command(
     top_p: options.TopP = 1.0,
     min_p: options.MinP = 0.0,
     top_k: options.TopK = 0,
+    xtc_probability: options.XtcProbability = 0.0,
+    xtc_threshold: options.XtcThreshold = 0.1,
+    min_tokens_to_keep: options.MinTokensToKeep = 1,
     seed: options.Seed = None,
     block_size: options.BlockSize = None,
     num_draft_tokens: options.NumDraftTokens = None,
     system_prompt: options.SystemPrompt = None,
+    use_default_chat_template: options.UseDefaultChatTemplate = False,
     ignore_chat_template: options.IgnoreChatTemplate = False,
     enable_thinking: options.EnableThinking = False,
     chat_template_config: options.ChatTemplateConfig = None,
@@ -621,7 +627,8 @@ def chat_command(
     uses the built-in pair.
     """
     with user_errors(verbose):
-        flags = dict(min_p=min_p, prefill_step_size=prefill_step_size)
+        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
+        flags = dict(min_p=min_p, prefill_step_size=prefill_step_size, **xtc)
         block_size = options.check_args(
             max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags
         )
@@ -638,6 +645,7 @@ def chat_command(
         )
         options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
         options.add_eos_tokens(tokenizer, extra_eos_token)
+        use_default_template(tokenizer, use_default_chat_template)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         if not ignore_chat_template and not uses_template(tokenizer, False):
             console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))
@@ -657,6 +665,7 @@ def chat_command(
             enable_thinking=enable_thinking,
             prefill_step_size=prefill_step_size,
             min_p=min_p,
+            xtc=xtc,
             template_kwargs=kwargs,
             cache_file=prompt_cache_file,
             prefix=prefix,

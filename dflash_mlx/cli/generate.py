@@ -14,7 +14,7 @@ from .cache_prompt import open_cache, read_cache_file
 from .console import err, note, user_errors
 from .pair import load_pair, room_for_reply
 from .progress import PrefillProgress
-from .prompt_input import prompt_ids, read_prompt, thinking_note
+from .prompt_input import prompt_ids, read_prompt, thinking_note, use_default_template
 from .status import stats_line
 
 EXAMPLES = """\
@@ -54,6 +54,9 @@ def generate_command(
     top_p: options.TopP = 1.0,
     min_p: options.MinP = 0.0,
     top_k: options.TopK = 0,
+    xtc_probability: options.XtcProbability = 0.0,
+    xtc_threshold: options.XtcThreshold = 0.1,
+    min_tokens_to_keep: options.MinTokensToKeep = 1,
     seed: options.Seed = None,
     block_size: options.BlockSize = None,
     num_draft_tokens: options.NumDraftTokens = None,
@@ -67,6 +70,7 @@ def generate_command(
             callback=options.utf8_text,
         ),
     ] = None,
+    use_default_chat_template: options.UseDefaultChatTemplate = False,
     ignore_chat_template: options.IgnoreChatTemplate = False,
     enable_thinking: options.EnableThinking = False,
     chat_template_config: options.ChatTemplateConfig = None,
@@ -94,7 +98,8 @@ def generate_command(
             text = cached["prompt"] + text
             system_prompt = system_prompt or cached["system_prompt"]
             chat_template_config = chat_template_config or json.dumps(cached["template_kwargs"])
-        flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size)
+        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
+        flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size, **xtc)
         block_size = options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
         kwargs = options.template_args(chat_template_config)
         options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
@@ -113,8 +118,10 @@ def generate_command(
             draft=draft,
             min_p=min_p,
             prefill_step_size=prefill_step_size,
+            **xtc,
         )
         options.add_eos_tokens(tokenizer, extra_eos_token)
+        use_default_template(tokenizer, use_default_chat_template)
         thinking_note(tokenizer, enable_thinking, ignore_chat_template)
         ids = prompt_ids(
             tokenizer,
@@ -145,6 +152,7 @@ def generate_command(
                 top_p=top_p,
                 top_k=top_k,
                 min_p=min_p,
+                **xtc,
                 block_size=block_size,
                 seed=seed,
                 prompt_progress=progress,

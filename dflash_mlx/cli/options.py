@@ -57,6 +57,24 @@ MinP = Annotated[
     ),
 ]
 TopK = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens; 0 keeps all.")]
+XtcProbability = Annotated[
+    float,
+    typer.Option(
+        "--xtc-probability",
+        help="XTC sampling: the chance, at each token, of excluding the top choices; 0 disables it.",
+    ),
+]
+XtcThreshold = Annotated[
+    float,
+    typer.Option(
+        "--xtc-threshold",
+        help="XTC sampling: tokens at least this likely are the top choices (all but the least likely "
+        "of them are excluded), in [0, 0.5].",
+    ),
+]
+MinTokensToKeep = Annotated[
+    int, typer.Option("--min-tokens-to-keep", help="Tokens min-p sampling always keeps, the most likely ones.")
+]
 Seed = Annotated[
     Optional[int],
     typer.Option(
@@ -118,6 +136,13 @@ SystemPrompt = Annotated[
         "--system-prompt", help="System message for the chat template.", show_default=False, callback=utf8_text
     ),
 ]
+UseDefaultChatTemplate = Annotated[
+    bool,
+    typer.Option(
+        "--use-default-chat-template",
+        help="Give a tokenizer without a chat template the default one (ChatML), as mlx-lm's server does.",
+    ),
+]
 IgnoreChatTemplate = Annotated[
     bool, typer.Option("--ignore-chat-template", help="Use the prompt as is, without the chat template.")
 ]
@@ -158,6 +183,9 @@ def check_args(
     min_p: float = 0.0,
     num_draft_tokens: Optional[int] = None,
     prefill_step_size: int = 2048,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    min_tokens_to_keep: int = 1,
     draft=None,
 ) -> int | str | None:
     """Checks the generation flags with the library's own rules
@@ -182,6 +210,9 @@ def check_args(
             block_size=block_size,
             seed=seed,
             prefill_step_size=prefill_step_size,
+            xtc_probability=xtc_probability,
+            xtc_threshold=xtc_threshold,
+            min_tokens_to_keep=min_tokens_to_keep,
             trained_block_size=None if draft is None else draft.config.block_size,
             flags=True,
         )

@@ -36,6 +36,22 @@ def read_prompt(prompt: Optional[str]) -> str:
     return prompt
 
 
+# The template transformers gave every tokenizer without one of its own.
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def use_default_template(tokenizer, use: bool) -> None:
+    """--use-default-chat-template: a tokenizer without a chat template gets
+    its default one (ChatML where the tokenizer names none)."""
+    if not use or getattr(tokenizer, "has_chat_template", False):
+        return
+    tokenizer.chat_template = getattr(tokenizer, "default_chat_template", None) or CHATML
+    tokenizer.has_chat_template = True
+
+
 def uses_template(tokenizer, ignore_chat_template: bool) -> bool:
     return not ignore_chat_template and bool(getattr(tokenizer, "has_chat_template", False))
 

@@ -12,6 +12,7 @@ import typer
 from . import options
 from .console import UserError, note, user_errors
 from .pair import load_pair, model_or_builtin
+from .prompt_input import use_default_template
 
 EXAMPLES = """\
 Examples:
@@ -74,6 +75,7 @@ def serve_command(
         ),
     ] = None,
     chat_template_args: options.ChatTemplateConfig = None,
+    use_default_chat_template: options.UseDefaultChatTemplate = False,
     model_name: Annotated[
         Optional[str],
         typer.Option(
@@ -160,6 +162,7 @@ def serve_command(
         options.check_args(
             max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft
         )  # a block past the trained one
+        use_default_template(tokenizer, use_default_chat_template)
         try:
             app = create_app(target, draft, tokenizer, config)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)
