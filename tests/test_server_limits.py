@@ -208,9 +208,15 @@ BAD = [
         400,
         "frequency_penalty",
     ),
-    ("logprobs", "/v1/chat/completions", {"messages": USER, "logprobs": True}, 400, "not supported yet"),
-    ("top_logprobs", "/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "not supported yet"),
-    ("completion logprobs", "/v1/completions", {"prompt": "w1", "logprobs": 1}, 400, "not supported yet"),
+    (
+        "top_logprobs 21",
+        "/v1/chat/completions",
+        {"messages": USER, "logprobs": True, "top_logprobs": 21},
+        400,
+        "0 to 20",
+    ),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "logprobs"),
+    ("completion logprobs -1", "/v1/completions", {"prompt": "w1", "logprobs": -1}, 400, "0 to 20"),
     ("logit_bias", "/v1/chat/completions", {"messages": USER, "logit_bias": {"5": 10}}, 400, "logit_bias"),
     (
         "response_format json",

@@ -13,7 +13,7 @@ from .cache_pool import PromptCachePool
 from .errors import APIError
 from .job import Done, Failed, Job, Usage
 from .metrics import Generation, Metrics
-from .reply import ReplyParser
+from .reply import ReplyParser, TokenLogprob
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -105,17 +105,23 @@ class Decoder:
             block_size=self.block_size,
             prompt_cache=cache,
             prefill_step_size=self.prefill_step_size,
+            logprobs=p.logprobs,
         )
         last, block_sizes = None, set()
         figures = Generation(len(job.prompt), cached)
+        eos = set(self.tokenizer.eos_token_ids)
+        pending: list[TokenLogprob] = []  # sent with the next text, so a chunk's log-probs are its tokens'
         try:
             for last in responses:
+                if last.logprobs is not None:
+                    pending += self._token_logprobs(last, eos)
                 block_sizes.add(last.block_size)
                 if last.accepted is not None:  # None: the prefill's first token, not a cycle
                     figures.add_cycle(last.block_size, last.accepted)
                 figures.generated_tokens, figures.generation_tps = last.generation_tokens, last.generation_tps
                 delta = parser.feed(last.text)
                 if delta:
+                    delta.logprobs, pending = pending, []
                     job.post(delta)
                 if parser.stopped or job.cancelled.is_set():
                     break
@@ -127,7 +133,18 @@ class Decoder:
             return None
         finish = "stop" if parser.stopped or last.finish_reason == "stop" else "length"
         final = parser.finish()
+        final.logprobs += pending
         if finish == "stop" and parser.made_tool_call:
             finish = "tool_calls"
         usage = Usage(last.prompt_tokens, last.generation_tokens, cached, dflash_figures(last, block_sizes))
         return Done(finish, parser.stop_sequence, usage, final)
+
+    def _token_logprobs(self, response, eos: set[int]) -> list[TokenLogprob]:
+        """A response's tokens but EOS (whose text is not sent) as TokenLogprobs."""
+        text = self.tokenizer.decode
+        tops = response.top_logprobs or [[] for _ in response.tokens]
+        return [
+            TokenLogprob(text([t]), lp, [(text([i]), v) for i, v in top])
+            for t, lp, top in zip(response.tokens, response.logprobs, tops)
+            if t not in eos
+        ]

@@ -47,6 +47,7 @@ class GenerationParams:
     top_k: int
     min_p: float
     seed: Optional[int]
+    logprobs: Optional[int] = None  # None: none; k: each token's log-prob and the top k
 
 
 @dataclass

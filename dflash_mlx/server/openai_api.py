@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import error_body
 from .job import Done, Event, Failed, Job, Usage
-from .reply import Delta
+from .reply import Delta, TokenLogprob
 from .schemas import ChatRequest, CompletionRequest
 from .service import Service, event_stream, sse
 from .templates import rendered_chat, text_prompt
@@ -52,6 +52,8 @@ class _Reply:
         self.created = int(time.time())
         self.model = service.config.model_name
         self.kind = kind
+        self.logprobs = False  # whether the request asked for log-probs
+        self.text_offset = 0  # the completion text's length so far (legacy logprobs)
 
     def body(self, choice: dict, **extra) -> dict:
         return {
@@ -64,6 +66,35 @@ class _Reply:
         }
 
 
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(reply: _Reply, entries: list[TokenLogprob]) -> dict | None:
+    """A chat choice's ``logprobs``, as OpenAI's: one entry per token."""
+    if not reply.logprobs:
+        return None
+    content = [{**_token(e.token, e.logprob), "top_logprobs": [_token(t, v) for t, v in e.top]} for e in entries]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(reply: _Reply, entries: list[TokenLogprob]) -> dict | None:
+    """A completion choice's ``logprobs`` in the legacy layout; text offsets
+    count from the start of the completion."""
+    if not reply.logprobs:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(reply.text_offset)
+        reply.text_offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
 # -- chat ---------------------------------------------------------------------------
 async def chat_job(service: Service, body: ChatRequest) -> Job:
     tools = None if body.tool_choice == "none" else body.tools
@@ -72,9 +103,11 @@ async def chat_job(service: Service, body: ChatRequest) -> Job:
         body.chat_template_kwargs, enable_thinking=body.enable_thinking, reasoning_effort=body.reasoning_effort
     )
     ids, reasoning = await service.off_loop(rendered_chat, service.tokenizer, messages, tools, kwargs)
+    params = service.params(body, body.max_completion_tokens)
+    params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
     job = Job(
         ids,
-        service.params(body, body.max_completion_tokens),
+        params,
         _stops(body.stop),
         structured=True,
         starts_in_reasoning=reasoning,
@@ -113,7 +146,10 @@ async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage
             return
         delta = event.delta if isinstance(event, Done) else event
         if delta:
-            yield sse(reply.body({"index": 0, "delta": chat_delta(delta, tools_sent), "finish_reason": None}))
+            choice = {"index": 0, "delta": chat_delta(delta, tools_sent), "finish_reason": None}
+            if reply.logprobs:
+                choice["logprobs"] = chat_logprobs(reply, delta.logprobs)
+            yield sse(reply.body(choice))
             tools_sent += len(delta.tool_calls)
         if isinstance(event, Done):
             yield sse(reply.body({"index": 0, "delta": {}, "finish_reason": event.finish_reason}))
@@ -130,7 +166,9 @@ def _endpoint(schema, make_job, kind: str, choice, stream):
         service: Service = request.app.state.service
         body = await service.accept(request, schema)
         job = await make_job(service, body)
-        return await _respond(service, request, job, _Reply(service, kind), body=body, choice=choice, stream=stream)
+        reply = _Reply(service, kind)
+        reply.logprobs = job.params.logprobs is not None
+        return await _respond(service, request, job, reply, body=body, choice=choice, stream=stream)
 
     return handler
 
@@ -139,11 +177,11 @@ chat_completions = _endpoint(
     ChatRequest,
     chat_job,
     "chat.completion",
-    lambda delta, done: {
+    lambda reply, delta, done: {
         "index": 0,
         "message": chat_message(delta),
         "finish_reason": done.finish_reason,
-        "logprobs": None,
+        "logprobs": chat_logprobs(reply, delta.logprobs),
     },
     chat_stream,
 )
@@ -152,7 +190,9 @@ chat_completions = _endpoint(
 # -- completions ------------------------------------------------------------------
 async def completion_job(service: Service, body: CompletionRequest) -> Job:
     ids = await service.off_loop(text_prompt, service.tokenizer, body.prompt, service.vocab_size)
-    job = Job(ids, service.params(body), _stops(body.stop))
+    params = service.params(body)
+    params.logprobs = body.logprobs
+    job = Job(ids, params, _stops(body.stop))
     service.fit_to_context(job, body.max_tokens)
     return job
 
@@ -163,11 +203,11 @@ async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include
             yield sse(error_body(event.error.status, event.error.message))
             return
         done = event if isinstance(event, Done) else None
-        text = (done.delta if done else event).content
-        if text or done:
-            yield sse(
-                reply.body({"index": 0, "text": text, "finish_reason": done and done.finish_reason, "logprobs": None})
-            )
+        delta = done.delta if done else event
+        if delta.content or delta.logprobs or done:
+            logprobs = completion_logprobs(reply, delta.logprobs)
+            choice = {"index": 0, "text": delta.content, "finish_reason": done and done.finish_reason}
+            yield sse(reply.body({**choice, "logprobs": logprobs}))
         if done and include_usage:
             yield sse(reply.body(None, usage=usage_body(done.usage)))
     yield sse("[DONE]")
@@ -177,7 +217,12 @@ completions = _endpoint(
     CompletionRequest,
     completion_job,
     "text_completion",
-    lambda delta, done: {"index": 0, "text": delta.content, "finish_reason": done.finish_reason, "logprobs": None},
+    lambda reply, delta, done: {
+        "index": 0,
+        "text": delta.content,
+        "finish_reason": done.finish_reason,
+        "logprobs": completion_logprobs(reply, delta.logprobs),
+    },
     completion_stream,
 )
 
@@ -193,7 +238,7 @@ async def _respond(service: Service, request: Request, job: Job, reply: _Reply, 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(job, stream(reply, events, include_usage))
     delta, done = await service.collect(events)
-    return JSONResponse(reply.body(choice(delta, done), usage=usage_body(done.usage)))
+    return JSONResponse(reply.body(choice(reply, delta, done), usage=usage_body(done.usage)))
 
 
 async def models(request: Request) -> Response:

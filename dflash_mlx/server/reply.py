@@ -16,18 +16,35 @@ log = logging.getLogger("dflash_mlx.server")
 
 @dataclass
 class Delta:
-    """New output: content, reasoning, and finished tool calls
-    ({"id", "name", "arguments": dict})."""
+    """New output: content, reasoning, finished tool calls
+    ({"id", "name", "arguments": dict}), and the log-probs of the tokens
+    generated since the last Delta (``TokenLogprob``)."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.content or self.reasoning or self.tool_calls or self.logprobs)
 
     def merge(self, other: Delta) -> Delta:
-        return Delta(self.content + other.content, self.reasoning + other.reasoning, self.tool_calls + other.tool_calls)
+        return Delta(
+            self.content + other.content,
+            self.reasoning + other.reasoning,
+            self.tool_calls + other.tool_calls,
+            self.logprobs + other.logprobs,
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its text, its log-prob under the target, and the
+    top (text, log-prob) pairs at its position."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 class StopScanner:

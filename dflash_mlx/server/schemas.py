@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
+from ..generation import MAX_TOP_LOGPROBS
 from .errors import APIError
 
 Stop = Optional[Union[str, list[str]]]
@@ -96,7 +97,6 @@ class _OpenAI(Sampling):
         "presence_penalty": (0,),
         "repetition_penalty": (1,),
         "logit_bias": ({},),
-        "top_logprobs": (0,),
     }
     WHY: ClassVar[dict[str, str]] = {
         "n": "this server answers one choice per request (n=1).",
@@ -104,7 +104,6 @@ class _OpenAI(Sampling):
         "presence_penalty": f"penalties are not applied ({DISTRIBUTION}); remove it or send 0.",
         "repetition_penalty": f"penalties are not applied ({DISTRIBUTION}); remove it or send 1.",
         "logit_bias": f"logit_bias is not applied ({DISTRIBUTION}); remove it.",
-        "top_logprobs": "log probabilities are not supported yet; remove top_logprobs.",
     }
 
     def refusals(self) -> Optional[tuple[str, str]]:
@@ -124,8 +123,11 @@ class ChatRequest(_OpenAI):
     response_format: Optional[dict[str, Any]] = None
 
     def refusals(self) -> Optional[tuple[str, str]]:
-        if self.logprobs:
-            return "logprobs", "logprobs: log probabilities are not supported yet; remove logprobs."
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                return "top_logprobs", f"top_logprobs: give an integer from 0 to {MAX_TOP_LOGPROBS}."
+            if self.top_logprobs and not self.logprobs:
+                return "top_logprobs", "top_logprobs: send logprobs: true with it."
         if self.response_format not in (None, {"type": "text"}):
             return (
                 "response_format",
@@ -142,8 +144,10 @@ class CompletionRequest(_OpenAI):
     suffix: Optional[str] = None
 
     def refusals(self) -> Optional[tuple[str, str]]:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs: log probabilities are not supported yet; remove logprobs."
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            return "logprobs", f"logprobs: give an integer from 0 to {MAX_TOP_LOGPROBS}."
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs: a completion takes the number of log-probs in logprobs."
         if self.echo:
             return "echo", "echo: the prompt is not echoed back; remove echo."
         if self.best_of not in (None, 1):
