@@ -103,6 +103,9 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    min_tokens_to_keep: int = 1,
     block_size: int | None = None,
     seed: int | None = None,
     prompt_cache: PromptCache | None = None,
@@ -117,6 +120,8 @@ def stream_generate(
     prompt: a str (no chat template applied) or token ids.
     block_size: tokens per verify, at most the trained block; None or "auto"
     chooses it before every cycle. seed: fixes a sampled run's text.
+    xtc_probability, xtc_threshold, min_tokens_to_keep: mlx-lm's make_sampler
+    settings; XTC's coin at each position is fixed by the seed too.
     prompt_cache: only the part of the prompt not cached is prefilled; a newer
     call on the same cache takes it over from a generator still alive.
     prompt_progress(done, total): called after each prefill chunk.
@@ -131,6 +136,9 @@ def stream_generate(
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,
+        xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold,
+        min_tokens_to_keep=min_tokens_to_keep,
         block_size=block_size,
         seed=seed,
         prefill_step_size=prefill_step_size,
@@ -155,7 +163,17 @@ def stream_generate(
         prompt_cache,
         ids,
         max_tokens=args.max_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p),
+        sampling=SamplingParams(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.min_p,
+            xtc_probability=args.xtc_probability,
+            xtc_threshold=args.xtc_threshold,
+            min_tokens_to_keep=args.min_tokens_to_keep,
+            # mlx-lm's: XTC never removes a newline or an EOS token
+            xtc_special_tokens=tuple(sorted({*tokenizer.encode("\n"), *tokenizer.eos_token_ids})),
+        ),
         seed=args.seed,
         block=block,
         eos=set(tokenizer.eos_token_ids),
