@@ -100,7 +100,7 @@ def attention_cases(
 
 
 def attention_at(kernel, n: int, rows, chunks, query_heads: int, stagings) -> None:
-    from dflash_mlx.cache.buffer import positions_mask
+    from dflash_mlx.kv.buffer import positions_mask
 
     ks = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]
     vs = [mx.random.normal((1, 8, n, 128)).astype(mx.bfloat16) for _ in range(LAYERS)]

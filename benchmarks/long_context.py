@@ -30,8 +30,8 @@ from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
 
 
 def pieces(model, draft, shape: str, P: int, block: int) -> dict:
-    from dflash_mlx.cache.buffer import positions_mask, put_positions
     from dflash_mlx.kernels import block_attention
+    from dflash_mlx.kv.buffer import positions_mask, put_positions
 
     _, layers, heads, kv, hd, *_ = SHAPES[shape]
     prompt = synthetic_prompt(draft.config.vocab_size, P)

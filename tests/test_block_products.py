@@ -338,7 +338,7 @@ def test_a_verify_and_a_draft_take_every_rms_norm_into_a_products_launch(fake_gp
     final norm into the (small) output head's; the drafter's block
     likewise (its head is the target's), and its context feed's norm into
     every layer's k/v product. Logits as without the kernel."""
-    from dflash_mlx.cache.buffer import set_lengths
+    from dflash_mlx.kv.buffer import set_lengths
     from dflash_mlx.targets import adapt
 
     model, draft = bf16_pair(vocab=40, draft_layers=2, seed=53)
@@ -525,7 +525,7 @@ def test_the_drafter_takes_the_kernel_when_decoding_not_when_training(fake_gpu):
     """The drafter's attention output product goes through the kernel with a
     cache (inference), through its module without one (training, which needs
     its gradient)."""
-    from dflash_mlx.cache.buffer import BufferKVCache
+    from dflash_mlx.kv.buffer import BufferKVCache
 
     tcfg = target_config("qwen3", vocab=24, layers=3, hidden=64)
     dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 2])

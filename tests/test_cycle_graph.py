@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import make_prompt_cache
-from dflash_mlx.cache.buffer import SharedPositions, positions_mask
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.loop import prefill
 from dflash_mlx.decode.sampling import SamplingParams
+from dflash_mlx.kv.buffer import SharedPositions, positions_mask
 from dflash_mlx.targets import adapt
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -13,10 +13,10 @@ from test_cycle_graph import VIEWS, graph
 from tiny import greedy_reference, make_tokenizer
 
 from dflash_mlx import device, stream_generate
-from dflash_mlx.cache.buffer import BufferKVCache, set_lengths
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.sampling import SamplingParams
 from dflash_mlx.decode.traces import forget_traces
+from dflash_mlx.kv.buffer import BufferKVCache, set_lengths
 
 
 @pytest.fixture

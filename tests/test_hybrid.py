@@ -15,7 +15,7 @@ from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.buffer import BufferKVCache
+from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
 

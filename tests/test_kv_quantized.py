@@ -11,8 +11,8 @@ from mlx_lm.generate import generate_step
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.buffer import BufferKVCache
-from dflash_mlx.cache.quantized import QuantizedBufferKVCache
+from dflash_mlx.kv.buffer import BufferKVCache
+from dflash_mlx.kv.quantized import QuantizedBufferKVCache
 
 VOCAB = 48
 STEP = 16  # prefill chunk, the same for DFlash and mlx-lm

@@ -10,8 +10,8 @@ from tiny import greedy_reference, make_tokenizer
 import dflash_mlx.generation as speculative
 from dflash_mlx import device, stream_generate
 from dflash_mlx.auto.chooser import BlockChooser
-from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.kv.buffer import BufferKVCache
 
 
 def written(cache: BufferKVCache, n: int):

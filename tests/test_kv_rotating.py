@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.rotating import DraftWindowCache, RotatingBufferKVCache
+from dflash_mlx.kv.rotating import DraftWindowCache, RotatingBufferKVCache
 
 VOCAB = 48
 M = 24  # max_kv_size

@@ -8,7 +8,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.rotating import DraftWindowCache, can_shift, shift_rope
+from dflash_mlx.kv.rotating import DraftWindowCache, can_shift, shift_rope
 
 VOCAB = 48
 D = 16  # head_dim

@@ -107,7 +107,7 @@ def tiny_qwen3_layer(dtype=mx.float32):
 
 
 def run_layer(layer, h, offset: int):
-    from dflash_mlx.cache.buffer import BufferKVCache
+    from dflash_mlx.kv.buffer import BufferKVCache
     from dflash_mlx.layers.fused import block
 
     cache = BufferKVCache()

@@ -20,9 +20,9 @@ from tiny import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.buffer import BufferKVCache
 from dflash_mlx.cache.prompt import StaleGenerationError
 from dflash_mlx.draft.dflash import DraftConfig
+from dflash_mlx.kv.buffer import BufferKVCache
 
 VOCAB = 24
 

@@ -6,10 +6,10 @@ import mlx.core as mx
 from tiny import greedy_reference
 
 from dflash_mlx import make_prompt_cache
-from dflash_mlx.cache import buffer as kv_cache
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.loop import prefill
 from dflash_mlx.decode.sampling import SamplingParams
+from dflash_mlx.kv import buffer as kv_cache
 from dflash_mlx.targets import adapt
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

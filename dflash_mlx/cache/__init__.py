@@ -1,6 +1,5 @@
-"""Key/value caches: fixed buffers (buffer.py), quantized (quantized.py) and
-bounded (rotating.py) ones, the prompt cache a conversation reuses
-(prompt.py) and its files (files.py)."""
+"""The prompt cache a conversation reuses (prompt.py) and its files
+(files.py), over the KV buffers of dflash_mlx/kv/."""
 
 from importlib import import_module
 

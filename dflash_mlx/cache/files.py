@@ -27,10 +27,10 @@ from mlx.utils import tree_flatten
 
 from .. import compute_dtype
 from ..draft.dflash import DFlashDraft
+from ..kv.buffer import BufferKVCache
+from ..kv.quantized import QuantizedBufferKVCache
 from ..targets import adapt
-from .buffer import BufferKVCache
 from .prompt import PromptCache
-from .quantized import QuantizedBufferKVCache
 
 FORMAT = "dflash-mlx prompt cache"
 VERSION = "1"

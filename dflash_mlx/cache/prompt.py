@@ -16,10 +16,10 @@ it. A bounded cache that wrapped cannot be cut back: it is read afresh.
 from __future__ import annotations
 
 from ..draft.dflash import DFlashDraft
+from ..kv.buffer import align, set_lengths
+from ..kv.quantized import QuantizedBufferKVCache, check_settings
+from ..kv.rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 from ..targets import DenseTarget, adapt
-from .buffer import align, set_lengths
-from .quantized import QuantizedBufferKVCache, check_settings
-from .rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 
 
 class StaleGenerationError(RuntimeError):

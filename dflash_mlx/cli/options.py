@@ -307,8 +307,8 @@ def check_kv(
     cache_file: Optional[Path] = None,
 ) -> None:
     """--kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size: the values, before anything loads."""
-    from dflash_mlx.cache.quantized import BITS, GROUP_SIZES
-    from dflash_mlx.cache.rotating import KEEP
+    from dflash_mlx.kv.quantized import BITS, GROUP_SIZES
+    from dflash_mlx.kv.rotating import KEEP
 
     if kv_bits is not None and kv_bits not in BITS:
         raise UserError(f"--kv-bits must be one of {', '.join(map(str, BITS))}, got {kv_bits}.")
@@ -343,7 +343,7 @@ def kv_cache(
     with these settings) or a new one set per --kv-bits / --max-kv-size; None
     when there is nothing to set."""
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.cache.quantized import check_settings
+    from dflash_mlx.kv.quantized import check_settings
     from dflash_mlx.targets import adapt
 
     try:

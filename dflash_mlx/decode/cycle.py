@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import compute_dtype
-from ..cache.buffer import BufferKVCache, set_lengths
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
+from ..kv.buffer import BufferKVCache, set_lengths
 from ..targets import DenseTarget
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
 from .traces import traces_for
@@ -168,7 +168,7 @@ class Cycle:
         plain step's tapped states or None, ``token_logprobs`` of every verify
         row or None). ``seed``: the sampler's two words
         (None when greedy); ``read``: how the forwards span the buffers
-        (cache/buffer.py); ``at_host``: ``bound`` is the length, written as a
+        (kv/buffer.py); ``at_host``: ``bound`` is the length, written as a
         host int (slice writes, as mlx-lm's step)."""
         target_cache, draft_cache = self.caches.target, self.caches.draft
         if not (at_host and self.defers):

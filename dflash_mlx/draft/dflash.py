@@ -15,8 +15,8 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cache.buffer import BufferKVCache, positions_mask
 from ..kernels.norm_rope import norm_rope, norm_rope_keys
+from ..kv.buffer import BufferKVCache, positions_mask
 from ..layers.attention import attention_output as cache_attention
 from ..layers.attention import prepare as prepare_attention
 from ..layers.fused import projections

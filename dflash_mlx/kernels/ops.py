@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cache.buffer import positions_mask
+from ..kv.buffer import positions_mask
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)

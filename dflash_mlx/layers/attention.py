@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..cache.buffer import BufferKVCache
 from ..kernels import dispatch, norm_rope
+from ..kv.buffer import BufferKVCache
 from . import linear
 
 

@@ -18,13 +18,7 @@ from starlette.responses import JSONResponse, Response
 from .errors import APIError, error_body
 from .job import Done, Event, Failed, Job, Usage
 from .reply import Delta
-from .schemas import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    MessageItem,
-    ResponsesRequest,
-    TextPart,
-)
+from .schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest, TextPart
 from .service import Service, event_stream, sse
 from .templates import rendered_chat
 

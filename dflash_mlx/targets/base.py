@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..cache.buffer import BufferKVCache, set_lengths
+from ..kv.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
 from ..layers.linear import NORM_MOST, apply_linear

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma3_text import clip_residual
 
-from ..cache.buffer import BufferKVCache
+from ..kv.buffer import BufferKVCache
 from ..layers.attention import attention, prepare
 from ..layers.blocks import attend
 from .base import DenseTarget

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..cache.buffer import BufferKVCache, positions_mask, set_lengths
+from ..kv.buffer import BufferKVCache, positions_mask, set_lengths
 from ..layers.attention import prepare
 from ..layers.blocks import attend
 from .base import DenseTarget
