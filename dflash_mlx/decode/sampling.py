@@ -84,23 +84,29 @@ def _word(seed: mx.array, i: int) -> mx.array:
     return seed[i : i + 1].squeeze(0)
 
 
+def _row_hash(seed: mx.array, positions: mx.array) -> mx.array:
+    """A 32-bit hash of ``seed`` and each position (same shape as ``positions``)."""
+    return _mix(_mix(positions.astype(mx.uint32) ^ _word(seed, 0)) + _word(seed, 1))
+
+
+def _uniform(bits: mx.array) -> mx.array:
+    """Uniform floats in (0, 1) from the top 23 bits of ``bits``."""
+    return ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+
+
 def gumbel_noise(seed: mx.array, positions: mx.array, vocab: int) -> mx.array:
     """Gumbel noise [R, vocab] fixed by ``seed`` and ``positions`` [R] alone."""
-    pos = positions.astype(mx.uint32)[:, None]
-    row = _mix(_mix(pos ^ _word(seed, 0)) + _word(seed, 1))
+    row = _row_hash(seed, positions[:, None])
     col = constant_arange(vocab, mx.uint32)[None] * mx.array(0x9E3779B9, mx.uint32)
     bits = _mix(_mix(row ^ col) + mx.array(0x632BE5AB, mx.uint32))
-    u = ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
-    return -mx.log(-mx.log(u))
+    return -mx.log(-mx.log(_uniform(bits)))
 
 
 def xtc_coins(seed: mx.array, positions: mx.array) -> mx.array:
     """XTC's coin in (0, 1) for each of ``positions`` [R], fixed by ``seed``
     and position alone: a stream of its own, apart from gumbel_noise's."""
-    pos = positions.astype(mx.uint32)
-    row = _mix(_mix(pos ^ _word(seed, 0)) + _word(seed, 1))
-    bits = _mix(_mix(row ^ mx.array(0x2545F491, mx.uint32)) + mx.array(0x6A09E667, mx.uint32))
-    return ((bits >> 9).astype(mx.float32) + 0.5) * (1.0 / (1 << 23))
+    row = _row_hash(seed, positions)
+    return _uniform(_mix(_mix(row ^ mx.array(0x2545F491, mx.uint32)) + mx.array(0x6A09E667, mx.uint32)))
 
 
 def position_key(seed: mx.array, position: mx.array) -> mx.array:
