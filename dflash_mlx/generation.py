@@ -15,9 +15,10 @@ from .arguments import check_generation_args
 from .auto import memory as block_memory
 from .auto.chooser import auto_range
 from .cache.prompt import PromptCache, make_prompt_cache
-from .decode.loop import decode
+from .decode.loop import LookupSetting, decode
 from .decode.sampling import SamplingParams
 from .draft.dflash import DFlashDraft
+from .draft.lookup import lookup_drafter
 from .prompts import encode
 from .targets import adapt
 
@@ -49,6 +50,9 @@ class GenerationResponse:
     # log-softmax at each token, and (logprobs > 0) the top (token, log-prob) pairs.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt lookup: cycles whose drafts were looked up, and the tokens they committed.
+    lookup_hits: int = 0
+    lookup_tokens: int = 0
 
     @property
     def plain_cycles(self) -> int:
@@ -92,9 +96,19 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.
     return ids
 
 
+def _lookup_setting(lookup, draft) -> LookupSetting | None:
+    if lookup not in (False, True, "auto") or isinstance(lookup, int) and not isinstance(lookup, bool):
+        raise ValueError(f'lookup must be False, True or "auto"; got {lookup!r}.')
+    if draft is None and lookup is False:
+        raise ValueError("no drafter was given; pass a DFlash drafter, or lookup=True to draft by prompt lookup.")
+    if lookup is False:
+        return None
+    return LookupSetting(auto=lookup == "auto")
+
+
 def stream_generate(
     model,
-    draft: DFlashDraft,
+    draft: DFlashDraft | None,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
     *,
@@ -112,6 +126,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     prompt_progress: Callable[[int, int], None] | None = None,
     logprobs: int | None = None,
+    lookup: bool | str = False,
 ) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse for the first token and one per cycle;
     the output is exactly the target's own. Arguments are checked before this
@@ -127,8 +142,14 @@ def stream_generate(
     prompt_progress(done, total): called after each prefill chunk.
     logprobs: None (off), 0 (each token's log-prob under the target's raw
     distribution) or k in 1..20 (also the top k at each position).
+    lookup: draft by prompt lookup too (docs/lookup.md): False, True, or
+    "auto" (per reply, only while looked-up drafts beat the drafter's). With
+    ``draft`` None the drafts are looked up only (lookup_drafter(model)).
     """
+    lookup_setting = _lookup_setting(lookup, draft)
     target = adapt(model)
+    if draft is None:
+        draft = lookup_drafter(model)
     draft.bind(target)
     args = check_generation_args(
         max_tokens=max_tokens,
@@ -180,6 +201,7 @@ def stream_generate(
         prefill_step_size=args.prefill_step_size,
         progress=prompt_progress,
         logprobs=logprobs,
+        lookup=lookup_setting,
     )
     if auto:
         steps = block_memory.remembered(steps, block)
@@ -192,7 +214,7 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
     eos = set(tokenizer.eos_token_ids)
     by_position = [0] * (hi - 1)
     sizes: dict[int, int] = {}
-    n = drafting = committed_drafting = accepted_total = proposed = 0
+    n = drafting = committed_drafting = accepted_total = proposed = hits = hit_tokens = 0
     with wired_limit(target.model, [generation_stream]):
         tic = time.perf_counter()
         prompt_tps = gen_tic = None
@@ -209,6 +231,9 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
                     proposed += step.block_size - 1
                     for i in range(step.accepted):
                         by_position[i] += 1
+                    if step.lookup_hit:
+                        hits += 1
+                        hit_tokens += len(step.tokens)
             n += len(step.tokens)
             for t in step.tokens:
                 if t not in eos:
@@ -234,10 +259,12 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
                 block_sizes=dict(sizes),
                 logprobs=step.logprobs,
                 top_logprobs=step.top_logprobs,
+                lookup_hits=hits,
+                lookup_tokens=hit_tokens,
             )
 
 
-def generate(model, draft: DFlashDraft, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> str:
+def generate(model, draft: DFlashDraft | None, tokenizer, prompt, *, verbose: bool = False, **kwargs) -> str:
     """Like ``stream_generate`` (same arguments) but returns the whole text."""
     text, last = [], None
     for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
@@ -249,5 +276,6 @@ def generate(model, draft: DFlashDraft, tokenizer, prompt, *, verbose: bool = Fa
             f"\n{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, "
             f"acceptance length {last.acceptance_length:.2f}, "
             f"acceptance rate {last.acceptance_rate:.1%}, peak memory {last.peak_memory:.2f} GB"
+            + (f", lookup hits {last.lookup_hits} ({last.lookup_tokens} tokens)" if last.lookup_hits else "")
         )
     return "".join(text)

@@ -6,7 +6,9 @@ reads and returns them without the host, so the next cycle can be queued
 while this one runs. Rollback is setting both caches' length to
 length + accepted + 1 on the device. A block of 1 is a plain target step; its
 tapped states go into the drafter's context in one ``extend`` when drafting
-resumes or the decode ends (``feed_deferred``).
+resumes or the decode ends (``feed_deferred``). With prompt lookup the cycle
+also writes its tokens to a device history of the committed ones and drafts a
+looked-up continuation where one is found (draft/lookup.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mlx.core as mx
 from .. import compute_dtype
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
+from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..targets import DenseTarget
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
@@ -38,6 +41,9 @@ class Flight:
     # With log-probs asked for: [bs, 1 + k] the picked token's then the top k's, and [bs, k] their ids.
     logprobs: mx.array | None = None
     top_ids: mx.array | None = None
+    # With lookup: [a match was found, the block's drafts were looked up, the
+    # drafts the other chain would have had accepted (a lower bound; -1 unknown)].
+    lookup: mx.array | None = None
 
 
 def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
@@ -69,9 +75,16 @@ class Cycle:
         sampling: SamplingParams,
         seed: int,
         logprobs: int | None = None,
+        *,
+        lookup: LookupParams | None = None,
     ):
         self.target, self.draft, self.caches = target, draft, caches
         self.logprobs = logprobs  # None: none computed; k: the picked token's and the top k
+        self.lookup_only = isinstance(draft, LookupDraft)
+        self.lookup = lookup if lookup is not None or not self.lookup_only else LookupParams()
+        self.history: TokenHistory | None = None  # made by start_lookup
+        # beside a drafter, whether a match is drafted from; an input of the graph, not a key
+        self.lookup_on, self.lookup_enabled = True, mx.array(True)
         compiled = self.compile_graphs
         if compiled is None:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
@@ -88,11 +101,23 @@ class Cycle:
         self.selects = draft.selects_candidates
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
-        self.defers = self.defer_feed and buffers and all(type(c) is BufferKVCache for c in caches.draft)
+        self.defers = (
+            self.defer_feed and buffers and bool(caches.draft) and all(type(c) is BufferKVCache for c in caches.draft)
+        )
         # Plain steps' tapped states not in the drafter's context yet, from deferred_from on.
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
         self.deferred_bound = 0
+
+    def start_lookup(self, committed: list[int]) -> None:
+        """The history lookup reads: every committed token, the last one included."""
+        if self.lookup is not None:
+            self.history = TokenHistory(committed)
+
+    def enable_lookup(self, on: bool) -> None:
+        """Whether later cycles draft a match beside the drafter (read on the device)."""
+        if self.lookup_on != on:
+            self.lookup_on, self.lookup_enabled = on, mx.array(on)
 
     def first_token(self, last_logits: mx.array, position: int) -> mx.array:
         """The token after the prompt, from the prefill's last logits [V]."""
@@ -110,6 +135,8 @@ class Cycle:
 
     def _shape(self, block_size: int) -> tuple[int, int]:
         """(block size, the drafter's buffer width after it): what its graphs are built for."""
+        if not self.caches.draft:
+            return block_size, self.history.room(self.history.bound + block_size + 1)
         first = self.caches.draft[0]
         if block_size > 1 and self.deferred:
             return block_size, first.room(self.deferred_bound + len(self.deferred) + block_size)
@@ -124,23 +151,28 @@ class Cycle:
         self.traces.shapes.add(shape)
         if block_size > 1 and self.deferred:
             self._feed(len(self.deferred))
+        if self.history is not None:
+            self.history.reserve(bound + block_size + 1)
+            self.history.bound = bound + block_size
         exact_step = block_size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
-            result, new_last, new_length, taps, scores = self._run_compiled(block_size, last, length, bound)
+            result, new_last, new_length, taps, scores, looked = self._run_compiled(block_size, last, length, bound)
         else:
             at_host = exact_step and all(type(c) is BufferKVCache for c in self.caches.target)
             read = "exact" if exact_step else "bound"
-            result, new_last, new_length, taps, scores = self._build(
+            result, new_last, new_length, taps, scores, looked = self._build(
                 block_size, last, length, bound, self.seed, read=read, at_host=at_host
             )
         if taps is not None:
             if not self.deferred:
                 self.deferred_from, self.deferred_bound = length, bound
             self.deferred.append(taps)
-        flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape)
+        flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape, lookup=looked)
         if scores is not None:
             flight.logprobs, flight.top_ids = scores
-        extra = [a for a in (flight.logprobs, flight.top_ids) if a is not None]
+        extra = [a for a in (flight.logprobs, flight.top_ids, flight.lookup) if a is not None]
+        if self.history is not None:
+            extra.append(self.history.tokens)
         mx.async_eval(flight.result, flight.last, flight.length, *extra, *self.caches.arrays())
         return flight
 
@@ -178,16 +210,32 @@ class Cycle:
         if not defer:
             set_lengths(draft_cache, length, bound, "fixed" if read == "fixed" else "bound")
         drafts, q, key, k_draft = None, None, None, None
+        looked_up, matched, hit = None, None, None
         if block_size > 1:
-            block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
-            if self.selects:
-                if self.temperature > 0:
-                    key, k_draft = mx.random.split(position_key(seed, length))
-                drafts, q = self.draft.propose(block, None, draft_cache, self.temperature, k_draft, self.draft_fused)
+            if self.lookup_only:
+                drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)
+                matched = hit = n > 0
             else:
-                drafts = mx.argmax(self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1).astype(
-                    mx.int32
-                )
+                block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
+                if self.selects:
+                    if self.temperature > 0:
+                        key, k_draft = mx.random.split(position_key(seed, length))
+                    drafts, q = self.draft.propose(
+                        block, None, draft_cache, self.temperature, k_draft, self.draft_fused
+                    )
+                else:
+                    drafts = mx.argmax(
+                        self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1
+                    ).astype(mx.int32)
+                if self.lookup is not None:
+                    looked_up, n = find(self.history.tokens, length, block_size - 1, self.lookup)
+                    matched = n >= self.lookup.min_ngram
+                    hit = matched & self.lookup_enabled
+                    drafted = drafts
+                    drafts = mx.where(hit, looked_up, drafts)
+                    if q is not None:  # a looked-up draft is a one-hot proposal
+                        one_hot = constant_arange(q.shape[-1])[None] == looked_up[:, None]
+                        q = mx.where(hit, one_hot.astype(q.dtype), q)
             verify = mx.concatenate([last, drafts])
         else:
             verify = last
@@ -208,7 +256,17 @@ class Cycle:
         scores = None
         if self.logprobs is not None:  # of the logits the tokens were picked from
             scores = token_logprobs(logits.squeeze(0), tokens, self.logprobs)
-        return result, tokens[accepted][None], new_length, hidden if defer else None, scores
+        looked = None
+        if self.history is not None:
+            self.history.write(tokens, length + 1)
+            looked = mx.array([0, 0, -1], mx.int32)  # a plain step drafts nothing
+            if hit is not None:
+                other = mx.array(-1, mx.int32)
+                if looked_up is not None and q is None:
+                    # the other chain's drafts agree up to where the verified one broke off: a lower bound
+                    other = mx.minimum(agreeing(mx.where(hit, drafted, looked_up), tokens), accepted + 1)
+                looked = mx.stack([matched.astype(mx.int32), hit.astype(mx.int32), other.astype(mx.int32)])
+        return result, tokens[accepted][None], new_length, hidden if defer else None, scores, looked
 
     def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
         """``_build`` through mx.compile, traced per key and buffer width. The
@@ -231,43 +289,55 @@ class Cycle:
         top = self.logprobs
         if top is not None:
             key += ("logprobs", top)
+        history = self.history
+        if history is not None:
+            key += ("lookup", self.lookup, self.lookup_only)
 
         def make():
-            def step(last, length, seed, *buffers):
+            def step(last, length, seed, enabled, tokens, *buffers):
                 cycle, layers = now["cycle"], now["layers"]
                 for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
                     c.keys, c.values = k, v
+                if history is not None:
+                    cycle.lookup_enabled, cycle.history.tokens = enabled, tokens
                 traced_seed = seed if cycle.seed is not None else None
                 out = cycle._build(block_size, last, length, now["bound"], traced_seed, read="fixed")
-                result, new_last, new_length, taps, scores = out
+                result, new_last, new_length, taps, scores, looked = out
                 return (
                     result,
                     new_last,
                     new_length,
                     *([taps] if defer else []),
                     *([a for a in scores if a is not None] if top is not None else []),
+                    *([looked, cycle.history.tokens] if history is not None else []),
                     *[a for c in layers for a in (c.keys, c.values)],
                 )
 
             return mx.compile(step)
 
         seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
+        enabled = self.lookup_enabled
+        tokens = history.tokens if history is not None else enabled
         with traces.lock:
             fn = traces.compiled_step(key, layers[0].capacity, make)
             try:
                 now.update(cycle=self, layers=layers, bound=bound)
                 result, new_last, new_length, *buffers = fn(
-                    last, length, seed, *[a for c in layers for a in (c.keys, c.values)]
+                    last, length, seed, enabled, tokens, *[a for c in layers for a in (c.keys, c.values)]
                 )
             finally:
                 now.clear()
+                self.lookup_enabled = enabled
         taps = buffers.pop(0) if defer else None
         scores = None
         if top is not None:
             scores = (buffers.pop(0), buffers.pop(0) if top > 0 else None)
+        looked = None
+        if history is not None:
+            looked, history.tokens = buffers.pop(0), buffers.pop(0)
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
         self.target.set_length(self.caches.target, new_length, bound + block_size)
         if not defer:
             set_lengths(self.caches.draft, new_length, bound + block_size)
-        return result, new_last, new_length, taps, scores
+        return result, new_last, new_length, taps, scores, looked

@@ -17,6 +17,7 @@ from mlx_lm.generate import generation_stream
 from ..auto.chooser import BlockChooser
 from ..cache.prompt import PromptCache
 from ..draft.dflash import DFlashDraft
+from ..draft.lookup import LookupGate, LookupParams
 from ..targets import DenseTarget
 from .cycle import Cycle, Flight
 from .sampling import SamplingParams
@@ -32,6 +33,16 @@ class Step:
     # of each, and (k > 0) the top k (token, log-prob) pairs at its position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    lookup_hit: bool = False  # the cycle's drafts were looked up
+
+
+@dataclass(frozen=True)
+class LookupSetting:
+    """Prompt lookup in a decode: how it matches, and ``auto`` (beside a
+    drafter: per reply, only while it pays; see LookupGate)."""
+
+    params: LookupParams = LookupParams()
+    auto: bool = False
 
 
 def _scores(logprobs: mx.array | None, top_ids: mx.array | None, n: int):
@@ -84,15 +95,19 @@ def decode(
     prefill_step_size: int = 2048,
     progress: Callable[[int, int], None] | None = None,
     logprobs: int | None = None,
+    lookup: LookupSetting | None = None,
 ) -> Iterator[Step]:
     """Yield the first token's Step, then one per cycle. At each Step the
     target cache holds every committed token but the last; the drafter's
     context catches up (deferred plain steps) when the generator ends.
-    ``logprobs``: None, or k to fill each Step's log-probs and top k."""
+    ``logprobs``: None, or k to fill each Step's log-probs and top k;
+    ``lookup``: None (off; a lookup-only drafter looks up anyway) or how."""
     owner = object()
     cache.claim(owner)
     try:
-        cycle = Cycle(target, draft, cache, sampling, seed, logprobs)
+        params = lookup.params if lookup is not None else None
+        cycle = Cycle(target, draft, cache, sampling, seed, logprobs, lookup=params)
+        gate = LookupGate() if lookup is not None and lookup.auto and not cycle.lookup_only else None
         yield from _settled(
             cycle,
             ids,
@@ -102,6 +117,7 @@ def decode(
             eos=eos,
             step=prefill_step_size,
             progress=progress,
+            gate=gate,
         )
     finally:
         cache.release(owner)
@@ -117,7 +133,7 @@ def _settled(cycle: Cycle, ids: list[int], **loop):
                 cycle.feed_deferred(len(cache.tokens))
 
 
-def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress):
+def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress, gate):
     target, draft, cache = cycle.target, cycle.draft, cycle.caches
     chooser = block if isinstance(block, BlockChooser) else None
 
@@ -144,6 +160,7 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length", *first_scores)
         return
+    cycle.start_lookup(ids + [first])
     flight = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
     yield Step([first], None, 1, None, *first_scores)
     cache.check_owner(owner)
@@ -170,6 +187,12 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
                 built=took if flight.new_shape else None,
             )
         accepted, proposals = values[0], values[1:]
+        hit = False
+        if flight.lookup is not None:
+            matched, hit, other = flight.lookup.tolist()
+            if gate is not None:
+                gate.record(bool(matched), bool(hit), accepted, other)
+                cycle.enable_lookup(gate.enabled)
         new = proposals[: min(accepted + 1, max_tokens - n)]
         stop = next((i for i, t in enumerate(new) if t in eos), None)
         if stop is not None:
@@ -180,7 +203,7 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         n += len(new)
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
         scores = _scores(flight.logprobs, flight.top_ids, len(new))
-        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish, *scores)
+        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish, *scores, lookup_hit=bool(hit))
         if finish is not None:
             return
         cache.check_owner(owner)
