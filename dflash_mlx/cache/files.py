@@ -1,14 +1,20 @@
 """Prompt caches on disk: both caches for a prefix, saved once so later runs
 read only what follows it.
 
-One safetensors file holds each layer's keys and values and metadata: the
-token ids, the pair's names (informative only) and a fingerprint of the pair,
-which must match on load; and checksums of its metadata and of its tensors,
-which must match too (a file without them, from an earlier release, loads
-with a warning). Every tensor's shape is checked against the pair and its
-values for NaN. A loaded cache decodes exactly what re-reading the prefix
-would. A quantized cache is saved packed with its settings and loads
-only under them; a bounded cache (``max_kv_size``) is not saved.
+One safetensors file holds each layer's keys and values (a delta-net
+layer's convolution and recurrent states) and metadata: the token ids, the
+pair's names (informative only) and a fingerprint of the pair, which must
+match on load; and checksums of its metadata and of its tensors (xxHash3,
+fast enough to check a long prefix in a fraction of its prefill), which must
+match too (a file without them, from an earlier release, loads with a
+warning). Every tensor's shape is checked against the pair and its values
+for NaN. A loaded cache decodes exactly what re-reading the prefix would. A
+quantized cache is saved packed with its settings and loads only under
+them; a bounded cache (``max_kv_size``) is not saved.
+
+Saving is two steps, so a server can write after its reply: ``snapshot``
+copies the arrays to the host (the caller's thread, MLX's), ``write_snapshot``
+checksums and writes them with no MLX call (any thread).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
+import tempfile
 import warnings
 import zlib
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 from mlx.utils import tree_flatten
 
 from .. import compute_dtype
@@ -30,26 +39,85 @@ from ..draft.dflash import DFlashDraft
 from ..kv.buffer import BufferKVCache
 from ..kv.quantized import QuantizedBufferKVCache
 from ..targets import adapt
+from ..targets.hybrid import HybridCache
+from ..targets.recurrent import DeltaCache
 from .prompt import PromptCache
 
 FORMAT = "dflash-mlx prompt cache"
 VERSION = "1"
-TENSORS_SUM, META_SUM = "tensors_crc32", "metadata_crc32"
+TENSORS_SUM, META_SUM = "tensors_xxh3", "metadata_crc32"
+OLD_TENSORS_SUM = "tensors_crc32"  # what files of earlier releases hold
 # A flat JSON list of ids, matched before json.loads so that no nesting is parsed.
 _TOKENS = re.compile(r"\[\s*(?:[0-9]{1,10}\s*(?:,\s*[0-9]{1,10}\s*)*)?\]")
+# safetensors' names for the dtypes a cache holds
+DTYPES = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.uint8: "U8",
+    mx.int8: "I8",
+}
 _warned: set[str] = set()
 
 
+class DamagedCacheFile(ValueError):
+    """A prompt-cache file that was edited, cut short or is not one."""
+
+
+class ForeignCacheFile(ValueError):
+    """A sound prompt-cache file made for another pair, other KV settings or
+    another version of the format."""
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A cache's tensors on the host, as (safetensors dtype, bytes as numpy
+    holds them), and its metadata; what ``write_snapshot`` writes."""
+
+    tensors: dict[str, tuple[str, np.ndarray]]
+    meta: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.tensors.values())
+
+
+def _host(a: mx.array) -> tuple[str, np.ndarray]:
+    """An evaluated array as (dtype name, numpy view of its bytes): numpy has
+    no bfloat16, so its bits as uint16."""
+    if a.dtype not in DTYPES:
+        raise ValueError(f"a prompt cache cannot hold {a.dtype} tensors.")
+    bits = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    return DTYPES[a.dtype], np.ascontiguousarray(bits)
+
+
+def _checksum(tensors: dict[str, tuple[str, np.ndarray]]) -> str:
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        dtype, a = tensors[name]
+        h.update(f"{name}:{dtype}:{list(a.shape)};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
 def tensors_checksum(arrays: dict[str, mx.array]) -> str:
-    """A CRC-32 of every tensor's name, dtype, shape and bytes."""
+    """An xxHash3 (64 bits) of every tensor's name, dtype, shape and bytes."""
+    return _checksum({name: _host(a) for name, a in arrays.items()})
+
+
+def crc32_checksum(arrays: dict[str, mx.array]) -> str:
+    """The tensor checksum of earlier releases (zlib's CRC-32)."""
     crc = 0
     for name in sorted(arrays):
         a = arrays[name]
         crc = zlib.crc32(f"{name}:{a.dtype}:{a.shape};".encode(), crc)
-        if a.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits as uint16
-            a = a.view(mx.uint16)
-        crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+        crc = zlib.crc32(_host(a)[1].data, crc)
     return f"{crc:08x}"
+
+
+_SUMS = {TENSORS_SUM: (tensors_checksum, 16), OLD_TENSORS_SUM: (crc32_checksum, 8)}
 
 
 def metadata_checksum(meta: dict[str, str]) -> str:
@@ -94,16 +162,23 @@ def pair_fingerprint(model, draft: DFlashDraft, dtypes: bool = True) -> str:
     return h.hexdigest()
 
 
-def _attention_caches(cache: PromptCache) -> None:
+def pair_identity(model, draft: DFlashDraft) -> dict[str, str]:
+    """What a file says of the pair it was made for (``fingerprint`` must match)."""
+    return {
+        "fingerprint": pair_fingerprint(model, draft),
+        "dtype": compute_dtype.name(model),
+        "weights": pair_fingerprint(model, draft, dtypes=False),
+    }
+
+
+def _savable(cache: PromptCache) -> None:
     if cache.max_kv_size is not None:
         raise ValueError(
             "a bounded prompt cache (max_kv_size) cannot be saved to a file; make the file without max_kv_size."
         )
-    if not all(type(c) in (BufferKVCache, QuantizedBufferKVCache) for c in cache.target + cache.draft):
-        raise ValueError(
-            "prompt-cache files hold attention caches only, and this target has recurrent (delta-net) layers; "
-            "run without a prompt-cache file."
-        )
+    kinds = (BufferKVCache, QuantizedBufferKVCache, DeltaCache)
+    if not all(type(c) in kinds for c in cache.target + cache.draft):
+        raise ValueError("this target's caches cannot be saved to a file; run without a prompt-cache file.")
 
 
 def kv_settings(cache: PromptCache) -> tuple:
@@ -123,77 +198,167 @@ def _describe(bits, group, start) -> str:
     return f"kv_bits {bits}, kv_group_size {group}, quantized_kv_start {start}"
 
 
-def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
-    """Write ``cache`` (its ``tokens`` and every layer's keys/values for them)
-    to ``path`` (a .safetensors file), with ``metadata`` (str -> str) kept
-    beside the pair's fingerprint."""
-    _attention_caches(cache)
-    if not cache.consistent():
-        raise ValueError("this prompt cache is in use by a generation; save it once that generation has ended.")
-    n = len(cache.tokens)
-    if n == 0:
-        raise ValueError("this prompt cache is empty; read a prompt into it first.")
+def cache_arrays(cache: PromptCache, n: int | None = None) -> dict[str, mx.array]:
+    """Every layer's tensors for the first ``n`` positions (all it holds by
+    default), by the names a file gives them; a delta-net layer's states are
+    those after all of them."""
+    n = len(cache.tokens) if n is None else n
     arrays = {}
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i, c in enumerate(layers):
+            if isinstance(c, DeltaCache):
+                arrays.update({f"{role}.{i}.conv": c.conv, f"{role}.{i}.ssm": c.ssm})
+                continue
             for name, buf in (("keys", c.keys), ("values", c.values)):
                 if isinstance(buf, tuple):  # quantized: packed, scales, biases
                     arrays.update({f"{role}.{i}.{name}.{j}": a[..., :n, :] for j, a in enumerate(buf)})
                 else:
                     arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
+    return arrays
+
+
+def snapshot(
+    cache: PromptCache, metadata: dict[str, str] | None = None, identity: dict[str, str] | None = None
+) -> Snapshot:
+    """``cache`` copied to the host with its metadata (``identity``: the
+    pair's, pair_identity, computed here if not given); the cache may change
+    afterwards."""
+    _savable(cache)
+    if not cache.consistent():
+        raise ValueError("this prompt cache is in use by a generation; save it once that generation has ended.")
+    n = len(cache.tokens)
+    if n == 0:
+        raise ValueError("this prompt cache is empty; read a prompt into it first.")
+    arrays = {k: mx.contiguous(a) for k, a in cache_arrays(cache).items()}
+    mx.eval(list(arrays.values()))
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(
         format=FORMAT,
         version=VERSION,
         tokens=json.dumps(cache.tokens),
-        fingerprint=pair_fingerprint(cache.model, cache.draft_model),
-        dtype=compute_dtype.name(cache.model),
-        weights=pair_fingerprint(cache.model, cache.draft_model, dtypes=False),
+        **(identity or pair_identity(cache.model, cache.draft_model)),
         **_kv_meta(*kv_settings(cache)),
     )
-    meta[TENSORS_SUM] = tensors_checksum(arrays)
-    meta[META_SUM] = metadata_checksum(meta)
+    if cache.reply_from is not None and cache.reply_from <= n:
+        meta["reply_from"] = str(cache.reply_from)
+    return Snapshot({k: _host(a) for k, a in arrays.items()}, meta)
+
+
+def write_snapshot(path: str | Path, snap: Snapshot) -> int:
+    """Write ``snap`` to ``path`` as safetensors with its checksums; the file
+    appears whole or not at all. Returns its size in bytes."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=meta)
-    tmp.replace(path)  # never a half-written file under the real name
+    meta = {**snap.meta, TENSORS_SUM: _checksum(snap.tensors)}
+    meta[META_SUM] = metadata_checksum(meta)
+    header, offset = {}, 0
+    names = sorted(snap.tensors)
+    for name in names:
+        dtype, a = snap.tensors[name]
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    header["__metadata__"] = meta
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.partial-{os.getpid()}-", suffix=".safetensors", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for name in names:
+                f.write(memoryview(snap.tensors[name][1]).cast("B"))
+        os.replace(tmp, path)  # never a half-written file under the real name
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return 8 + len(text) + offset
 
 
-def damaged(path, what: str) -> ValueError:
+def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
+    """Write ``cache`` (its ``tokens`` and every layer's keys/values for them)
+    to ``path`` (a .safetensors file), with ``metadata`` (str -> str) kept
+    beside the pair's fingerprint."""
+    write_snapshot(path, snapshot(cache, metadata))
+
+
+def damaged(path, what: str) -> DamagedCacheFile:
     """The sentence for a prompt-cache file that is one but was edited or cut."""
-    return ValueError(f"{path} is damaged ({what}); make it again with `dflash-mlx cache-prompt`.")
+    return DamagedCacheFile(f"{path} is damaged ({what}); make it again with `dflash-mlx cache-prompt`.")
+
+
+def _missing(path: Path) -> ValueError:
+    what = "is a directory" if path.is_dir() else "does not exist"
+    return ValueError(f"the prompt-cache file {path} {what}; make one with `dflash-mlx cache-prompt`.")
+
+
+def _check_metadata(path: Path, meta: dict[str, str]) -> None:
+    if meta.get("version") != VERSION:
+        raise ForeignCacheFile(
+            f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again."
+        )
+    if META_SUM in meta and meta[META_SUM] != metadata_checksum(meta):
+        raise damaged(path, "its metadata checksum does not match")
+    for key, (_, digits) in _SUMS.items():
+        if key in meta and not re.fullmatch(f"[0-9a-f]{{{digits}}}", meta[key]):
+            raise damaged(path, "its tensor checksum is not one")
+    if not _tokens(path, meta):
+        raise damaged(path, "its token ids are not a list of ids")
+    settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
+    if any(v is not None for v in settings):
+        if not all(v is not None and v.isdigit() for v in settings):
+            raise damaged(path, "its KV quantization settings are incomplete or not numbers")
+    reply_from = meta.get("reply_from")
+    if reply_from is not None and not (reply_from.isdigit() and int(reply_from) <= len(_tokens(path, meta))):
+        raise damaged(path, "its reply position is not one")
 
 
 def _open(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str]]:
     """The arrays and metadata of a prompt-cache file, its metadata checked."""
     path = Path(path)
     if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
-        raise ValueError(f"the prompt-cache file {path} {what}; make one with `dflash-mlx cache-prompt`.")
+        raise _missing(path)
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
     except Exception:
-        raise ValueError(
+        raise DamagedCacheFile(
             f"{path} is not a safetensors file, or is cut short; make a prompt cache with `dflash-mlx cache-prompt`."
         ) from None
     if not isinstance(arrays, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`.")
-    if meta.get("version") != VERSION:
-        raise ValueError(
-            f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again."
+        raise DamagedCacheFile(
+            f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`."
         )
-    if META_SUM in meta and meta[META_SUM] != metadata_checksum(meta):
-        raise damaged(path, "its metadata checksum does not match")
-    if TENSORS_SUM in meta and not re.fullmatch(r"[0-9a-f]{8}", meta[TENSORS_SUM]):
-        raise damaged(path, "its tensor checksum is not one")
-    tokens = _tokens(path, meta)
-    if not tokens:
-        raise damaged(path, "its token ids are not a list of ids")
-    settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
-    if any(v is not None for v in settings):
-        if not all(v is not None and v.isdigit() for v in settings):
-            raise damaged(path, "its KV quantization settings are incomplete or not numbers")
+    _check_metadata(path, meta)
     return arrays, meta
+
+
+def read_header(path: str | Path) -> dict[str, str]:
+    """A prompt-cache file's metadata, checked, from its header alone (a
+    file shorter than its header says is refused as cut short)."""
+    path = Path(path)
+    if not path.is_file():
+        raise _missing(path)
+    cut = DamagedCacheFile(
+        f"{path} is not a safetensors file, or is cut short; make a prompt cache with `dflash-mlx cache-prompt`."
+    )
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise cut
+        try:
+            header = json.loads(f.read(length))
+            meta = header.pop("__metadata__")
+            end = max((t["data_offsets"][1] for t in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise cut from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DamagedCacheFile(
+            f"{path} is not a dflash-mlx prompt-cache file; make one with `dflash-mlx cache-prompt`."
+        )
+    if not isinstance(end, int) or 8 + length + end != size:
+        raise cut
+    _check_metadata(path, meta)
+    return meta
 
 
 def _tokens(path, meta: dict[str, str]) -> list[int]:
@@ -201,7 +366,7 @@ def _tokens(path, meta: dict[str, str]) -> list[int]:
     text = meta.get("tokens")
     if text is None:
         raise damaged(path, "its metadata has no readable token ids")
-    if not _TOKENS.fullmatch(text.strip()):
+    if not isinstance(text, str) or not _TOKENS.fullmatch(text.strip()):
         raise damaged(path, "its token ids are not a list of ids")
     return json.loads(text)
 
@@ -226,10 +391,9 @@ def _tensors(
         dtype_ok = a.dtype == mx.uint32 if packing and j == 0 else mx.issubdtype(a.dtype, mx.floating)
         shape_ok = a.ndim == 4 and a.shape[0] == 1 and a.shape[2] == n and a.shape[:3] == parts[0].shape[:3]
         if not (dtype_ok and shape_ok):
-            kind = str(a.dtype).removeprefix("mlx.core.")
             raise damaged(
                 path,
-                f"the tensor {k} is {kind} of shape {'x'.join(map(str, a.shape))}, which does not "
+                f"the tensor {k} is {_kind(a)} of shape {'x'.join(map(str, a.shape))}, which does not "
                 f"hold {n} cached positions for this pair",
             )
         if dims is not None:
@@ -244,14 +408,37 @@ def _tensors(
     return tuple(parts) if packing else parts[0]
 
 
-def _target_dims(cache: PromptCache) -> list | None:
-    """Each target layer's ((KV heads, key dim), (KV heads, value dim)), read
-    from the shapes one lazy forward step gives a fresh cache (nothing is
-    evaluated); None where a target's caches do not show them."""
+def _kind(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
+
+
+def _state(path, arrays: dict[str, mx.array], name: str, shape: tuple | None) -> mx.array:
+    """A delta-net layer's saved state, checked to be floats of ``shape`` where known."""
+    if name not in arrays:
+        raise damaged(path, f"the tensor {name} is missing")
+    a = arrays[name]
+    if not mx.issubdtype(a.dtype, mx.floating) or (shape is not None and tuple(a.shape) != tuple(shape)):
+        raise damaged(
+            path,
+            f"the tensor {name} is {_kind(a)} of shape {'x'.join(map(str, a.shape))}, which is not this pair's state",
+        )
+    return a
+
+
+def _target_shapes(cache: PromptCache) -> list | None:
+    """Each target layer's expected tensors: ((KV heads, key dim), (KV heads,
+    value dim)) for attention, (conv shape, state shape) for a delta-net
+    layer; read from the shapes one lazy forward step gives a fresh cache
+    (nothing is evaluated); None where a target's caches do not show them."""
     try:
         fresh = cache.adapter.make_cache()
         cache.adapter(mx.array([[0]]), fresh, taps=[0])
-        return [((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3])) for c in fresh]
+        return [
+            (c.conv.shape, c.ssm.shape)
+            if isinstance(c, DeltaCache)
+            else ((c.keys.shape[1], c.keys.shape[3]), (c.values.shape[1], c.values.shape[3]))
+            for c in fresh
+        ]
     except Exception:
         return None
 
@@ -269,6 +456,125 @@ def _finite(path, loaded: dict) -> None:
         raise damaged(path, f"the tensor {bad[0]} holds NaN or infinity")
 
 
+def _check_pair(path, meta: dict[str, str], cache: PromptCache) -> None:
+    model, draft = cache.model, cache.draft_model
+    if meta.get("fingerprint") != pair_fingerprint(model, draft):
+        same_weights = meta.get("weights") == pair_fingerprint(model, draft, dtypes=False)
+        now = compute_dtype.name(model)
+        if same_weights and meta.get("dtype", now) != now:  # (the same pair cast: compute_dtype.py)
+            raise ForeignCacheFile(
+                f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
+                f'{now}; load it with --dtype {meta["dtype"]} (dtype="{meta["dtype"]}" in Python) '
+                "to read the file, or make the prompt cache again."
+            )
+        made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
+        older = (
+            ""
+            if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model))
+            else " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)"
+        )
+        raise ForeignCacheFile(
+            f"{path} was made for another model pair{f' ({made})' if made else ''}; "
+            f"make a prompt cache for this pair with `dflash-mlx cache-prompt`{older}."
+        )
+
+
+def read_prompt_cache(path: str | Path, cache: PromptCache, fingerprint: str | None = None) -> dict[str, str]:
+    """Fill ``cache``, fresh, with what ``path`` saved; returns the file's
+    metadata. ``fingerprint``: the pair's, when the caller has it. Raises
+    ForeignCacheFile or DamagedCacheFile (ValueErrors) in one sentence."""
+    arrays, meta = _open(path)
+    _savable(cache)
+    if fingerprint is None or meta.get("fingerprint") != fingerprint:
+        _check_pair(path, meta, cache)
+    made = (
+        (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"]))
+        if "kv_bits" in meta
+        else (None, None, None)
+    )
+    if made != kv_settings(cache):
+        raise ForeignCacheFile(
+            f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
+            "use the settings it was made with, or make it again with these."
+        )
+    tokens = _tokens(path, meta)
+    n = len(tokens)
+    if max(tokens) >= cache.adapter.vocab_size:
+        raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")
+    # a quantized cache's target is saved packed once it held quantized_kv_start positions
+    packed = made[0] is not None and "target.0.keys.0" in arrays
+    cfg = cache.draft_model.config
+    target_shapes = _target_shapes(cache)
+    expected, loaded = set(), {}
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i, c in enumerate(layers):
+            if isinstance(c, DeltaCache):
+                shapes = target_shapes[i] if target_shapes else (None, None)
+                for name, shape in zip(("conv", "ssm"), shapes):
+                    loaded[f"{role}.{i}.{name}"] = _state(path, arrays, f"{role}.{i}.{name}", shape)
+                    expected.add(f"{role}.{i}.{name}")
+                continue
+            packing = (made[0], made[1]) if packed and role == "target" else None
+            if role == "draft":
+                dims = [(cfg.num_key_value_heads, cfg.head_dim)] * 2
+            else:
+                dims = target_shapes[i] if target_shapes else [None, None]
+            for name, d in zip(("keys", "values"), dims):
+                key = f"{role}.{i}.{name}"
+                loaded[key] = _tensors(path, arrays, key, n, d, packing)
+                expected.update([f"{key}.{j}" for j in range(3)] if packing else [key])
+    extra = sorted(set(arrays) - expected)
+    if extra:
+        raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
+    summed = next((k for k in _SUMS if k in meta), None)
+    if summed is not None and _SUMS[summed][0](arrays) != meta[summed]:
+        raise damaged(path, "its tensor checksum does not match")
+    _finite(path, loaded)
+    if summed is None and str(path) not in _warned:
+        _warned.add(str(path))
+        warnings.warn(
+            f"{path} has no checksums (an earlier dflash-mlx made it); it loads with its tensors' shapes "
+            "and values checked, and `dflash-mlx cache-prompt` makes it again with checksums.",
+            stacklevel=3,
+        )
+    reply_from = int(meta["reply_from"]) if "reply_from" in meta else None
+    fill(cache, loaded, tokens, reply_from, (made[1], made[0]) if packed else None)
+    return meta
+
+
+def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | None, packed: tuple | None) -> None:
+    """Make ``cache``, fresh, hold ``tokens`` from ``arrays`` (named as
+    cache_arrays names them, quantized parts as tuples; ``packed``: the
+    target's (group size, bits) when its keys are). Buffers are new arrays."""
+    n = len(tokens)
+    if packed:
+        cache.target[:] = [QuantizedBufferKVCache(*packed) if isinstance(c, BufferKVCache) else c for c in cache.target]
+
+    def padded(a: mx.array, room: int) -> mx.array:
+        return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
+
+    for role, layers in (("target", cache.target), ("draft", cache.draft)):
+        for i, c in enumerate(layers):
+            if isinstance(c, DeltaCache):
+                c.conv, c.ssm = arrays[f"{role}.{i}.conv"], arrays[f"{role}.{i}.ssm"]
+                c.offset = c.bound = n
+                c.saved = [(0, None, None), (n, c.conv, c.ssm)]
+                continue
+            room = -(-n // c.step) * c.step
+            k, v = arrays[f"{role}.{i}.keys"], arrays[f"{role}.{i}.values"]
+            if isinstance(c, QuantizedBufferKVCache):
+                c.keys, c.values = (tuple(padded(a, room) for a in parts) for parts in (k, v))
+            else:
+                c.keys, c.values = padded(k, room), padded(v, room)
+            c.set_length(n)
+    if isinstance(cache.target, HybridCache):  # where a re-read of a cut-back state starts
+        cache.target.log = [(0, mx.array(tokens, mx.int32))]
+    mx.eval(cache.arrays())
+    cache.tokens = list(tokens)
+    cache.reply_from = reply_from
+    cache.settle()
+
+
 def load_prompt_cache(
     path: str | Path,
     model,
@@ -282,88 +588,5 @@ def load_prompt_cache(
     cache settings than ``kv_bits`` etc. (as for make_prompt_cache), is refused;
     so is a damaged one (edited metadata, a tensor missing or of another
     shape), each in one sentence."""
-    arrays, meta = _open(path)
     cache = PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start)
-    _attention_caches(cache)
-    if meta.get("fingerprint") != pair_fingerprint(model, draft):
-        same_weights = meta.get("weights") == pair_fingerprint(model, draft, dtypes=False)
-        now = compute_dtype.name(model)
-        if same_weights and meta.get("dtype", now) != now:  # (the same pair cast: compute_dtype.py)
-            raise ValueError(
-                f"{path} was made with the pair computing in {meta['dtype']}, and this one computes in "
-                f'{now}; load it with --dtype {meta["dtype"]} (dtype="{meta["dtype"]}" in Python) '
-                "to read the file, or make the prompt cache again."
-            )
-        made = " and ".join(f"{meta[k]}" for k in ("model", "draft_model") if meta.get(k))
-        older = (
-            ""
-            if "dtype" in meta or not compute_dtype.on_fast_blas(compute_dtype.computing(model))
-            else " (a file made before this CPU computed in float32 reads with --dtype and the checkpoint's own dtype)"
-        )
-        raise ValueError(
-            f"{path} was made for another model pair{f' ({made})' if made else ''}; "
-            f"make a prompt cache for this pair with `dflash-mlx cache-prompt`{older}."
-        )
-    made = (
-        (int(meta["kv_bits"]), int(meta["kv_group_size"]), int(meta["quantized_kv_start"]))
-        if "kv_bits" in meta
-        else (None, None, None)
-    )
-    if made != kv_settings(cache):
-        raise ValueError(
-            f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
-            "use the settings it was made with, or make it again with these."
-        )
-    tokens = _tokens(path, meta)
-    n = len(tokens)
-    if max(tokens) >= cache.adapter.vocab_size:
-        raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")
-    # a quantized cache's target is saved packed once it held quantized_kv_start positions
-    packed = made[0] is not None and "target.0.keys.0" in arrays
-    cfg = draft.config
-    target_dims = _target_dims(cache)
-    expected, loaded = set(), {}
-    for role, layers in (("target", cache.target), ("draft", cache.draft)):
-        for i in range(len(layers)):
-            packing = (made[0], made[1]) if packed and role == "target" else None
-            if role == "draft":
-                dims = [(cfg.num_key_value_heads, cfg.head_dim)] * 2
-            else:
-                dims = target_dims[i] if target_dims else [None, None]
-            for name, d in zip(("keys", "values"), dims):
-                key = f"{role}.{i}.{name}"
-                loaded[key] = _tensors(path, arrays, key, n, d, packing)
-                expected.update([f"{key}.{j}" for j in range(3)] if packing else [key])
-    extra = sorted(set(arrays) - expected)
-    if extra:
-        raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
-    if TENSORS_SUM in meta and tensors_checksum(arrays) != meta[TENSORS_SUM]:
-        raise damaged(path, "its tensor checksum does not match")
-    _finite(path, loaded)
-    if TENSORS_SUM not in meta:
-        if str(path) not in _warned:
-            _warned.add(str(path))
-            warnings.warn(
-                f"{path} has no checksums (an earlier dflash-mlx made it); it loads with its tensors' shapes "
-                "and values checked, and `dflash-mlx cache-prompt` makes it again with checksums.",
-                stacklevel=2,
-            )
-    if packed:
-        cache.target[:] = [QuantizedBufferKVCache(made[1], made[0]) for _ in cache.target]
-
-    def padded(a: mx.array, room: int) -> mx.array:
-        return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
-
-    for role, layers in (("target", cache.target), ("draft", cache.draft)):
-        for i, c in enumerate(layers):
-            room = -(-n // c.step) * c.step
-            k, v = loaded[f"{role}.{i}.keys"], loaded[f"{role}.{i}.values"]
-            if isinstance(c, QuantizedBufferKVCache):
-                c.keys, c.values = (tuple(padded(a, room) for a in parts) for parts in (k, v))
-            else:
-                c.keys, c.values = padded(k, room), padded(v, room)
-            c.set_length(n)
-    mx.eval(cache.arrays())
-    cache.tokens = tokens
-    cache.settle()
-    return cache, meta
+    return cache, read_prompt_cache(path, cache)
