@@ -1,0 +1,227 @@
+"""Prompt lookup (draft/lookup.py): the device's n-gram search is a plain
+search's, and decoding with it, beside a DFlash drafter or alone, is the
+target's own: greedy token for token on every kind of family, seeded
+samples the plain sampler's, prompt caches exact across turns and stops."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from family_models import family_config, make_family_target
+from mlx.utils import tree_flatten
+from test_sampling import plain_sampled
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
+
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.draft.lookup import LookupGate, LookupParams, TokenHistory, find, lookup_drafter
+
+VOCAB = 48
+
+
+def python_lookup(history: list[int], k: int, longest: int):
+    """The plain search: for n from ``longest`` down, the last place before
+    the end where the last n tokens occur, and the k tokens after it (past
+    the end, the copied span repeats)."""
+    last = len(history) - 1
+    for n in range(longest, 0, -1):
+        if n > len(history):
+            continue
+        suffix = history[last - n + 1 :]
+        for end in range(last - 1, n - 2, -1):
+            if history[end - n + 1 : end + 1] == suffix:
+                period = last - end
+                extended = list(history)
+                while len(extended) < end + 1 + k:
+                    extended.append(extended[len(extended) - period])
+                return extended[end + 1 : end + 1 + k], n
+    return None, 0
+
+
+def test_device_lookup_is_the_plain_search():
+    rng = random.Random(0)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5, 40])
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 600))]
+        buffer = TokenHistory(history)
+        scratch = buffer.capacity - len(history)  # past the end: garbage a later cycle overwrites
+        buffer.tokens[len(history) :] = mx.array([rng.randrange(vocab) for _ in range(scratch)], mx.int32)
+        k, longest = rng.randrange(1, 16), rng.randrange(1, 6)
+        drafts, n = find(buffer.tokens, mx.array(len(history) - 1, mx.int32), k, LookupParams(1, longest))
+        want, want_n = python_lookup(history, k, longest)
+        assert n.item() == want_n, trial
+        if want_n:
+            assert drafts.tolist() == want, trial
+
+
+def test_history_writes_at_a_device_offset_and_grows():
+    buffer = TokenHistory([1, 2, 3])
+    buffer.reserve(300)
+    assert buffer.capacity == 512 and buffer.tokens[:3].tolist() == [1, 2, 3]
+    buffer.write(mx.array([7, 8, 9]), mx.array(3, mx.int32))
+    assert buffer.tokens[:6].tolist() == [1, 2, 3, 7, 8, 9]
+
+
+def test_the_gate_keeps_lookup_while_it_wins():
+    gate = LookupGate()
+    assert gate.enabled  # starts on
+    gate.record(True, True, 5, 1)  # lookup's chain kept 5, the drafter's would have kept at least 1
+    gate.record(False, False, 3, -1)  # no match: no comparison
+    assert gate.enabled
+    gate.record(True, True, 0, 1)
+    gate.record(True, False, 4, 0)  # lookup off: the drafter kept 4, lookup's chain would have kept 0
+    gate.record(True, False, 3, 0)
+    assert not gate.enabled
+
+
+def copy_heavy(rng: random.Random, n: int = 24) -> list[int]:
+    """A prompt that repeats itself, as an edit of a given file does."""
+    text = [rng.randrange(VOCAB - 1) for _ in range(n)]
+    return text + text[: n // 2] + [rng.randrange(VOCAB - 1)] + text[n // 2 :]
+
+
+def dense_pair():
+    tcfg = target_config("qwen3", vocab=VOCAB)
+    model = make_target(tcfg, seed=3)
+    dcfg = draft_config(tcfg, layers=1, block_size=8)
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+
+
+def family_pair(family: str):
+    cfg = family_config(family, vocab=VOCAB, layers=6 if family.startswith("gemma") else 4)
+    model = make_family_target(cfg, seed=1)
+    dcfg = draft_config(cfg, layers=1, block_size=8)
+    return model, make_draft(dcfg, random_draft_weights(dcfg, seed=2))
+
+
+def decoded(model, draft, prompt, **kw):
+    responses = list(stream_generate(model, draft, make_tokenizer(VOCAB), prompt, **kw))
+    return [t for r in responses for t in r.tokens], responses
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request, monkeypatch):
+    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_5"])
+def test_greedy_with_lookup_equals_mlx_lm(family, compiled):
+    """Dense, sliding-window and hybrid targets, beside a drafter and alone,
+    over block sizes and lookup on and auto; prompts past the window (8)."""
+    model, draft = dense_pair() if family == "qwen3" else family_pair(family)
+    rng = random.Random(1)
+    hits = accepted = 0
+    for i, (bs, lookup) in enumerate([(2, True), (5, "auto"), (8, True), ("auto", True)]):
+        prompt = copy_heavy(rng, 12 + 7 * i)
+        want = greedy_reference(model, prompt, 32)
+        for drafter in (draft, None):
+            tokens, responses = decoded(model, drafter, prompt, max_tokens=32, block_size=bs, lookup=lookup)
+            assert tokens == want, (bs, lookup, drafter is None)
+            hits += responses[-1].lookup_hits
+            accepted += sum(r.accepted for r in responses[1:])
+    assert hits and accepted  # vacuous if nothing were looked up or accepted
+
+
+def test_lookup_statistics_count_hit_cycles_and_their_tokens():
+    model, draft = dense_pair()
+    prompt = copy_heavy(random.Random(2))
+    tokens, responses = decoded(model, None, prompt, max_tokens=40, block_size=8, lookup=True)
+    assert tokens == greedy_reference(model, prompt, 40)
+    last = responses[-1]
+    # a lookup-only drafter looks up every block it drafts; nothing else is drafted
+    assert 0 < last.lookup_hits <= last.cycles - last.plain_cycles
+    assert last.lookup_tokens <= len(tokens) - 1
+    plain, _ = decoded(model, draft, prompt, max_tokens=40, block_size=8)
+    assert plain == tokens
+    off = decoded(model, draft, prompt, max_tokens=40, block_size=8)[1][-1]
+    assert off.lookup_hits == off.lookup_tokens == 0
+
+
+def test_a_copy_heavy_reply_commits_more_per_cycle_with_lookup():
+    """A target that repeats what it has read: looked-up drafts are accepted
+    where the random drafter's are not."""
+    model, draft = dense_pair()
+    prompt = copy_heavy(random.Random(3), 30)
+    _, without = decoded(model, draft, prompt, max_tokens=48, block_size=8)
+    _, with_lookup = decoded(model, draft, prompt, max_tokens=48, block_size=8, lookup=True)
+    assert with_lookup[-1].lookup_hits > 0
+    assert with_lookup[-1].lookup_tokens > with_lookup[-1].lookup_hits  # hits committed drafts, not just the bonus
+    assert with_lookup[-1].cycles < without[-1].cycles
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.8, 1.0, 0), (1.0, 0.9, 5)])
+def test_seeded_samples_with_lookup_are_the_plain_samplers(temperature, top_p, top_k, compiled):
+    model, draft = dense_pair()
+    prompt = copy_heavy(random.Random(4), 16)
+    for seed in (0, 1):
+        want = plain_sampled(model, prompt, 32, seed, temperature, top_p, top_k)
+        for drafter, bs, lookup in [(draft, 6, True), (draft, 8, "auto"), (None, 4, True)]:
+            got, _ = decoded(
+                model,
+                drafter,
+                prompt,
+                max_tokens=32,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                block_size=bs,
+                lookup=lookup,
+            )
+            assert got == want, (seed, bs, lookup, drafter is None)
+
+
+@pytest.mark.parametrize("lookup_only", [False, True])
+def test_prompt_cache_exact_across_turns_and_a_stopped_generator(lookup_only):
+    model, draft = dense_pair()
+    drafter = lookup_drafter(model) if lookup_only else draft
+    cache = make_prompt_cache(model, drafter)
+    rng = random.Random(5)
+    turn1 = copy_heavy(rng, 14)
+    out1, _ = decoded(model, drafter, turn1, max_tokens=20, block_size=6, prompt_cache=cache, lookup=True)
+    assert out1 == greedy_reference(model, turn1, 20)
+    turn2 = turn1 + out1 + turn1[:6]
+    out2, _ = decoded(model, drafter, turn2, max_tokens=20, block_size=6, prompt_cache=cache, lookup=True)
+    assert out2 == greedy_reference(model, turn2, 20)
+    # stop a reply after two cycles: the cache keeps only what was committed
+    gen = stream_generate(
+        model, drafter, make_tokenizer(VOCAB), turn2 + [9], max_tokens=30, prompt_cache=cache, lookup=True, block_size=5
+    )
+    seen = next(gen).tokens + next(gen).tokens + next(gen).tokens
+    gen.close()
+    assert cache.tokens == turn2 + [9] + seen[:-1]
+    assert cache.consistent()
+    turn3 = turn2 + [9] + seen + turn1[:4]
+    out3, _ = decoded(model, drafter, turn3, max_tokens=16, block_size=4, prompt_cache=cache, lookup="auto")
+    assert out3 == greedy_reference(model, turn3, 16)
+
+
+def test_lookup_only_drafter_needs_no_drafter_module():
+    model, _ = dense_pair()
+    assert lookup_drafter(model) is lookup_drafter(model)
+    assert tree_flatten(lookup_drafter(model).parameters()) == []  # no weights
+    prompt = copy_heavy(random.Random(6))
+    for bs in (2, 3, 16):
+        tokens, responses = decoded(model, None, prompt, max_tokens=24, block_size=bs, lookup=True)
+        assert tokens == greedy_reference(model, prompt, 24), bs
+        assert {r.block_size for r in responses[1:]} == {bs}
+
+
+def test_bad_lookup_settings_say_how_to_fix_them():
+    model, draft = dense_pair()
+    tok = make_tokenizer(VOCAB)
+    with pytest.raises(ValueError, match="lookup must be"):
+        stream_generate(model, draft, tok, [1, 2], lookup="yes")
+    with pytest.raises(ValueError, match="lookup must be"):
+        stream_generate(model, draft, tok, [1, 2], lookup=1)
+    with pytest.raises(ValueError, match="lookup=True"):
+        stream_generate(model, None, tok, [1, 2])
