@@ -43,6 +43,8 @@ def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> S
         service.worker.start()
         yield
         service.worker.stop()
+        if service.store is not None:
+            service.store.close()  # queued writes finish first
         service.prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [

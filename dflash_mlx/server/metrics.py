@@ -137,6 +137,40 @@ class Metrics:
             [({}, pool.misses)],
         )
         family("dflash_prompt_caches", "gauge", "Prompt caches kept in the pool.", [({}, len(pool))])
+        family(
+            "dflash_prefix_cache_hits_total",
+            "counter",
+            "Requests that started from a kept prefix, by where it was kept (memory: the pool; disk: the store).",
+            [({"tier": "memory"}, pool.memory_hits), ({"tier": "disk"}, pool.disk_hits)],
+        )
+        family(
+            "dflash_prefix_cache_misses_total",
+            "counter",
+            "Requests no kept prefix served.",
+            [({}, pool.misses)],
+        )
+        family(
+            "dflash_prefix_cache_reused_tokens_total",
+            "counter",
+            "Prompt tokens served from a kept prefix, either tier.",
+            [({}, pool.reused_tokens)],
+        )
+        store = pool.store
+        if store is not None:
+            family(
+                "dflash_prefix_cache_disk_bytes",
+                "gauge",
+                "Bytes of prefix-cache files in the directory.",
+                [({}, store.disk_bytes)],
+            )
+            family("dflash_prefix_cache_disk_entries", "gauge", "This pair's prefix-cache files.", [({}, len(store))])
+            family("dflash_prefix_cache_writes_total", "counter", "Prefix-cache files written.", [({}, store.writes)])
+            family(
+                "dflash_prefix_cache_refused_total",
+                "counter",
+                "Prefix-cache files skipped as damaged or made for another pair or settings.",
+                [({}, store.refused)],
+            )
         return "\n".join(out) + "\n"
 
 

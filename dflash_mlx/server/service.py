@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from dflash_mlx import make_prompt_cache
+from dflash_mlx.cache.store import PrefixStore
 
 from .cache_pool import PromptCachePool
 from .decoder import Decoder
@@ -43,6 +44,10 @@ class ServerConfig:
     chat_template_args: dict = field(default_factory=dict)
     prompt_cache_size: int = 10
     prompt_cache_bytes: Optional[int] = None
+    # the prefix cache on disk (off without a directory): its bound, and the shortest prefix it keeps
+    prefix_cache_dir: Optional[str] = None
+    prefix_cache_gb: float = 20.0
+    prefix_cache_min_tokens: int = 256
     # every prompt cache of the pool is made with these (make_prompt_cache's meanings)
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
@@ -114,7 +119,15 @@ class Service:
             )
 
         new_cache()  # settings this pair cannot use: a ValueError now, not on every request
-        pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes)
+        self.store = None
+        if config.prefix_cache_dir is not None:
+            self.store = PrefixStore(
+                config.prefix_cache_dir,
+                int(config.prefix_cache_gb * 1e9),
+                new_cache,
+                min_tokens=config.prefix_cache_min_tokens,
+            )
+        pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes, self.store)
         bounded = config.max_kv_size is not None
         self.metrics = Metrics()
         self.responses = StoredResponses(config.stored_responses)
