@@ -6,7 +6,8 @@
 
 A kernel's source reaches NVRTC only when MLX's CUDA backend first launches
 it, on a GPU. This script gets there sooner: it builds each kernel object
-(block attention, the q/k norm + RoPE, the block products) with a recording
+(block attention, the q/k norm + RoPE, the block products, and each module of
+KERNEL_MODULES, e.g. the quantized verify product) with a recording
 factory in place of ``mx.fast.cuda_kernel``, drives it through its own
 self-check cases on the CPU (every dtype, head dim, window, launch shape and
 bias its check covers), and compiles each variant it recorded, wrapped as
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import importlib
 import os
 import sys
 
@@ -37,7 +39,12 @@ CUDA_TYPES = {
     mx.uint32: "uint32_t",
     mx.bool_: "bool",
     mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
 }
+
+# Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
+# through the recording factory: adding a kernel to the check is one line here.
+KERNEL_MODULES = ("dflash_mlx.kernels.quantized",)
 
 # In place of MLX's "mlx/backend/cuda/device/utils.cuh": the types the
 # generated parameters use.
@@ -131,8 +138,9 @@ def compile_source(lib, src: str, cuda_root: str, arch: str) -> tuple[bool, str]
     return rc == 0, log.value.decode(errors="replace").strip()
 
 
-def record_all(recorder: Recorder) -> None:
-    """Every variant the kernels' self-checks launch, recorded."""
+def record_all(recorder: Recorder, modules=KERNEL_MODULES) -> None:
+    """Every variant the kernels' self-checks launch, recorded; then every
+    variant of each module in ``modules`` (its ``record_variants`` hook)."""
     from dflash_mlx.kernels import dispatch, norm_rope
     from dflash_mlx.kernels.attention import BlockAttentionKernel
     from dflash_mlx.kernels.cuda import products as block_products
@@ -155,6 +163,8 @@ def record_all(recorder: Recorder) -> None:
             products(x, w, swiglu=True)
         for x, w, bias, residual, norm, swiglu in block_products.norm_check_cases(dtype, swiglu=True):
             products(x, w, bias, residual, swiglu=swiglu, norm=norm)
+    for name in modules:
+        importlib.import_module(name).record_variants(recorder.factory, "cuda")
 
 
 def main():

@@ -28,6 +28,7 @@ only Apple's compiler knows. Exits non-zero naming each failing variant.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 import shutil
@@ -339,6 +340,10 @@ class Compiler:
 
 # --- What decoding launches ------------------------------------------------------------------------------
 
+# Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
+# through the recording factory: adding a kernel to the check is one line here.
+KERNEL_MODULES = ("dflash_mlx.kernels.quantized",)
+
 # The windows a variant is built for (WINDOW, a template constant): the self-check's own (45,
 # dispatch._check_cases) and one a model brings (gpt-oss's 128, the one with sinks).
 MODEL_WINDOWS = (128,)
@@ -346,7 +351,15 @@ MODEL_WINDOWS = (128,)
 KEY_BUFFERS = (256, 4096)
 
 
-def record_all(recorder: Recorder, dtypes=None, head_dims=None, rows=None, decoding: bool = True) -> None:
+def record_modules(recorder, backend: str, modules=KERNEL_MODULES) -> None:
+    """Every variant of each module in ``modules``, recorded through its ``record_variants`` hook."""
+    for name in modules:
+        importlib.import_module(name).record_variants(recorder.factory, backend)
+
+
+def record_all(
+    recorder: Recorder, dtypes=None, head_dims=None, rows=None, decoding: bool = True, modules=KERNEL_MODULES
+) -> None:
     """Every Metal variant decoding can launch, recorded: each kernel's
     self-check cases, then (``decoding``) for each dtype and head dim every
     row count per key-value head the dispatch table can send to the kernel
@@ -354,8 +367,10 @@ def record_all(recorder: Recorder, dtypes=None, head_dims=None, rows=None, decod
     one query head and eight (sinks in constant or in device memory, MLX's
     rule), causal or not, windowed or not, sinks or not, one key chunk or
     many (the merge's partials in constant memory or device memory). The
-    template values come from the kernels' own code. ``dtypes``,
-    ``head_dims``, ``rows``: a subset (tests)."""
+    template values come from the kernels' own code. Then every variant of
+    the kernel modules in ``modules`` (their ``record_variants`` hooks:
+    each variant they can launch, all of them checked on first use).
+    ``dtypes``, ``head_dims``, ``rows``: a subset (tests)."""
     from dflash_mlx.kernels import dispatch, norm_rope
     from dflash_mlx.kernels.attention import BlockAttentionKernel
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
@@ -366,6 +381,7 @@ def record_all(recorder: Recorder, dtypes=None, head_dims=None, rows=None, decod
     row_counts = range(1, most_rows + 1) if rows is None else rows
     attention = BlockAttentionKernel("metal", factory=recorder.factory)
     rope = norm_rope.NormRopeKernel("metal", factory=recorder.factory)
+    record_modules(recorder, "metal", modules)
     for dtype in dtypes:
         for d in head_dims:
             for windowed in (False, True):

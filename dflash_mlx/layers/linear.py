@@ -1,5 +1,9 @@
-"""A verify's products: on CUDA, 2-16 rows through the block-product kernel
-where it checked out (with the RMSNorm, residual or SwiGLU in its launch)."""
+"""A verify's products: on CUDA, 2-16 rows of a bf16/fp16 ``nn.Linear`` through the
+block-product kernel where it checked out (with the RMSNorm, residual or SwiGLU
+in its launch); on Metal and CUDA, 2-32 rows of an ``nn.QuantizedLinear``
+through the quantized verify product where its variant checked out (each row
+then bit for bit MLX's one-row product). Everything else, and the CPU, runs
+MLX's own product."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..device import backend
+from ..kernels import quantized
 
 # Largest weight the kernel takes a norm into: each block reads the rows twice.
 NORM_MOST = 1 << 24
@@ -70,7 +75,10 @@ def apply_linear(
                 return kernel(x, module.weight, bias, residual, norm=folded)
     if norm is not None:
         return apply_linear(module, norm(x), residual)
-    return module(x) if residual is None else residual + module(x)
+    y = quantized.product(module, x)
+    if y is None:
+        y = module(x)
+    return y if residual is None else residual + y
 
 
 def takes_norm(module: nn.Module, x: mx.array, norm: nn.Module) -> bool:
@@ -108,3 +116,10 @@ def prepare(dtype) -> None:
     products = _products()
     if products is not None:
         products.prepare(dtype)
+
+
+def prepare_quantized(model: nn.Module, dtype) -> None:
+    """Check the quantized verify product for every quantized linear layer of
+    ``model`` at ``dtype`` rows; call it outside compiled traces (unchecked
+    layers keep MLX's product)."""
+    quantized.prepare(model, dtype)

@@ -1,0 +1,318 @@
+"""A verify's quantized products: 2-32 rows times an ``nn.QuantizedLinear``'s
+weight, each row bit for bit what MLX's one-row product computes (Metal, CUDA).
+
+A plain step multiplies one row by each weight; a verify multiplies its block
+(2-16 rows, a draft tree up to 32). MLX's product of a few rows costs far more
+than one row's on a Mac, and rounds differently, so a greedy verify could pick
+another token than the plain step at a near-tie. This kernel
+(quantized_source.py) reads each weight once for all the rows, dequantizes it
+in registers, and reduces each row in the one-row kernel's own order.
+
+Which (dtype, mode, bits, group, K, N class) a machine serves with it is
+decided once, outside compiled traces (``prepare``): its rows must equal
+``mx.quantized_matmul`` of each row alone, bit for bit, on random cases of
+that K and N class and of every row tile; a failure keeps MLX's product for
+that variant, with one warning. Affine weights of 4 or 8 bits in groups of
+32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8 and
+K whole blocks (512 values at 4 bits, 256 at 8): the shapes MLX's one-row
+``qmv_fast`` takes on Metal. The CPU never runs it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..device import backend
+from .attention import make_factory
+from .launch_source import compacting
+from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
+
+DTYPES = (mx.bfloat16, mx.float16)
+AFFINE_BITS = (4, 8)
+GROUPS = (32, 64, 128)
+FEWEST_ROWS, MOST_ROWS = 2, 32
+# On sm90 MLX's one-row product takes its qmv kernel only up to this N and K.
+WIDE = 16384
+# Rows a self-check runs: one case of each row tile (tile()).
+CHECK_ROWS = (3, 8, 13, 27)
+CHECK_N = 64
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one self-check covers: a module's product at any 2-32 rows."""
+
+    dtype: mx.Dtype
+    mode: str
+    bits: int
+    group: int
+    k: int
+    wide: bool  # N or K past WIDE
+
+    @property
+    def case(self) -> str:
+        dtype = str(self.dtype).split(".")[-1]
+        quant = "mxfp4" if self.mode == "mxfp4" else f"affine {self.bits}-bit group {self.group}"
+        return f"{dtype} {quant} K={self.k}" + (" wide" if self.wide else "")
+
+
+@dataclass
+class QuantizedCheck:
+    backend: str
+    variant: Variant
+    ok: bool
+    detail: str
+
+    @property
+    def case(self) -> str:
+        return f"{self.backend} {self.variant.case}"
+
+
+def block_k(bits: int) -> int:
+    """K a simdgroup covers in one step: 32 lanes of 16 values (8 at 8 bits)."""
+    return 32 * (8 if bits == 8 else 16)
+
+
+def tile(rows: int, backend_name: str) -> tuple[int, int]:
+    """(x rows a threadgroup, outputs a simdgroup) for ``rows`` rows: the
+    accumulators (rows x outputs) stay at 16 a lane, except 32 rows on Metal
+    (one float each there; CUDA keeps 16 a lane and takes 17-32 rows in two
+    tiles)."""
+    if rows <= 4:
+        return 4, 4
+    if rows <= 8:
+        return 8, 2
+    if rows <= 16 or backend_name != "metal":
+        return 16, 1
+    return 32, 1
+
+
+class QuantizedProductKernel:
+    """The kernel for one backend, compiled by MLX per (T, S, bits, group, mode, tile)."""
+
+    def __init__(self, backend_name: str, factory=None):
+        self.backend = backend_name
+        factory = compacting(factory or make_factory(backend_name), backend_name)
+        # (the version in the name: MLX caches built kernels on disk by name, not by source)
+        self.kernel = factory(
+            name=f"dflash_quantized_product_v{VERSION}",
+            input_names=INPUTS,
+            output_names=OUTPUTS,
+            source=source(backend_name),
+            header=HEADER[backend_name],
+        )
+        self._no_biases = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (mxfp4: never read)
+
+    def __call__(
+        self,
+        x: mx.array,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array | None,
+        *,
+        bits: int,
+        group: int,
+        mode: str,
+    ) -> mx.array:
+        """x [..., K] of 2-32 rows times the quantized [N, K] weight: [..., N]."""
+        *lead, k = x.shape
+        rows = x.size // k
+        n = weight.shape[0]
+        mr, rs = tile(rows, self.backend)
+        (y,) = self.kernel(
+            inputs=[x.reshape(rows, k), weight, scales, self._no_biases[x.dtype] if biases is None else biases],
+            template=[
+                ("T", x.dtype),
+                ("S", scales.dtype),
+                ("BITS", bits),
+                ("GROUP", group),
+                ("MXFP4", mode == "mxfp4"),
+                ("MR", mr),
+                ("RS", rs),
+            ],
+            grid=(n // (WARPS * rs) * WARPS * SIMD, -(-rows // mr), 1),
+            threadgroup=(WARPS * SIMD, 1, 1),
+            output_shapes=[(rows, n)],
+            output_dtypes=[x.dtype],
+        )
+        return y.reshape(*lead, n)
+
+
+def variant_of(module: nn.Module, dtype) -> Variant | None:
+    """The variant serving ``module``'s products of ``dtype`` rows, or None where the kernel never does."""
+    if type(module) is not nn.QuantizedLinear or dtype not in DTYPES:
+        return None
+    weight, scales = module["weight"], module["scales"]
+    biases = module.get("biases")
+    mode, bits, group = module.mode, module.bits, module.group_size
+    if weight.ndim != 2 or weight.dtype != mx.uint32 or scales.ndim != 2:
+        return None
+    if mode == "affine":
+        if bits not in AFFINE_BITS or group not in GROUPS or biases is None:
+            return None
+        if scales.dtype != dtype or biases.dtype != dtype or biases.shape != scales.shape:
+            return None
+    elif mode == "mxfp4":
+        if bits != 4 or group != 32 or biases is not None or scales.dtype != mx.uint8:
+            return None
+    else:
+        return None
+    n, k = weight.shape[0], weight.shape[1] * 32 // bits
+    if n % 8 or k % block_k(bits) or scales.shape != (n, k // group):
+        return None
+    return Variant(dtype, mode, bits, group, k, n > WIDE or k > WIDE)
+
+
+BUILDERS = {"metal": QuantizedProductKernel, "cuda": QuantizedProductKernel}
+_kernels: dict[str, QuantizedProductKernel] = {}
+_checks: dict[tuple[str, Variant], QuantizedCheck] = {}
+
+
+def reset() -> None:
+    _kernels.clear()
+    _checks.clear()
+
+
+def prepare(model: nn.Module, dtype) -> None:
+    """Check the variant of every quantized linear layer in ``model`` once; call it outside compiled traces."""
+    where = backend()
+    if where not in BUILDERS:
+        return
+    for _, module in model.named_modules():
+        variant = variant_of(module, dtype)
+        if variant is not None:
+            checked(where, variant)
+
+
+def checked(where: str, variant: Variant) -> QuantizedCheck:
+    """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
+    key = (where, variant)
+    result = _checks.get(key)
+    if result is None:
+        result = _checks[key] = self_check(where, variant)
+        if not result.ok:
+            warnings.warn(
+                f"dflash_mlx: the {result.case} quantized verify product failed its self-check "
+                f"({result.detail}); using MLX's quantized_matmul for it instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return result
+
+
+def use_quantized_kernel(where: str, variant: Variant) -> bool:
+    """Whether products of ``variant`` take the kernel on backend ``where``: where
+    it passed its self-check. (Where "is it faster here" will be asked too.)"""
+    result = _checks.get((where, variant))
+    return result is not None and result.ok
+
+
+def product(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
+    None (the caller runs MLX's product); never checks."""
+    rows = x.size // x.shape[-1]
+    if not FEWEST_ROWS <= rows <= MOST_ROWS:
+        return None
+    where = backend()
+    if where not in BUILDERS:
+        return None
+    variant = variant_of(module, x.dtype)
+    if variant is None or x.shape[-1] != variant.k or not use_quantized_kernel(where, variant):
+        return None
+    y = _kernels[where](
+        x,
+        module["weight"],
+        module["scales"],
+        module.get("biases"),
+        bits=variant.bits,
+        group=variant.group,
+        mode=variant.mode,
+    )
+    return y + module["bias"] if "bias" in module else y
+
+
+def one_row_products(x: mx.array, weight, scales, biases, *, bits: int, group: int, mode: str) -> mx.array:
+    """Each row of x [rows, K] through ``mx.quantized_matmul`` alone: what a plain step computes."""
+    return mx.concatenate(
+        [
+            mx.quantized_matmul(
+                x[i : i + 1], weight, scales, biases, transpose=True, group_size=group, bits=bits, mode=mode
+            )
+            for i in range(x.shape[0])
+        ]
+    )
+
+
+def check_cases(variant: Variant):
+    """(x, weight, scales, biases): a weight of the variant's K and N class, and
+    rows of every tile (partial ones too)."""
+    n = WIDE + 8 if variant.wide else CHECK_N
+    key = mx.random.key(variant.k + variant.bits + variant.group)
+    kw, kx = mx.random.split(key)
+    w = (variant.k**-0.5 * mx.random.normal((n, variant.k), key=kw)).astype(variant.dtype)
+    quantized = mx.quantize(w, group_size=variant.group, bits=variant.bits, mode=variant.mode)
+    weight, scales = quantized[0], quantized[1]
+    biases = quantized[2] if variant.mode == "affine" else None
+    for rows in CHECK_ROWS:
+        x = mx.random.normal((rows, variant.k), key=mx.random.fold_in(kx, rows)).astype(variant.dtype)
+        yield x, weight, scales, biases
+
+
+def self_check(where: str, variant: Variant) -> QuantizedCheck:
+    """The kernel's rows against MLX's one-row products of the same rows, bit for bit."""
+    try:
+        kernel = _kernels.get(where)
+        if kernel is None:
+            kernel = _kernels[where] = BUILDERS[where](where)
+        quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
+        for x, weight, scales, biases in check_cases(variant):
+            got = kernel(x, weight, scales, biases, **quant)
+            want = one_row_products(x, weight, scales, biases, **quant)
+            if got.shape != want.shape:
+                return QuantizedCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
+            if not mx.array_equal(got, want, equal_nan=True).item():
+                differ = (got != want).sum().item()
+                worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+                detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
+                return QuantizedCheck(where, variant, False, detail)
+        return QuantizedCheck(where, variant, True, "every row equal to MLX's one-row product")
+    except Exception as e:  # a build or launch error: the kernel is not used
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return QuantizedCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
+
+
+def self_check_all(report=None) -> list[QuantizedCheck]:
+    """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
+    where = backend()
+    results = [r for (w, _), r in _checks.items() if w == where]
+    if report is not None:
+        for r in results:
+            report(r)
+    return results
+
+
+def all_variants():
+    """(dtype, scales dtype, bits, group, mode) of every variant the kernel serves."""
+    for dtype in DTYPES:
+        for bits in AFFINE_BITS:
+            for group in GROUPS:
+                yield dtype, dtype, bits, group, "affine"
+        yield dtype, mx.uint8, 4, 32, "mxfp4"
+
+
+def record_variants(factory, backend_name: str) -> None:
+    """Launch every variant the kernel can (each dtype, quantization and row
+    tile) through ``factory``, a stand-in for MLX's kernel factory that
+    records them (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
+    kernel = QuantizedProductKernel(backend_name, factory=factory)
+    for dtype, scales_dtype, bits, group, mode in all_variants():
+        k, n = block_k(bits), 8
+        weight = mx.zeros((n, k * bits // 32), mx.uint32)
+        scales = mx.zeros((n, k // group), scales_dtype)
+        biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None
+        for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
+            kernel(mx.zeros((1, rows, k), dtype), weight, scales, biases, bits=bits, group=group, mode=mode)

@@ -1,0 +1,282 @@
+"""Kernel source for a verify's quantized products: one body, two dialects.
+
+A verify multiplies its 2-32 rows by every quantized weight of the target.
+MLX's one-row kernel (a plain step's) reads each weight once a row; this
+kernel reads each weight once for all the rows, from device memory into
+registers, and reduces every row exactly as the one-row kernel of its
+backend reduces it, so a verify row comes out bit for bit as the plain step
+would compute it. The body (which lane reads which part of K, the weights in
+registers, the rows, the reduction across the simdgroup, the store) is shared;
+each backend's header gives the per-lane arithmetic of its own one-row kernel.
+
+The orders replicated, read from MLX's sources (github.com/ml-explore/mlx, the
+tree of 0.32.2, Aug 2026; the installed 0.32.4 is checked on each machine
+before use, see quantized.py):
+
+- Lanes (both backends, every mode): a simdgroup (warp) of 32 lanes owns one
+  output; lane l takes the VPT consecutive values at ``l * VPT + j * 32 * VPT``
+  for j = 0, 1, ... in that order (VPT 16 at 4 bits, 8 at 8 bits), so K must
+  be whole blocks of 32 * VPT. Metal: ``qmv_fast_impl`` and
+  ``fp_qmv_fast_impl`` (kernels/quantized.h, fp_quantized.h: packs_per_thread
+  2, block_size = values_per_thread * SIMD_SIZE), the kernel MLX picks for one
+  row where N % 8 == 0 and K is whole blocks (quantized.cpp: ``qmv``, K not 64
+  or 128). CUDA: ``qmv_kernel_impl`` (cuda/quantized/qmm/qmv.cu:
+  elems_per_thread 16 for 16-bit activations and weights of at most 4 bits,
+  else 8), the kernel MLX picks for one row on sm80 and sm90 (quantized.cpp:
+  on sm90 only while N and K are at most 16384; beyond, one row takes the
+  CUTLASS GEMM, whose order this kernel cannot match: its self-check fails
+  there and MLX's product stays).
+- Per lane, Metal affine (``load_vector`` + ``qdot``): float ``sum`` of the x
+  values (4 bits: ``x[i] + x[i+1] + x[i+2] + x[i+3]`` in the activation's
+  type, then added), x pre-divided by 16, 256, 4096; the masked packed nibbles
+  (not shifted) times x summed in float, four at a time; then
+  ``result += scale * accum + sum * bias``. Metal mxfp4 (fp ``qdot``): x as
+  float, e2m1 values times x four at a time, ``result += scale * accum`` with
+  the e8m0 scale as float. The expressions are MLX's own, split into
+  functions where MLX's are, so the compiler contracts them alike.
+- Per lane, CUDA (``dequant_fma``, CUTLASS arrays on sm80+): 4-bit weights
+  (affine and mxfp4) keep 16 accumulators in the activation's type: each value
+  dequantized in that type (``__hmul2`` by the scale, ``__hadd2`` of the bias),
+  then ``__hfma2`` into its accumulator; 8-bit weights dequantize alike and
+  keep float accumulators (``fmaf`` of the float-converted x and weight). The
+  lane's total is its accumulators added in order in float.
+- Across the simdgroup: Metal ``simd_sum``; CUDA ``cg::reduce`` over the warp,
+  a butterfly ``v + shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1 (HEADER's
+  ``simd_sum``). Then one rounding to the activation's type.
+
+Whether a compiler fuses a multiply and an add the same way in our kernel as
+in MLX's is not something the source can promise (MLX's Metal library is built
+with -fno-fast-math, custom kernels in the default safe math; ptxas may fuse
+``mul.bf16x2`` and ``add.bf16x2``): the self-check on the device decides.
+"""
+
+from __future__ import annotations
+
+from .attention_source import HEADER as BASE_HEADER
+from .attention_source import PRELUDE
+
+VERSION = 1  # of BODY and the headers: a change must bump it
+SIMD = 32
+WARPS = 2  # simdgroups a threadgroup
+INPUTS = ["x", "w", "scales", "biases"]
+OUTPUTS = ["y"]
+
+# e2m1 and e8m0 values, exact in float on both backends.
+_FORMATS = """
+inline float qv_fp4(unsigned b) {
+  const unsigned e = (b >> 1) & 3u;
+  const unsigned m = b & 1u;
+  const float mag = e == 0u ? 0.5f * float(m) : float(2u + m) * float(1u << e) * 0.25f;
+  return (b & 8u) ? -mag : mag;
+}
+"""
+
+HEADER = {
+    "metal": BASE_HEADER["metal"]
+    + _FORMATS
+    + """
+inline float qv_e8m0(uint8_t e) { return as_type<float>(e == 0 ? 0x400000u : uint(e) << 23); }
+struct qv_x {
+  float v[16];
+  float sum;
+};
+#define QV_X qv_x
+#define QV_ACC float
+inline void qv_zero(thread float& a) { a = 0; }
+inline float qv_total(thread float& a) { return a; }
+template <typename T, int BITS, bool MXFP4>
+inline void qv_load(thread qv_x& xs, const device T* x) {
+  typedef float U;
+  thread U* x_thread = xs.v;
+  U sum = 0;
+  if (MXFP4) {
+    for (int i = 0; i < 16; i++) {
+      x_thread[i] = x[i];
+    }
+  } else if (BITS == 4) {
+    for (int i = 0; i < 16; i += 4) {
+      sum += x[i] + x[i + 1] + x[i + 2] + x[i + 3];
+      x_thread[i] = x[i];
+      x_thread[i + 1] = x[i + 1] / 16.0f;
+      x_thread[i + 2] = x[i + 2] / 256.0f;
+      x_thread[i + 3] = x[i + 3] / 4096.0f;
+    }
+  } else {
+    for (int i = 0; i < 8; i++) {
+      sum += x[i];
+      x_thread[i] = x[i];
+    }
+  }
+  xs.sum = sum;
+}
+template <int BITS>
+inline float qv_qdot(thread const uint32_t* w, const thread float* x_thread, float scale, float bias, float sum) {
+  typedef float U;
+  U accum = 0;
+  if (BITS == 4) {
+    for (int i = 0; i < 4; i++) {
+      const uint16_t ws = uint16_t(w[i / 2] >> (16 * (i % 2)));
+      accum +=
+          (x_thread[4 * i] * (ws & 0x000f) + x_thread[4 * i + 1] * (ws & 0x00f0) +
+           x_thread[4 * i + 2] * (ws & 0x0f00) + x_thread[4 * i + 3] * (ws & 0xf000));
+    }
+  } else {
+    for (int i = 0; i < 8; i++) {
+      accum += x_thread[i] * uint8_t(w[i / 4] >> (8 * (i % 4)));
+    }
+  }
+  return scale * accum + sum * bias;
+}
+inline float qv_qdot_fp4(thread const uint32_t* w, const thread float* x_thread, float scale) {
+  typedef float U;
+  U accum = 0;
+  for (int i = 0; i < 4; i++) {
+    const uint16_t ws = uint16_t(w[i / 2] >> (16 * (i % 2)));
+    accum +=
+        (x_thread[4 * i] * qv_fp4(ws) + x_thread[4 * i + 1] * qv_fp4(ws >> 4) +
+         x_thread[4 * i + 2] * qv_fp4(ws >> 8) + x_thread[4 * i + 3] * qv_fp4(ws >> 12));
+  }
+  return scale * accum;
+}
+inline float qv_scale(uint8_t e) { return qv_e8m0(e); }
+template <typename S> inline float qv_scale(S s) { return s; }
+template <typename T, int BITS, bool MXFP4, typename S>
+inline void qv_add(thread float& result, thread const qv_x& xs, thread const uint32_t* w, S sc, T bi) {
+  typedef float U;
+  U s = qv_scale(sc);
+  if (MXFP4) {
+    result += qv_qdot_fp4(w, xs.v, s);
+  } else {
+    U b = bi;
+    result += qv_qdot<BITS>(w, xs.v, s, b, xs.sum);
+  }
+}
+""",
+    "cuda": BASE_HEADER["cuda"]
+    + _FORMATS.replace("inline float", "__device__ __forceinline__ float")
+    + """
+template <typename T> struct qv_two;
+template <> struct qv_two<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+template <> struct qv_two<__half> { typedef __half2 type; };
+__device__ __forceinline__ __nv_bfloat162 qv_pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
+__device__ __forceinline__ __half2 qv_pair(__half a, __half b) { return __halves2half2(a, b); }
+template <typename T> struct qv_x {
+  T v[16];
+};
+template <typename T> struct qv_sums {
+  typename qv_two<T>::type h[8];
+  float f[8];
+};
+#define QV_X qv_x<T>
+#define QV_ACC qv_sums<T>
+template <typename T> __device__ __forceinline__ void qv_zero(qv_sums<T>& a) {
+  for (int i = 0; i < 8; ++i) {
+    a.h[i] = qv_pair(from_float<T>(0.0f), from_float<T>(0.0f));
+    a.f[i] = 0.0f;
+  }
+}
+template <typename T, int BITS, bool MXFP4>
+__device__ __forceinline__ void qv_load(qv_x<T>& xs, const T* x) {
+  for (int i = 0; i < 16; ++i) xs.v[i] = i < (BITS == 8 ? 8 : 16) ? x[i] : from_float<T>(0.0f);
+}
+template <typename T> __device__ __forceinline__ T qv_scale_as(uint8_t e) {
+  return from_float<T>(__uint_as_float(e == 0 ? 0x400000u : unsigned(e) << 23));
+}
+template <typename T> __device__ __forceinline__ T qv_scale_as(T s) { return s; }
+template <typename T, int BITS, bool MXFP4, typename S>
+__device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const uint32_t* w, S sc, T bi) {
+  typedef typename qv_two<T>::type T2;
+  const T s = qv_scale_as<T>(sc);
+  const T2 s2 = qv_pair(s, s);
+  const T2 b2 = qv_pair(bi, bi);
+  if (BITS == 8) {
+    for (int i = 0; i < 8; i += 2) {
+      T2 q = qv_pair(from_float<T>(float((w[i / 4] >> (8 * (i % 4))) & 0xffu)),
+                     from_float<T>(float((w[i / 4] >> (8 * (i % 4 + 1))) & 0xffu)));
+      q = __hmul2(q, s2);
+      q = __hadd2(q, b2);
+      a.f[i] = __fmaf_rn(to_float(xs.v[i]), to_float(q.x), a.f[i]);
+      a.f[i + 1] = __fmaf_rn(to_float(xs.v[i + 1]), to_float(q.y), a.f[i + 1]);
+    }
+  } else {
+    for (int i = 0; i < 16; i += 2) {
+      const unsigned lo = (w[i / 8] >> (4 * (i % 8))) & 0xfu;
+      const unsigned hi = (w[i / 8] >> (4 * (i % 8 + 1))) & 0xfu;
+      T2 q = MXFP4 ? qv_pair(from_float<T>(qv_fp4(lo)), from_float<T>(qv_fp4(hi)))
+                   : qv_pair(from_float<T>(float(lo)), from_float<T>(float(hi)));
+      q = __hmul2(q, s2);
+      if (!MXFP4) q = __hadd2(q, b2);
+      a.h[i / 2] = __hfma2(qv_pair(xs.v[i], xs.v[i + 1]), q, a.h[i / 2]);
+    }
+  }
+}
+template <typename T, int BITS>
+__device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
+  float sum = 0.0f;
+  if (BITS == 8) {
+    for (int i = 0; i < 8; ++i) sum += a.f[i];
+  } else {
+    for (int i = 0; i < 8; ++i) {
+      sum += to_float(a.h[i].x);
+      sum += to_float(a.h[i].y);
+    }
+  }
+  return sum;
+}
+#define qv_total(a) qv_sum<T, BITS>(a)
+""",
+}
+
+# Template constants: T (activations' dtype), S (scales' dtype: T, or uint8 for
+# mxfp4's e8m0), BITS, GROUP, MXFP4, MR (x rows a threadgroup), RS (outputs a
+# simdgroup). x [rows, K] row-contiguous; w [N, K * BITS / 32] uint32; scales and
+# biases [N, K / GROUP] (biases: any T array for mxfp4, never read). N is whole
+# threadgroups of WARPS * RS outputs and K whole blocks of 32 * VPT
+# (quantized.fits); the x rows past the last are skipped whole, so every lane of
+# a simdgroup runs the same loop and reduction.
+BODY = """
+  constexpr int VPT = BITS == 8 ? 8 : 16;
+  constexpr int BLOCK = 32 * VPT;
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[0];
+  const int KW = K * BITS / 32;
+  const int KG = K / GROUP;
+  const int m0 = tg_y * MR;
+  const int n0 = (tg_x * 2 + warp) * RS;
+  QV_ACC acc[MR][RS];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < RS; ++r) qv_zero(acc[m][r]);
+  }
+  for (int k = lane * VPT; k < K; k += BLOCK) {
+    uint32_t wq[RS][2];
+    S sc[RS];
+    T bi[RS];
+    for (int r = 0; r < RS; ++r) {
+      const int at = (n0 + r) * KW + k * BITS / 32;
+      wq[r][0] = w[at];
+      wq[r][1] = w[at + 1];
+      sc[r] = scales[(n0 + r) * KG + k / GROUP];
+      bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[(n0 + r) * KG + k / GROUP];
+    }
+    for (int m = 0; m < MR; ++m) {
+      if (m0 + m < M) {
+        QV_X xs;
+        qv_load<T, BITS, MXFP4>(xs, x + (m0 + m) * K + k);
+        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4>(acc[m][r], xs, wq[r], sc[r], bi[r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (m0 + m < M) {
+      for (int r = 0; r < RS; ++r) {
+        const float v = simd_sum(qv_total(acc[m][r]));
+        if (lane == 0) y[(m0 + m) * N + n0 + r] = from_float<T>(v);
+      }
+    }
+  }
+"""
+
+
+def source(backend: str) -> str:
+    return PRELUDE[backend] + BODY
