@@ -25,7 +25,158 @@ def _common(family: str, vocab: int, layers: int, hidden: int) -> dict:
 WRAPPED = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
+def _deepseek_v3(vocab: int, layers: int, hidden: int) -> dict:
+    """DeepSeek V3's (and Kimi K2's) fields: latent attention (MLA), a dense
+    first layer, then routed experts in groups plus a shared one, yarn RoPE."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 64,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 2,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _large_family(family: str, vocab: int, layers: int, hidden: int) -> dict:
+    """The largest published drafters' targets, in their checkpoints' layouts."""
+    if family == "deepseek_v3":
+        return _deepseek_v3(vocab, layers, hidden)
+    if family == "kimi_k25":
+        # Kimi K2.5: a vision-language wrapper whose text model is DeepSeek V3's.
+        text = {**_deepseek_v3(vocab, layers, hidden), "model_type": "kimi_k2", "n_group": 1}
+        del text["architectures"]
+        return {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "vision_config": {"model_type": "moonvit", "hidden_size": 16, "num_hidden_layers": 1},
+            "media_placeholder_token_id": vocab - 2,
+        }
+    if family in ("glm_moe_dsa", "deepseek_v32"):
+        # GLM-5 and DeepSeek V3.2: MLA plus DeepSeek sparse attention, whose
+        # indexer keeps ``index_topk`` past positions per query (small here,
+        # so it selects).
+        cfg = {
+            **_deepseek_v3(vocab, layers, hidden),
+            "architectures": ["DeepseekV32ForCausalLM"],
+            "model_type": "deepseek_v32",
+            "index_head_dim": 16,
+            "index_n_heads": 4,
+            "index_topk": 6,
+        }
+        if family == "glm_moe_dsa":
+            cfg.update(
+                architectures=["GlmMoeDsaForCausalLM"],
+                model_type="glm_moe_dsa",
+                n_group=1,
+                indexer_rope_interleave=True,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                rms_norm_eps=1e-5,
+            )
+            del cfg["rope_theta"], cfg["rope_scaling"]
+        return cfg
+    if family == "minimax_m2":
+        return {
+            "architectures": ["MiniMaxM2ForCausalLM"],
+            "model_type": "minimax_m2",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": hidden // 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_hidden_layers": layers,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 0,
+            "rotary_dim": 16,
+            "rope_theta": 5000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "scoring_func": "sigmoid",
+            "use_qk_norm": True,
+            "qk_norm_type": "per_layer",
+            "use_routing_bias": True,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+    if family == "glm4_moe":
+        return {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "moe_intermediate_size": hidden // 2,
+            "max_position_embeddings": 4096,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "num_hidden_layers": layers,
+            "n_shared_experts": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "rope_scaling": None,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+            "num_nextn_predict_layers": 1,
+            "torch_dtype": "bfloat16",
+        }
+    raise ValueError(family)
+
+
+# The largest published drafters' targets (issue 39), by their configs' model_type.
+LARGE = ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "minimax_m2")
+
+
 def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 64, **extra) -> dict:
+    if family in LARGE:
+        return {**_large_family(family, vocab, layers, hidden), **extra}
     if family in WRAPPED:
         # As the published checkpoints hold it: the text model's fields under
         # text_config, the vocabulary at the top, a vision tower's config too.
@@ -120,7 +271,10 @@ def family_config(family: str, vocab: int = 48, layers: int = 4, hidden: int = 6
 def make_family_target(cfg: dict, seed: int = 0) -> nn.Module:
     """An mlx-lm model of ``cfg``'s family with random float32 weights, its
     norms sharpened so greedy choices are far from ties."""
-    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    model_type = cfg["model_type"]
+    module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(cfg))
     params = dict(tree_flatten(model.parameters()))
@@ -130,6 +284,10 @@ def make_family_target(cfg: dict, seed: int = 0) -> nn.Module:
     for k, v in params.items():
         if k.endswith(".sinks"):  # gpt-oss attention sinks: away from zero so they count
             params[k] = mx.random.normal(v.shape)
+        # Routers mlx-lm creates as zeros (DeepSeek's and GLM's gates, the
+        # experts' score biases): random, so tokens route apart.
+        if k.endswith(("gate.weight", "e_score_correction_bias")) and not mx.any(v).item():
+            params[k] = 0.5 * mx.random.normal(v.shape)
     model.update(tree_unflatten(list(params.items())))
     mx.eval(model.parameters())
     return model

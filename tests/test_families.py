@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from family_models import check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
+from test_families_large import FAMILY as LARGE_ADAPTERS
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 from dflash_mlx import make_prompt_cache
@@ -96,7 +97,9 @@ def test_the_registry_says_runs_only_for_tested_families():
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
-    }  # test_greedy, here, test_families_wrappers, test_hybrid
+        *LARGE_ADAPTERS.values(),
+        "kimi_k25",
+    }  # test_greedy, here, test_families_wrappers, test_hybrid, test_families_large
     assert set(ADAPTERS) == tested
     for target, family in REGISTRY.items():
         assert family_runs(family) == (family in tested) and (why_not_runs(target) is None) == (family in tested)

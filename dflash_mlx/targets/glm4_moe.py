@@ -1,0 +1,13 @@
+"""GLM-4.5 / 4.6 / 4.7: mlx-lm's ``glm4_moe`` models, qwen3-shaped attention
+(per-head q/k norms, RoPE over part of each head, biased projections) and
+routed experts after the first dense layers."""
+
+from ..layers.blocks import dense_block, own_projections
+from .base import DenseTarget
+
+
+class Glm4MoeTarget(DenseTarget):
+    family = "glm4_moe"
+
+    def layer_block(self, layer, window):
+        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
