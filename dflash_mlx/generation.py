@@ -50,7 +50,9 @@ class GenerationResponse:
     # log-softmax at each token, and (logprobs > 0) the top (token, log-prob) pairs.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Prompt lookup: cycles whose drafts were looked up, and the tokens they committed.
+    # Prompt lookup: whether this cycle's drafts were looked up; so far, the
+    # cycles whose drafts were and the tokens they committed.
+    lookup_hit: bool = False
     lookup_hits: int = 0
     lookup_tokens: int = 0
 
@@ -259,6 +261,7 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
                 block_sizes=dict(sizes),
                 logprobs=step.logprobs,
                 top_logprobs=step.top_logprobs,
+                lookup_hit=step.lookup_hit,
                 lookup_hits=hits,
                 lookup_tokens=hit_tokens,
             )

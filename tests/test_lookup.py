@@ -225,3 +225,32 @@ def test_bad_lookup_settings_say_how_to_fix_them():
         stream_generate(model, draft, tok, [1, 2], lookup=1)
     with pytest.raises(ValueError, match="lookup=True"):
         stream_generate(model, None, tok, [1, 2])
+
+
+def test_a_looked_up_draft_is_a_one_hot_proposal_on_dflash2s_path(tmp_path):
+    """A DFlash 2 drafter samples drafts with their q; a looked-up chain is
+    the proposal q = one-hot, accepted by the same rule: sampled sequences
+    follow the target's own distribution (chi-square, 1e-3)."""
+    import numpy as np
+    from test_dflash2 import small_sampling_pair
+    from test_sampling import chi_square_pvalue, sequence_distribution
+
+    model, draft = small_sampling_pair(tmp_path)
+    tok = make_tokenizer(6)
+    # "2 y" occurs for every y: whatever the first token, the first block is looked up
+    prompt, length, n = [2, 0, 2, 1, 2, 2, 3, 2, 4, 2, 5, 2], 3, 500
+    seqs, expected = sequence_distribution(model, prompt, length, 1.0, 1.0, 0)
+    index = {s: i for i, s in enumerate(seqs)}
+    observed = np.zeros(len(seqs))
+    hits = rejected = 0
+    for seed in range(n):
+        responses = list(
+            stream_generate(
+                model, draft, tok, prompt, max_tokens=length, temperature=1.0, block_size=3, seed=seed, lookup=True
+            )
+        )
+        observed[index[tuple(t for r in responses for t in r.tokens)]] += 1
+        hits += responses[-1].lookup_hits
+        rejected += sum(r.lookup_hit and r.accepted < r.block_size - 1 for r in responses[1:])
+    assert hits > n // 2 and rejected > n // 10
+    assert chi_square_pvalue(observed, n * expected) > 1e-3
