@@ -254,3 +254,15 @@ def test_a_looked_up_draft_is_a_one_hot_proposal_on_dflash2s_path(tmp_path):
         rejected += sum(r.lookup_hit and r.accepted < r.block_size - 1 for r in responses[1:])
     assert hits > n // 2 and rejected > n // 10
     assert chi_square_pvalue(observed, n * expected) > 1e-3
+
+
+def test_the_servers_usage_carries_the_lookup_figures():
+    from dflash_mlx.server.decoder import dflash_figures
+
+    model, draft = dense_pair()
+    prompt = copy_heavy(random.Random(7))
+    _, responses = decoded(model, draft, prompt, max_tokens=40, block_size=8, lookup=True)
+    last = responses[-1]
+    figures = dflash_figures(last, {r.block_size for r in responses})
+    assert figures["lookup_hits"] == last.lookup_hits > 0
+    assert figures["lookup_tokens"] == last.lookup_tokens == sum(len(r.tokens) for r in responses if r.lookup_hit)

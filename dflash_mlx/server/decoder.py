@@ -33,6 +33,9 @@ def dflash_figures(last, block_sizes: set[int]) -> dict:
         "plain_cycles": plain_cycles,
         "generation_tps": round(float(last.generation_tps), 2),
         "prompt_tps": round(float(getattr(last, "prompt_tps", 0.0)), 2),
+        # prompt lookup: cycles whose drafts were looked up, and the tokens they committed
+        "lookup_hits": int(getattr(last, "lookup_hits", 0)),
+        "lookup_tokens": int(getattr(last, "lookup_tokens", 0)),
     }
 
 
@@ -48,8 +51,10 @@ class Decoder:
         prefill_step_size: int = 2048,
         read_limit: Optional[int] = None,
         metrics: Optional[Metrics] = None,
+        lookup: bool | str = False,
     ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.lookup = lookup  # stream_generate's: False, True or "auto"
         self.pool = pool
         self.block_size, self.prefill_step_size = block_size, prefill_step_size
         # with bounded caches a conversation runs past the context, but each
@@ -106,6 +111,7 @@ class Decoder:
             prompt_cache=cache,
             prefill_step_size=self.prefill_step_size,
             logprobs=p.logprobs,
+            lookup=self.lookup,
         )
         last, block_sizes = None, set()
         figures = Generation(len(job.prompt), cached)
