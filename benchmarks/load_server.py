@@ -1,9 +1,22 @@
-"""`dflash-mlx serve` under load: requests/s, time to first token, tok/s a client, errors (must be 0).
+"""`dflash-mlx serve` under load: requests/s, time to first token, tok/s a client, errors (must be 0);
+and, with --prefix-reuse, how soon a request sharing a long prefix with an earlier one starts.
 
 Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
 
     python benchmarks/load_server.py --clients 8 --requests 4 --max-tokens 64
     python benchmarks/load_server.py --url http://127.0.0.1:8080 --model-name builtin   # a server already running
+    python benchmarks/load_server.py --prefix-reuse --prompt-tokens 4096
+
+--prefix-reuse serves the pair with a prefix cache on disk (--prefix-cache-dir, a
+temporary one by default) and times three requests of --prompt-tokens token ids
+that share all but their last 16: the first (a miss, all prefilled), a second in
+the same process, and a third in a new process over the same directory, its
+files first dropped from the page cache (posix_fadvise) where the system allows.
+Each process first answers a short unrelated request, so no figure pays for
+warming up. A request's time is a one-token completion's, measured by the
+client: queue, cache lookup and load, prefill and the first token. The built-in
+pair's context is 2048 positions; for longer prompts its target is served from a
+copy whose config allows the length (the same weights).
 
 N clients each send M streamed chat requests one after another over loopback
 (the held-out chat prompts, greedy). Without ``--url`` the built-in pair is
@@ -156,6 +169,133 @@ def local_server(args):
     return running_in_thread(create_app(model, draft, tokenizer, config), port=port)
 
 
+def long_context_pair(args):
+    """The built-in pair, its target's context raised to the prompt's length
+    where it is shorter (a copy of its files)."""
+    import shutil
+    import tempfile
+
+    from dflash_mlx import builtin, load
+
+    config = json.loads((Path(builtin.TARGET) / "config.json").read_text())
+    need = args.prompt_tokens + 64
+    if config["max_position_embeddings"] >= need:
+        return load("builtin", draft=args.draft_model)
+    copy = Path(tempfile.mkdtemp(prefix="dflash-builtin-long-"))
+    shutil.copytree(builtin.TARGET, copy / "target")
+    config["max_position_embeddings"] = need
+    (copy / "target" / "config.json").write_text(json.dumps(config))
+    return load(str(copy / "target"), draft=args.draft_model or str(builtin.DRAFT))
+
+
+def timed_completion(client: httpx.Client, url: str, args, prompt: list[int]) -> dict:
+    start = time.perf_counter()
+    body = {"model": args.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    response = client.post(f"{url}/v1/completions", json=body)
+    seconds = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    usage = response.json()["usage"]
+    return {
+        "seconds": round(seconds, 4),
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def prefix_prompts(vocab: int, n: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A short warm-up prompt and three prompts of ``n`` ids sharing all but their last 16."""
+    import random
+
+    rng = random.Random(0)
+    shared = [rng.randrange(3, vocab) for _ in range(n - 16)]
+    warm = [rng.randrange(3, vocab) for _ in range(48)]
+    return warm, *(shared + [rng.randrange(3, vocab) for _ in range(16)] for _ in range(3))
+
+
+def serve_phase(args, prompts: list[list[int]]) -> tuple[list[dict], dict]:
+    """Serve the pair over args.prefix_cache_dir and time ``prompts`` one
+    after another (a warm-up first); the server's prefix-cache counters."""
+    import socket
+
+    from dflash_mlx.server import ServerConfig, create_app, running_in_thread
+
+    model, draft, tokenizer = long_context_pair(args)
+    config = ServerConfig(
+        model_name=args.model_name,
+        max_tokens=1,
+        block_size=args.block_size,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_gb=args.prefix_cache_gb,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with running_in_thread(create_app(model, draft, tokenizer, config), port=port) as url:
+        with httpx.Client(timeout=args.timeout) as client:
+            times = [timed_completion(client, url, args, p) for p in prompts]
+            metrics = client.get(f"{url}/metrics").text
+    counters = {
+        line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("dflash_prefix_")
+    }
+    return times[1:], counters
+
+
+def drop_from_page_cache(directory: Path) -> bool:
+    """Ask the kernel to forget the directory's files' pages; False where it cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for path in directory.rglob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def prefix_reuse(args) -> dict:
+    import subprocess
+    import sys
+    import tempfile
+
+    from mlx_lm.utils import load_config
+
+    from dflash_mlx import builtin
+
+    if args.model not in (None, "builtin"):
+        raise SystemExit("--prefix-reuse runs the built-in pair; leave out --model.")
+    vocab = load_config(Path(builtin.TARGET))["vocab_size"]
+    warm, first, second, third = prefix_prompts(vocab, args.prompt_tokens)
+    if args.phase == "restart":
+        times, counters = serve_phase(args, [warm, third])
+        return {"restart": times[0], "counters": counters}
+    if args.prefix_cache_dir is None:
+        args.prefix_cache_dir = tempfile.mkdtemp(prefix="dflash-prefix-cache-")
+    times, counters = serve_phase(args, [warm, first, second])
+    dropped = drop_from_page_cache(Path(args.prefix_cache_dir))
+    command = [sys.executable, __file__, "--prefix-reuse", "--phase", "restart"]
+    command += ["--prompt-tokens", str(args.prompt_tokens), "--prefix-cache-dir", args.prefix_cache_dir]
+    command += ["--prefix-cache-gb", str(args.prefix_cache_gb), "--model-name", args.model_name]
+    if args.block_size is not None:
+        command += ["--block-size", str(args.block_size)]
+    restart = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    first_s = times[0]["seconds"]
+    return {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
+        "prompt_tokens": args.prompt_tokens,
+        "first": times[0],
+        "same_process": times[1],
+        "restart": restart["restart"],
+        "page_cache_dropped": dropped,
+        "same_process_vs_first": round(times[1]["seconds"] / first_s, 4),
+        "restart_vs_first": round(restart["restart"]["seconds"] / first_s, 4),
+        "counters_first_process": counters,
+        "counters_restart": restart["counters"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="A running server; without it the pair is served in this process.")
@@ -170,8 +310,16 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=600, help="Seconds for the whole run; requests left then count as errors."
     )
+    parser.add_argument("--prefix-reuse", action="store_true", help="Time prefix reuse instead of a load.")
+    parser.add_argument("--prompt-tokens", type=int, default=4096, help="--prefix-reuse: the prompts' length.")
+    parser.add_argument("--prefix-cache-dir", help="--prefix-reuse: the directory (default: a temporary one).")
+    parser.add_argument("--prefix-cache-gb", type=float, default=20.0)
+    parser.add_argument("--phase", choices=["first", "restart"], default="first", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.prefix_reuse:
+        print(json.dumps(prefix_reuse(args), indent=2))
+        return
     server = nullcontext(args.url.rstrip("/")) if args.url else local_server(args)
     with server as url:
         report = drive(url, args)
