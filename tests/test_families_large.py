@@ -12,9 +12,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from family_models import LARGE, check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
-from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
+from test_sampling import plain_sampled
+from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
-from dflash_mlx import make_prompt_cache
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
 
@@ -145,6 +147,54 @@ def test_eos_and_prompt_cache_across_turns(pair):
     turn3 = prompt[:9] + [7] + prompt[10:]
     out3, _ = run(model, draft, turn3, vocab=VOCAB, max_tokens=10, block_size=9, prompt_cache=cache)
     assert out3 == greedy_reference(model, turn3, 10)
+
+
+def test_compiled_cycles_equal_mlx_lm(pair, monkeypatch):
+    """The cycle as a GPU (a Mac's included) runs it, through mx.compile over
+    whole buffers, across two turns of one prompt cache."""
+    monkeypatch.setattr(Cycle, "compile_graphs", True)
+    _, model, draft = pair
+    prompt = [(5 * i + 2) % (VOCAB - 1) for i in range(13)]
+    for block in (4, 16):
+        cache = make_prompt_cache(model, draft)
+        want = greedy_reference(model, prompt, 28)
+        assert (
+            run(model, draft, prompt, want, vocab=VOCAB, max_tokens=28, block_size=block, prompt_cache=cache)[0] == want
+        )
+        more = prompt + want + [5, 6]
+        want = greedy_reference(model, more, 20)
+        assert (
+            run(model, draft, more, want, vocab=VOCAB, max_tokens=20, block_size=block, prompt_cache=cache)[0] == want
+        )
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "glm_moe_dsa", "minimax_m2"])
+def test_seeded_sampling_is_the_targets_own(family):
+    """A seed fixes the sampled text at every block size, and it is the text
+    mlx-lm's generate_step samples from the target alone with the same noise."""
+    model, draft = make_pair(family)
+    tok = make_tokenizer(VOCAB)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for seed, (temperature, top_p, top_k) in [(0, (0.8, 1.0, 0)), (1, (1.0, 0.9, 20))]:
+        want = plain_sampled(model, prompt, 24, seed, temperature, top_p, top_k)
+        draft.set_script(prompt + want)  # drafts mostly right: cycles keep several
+        for bs in (2, 5, 16, "auto"):
+            got = list(
+                stream_generate(
+                    model,
+                    draft,
+                    tok,
+                    prompt,
+                    max_tokens=24,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    block_size=bs,
+                    seed=seed,
+                )
+            )
+            assert [t for r in got for t in r.tokens] == want, (seed, bs)
+            assert sum(r.accepted for r in got[1:]) > 0, (seed, bs)
 
 
 @pytest.mark.parametrize("family", LARGE)
