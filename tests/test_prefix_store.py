@@ -129,6 +129,30 @@ def test_an_entry_a_newer_one_extends_is_removed(pair, tmp_path):
     assert len(store) == 1 and list(next(iter(store.entries.values())).tokens) == a.tokens
 
 
+def test_a_cache_changed_after_it_was_handed_in_is_written_as_it_was(pair, tmp_path):
+    store = store_over(pair, tmp_path)
+    cache = make_prompt_cache(*pair)
+    run(pair, SHARED + [3], cache)
+    at_save = list(cache.tokens)
+    assert store.save(cache)
+    run(pair, [5, 6] * 20, cache)  # another prompt rewinds and rewrites the cache meanwhile
+    store.flush()
+    entry = next(iter(store.entries.values()))
+    assert list(entry.tokens) == at_save
+    prompt = at_save + [7, 8]
+    assert run(pair, prompt, store.load(entry)) == greedy_reference(pair[0], prompt, 10)
+
+
+def test_settings_it_cannot_use_are_refused_in_one_sentence(pair, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"^the prefix cache directory .* cannot be made \(.*\); choose another\.$"):
+        store_over(pair, tmp_path / "a-file" / "cache")
+    with pytest.raises(ValueError, match=r"must be more than 0 \(--prefix-cache-gb\)"):
+        store_over(pair, tmp_path, max_bytes=0)
+    with pytest.raises(ValueError, match=r"cannot hold bounded caches \(max_kv_size\)"):
+        PrefixStore(tmp_path, 10**9, lambda: make_prompt_cache(*pair, max_kv_size=64))
+
+
 def flip_a_tensor_byte(path):
     data = bytearray(path.read_bytes())
     data[-10] ^= 0x40

@@ -76,7 +76,8 @@ class PrefixStore:
     """``find`` the entry sharing the longest prefix with a prompt, ``load``
     it into a fresh cache, ``save`` a cache once a generation is over.
     ``new_cache`` makes the empty caches the pair and settings call for;
-    entries shorter than ``min_tokens`` are not written, nor used."""
+    entries shorter than ``min_tokens`` are not written, nor used; at most
+    ``pending`` copies wait for the writer besides the one being written."""
 
     def __init__(
         self,
@@ -85,7 +86,7 @@ class PrefixStore:
         new_cache: Callable[[], PromptCache],
         *,
         min_tokens: int = 256,
-        pending: int = 2,
+        pending: int = 1,
     ):
         sample = new_cache()
         if sample.max_kv_size is not None:
@@ -93,7 +94,7 @@ class PrefixStore:
                 "a prefix cache on disk cannot hold bounded caches (max_kv_size); leave out one of the two."
             )
         if max_bytes <= 0:
-            raise ValueError(f"the prefix cache's size must be more than 0 bytes, not {max_bytes}.")
+            raise ValueError(f"the prefix cache's size must be more than 0 (--prefix-cache-gb), not {max_bytes} bytes.")
         self.new_cache, self.max_bytes, self.min_tokens = new_cache, max_bytes, max(1, min_tokens)
         self.identity = files.pair_identity(sample.model, sample.draft_model)
         self.kv = files.kv_settings(sample)
