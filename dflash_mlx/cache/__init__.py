@@ -1,5 +1,6 @@
-"""The prompt cache a conversation reuses (prompt.py) and its files
-(files.py), over the KV buffers of dflash_mlx/kv/."""
+"""The prompt cache a conversation reuses (prompt.py), its files (files.py)
+and a store of them on disk found by the longest common prefix (store.py),
+over the KV buffers of dflash_mlx/kv/."""
 
 from importlib import import_module
 
@@ -8,6 +9,7 @@ _EXPORTS = {
     "make_prompt_cache": "prompt",
     "save_prompt_cache": "files",
     "load_prompt_cache": "files",
+    "PrefixStore": "store",
 }
 __all__ = list(_EXPORTS)
 
