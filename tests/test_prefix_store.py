@@ -90,6 +90,17 @@ def test_a_cache_from_either_tier_decodes_mlx_lms_greedy_tokens(pair, tmp_path):
     assert restarted.reused_tokens == len(SHARED)
 
 
+def test_a_chat_takes_a_stored_cache_only_when_it_holds_more(pair, tmp_path):
+    store = store_over(pair, tmp_path)
+    kept = saved(pair, store, SHARED + [3, 4])
+    prompt = SHARED + [5, 6]
+    own = make_prompt_cache(*pair)
+    loaded = store.load_longer(prompt, own)
+    assert loaded is not None and loaded.tokens == kept.tokens
+    assert run(pair, prompt, loaded) == greedy_reference(pair[0], prompt, 10)
+    assert store.load_longer(prompt, loaded) is None  # its own cache already holds as much
+
+
 def test_a_quantized_cache_is_stored_under_its_settings_only(pair, tmp_path):
     kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=64)
     prompt = SHARED + [3, 4]

@@ -179,6 +179,14 @@ class PrefixStore:
         self.loads += 1
         return cache
 
+    def load_longer(self, prompt: list[int], cache: PromptCache | None = None) -> PromptCache | None:
+        """A cache from the store holding more of ``prompt`` than ``cache``
+        would keep of it; None where none does (a conversation's own cache
+        goes on)."""
+        entry, n = self.find(prompt)
+        held = 0 if cache is None else common_prefix(np.asarray(cache.tokens, np.int64), np.asarray(prompt[:-1]))
+        return self.load(entry) if entry is not None and n > held else None
+
     # -- writing ------------------------------------------------------------------
     def save(self, cache: PromptCache) -> bool:
         """Queue ``cache`` (settled, no generation running) to be written;
