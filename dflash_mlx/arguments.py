@@ -154,9 +154,13 @@ def check_generation_args(
     except ValueError as e:
         if not flags:
             raise
-        message = str(e)
-        for name, flag in FLAGS.items():
-            message = message.replace(f"{name} must", f"{flag} must").replace(
-                f"{name} {block_size}", f"{flag} {block_size}"
-            )
-        raise ValueError(message) from None
+        raise ValueError(flag_words(str(e), block_size)) from None
+
+
+def flag_words(message: str, block_size=None) -> str:
+    """A rule's sentence in the CLI's words: top_p must ... -> --top-p must ..."""
+    for name, flag in FLAGS.items():
+        message = message.replace(f"{name} must", f"{flag} must").replace(
+            f"{name} {block_size}", f"{flag} {block_size}"
+        )
+    return message

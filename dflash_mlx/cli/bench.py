@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,8 +16,9 @@ from dflash_mlx.prompts import read_prompts
 
 from . import options
 from .console import UserError, console, err, user_errors
-from .pair import load_pair, model_or_builtin
-from .prompt_input import prompt_ids, thinking_note, use_default_template
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .pair import model_or_builtin
+from .prompt_input import prompt_ids
 
 EXAMPLES = """\
 Examples:
@@ -39,42 +41,17 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _plain(model, tokenizer, ids, max_tokens, sampler, **kv):
+def _run(generate, *extra: str) -> dict:
+    """The text and figures of the reply ``generate()`` streams, with ``extra``
+    ones taken from its last response; the peak memory is the reply's own."""
     import mlx.core as mx
-    from mlx_lm.generate import stream_generate as lm_stream_generate
 
     mx.reset_peak_memory()
     text, last = [], None
-    for last in lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **kv):
+    for last in generate():
         text.append(last.text)
-    return {
-        "tokens": last.generation_tokens,
-        "tps": last.generation_tps,
-        "prompt_tps": last.prompt_tps,
-        "peak_memory": last.peak_memory,
-        "text": "".join(text),
-    }
-
-
-def _dflash(model, draft, tokenizer, ids, max_tokens, **sampling):
-    import mlx.core as mx
-
-    from dflash_mlx import stream_generate
-
-    mx.reset_peak_memory()
-    text, last = [], None
-    for last in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, **sampling):
-        text.append(last.text)
-    return {
-        "tokens": last.generation_tokens,
-        "tps": last.generation_tps,
-        "prompt_tps": last.prompt_tps,
-        "peak_memory": last.peak_memory,
-        "acceptance_length": last.acceptance_length,
-        "acceptance_rate": last.acceptance_rate,
-        "block_size": last.block_size,
-        "text": "".join(text),
-    }
+    figures = dict(tokens=last.generation_tokens, tps=last.generation_tps, prompt_tps=last.prompt_tps)
+    return dict(figures, peak_memory=last.peak_memory, text="".join(text), **{k: getattr(last, k) for k in extra})
 
 
 def _short(text: str, n: int = 40) -> str:
@@ -82,34 +59,18 @@ def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+@takes_groups
 def bench_command(
     *,
-    model: options.Model = None,
-    draft_model: options.DraftModel = None,
-    dtype: options.Dtype = "auto",
+    pair: Pair = flags(Pair),
     prompts: Annotated[
         Optional[Path], typer.Option("--prompts", help="Prompts file: one per line, or JSONL.", show_default=False)
     ] = None,
-    max_tokens: options.MaxTokens = 256,
+    sampling: Sampling = flags(Sampling, seed=0),
     repeat: Annotated[int, typer.Option("--repeat", help="Runs per prompt and method; tok/s is the mean.")] = 1,
-    temp: options.Temp = 0.0,
-    top_p: options.TopP = 1.0,
-    min_p: options.MinP = 0.0,
-    top_k: options.TopK = 0,
-    xtc_probability: options.XtcProbability = 0.0,
-    xtc_threshold: options.XtcThreshold = 0.1,
-    min_tokens_to_keep: options.MinTokensToKeep = 1,
-    seed: options.Seed = 0,
-    block_size: options.BlockSize = None,
-    num_draft_tokens: options.NumDraftTokens = None,
     system_prompt: options.SystemPrompt = None,
-    use_default_chat_template: options.UseDefaultChatTemplate = False,
-    ignore_chat_template: options.IgnoreChatTemplate = False,
-    enable_thinking: options.EnableThinking = False,
-    kv_bits: options.KvBits = None,
-    kv_group_size: options.KvGroupSize = 64,
-    quantized_kv_start: options.QuantizedKvStart = 5000,
-    max_kv_size: options.MaxKvSize = None,
+    template: Template = flags(Template, "use_default_chat_template", "ignore_chat_template", "enable_thinking"),
+    kv: Kv = flags(Kv),
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the results as JSON on stdout instead of a table.")
     ] = False,
@@ -122,28 +83,28 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
-        block_size = options.check_args(
-            max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, num_draft_tokens=num_draft_tokens, **xtc
-        )
-        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+        generation = sampling.check()
+        block_size, seed, max_tokens = generation["block_size"], sampling.seed, sampling.max_tokens
+        kv.check()
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
         items = read_prompts(prompts) if prompts is not None else [{"prompt": p} for p in DEFAULT_PROMPTS]
         import mlx.core as mx
+        from mlx_lm.generate import stream_generate as lm_stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        target_name = model_or_builtin(model, draft_model)
-        target, draft, tokenizer = load_pair(target_name, draft_model, dtype=dtype)
-        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, min_p=min_p, draft=draft, **xtc)
-        use_default_template(tokenizer, use_default_chat_template)
-        if model is None or model == "builtin":
-            target_name, draft_name = "builtin", draft_model or "builtin"
+        from dflash_mlx import stream_generate
+
+        target_name = model_or_builtin(pair.model, pair.draft_model)
+        target, draft, tokenizer = pair.load(target_name)
+        check_drafter_block(block_size, draft)
+        template.prepare(tokenizer)
+        if pair.model is None or pair.model == "builtin":
+            target_name, draft_name = "builtin", pair.draft_model or "builtin"
         else:
             from dflash_mlx.loading import find_drafter
 
-            draft_name = draft_model or find_drafter(target_name)
-        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
+            draft_name = pair.draft_model or find_drafter(target_name)
         notes = iter([False])  # the template notes once, for the first prompt
 
         def encode(prompt):
@@ -151,50 +112,24 @@ def bench_command(
                 tokenizer,
                 prompt,
                 system_prompt=system_prompt,
-                ignore_chat_template=ignore_chat_template,
-                enable_thinking=enable_thinking,
                 quiet=next(notes, True),
+                **template.prompt_settings({}),
             )
 
-        sampler = make_sampler(
-            temp=temp,
-            top_p=top_p,
-            min_p=min_p,
-            top_k=top_k,
-            xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
-            **xtc,
-        )
-        plain_kv = (
-            {}
-            if kv_bits is None
-            else dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-        )  # the same cache for mlx-lm
-        if max_kv_size is not None:
-            plain_kv["max_kv_size"] = max_kv_size
-        options.kv_cache(
-            target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
-        )  # refuses a target it cannot serve
-        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, block_size=block_size, **xtc)
+        eos = list(tokenizer.eos_token_ids)
+        sampler = make_sampler(**sampling.sampler(), xtc_special_tokens=tokenizer.encode("\n") + eos)
+        kv.cache(target, draft)  # refuses a target it cannot serve
 
         def plain(ids, n, run):
             if seed is not None:
                 mx.random.seed(seed + run)
-            return _plain(target, tokenizer, ids, n, sampler, **plain_kv)
+            # the same cache for mlx-lm
+            return _run(lambda: lm_stream_generate(target, tokenizer, ids, max_tokens=n, sampler=sampler, **asdict(kv)))
 
         def dflash(ids, n, run):
-            cache = options.kv_cache(
-                target, draft, None, kv_bits, kv_group_size, quantized_kv_start, max_kv_size=max_kv_size
-            )  # (a fresh one each run)
-            return _dflash(
-                target,
-                draft,
-                tokenizer,
-                ids,
-                n,
-                seed=None if seed is None else seed + run,
-                prompt_cache=cache,
-                **sampling,
-            )
+            args = dict(generation, seed=None if seed is None else seed + run, prompt_cache=kv.cache(target, draft))
+            stats = ("acceptance_length", "acceptance_rate", "block_size")
+            return _run(lambda: stream_generate(target, draft, tokenizer, ids, max_tokens=n, **args), *stats)
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -225,10 +160,12 @@ def bench_command(
                         bar.advance(task)
                         runs_dflash.append(dflash(ids, max_tokens, run))
                         bar.advance(task)
-                    results.append(_summarise(messages[-1]["content"], ids, runs_plain, runs_dflash, temp == 0))
+                    greedy = sampling.temp == 0
+                    results.append(_summarise(messages[-1]["content"], ids, runs_plain, runs_dflash, greedy))
                     messages.append({"role": "assistant", "content": runs_dflash[0]["text"]})
 
         summary = _overall(results)
+        block = block_size or draft.config.block_size
         if as_json:
             out = {
                 "model": target_name,
@@ -236,24 +173,14 @@ def bench_command(
                 "device": str(mx.default_device()),
                 "max_tokens": max_tokens,
                 "repeat": repeat,
-                "temp": temp,
-                "top_p": top_p,
-                "min_p": min_p,
-                "top_k": top_k,
-                **xtc,
-                "block_size": block_size or draft.config.block_size,
+                **sampling.sampler(),
+                "block_size": block,
                 "results": results,
                 "summary": summary,
             }
             typer.echo(json.dumps(out, indent=2))
             return
-        _table(
-            results,
-            summary,
-            f"{target_name} · block {block_size or draft.config.block_size}",
-            str(mx.default_device()),
-            temp == 0,
-        )
+        _table(results, summary, f"{target_name} · block {block}", str(mx.default_device()), sampling.temp == 0)
 
 
 def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:

@@ -13,7 +13,8 @@ import typer
 
 from . import options
 from .console import UserError, console, note, user_errors
-from .pair import context_length, load_pair, model_or_builtin
+from .option_groups import Kv, Pair, Template, flags, takes_groups
+from .pair import context_length, model_or_builtin
 from .progress import PrefillProgress
 from .prompt_input import read_prompt, uses_template
 
@@ -86,33 +87,20 @@ def open_cache(path: Path, target, draft, ids: list[int], kv: tuple = (None, 64,
     return cache
 
 
+@takes_groups
 def cache_prompt_command(
     *,
-    model: options.Model = None,
-    draft_model: options.DraftModel = None,
-    dtype: options.Dtype = "auto",
-    prompt: Annotated[
-        Optional[str],
-        typer.Option(
-            "--prompt",
-            "-p",
-            help="The prefix to cache; '-' reads it from stdin.",
-            show_default=False,
-            callback=options.utf8_text,
-        ),
-    ] = None,
+    pair: Pair = flags(Pair),
+    prompt: options.PrefixPrompt = None,
     prompt_cache_file: Annotated[
         Optional[Path], typer.Option("--prompt-cache-file", help="The file to write (safetensors).", show_default=False)
     ] = None,
     system_prompt: options.SystemPrompt = None,
-    ignore_chat_template: options.IgnoreChatTemplate = False,
-    chat_template_config: options.ChatTemplateConfig = None,
+    template: Template = flags(Template, "ignore_chat_template", "chat_template_config"),
     adapter_path: options.AdapterPath = None,
     trust_remote_code: options.TrustRemoteCode = False,
     prefill_step_size: options.PrefillStepSize = 2048,
-    kv_bits: options.KvBits = None,
-    kv_group_size: options.KvGroupSize = 64,
-    quantized_kv_start: options.QuantizedKvStart = 5000,
+    kv: Kv = flags(Kv, "kv_bits", "kv_group_size", "quantized_kv_start"),
     verbose: options.Verbose = False,
 ):
     """Cache a prompt prefix (a long system prompt or document) in a file.
@@ -128,27 +116,23 @@ def cache_prompt_command(
                 "no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors."
             )
         text = read_prompt(prompt)
-        kwargs = options.template_args(chat_template_config)
+        kwargs = template.kwargs()
         if prefill_step_size < 1:
             raise UserError(f"--prefill-step-size must be a positive integer, got {prefill_step_size}.")
-        options.check_kv(kv_bits, kv_group_size, quantized_kv_start)
+        kv.check()
         from dflash_mlx import make_prompt_cache, stream_generate
         from dflash_mlx.cache.files import save_prompt_cache
 
-        name = model_or_builtin(model, draft_model)
-        target, draft, tokenizer = load_pair(
-            name, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
-        )
-        template = uses_template(tokenizer, ignore_chat_template)
-        ids = prefix_ids(tokenizer, text, system_prompt, template, kwargs)
+        name = model_or_builtin(pair.model, pair.draft_model)
+        target, draft, tokenizer = pair.load(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        chat = uses_template(tokenizer, template.ignore_chat_template)
+        ids = prefix_ids(tokenizer, text, system_prompt, chat, kwargs)
         limit = context_length(target)
         if limit is not None and len(ids) >= limit:
             raise UserError(
                 f"the prefix ({len(ids)} tokens) fills the target's context of {limit} positions; shorten it."
             )
-        cache = options.kv_cache(target, draft, None, kv_bits, kv_group_size, quantized_kv_start) or make_prompt_cache(
-            target, draft
-        )
+        cache = kv.cache(target, draft) or make_prompt_cache(target, draft)
         progress = PrefillProgress()
         try:
             for _ in stream_generate(
@@ -165,12 +149,12 @@ def cache_prompt_command(
         finally:
             progress.close()
         meta = {
-            "model": name if model is not None else "builtin",
-            "draft_model": draft_model or "",
+            "model": name if pair.model is not None else "builtin",
+            "draft_model": pair.draft_model or "",
             "prompt": text,
-            "system_prompt": (system_prompt or "") if template else "",
+            "system_prompt": (system_prompt or "") if chat else "",
             "template_kwargs": json.dumps(kwargs),
-            "chat_template": str(template).lower(),
+            "chat_template": str(chat).lower(),
         }
         prompt_cache_file.parent.mkdir(parents=True, exist_ok=True)
         save_prompt_cache(prompt_cache_file, cache, meta)

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,9 +27,10 @@ from dflash_mlx.prompts import apply_chat_template, encode
 from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
-from .pair import load_pair, room_for_reply
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .pair import room_for_reply
 from .progress import PrefillProgress
-from .prompt_input import supports_thinking, thinking_note, use_default_template, uses_template
+from .prompt_input import supports_thinking, uses_template
 from .status import status_text
 
 EXAMPLES = """\
@@ -308,50 +309,35 @@ class ChatSession:
         tokenizer,
         *,
         model_name: str,
-        max_tokens: int,
-        temp: float,
-        top_p: float,
-        top_k: int,
-        seed: Optional[int],
-        block_size: int | str | None,
         system_prompt: Optional[str],
         ignore_chat_template: bool,
         enable_thinking: bool,
         prefill_step_size: int,
-        min_p: float = 0.0,
-        xtc: Optional[dict] = None,
         template_kwargs: Optional[dict] = None,
         cache_file: Optional[Path] = None,
         prefix: str = "",
-        kv: tuple = (None, 64, 0, None),
+        kv: Kv = Kv(),
+        **sampling,
     ):
+        """``sampling``: Sampling's flags (max_tokens, temp, ..., block_size
+        checked already), their defaults where left out."""
         from dflash_mlx import make_prompt_cache
 
+        flags = Sampling(**sampling)
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.model_name = model_name
-        self.max_tokens = max_tokens
-        self.sampling = dict(
-            temperature=temp,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            block_size=block_size,
-            seed=seed,
-            prefill_step_size=prefill_step_size,
-            **(xtc or {}),  # --xtc-probability, --xtc-threshold, --min-tokens-to-keep
-        )
-        self.block_size = block_size or "auto"
+        self.max_tokens = flags.max_tokens
+        self.sampling = flags.generation(flags.block_size, prefill_step_size)
+        self.block_size = flags.block_size or "auto"
         self.system_prompt = system_prompt
         self.template = uses_template(tokenizer, ignore_chat_template)
         self.template_kwargs = dict(template_kwargs or {})
         self.thinking = bool(self.template_kwargs.pop("enable_thinking", enable_thinking))
         self.prefix = prefix
         self.cache_file = cache_file
-        self.kv = kv  # --kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size
+        self.kv = kv
         self.interrupts = Interrupts()
-        self._make_cache = lambda: (
-            options.kv_cache(model, draft, None, *kv[:3], max_kv_size=kv[3]) or make_prompt_cache(model, draft)
-        )
+        self._make_cache = lambda: kv.cache(model, draft) or make_prompt_cache(model, draft)
         self.reset()
 
     def reset(self) -> None:
@@ -359,7 +345,7 @@ class ChatSession:
             from dflash_mlx.cache.files import load_prompt_cache
 
             try:
-                self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft, *self.kv[:3])
+                self.cache, _ = load_prompt_cache(self.cache_file, self.model, self.draft, *self.kv.quantization)
             except ValueError as e:
                 raise ValueError(options.flag_names(str(e))) from None
         else:
@@ -409,18 +395,14 @@ class ChatSession:
             text = self.prefix + text  # a prompt-cache file's prefix opens the first message
         ids = self.prompt_for(text)
         try:
-            max_tokens, limit = room_for_reply(self.model, len(ids), self.max_tokens, bounded=self.kv[3] is not None)
+            bounded = self.kv.max_kv_size is not None
+            max_tokens, limit = room_for_reply(self.model, len(ids), self.max_tokens, bounded=bounded)
         except UserError as e:
             console.print(Text(str(e), style="yellow"))
             return
         if first and self.cache_file is not None:
-            self.cache = options.kv_cache(
-                self.model,
-                self.draft,
-                open_cache(self.cache_file, self.model, self.draft, ids, self.kv[:3]),
-                *self.kv[:3],
-                max_kv_size=self.kv[3],
-            )
+            loaded = open_cache(self.cache_file, self.model, self.draft, ids, self.kv.quantization)
+            self.cache = self.kv.cache(self.model, self.draft, loaded)
         progress = PrefillProgress()
         view = ReplyView(console)
         tokens: list[int] = []
@@ -583,28 +565,13 @@ class ChatSession:
             self.reply(line)
 
 
+@takes_groups
 def chat_command(
     *,
-    model: options.Model = None,
-    draft_model: options.DraftModel = None,
-    dtype: options.Dtype = "auto",
-    max_tokens: options.MaxTokens = 512,
-    temp: options.Temp = 0.0,
-    top_p: options.TopP = 1.0,
-    min_p: options.MinP = 0.0,
-    top_k: options.TopK = 0,
-    xtc_probability: options.XtcProbability = 0.0,
-    xtc_threshold: options.XtcThreshold = 0.1,
-    min_tokens_to_keep: options.MinTokensToKeep = 1,
-    seed: options.Seed = None,
-    block_size: options.BlockSize = None,
-    num_draft_tokens: options.NumDraftTokens = None,
+    pair: Pair = flags(Pair),
+    sampling: Sampling = flags(Sampling, max_tokens=512),
     system_prompt: options.SystemPrompt = None,
-    use_default_chat_template: options.UseDefaultChatTemplate = False,
-    ignore_chat_template: options.IgnoreChatTemplate = False,
-    enable_thinking: options.EnableThinking = False,
-    chat_template_config: options.ChatTemplateConfig = None,
-    extra_eos_token: options.ExtraEosToken = None,
+    template: Template = flags(Template),
     adapter_path: options.AdapterPath = None,
     trust_remote_code: options.TrustRemoteCode = False,
     prompt_cache_file: options.PromptCacheFile = None,
@@ -613,10 +580,7 @@ def chat_command(
         typer.Option("--resume", help="Continue a conversation saved with /save FILE.", show_default=False),
     ] = None,
     prefill_step_size: options.PrefillStepSize = 2048,
-    kv_bits: options.KvBits = None,
-    kv_group_size: options.KvGroupSize = 64,
-    quantized_kv_start: options.QuantizedKvStart = 5000,
-    max_kv_size: options.MaxKvSize = None,
+    kv: Kv = flags(Kv),
     verbose: options.Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
@@ -627,49 +591,32 @@ def chat_command(
     uses the built-in pair.
     """
     with user_errors(verbose):
-        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
-        flags = dict(min_p=min_p, prefill_step_size=prefill_step_size, **xtc)
-        block_size = options.check_args(
-            max_tokens, temp, top_p, top_k, block_size, seed, num_draft_tokens=num_draft_tokens, **flags
-        )
-        kwargs = options.template_args(chat_template_config)
-        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
+        block_size = sampling.check(prefill_step_size)["block_size"]
+        kwargs = template.kwargs()
+        kv.check(prompt_cache_file)
         conversation = None if resume is None else load_conversation(resume)
         prefix = ""
         if prompt_cache_file is not None:
             cached = read_cache_file(prompt_cache_file)
             prefix, system_prompt = cached["prompt"], system_prompt or cached["system_prompt"]
             kwargs = kwargs or cached["template_kwargs"]
-        target, draft, tokenizer = load_pair(
-            model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
-        )
-        options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, draft=draft, **flags)
-        options.add_eos_tokens(tokenizer, extra_eos_token)
-        use_default_template(tokenizer, use_default_chat_template)
-        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
-        if not ignore_chat_template and not uses_template(tokenizer, False):
+        target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        check_drafter_block(block_size, draft)
+        template.prepare(tokenizer)
+        if not template.ignore_chat_template and not uses_template(tokenizer, False):
             console.print(Text("the tokenizer has no chat template; turns are joined as raw text.", style="dim"))
         session = ChatSession(
             target,
             draft,
             tokenizer,
-            model_name=str(model or "builtin"),
-            max_tokens=max_tokens,
-            temp=temp,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            block_size=block_size,
             system_prompt=system_prompt,
-            ignore_chat_template=ignore_chat_template,
-            enable_thinking=enable_thinking,
+            **template.prompt_settings(kwargs),
+            model_name=str(pair.model or "builtin"),
             prefill_step_size=prefill_step_size,
-            min_p=min_p,
-            xtc=xtc,
-            template_kwargs=kwargs,
             cache_file=prompt_cache_file,
             prefix=prefix,
-            kv=(kv_bits, kv_group_size, quantized_kv_start, max_kv_size),
+            kv=kv,
+            **asdict(replace(sampling, block_size=block_size, num_draft_tokens=None)),
         )
         if conversation is not None:
             session.resume(conversation)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from dataclasses import replace
 
 import typer
 from rich.text import Text
@@ -12,9 +12,10 @@ from rich.text import Text
 from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import err, note, user_errors
-from .pair import load_pair, room_for_reply
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .pair import room_for_reply
 from .progress import PrefillProgress
-from .prompt_input import prompt_ids, read_prompt, thinking_note, use_default_template
+from .prompt_input import prompt_ids, read_prompt
 from .status import stats_line
 
 EXAMPLES = """\
@@ -34,55 +35,20 @@ Without --model the built-in pair runs; without --draft-model the drafter comes 
 """
 
 
+@takes_groups
 def generate_command(
     *,
-    model: options.Model = None,
-    draft_model: options.DraftModel = None,
-    dtype: options.Dtype = "auto",
-    prompt: Annotated[
-        Optional[str],
-        typer.Option(
-            "--prompt",
-            "-p",
-            help="The prompt; '-' reads it from stdin.",
-            show_default=False,
-            callback=options.utf8_text,
-        ),
-    ] = None,
-    max_tokens: options.MaxTokens = 256,
-    temp: options.Temp = 0.0,
-    top_p: options.TopP = 1.0,
-    min_p: options.MinP = 0.0,
-    top_k: options.TopK = 0,
-    xtc_probability: options.XtcProbability = 0.0,
-    xtc_threshold: options.XtcThreshold = 0.1,
-    min_tokens_to_keep: options.MinTokensToKeep = 1,
-    seed: options.Seed = None,
-    block_size: options.BlockSize = None,
-    num_draft_tokens: options.NumDraftTokens = None,
+    pair: Pair = flags(Pair),
+    prompt: options.Prompt = None,
+    sampling: Sampling = flags(Sampling),
     system_prompt: options.SystemPrompt = None,
-    prefill_response: Annotated[
-        Optional[str],
-        typer.Option(
-            "--prefill-response",
-            help="Start the reply with this text (chat template); the model continues it.",
-            show_default=False,
-            callback=options.utf8_text,
-        ),
-    ] = None,
-    use_default_chat_template: options.UseDefaultChatTemplate = False,
-    ignore_chat_template: options.IgnoreChatTemplate = False,
-    enable_thinking: options.EnableThinking = False,
-    chat_template_config: options.ChatTemplateConfig = None,
-    extra_eos_token: options.ExtraEosToken = None,
+    prefill_response: options.PrefillResponse = None,
+    template: Template = flags(Template),
     adapter_path: options.AdapterPath = None,
     trust_remote_code: options.TrustRemoteCode = False,
     prompt_cache_file: options.PromptCacheFile = None,
     prefill_step_size: options.PrefillStepSize = 2048,
-    kv_bits: options.KvBits = None,
-    kv_group_size: options.KvGroupSize = 64,
-    quantized_kv_start: options.QuantizedKvStart = 5000,
-    max_kv_size: options.MaxKvSize = None,
+    kv: Kv = flags(Kv),
     verbose: options.Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
@@ -97,47 +63,32 @@ def generate_command(
             cached = read_cache_file(prompt_cache_file)
             text = cached["prompt"] + text
             system_prompt = system_prompt or cached["system_prompt"]
-            chat_template_config = chat_template_config or json.dumps(cached["template_kwargs"])
-        xtc = dict(xtc_probability=xtc_probability, xtc_threshold=xtc_threshold, min_tokens_to_keep=min_tokens_to_keep)
-        flags = dict(min_p=min_p, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size, **xtc)
-        block_size = options.check_args(max_tokens, temp, top_p, top_k, block_size, seed, **flags)
-        kwargs = options.template_args(chat_template_config)
-        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size, prompt_cache_file)
+            if not template.chat_template_config:
+                template = replace(template, chat_template_config=json.dumps(cached["template_kwargs"]))
+        generation = sampling.check(prefill_step_size)
+        kwargs = template.kwargs()
+        kv.check(prompt_cache_file)
         from dflash_mlx import stream_generate
 
-        target, draft, tokenizer = load_pair(
-            model, draft_model, adapter_path=adapter_path, trust_remote_code=trust_remote_code, dtype=dtype
-        )
-        options.check_args(
-            max_tokens,
-            temp,
-            top_p,
-            top_k,
-            block_size,
-            seed,
-            draft=draft,
-            min_p=min_p,
-            prefill_step_size=prefill_step_size,
-            **xtc,
-        )
-        options.add_eos_tokens(tokenizer, extra_eos_token)
-        use_default_template(tokenizer, use_default_chat_template)
-        thinking_note(tokenizer, enable_thinking, ignore_chat_template)
+        target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        block_size = generation["block_size"]
+        check_drafter_block(block_size, draft)
+        template.prepare(tokenizer)
         ids = prompt_ids(
             tokenizer,
             text,
             system_prompt=system_prompt,
-            ignore_chat_template=ignore_chat_template,
-            enable_thinking=enable_thinking,
-            template_kwargs=kwargs,
             prefill_response=prefill_response,
+            **template.prompt_settings(kwargs),
         )
-        kv = (kv_bits, kv_group_size, quantized_kv_start)
-        cache = None if prompt_cache_file is None else open_cache(prompt_cache_file, target, draft, ids, kv)
-        cache = options.kv_cache(target, draft, cache, *kv, max_kv_size=max_kv_size)
+        cache = None
+        if prompt_cache_file is not None:
+            cache = open_cache(prompt_cache_file, target, draft, ids, kv.quantization)
+        cache = kv.cache(target, draft, cache)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
-        reply_tokens, limit = room_for_reply(target, len(ids), max_tokens, bounded=max_kv_size is not None)
+        bounded = kv.max_kv_size is not None
+        reply_tokens, limit = room_for_reply(target, len(ids), sampling.max_tokens, bounded=bounded)
         progress = PrefillProgress()
         last = None
         out = sys.stdout
@@ -148,16 +99,9 @@ def generate_command(
                 tokenizer,
                 ids,
                 max_tokens=reply_tokens,
-                temperature=temp,
-                top_p=top_p,
-                top_k=top_k,
-                min_p=min_p,
-                **xtc,
-                block_size=block_size,
-                seed=seed,
                 prompt_progress=progress,
-                prefill_step_size=prefill_step_size,
                 prompt_cache=cache,
+                **generation,
             ):
                 out.write(last.text)
                 out.flush()
@@ -182,5 +126,5 @@ def generate_command(
                     f"Peak memory: {last.peak_memory:.3f} GB\n"
                 )
                 sys.stderr.flush()
-            if last.finish_reason == "length" and reply_tokens < max_tokens:
+            if last.finish_reason == "length" and reply_tokens < sampling.max_tokens:
                 note(f"stopped at {limit}: the reply cannot be longer than the context the target was trained for.")

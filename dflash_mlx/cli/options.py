@@ -130,12 +130,17 @@ def utf8_text(ctx, param, value: Optional[str]) -> Optional[str]:
     return value
 
 
-SystemPrompt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--system-prompt", help="System message for the chat template.", show_default=False, callback=utf8_text
-    ),
-]
+def text_flag(*names: str, help: str):
+    """A text flag, refused unless UTF-8 (``utf8_text``)."""
+    return Annotated[Optional[str], typer.Option(*names, help=help, show_default=False, callback=utf8_text)]
+
+
+SystemPrompt = text_flag("--system-prompt", help="System message for the chat template.")
+Prompt = text_flag("--prompt", "-p", help="The prompt; '-' reads it from stdin.")
+PrefixPrompt = text_flag("--prompt", "-p", help="The prefix to cache; '-' reads it from stdin.")
+PrefillResponse = text_flag(
+    "--prefill-response", help="Start the reply with this text (chat template); the model continues it."
+)
 UseDefaultChatTemplate = Annotated[
     bool,
     typer.Option(
@@ -170,55 +175,6 @@ PrefillStepSize = Annotated[
     int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step (lower: less peak memory).")
 ]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail, and a traceback on errors.")]
-
-
-def check_args(
-    max_tokens: int,
-    temp: float,
-    top_p: float,
-    top_k: int,
-    block_size: Optional[str],
-    seed: Optional[int] = None,
-    *,
-    min_p: float = 0.0,
-    num_draft_tokens: Optional[int] = None,
-    prefill_step_size: int = 2048,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    min_tokens_to_keep: int = 1,
-    draft=None,
-) -> int | str | None:
-    """Checks the generation flags with the library's own rules
-    (dflash_mlx.arguments); returns the block size (an int or "auto") from
-    --block-size or --num-draft-tokens. With ``draft`` loaded, a block past
-    its trained one is refused too."""
-    from dflash_mlx.arguments import check_generation_args
-
-    if num_draft_tokens is not None:
-        if block_size is not None:
-            raise UserError("--num-draft-tokens N is --block-size N+1; pass one of them, not both.")
-        if num_draft_tokens < 1:
-            raise UserError(f"--num-draft-tokens must be a positive integer, got {num_draft_tokens}.")
-        block_size = str(num_draft_tokens + 1)
-    try:
-        args = check_generation_args(
-            max_tokens=max_tokens,
-            temperature=temp,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            block_size=block_size,
-            seed=seed,
-            prefill_step_size=prefill_step_size,
-            xtc_probability=xtc_probability,
-            xtc_threshold=xtc_threshold,
-            min_tokens_to_keep=min_tokens_to_keep,
-            trained_block_size=None if draft is None else draft.config.block_size,
-            flags=True,
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    return args.block_size
 
 
 def template_args(text: Optional[str]) -> dict:
@@ -297,70 +253,3 @@ def flag_names(message: str) -> str:
     for name in ("kv_bits", "kv_group_size", "quantized_kv_start", "max_kv_size"):
         message = message.replace(name, "--" + name.replace("_", "-"))
     return message
-
-
-def check_kv(
-    kv_bits: Optional[int],
-    kv_group_size: int,
-    quantized_kv_start: int,
-    max_kv_size: Optional[int] = None,
-    cache_file: Optional[Path] = None,
-) -> None:
-    """--kv-bits, --kv-group-size, --quantized-kv-start, --max-kv-size: the values, before anything loads."""
-    from dflash_mlx.kv.quantized import BITS, GROUP_SIZES
-    from dflash_mlx.kv.rotating import KEEP
-
-    if kv_bits is not None and kv_bits not in BITS:
-        raise UserError(f"--kv-bits must be one of {', '.join(map(str, BITS))}, got {kv_bits}.")
-    if kv_group_size not in GROUP_SIZES:
-        raise UserError(f"--kv-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {kv_group_size}.")
-    if quantized_kv_start < 0:
-        raise UserError(f"--quantized-kv-start must be 0 or more, got {quantized_kv_start}.")
-    if max_kv_size is not None and max_kv_size <= KEEP:
-        raise UserError(
-            f"--max-kv-size must be more than {KEEP} (the first {KEEP} tokens are always kept), got {max_kv_size}."
-        )
-    if max_kv_size is not None and kv_bits is not None:
-        raise UserError(
-            "--max-kv-size and --kv-bits cannot be combined (mlx-lm cannot quantize its rotating cache "
-            "either); drop one of them."
-        )
-    if max_kv_size is not None and cache_file is not None:
-        raise UserError(NO_BOUNDED_FILE)
-
-
-def kv_cache(
-    target,
-    draft,
-    cache,
-    kv_bits: Optional[int],
-    kv_group_size: int,
-    quantized_kv_start: int,
-    *,
-    max_kv_size: Optional[int] = None,
-):
-    """The prompt cache to run with: ``cache`` (one loaded from a file, made
-    with these settings) or a new one set per --kv-bits / --max-kv-size; None
-    when there is nothing to set."""
-    from dflash_mlx import make_prompt_cache
-    from dflash_mlx.kv.quantized import check_settings
-    from dflash_mlx.targets import adapt
-
-    try:
-        if cache is not None:
-            if max_kv_size is not None:
-                raise UserError(NO_BOUNDED_FILE)
-            check_settings(adapt(target), kv_bits, kv_group_size, quantized_kv_start)
-            return cache
-        if kv_bits is None and max_kv_size is None:
-            return None
-        return make_prompt_cache(
-            target,
-            draft,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            max_kv_size=max_kv_size,
-        )
-    except ValueError as e:
-        raise UserError(flag_names(str(e))) from None

@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import asdict
 from typing import Annotated, Optional
 
 import typer
 
 from . import options
 from .console import UserError, note, user_errors
-from .pair import load_pair, model_or_builtin
-from .prompt_input import use_default_template
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .pair import model_or_builtin
 
 EXAMPLES = """\
 Examples:
@@ -28,6 +29,9 @@ $ dflash-mlx serve --model Qwen/Qwen3-8B --kv-bits 8 --quantized-kv-start 0
 Then point any OpenAI or Anthropic client at http://127.0.0.1:8080/v1 (see docs/server.md).
 """
 
+# The server's sampling flags: no XTC or --num-draft-tokens here.
+SAMPLING_FLAGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "block_size")
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
@@ -42,22 +46,15 @@ def parse_size(text: Optional[str], flag: str = "--prompt-cache-bytes") -> Optio
     return int(float(m.group(1)) * scale)
 
 
+@takes_groups
 def serve_command(
     *,
-    model: options.Model = None,
-    draft_model: options.DraftModel = None,
-    dtype: options.Dtype = "auto",
+    pair: Pair = flags(Pair),
     host: Annotated[
         str, typer.Option("--host", help="Address to listen on; 0.0.0.0 opens the server to the network.")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
-    max_tokens: options.MaxTokens = 512,
-    temp: options.Temp = 0.0,
-    top_p: options.TopP = 1.0,
-    top_k: options.TopK = 0,
-    min_p: options.MinP = 0.0,
-    seed: options.Seed = None,
-    block_size: options.BlockSize = None,
+    sampling: Sampling = flags(Sampling, *SAMPLING_FLAGS, max_tokens=512),
     api_key: Annotated[
         Optional[str],
         typer.Option(
@@ -74,8 +71,7 @@ def serve_command(
             "--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False
         ),
     ] = None,
-    chat_template_args: options.ChatTemplateConfig = None,
-    use_default_chat_template: options.UseDefaultChatTemplate = False,
+    template: Template = flags(Template, "chat_template_config", "use_default_chat_template"),
     model_name: Annotated[
         Optional[str],
         typer.Option(
@@ -88,10 +84,7 @@ def serve_command(
         str, typer.Option("--log-level", help="uvicorn's log level: critical, error, warning, info, debug.")
     ] = "info",
     prefill_step_size: options.PrefillStepSize = 2048,
-    kv_bits: options.KvBits = None,
-    kv_group_size: options.KvGroupSize = 64,
-    quantized_kv_start: options.QuantizedKvStart = 5000,
-    max_kv_size: options.MaxKvSize = None,
+    kv: Kv = flags(Kv),
     max_body_bytes: Annotated[
         str, typer.Option("--max-body-bytes", help="Largest request body accepted, e.g. 16MB; a larger one gets a 413.")
     ] = "16MiB",
@@ -118,7 +111,7 @@ def serve_command(
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
     with user_errors(verbose):
-        block = options.check_args(max_tokens, temp, top_p, top_k, block_size, min_p=min_p)
+        generation = sampling.check()
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
         if prompt_cache_size < 0:
@@ -128,41 +121,32 @@ def serve_command(
         body_limit = parse_size(max_body_bytes, "--max-body-bytes")
         if body_limit < 1024:
             raise UserError(f"--max-body-bytes must be at least 1KB, got {max_body_bytes!r}.")
-        options.check_kv(kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+        kv.check()
         try:
             from dflash_mlx.server import ServerConfig, create_app, run
         except ImportError as e:
             raise UserError(
                 f"the server needs its extra ({e.name} is missing): pip install 'dflash-mlx[server]'."
             ) from None
+        served = {name: generation[name] for name in ("temperature", "top_p", "top_k", "min_p", "seed", "block_size")}
         config = ServerConfig(
-            model_name=model_name or model or "builtin",
-            max_tokens=max_tokens,
-            temperature=temp,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            seed=seed,
-            block_size=block,
+            model_name=model_name or pair.model or "builtin",
+            max_tokens=sampling.max_tokens,
+            **served,
             prefill_step_size=prefill_step_size,
             api_key=api_key,
-            chat_template_args=options.template_args(chat_template_args),
+            chat_template_args=template.kwargs(),
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=parse_size(prompt_cache_bytes),
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            max_kv_size=max_kv_size,
+            **asdict(kv),
             max_body_bytes=body_limit,
             max_queue=max_queue,
             host=host,
             allowed_hosts=tuple(allowed_host or ()),
         )
-        target, draft, tokenizer = load_pair(model_or_builtin(model, draft_model), draft_model, dtype=dtype)
-        options.check_args(
-            max_tokens, temp, top_p, top_k, block_size, min_p=min_p, draft=draft
-        )  # a block past the trained one
-        use_default_template(tokenizer, use_default_chat_template)
+        target, draft, tokenizer = pair.load(model_or_builtin(pair.model, pair.draft_model))
+        check_drafter_block(generation["block_size"], draft)
+        template.prepare(tokenizer)
         try:
             app = create_app(target, draft, tokenizer, config)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)
