@@ -300,14 +300,14 @@ def _check_metadata(path: Path, meta: dict[str, str]) -> None:
     for key, (_, digits) in _SUMS.items():
         if key in meta and not re.fullmatch(f"[0-9a-f]{{{digits}}}", meta[key]):
             raise damaged(path, "its tensor checksum is not one")
-    if not _tokens(path, meta):
+    if not token_ids(path, meta):
         raise damaged(path, "its token ids are not a list of ids")
     settings = [meta.get(k) for k in ("kv_bits", "kv_group_size", "quantized_kv_start")]
     if any(v is not None for v in settings):
         if not all(v is not None and v.isdigit() for v in settings):
             raise damaged(path, "its KV quantization settings are incomplete or not numbers")
     reply_from = meta.get("reply_from")
-    if reply_from is not None and not (reply_from.isdigit() and int(reply_from) <= len(_tokens(path, meta))):
+    if reply_from is not None and not (reply_from.isdigit() and int(reply_from) <= len(token_ids(path, meta))):
         raise damaged(path, "its reply position is not one")
 
 
@@ -361,7 +361,7 @@ def read_header(path: str | Path) -> dict[str, str]:
     return meta
 
 
-def _tokens(path, meta: dict[str, str]) -> list[int]:
+def token_ids(path, meta: dict[str, str]) -> list[int]:
     """The file's token ids, read only from a flat list of ints."""
     text = meta.get("tokens")
     if text is None:
@@ -497,7 +497,7 @@ def read_prompt_cache(path: str | Path, cache: PromptCache, fingerprint: str | N
             f"{path} was made with {_describe(*made)}, not {_describe(*kv_settings(cache))}; "
             "use the settings it was made with, or make it again with these."
         )
-    tokens = _tokens(path, meta)
+    tokens = token_ids(path, meta)
     n = len(tokens)
     if max(tokens) >= cache.adapter.vocab_size:
         raise damaged(path, f"a token id is past the vocabulary of {cache.adapter.vocab_size}")

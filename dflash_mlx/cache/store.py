@@ -137,7 +137,7 @@ class PrefixStore:
             if meta.get("fingerprint") != self.identity["fingerprint"] or made != self.kv:
                 self._refuse(p, files.ForeignCacheFile(f"{p} was made for another model pair or other KV settings."))
                 continue
-            tokens = np.array(files._tokens(p, meta), np.int64)
+            tokens = np.array(files.token_ids(p, meta), np.int64)
             self.entries[p.name] = Entry(p, tokens, p.stat().st_size)
 
     def _refuse(self, path: Path, error: ValueError) -> None:
