@@ -1,6 +1,7 @@
 """Hybrid targets (qwen3_5, qwen3_5_moe, qwen3_next): gated delta-net layers
-roll back exactly. A verify's rollback at every accepted count leaves the
-states mlx-lm's plain decoding reaches; greedy output equals mlx-lm's over
+roll back exactly. A verify's rollback (either strategy) at every accepted
+count leaves the states mlx-lm's plain decoding reaches; greedy output
+equals mlx-lm's (this machine's default rollback, and replay) over
 block sizes, prompt lengths, an EOS, a prompt cache across turns (extended,
 shortened, repeated); an interrupt at any write leaves the next turn exact;
 seeded sampling gives the target's own sampled text."""
@@ -17,7 +18,7 @@ from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, ran
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
-from dflash_mlx.targets.recurrent import DeltaCache
+from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 
 VOCAB = 48
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -35,8 +36,10 @@ def pair(request):
     return make_pair(request.param)
 
 
+@pytest.mark.parametrize("rollback", ROLLBACKS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rollback_at_every_accepted_count_equals_plain_decoding(family):
+def test_rollback_at_every_accepted_count_equals_plain_decoding(family, rollback, monkeypatch):
+    monkeypatch.setattr(DeltaCache, "rollback", rollback)
     model, _ = make_pair(family)
     target = adapt(model)
     rng = random.Random(family)
@@ -70,7 +73,9 @@ def test_rollback_at_every_accepted_count_equals_plain_decoding(family):
                     assert c.offset == n
 
 
-def test_greedy_equals_mlx_lm(pair):
+@pytest.mark.parametrize("rollback", [None, "replay"])  # this machine's default, and Metal's and CUDA's
+def test_greedy_equals_mlx_lm(pair, rollback, monkeypatch):
+    monkeypatch.setattr(DeltaCache, "rollback", rollback)
     model, draft = pair
     accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 300), (2, 3, 8, 16), prefill_step_size=100)
     assert set(range(5)) <= accepted and max(accepted) >= 7  # short rollbacks and long blocks kept

@@ -2,7 +2,8 @@
 ``replay`` (re-run the kept steps from the saved state) and ``per-step``
 (keep the state after every step of the verify, take the kept one). At every
 accepted count both leave the same states, those of mlx-lm's plain decoding,
-and greedy output equals mlx-lm's with either."""
+bit for bit alike; each makes the recurrence runs its cost counts; greedy
+output equals mlx-lm's with either."""
 
 import random
 
@@ -51,24 +52,23 @@ def test_both_rollbacks_leave_the_same_states_as_plain_decoding(model, monkeypat
         replay, held = verify_then_cut(target, "replay", prompt, block, accepted)
         assert held == [None] * len(replay)
         # The per-step cut is a take among the verify's states: no re-run.
-        reruns, steps = [], []
-        real, real_steps = recurrent.gated_delta_update, recurrent.gated_delta_ops
+        runs = []
+        real = recurrent.recurrence
         monkeypatch.setattr(
-            recurrent, "gated_delta_update", lambda *a, **k: reruns.append(a[0].shape[1]) or real(*a, **k)
-        )
-        monkeypatch.setattr(
-            recurrent, "gated_delta_ops", lambda *a, **k: steps.append(a[0].shape[1]) or real_steps(*a, **k)
+            recurrent, "recurrence", lambda *a, **k: runs.append((a[0].shape[1], "steps" in k)) or real(*a, **k)
         )
         per_step, held = verify_then_cut(target, "per-step", prompt, block, accepted)
         monkeypatch.undo()
         assert held == [B + 1] * len(per_step)
-        # The prefill (longer than a verify block) in one call, and once more
-        # where the cycle names its length (a replay: it kept no states); the
-        # verify one recurrence step per call (its gates made once), and
-        # none at its cut.
+        # Per layer: the prefill (longer than a verify block) in one run, and
+        # once more, limited, where the cycle names its length (it kept no
+        # states); the verify one step a run, and nothing at its cut.
         assert len(prompt) > DeltaCache.per_step_longest
-        assert reruns == [len(prompt)] * 2 * len(per_step)
-        assert steps == [1] * len(per_step) * B
+        assert runs == (
+            [(len(prompt), False)] * len(per_step)
+            + [(len(prompt), True)] * len(per_step)
+            + [(1, False)] * len(per_step) * B
+        )
         want = model.make_cache()
         model(mx.array(prompt + block[: accepted + 1])[None], cache=want)
         want = [w for w, linear in zip(want, target.linear) if linear]
@@ -80,8 +80,44 @@ def test_both_rollbacks_leave_the_same_states_as_plain_decoding(model, monkeypat
             assert p.pending is None and all(x.states is None for x in p.writes)  # the T states are let go
 
 
-def test_greedy_equals_mlx_lm_with_per_step_rollback(model, monkeypatch):
-    monkeypatch.setattr(DeltaCache, "rollback", "per-step")
+@pytest.mark.parametrize("strategy", ROLLBACKS)
+def test_launches_per_cycle(model, monkeypatch, strategy):
+    """The recurrence runs a cycle makes per delta-net layer (each one kernel
+    launch where a kernel runs): replay, the verify's and the cut's; per-step,
+    one a step and none at the cut."""
+    target = adapt(model)
+    prompt, block = list(range(5)), list(range(10, 10 + 16))
+    cache = [DeltaCache(strategy) if isinstance(c, DeltaCache) else c for c in target.make_cache()]
+    target(mx.array(prompt)[None], cache, [0])
+    target.set_length(cache, len(prompt))
+    runs = []
+    real = recurrent.recurrence
+    monkeypatch.setattr(
+        recurrent, "recurrence", lambda *a, **k: runs.append((a[0].shape[1], "steps" in k)) or real(*a, **k)
+    )
+    target(mx.array(block)[None], cache, [0])
+    target.set_length(cache, mx.array(len(prompt) + 3, mx.int32), len(prompt) + len(block))
+    layers = sum(isinstance(c, DeltaCache) for c in cache)
+    if strategy == "replay":
+        assert runs == [(16, False)] * layers + [(16, True)] * layers
+    else:
+        assert runs == [(1, False)] * 16 * layers
+
+
+def test_the_default_on_the_ops_path_is_per_step(model):
+    """On the CPU the recurrence runs as ops, where a replay would run each
+    step's ops again: the default keeps the verify's states."""
+    target = adapt(model)
+    cache = target.make_cache()
+    target(mx.array([1, 2, 3])[None], cache, [0])
+    target.set_length(cache, mx.array(3, mx.int32), 3)
+    target(mx.array([4, 5, 6])[None], cache, [0])
+    assert all(c.rollback is None and c.pending.states is not None for c in cache if isinstance(c, DeltaCache))
+
+
+@pytest.mark.parametrize("strategy", ROLLBACKS)
+def test_greedy_equals_mlx_lm_with_either_rollback(model, monkeypatch, strategy):
+    monkeypatch.setattr(DeltaCache, "rollback", strategy)
     dcfg = draft_config(family_config("qwen3_5", vocab=VOCAB), layers=1, block_size=16)
     draft = scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=2)))
     accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 90), (2, 5, 16), prefill_step_size=40)

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from ..kernels import gated_delta
 from ..kv.buffer import BufferKVCache, positions_mask, set_lengths
 from ..layers.attention import prepare
 from ..layers.blocks import attend
@@ -65,6 +66,8 @@ class HybridTarget(DenseTarget):
     def make_blocks(self) -> None:
         self.blocks = [None if layer.is_linear else attention_block(layer) for layer in self.inner.layers]
         prepare(self.dtype, self.head_dim, [None])
+        delta = next(layer.linear_attn for layer in self.inner.layers if layer.is_linear)
+        gated_delta.prepare(self.dtype, delta.head_k_dim, delta.head_v_dim)
 
     def make_cache(self) -> HybridCache:
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)

@@ -1,14 +1,29 @@
 """Gated delta-net layers with exact rollback (Qwen3.5 / 3.6, Qwen3-Next).
 
 A delta-net layer keeps a recurrent and a convolution state instead of keys
-and values, so each write keeps its recurrence inputs and the state it began
-from. Keeping the first ``s`` of its ``T`` steps (``s`` possibly an array the
-host never reads) is a slice of the convolution input plus either a masked
-re-run of ``gated_delta_update`` from the saved state (``replay``) or a take
-from the per-step states kept during the verify (``per-step``, the default,
-only for writes of at most ``per_step_longest`` steps). ``set_length`` with
-an int restores an exact state from the last writes or a few checkpoints;
-``restore`` says when none has it, and the adapter re-reads (hybrid.py).
+and values, so each write keeps its recurrence inputs (q, k, v, the gates)
+and the state it began from. Keeping the first ``s`` of its ``T`` steps
+(``s`` possibly an array the host never reads) is a slice of the convolution
+input plus one of two rollbacks:
+
+- ``replay``: the first ``s`` steps re-run from the saved state
+  (kernels/gated_delta.py: one launch reading ``s`` on the device where a
+  kernel runs, masked steps elsewhere);
+- ``per-step``: the verify runs a launch a step and keeps its T+1 states; the
+  cut takes one (writes of at most ``per_step_longest`` steps).
+
+Per cycle and delta-net layer, with S the bytes of a state (float32 [Hv, Dv,
+Dk]): replay moves 4 S in 2 launches (the verify and the replay each read and
+write a state); per-step moves 4T + 4 S in T + 2 launches (T steps reading
+and writing it, T+1 states stacked, the take). So the default (``rollback``
+None) is replay wherever it is one exact kernel launch (Metal; CUDA once its
+kernel passed its check), and per-step where the recurrence runs as ops (the
+CPU), where a replay would run each step's ops again. Either leaves the
+state bit for bit as if the rejected tokens were never fed.
+
+``set_length`` with an int restores an exact state from the last writes or a
+few checkpoints; ``restore`` says when none has it, and the adapter re-reads
+(hybrid.py).
 """
 
 from __future__ import annotations
@@ -18,7 +33,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import compute_g, gated_delta_kernel, gated_delta_ops, gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from ..device import constant_arange
+from ..kernels.gated_delta import one_launch_replay, recurrence
 
 ROLLBACKS = ("replay", "per-step")
 
@@ -27,50 +45,39 @@ def _value(n) -> int:
     return n if isinstance(n, int) else int(n.item())
 
 
-def per_step_update(q, k, v, a, b, *, layer: nn.Module, state: mx.array | None):
-    """mlx-lm's ``gated_delta_update`` one step at a time: returns the outputs
-    [B, T, Hv, Dv], the T+1 states stacked [T+1, B, Hv, Dv, Dk], and the last
-    state on its own (the cache's next state must not hold the stack)."""
-    B, _, _, Dk = q.shape
-    if state is None:
-        state = mx.zeros((B, *v.shape[-2:], Dk), mx.float32)
-    beta, g = mx.sigmoid(b), compute_g(layer.A_log, a, layer.dt_bias)
-    kernel = _metal_kernel(k, layer)
-    if not kernel and (repeat := v.shape[-2] // q.shape[-2]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    step = gated_delta_kernel if kernel else gated_delta_ops
+def default_rollback(q, v, g, beta, state, use_kernel: bool = True) -> str:
+    """The rollback that moves the fewest bytes in the fewest launches here (the module's doc)."""
+    return "replay" if one_launch_replay(q, v, g, beta, state, use_kernel) else "per-step"
+
+
+def per_step_update(q, k, v, g, beta, state, *, use_kernel: bool = True):
+    """The recurrence one step a launch: returns the outputs [B, T, Hv, Dv],
+    the T+1 states stacked [T+1, B, Hv, Dv, Dk], and the last state on its own
+    (the cache's next state must not hold the stack). Each step runs what a
+    whole write runs, so the states are those of a plain run."""
     states, ys = [state], []
     for t in range(q.shape[1]):
         one = slice(t, t + 1)
-        y, state = step(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state)
+        y, state = recurrence(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], state, use_kernel=use_kernel)
         ys.append(y)
         states.append(state)
     return mx.concatenate(ys, axis=1), mx.stack(states), state
 
 
-def _metal_kernel(k: mx.array, layer: nn.Module) -> bool:
-    """Whether ``gated_delta_update`` would run its Metal kernel here (mlx-lm
-    0.32's rule): the steps must run the same arithmetic to give the same states."""
-    Dk = k.shape[-1]
-    return (
-        not layer.training and mx.default_device() == mx.gpu and mx.metal.is_available() and Dk >= 32 and Dk % 32 == 0
-    )
-
-
-@dataclass
+@dataclass(kw_only=True)
 class Write:
     """One write of T steps starting at ``start`` (an int or an array)."""
 
     start: int | mx.array
-    layer: nn.Module
     conv_input: mx.array  # [1, K-1+T, C]: the convolution state before, then the T new inputs
     q: mx.array
     k: mx.array
     v: mx.array
-    a: mx.array
-    b: mx.array
-    state0: mx.array | None  # the recurrent state before the write
+    g: mx.array
+    beta: mx.array
+    state0: mx.array  # the recurrent state before the write
     state: mx.array  # ... and after all T steps
+    use_kernel: bool = True
     states: mx.array | None = None  # per-step rollback: the states after 0..T steps, stacked [T+1, ...]
 
     @property
@@ -78,31 +85,25 @@ class Write:
         return self.q.shape[1]
 
     def after(self, s) -> tuple[mx.array, mx.array]:
-        """(convolution state, recurrent state) after the first ``s`` steps."""
+        """(convolution state, recurrent state) after the first ``s`` steps
+        (an int, or an int32 array of one element the host never reads)."""
         keep = self.conv_input.shape[1] - self.steps
         if isinstance(s, int):
             conv = self.conv_input[:, s : s + keep]
             if s == self.steps:
                 return conv, self.state
-            if s == 0 and self.state0 is not None:
+            if s == 0:
                 return conv, self.state0
-        else:
-            conv = mx.take(self.conv_input, s + mx.arange(keep), axis=1)
+            if self.states is not None:
+                return conv, self.states[s]
+            inputs = (self.q, self.k, self.v, self.g, self.beta)
+            _, state = recurrence(*(a[:, :s] for a in inputs), self.state0, use_kernel=self.use_kernel)
+            return conv, state
+        conv = mx.take(self.conv_input, s + constant_arange(keep), axis=1)
         if self.states is not None:
-            return conv, self.states[s] if isinstance(s, int) else mx.take(self.states, s, axis=0)
-        mask = (mx.arange(self.steps) < s)[None]
-        layer = self.layer
-        _, state = gated_delta_update(
-            self.q,
-            self.k,
-            self.v,
-            self.a,
-            self.b,
-            layer.A_log,
-            layer.dt_bias,
-            self.state0,
-            mask,
-            use_kernel=not layer.training,
+            return conv, mx.take(self.states, s, axis=0)[0]
+        _, state = recurrence(
+            self.q, self.k, self.v, self.g, self.beta, self.state0, steps=s, use_kernel=self.use_kernel
         )
         return conv, state
 
@@ -115,7 +116,7 @@ class DeltaCache:
     checkpoints = 4
     # Longer writes (prefill chunks) keep only a checkpoint: their inputs cost more than a state.
     longest_write = 64
-    rollback = "per-step"
+    rollback: str | None = None  # None: the cheapest exact one here (default_rollback)
     per_step_longest = 16
 
     def __init__(self, rollback: str | None = None):
@@ -160,15 +161,29 @@ class DeltaCache:
             )
         ]
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+        beta, g = mx.sigmoid(b), compute_g(layer.A_log, a, layer.dt_bias)
+        state0 = self.ssm if self.ssm is not None else mx.zeros((B, *v.shape[-2:], k.shape[-1]), mx.float32)
+        use_kernel = not layer.training
+        rollback = self.rollback or default_rollback(q, v, g, beta, state0, use_kernel)
         states = None
-        if self.rollback == "per-step" and T <= self.per_step_longest:
-            out, states, state = per_step_update(q, k, v, a, b, layer=layer, state=self.ssm)
+        if rollback == "per-step" and T <= self.per_step_longest:
+            out, states, state = per_step_update(q, k, v, g, beta, state0, use_kernel=use_kernel)
         else:
-            out, state = gated_delta_update(
-                q, k, v, a, b, layer.A_log, layer.dt_bias, self.ssm, use_kernel=not layer.training
-            )
+            out, state = recurrence(q, k, v, g, beta, state0, use_kernel=use_kernel)
         if T <= self.longest_write:
-            self.pending = Write(self.offset, layer, conv_input, q, k, v, a, b, self.ssm, state, states)
+            self.pending = Write(
+                start=self.offset,
+                conv_input=conv_input,
+                q=q,
+                k=k,
+                v=v,
+                g=g,
+                beta=beta,
+                state0=state0,
+                state=state,
+                use_kernel=use_kernel,
+                states=states,
+            )
         self.offset = self.offset + T
         self.bound += T
         self.conv, self.ssm = conv_input[:, T:], state
@@ -193,7 +208,10 @@ class DeltaCache:
             self._checkpoint(self.offset, self.conv, self.ssm)
         if self.pending is not None:
             w = self.pending
-            s = mx.clip(length - w.start, 0, w.steps)
+            # (a [1] array: what the replay kernel reads; 16 bytes, as CUDA's kernels read small arrays best)
+            s = mx.clip(mx.broadcast_to(length - w.start, (4,)), 0, w.steps)[:1]
+            if s.dtype != mx.int32:
+                s = s.astype(mx.int32)
             self.conv, self.ssm = w.after(s)
             self._settle_pending()
         self.offset, self.bound = length, bound

@@ -1,0 +1,155 @@
+"""The gated delta-net recurrence (kernels/gated_delta.py): its ops path
+against mlx-lm's ``gated_delta_update``, a limited run against a plain run of
+the prefix, which inputs the kernel takes, a kernel that fails its self-check
+refused, and every Metal and CUDA variant recorded as MLX would build it (the
+Metal ones compiled by clang where it is installed)."""
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update
+
+from dflash_mlx.kernels import gated_delta
+from dflash_mlx.kernels.gated_delta import GatedDeltaKernel, check_cases, fits, recurrence
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def layer_inputs(dtype, B=1, T=9, Hk=2, Hv=4, Dk=32, Dv=16, seed=0):
+    """q, k, v, a, b, A_log, dt_bias as a Qwen3.5 layer makes them."""
+    ks = mx.random.split(mx.random.key(seed), 7)
+    q = mx.random.normal((B, T, Hk, Dk), key=ks[0])
+    k = mx.random.normal((B, T, Hk, Dk), key=ks[1])
+    q = (Dk**-1.0 * mx.fast.rms_norm(q, None, 1e-6)).astype(dtype)
+    k = (Dk**-0.5 * mx.fast.rms_norm(k, None, 1e-6)).astype(dtype)
+    v = mx.random.normal((B, T, Hv, Dv), key=ks[2]).astype(dtype)
+    a = mx.random.normal((B, T, Hv), key=ks[3]).astype(dtype)
+    b = mx.random.normal((B, T, Hv), key=ks[4]).astype(dtype)
+    A_log = mx.random.uniform(-1.0, 1.0, (Hv,), key=ks[5])
+    dt_bias = mx.random.normal((Hv,), key=ks[6]).astype(dtype)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def same(x, y) -> bool:
+    return x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 4), (3, 3)])
+def test_recurrence_is_mlx_lms_update(dtype, heads):
+    Hk, Hv = heads
+    q, k, v, a, b, A_log, dt_bias = layer_inputs(dtype, Hk=Hk, Hv=Hv)
+    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+    for state in (None, 0.1 * mx.random.normal((1, Hv, 16, 32), key=mx.random.key(3))):
+        want_y, want_state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)
+        zeros = mx.zeros((1, Hv, 16, 32), mx.float32)
+        y, last = recurrence(q, k, v, g, beta, zeros if state is None else state)
+        assert same(y, want_y) and same(last, want_state)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_limited_run_is_the_plain_run_of_its_prefix(dtype):
+    q, k, v, a, b, A_log, dt_bias = layer_inputs(dtype, T=7, seed=1)
+    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+    state = 0.1 * mx.random.normal((1, 4, 16, 32), key=mx.random.key(5))
+    y_all, _ = recurrence(q, k, v, g, beta, state)
+    for s in range(8):
+        y, kept = recurrence(q, k, v, g, beta, state, steps=mx.array([s], mx.int32))
+        if s == 0:
+            assert same(kept, state)
+            continue
+        y_prefix, want = recurrence(q[:, :s], k[:, :s], v[:, :s], g[:, :s], beta[:, :s], state)
+        assert same(kept, want), s
+        assert same(y[:, :s], y_prefix) and same(y_prefix, y_all[:, :s]), s
+
+
+def test_which_inputs_the_kernel_takes():
+    def args(Dk=128, Dv=128, dtype=mx.bfloat16, g_shape=None, state_dtype=mx.float32, beta_dtype=None, Hk=2, Hv=4):
+        q = mx.zeros((1, 2, Hk, Dk), dtype)
+        v = mx.zeros((1, 2, Hv, Dv), dtype)
+        g = mx.zeros(g_shape or (1, 2, Hv), mx.float32)
+        beta = mx.zeros((1, 2, Hv), beta_dtype or dtype)
+        return q, v, g, beta, mx.zeros((1, Hv, Dv, Dk), state_dtype)
+
+    assert fits(*args())
+    for dk in gated_delta.KEY_DIMS:
+        assert fits(*args(Dk=dk, Dv=64))
+    assert not fits(*args(Dk=16, Dv=16))  # under a lane's 32 elements: mlx-lm's ops
+    assert not fits(*args(Dk=96))  # a value row's lanes must be a power of two
+    assert not fits(*args(Dk=32, Dv=48))  # 32 value rows a simdgroup
+    assert not fits(*args(g_shape=(1, 2, 4, 128)))  # gates per key element
+    assert not fits(*args(state_dtype=mx.bfloat16))
+    assert not fits(*args(beta_dtype=mx.float32))
+    assert not fits(*args(Hk=3, Hv=4))
+
+
+def test_the_cpu_runs_mlx_lms_ops_and_checks_nothing():
+    gated_delta.reset()
+    gated_delta.prepare(mx.bfloat16, 128, 128)
+    assert gated_delta.self_check_all() == []
+    q, k, v, g, beta, state = next(check_cases(mx.bfloat16, 128, 128))
+    assert gated_delta.kernel_for(q, v, g, beta, state) is None
+    assert not gated_delta.one_launch_replay(q, v, g, beta, state)
+
+
+def test_a_wrong_kernel_fails_its_self_check():
+    """A kernel whose outputs are wrong (a recorder's zeros) is refused with
+    the error named, so ``recurrence`` keeps mlx-lm's path for it."""
+    recorder = load_script("check_cuda_kernels").Recorder()
+    gated_delta.reset()
+    try:
+        gated_delta._kernels["cuda"] = GatedDeltaKernel("cuda", factory=recorder.factory)
+        result = gated_delta.self_check("cuda", mx.float32, 32, 32)
+        assert not result.ok and result.detail.startswith("max relative error") and "> 2e-03" in result.detail
+        assert gated_delta.passed(mx.float32, 32) is None
+    finally:
+        gated_delta.reset()
+
+
+def test_every_variant_is_recorded_as_mlx_builds_it():
+    cuda = load_script("check_cuda_kernels").Recorder()
+    gated_delta.record_variants(cuda.factory, "cuda")
+    # each dtype, Dk, limited or not
+    assert len(cuda.variants) == len(gated_delta.DTYPES) * len(gated_delta.KEY_DIMS) * 2
+    src = cuda.variants[f"dflash_gated_delta_v{gated_delta.VERSION}_bfloat16_128_True"]
+    assert "const __nv_bfloat16* q,\n    const __grid_constant__ Shape q_shape," in src
+    assert "const int32_t* steps,\n    __nv_bfloat16* y,\n    float* state_out)" in src
+    assert "constexpr int Dk = 128;" in src and "__shfl_xor_sync" in src
+    metal = load_script("check_metal_kernels").Recorder()
+    gated_delta.record_variants(metal.factory, "metal")
+    names = list(metal.variants)
+    # the gates and betas of few heads in constant memory, of many in device memory
+    assert any("_floatc_bfloat16_tc_float_int32_tc_" in n for n in names)
+    assert any("_float_bfloat16_t_float_int32_tc_" in n for n in names)
+    assert all(
+        len(v.launches) and not load_script("check_metal_kernels").launch_problems(v) for v in metal.variants.values()
+    )
+
+
+@pytest.mark.skipif(
+    load_script("check_metal_kernels").find_clang() is None, reason="no clang++ on PATH: Metal sources not compiled"
+)
+def test_the_metal_variants_compile():
+    script = load_script("check_metal_kernels")
+    recorder = script.Recorder()
+    gated_delta.record_variants(recorder.factory, "metal")
+    # (a sample, each Dk limited and not: the check script compiles them all)
+    recorder.variants = {
+        n: v
+        for n, v in recorder.variants.items()
+        if "__bfloat16_t_" in n and "_floatc_" not in n or "__float_128_" in n
+    }
+    compiler = script.Compiler(script.find_clang())
+    try:
+        assert script.check_all(recorder, compiler, jobs=2, report=lambda *_: None) == []
+    finally:
+        compiler.close()
