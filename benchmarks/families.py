@@ -2,7 +2,7 @@
 
 Reported in BENCHMARKS.md, "Target families at real shapes" (and docs/families.md).
 
-    python benchmarks/families.py --models qwen3.5-9b-like --bits 4,16 --blocks 4,16 --official
+    python benchmarks/families.py --models qwen3.5-9b-like --bits 16,4 --blocks 4,16 --rollbacks default,replay,per-step
     python benchmarks/families.py --models gpt-oss-20b-like --official
     python benchmarks/families.py --small          # tiny shapes: a CPU smoke test, numbers meaningless
 
@@ -11,11 +11,16 @@ delta-net layers, full attention every 4th) and a gpt-oss-20b-like MoE (32
 experts, top 4, sliding layers with sinks). For each it times
 
 - plain: mlx-lm's own decoding (``generate_step``), ms per token;
-- cycle: one DFlash cycle through the library's loop at each block size, in
-  ms and in plain steps (a random drafter: the cycle's cost does not depend on
-  how many drafts are accepted);
-- rollback (hybrid): what the shipped rollback adds to the delta-net layers'
-  verify when half of a verify's steps are kept, ms per cycle over the layers;
+- adapter plain: our adapter's own plain step (its forward and caches, one
+  token a step), ms per token: on a hybrid, the recurrence through the same
+  kernel the cycle runs (on CUDA ours; mlx-lm's plain step there is a loop of
+  small ops, on a Mac its own kernel);
+- cycle: one DFlash cycle through the library's loop at each block size and
+  delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
+  in ms and in plain steps of both (a random drafter: the cycle's cost does
+  not depend on how many drafts are accepted);
+- rollback (hybrid): what the rollback adds to the delta-net layers' verify
+  when half of a verify's steps are kept, ms per cycle over the layers;
 - with ``--official``: the official Z Lab MLX loop's cycle on the same shapes.
 """
 
@@ -35,9 +40,9 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from speed import official_draft
 
-from dflash_mlx import stream_generate
+from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.targets import adapt
-from dflash_mlx.targets.recurrent import DeltaCache
+from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 from dflash_mlx.tiny import draft_config, make_draft, make_tokenizer, random_draft_weights, write_zlab_draft
 
 
@@ -163,19 +168,47 @@ def plain_ms(model, prompt, n: int) -> float:
     return (time.perf_counter() - t) * 1000 / n
 
 
-def cycle_ms(model, draft, tok, prompt, bs: int, n: int) -> float:
+def adapter_plain_ms(model, prompt, n: int) -> float:
+    """Our adapter's plain decoding, greedy, one token a step, pipelined as
+    mlx-lm's ``generate_step`` is (the next step queued before this one is read)."""
+    target = adapt(model)
+    cache = target.make_cache()
+    logits, _ = target(mx.array(prompt)[None], cache, [0], last_only=True)
+
+    def step(token: mx.array) -> mx.array:
+        logits, _ = target(token[None], cache, [0])
+        return mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+
+    token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+    mx.eval(token)
+    t = None
+    for i in range(n + 4):
+        if i == 4:
+            t = time.perf_counter()
+        following = step(token)
+        mx.async_eval(following)
+        token.item()
+        token = following
+    token.item()
+    return (time.perf_counter() - t) * 1000 / n
+
+
+def cycle_ms(model, draft, tok, prompt, bs: int, n: int, rollback: str | None = None) -> float:
+    """ms per DFlash cycle, its delta-net layers (if any) rolling back by ``rollback`` (None: the default here)."""
+    cache = make_prompt_cache(model, draft)
+    cache.target[:] = [DeltaCache(rollback) if isinstance(c, DeltaCache) else c for c in cache.target]
     stamps = []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, block_size=bs):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, block_size=bs, prompt_cache=cache):
         stamps.append((time.perf_counter(), r.cycles if hasattr(r, "cycles") else len(stamps)))
     (t0, c0), (t1, c1) = stamps[2], stamps[-1]
     return (t1 - t0) * 1000 / max(c1 - c0, 1)
 
 
-def rollback_ms(model, prompt, bs: int, reps: int) -> float | None:
+def rollback_ms(model, prompt, bs: int, reps: int, rollback: str | None = None) -> float | None:
     """The delta-net layers' verify of ``bs`` steps then a cut to half of them
-    under the shipped rollback, less the same verify with replay's bookkeeping
-    and no cut (the plain work); ms per cycle, over all the layers. None for a
-    target without delta-net layers."""
+    under ``rollback`` (None: the default here), less the same verify with
+    replay's bookkeeping and no cut (the plain work); ms per cycle, over all
+    the layers. None for a target without delta-net layers."""
     target = adapt(model)
     cache = target.make_cache()
     deltas = [(c, layer.linear_attn) for c, layer in zip(cache, target.inner.layers) if isinstance(c, DeltaCache)]
@@ -205,7 +238,7 @@ def rollback_ms(model, prompt, bs: int, reps: int) -> float | None:
         return (time.perf_counter() - t) * 1000 / reps
 
     plain = verify("replay", cut=False)
-    return verify(None, cut=True) - plain
+    return verify(rollback, cut=True) - plain
 
 
 def main() -> None:
@@ -221,11 +254,18 @@ def main() -> None:
         help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256; 32 with --small)")
+    parser.add_argument(
+        "--rollbacks",
+        default="default",
+        help=f"the hybrid's delta-net rollbacks to time, comma-separated: default (this machine's), {', '.join(ROLLBACKS)}",
+    )
     args = parser.parse_args()
     n = 3 if args.small else 32
     blocks = [int(b) for b in args.blocks.split(",")]
+    rollbacks = [r.strip() for r in args.rollbacks.split(",") if r.strip()]
+    if not rollbacks or any(r not in ("default", *ROLLBACKS) for r in rollbacks):
+        parser.error(f"--rollbacks takes default, {', '.join(ROLLBACKS)} (comma-separated), not {args.rollbacks!r}.")
     results = {
-        "rollback": DeltaCache.rollback,
         "machine": f"{platform.node()} {platform.machine()} {mx.default_device()}",
         "mlx": mx.__version__,
         "rows": [],
@@ -244,26 +284,40 @@ def main() -> None:
             tok = make_tokenizer(cfg["vocab_size"])
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else args.prompt_tokens)]
             plain = plain_ms(model, prompt, n)
+            ours = adapter_plain_ms(model, prompt, n)
+            hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
             row = {
                 "model": name,
                 "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"),
                 "plain_ms": plain,
+                "adapter_plain_ms": ours,
                 "blocks": {},
             }
+            label = f"{name:18} {row['weights']:7}"
+            print(f"{label} plain: mlx-lm {plain:7.2f} ms/token, our adapter {ours:7.2f} ms/token")
             for bs in blocks:
-                rb = rollback_ms(model, prompt, bs, 3 if args.small else 10)
-                c = cycle_ms(model, draft, tok, prompt, bs, n)
-                cell = row["blocks"][bs] = {"rollback_ms": rb, "cycle_ms": c, "cycle_in_steps": c / plain}
-                print(
-                    f"{name:18} {row['weights']:7} plain {plain:7.2f} ms/token | block {bs:2}: cycle {c:7.2f} ms"
-                    f" = {c / plain:4.2f} steps"
-                    + (f" | rollback {rb:7.3f} ms per cycle ({rb / c:.1%} of the cycle)" if rb is not None else "")
-                )
+                cells = row["blocks"][bs] = {}
+                for rollback in rollbacks if hybrid else ["default"]:
+                    strategy = None if rollback == "default" else rollback
+                    rb = rollback_ms(model, prompt, bs, 3 if args.small else 10, strategy)
+                    c = cycle_ms(model, draft, tok, prompt, bs, n, strategy)
+                    cells[rollback] = {
+                        "rollback_ms": rb,
+                        "cycle_ms": c,
+                        "cycle_in_steps": c / plain,
+                        "cycle_in_adapter_steps": c / ours,
+                    }
+                    print(
+                        f"{label} block {bs:2}"
+                        + (f" {rollback:8}" if hybrid else "")
+                        + f": cycle {c:7.2f} ms = {c / plain:4.2f} mlx-lm steps = {c / ours:4.2f} adapter steps"
+                        + (f" | rollback {rb:7.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else "")
+                    )
                 if args.official:
                     o = official_cycle_ms(cfg, bits, dtype, tok, prompt, bs, n)
-                    cell["official_cycle_ms"] = o
+                    cells["official_cycle_ms"] = o
                     print(
-                        f"{name:18} {row['weights']:7} official loop, block {bs:2}: "
+                        f"{label} official loop, block {bs:2}: "
                         + (f"cycle {o:7.2f} ms = {o / plain:4.2f} steps" if o is not None else "did not run")
                     )
             results["rows"].append(row)
