@@ -1,6 +1,9 @@
 """Drafter logits against the official Z Lab MLX code (`dflash.model_mlx`)
 on the target families whose own logits go past the raw output head: Gemma 4
-(a final logit softcap) and Muse Glimmer (an output multiplier and a softcap).
+(a final logit softcap) and Muse Glimmer (an output multiplier and a softcap);
+and on three of the largest published drafters' targets, whose embedding and
+head the drafter shares from elsewhere: Kimi K2.5 (under ``language_model``),
+GLM-5 and MiniMax M2.
 
 The official drafter shares the target's raw head (``lm_head`` or the tied
 embedding) and applies only its own config's ``output_multiplier`` and
@@ -37,6 +40,9 @@ CASES = {
     "muse_glimmer": {"output_multiplier": 0.5, "final_logit_softcapping": 3.0},
     "muse_glimmer-no-cap": {},
     "gemma3_text": {"final_logit_softcapping": 3.0},
+    "kimi_k25": {},
+    "glm_moe_dsa": {},
+    "minimax_m2": {},
 }
 
 

@@ -2,7 +2,10 @@
 commit the same tokens cycle by cycle, with the same accepted counts, on the
 target families the official loop runs: the qwen3_5 and qwen3_5_moe hybrids
 (through its delta-net state capture), qwen3_moe, gpt_oss (sliding layers in
-a rotating cache), gemma3_text and gemma4_text.
+a rotating cache), gemma3_text and gemma4_text, and the largest published
+drafters' targets: deepseek_v3 and kimi_k25 (latent attention), deepseek_v32
+and glm_moe_dsa (sparse attention, two caches a layer there), glm4_moe and
+minimax_m2.
 
 Both loops get the same scripted drafter (family_models.ScriptedDraft): its
 proposals follow the target's own greedy text, each position right or wrong
@@ -17,7 +20,7 @@ import random
 import dflash.model_mlx as dflash_official  # the oracle: pip install --no-deps dflash==0.1.0  # noqa: E402
 import mlx.core as mx
 import pytest
-from family_models import family_config, make_family_target, scripted
+from family_models import LARGE, family_config, make_family_target, scripted
 from tiny import (
     draft_config,
     greedy_reference,
@@ -29,7 +32,7 @@ from tiny import (
 from dflash_mlx import load_draft, stream_generate
 
 VOCAB = 24
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text", *LARGE]
 
 
 class TheirScript:
@@ -49,12 +52,23 @@ class TheirScript:
         return 10.0 * mx.eye(self.config.vocab_size)[proposal][None]
 
 
+class CacheSecond:
+    """mlx-lm's minimax Model takes (inputs, mask, cache); the official loop
+    calls model(inputs, cache), so without this its cache would land in the
+    mask and the loop would run with no cache at all."""
+
+    def __call__(self, inputs, cache=None):
+        return super().__call__(inputs, cache=cache)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cycles_match_the_official_loop(tmp_path, monkeypatch, family):
     cfg = family_config(family, vocab=VOCAB, layers=6 if family.startswith("gemma") else 4)
     ours_target = make_family_target(cfg, seed=21)
     their_target = make_family_target(cfg, seed=21)  # the official loop wraps its layers (and patches delta-net)
-    dcfg = draft_config(cfg, layers=1, block_size=8, taps=[1])
+    if family == "minimax_m2":
+        their_target.__class__ = type("CacheSecond", (CacheSecond, type(their_target)), {})
+    dcfg = draft_config(cfg.get("text_config", cfg), layers=1, block_size=8, taps=[1])
     path = write_zlab_draft(tmp_path / "d", dcfg, random_draft_weights(dcfg, seed=22), dtype=mx.float32)
     monkeypatch.setattr(dflash_official, "snapshot_download", lambda *a, **k: str(path))
     rng = random.Random(family)
