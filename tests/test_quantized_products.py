@@ -1,0 +1,299 @@
+"""The quantized verify product (kernels/quantized.py): which layers it can
+serve, its launch shapes, its self-check (bit for bit against MLX's one-row
+product), and the routing in layers/linear.py. On the CPU every product is
+MLX's; on a pretend GPU a kernel that checks out takes a verify's 2-32-row
+products of quantized layers (and only those), one that does not never does,
+and decoding through it stays the target's own greedy output. What the
+kernel computes on a GPU is its self-check's to show on the device; that
+its Metal and CUDA sources compile is the check scripts' (test_check_*)."""
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
+
+from dflash_mlx.kernels import quantized as qp
+from dflash_mlx.layers import linear
+
+
+def quantized_linear(
+    k: int, n: int, bits: int = 4, group: int = 64, mode: str = "affine", bias: bool = False, dtype=mx.bfloat16
+):
+    mx.random.seed(k + n + bits)
+    dense = nn.Linear(k, n, bias=bias)
+    dense.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(dense, group_size=group, bits=bits, mode=mode)
+
+
+def rows_of(rows: int, k: int, dtype=mx.bfloat16):
+    return mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(dtype)
+
+
+class FakeKernel:
+    """A kernel as the module's callers see it, computing each row as MLX's
+    one-row product does (what the real kernel must), counting its calls."""
+
+    def __init__(self, nudge: float = 0.0):
+        self.nudge = nudge  # added to one output: a kernel one rounding off
+        self.rows = []
+
+    def __call__(self, x, weight, scales, biases, *, bits, group, mode):
+        *lead, k = x.shape
+        self.rows.append(x.size // k)
+        flat = x.reshape(-1, k)
+        y = qp.one_row_products(flat, weight, scales, biases, bits=bits, group=group, mode=mode)
+        if self.nudge:
+            y = y.at[-1, 0].add(mx.array(self.nudge, y.dtype))
+        return y.reshape(*lead, -1)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The quantized product as if MLX ran on a GPU backend named 'fake'
+    with a kernel of our choosing."""
+    qp.reset()
+    monkeypatch.setattr(qp, "backend", lambda: "fake")
+
+    def install(kernel):
+        monkeypatch.setitem(qp.BUILDERS, "fake", lambda where: kernel)
+        return kernel
+
+    yield install
+    qp.reset()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 32, 33])
+@pytest.mark.parametrize("quant", [(4, 64, "affine"), (8, 128, "affine"), (4, 32, "mxfp4")])
+def test_on_the_cpu_a_quantized_layer_is_its_own_module(rows, quant):
+    bits, group, mode = quant
+    module = quantized_linear(512, 64, bits, group, mode)
+    x = rows_of(rows, 512)
+    assert qp.product(module, x) is None
+    assert mx.array_equal(linear.apply_linear(module, x), module(x))
+    h = rows_of(rows, 64)
+    assert mx.array_equal(linear.apply_linear(module, x, residual=h), h + module(x))
+
+
+@pytest.mark.parametrize(
+    "k, n, bits, group, mode, dtype, served",
+    [
+        (512, 64, 4, 32, "affine", mx.bfloat16, True),
+        (512, 64, 4, 64, "affine", mx.float16, True),
+        (1024, 64, 4, 128, "affine", mx.bfloat16, True),
+        (256, 64, 8, 64, "affine", mx.bfloat16, True),
+        (512, 64, 4, 32, "mxfp4", mx.bfloat16, True),
+        (512, 64, 4, 64, "affine", mx.float32, False),  # (float32 activations: MLX's)
+        (256, 64, 4, 64, "affine", mx.bfloat16, False),  # K not whole 512-value blocks at 4 bits
+        (384, 64, 8, 64, "affine", mx.bfloat16, False),  # nor 256-value ones at 8 bits
+        (512, 60, 4, 64, "affine", mx.bfloat16, False),  # N not a multiple of 8 (MLX's qmv, not qmv_fast)
+        (512, 64, 2, 64, "affine", mx.bfloat16, False),
+        (512, 64, 4, 16, "nvfp4", mx.bfloat16, False),
+    ],
+)
+def test_the_variants_served_are_the_shapes_of_mlxs_fast_one_row_kernel(k, n, bits, group, mode, dtype, served):
+    module = quantized_linear(k, n, bits, group, mode, dtype=mx.float16 if dtype == mx.float16 else mx.bfloat16)
+    variant = qp.variant_of(module, dtype)
+    assert (variant is not None) == served
+    if served:
+        assert (variant.k, variant.bits, variant.group, variant.mode, variant.wide) == (k, bits, group, mode, False)
+    assert qp.variant_of(nn.Linear(k, n), dtype) is None
+    if served and mode == "affine":  # (scales of another dtype than the rows': MLX's)
+        other = mx.float16 if dtype == mx.bfloat16 else mx.bfloat16
+        assert qp.variant_of(module, other) is None
+
+
+def test_a_weight_past_wide_is_its_own_variant():
+    """On sm90 MLX's one-row product leaves its qmv kernel past 16384 outputs
+    (or inputs): such weights have a variant, and a check, of their own."""
+    narrow = qp.variant_of(quantized_linear(512, 64), mx.bfloat16)
+    wide = qp.variant_of(quantized_linear(512, qp.WIDE + 8), mx.bfloat16)
+    assert wide.wide and not narrow.wide and wide != narrow
+    assert next(qp.check_cases(wide))[1].shape[0] == qp.WIDE + 8
+
+
+def record_launches(backend_name: str):
+    launches = []
+
+    def factory(**made):
+        def launch(**kw):
+            launches.append(kw)
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    return qp.QuantizedProductKernel(backend_name, factory=factory), launches
+
+
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 27, 32])
+def test_each_launch_covers_every_row_and_output_once(backend_name, rows):
+    kernel, launches = record_launches(backend_name)
+    module = quantized_linear(1024, 96)
+    y = kernel(rows_of(rows, 1024), module.weight, module.scales, module.biases, bits=4, group=64, mode="affine")
+    assert y.shape == (1, rows, 96) and y.dtype == mx.bfloat16
+    (launch,) = launches
+    template = dict(launch["template"])
+    mr, rs = template["MR"], template["RS"]
+    assert (mr, rs) == qp.tile(rows, backend_name)
+    assert mr * rs <= (32 if backend_name == "metal" else 16)  # accumulators a lane
+    assert launch["threadgroup"] == (64, 1, 1)
+    gx, gy, gz = launch["grid"]
+    assert gx % 64 == 0 and gz == 1
+    assert gx // 64 * 2 * rs == 96  # two simdgroups a threadgroup, rs outputs each
+    assert (gy - 1) * mr < rows <= gy * mr
+    assert template["T"] == mx.bfloat16 and template["S"] == mx.bfloat16 and not template["MXFP4"]
+    assert launch["inputs"][0].shape == (rows, 1024)
+
+
+def test_mxfp4_launches_with_e8m0_scales_and_no_biases():
+    kernel, launches = record_launches("metal")
+    module = quantized_linear(512, 64, 4, 32, "mxfp4")
+    kernel(rows_of(5, 512), module.weight, module.scales, None, bits=4, group=32, mode="mxfp4")
+    template = dict(launches[0]["template"])
+    assert template["MXFP4"] and template["S"] == mx.uint8 and template["GROUP"] == 32
+    # (a stand-in the kernel never reads, of 8 elements: in device memory on Metal, as real biases are)
+    assert launches[0]["inputs"][3].shape == (8,)
+
+
+def test_the_self_check_runs_every_row_tile():
+    for backend_name in ("metal", "cuda"):
+        tiles = {qp.tile(rows, backend_name) for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1)}
+        assert {qp.tile(rows, backend_name) for rows in qp.CHECK_ROWS} == tiles
+        # and a partial tile of each (rows past the last are skipped whole)
+        assert all(rows % qp.tile(rows, backend_name)[0] for rows in qp.CHECK_ROWS if rows != 8)
+
+
+def layer_modules():
+    return {
+        "affine 4-bit": quantized_linear(512, 64),
+        "affine 8-bit": quantized_linear(256, 64, 8, 128),
+        "mxfp4": quantized_linear(512, 64, 4, 32, "mxfp4"),
+    }
+
+
+@pytest.mark.parametrize("name", ["affine 4-bit", "affine 8-bit", "mxfp4"])
+def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, name):
+    module = layer_modules()[name]
+    kernel = fake_gpu(FakeKernel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_quantized(module, mx.bfloat16)
+    (result,) = qp._checks.values()
+    assert result.ok and sorted(set(kernel.rows)) == sorted(qp.CHECK_ROWS)
+    k = module.weight.shape[1] * 32 // module.bits
+    for rows in (1, 2, 9, 16, 32, 33):
+        kernel.rows.clear()
+        x = rows_of(rows, k)
+        got = linear.apply_linear(module, x)
+        assert kernel.rows == ([rows] if 2 <= rows <= 32 else [])
+        # each row what MLX's product computes for it alone
+        for i in range(rows):
+            assert mx.array_equal(got[:, i], module(x[:, i : i + 1])[:, 0]), (rows, i)
+    # another dtype was never checked: MLX's product
+    kernel.rows.clear()
+    linear.apply_linear(module, rows_of(5, k, mx.float16))
+    assert kernel.rows == []
+
+
+def test_a_layers_bias_and_a_residual_follow_the_kernels_product(fake_gpu):
+    module = quantized_linear(512, 64, bias=True)
+    fake_gpu(FakeKernel())
+    linear.prepare_quantized(module, mx.bfloat16)
+    x, h = rows_of(5, 512), rows_of(5, 64)
+    assert mx.array_equal(linear.apply_linear(module, x, residual=h), h + module(x))
+
+
+def test_a_kernel_one_rounding_off_fails_its_check_warns_once_and_is_never_used(fake_gpu):
+    """Exactness is the check: one output one step off fails the variant."""
+    module = quantized_linear(512, 64)
+    kernel = fake_gpu(FakeKernel(nudge=1.0))
+    with pytest.warns(
+        RuntimeWarning, match=r"fake bfloat16 affine 4-bit group 64 K=512 quantized verify product failed"
+    ):
+        linear.prepare_quantized(module, mx.bfloat16)
+    (result,) = qp._checks.values()
+    assert not result.ok and "1 of" in result.detail and "outputs differ" in result.detail
+    calls = len(kernel.rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_quantized(module, mx.bfloat16)  # (checked once: no second warning)
+        x = rows_of(5, 512)
+        assert mx.array_equal(linear.apply_linear(module, x), module(x))
+    assert len(kernel.rows) == calls
+
+
+def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatch):
+    def broken(where):
+        raise RuntimeError("metal: error: use of undeclared identifier 'qv_load'")
+
+    monkeypatch.setitem(qp.BUILDERS, "fake", broken)
+    module = quantized_linear(512, 64)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: metal: error: use of undeclared identifier 'qv_load'"):
+        linear.prepare_quantized(module, mx.bfloat16)
+    assert not qp.use_quantized_kernel("fake", qp.variant_of(module, mx.bfloat16))
+    x = rows_of(5, 512)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x))
+
+
+def quantized_pair(bits: int, group: int, mode: str, seed: int):
+    """A tiny bf16 qwen3 target of width 512 (every product's K whole blocks),
+    quantized, and a bf16 drafter."""
+    tcfg = target_config("qwen3", vocab=32, layers=2, hidden=512)
+    model = make_target(tcfg, seed=seed)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=group, bits=bits, mode=mode, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 1])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1))
+    draft.set_dtype(mx.bfloat16)
+    return model, draft
+
+
+@pytest.mark.parametrize("quant", [(4, 64, "affine"), (4, 32, "mxfp4")])
+def test_decoding_a_quantized_target_through_the_kernel_is_its_greedy_output(fake_gpu, quant):
+    """The verify's quantized products (fused q/k/v, o, fused gate/up, down,
+    the output head) go through the kernel; each row as the plain step
+    computes it, so the output is the target's own, token for token."""
+    from dflash_mlx import stream_generate
+
+    kernel = fake_gpu(FakeKernel())
+    model, draft = quantized_pair(*quant, seed=61)
+    prompt = [1, 2, 3, 4, 5]
+    want = greedy_reference(model, prompt, 12)
+    linear.prepare_quantized(model, mx.bfloat16)
+    assert qp._checks and all(r.ok for r in qp._checks.values())
+    kernel.rows.clear()
+    got = [
+        t
+        for r in stream_generate(model, draft, make_tokenizer(32), prompt, max_tokens=12, block_size=6)
+        for t in r.tokens
+    ]
+    assert got == want
+    assert kernel.rows and all(2 <= r <= 32 for r in kernel.rows)
+
+
+def test_every_variant_is_recorded_for_the_check_scripts():
+    recorded = {}
+
+    def factory(*, name, **made):
+        def launch(*, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
+            recorded.setdefault(tuple(v for _, v in template), (grid, threadgroup))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    qp.record_variants(factory, "metal")
+    quants = {values[:5] for values in recorded}
+    assert len(quants) == 2 * (len(qp.AFFINE_BITS) * len(qp.GROUPS) + 1)
+    assert (mx.bfloat16, mx.uint8, 4, 32, True) in quants
+    tiles = {values[5:] for values in recorded}
+    assert tiles == {(4, 4), (8, 2), (16, 1), (32, 1)}
