@@ -83,3 +83,26 @@ def test_a_launch_returns_zeros_of_its_output_shapes():
     launch = script.Recorder().factory(name="k", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
     (out,) = launch(inputs=[mx.ones((3,))], output_shapes=[(2, 5)], output_dtypes=[mx.float16])
     assert out.shape == (2, 5) and out.dtype == mx.float16 and not out.any().item()
+
+
+def test_every_quantized_product_variant_is_recorded_and_wrapped():
+    from dflash_mlx.kernels import quantized
+
+    script = load_script()
+    recorder = script.Recorder()
+    script.record_all(recorder)
+    names = [n for n in recorder.variants if n.startswith("dflash_quantized_product")]
+    # three row tiles on CUDA: 17-32 rows take two 16-row tiles
+    assert len(names) == len(list(quantized.all_variants())) * 3
+    src = recorder.variants[f"dflash_quantized_product_v{quantized.VERSION}_bfloat16_uint8_4_32_True_16_1"]
+    assert "using S = uint8_t;" in src and "constexpr bool MXFP4 = true;" in src
+    signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
+    assert [p.strip() for p in signature.split(",")] == [
+        "const __nv_bfloat16* x",
+        "const __grid_constant__ Shape x_shape",
+        "const uint32_t* w",
+        "const __grid_constant__ Shape w_shape",
+        "const uint8_t* scales",
+        "const __nv_bfloat16* biases",
+        "__nv_bfloat16* y",
+    ]

@@ -160,3 +160,34 @@ def test_threadgroup_memory_over_32_kib_fails(monkeypatch):
     failed, log, n = check_subset("partial_tiles")
     assert len(failed) == n and "threadgroup memory over 32768 bytes" in log, log
     assert "metal_stub_threadgroup_memory<73728>" in log, log
+
+
+def test_every_quantized_product_variant_is_recorded():
+    """Each dtype, quantization (affine 4/8 bits in groups of 32/64/128, mxfp4) and
+    row tile of the quantized verify product, through its module's record_variants hook."""
+    from dflash_mlx.kernels import quantized
+
+    recorder = script.Recorder()
+    script.record_all(recorder, dtypes=[mx.bfloat16], head_dims=[64], rows=[16])
+    names = [n for n in recorder.variants if "dflash_quantized_product" in n]
+    assert len(names) == len(list(quantized.all_variants())) * 4
+    prefix = f"custom_kernel_dflash_quantized_product_v{quantized.VERSION}__"
+    assert prefix + "bfloat16_t_uint8_t_4_32_1_32_1_bfloat16_t_uint32_t_uint8_t_bfloat16_t_bfloat16_t" in names
+    assert prefix + "float16_t_float16_t_8_128_0_4_4_float16_t_uint32_t_float16_t_float16_t_float16_t" in names
+    # no input in the constant address space: the body indexes every one as device memory
+    assert not any(n.endswith("c") or "c_" in n.split("__")[1] for n in names)
+
+
+@needs_clang
+def test_the_quantized_products_weights_in_registers_are_thread_memory(monkeypatch):
+    """The per-lane arithmetic reads the weights from thread registers: handing it
+    the device weights instead is caught, as Apple's compiler would."""
+    from dflash_mlx.kernels import quantized_source
+
+    failed, log, n = check_subset("quantized_product", most=2)
+    assert not failed, log
+    body = quantized_source.BODY.replace("(acc[m][r], xs, wq[r],", "(acc[m][r], xs, w,")
+    assert body != quantized_source.BODY
+    monkeypatch.setattr(quantized_source, "BODY", body)
+    failed, log, n = check_subset("quantized_product", most=2)
+    assert len(failed) == n and "no matching function for call to 'qv_add'" in log, log
