@@ -3,12 +3,14 @@ self-distillation (the trainer is dflash_mlx.train)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import asdict, dataclass
+from typing import Annotated, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .console import UserError, console, user_errors
+from .option_groups import flags, takes_groups
 from .options import Verbose
 from .pair import model_or_builtin
 
@@ -66,92 +68,91 @@ def _layer_ids(text: Optional[str]) -> Optional[list[int]]:
         raise UserError(f"--target-layer-ids must be comma-separated integers such as 1,9,17, got {text!r}.") from None
 
 
-def train_command(
-    *,
-    model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        help="Target model: local directory or Hugging Face repo id (mlx-lm format). Left out (or 'builtin'): the built-in target.",
-        show_default=False,
-    ),
-    data: str = typer.Option(
-        ..., "--data", help='JSONL of prompts: one {"prompt": ...} or {"messages": [...]} per line.'
-    ),
-    out: str = typer.Option(
-        ...,
-        "--out",
-        help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data.",
-    ),
-    block_size: int = typer.Option(
-        16, "--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts."
-    ),
-    draft_layers: int = typer.Option(5, "--draft-layers", help="Decoder layers in the drafter."),
-    target_layer_ids: Optional[str] = typer.Option(
-        None, "--target-layer-ids", help="Target layers to tap, comma-separated (default: Z Lab's spread rule)."
-    ),
-    steps: int = typer.Option(2000, "--steps", help="Optimizer steps."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
-    blocks_per_seq: int = typer.Option(
-        16, "--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step."
-    ),
-    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, warmup then cosine decay)."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Prompt + response tokens per training sequence."),
-    min_block_size: Optional[int] = typer.Option(
-        None,
-        "--min-block-size",
-        help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only).",
-    ),
-    val_fraction: Optional[float] = typer.Option(
-        None,
-        "--val-fraction",
-        help="Share of the self-distilled sequences held out of training (default 0.05; none below 20 sequences); the acceptance estimate on them is shown at each checkpoint.",
-        show_default=False,
-    ),
-    gen_batch: int = typer.Option(
-        64,
-        "--gen-batch",
-        help="Prompts the target answers at once while writing the training data (larger is faster on a GPU).",
-    ),
-    gamma: Optional[float] = typer.Option(
-        None, "--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."
-    ),
-    mask_token_id: Optional[int] = typer.Option(
-        None, "--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."
-    ),
-    max_prompts: Optional[int] = typer.Option(None, "--max-prompts", help="Use only the first N prompts."),
-    save_every: int = typer.Option(200, "--save-every", help="Checkpoint every N steps."),
-    resume: bool = typer.Option(
-        False, "--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed for the drafter's init and the batch sampling."),
-    verbose: Verbose = False,
-) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TrainFlags:
+    """The command's flags: TrainConfig's fields, --target-layer-ids as text."""
+
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model",
+            help="Target model: local directory or Hugging Face repo id (mlx-lm format). Left out (or 'builtin'): the built-in target.",
+            show_default=False,
+        ),
+    ] = None
+    data: Annotated[
+        str, typer.Option("--data", help='JSONL of prompts: one {"prompt": ...} or {"messages": [...]} per line.')
+    ]
+    out: Annotated[
+        str,
+        typer.Option(
+            "--out", help="Output directory for the drafter (Z Lab layout), its checkpoint and the self-distilled data."
+        ),
+    ]
+    block_size: Annotated[
+        int, typer.Option("--block-size", help="Tokens per block: the anchor token plus block_size-1 drafts.")
+    ] = 16
+    draft_layers: Annotated[int, typer.Option("--draft-layers", help="Decoder layers in the drafter.")] = 5
+    target_layer_ids: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target-layer-ids", help="Target layers to tap, comma-separated (default: Z Lab's spread rule)."
+        ),
+    ] = None
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 2000
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 8
+    blocks_per_seq: Annotated[
+        int, typer.Option("--blocks-per-seq", help="Blocks (anchor positions) sampled in each sequence per step.")
+    ] = 16
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, warmup then cosine decay).")] = 6e-4
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Prompt + response tokens per training sequence.")] = 512
+    min_block_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "--min-block-size",
+            help="Train on blocks of random length between this and --block-size, so one drafter serves every block size in that range (default: full blocks only).",
+        ),
+    ] = None
+    val_fraction: Annotated[
+        Optional[float],
+        typer.Option(
+            "--val-fraction",
+            help="Share of the self-distilled sequences held out of training (default 0.05; none below 20 sequences); the acceptance estimate on them is shown at each checkpoint.",
+            show_default=False,
+        ),
+    ] = None
+    gen_batch: Annotated[
+        int,
+        typer.Option(
+            "--gen-batch",
+            help="Prompts the target answers at once while writing the training data (larger is faster on a GPU).",
+        ),
+    ] = 64
+    gamma: Annotated[
+        Optional[float],
+        typer.Option("--gamma", help="Loss decay over block position exp(-(i-1)/gamma); default 7 at block 16."),
+    ] = None
+    mask_token_id: Annotated[
+        Optional[int],
+        typer.Option("--mask-token-id", help="Token id of the MASK slots (default: chosen from the tokenizer)."),
+    ] = None
+    max_prompts: Annotated[Optional[int], typer.Option("--max-prompts", help="Use only the first N prompts.")] = None
+    save_every: Annotated[int, typer.Option("--save-every", help="Checkpoint every N steps.")] = 200
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Continue from the checkpoint in --out (the self-distilled data is reused)."),
+    ] = False
+    seed: Annotated[int, typer.Option("--seed", help="Seed for the drafter's init and the batch sampling.")] = 0
+
+
+@takes_groups
+def train_command(*, settings: TrainFlags = flags(TrainFlags), verbose: Verbose = False) -> None:
     """Train a DFlash drafter for a target by self-distillation."""
     with user_errors(verbose, interrupted="interrupted; run again with --resume to continue from the last checkpoint."):
         from dflash_mlx.train.trainer import TrainConfig, train
 
-        cfg = TrainConfig(
-            model=model_or_builtin(model),
-            data=data,
-            out=out,
-            block_size=block_size,
-            draft_layers=draft_layers,
-            target_layer_ids=_layer_ids(target_layer_ids),
-            steps=steps,
-            batch_size=batch_size,
-            blocks_per_seq=blocks_per_seq,
-            lr=lr,
-            seq_len=seq_len,
-            resume=resume,
-            seed=seed,
-            gamma=gamma,
-            mask_token_id=mask_token_id,
-            max_prompts=max_prompts,
-            save_every=save_every,
-            min_block_size=min_block_size,
-            val_fraction=val_fraction,
-            gen_batch=gen_batch,
-        )
+        chosen = dict(model=model_or_builtin(settings.model), target_layer_ids=_layer_ids(settings.target_layer_ids))
+        cfg = TrainConfig(**{**asdict(settings), **chosen})
         bars = TrainingBars()
         try:
             train(cfg, log=console.print, progress=bars)
