@@ -212,3 +212,23 @@ def test_kv_settings_the_family_cannot_use_are_refused(family):
         make_prompt_cache(model, draft, kv_bits=4)
     with pytest.raises(ValueError, match="run without it"):
         make_prompt_cache(model, draft, max_kv_size=64)
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "glm_moe_dsa"])
+def test_a_saved_prompt_cache_decodes_what_the_uncached_prompt_decodes(family, tmp_path):
+    """A latent (and index) cache written to a prompt-cache file and read back
+    continues exactly as the uncached run of the whole prompt."""
+    from dflash_mlx.cache.files import load_prompt_cache, save_prompt_cache
+
+    model, draft = make_pair(family)
+    prefix = [(7 * i) % (VOCAB - 2) + 1 for i in range(40)]
+    cache = make_prompt_cache(model, draft)
+    run(model, draft, prefix + [0], [0], vocab=VOCAB, max_tokens=1, prompt_cache=cache)
+    cache.keep_prefix(prefix + [0])
+    path = tmp_path / "prefix.safetensors"
+    save_prompt_cache(path, cache, {"model": family})
+    loaded, _ = load_prompt_cache(path, model, draft)
+    assert loaded.tokens == prefix
+    prompt = prefix + [5, 6, 7]
+    want = greedy_reference(model, prompt, 20)
+    assert run(model, draft, prompt, want, vocab=VOCAB, max_tokens=20, block_size=8, prompt_cache=loaded)[0] == want
