@@ -11,11 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import compute_dtype
-from .draft.dflash import DFlashDraft, check_config
+from .draft import formats
+from .draft.dflash import DFlashDraft, DraftConfig, check_config
 from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
 
-# Targets, their model_type, and the drafters Z Lab published for them.
+# Targets, their mlx-lm model_type, and the drafter found for them by default.
 _TARGETS: dict[str, tuple[str, str]] = {
     "Qwen/Qwen3-4B": ("qwen3", "z-lab/Qwen3-4B-DFlash-b16"),
     "Qwen/Qwen3-8B": ("qwen3", "z-lab/Qwen3-8B-DFlash-b16"),
@@ -33,6 +34,23 @@ _TARGETS: dict[str, tuple[str, str]] = {
     "google/gemma-4-31B-it": ("gemma4", "z-lab/gemma-4-31B-it-DFlash"),
     "openai/gpt-oss-20b": ("gpt_oss", "z-lab/gpt-oss-20b-DFlash"),
     "openai/gpt-oss-120b": ("gpt_oss", "z-lab/gpt-oss-120b-DFlash"),
+    "Qwen/Qwen3.5-122B-A10B": ("qwen3_5_moe", "z-lab/Qwen3.5-122B-A10B-DFlash"),
+    "google/gemma-4-26B-A4B-it": ("gemma4", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    "MiniMaxAI/MiniMax-M2.5": ("minimax", "z-lab/MiniMax-M2.5-DFlash"),
+    "MiniMaxAI/MiniMax-M2.7": ("minimax", "z-lab/MiniMax-M2.7-DFlash"),
+    "moonshotai/Kimi-K2.5": ("kimi_k25", "z-lab/Kimi-K2.5-DFlash"),
+    "moonshotai/Kimi-K2.6": ("kimi_k25", "z-lab/Kimi-K2.6-DFlash"),
+    "zai-org/GLM-5.1": ("glm_moe_dsa", "z-lab/GLM-5.1-DFlash"),
+    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", "RedHatAI/Qwen3-30B-A3B-speculator.dflash"),
+}
+# Further drafters published for a known target, in other formats; named with --draft-model.
+_OTHER_DRAFTERS: dict[str, tuple[str, ...]] = {
+    "google/gemma-4-31B-it": (
+        "RedHatAI/gemma-4-31B-it-speculator.dflash",
+        "RedHatAI/gemma-4-31B-it-speculator.dflash2",
+    ),
+    "Qwen/Qwen3-8B": ("RedHatAI/Qwen3-8B-speculator.dflash",),
+    "meta-models/Muse-Glimmer-30B": ("meta-models/Muse-Glimmer-30B-assistant",),
 }
 _BASE_PAIRS: dict[str, str] = {target: drafter for target, (_, drafter) in _TARGETS.items()}
 
@@ -63,8 +81,24 @@ _VARIANT_SUFFIX = re.compile(
 
 
 def known_pairs() -> list[tuple[str, str]]:
-    """Every (target, drafter) pair the registry knows."""
-    return list(KNOWN_PAIRS.items())
+    """Every (target, drafter) pair the registry knows: each target's default
+    drafter first, then the others published for it."""
+    pairs = list(KNOWN_PAIRS.items())
+    return pairs + [(t, d) for t, others in _OTHER_DRAFTERS.items() for d in others]
+
+
+def drafter_format(drafter: str) -> str:
+    """The format (formats.FORMATS) of a drafter in the registry, by its
+    publisher's naming: RedHatAI's ``*.dflash`` / ``*.dflash2`` are
+    speculators', ``*-assistant`` transformers-native, the rest Z Lab's."""
+    name = drafter.rstrip("/").split("/")[-1]
+    if name.endswith(".dflash2"):
+        return formats.SPECULATORS2
+    if name.endswith(".dflash"):
+        return formats.SPECULATORS
+    if name.endswith("-assistant"):
+        return formats.ASSISTANT
+    return formats.ZLAB2 if "DFlash2" in name else formats.ZLAB
 
 
 def why_not_runs(target: str) -> str | None:
@@ -213,8 +247,8 @@ def looks_local(name: str | Path) -> bool:
 
 
 def is_drafter_config(cfg: dict) -> bool:
-    """Whether a config.json is a DFlash drafter's (what DraftConfig reads)."""
-    return bool(cfg.get("dflash_config")) or any("DFlash" in str(a) for a in cfg.get("architectures") or [])
+    """Whether a config.json is a DFlash drafter's, in any format (draft/formats.py)."""
+    return formats.drafter_format(cfg) is not None
 
 
 def revision_of(path: Path) -> str | None:
@@ -309,14 +343,22 @@ def read_config(path: Path, role: str = "drafter") -> dict:
 DRAFT_FILES = ["*.json", "*.safetensors", "*.md"]
 
 
-def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
-    """A DFlash (v1 or 2) drafter, optionally quantized, from a directory or Hub repo."""
-    path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
+def read_draft(path: Path) -> tuple[dict, DraftConfig, dict[str, mx.array]]:
+    """(config.json as stored, its DraftConfig, the weights under module
+    names) of a drafter directory in any published format."""
     raw = read_config(path)
-    cfg = parse_draft_config(raw)
+    cfg = parse_draft_config(formats.zlab_config(raw))
     check_config(cfg)
+    weights = check_draft_weights(formats.zlab_weights(raw, read_weights(path)), cfg, raw.get("quantization"))
+    return raw, cfg, weights
+
+
+def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
+    """A DFlash (v1 or 2) drafter in any published format (draft/formats.py),
+    optionally quantized, from a directory or Hub repo."""
+    path = resolve(path_or_repo, allow_patterns=DRAFT_FILES, tqdm_class=tqdm_class)
+    raw, cfg, weights = read_draft(path)
     quantization = raw.get("quantization")
-    weights = check_draft_weights(read_weights(path), cfg, quantization)
     model = draft_model(cfg)
     if quantization:
         quantize_like(model, weights, quantization)

@@ -1,6 +1,8 @@
-"""Z Lab DFlash drafter checkpoints -> MLX directories ``load_draft`` reads
-(config.json, safetensors, a model card). Written beside the destination and
-renamed into place, so a failed conversion leaves no output behind.
+"""Published DFlash drafter checkpoints (Z Lab's, speculators', transformers
+assistants': draft/formats.py) -> MLX directories in Z Lab's layout that
+``load_draft`` reads (config.json, safetensors, a model card). Written beside
+the destination and renamed into place, so a failed conversion leaves no
+output behind.
 """
 
 from __future__ import annotations
@@ -18,9 +20,19 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.atomic_dir import partial_dir, replace_dir
-from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig, check_config, pair_problems
-from dflash_mlx.draft.dflash2 import check_draft_weights, draft_model, parse_draft_config
-from dflash_mlx.loading import DRAFT_FILES, KNOWN_PAIRS, load_draft, read_config, read_weights, resolve, revision_of
+from dflash_mlx.draft import formats
+from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig, pair_problems
+from dflash_mlx.draft.dflash2 import draft_model
+from dflash_mlx.loading import (
+    DRAFT_FILES,
+    is_drafter_config,
+    known_pairs,
+    load_draft,
+    read_config,
+    read_draft,
+    resolve,
+    revision_of,
+)
 
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -82,7 +94,7 @@ def target_problems(cfg: DraftConfig, target: str | Path) -> list[str]:
     """What keeps the drafter ``cfg`` from serving ``target`` (a directory or
     Hub repo id); only the target's config.json is read."""
     tcfg = read_config(resolve(target, allow_patterns=["config.json"]), role="target")
-    if "dflash_config" in tcfg:
+    if is_drafter_config(tcfg):
         raise ValueError(f"--target {target} is a DFlash drafter; pass the target model it drafts for.")
     text = tcfg.get("text_config") if isinstance(tcfg.get("text_config"), dict) else tcfg
     fields = ("hidden_size", "vocab_size", "num_hidden_layers")
@@ -121,6 +133,7 @@ def _card(
     target: str | None,
     upload_repo: str | None,
     from_hub: bool,
+    source_format: str = formats.ZLAB,
 ) -> str:
     from dflash_mlx import __version__
 
@@ -154,7 +167,7 @@ def _card(
 # {name}
 
 A DFlash block-diffusion drafter in MLX format, converted with dflash-mlx
-{__version__} from {source_link}{rev}.
+{__version__} from {source_link}{rev} ({source_format} format).
 
 - dtype: {dtype}
 - {qtext}
@@ -220,8 +233,9 @@ def convert(
     force: bool = False,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Path:
-    """Convert the Z Lab drafter at ``hf_path`` (directory or Hub repo id) to
-    an MLX directory at ``mlx_path``; returns that path.
+    """Convert the drafter at ``hf_path`` (directory or Hub repo id; any
+    format of draft/formats.py) to an MLX directory at ``mlx_path``; returns
+    that path.
 
     ``dtype`` defaults to the dtype the checkpoint's tensors are stored in. Raises
     ValueError naming the fix for anything a user can get wrong."""
@@ -246,10 +260,9 @@ def convert(
         raise ValueError(
             f"{hf_path} is already a quantized MLX drafter; convert from the original Z Lab checkpoint instead."
         )
-    cfg = parse_draft_config(raw)
-    check_config(cfg)
-    weights = check_draft_weights(read_weights(src), cfg)
-    not_float = sorted(k for k, v in weights.items() if not mx.issubdtype(v.dtype, mx.floating))
+    _, cfg, weights = read_draft(src)
+    # d2t: a reduced vocabulary's token offsets, integers by nature.
+    not_float = sorted(k for k, v in weights.items() if k != "d2t" and not mx.issubdtype(v.dtype, mx.floating))
     if not_float:
         raise ValueError(
             f"tensors {', '.join(not_float[:4])} are not floating point, so this is not a Z Lab drafter "
@@ -271,8 +284,11 @@ def convert(
     dtype_name = dtype or (stored if stored in DTYPES else "float32")
     mx_dtype = getattr(mx, dtype_name)
     model = draft_model(cfg)
-    model.load_weights([(k, v.astype(mx_dtype)) for k, v in weights.items()])
-    config = {k: v for k, v in raw.items() if k not in ("_name_or_path", "quantization_config")}
+    model.load_weights([(k, v.astype(mx_dtype) if k != "d2t" else v) for k, v in weights.items()])
+    source_format = formats.drafter_format(raw)
+    # Other formats are written in Z Lab's layout, what load_draft reads back.
+    layout = raw if source_format in (formats.ZLAB, formats.ZLAB2) else formats.zlab_config(raw)
+    config = {k: v for k, v in layout.items() if k not in ("_name_or_path", "quantization_config")}
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = dtype_name
     if "dtype" in config:
@@ -293,7 +309,7 @@ def convert(
 
     src_id = str(hf_path)
     from_hub = not Path(src_id).expanduser().is_dir()
-    card_target = str(target) if target else next((t for t, d in KNOWN_PAIRS.items() if d == src_id), None)
+    card_target = str(target) if target else next((t for t, d in known_pairs() if d == src_id), None)
     card = _card(
         out,
         src_id if from_hub else str(src.resolve()),
@@ -303,6 +319,7 @@ def convert(
         target=card_target,
         upload_repo=upload_repo,
         from_hub=from_hub,
+        source_format=source_format or formats.ZLAB,
     )
 
     created, tmp = _first_missing_ancestor(out.parent), None

@@ -1,6 +1,7 @@
 """The DFlash block-diffusion drafter: its config and its MLX module, for
 inference (a context KV cache, one block a call) and training (blocks on the
-batch axis). It owns no embedding or head: ``bind`` shares the target's.
+batch axis). It owns no embedding; ``bind`` shares the target's, and its head
+too unless the drafter has its own over a reduced vocabulary (``d2t``).
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ class DraftConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int
+    vocab_size: int | None  # None: the target's (a format that does not record it)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
     block_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded; checked against the target
     target_layer_ids: list[int]
     mask_token_id: int
     rope_scaling: dict[str, Any] | None = None
@@ -96,6 +97,8 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # Its own head over this many tokens, mapped to the target's by d2t.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -162,8 +165,13 @@ class DraftConfig:
                 "the drafter has sliding_attention layers but no sliding_window; add sliding_window to config.json."
             )
 
-        num_target_layers = _count("num_target_layers", cfg["num_target_layers"], _MAX_LAYERS)
+        # An explicit null: a format that does not record it (the target decides).
+        num_target_layers = cfg["num_target_layers"]
+        if num_target_layers is not None:
+            num_target_layers = _count("num_target_layers", num_target_layers, _MAX_LAYERS)
         taps = dflash.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if taps is None and num_target_layers is None:
+            raise ValueError("the drafter's config.json lists no target_layer_ids; add them to config.json.")
         if taps is None:
             taps = default_target_layer_ids(num_target_layers, n_layers)
         if not isinstance(taps, list):
@@ -195,7 +203,15 @@ class DraftConfig:
         head_dim = _count("head_dim", head_dim, _MAX_DIM) if head_dim else hidden // heads
         if head_dim < 1:
             raise _bad("num_attention_heads", heads, f"at most hidden_size ({hidden})")
-        vocab = _count("vocab_size", cfg["vocab_size"], _MAX_DIM)
+        vocab = None if cfg["vocab_size"] is None else _count("vocab_size", cfg["vocab_size"], _MAX_DIM)
+        draft_vocab = cfg.get("draft_vocab_size")
+        if draft_vocab is not None:
+            if vocab is None:
+                raise ValueError(
+                    "the drafter's config.json has draft_vocab_size but no vocab_size; add the target's "
+                    "vocab_size to config.json."
+                )
+            draft_vocab = _count("draft_vocab_size", draft_vocab, vocab - 1)
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             raise _bad("is_causal", is_causal, "true or false")
@@ -221,6 +237,7 @@ class DraftConfig:
             input_embedding_scale=_positive("input_embedding_scale", dflash.get("input_embedding_scale", 1.0)),
             output_multiplier=_positive("output_multiplier", dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=_positive("final_logit_softcapping", softcap) if softcap else None,
+            draft_vocab_size=draft_vocab,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -238,7 +255,7 @@ class DraftConfig:
         }
         if dflash["final_logit_softcapping"] is None:
             del dflash["final_logit_softcapping"]
-        for k in ("rope_scaling", "sliding_window", "is_causal"):
+        for k in ("rope_scaling", "sliding_window", "is_causal", "draft_vocab_size"):
             if d[k] is None:
                 del d[k]
         d["dflash_config"] = {"block_size": self.block_size, **dflash}
@@ -254,6 +271,9 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         "hidden_norm.weight": (h,),
         "norm.weight": (h,),
     }
+    if cfg.draft_vocab_size:
+        shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
+        shapes["d2t"] = (cfg.draft_vocab_size,)
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         shapes.update(
@@ -306,6 +326,8 @@ def check_weights(weights: dict[str, mx.array], cfg: DraftConfig, quantization: 
         problems.append(f"unexpected tensors {_short(extra)}")
     if bad:
         problems.append("misshapen tensors: " + _short(bad))
+    if "d2t" in weights and not mx.issubdtype(weights["d2t"].dtype, mx.integer):
+        problems.append(f"d2t holds {weights['d2t'].dtype} values, not integer token offsets")
     if problems:
         raise ValueError(
             "the drafter checkpoint does not match its config.json ("
@@ -318,14 +340,14 @@ def check_config(cfg: DraftConfig) -> None:
     """Refuse a drafter config that cannot serve the target it declares (its
     taps and mask token must lie within num_target_layers and vocab_size);
     ``check_pair`` checks the same against an actual target."""
-    bad = [t for t in cfg.target_layer_ids if t >= cfg.num_target_layers]
+    bad = [t for t in cfg.target_layer_ids if cfg.num_target_layers is not None and t >= cfg.num_target_layers]
     if bad:
         raise ValueError(
             f"the drafter's target_layer_ids lists {', '.join(map(str, bad))}, which are not layers of its "
             f"{cfg.num_target_layers}-layer target (num_target_layers); fix config.json to use ids 0 to "
             f"{cfg.num_target_layers - 1}."
         )
-    if cfg.mask_token_id >= cfg.vocab_size:
+    if cfg.vocab_size is not None and cfg.mask_token_id >= cfg.vocab_size:
         raise ValueError(
             f"the drafter's mask_token_id {cfg.mask_token_id} is outside its {cfg.vocab_size}-token vocabulary "
             "(vocab_size); fix config.json."
@@ -337,9 +359,9 @@ def pair_problems(cfg: DraftConfig, hidden_size: int, vocab_size: int, num_layer
     problems = []
     if cfg.hidden_size != hidden_size:
         problems.append(f"the drafter's hidden size is {cfg.hidden_size} but the target's is {hidden_size}")
-    if cfg.vocab_size != vocab_size:
+    if cfg.vocab_size is not None and cfg.vocab_size != vocab_size:
         problems.append(f"the drafter's vocabulary is {cfg.vocab_size} tokens but the target's is {vocab_size}")
-    if cfg.num_target_layers != num_layers:
+    if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
         problems.append(
             f"the drafter was trained on a {cfg.num_target_layers}-layer target but this one has {num_layers}"
         )
@@ -526,11 +548,18 @@ class DFlashDraft(nn.Module):
             scaling_config=cfg.rope_scaling,
             max_position_embeddings=cfg.max_position_embeddings,
         )
+        if cfg.draft_vocab_size:
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            # Offsets: target id = draft id + d2t[draft id] (the speculators convention).
+            self.d2t = mx.zeros((cfg.draft_vocab_size,), mx.int32)
         self._target = None  # a plain attribute: the target's weights are not ours
+        self._vocab = None  # the target ids of the draft vocabulary, once bound
 
     def bind(self, target) -> DFlashDraft:
-        """Share the target's embedding and head, after checking the pair fits."""
+        """Share the target's embedding (and head), after checking the pair fits."""
         check_pair(self.config, target.hidden_size, target.vocab_size, target.num_layers)
+        if self.config.draft_vocab_size:
+            self._vocab = draft_vocabulary(self.d2t, target.vocab_size)
         self._target = target
         prepare_attention(target.dtype, self.config.head_dim, [layer.self_attn.window for layer in self.layers])
         return self
@@ -547,14 +576,22 @@ class DFlashDraft(nn.Module):
         return embedded if scale == 1.0 else embedded * scale
 
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
-        """Logits of ``norm(h)`` (None: h already normed) through the target's head."""
-        logits = self.target.lm_head(h, norm)
+        """Logits over the target's vocabulary of ``norm(h)`` (None: h already
+        normed), through the target's head or the drafter's own; tokens outside
+        a reduced draft vocabulary get -inf, so they are never drafted."""
+        own = self.config.draft_vocab_size
+        logits = apply_linear(self.lm_head, h, norm=norm) if own else self.target.lm_head(h, norm)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
-        return logits
+        if not own:
+            return logits
+        if self._vocab is None:
+            raise ValueError("the drafter is not bound to a target; call draft.bind(target) first.")
+        full = mx.full((*logits.shape[:-1], self.target.vocab_size), -mx.inf, logits.dtype)
+        return mx.put_along_axis(full, mx.broadcast_to(self._vocab, logits.shape), logits, axis=-1)
 
     def context(self, taps: mx.array) -> mx.array:
         """Context features from the target's concatenated tapped states."""
@@ -624,6 +661,22 @@ class DFlashDraft(nn.Module):
             )
             x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=layer_fused, attend=attend)
         return self.norm(x[:, 1:]) if normed else x[:, 1:]
+
+
+def draft_vocabulary(d2t: mx.array, target_vocab: int) -> mx.array:
+    """The target ids [draft vocab] of a reduced draft vocabulary from its
+    offsets ``d2t``: increasing (the draft vocabulary is a sorted subset of the
+    target's) and inside the target's vocabulary, else ValueError."""
+    ids = mx.arange(d2t.shape[0], dtype=mx.int32) + d2t.astype(mx.int32)
+    inside = mx.all((ids >= 0) & (ids < target_vocab)).item()
+    increasing = d2t.shape[0] < 2 or mx.all(ids[1:] > ids[:-1]).item()
+    if not (inside and increasing):
+        where = "outside the target's" if not inside else "not in increasing order over the target's"
+        raise ValueError(
+            f"the drafter's d2t maps its {d2t.shape[0]} draft tokens to ids {where} {target_vocab}-token "
+            "vocabulary; use the drafter published for this target."
+        )
+    return ids
 
 
 def block_mask(L: int, C, causal: bool, window: int | None, total: int | None = None):

@@ -43,15 +43,22 @@ class Draft2Config(DraftConfig):
                 f"dflash_config.conv_group_size {self.conv_group_size} does not divide hidden_size "
                 f"{self.hidden_size}; fix config.json."
             )
-        if self.selector_top_k > self.vocab_size:
+        if self.codebook_size is None:
+            raise ValueError("the DFlash 2 drafter's config.json has no vocab_size; add the target's vocab_size.")
+        if self.selector_top_k > self.codebook_size:
             raise ValueError(
-                f"dflash_config.selector_top_k {self.selector_top_k} exceeds the {self.vocab_size}-token "
+                f"dflash_config.selector_top_k {self.selector_top_k} exceeds the {self.codebook_size}-token "
                 "vocabulary; fix config.json."
             )
 
     @property
     def conv_groups(self) -> int:
         return self.hidden_size // self.conv_group_size
+
+    @property
+    def codebook_size(self) -> int | None:
+        """The selector's codebook rows: one per token of the draft vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> Draft2Config:
@@ -116,7 +123,7 @@ def check_draft_weights(
         raise ValueError(
             "the DFlash 2 drafter checkpoint does not match its config.json ("
             + "; ".join(problems)
-            + f"; codebooks are vocab_size x selector_rank = {cfg.vocab_size} x {cfg.selector_rank}); "
+            + f"; codebooks are vocab_size x selector_rank = {cfg.codebook_size} x {cfg.selector_rank}); "
             "re-download or re-convert it."
         )
     return weights
@@ -199,8 +206,8 @@ class CandidateSelector(nn.Module):
         super().__init__()
         self.top_k = cfg.selector_top_k
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
-        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
-        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.predecessor_codebook = nn.Embedding(cfg.codebook_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.codebook_size, cfg.selector_rank)
 
     def __call__(
         self,
@@ -209,16 +216,23 @@ class CandidateSelector(nn.Module):
         anchor: mx.array,
         temperature: float = 0.0,
         key: mx.array | None = None,
+        rows: mx.array | None = None,
     ):
         """hidden [n, H], logits [n, V] of block positions 1..n; anchor the last
-        committed token. Returns (drafts [n], candidates [n, k], q [n, k] or
-        None): q row t is the distribution draft t was drawn from given draft t-1."""
+        committed token; ``rows``: each target token's codebook row (None: its
+        id). Returns (drafts [n], candidates [n, k], q [n, k] or None): q row t
+        is the distribution draft t was drawn from given draft t-1."""
         n = logits.shape[0]
         candidates = mx.argpartition(-logits, self.top_k - 1, axis=-1)[:, : self.top_k].astype(mx.int32)
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
         proj = self.hidden_projection(hidden).astype(mx.float32)  # [n, r]
-        succ = self.successor_codebook(candidates).astype(mx.float32)  # [n, k, r]
-        pred = self.predecessor_codebook(mx.concatenate([anchor.reshape(1), candidates[:-1].reshape(-1)]))
+        previous = mx.concatenate([anchor.reshape(1), candidates[:-1].reshape(-1)])
+        if rows is not None:
+            previous, successors = rows[previous], rows[candidates]
+        else:
+            successors = candidates
+        succ = self.successor_codebook(successors).astype(mx.float32)  # [n, k, r]
+        pred = self.predecessor_codebook(previous)
         pred = pred.astype(mx.float32)
         first = succ[0] @ (pred[0] * proj[0])  # [k]
         trans = (pred[1:].reshape(n - 1, self.top_k, pred.shape[-1]) * proj[1:, None]) @ succ[1:].transpose(
@@ -248,6 +262,13 @@ class DFlash2Draft(DFlashDraft):
         super().__init__(cfg)
         self.layers = [Draft2Layer(cfg, t) for t in cfg.layer_types]
         self.candidate_selector = CandidateSelector(cfg)
+        self._rows = None
+
+    def bind(self, target) -> DFlash2Draft:
+        super().bind(target)
+        if self._vocab is not None:
+            self._rows = codebook_rows(self._vocab, target.vocab_size)
+        return self
 
     def propose(
         self,
@@ -264,8 +285,17 @@ class DFlash2Draft(DFlashDraft):
         hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
         drafts, candidates, q = self.candidate_selector(
-            hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key
+            hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key, self._rows
         )
         if q is not None:
             q = mx.put_along_axis(mx.zeros(logits.shape[1:], mx.float32), candidates, q, axis=-1)
         return drafts, q
+
+
+def codebook_rows(vocab: mx.array, target_vocab: int) -> mx.array:
+    """Each target token's codebook row for a reduced draft vocabulary (its
+    target ids ``vocab``, increasing): its draft id, and for a token outside the
+    vocabulary that of the last draft token before it, the last row before the
+    first, as the speculators trainer indexes predecessors."""
+    inside = mx.zeros((target_vocab,), mx.int32).at[vocab].add(1)
+    return (mx.cumsum(inside) - 1) % vocab.shape[0]
