@@ -30,7 +30,8 @@ def median(values) -> float:
 class BlockChooser:
     MEMORY = 32  # drafting cycles over which acceptance counts fade by 1/e
     RECENT = 256  # cycles whose times the cost fit uses
-    EVIDENCE = 64  # drafting cycles seen before plain steps may win
+    EVIDENCE = 64  # drafting cycles seen before plain steps may win on the counts' estimate
+    ACCEPTANCE_DOUBT = 5.0  # standard errors the acceptance is taken up by before EVIDENCE
     SLOPE_DOUBT = 2.0  # standard errors the cost line's slope is taken down by
     SPIKE = 4.0  # a cycle this many times its size's median is a one-off, not its cost
     EXPLORE_SHARE = 0.03  # the most of the decoding time that exploring may lose
@@ -71,6 +72,10 @@ class BlockChooser:
         self.probe = list(dict.fromkeys(probe))
         self.memory_path = None
         self.ages: dict[int, int] = {}  # block size -> processes since its remembered time was measured
+        self.sure = False  # whether plain steps may win on the counts' estimate
+        self.reply_plain = 0  # this reply's plain steps and drafting cycles, as recorded
+        self.reply_drafting = 0
+        self.reason = "probing block sizes"  # why the last choice, in a few words for users
         # Memoised between record() and restore(): both run on the cycle's critical path.
         self._memo: dict = {}
         self._stats: dict[int, tuple] = {}  # block size -> (valid below, (times, median, error))
@@ -142,7 +147,10 @@ class BlockChooser:
             self.reached[i] += 1
             self.hit[i] += i <= accepted
         keep = 1.0 - 1.0 / self.MEMORY
-        if block > 1:
+        if block == 1:
+            self.reply_plain += 1
+        else:
+            self.reply_drafting += 1
             self.drafted += 1
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
@@ -233,8 +241,10 @@ class BlockChooser:
     def new_reply(self) -> None:
         """A new reply begins: where plain steps are the best choice it starts
         with a drafting run, as plain steps tell nothing of the drafter; each
-        run that clearly loses doubles the replies skipped before the next."""
+        run that clearly loses doubles the replies skipped before the next,
+        and what a run loses counts against the exploring share."""
         self.reply_starts = True
+        self.reply_plain = self.reply_drafting = 0
 
     def choose(self, would_build=None) -> int:
         """The block size for the next cycle. ``would_build(b)``: whether a
@@ -251,6 +261,7 @@ class BlockChooser:
         if self.run:
             return self.run.pop()
         best, best_rate = self._best()
+        self.reason = "plain: blocks cost more than they commit" if best == 1 else f"drafting: block {best} pays"
         if self.trial is not None:
             # A drafting run from plain steps goes on while it beats them, for
             # at most 2 * MEMORY cycles: faded counts need cycles to follow.
@@ -267,6 +278,10 @@ class BlockChooser:
                 failed = best == 1 and rate < self.CLEAR_LOSS * best_rate
                 self.reply_gap = min(2 * self.reply_gap + 1, self.MAX_REPLY_GAP) if failed else 0
                 self.replies_to_skip = self.reply_gap
+                if best == 1:
+                    change = median(self.changes) if self.changes else 0.0
+                    lost = cycles * seconds - tokens / best_rate + 2 * change
+                    self.exploring_loss[self.hi] += max(0.0, lost)
         if reply_starts and best == 1:
             if self.replies_to_skip:
                 self.replies_to_skip -= 1
@@ -320,13 +335,28 @@ class BlockChooser:
         return best, best_rate
 
     def _best(self) -> tuple[int, float]:
-        """The best choice and its rate: plain steps only once they clearly win."""
+        """The best choice and its rate: plain steps only once they clearly
+        win, after EVIDENCE drafting cycles; before, only where no block could
+        pay even at an acceptance taken up by ACCEPTANCE_DOUBT standard
+        errors (a long context's dear blocks and a drafter never right: at once)."""
         best, best_rate = self._best_block()
         plain = self._median_times().get(1)
-        sure = self.drafted >= self.EVIDENCE
-        if plain is not None and sure and 1.0 / plain > best_rate * 1.02:
+        if plain is None:
+            return best, best_rate
+        self.sure = self.sure or self.drafted >= self.EVIDENCE
+        if 1.0 / plain > (best_rate if self.sure else self._hopeful_rate()) * 1.02:
+            self.sure = True  # from here the counts' estimate decides, as after EVIDENCE
             return 1, 1.0 / plain
         return best, best_rate
+
+    def _hopeful_rate(self) -> float:
+        """The best block's rate were every draft accepted at the first
+        draft's rate plus ACCEPTANCE_DOUBT of its standard errors."""
+        n = self.reached[1]
+        p = (self.hit[1] + 1) / (n + 2)
+        q = min(1.0, p + self.ACCEPTANCE_DOUBT * math.sqrt(p * (1 - p) / (n + 3)))
+        a, c = self.cost()
+        return max(sum(q**i for i in range(b)) / (a + c * b) for b in self.sizes)
 
 
 _choosers: dict[int, tuple[weakref.ref, dict]] = {}
