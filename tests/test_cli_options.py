@@ -73,6 +73,31 @@ def test_m_is_max_tokens_everywhere():
     assert " -m " not in train and "--model" in train
 
 
+def test_a_flag_shared_by_commands_means_the_same_in_each():
+    """One definition a flag: its names, help, type and callback agree on every
+    command that samples or loads a pair; only the defaults below differ."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands
+    own = {("cache-prompt", "prompt"), ("cache-prompt", "prompt_cache_file")}
+    seen = {}
+    for name in ("generate", "chat", "bench", "serve", "cache-prompt"):
+        for p in commands[name].params:
+            if (name, p.name) in own:
+                continue
+            meaning = (
+                tuple(p.opts),
+                p.help,
+                p.type_descriptor.annotation,
+                p.is_flag,
+                getattr(p.callback, "__wrapped__", None),
+            )
+            assert seen.setdefault(p.opts[0], meaning) == meaning, (name, p.opts[0])
+    defaults = {name: {p.name: p.default for p in commands[name].params} for name in ("generate", "chat", "bench")}
+    assert [defaults[n]["max_tokens"] for n in defaults] == [256, 512, 256]
+    assert [defaults[n]["seed"] for n in defaults] == [None, None, 0]
+
+
 def test_model_builtin_by_name(pair):
     named = run("generate", "--model", "builtin", "--prompt", "def add(a, b):", "--ignore-chat-template", "-m", 8)
     default = run("generate", "--prompt", "def add(a, b):", "--ignore-chat-template", "-m", 8)
