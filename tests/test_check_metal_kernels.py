@@ -163,17 +163,18 @@ def test_threadgroup_memory_over_32_kib_fails(monkeypatch):
 
 
 def test_every_quantized_product_variant_is_recorded():
-    """Each dtype, quantization (affine 4/8 bits in groups of 32/64/128, mxfp4) and
-    row tile of the quantized verify product, through its module's record_variants hook."""
+    """Each dtype, quantization (affine 4/8 bits in groups of 32/64/128, mxfp4), step
+    (Metal's qmv_fast and qmv orders) and row tile of the quantized verify product,
+    through its module's record_variants hook."""
     from dflash_mlx.kernels import quantized
 
     recorder = script.Recorder()
     script.record_all(recorder, dtypes=[mx.bfloat16], head_dims=[64], rows=[16])
     names = [n for n in recorder.variants if "dflash_quantized_product" in n]
-    assert len(names) == len(list(quantized.all_variants())) * 4
+    assert len(names) == len(list(quantized.all_variants())) * 4 * 2  # (row tiles, words a lane a step)
     prefix = f"custom_kernel_dflash_quantized_product_v{quantized.VERSION}__"
-    assert prefix + "bfloat16_t_uint8_t_4_32_1_32_1_bfloat16_t_uint32_t_uint8_t_bfloat16_t_bfloat16_t" in names
-    assert prefix + "float16_t_float16_t_8_128_0_4_4_float16_t_uint32_t_float16_t_float16_t_float16_t" in names
+    assert prefix + "bfloat16_t_uint8_t_4_32_1_2_32_1_bfloat16_t_uint32_t_uint8_t_bfloat16_t_bfloat16_t" in names
+    assert prefix + "float16_t_float16_t_8_128_0_1_4_4_float16_t_uint32_t_float16_t_float16_t_float16_t" in names
     # no input in the constant address space: the body indexes every one as device memory
     assert not any(n.endswith("c") or "c_" in n.split("__")[1] for n in names)
 

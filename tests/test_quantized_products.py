@@ -93,8 +93,9 @@ def test_on_the_cpu_a_quantized_layer_is_its_own_module(rows, quant):
         (256, 64, 8, 64, "affine", mx.bfloat16, True),
         (512, 64, 4, 32, "mxfp4", mx.bfloat16, True),
         (512, 64, 4, 64, "affine", mx.float32, False),  # (float32 activations: MLX's)
-        (256, 64, 4, 64, "affine", mx.bfloat16, False),  # K not whole 512-value blocks at 4 bits
-        (384, 64, 8, 64, "affine", mx.bfloat16, False),  # nor 256-value ones at 8 bits
+        (2880, 64, 4, 32, "mxfp4", mx.bfloat16, True),  # (gpt-oss's K: Metal's one-word steps)
+        (384, 64, 8, 64, "affine", mx.bfloat16, True),
+        (128, 64, 4, 64, "affine", mx.bfloat16, False),  # K of 64 or 128: Metal's qmv_quad
         (512, 60, 4, 64, "affine", mx.bfloat16, False),  # N not a multiple of 8 (MLX's qmv, not qmv_fast)
         (512, 64, 2, 64, "affine", mx.bfloat16, False),
         (512, 64, 4, 16, "nvfp4", mx.bfloat16, False),
@@ -110,6 +111,17 @@ def test_the_variants_served_are_the_shapes_of_mlxs_fast_one_row_kernel(k, n, bi
     if served and mode == "affine":  # (scales of another dtype than the rows': MLX's)
         other = mx.float16 if dtype == mx.bfloat16 else mx.bfloat16
         assert qp.variant_of(module, other) is None
+
+
+@pytest.mark.parametrize(
+    "k, bits, metal_words",
+    [(4096, 4, 2), (12288, 4, 2), (2880, 4, 1), (768, 4, 1), (256, 8, 2), (384, 8, 1)],
+)
+def test_a_lane_takes_the_words_a_step_of_its_backends_one_row_kernel(k, bits, metal_words):
+    """Metal's one row takes qmv_fast (two words a lane a step) where K is
+    whole blocks of them, else qmv (one); CUDA's qmv always two."""
+    assert qp.packs(k, bits, "metal") == metal_words
+    assert qp.packs(k, bits, "cuda") == 2
 
 
 def test_a_weight_past_wide_is_its_own_variant():
@@ -152,6 +164,7 @@ def test_each_launch_covers_every_row_and_output_once(backend_name, rows):
     assert gx // 64 * 2 * rs == 96  # two simdgroups a threadgroup, rs outputs each
     assert (gy - 1) * mr < rows <= gy * mr
     assert template["T"] == mx.bfloat16 and template["S"] == mx.bfloat16 and not template["MXFP4"]
+    assert template["PACKS"] == 2
     assert launch["inputs"][0].shape == (rows, 1024)
 
 
@@ -295,5 +308,6 @@ def test_every_variant_is_recorded_for_the_check_scripts():
     quants = {values[:5] for values in recorded}
     assert len(quants) == 2 * (len(qp.AFFINE_BITS) * len(qp.GROUPS) + 1)
     assert (mx.bfloat16, mx.uint8, 4, 32, True) in quants
-    tiles = {values[5:] for values in recorded}
+    assert {values[5] for values in recorded} == {1, 2}  # words a lane a step
+    tiles = {values[6:] for values in recorded}
     assert tiles == {(4, 4), (8, 2), (16, 1), (32, 1)}

@@ -13,9 +13,9 @@ decided once, outside compiled traces (``prepare``): its rows must equal
 ``mx.quantized_matmul`` of each row alone, bit for bit, on random cases of
 that K and N class and of every row tile; a failure keeps MLX's product for
 that variant, with one warning. Affine weights of 4 or 8 bits in groups of
-32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8 and
-K whole blocks (512 values at 4 bits, 256 at 8): the shapes MLX's one-row
-``qmv_fast`` takes on Metal. The CPU never runs it.
+32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8
+and K whole groups (not 64 or 128, where Metal's one row takes ``qmv_quad``).
+The CPU never runs it.
 """
 
 from __future__ import annotations
@@ -72,9 +72,18 @@ class QuantizedCheck:
         return f"{self.backend} {self.variant.case}"
 
 
-def block_k(bits: int) -> int:
-    """K a simdgroup covers in one step: 32 lanes of 16 values (8 at 8 bits)."""
-    return 32 * (8 if bits == 8 else 16)
+def packs(k: int, bits: int, backend_name: str) -> int:
+    """uint32 words of weights a lane takes a step, as the backend's one-row
+    kernel does: 2 on CUDA (qmv); on Metal 2 where K is whole blocks of them
+    (qmv_fast), else 1 (qmv)."""
+    if backend_name != "metal":
+        return 2
+    return 2 if k % block_k(bits, 2) == 0 else 1
+
+
+def block_k(bits: int, words: int) -> int:
+    """K a simdgroup covers in one step of ``words`` words a lane."""
+    return 32 * words * 32 // bits
 
 
 def tile(rows: int, backend_name: str) -> tuple[int, int]:
@@ -123,6 +132,7 @@ class QuantizedProductKernel:
         rows = x.size // k
         n = weight.shape[0]
         mr, rs = tile(rows, self.backend)
+        words = packs(k, bits, self.backend)
         (y,) = self.kernel(
             inputs=[x.reshape(rows, k), weight, scales, self._no_biases[x.dtype] if biases is None else biases],
             template=[
@@ -131,6 +141,7 @@ class QuantizedProductKernel:
                 ("BITS", bits),
                 ("GROUP", group),
                 ("MXFP4", mode == "mxfp4"),
+                ("PACKS", words),
                 ("MR", mr),
                 ("RS", rs),
             ],
@@ -162,7 +173,7 @@ def variant_of(module: nn.Module, dtype) -> Variant | None:
     else:
         return None
     n, k = weight.shape[0], weight.shape[1] * 32 // bits
-    if n % 8 or k % block_k(bits) or scales.shape != (n, k // group):
+    if n % 8 or k in (64, 128) or k % group or scales.shape != (n, k // group):
         return None
     return Variant(dtype, mode, bits, group, k, n > WIDE or k > WIDE)
 
@@ -309,9 +320,11 @@ def record_variants(factory, backend_name: str) -> None:
     records them (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
     kernel = QuantizedProductKernel(backend_name, factory=factory)
     for dtype, scales_dtype, bits, group, mode in all_variants():
-        k, n = block_k(bits), 8
-        weight = mx.zeros((n, k * bits // 32), mx.uint32)
-        scales = mx.zeros((n, k // group), scales_dtype)
-        biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None
-        for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
-            kernel(mx.zeros((1, rows, k), dtype), weight, scales, biases, bits=bits, group=group, mode=mode)
+        # K of whole two-word blocks, and one past them (Metal's one-word steps)
+        for k in (block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)):
+            n = 8
+            weight = mx.zeros((n, k * bits // 32), mx.uint32)
+            scales = mx.zeros((n, k // group), scales_dtype)
+            biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None
+            for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
+                kernel(mx.zeros((1, rows, k), dtype), weight, scales, biases, bits=bits, group=group, mode=mode)

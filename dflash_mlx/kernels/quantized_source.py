@@ -15,17 +15,21 @@ before use, see quantized.py):
 
 - Lanes (both backends, every mode): a simdgroup (warp) of 32 lanes owns one
   output; lane l takes the VPT consecutive values at ``l * VPT + j * 32 * VPT``
-  for j = 0, 1, ... in that order (VPT 16 at 4 bits, 8 at 8 bits), so K must
-  be whole blocks of 32 * VPT. Metal: ``qmv_fast_impl`` and
-  ``fp_qmv_fast_impl`` (kernels/quantized.h, fp_quantized.h: packs_per_thread
-  2, block_size = values_per_thread * SIMD_SIZE), the kernel MLX picks for one
-  row where N % 8 == 0 and K is whole blocks (quantized.cpp: ``qmv``, K not 64
-  or 128). CUDA: ``qmv_kernel_impl`` (cuda/quantized/qmm/qmv.cu:
-  elems_per_thread 16 for 16-bit activations and weights of at most 4 bits,
-  else 8), the kernel MLX picks for one row on sm80 and sm90 (quantized.cpp:
-  on sm90 only while N and K are at most 16384; beyond, one row takes the
-  CUTLASS GEMM, whose order this kernel cannot match: its self-check fails
-  there and MLX's product stays).
+  for j = 0, 1, ... in that order while they lie inside K (a last partial
+  block: only the lanes it reaches), VPT = PACKS uint32 words of values.
+  Metal: ``qmv_fast_impl`` / ``fp_qmv_fast_impl`` (kernels/quantized.h,
+  fp_quantized.h; packs_per_thread 2: VPT 16 at 4 bits, 8 at 8 bits), the
+  kernel MLX picks for one row where N % 8 == 0 and K is whole blocks of
+  32 * VPT, else ``qmv_impl`` / ``fp_qmv_impl`` (packs_per_thread 1; their
+  ``remaining`` tail is a whole VPT or nothing a lane, since K is whole groups)
+  (quantized.cpp: ``qmv``; K of 64 or 128 takes ``qmv_quad``, not served).
+  CUDA: ``qmv_kernel_impl`` (cuda/quantized/qmm/qmv.cu: elems_per_thread 16
+  for 16-bit activations and weights of at most 4 bits, else 8, i.e. PACKS 2;
+  its ``has_residue_k`` tile is the loop's last, partial step), the kernel MLX
+  picks for one row on sm80 and sm90 (quantized.cpp: on sm90 only while N and
+  K are at most 16384; beyond, one row takes the CUTLASS GEMM, whose order
+  this kernel cannot match: its self-check fails there and MLX's product
+  stays).
 - Per lane, Metal affine (``load_vector`` + ``qdot``): float ``sum`` of the x
   values (4 bits: ``x[i] + x[i+1] + x[i+2] + x[i+3]`` in the activation's
   type, then added), x pre-divided by 16, 256, 4096; the masked packed nibbles
@@ -84,17 +88,17 @@ struct qv_x {
 #define QV_ACC float
 inline void qv_zero(thread float& a) { a = 0; }
 inline float qv_total(thread float& a) { return a; }
-template <typename T, int BITS, bool MXFP4>
+template <typename T, int BITS, bool MXFP4, int VPT>
 inline void qv_load(thread qv_x& xs, const device T* x) {
   typedef float U;
   thread U* x_thread = xs.v;
   U sum = 0;
   if (MXFP4) {
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < VPT; i++) {
       x_thread[i] = x[i];
     }
   } else if (BITS == 4) {
-    for (int i = 0; i < 16; i += 4) {
+    for (int i = 0; i < VPT; i += 4) {
       sum += x[i] + x[i + 1] + x[i + 2] + x[i + 3];
       x_thread[i] = x[i];
       x_thread[i + 1] = x[i + 1] / 16.0f;
@@ -102,35 +106,36 @@ inline void qv_load(thread qv_x& xs, const device T* x) {
       x_thread[i + 3] = x[i + 3] / 4096.0f;
     }
   } else {
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < VPT; i++) {
       sum += x[i];
       x_thread[i] = x[i];
     }
   }
   xs.sum = sum;
 }
-template <int BITS>
+template <int BITS, int VPT>
 inline float qv_qdot(thread const uint32_t* w, const thread float* x_thread, float scale, float bias, float sum) {
   typedef float U;
   U accum = 0;
   if (BITS == 4) {
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < (VPT / 4); i++) {
       const uint16_t ws = uint16_t(w[i / 2] >> (16 * (i % 2)));
       accum +=
           (x_thread[4 * i] * (ws & 0x000f) + x_thread[4 * i + 1] * (ws & 0x00f0) +
            x_thread[4 * i + 2] * (ws & 0x0f00) + x_thread[4 * i + 3] * (ws & 0xf000));
     }
   } else {
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < VPT; i++) {
       accum += x_thread[i] * uint8_t(w[i / 4] >> (8 * (i % 4)));
     }
   }
   return scale * accum + sum * bias;
 }
+template <int VPT>
 inline float qv_qdot_fp4(thread const uint32_t* w, const thread float* x_thread, float scale) {
   typedef float U;
   U accum = 0;
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < (VPT / 4); i++) {
     const uint16_t ws = uint16_t(w[i / 2] >> (16 * (i % 2)));
     accum +=
         (x_thread[4 * i] * qv_fp4(ws) + x_thread[4 * i + 1] * qv_fp4(ws >> 4) +
@@ -140,15 +145,15 @@ inline float qv_qdot_fp4(thread const uint32_t* w, const thread float* x_thread,
 }
 inline float qv_scale(uint8_t e) { return qv_e8m0(e); }
 template <typename S> inline float qv_scale(S s) { return s; }
-template <typename T, int BITS, bool MXFP4, typename S>
+template <typename T, int BITS, bool MXFP4, int VPT, typename S>
 inline void qv_add(thread float& result, thread const qv_x& xs, thread const uint32_t* w, S sc, T bi) {
   typedef float U;
   U s = qv_scale(sc);
   if (MXFP4) {
-    result += qv_qdot_fp4(w, xs.v, s);
+    result += qv_qdot_fp4<VPT>(w, xs.v, s);
   } else {
     U b = bi;
-    result += qv_qdot<BITS>(w, xs.v, s, b, xs.sum);
+    result += qv_qdot<BITS, VPT>(w, xs.v, s, b, xs.sum);
   }
 }
 """,
@@ -175,7 +180,7 @@ template <typename T> __device__ __forceinline__ void qv_zero(qv_sums<T>& a) {
     a.f[i] = 0.0f;
   }
 }
-template <typename T, int BITS, bool MXFP4>
+template <typename T, int BITS, bool MXFP4, int VPT>
 __device__ __forceinline__ void qv_load(qv_x<T>& xs, const T* x) {
   for (int i = 0; i < 16; ++i) xs.v[i] = i < (BITS == 8 ? 8 : 16) ? x[i] : from_float<T>(0.0f);
 }
@@ -183,7 +188,7 @@ template <typename T> __device__ __forceinline__ T qv_scale_as(uint8_t e) {
   return from_float<T>(__uint_as_float(e == 0 ? 0x400000u : unsigned(e) << 23));
 }
 template <typename T> __device__ __forceinline__ T qv_scale_as(T s) { return s; }
-template <typename T, int BITS, bool MXFP4, typename S>
+template <typename T, int BITS, bool MXFP4, int VPT, typename S>
 __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const uint32_t* w, S sc, T bi) {
   typedef typename qv_two<T>::type T2;
   const T s = qv_scale_as<T>(sc);
@@ -228,14 +233,14 @@ __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
 }
 
 # Template constants: T (activations' dtype), S (scales' dtype: T, or uint8 for
-# mxfp4's e8m0), BITS, GROUP, MXFP4, MR (x rows a threadgroup), RS (outputs a
-# simdgroup). x [rows, K] row-contiguous; w [N, K * BITS / 32] uint32; scales and
-# biases [N, K / GROUP] (biases: any T array for mxfp4, never read). N is whole
-# threadgroups of WARPS * RS outputs and K whole blocks of 32 * VPT
-# (quantized.fits); the x rows past the last are skipped whole, so every lane of
-# a simdgroup runs the same loop and reduction.
+# mxfp4's e8m0), BITS, GROUP, MXFP4, PACKS (uint32 words a lane takes a step),
+# MR (x rows a threadgroup), RS (outputs a simdgroup). x [rows, K]
+# row-contiguous; w [N, K * BITS / 32] uint32; scales and biases [N, K / GROUP]
+# (biases: any T array for mxfp4, never read). N is whole threadgroups of
+# WARPS * RS outputs and K whole groups (quantized.variant_of); the x rows past
+# the last are skipped whole, so every lane of a simdgroup reaches the reduction.
 BODY = """
-  constexpr int VPT = BITS == 8 ? 8 : 16;
+  constexpr int VPT = PACKS * (BITS == 8 ? 4 : 8);
   constexpr int BLOCK = 32 * VPT;
   const int M = x_shape[0];
   const int K = x_shape[1];
@@ -249,21 +254,20 @@ BODY = """
     for (int r = 0; r < RS; ++r) qv_zero(acc[m][r]);
   }
   for (int k = lane * VPT; k < K; k += BLOCK) {
-    uint32_t wq[RS][2];
+    uint32_t wq[RS][PACKS];
     S sc[RS];
     T bi[RS];
     for (int r = 0; r < RS; ++r) {
       const int at = (n0 + r) * KW + k * BITS / 32;
-      wq[r][0] = w[at];
-      wq[r][1] = w[at + 1];
+      for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
       sc[r] = scales[(n0 + r) * KG + k / GROUP];
       bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[(n0 + r) * KG + k / GROUP];
     }
     for (int m = 0; m < MR; ++m) {
       if (m0 + m < M) {
         QV_X xs;
-        qv_load<T, BITS, MXFP4>(xs, x + (m0 + m) * K + k);
-        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4>(acc[m][r], xs, wq[r], sc[r], bi[r]);
+        qv_load<T, BITS, MXFP4, VPT>(xs, x + (m0 + m) * K + k);
+        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT>(acc[m][r], xs, wq[r], sc[r], bi[r]);
       }
     }
   }
