@@ -27,6 +27,10 @@ class StaleGenerationError(RuntimeError):
 
 
 class PromptCache:
+    """A cache to pass to ``stream_generate`` across turns; only the uncached
+    part of each prompt is read. ``kv_bits`` etc. quantize as mlx-lm's
+    QuantizedKVCache; ``max_kv_size`` bounds it as mlx-lm's RotatingKVCache."""
+
     def __init__(
         self,
         model,
@@ -170,15 +174,5 @@ class PromptCache:
         return sum(c.nbytes for c in self.target + self.draft)
 
 
-def make_prompt_cache(
-    model,
-    draft: DFlashDraft,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 0,
-    max_kv_size: int | None = None,
-) -> PromptCache:
-    """A cache to pass to ``stream_generate`` across turns; only the uncached
-    part of each prompt is read. ``kv_bits`` etc. quantize as mlx-lm's
-    QuantizedKVCache; ``max_kv_size`` bounds it as mlx-lm's RotatingKVCache."""
-    return PromptCache(model, draft, kv_bits, kv_group_size, quantized_kv_start, max_kv_size)
+# mlx-lm's name for what a conversation keeps across calls
+make_prompt_cache = PromptCache
