@@ -1,4 +1,6 @@
-"""A verify's products through MLX (cuBLASLt) and through dflash-mlx's block-product kernel (CUDA).
+"""A verify's products through MLX and through dflash-mlx's kernels: the bf16
+block-product kernel (CUDA) and, with ``--quantized``, the quantized verify
+product (Metal or CUDA).
 
 Reported in BENCHMARKS.md, "GPU kernels" ("Block products": the host's launch
 cost here; device time from Nsight Compute through gpu_time.py).
@@ -7,6 +9,21 @@ cost here; device time from Nsight Compute through gpu_time.py).
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
         python benchmarks/block_products.py --rows 16 --repeat 4 --runs 1 --repeat-rounds 1
     python benchmarks/gpu_time.py launches ncu.csv
+
+    python benchmarks/block_products.py --quantized --rows 16
+    ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
+        python benchmarks/block_products.py --quantized --rows 16 --repeat 4 --runs 1 --repeat-rounds 1
+    python benchmarks/gpu_time.py launches ncu.csv
+
+``--quantized``: Qwen3-8B 4-bit products (affine, groups of 64: q/k/v, o,
+gate/up, down, the output head) and gpt-oss-20b mxfp4 ones (q/k/v, o, the
+output head), ``--models`` to pick. For each, first the kernel's self-check
+for that product's variant (every row tile's rows bit for bit against MLX's
+one-row product: ``check``), then, over ``--repeat`` distinct random weights,
+three sides: the kernel's ``--rows`` rows, MLX's ``quantized_matmul`` of the
+same rows, and MLX's one-row product (a plain step's), and whether the
+kernel's rows equal the one-row products here (``exact``). The kernel's goal:
+its 16 rows within 1.25x the one-row product's device time.
 
 For each of a qwen3 layer's four products (fused q/k/v, o, fused gate/up,
 down), and the gate/up product with its SwiGLU (MLX: the product, then
@@ -54,6 +71,103 @@ def measure(make, repeat: int, runs: int) -> dict:
     return {"build_us": med(0), "launch_us": med(1), "total_us": med(2)}
 
 
+# (product, N, K) of each model's quantized linear layers, and its quantization (bits, group, mode).
+QUANTIZED = {
+    "qwen3-8b": (
+        (4, 64, "affine"),
+        [
+            ("q/k/v", 6144, 4096),
+            ("o", 4096, 4096),
+            ("gate/up", 24576, 4096),
+            ("gate", 12288, 4096),
+            ("down", 4096, 12288),
+            ("head", 151936, 4096),
+        ],
+    ),
+    "gpt-oss-20b": ((4, 32, "mxfp4"), [("q/k/v", 5120, 2880), ("o", 2880, 4096), ("head", 201088, 2880)]),
+}
+
+
+def random_quantized(n: int, k: int, bits: int, group: int, mode: str, dtype, seed: int):
+    """A quantized [n, k] weight of random codes and scales (what it holds does not change the time)."""
+    key = mx.random.key(seed)
+    words = mx.random.randint(0, 1 << 30, (n, k * bits // 32), key=key).astype(mx.uint32)
+    if mode == "mxfp4":  # e8m0 scales near 2^-4
+        return words, mx.random.randint(119, 124, (n, k // group), key=key).astype(mx.uint8), None
+    scales = (0.01 * mx.random.uniform(shape=(n, k // group), key=key)).astype(dtype)
+    return words, scales, (-0.1 * mx.random.uniform(shape=(n, k // group), key=key)).astype(dtype)
+
+
+def quantized_main(args) -> None:
+    from dflash_mlx.kernels import quantized as qp
+
+    where = qp.backend()
+    if where not in qp.BUILDERS:
+        raise SystemExit(f"the quantized verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
+    dtype = getattr(mx, args.dtype)
+    kernel = qp.QuantizedProductKernel(where)
+    rows = []
+    for model in args.models.split(","):
+        if model not in QUANTIZED:
+            raise SystemExit(f"unknown model {model!r}; use one of {', '.join(QUANTIZED)}.")
+        (bits, group, mode), products = QUANTIZED[model]
+        quant = dict(bits=bits, group=group, mode=mode)
+        for name, n, k in products:
+            variant = qp.Variant(dtype, mode, bits, group, k, n > qp.WIDE or k > qp.WIDE)
+            check = qp.self_check(where, variant)
+            weights = [random_quantized(n, k, bits, group, mode, dtype, seed=i) for i in range(args.repeat)]
+            mx.eval(weights)
+            for m in [int(r) for r in args.rows.split(",")]:
+                x = mx.random.normal((m, k)).astype(dtype)
+                one = x[:1]
+                mx.eval(x, one)
+                w, sc, bi = weights[0]
+                got = kernel(x, w, sc, bi, **quant)
+                want = qp.one_row_products(x, w, sc, bi, **quant)
+                exact = mx.array_equal(got, want, equal_nan=True).item()
+                sides = {
+                    f"kernel {m} rows": lambda i: kernel(x + i, *weights[i], **quant),
+                    f"mlx {m} rows": lambda i: mx.quantized_matmul(
+                        x + i, *weights[i], transpose=True, group_size=group, bits=bits, mode=mode
+                    ),
+                    "mlx 1 row": lambda i: mx.quantized_matmul(
+                        one + i, *weights[i], transpose=True, group_size=group, bits=bits, mode=mode
+                    ),
+                }
+                for rnd in range(args.repeat_rounds):
+                    for side, make in sides.items():
+                        r = measure(make, args.repeat, args.runs)
+                        rows.append(
+                            {
+                                "model": model,
+                                "product": name,
+                                "n": n,
+                                "k": k,
+                                "rows": m,
+                                "side": side,
+                                "round": rnd,
+                                "check": "passed" if check.ok else f"FAILED: {check.detail}",
+                                "exact": exact,
+                                **{key: round(v, 1) for key, v in r.items()},
+                            }
+                        )
+            weights.clear()
+    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})"
+    if args.json:
+        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+        return
+    print(machine)
+    print(
+        f"{args.dtype} rows, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})"
+    )
+    print(f"{'model':<12} {'product':<11} {'N x K':>12} {'side':>15} {'total':>8} {'launch':>7}  exact  check")
+    for r in rows:
+        print(
+            f"{r['model']:<12} {r['product']:<11} {str(r['n']) + 'x' + str(r['k']):>12} {r['side']:>15} "
+            f"{r['total_us']:>8.1f} {r['launch_us']:>7.1f}  {str(r['exact']):<5}  {r['check']}"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -73,7 +187,11 @@ def main():
         "(e.g. 1,8,8:2,16,4); the default choice always runs",
     )
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quantized", action="store_true", help="time the quantized verify product (Metal or CUDA)")
+    ap.add_argument("--models", default="qwen3-8b,gpt-oss-20b", help="with --quantized: " + ", ".join(QUANTIZED))
     args = ap.parse_args()
+    if args.quantized:
+        return quantized_main(args)
 
     from dflash_mlx.kernels.cuda import products as bp
 

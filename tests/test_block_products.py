@@ -615,3 +615,41 @@ def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_tra
         got_keys, got_values = c.state
         assert rel_err(got_keys[:, :, :6], keys) < 2e-2 and rel_err(got_values[:, :, :6], values) < 2e-2
     nr.reset()
+
+
+def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, capsys):
+    """benchmarks/block_products.py --quantized on a pretend GPU (a kernel
+    computing each row as MLX's one-row product): every product's three sides
+    are timed, its check passes and its rows are reported exact."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from dflash_mlx.kernels import quantized as qp
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_products.py"
+    spec = importlib.util.spec_from_file_location("block_products_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Exact:
+        def __init__(self, where):
+            pass
+
+        def __call__(self, x, weight, scales, biases, *, bits, group, mode):
+            return qp.one_row_products(x, weight, scales, biases, bits=bits, group=group, mode=mode)
+
+    qp.reset()
+    monkeypatch.setattr(qp, "backend", lambda: "fake")
+    monkeypatch.setitem(qp.BUILDERS, "fake", Exact)
+    monkeypatch.setattr(qp, "QuantizedProductKernel", Exact)
+    monkeypatch.setitem(bench.QUANTIZED, "qwen3-8b", ((4, 64, "affine"), [("o", 64, 512)]))
+    monkeypatch.setitem(bench.QUANTIZED, "gpt-oss-20b", ((4, 32, "mxfp4"), [("o", 32, 2880)]))
+    argv = ["block_products.py", "--quantized", "--rows", "3", "--repeat", "2", "--runs", "1", "--repeat-rounds", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    qp.reset()
+    lines = [line for line in capsys.readouterr().out.splitlines() if " rows " in line or " row " in line]
+    assert len(lines) == 6, lines  # two products, three sides each
+    assert all(line.rstrip().endswith("True   passed") for line in lines), lines
+    assert {line.split()[3] for line in lines} == {"kernel", "mlx"}
