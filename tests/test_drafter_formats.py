@@ -108,14 +108,23 @@ def _backbone(zcfg: dict) -> dict:
 
 
 def write_speculators(
-    path: Path, zcfg: dict, weights: dict, model, *, reduced: bool = True, dflash2: bool = False, **override
+    path: Path,
+    zcfg: dict,
+    weights: dict,
+    model,
+    *,
+    reduced: bool = True,
+    dflash2: bool = False,
+    kept: list[int] = INCLUDED,
+    **override,
 ) -> Path:
     """A speculators checkpoint of the Z Lab drafter (zcfg, weights) for the
     target ``model``: its config field set, the verifier's embedding and head
-    rows saved beside the body, d2t offsets and the t2d mask."""
+    rows saved beside the body, d2t offsets and the t2d mask of the draft
+    vocabulary ``kept`` (``reduced`` False: the full vocabulary)."""
     dflash = zcfg["dflash_config"]
-    vocab = TCFG["vocab_size"]
-    kept = INCLUDED if reduced else list(range(vocab))
+    vocab = zcfg["vocab_size"]
+    kept = kept if reduced else list(range(vocab))
     raw = {
         "architectures": ["DFlash2Speculator" if dflash2 else "DFlashSpeculator"],
         "speculators_model_type": "dflash2" if dflash2 else "dflash",
@@ -348,6 +357,48 @@ def test_dflash2_reduced_vocabulary_proposes_through_its_codebook_rows(tmp_path,
         assert mx.all(q[:, mx.array(EXCLUDED)] == 0).item() and mx.allclose(q.sum(-1), mx.ones(4)).item()
     for prompt in PROMPTS:
         assert cycles(target, spec, prompt)[0] == greedy_reference(target, prompt, 32)
+
+
+def test_sampling_through_a_reduced_vocabulary_keeps_the_target_distribution(tmp_path):
+    """stream_generate at temperature 1 with a speculators DFlash 2 drafter
+    that never drafts token 3: sampled proposals over the target's vocabulary
+    (zero outside the draft tokens), accepted by min(1, p/q); the sequences
+    follow the target's own distribution, token 3 included."""
+    from test_dflash2 import check_sequence_distribution
+
+    tcfg = target_config("qwen3", vocab=6, layers=3, hidden=32)
+    model = make_target(tcfg, seed=7)
+    model.update({"model": {"norm": {"weight": mx.full((32,), 1.5)}}})
+    cfg = dflash2_config(tcfg, layers=1, block_size=3, taps=(1,), mask_token_id=5, selector_top_k=3, selector_rank=16)
+    cfg["dflash_config"].pop("output_multiplier")
+    cfg["dflash_config"].pop("final_logit_softcapping")
+    path = write_speculators(
+        tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), model, dflash2=True, kept=[0, 1, 2, 4, 5]
+    )
+    draft = load_draft(path)
+    tok = make_tokenizer(6)
+    seen = set()
+
+    def sample(prompt, length, seed):
+        responses = list(
+            stream_generate(model, draft, tok, prompt, max_tokens=length, temperature=1.0, block_size=3, seed=seed)
+        )
+        tokens = [t for r in responses for t in r.tokens]
+        seen.update(tokens)
+        return (
+            tokens,
+            sum(r.accepted for r in responses[1:]),
+            sum(r.accepted < r.block_size - 1 for r in responses[1:]),
+        )
+
+    check_sequence_distribution(model, sample)
+    assert 3 in seen  # the target still says what its drafter cannot
+
+    def seeded():
+        run = stream_generate(model, draft, tok, [1, 2], max_tokens=12, temperature=1.0, block_size=3, seed=4)
+        return [t for r in run for t in r.tokens]
+
+    assert seeded() == seeded()
 
 
 # -- converting each format ----------------------------------------------------------------
