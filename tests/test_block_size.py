@@ -427,7 +427,7 @@ def test_each_call_is_a_new_reply(agreeing_pair):
     feed(chooser, 0.0, lambda b: chooser._seconds(b, times) * (1 if b == 1 else 2), 200)
     assert chooser.choose() == 1
     responses = list(stream_generate(model, draft, tok, [1, 2, 3], max_tokens=80, block_size="auto"))
-    assert responses[1].block_size == 16
+    assert responses[1].block_size > 1  # a drafting run (the block the times measured here favour)
     assert sum(r.block_size > 1 for r in responses[1:]) > 0.8 * (len(responses) - 1)
 
 
