@@ -15,7 +15,7 @@ from mlx_lm.models.gemma3_text import clip_residual
 
 from ..kv.buffer import BufferKVCache
 from ..layers.attention import attention, prepare
-from ..layers.blocks import attend
+from ..layers.blocks import attend, own_projections
 from .base import DenseTarget
 
 
@@ -42,13 +42,11 @@ class Gemma3Target(DenseTarget):
 def gemma3_block(layer: nn.Module, window: int | None) -> Callable:
     """mlx-lm's gemma3_text TransformerBlock forward (h, mask, cache) -> h."""
     attn = layer.self_attn
+    qkv = own_projections(attn)
 
     def forward(h: mx.array, mask, cache) -> mx.array:
-        x = layer.input_layernorm(h)
-        B, L, _ = x.shape
-        q = attn.q_proj(x).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = attn.v_proj(x).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        B, L, _ = h.shape
+        q, k, v = (p.reshape(B, L, -1, attn.head_dim).swapaxes(1, 2) for p in qkv(h, layer.input_layernorm))
         q, k = attn.q_norm(q), attn.k_norm(k)
         out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
         h = clip_residual(h, layer.post_attention_layernorm(attn.o_proj(out)))

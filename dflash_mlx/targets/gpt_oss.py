@@ -7,7 +7,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..layers.blocks import attend
+from ..layers.blocks import attend, own_projections
 from .base import DenseTarget
 
 
@@ -19,22 +19,17 @@ class GptOssTarget(DenseTarget):
         return [window if t == "sliding_attention" else None for t in self.inner.layer_types]
 
     def layer_block(self, layer: nn.Module, window: int | None) -> Callable:
-        return block(layer, window)
+        """mlx-lm's gpt_oss TransformerBlock forward (h, mask, cache) -> h."""
+        attn = layer.self_attn
+        qkv = own_projections(attn)
 
+        def forward(h: mx.array, mask, cache) -> mx.array:
+            B, L, _ = h.shape
+            q, k, v = (p.reshape(B, L, -1, attn.head_dim).swapaxes(1, 2) for p in qkv(h, layer.input_layernorm))
+            out = attend(
+                attn.rope, q, k, v, cache=cache, scale=attn.sm_scale, mask=mask, window=window, sinks=attn.sinks
+            )
+            h = h + attn.o_proj(out)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
 
-def block(layer: nn.Module, window: int | None) -> Callable:
-    """mlx-lm's gpt_oss TransformerBlock forward (h, mask, cache) -> h."""
-    attn = layer.self_attn
-
-    def forward(h: mx.array, mask, cache) -> mx.array:
-        x = layer.input_layernorm(h)
-        B, L, _ = x.shape
-        D = attn.head_dim
-        q = attn.q_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
-        k = attn.k_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
-        v = attn.v_proj(x).reshape(B, L, -1, D).swapaxes(1, 2)
-        out = attend(attn.rope, q, k, v, cache=cache, scale=attn.sm_scale, mask=mask, window=window, sinks=attn.sinks)
-        h = h + attn.o_proj(out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    return forward
+        return forward
