@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from convert_fixtures import assert_clean_failure, cli
+from convert_fixtures import PUBLISHED, assert_clean_failure, assistant_files, cli, published_drafter, speculators_files
 from mlx.utils import tree_flatten
 from test_dflash2 import dflash2_config, random_dflash2_weights
 from tiny import (
@@ -84,124 +84,11 @@ def zlab_v1_config(**extra) -> dict:
     return cfg
 
 
-# -- writers: one set of weights, each format's files -------------------------------------
-
-
-def _backbone(zcfg: dict) -> dict:
-    """transformer_layer_config as speculators saves it: Qwen3Config's diff
-    against its defaults (rms_norm_eps 1e-6 and the rope left out), Z Lab's
-    non-transformer keys stripped."""
-    keep = (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "layer_types",
-        "sliding_window",
-        "rope_parameters",
-    )
-    return {"model_type": "qwen3", **{k: zcfg[k] for k in keep if k in zcfg}, "torch_dtype": "float32"}
-
-
-def write_speculators(
-    path: Path,
-    zcfg: dict,
-    weights: dict,
-    model,
-    *,
-    reduced: bool = True,
-    dflash2: bool = False,
-    kept: list[int] = INCLUDED,
-    **override,
-) -> Path:
-    """A speculators checkpoint of the Z Lab drafter (zcfg, weights) for the
-    target ``model``: its config field set, the verifier's embedding and head
-    rows saved beside the body, d2t offsets and the t2d mask of the draft
-    vocabulary ``kept`` (``reduced`` False: the full vocabulary)."""
-    dflash = zcfg["dflash_config"]
-    vocab = zcfg["vocab_size"]
-    kept = kept if reduced else list(range(vocab))
-    raw = {
-        "architectures": ["DFlash2Speculator" if dflash2 else "DFlashSpeculator"],
-        "speculators_model_type": "dflash2" if dflash2 else "dflash",
-        "speculators_version": "0.5.0",
-        "transformer_layer_config": _backbone(zcfg),
-        "draft_vocab_size": len(kept),
-        "block_size": dflash.get("block_size", zcfg.get("block_size")),
-        "target_hidden_size": None,
-        "aux_hidden_state_layer_ids": [t + 1 for t in dflash["target_layer_ids"]],
-        "mask_token_id": dflash["mask_token_id"],
-        "sliding_window_non_causal": zcfg.get("is_causal") is False,
-        "sample_from_anchor": False,
-        "speculators_config": {
-            "algorithm": "dflash2" if dflash2 else "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": "google/gemma-4-31B-it", "architectures": ["Qwen3ForCausalLM"]},
-        },
-        "torch_dtype": "float32",
-    }
-    if dflash2:
-        raw.update({k: dflash[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
-    raw.update(override)
-    rows = mx.array(kept)
-    tensors = dict(weights)
-    for name in CODEBOOKS:
-        if name in tensors:
-            tensors[name] = tensors[name][rows]
-    tensors["embed_tokens.weight"] = model.model.embed_tokens.weight
-    tensors["lm_head.weight"] = model.lm_head.weight[rows]
-    if reduced:
-        tensors["d2t"] = (rows - mx.arange(len(kept))).astype(mx.int64)
-        tensors["t2d"] = mx.zeros((vocab,), mx.bool_).at[rows].add(True)
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), tensors, metadata={"format": "pt"})
-    return path
-
-
-def write_assistant(path: Path, zcfg: dict, weights: dict, prefix: str = "model.") -> Path:
-    """A transformers-native assistant checkpoint: the field set of Z Lab's
-    assistant-config.json fixture, the context projection as encoder.*,
-    the tensors under ``prefix``."""
-    dflash = zcfg["dflash_config"]
-    raw = {
-        "architectures": ["MuseGlimmerAssistantModel"],
-        "attention_dropout": 0,
-        "block_size": zcfg["block_size"],
-        "bos_token_id": 0,
-        "dtype": "float32",
-        "eos_token_id": 1,
-        "head_dim": zcfg["head_dim"],
-        "hidden_act": "silu",
-        "hidden_size": zcfg["hidden_size"],
-        "intermediate_size": zcfg["intermediate_size"],
-        "layer_types": zcfg["layer_types"],
-        "mask_token_id": dflash["mask_token_id"],
-        "max_position_embeddings": zcfg["max_position_embeddings"],
-        "model_type": "muse_glimmer_assistant",
-        "num_attention_heads": zcfg["num_attention_heads"],
-        "num_hidden_layers": zcfg["num_hidden_layers"],
-        "num_key_value_heads": zcfg["num_key_value_heads"],
-        "pad_token_id": 2,
-        "rms_norm_eps": zcfg["rms_norm_eps"],
-        "rope_parameters": {"rope_theta": zcfg["rope_theta"], "rope_type": "default"},
-        "sliding_window": zcfg["sliding_window"],
-        "target_layer_ids": dflash["target_layer_ids"],
-        "transformers_version": "5.15.0.dev0",
-    }
-    renamed = {
-        prefix + k.replace("hidden_norm.", "encoder.output_norm_enc.").replace("fc.", "encoder.fc.", 1): v
-        for k, v in weights.items()
-    }
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), renamed, metadata={"format": "pt"})
-    return path
+def write_speculators(path: Path, zcfg: dict, weights: dict, model, *, reduced: bool = True, **kw) -> Path:
+    """A speculators checkpoint for the target ``model``: its embedding and
+    the head rows of the draft vocabulary (``reduced`` False: all of it)."""
+    kept = kw.pop("kept", INCLUDED) if reduced else None
+    return speculators_files(path, zcfg, weights, model.model.embed_tokens.weight, model.lm_head.weight, kept, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +101,8 @@ def layouts(tmp_path_factory, target):
         "zlab": write_zlab_draft(root / "zlab", zcfg, weights, dtype=mx.float32),
         "speculators": write_speculators(root / "spec", zcfg, weights, target),
         "speculators-full": write_speculators(root / "spec-full", zcfg, weights, target, reduced=False),
-        "assistant": write_assistant(root / "assistant", zcfg, weights),
-        "assistant-flat": write_assistant(root / "assistant-flat", zcfg, weights, prefix=""),
+        "assistant": assistant_files(root / "assistant", zcfg, weights),
+        "assistant-flat": assistant_files(root / "assistant-flat", zcfg, weights, prefix=""),
         # Miswired on purpose: Z Lab's layer ids written as aux ids (one layer early).
         "off-by-one": write_speculators(root / "off", zcfg, weights, target, aux_hidden_state_layer_ids=[1, 4]),
     }
@@ -308,7 +195,7 @@ def test_dflash2_layouts_accept_the_same_counts(tmp_path, target):
     zcfg = _without_logit_scaling(dflash2_config(TCFG, taps=(1, 4), block_size=5))
     weights = random_dflash2_weights(zcfg, seed=2)
     zlab = load_draft(write_zlab_draft(tmp_path / "zlab", zcfg, weights, dtype=mx.float32))
-    spec = load_draft(write_speculators(tmp_path / "spec", zcfg, weights, target, reduced=False, dflash2=True))
+    spec = load_draft(write_speculators(tmp_path / "spec", zcfg, weights, target, reduced=False))
     assert type(spec) is type(zlab) and spec.config.selector_top_k == zlab.config.selector_top_k
     for prompt in PROMPTS:
         tokens, steps = cycles(target, spec, prompt)
@@ -333,7 +220,7 @@ def test_dflash2_reduced_vocabulary_proposes_through_its_codebook_rows(tmp_path,
     (and an outside anchor by the row before it, as speculators trains)."""
     zcfg = _without_logit_scaling(dflash2_config(TCFG, taps=(1, 4), block_size=5))
     weights = random_dflash2_weights(zcfg, seed=6)
-    spec = load_draft(write_speculators(tmp_path / "spec", zcfg, weights, target, dflash2=True))
+    spec = load_draft(write_speculators(tmp_path / "spec", zcfg, weights, target))
     bound = adapt(target)
     spec.bind(bound)
     rows = codebook_rows(mx.array(INCLUDED), 48)
@@ -372,9 +259,7 @@ def test_sampling_through_a_reduced_vocabulary_keeps_the_target_distribution(tmp
     cfg = dflash2_config(tcfg, layers=1, block_size=3, taps=(1,), mask_token_id=5, selector_top_k=3, selector_rank=16)
     cfg["dflash_config"].pop("output_multiplier")
     cfg["dflash_config"].pop("final_logit_softcapping")
-    path = write_speculators(
-        tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), model, dflash2=True, kept=[0, 1, 2, 4, 5]
-    )
+    path = write_speculators(tmp_path / "d", cfg, random_dflash2_weights(cfg, seed=8), model, kept=[0, 1, 2, 4, 5])
     draft = load_draft(path)
     tok = make_tokenizer(6)
     seen = set()
@@ -534,3 +419,40 @@ def test_registry_names_every_published_drafter_its_family_and_format():
     assert KNOWN_PAIRS["google/gemma-4-31B-it"] == "z-lab/gemma-4-31B-it-DFlash"
     assert all(drafter_format(d) in formats.FORMATS for _, d in pairs)
     assert all(t in FAMILIES for t, _ in pairs)
+
+
+_DEEP_TARGETS: dict[int, object] = {}
+
+
+@pytest.mark.parametrize("drafter", sorted({d for _, d in known_pairs()}))
+def test_every_registry_drafter_loads_its_fixture(tmp_path, drafter):
+    """Each drafter the registry names, at tiny width in its format's field
+    set with its published structure, loads as that format, fits a target
+    of its target's depth, and drafts a block."""
+    facts = PUBLISHED[drafter]
+    path = published_drafter(tmp_path / "d", drafter)
+    assert formats.drafter_format(json.loads((path / "config.json").read_text())) == drafter_format(drafter)
+    draft = load_draft(path)
+    cfg = draft.config
+    assert (cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids) == (
+        facts.layers,
+        facts.block,
+        list(facts.taps),
+    )
+    windows = [layer.self_attn.window for layer in draft.layers]
+    assert windows == [facts.window] * facts.sliding + [None] * (facts.layers - facts.sliding)
+    assert cfg.num_target_layers in (None, facts.target_layers)
+    if facts.target_layers not in _DEEP_TARGETS:
+        deep = target_config("qwen3", vocab=48, layers=facts.target_layers)
+        _DEEP_TARGETS[facts.target_layers] = adapt(make_target(deep))
+    draft.bind(_DEEP_TARGETS[facts.target_layers])
+    mx.random.seed(0)
+    taps = mx.random.normal((1, 5, len(facts.taps) * 64))
+    block = mx.array([[4] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+    if draft.selects_candidates:
+        drafts, _ = draft.propose(block, taps, draft.make_cache())
+    else:
+        drafts = mx.argmax(draft(block, taps, draft.make_cache())[0], axis=-1)
+    assert drafts.shape == (cfg.block_size - 1,) and mx.all((drafts >= 0) & (drafts < 48)).item()
+    if cfg.draft_vocab_size:  # drafts only from the draft vocabulary
+        assert all(t % 2 == 0 or t == 47 for t in drafts.tolist())
