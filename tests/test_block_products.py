@@ -636,7 +636,7 @@ def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, ca
         def __init__(self, where):
             pass
 
-        def __call__(self, x, weight, scales, biases, *, bits, group, mode):
+        def __call__(self, x, weight, scales, biases, *, bits, group, mode, fused=False):
             return qp.one_row_products(x, weight, scales, biases, bits=bits, group=group, mode=mode)
 
     qp.reset()

@@ -47,7 +47,7 @@ class FakeKernel:
         self.nudge = nudge  # added to one output: a kernel one rounding off
         self.rows = []
 
-    def __call__(self, x, weight, scales, biases, *, bits, group, mode):
+    def __call__(self, x, weight, scales, biases, *, bits, group, mode, fused=False):
         *lead, k = x.shape
         self.rows.append(x.size // k)
         flat = x.reshape(-1, k)
@@ -164,7 +164,7 @@ def test_each_launch_covers_every_row_and_output_once(backend_name, rows):
     assert gx // 64 * 2 * rs == 96  # two simdgroups a threadgroup, rs outputs each
     assert (gy - 1) * mr < rows <= gy * mr
     assert template["T"] == mx.bfloat16 and template["S"] == mx.bfloat16 and not template["MXFP4"]
-    assert template["PACKS"] == 2
+    assert template["PACKS"] == 2 and not template["FUSED"]
     assert launch["inputs"][0].shape == (rows, 1024)
 
 
@@ -309,5 +309,32 @@ def test_every_variant_is_recorded_for_the_check_scripts():
     assert len(quants) == 2 * (len(qp.AFFINE_BITS) * len(qp.GROUPS) + 1)
     assert (mx.bfloat16, mx.uint8, 4, 32, True) in quants
     assert {values[5] for values in recorded} == {1, 2}  # words a lane a step
-    tiles = {values[6:] for values in recorded}
+    assert {values[6] for values in recorded} == {False}  # (FUSED: CUDA's alone)
+    tiles = {values[7:] for values in recorded}
     assert tiles == {(4, 4), (8, 2), (16, 1), (32, 1)}
+
+
+def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matches(fake_gpu, monkeypatch):
+    """CUDA's affine dequantization may be one rounding or two in MLX's binary
+    (ptxas may fuse an unrounded multiply and add): the check tries both, in
+    order, and the products use the one that matched; mxfp4 has no bias to add."""
+    calls = []
+
+    class OneWay(FakeKernel):
+        def __call__(self, x, weight, scales, biases, *, bits, group, mode, fused=False):
+            calls.append(fused)
+            self.nudge = 0.0 if fused else 1.0  # only the fused dequantization matches
+            return super().__call__(x, weight, scales, biases, bits=bits, group=group, mode=mode)
+
+    fake_gpu(OneWay())
+    monkeypatch.setitem(qp.DEQUANTIZATIONS, "fake", (False, True))
+    module = quantized_linear(512, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_quantized(module, mx.bfloat16)
+    (result,) = qp._checks.values()
+    assert result.ok and result.fused
+    assert calls[0] is False and calls[-1] is True
+    calls.clear()
+    x = rows_of(5, 512)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x)) and calls == [True]

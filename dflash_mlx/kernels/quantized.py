@@ -66,6 +66,7 @@ class QuantizedCheck:
     variant: Variant
     ok: bool
     detail: str
+    fused: bool = False  # the dequantization in one rounding matched (CUDA)
 
     @property
     def case(self) -> str:
@@ -126,8 +127,10 @@ class QuantizedProductKernel:
         bits: int,
         group: int,
         mode: str,
+        fused: bool = False,
     ) -> mx.array:
-        """x [..., K] of 2-32 rows times the quantized [N, K] weight: [..., N]."""
+        """x [..., K] of 2-32 rows times the quantized [N, K] weight: [..., N].
+        ``fused``: CUDA's affine dequantization in one rounding (see quantized_source)."""
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
@@ -142,6 +145,7 @@ class QuantizedProductKernel:
                 ("GROUP", group),
                 ("MXFP4", mode == "mxfp4"),
                 ("PACKS", words),
+                ("FUSED", fused and self.backend == "cuda" and mode == "affine"),
                 ("MR", mr),
                 ("RS", rs),
             ],
@@ -222,6 +226,10 @@ def use_quantized_kernel(where: str, variant: Variant) -> bool:
     return result is not None and result.ok
 
 
+# The dequantizations a backend's check tries, in order (quantized_source: FUSED).
+DEQUANTIZATIONS = {"cuda": (False, True)}
+
+
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
     None (the caller runs MLX's product); never checks."""
@@ -242,6 +250,7 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
         bits=variant.bits,
         group=variant.group,
         mode=variant.mode,
+        fused=_checks[(where, variant)].fused,
     )
     return y + module["bias"] if "bias" in module else y
 
@@ -273,14 +282,24 @@ def check_cases(variant: Variant):
 
 
 def self_check(where: str, variant: Variant) -> QuantizedCheck:
-    """The kernel's rows against MLX's one-row products of the same rows, bit for bit."""
+    """The kernel's rows against MLX's one-row products of the same rows, bit
+    for bit; on CUDA (affine) with each dequantization in turn, keeping the first that matches."""
+    tries = DEQUANTIZATIONS.get(where, (False,)) if variant.mode == "affine" else (False,)
+    for fused in tries:
+        result = _check_once(where, variant, fused)
+        if result.ok:
+            break
+    return result
+
+
+def _check_once(where: str, variant: Variant, fused: bool) -> QuantizedCheck:
     try:
         kernel = _kernels.get(where)
         if kernel is None:
             kernel = _kernels[where] = BUILDERS[where](where)
         quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
         for x, weight, scales, biases in check_cases(variant):
-            got = kernel(x, weight, scales, biases, **quant)
+            got = kernel(x, weight, scales, biases, **quant, fused=fused)
             want = one_row_products(x, weight, scales, biases, **quant)
             if got.shape != want.shape:
                 return QuantizedCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
@@ -288,8 +307,8 @@ def self_check(where: str, variant: Variant) -> QuantizedCheck:
                 differ = (got != want).sum().item()
                 worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
                 detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
-                return QuantizedCheck(where, variant, False, detail)
-        return QuantizedCheck(where, variant, True, "every row equal to MLX's one-row product")
+                return QuantizedCheck(where, variant, False, detail, fused)
+        return QuantizedCheck(where, variant, True, "every row equal to MLX's one-row product", fused)
     except Exception as e:  # a build or launch error: the kernel is not used
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return QuantizedCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
@@ -327,4 +346,6 @@ def record_variants(factory, backend_name: str) -> None:
             scales = mx.zeros((n, k // group), scales_dtype)
             biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None
             for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
-                kernel(mx.zeros((1, rows, k), dtype), weight, scales, biases, bits=bits, group=group, mode=mode)
+                for fused in DEQUANTIZATIONS.get(backend_name, (False,)):
+                    x = mx.zeros((1, rows, k), dtype)
+                    kernel(x, weight, scales, biases, bits=bits, group=group, mode=mode, fused=fused)

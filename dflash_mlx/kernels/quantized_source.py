@@ -43,7 +43,11 @@ before use, see quantized.py):
   dequantized in that type (``__hmul2`` by the scale, ``__hadd2`` of the bias),
   then ``__hfma2`` into its accumulator; 8-bit weights dequantize alike and
   keep float accumulators (``fmaf`` of the float-converted x and weight). The
-  lane's total is its accumulators added in order in float.
+  lane's total is its accumulators added in order in float. On sm90 those
+  ``__hmul2`` and ``__hadd2`` are PTX ``mul``/``add`` without a rounding
+  modifier, which ptxas may fuse into one ``fma``: the dequantization here is
+  either (FUSED) one ``__hfma2`` or ``__hmul2_rn`` then ``__hadd2_rn`` (never
+  fused), and the self-check keeps whichever matches MLX's binary.
 - Across the simdgroup: Metal ``simd_sum``; CUDA ``cg::reduce`` over the warp,
   a butterfly ``v + shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1 (HEADER's
   ``simd_sum``). Then one rounding to the activation's type.
@@ -145,7 +149,7 @@ inline float qv_qdot_fp4(thread const uint32_t* w, const thread float* x_thread,
 }
 inline float qv_scale(uint8_t e) { return qv_e8m0(e); }
 template <typename S> inline float qv_scale(S s) { return s; }
-template <typename T, int BITS, bool MXFP4, int VPT, typename S>
+template <typename T, int BITS, bool MXFP4, int VPT, bool FUSED, typename S>
 inline void qv_add(thread float& result, thread const qv_x& xs, thread const uint32_t* w, S sc, T bi) {
   typedef float U;
   U s = qv_scale(sc);
@@ -188,7 +192,7 @@ template <typename T> __device__ __forceinline__ T qv_scale_as(uint8_t e) {
   return from_float<T>(__uint_as_float(e == 0 ? 0x400000u : unsigned(e) << 23));
 }
 template <typename T> __device__ __forceinline__ T qv_scale_as(T s) { return s; }
-template <typename T, int BITS, bool MXFP4, int VPT, typename S>
+template <typename T, int BITS, bool MXFP4, int VPT, bool FUSED, typename S>
 __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const uint32_t* w, S sc, T bi) {
   typedef typename qv_two<T>::type T2;
   const T s = qv_scale_as<T>(sc);
@@ -198,8 +202,7 @@ __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const u
     for (int i = 0; i < 8; i += 2) {
       T2 q = qv_pair(from_float<T>(float((w[i / 4] >> (8 * (i % 4))) & 0xffu)),
                      from_float<T>(float((w[i / 4] >> (8 * (i % 4 + 1))) & 0xffu)));
-      q = __hmul2(q, s2);
-      q = __hadd2(q, b2);
+      q = FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
       a.f[i] = __fmaf_rn(to_float(xs.v[i]), to_float(q.x), a.f[i]);
       a.f[i + 1] = __fmaf_rn(to_float(xs.v[i + 1]), to_float(q.y), a.f[i + 1]);
     }
@@ -209,8 +212,7 @@ __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const u
       const unsigned hi = (w[i / 8] >> (4 * (i % 8 + 1))) & 0xfu;
       T2 q = MXFP4 ? qv_pair(from_float<T>(qv_fp4(lo)), from_float<T>(qv_fp4(hi)))
                    : qv_pair(from_float<T>(float(lo)), from_float<T>(float(hi)));
-      q = __hmul2(q, s2);
-      if (!MXFP4) q = __hadd2(q, b2);
+      q = MXFP4 ? __hmul2_rn(q, s2) : FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
       a.h[i / 2] = __hfma2(qv_pair(xs.v[i], xs.v[i + 1]), q, a.h[i / 2]);
     }
   }
@@ -234,6 +236,7 @@ __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
 
 # Template constants: T (activations' dtype), S (scales' dtype: T, or uint8 for
 # mxfp4's e8m0), BITS, GROUP, MXFP4, PACKS (uint32 words a lane takes a step),
+# FUSED (CUDA's affine dequantization in one rounding; Metal's reads none),
 # MR (x rows a threadgroup), RS (outputs a simdgroup). x [rows, K]
 # row-contiguous; w [N, K * BITS / 32] uint32; scales and biases [N, K / GROUP]
 # (biases: any T array for mxfp4, never read). N is whole threadgroups of
@@ -267,7 +270,7 @@ BODY = """
       if (m0 + m < M) {
         QV_X xs;
         qv_load<T, BITS, MXFP4, VPT>(xs, x + (m0 + m) * K + k);
-        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT>(acc[m][r], xs, wq[r], sc[r], bi[r]);
+        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT, FUSED>(acc[m][r], xs, wq[r], sc[r], bi[r]);
       }
     }
   }
