@@ -162,6 +162,30 @@ def test_sliding_causality_follows_the_speculators_flag(tmp_path, target):
     assert [layer.self_attn.causal for layer in zlab.layers] == [True, False]
 
 
+def test_saved_or_absent_verifier_tensors_load_alike(tmp_path, layouts, target):
+    """A full-vocabulary speculators drafter drafts through the target's head
+    whether its embedding and head copies are saved, absent, or joined by
+    the trainer's verifier_lm_head / verifier_norm."""
+    src = layouts["speculators-full"]
+    bare = _edited(tmp_path, src, None, lambda w: (w.pop("lm_head.weight"), w.pop("embed_tokens.weight")))
+    extra = _edited(
+        tmp_path,
+        src,
+        None,
+        lambda w: w.update({"verifier_lm_head.weight": w["lm_head.weight"], "verifier_norm.weight": mx.ones((64,))}),
+    )
+    bound = adapt(target)
+    mx.random.seed(0)
+    taps = mx.random.normal((1, 9, 2 * TCFG["hidden_size"]))
+    block = mx.array([[5] + [MASK] * 5])
+    want = load_draft(layouts["zlab"]).bind(bound)
+    want = want(block, taps, want.make_cache())
+    for path in (src, bare, extra):
+        draft = load_draft(path).bind(bound)
+        assert not hasattr(draft, "lm_head")
+        assert mx.array_equal(draft(block, taps, draft.make_cache()), want).item()
+
+
 def test_reduced_vocabulary_logits_are_the_targets_over_its_tokens(layouts, target):
     bound = adapt(target)
     zlab, spec = load_draft(layouts["zlab"]).bind(bound), load_draft(layouts["speculators"]).bind(bound)

@@ -216,6 +216,7 @@ class CandidateSelector(nn.Module):
         anchor: mx.array,
         temperature: float = 0.0,
         key: mx.array | None = None,
+        *,
         rows: mx.array | None = None,
     ):
         """hidden [n, H], logits [n, V] of block positions 1..n; anchor the last
@@ -285,7 +286,7 @@ class DFlash2Draft(DFlashDraft):
         hidden = self.hidden_states(block, taps, cache, fused)
         logits = self.logits(hidden)
         drafts, candidates, q = self.candidate_selector(
-            hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key, self._rows
+            hidden.squeeze(0), logits.squeeze(0), block[0, 0], temperature, key, rows=self._rows
         )
         if q is not None:
             q = mx.put_along_axis(mx.zeros(logits.shape[1:], mx.float32), candidates, q, axis=-1)
