@@ -12,7 +12,7 @@ import warnings
 import httpx
 import pytest
 from family_models import family_config, make_family_target
-from test_server_fixtures import chat_pair, serving  # noqa: F401
+from test_server_fixtures import chat_pair, kv_pair, serving  # noqa: F401
 from tiny import draft_config, greedy_reference, make_draft, make_target, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
@@ -264,3 +264,37 @@ def test_the_server_reuses_a_prefix_across_a_restart_and_counts_it(chat_pair, tm
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 190
     assert again["choices"][0]["text"] == second["choices"][0]["text"]
     assert first["choices"][0]["text"]
+
+
+def test_serve_refuses_prefix_cache_flags_it_cannot_use_in_one_sentence(kv_pair, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import dflash_mlx.server
+    from dflash_mlx.cli.app import app
+
+    def started(*args, **kwargs):  # a refusal that failed ends here, not in a server that waits
+        raise RuntimeError("the server was started")
+
+    monkeypatch.setattr(dflash_mlx.server, "run", started)
+    target, draft, _ = kv_pair
+    (tmp_path / "a-file").write_text("")
+    for flags, words in [
+        (["--prefix-cache-gb", "0"], "error: --prefix-cache-gb must be more than 0, got 0."),
+        (["--max-kv-size", "32"], "cannot hold bounded caches (--max-kv-size); leave out one of the two."),
+    ]:
+        result = CliRunner().invoke(
+            app,
+            ["serve", "--model", str(target), "--draft-model", str(draft), "--prefix-cache-dir", str(tmp_path), *flags],
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1"},
+        )
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 1 and words in said and "Traceback" not in result.output, (flags, result.output)
+    result = CliRunner().invoke(
+        app,
+        ["serve", "--model", str(target), "--draft-model", str(draft), "--prefix-cache-dir", str(tmp_path / "a-file")],
+        prog_name="dflash-mlx",
+        env={"COLUMNS": "200", "HF_HUB_OFFLINE": "1"},
+    )
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "cannot be made" in said and said.endswith("choose another."), result.output

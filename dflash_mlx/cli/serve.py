@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -31,6 +32,28 @@ Then point any OpenAI or Anthropic client at http://127.0.0.1:8080/v1 (see docs/
 
 # The server's sampling flags: no XTC or --num-draft-tokens here.
 SAMPLING_FLAGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "block_size")
+
+PrefixCacheDir = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--prefix-cache-dir",
+        help="Keep prompt caches on disk in this directory too, across requests and restarts "
+        "(e.g. ~/.cache/dflash-mlx/prefix-cache); off without it.",
+        show_default=False,
+    ),
+]
+PrefixCacheGB = Annotated[
+    float,
+    typer.Option(
+        "--prefix-cache-gb", help="Most the --prefix-cache-dir directory holds, in GB (least recently used out)."
+    ),
+]
+
+
+def check_prefix_cache(directory: Optional[Path], gb: float) -> None:
+    if directory is not None and not gb > 0:
+        raise UserError(f"--prefix-cache-gb must be more than 0, got {gb:g}.")
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -71,6 +94,8 @@ def serve_command(
             "--prompt-cache-bytes", help="Most memory the kept prompt caches may hold, e.g. 8GB.", show_default=False
         ),
     ] = None,
+    prefix_cache_dir: PrefixCacheDir = None,
+    prefix_cache_gb: PrefixCacheGB = 20.0,
     template: Template = flags(Template, "chat_template_config", "use_default_chat_template"),
     model_name: Annotated[
         Optional[str],
@@ -122,6 +147,7 @@ def serve_command(
         if body_limit < 1024:
             raise UserError(f"--max-body-bytes must be at least 1KB, got {max_body_bytes!r}.")
         kv.check()
+        check_prefix_cache(prefix_cache_dir, prefix_cache_gb)
         try:
             from dflash_mlx.server import ServerConfig, create_app, run
         except ImportError as e:
@@ -138,6 +164,8 @@ def serve_command(
             chat_template_args=template.kwargs(),
             prompt_cache_size=prompt_cache_size,
             prompt_cache_bytes=parse_size(prompt_cache_bytes),
+            prefix_cache_dir=None if prefix_cache_dir is None else str(prefix_cache_dir),
+            prefix_cache_gb=prefix_cache_gb,
             **asdict(kv),
             max_body_bytes=body_limit,
             max_queue=max_queue,
