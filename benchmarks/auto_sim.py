@@ -34,7 +34,7 @@ from dflash_mlx.auto.chooser import BlockChooser  # noqa: E402
 @dataclass
 class Scenario:
     name: str
-    seconds: Callable[[int], float]  # a cycle's time by block size (1: a plain step)
+    seconds: Callable[..., float]  # a cycle's time by block size (1: a plain step) and context
     acceptance: Callable[[int], float]  # chance each draft is accepted given the ones before, by cycle index
     change: float = 0.0  # what a cycle that changes block size costs the host on top
     noise: float = 0.0  # each cycle's time times exp(N(0, noise)): the host's jitter
@@ -46,27 +46,40 @@ class Scenario:
     restart: int = 0
     slower: float = 1.0
     cold: float = 1.0  # each reply's first 3 cycles cost this much more (the host ran other work in between)
+    prompt: Callable[[int], int] = lambda reply: 0  # the prompt's tokens, by reply: the context a reply starts at
+    # replies in all where set, the first one not scored (speed.py: a warm-up
+    # round, then 2); else --cycles cycles, the first tenth not scored
+    rounds: int = 0
 
 
-def gpu(b: int) -> float:
+def gpu(b: int, context: int = 0) -> float:
     """The built-in pair on an H100 (ms): plain 1.3, any block 2.8."""
     return 0.0013 if b == 1 else 0.0028
 
 
-def cpu(b: int) -> float:
+def cpu(b: int, context: int = 0) -> float:
     """The built-in pair on the 2-core CPU: plain 9 ms, a block costs 4.8 plain steps at 4, more beyond."""
     return 0.009 if b == 1 else 0.024 + 0.0045 * b
 
 
-def cpu_near(b: int) -> float:
+def cpu_near(b: int, context: int = 0) -> float:
     """The built-in pair on the 2-core CPU as bench_builtin.py measured it: plain 9.6 ms,
     a block of 4 34 ms (at its acceptance, 0.72-0.78x plain decoding), 4.5 ms more a position."""
     return 0.0096 if b == 1 else 0.034 + 0.0045 * (b - 4)
 
 
-def cpu_fast(b: int) -> float:
+def cpu_fast(b: int, context: int = 0) -> float:
     """A CPU whose verify grows slowly with the block (plain 9 ms, a block 12 + 2 b ms): 8 is best at 0.9."""
     return 0.009 if b == 1 else 0.012 + 0.002 * b
+
+
+def h100_8b(b: int, context: int = 0) -> float:
+    """Qwen3-8B shapes on an H100, random weights (benchmarks/speed.py): a plain
+    step 10.5 ms + 0.05 a 1k context, any block 9.9 + 0.40: a block-16 cycle is
+    0.98, 1.2, 1.44, 1.88 plain steps at 1k, 8k, 16k, 32k (measured: 0.93, 1.37,
+    1.5, 1.9)."""
+    k = context / 1000
+    return (10.5 + 0.05 * k) / 1000 if b == 1 else (9.9 + 0.40 * k) / 1000
 
 
 def one_in_four(reply: int) -> bool:
@@ -128,6 +141,45 @@ SCENARIOS = [
     Scenario("CPU, replies of 30 cycles, block 4 at 0.75x plain", cpu_near, lambda i: 0.72, 0.0005, reply=30),
     Scenario("CPU, the text turns predictable", cpu, lambda i: 0.6 if i < 1000 else 0.97, 0.0005),
     Scenario("CPU, a block of 8 best, noisy and drifting", cpu_fast, lambda i: 0.9, 0.0005, 0.25, 0.03),
+    # Long prompts: replies of 64 cycles, as speed.py --max-tokens 64 with random weights
+    *[
+        Scenario(
+            f"H100 8B, {k}k prompt, nothing accepted",
+            h100_8b,
+            lambda i: 0.0,
+            0.002,
+            reply=64,
+            prompt=lambda r, k=k: k * 1024,
+        )
+        for k in (8, 16, 32)
+    ],
+    *[
+        Scenario(
+            f"H100 8B, {k}k prompt, nothing accepted, speed.py",
+            h100_8b,
+            lambda i: 0.0,
+            0.002,
+            reply=64,
+            prompt=lambda r, k=k: k * 1024,
+            rounds=3,
+        )
+        for k in (8, 16, 32)
+    ],
+    Scenario(
+        "H100 8B, 32k prompt, a drafter at 0.2", h100_8b, lambda i: 0.2, 0.002, 0.1, reply=64, prompt=lambda r: 32768
+    ),
+    Scenario(
+        "H100 8B, 32k prompt, good acceptance", h100_8b, lambda i: 0.78, 0.002, 0.1, reply=64, prompt=lambda r: 32768
+    ),
+    Scenario(
+        "H100 8B, prompts of 1k and 32k in turn, at 0.4",
+        h100_8b,
+        lambda i: 0.4,
+        0.002,
+        0.1,
+        reply=64,
+        prompt=lambda r: 1024 if r % 2 else 32768,
+    ),
 ]
 
 
@@ -146,12 +198,16 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     last = None
     level = 0.0  # the drift's log factor
     start = cycles // 10
+    if scenario.rounds:
+        cycles, start = scenario.rounds * scenario.reply, scenario.reply
+    context = 0
     for i in range(cycles):
         if scenario.restart and i == scenario.restart:
             state, chooser, speed, last = chooser.state(), BlockChooser(4, 16), scenario.slower, None
             chooser.restore(state, PRIOR_CYCLES)
-        if scenario.reply and i % scenario.reply == 0 and hasattr(chooser, "new_reply"):
-            chooser.new_reply()
+        if scenario.reply and i % scenario.reply == 0:
+            context = scenario.prompt(i // scenario.reply)
+            chooser.new_reply(context)
         b = chooser.choose()
         p = scenario.acceptance(i)
         accepted = 0
@@ -161,13 +217,15 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
         jitter = speed * math.exp(level + (rng.gauss(0.0, scenario.noise) if scenario.noise else 0.0))
         if scenario.reply and i % scenario.reply < 3:
             jitter *= scenario.cold
-        t = scenario.seconds(b) * jitter + (scenario.change if last not in (None, b) else 0.0)
+        t = scenario.seconds(b, context) * jitter + (scenario.change if last not in (None, b) else 0.0)
         chooser.record(b, accepted, t)
         last = b
         if i >= start:
-            best_rate = max(sum(p**j for j in range(k)) / scenario.seconds(k) for k in [1, *chooser.sizes])
+            rates = [sum(p**j for j in range(k)) / scenario.seconds(k, context) for k in [1, *chooser.sizes]]
+            best_rate = max(rates)
             ideal, spent = ideal + jitter * (accepted + 1) / best_rate, spent + t
             used[b] += 1
+        context += accepted + 1
     return ideal / spent, used
 
 

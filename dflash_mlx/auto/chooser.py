@@ -38,6 +38,7 @@ class BlockChooser:
     EXPLORE_RUN = 3  # cycles in a row each time a size is explored
     PROBE_RUN = 4  # cycles in a row each size is probed first
     WARM_CYCLES = 2  # a size's first timed cycles in a process, left out of its cost
+    CONTEXT_CHANGE = 0.25  # a reply's context this share away from the last one's makes times stale
     MAX_REPLY_GAP = 15  # the most replies started plainly between two drafting tries
     CLEAR_LOSS = 0.9  # a reply's drafting run below this share of plain steps' rate failed
     STEP = 4
@@ -73,6 +74,8 @@ class BlockChooser:
         self.memory_path = None
         self.ages: dict[int, int] = {}  # block size -> processes since its remembered time was measured
         self.sure = False  # whether plain steps may win on the counts' estimate
+        self.context: int | None = None  # tokens before the current reply, where told
+        self.stale_at = -1  # times taken at this cycle or before are another context's
         self.reply_plain = 0  # this reply's plain steps and drafting cycles, as recorded
         self.reply_drafting = 0
         self.reason = "probing block sizes"  # why the last choice, in a few words for users
@@ -99,6 +102,7 @@ class BlockChooser:
             "seconds": seconds,
             "ages": ages,
             "drafted": self.drafted,
+            "context": self.context,
         }
 
     def restore(self, state: dict, prior_cycles: int) -> bool:
@@ -111,17 +115,20 @@ class BlockChooser:
             seconds = {int(b): float(t) for b, t in state["seconds"].items()}
             ages = {int(b): int(a) for b, a in state.get("ages", {}).items()}
             drafted = int(state.get("drafted", round(reached[1]) if len(reached) > 1 else 0))
+            context = state.get("context")
+            context = None if context is None else int(context)
         except (KeyError, TypeError, ValueError, AttributeError):
             return False
         fits = fits and len(reached) == len(hit) == self.hi and all(0 <= h <= r for h, r in zip(hit, reached))
         fits = fits and all((b == 1 or b in self.sizes) and 0 < t < math.inf for b, t in seconds.items())
-        fits = fits and all(a >= 0 for a in ages.values())
+        fits = fits and all(a >= 0 for a in ages.values()) and (context is None or context >= 0)
         if not fits:
             return False
         scale = min(1.0, prior_cycles / reached[1]) if len(reached) > 1 and reached[1] > 0 else 1.0
         self.reached = [r * scale for r in reached]
         self.hit = [h * scale for h in hit]
         self.drafted = max(self.drafted, min(drafted, prior_cycles))
+        self.context = context
         self._memo.clear()
         for b, t in seconds.items():
             self.times[b] = [(0, t)]
@@ -197,15 +204,17 @@ class BlockChooser:
 
     def _all_stats(self) -> dict[int, tuple[list[float], float, float]]:
         """Each timed size's (recent times, median, the median's standard
-        error). Recent: within RECENT cycles, as costs grow with the context;
-        all its times if none is, else the size would never be chosen again."""
+        error). Recent: since the context last changed, where it was timed
+        since, and within RECENT cycles, as costs grow with the context; all
+        such times if none is recent, else the size would never be chosen again."""
         floor = self.cycles - self.RECENT
         out = {}
         for b, ts in self.times.items():
             kept = self._stats.get(b)
             if kept is None or floor >= kept[0]:
-                recent_at = [k for k, _ in ts if k > floor]
-                recent = [t for k, t in ts if k > floor] or [t for _, t in ts]
+                here = [(k, t) for k, t in ts if k > self.stale_at] or ts
+                recent_at = [k for k, _ in here if k > floor]
+                recent = [t for k, t in here if k > floor] or [t for _, t in here]
                 mid = median(recent)
                 spread = 1.4826 * median(abs(t - mid) for t in recent)
                 error = 1.2533 * spread / math.sqrt(len(recent))
@@ -224,6 +233,8 @@ class BlockChooser:
 
     def _fit(self) -> tuple[float, float]:
         pts = [(b, mid, error) for b, (_, mid, error) in self._all_stats().items() if b > 1]
+        # sizes timed at this context only, where any is: another's times are no line
+        pts = [p for p in pts if self.times[p[0]][-1][0] > self.stale_at] or pts
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
@@ -238,12 +249,23 @@ class BlockChooser:
         a = max(mt - c * mb, 1e-9)
         return a, c
 
-    def new_reply(self) -> None:
-        """A new reply begins: where plain steps are the best choice it starts
-        with a drafting run, as plain steps tell nothing of the drafter; each
-        run that clearly loses doubles the replies skipped before the next,
-        and what a run loses counts against the exploring share."""
+    def new_reply(self, context: int | None = None) -> None:
+        """A new reply begins, after ``context`` tokens (None: not told):
+        where plain steps are the best choice it starts with a drafting run,
+        as plain steps tell nothing of the drafter; each run that clearly
+        loses doubles the replies skipped before the next, and what a run
+        loses counts against the exploring share. A context CONTEXT_CHANGE
+        away from the last reply's leaves the times taken before as each
+        size's only until it is timed again, and starts with a drafting run."""
         self.reply_starts = True
+        if context is not None:
+            last = self.context
+            if last is not None and abs(context - last) > self.CONTEXT_CHANGE * max(context, last):
+                self.stale_at = self.cycles
+                self.replies_to_skip = 0
+                self._memo.clear()
+                self._stats.clear()
+            self.context = context
         self.reply_plain = self.reply_drafting = 0
 
     def choose(self, would_build=None) -> int:
