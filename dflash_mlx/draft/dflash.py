@@ -552,6 +552,7 @@ class DFlashDraft(nn.Module):
             self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
             # Offsets: target id = draft id + d2t[draft id] (the speculators convention).
             self.d2t = mx.zeros((cfg.draft_vocab_size,), mx.int32)
+            self.freeze(recurse=False, keys=["d2t"])  # token ids, never trained
         self._target = None  # a plain attribute: the target's weights are not ours
         self._vocab = None  # the target ids of the draft vocabulary, once bound
 
