@@ -338,3 +338,221 @@ def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matc
     calls.clear()
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x)) and calls == [True]
+
+
+# --- The Metal source itself, run on this CPU --------------------------------------------------------------
+#
+# What a Mac would compile (the variant's source as MLX builds it, lowered as
+# scripts/check_metal_kernels.py lowers it) is compiled by clang for this machine, with
+# each simdgroup's 32 lanes as threads and simd_sum adding the lanes in order, and run
+# over the launch's grid; its rows must equal, bit for bit, a plain transcription of
+# MLX's Metal qmv_fast / qmv (the order it claims) with the same lane order. half
+# arithmetic rounds each operation, as an Apple GPU's does (no excess precision).
+
+HARNESS_DRIVER = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+extern "C" void harness_lane(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
+static thread_local int t_lane;
+static float slots[32];
+static std::barrier<>* bar;
+extern "C" float harness_simd_sum(float v) {
+  slots[t_lane] = v;
+  bar->arrive_and_wait();
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += slots[i];
+  bar->arrive_and_wait();
+  return s;
+}
+extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
+  for (unsigned tgy = 0; tgy < gy; ++tgy)
+    for (unsigned tgx = 0; tgx < gx; ++tgx)
+      for (unsigned sg = 0; sg < simdgroups; ++sg) {
+        std::barrier<> b(32);
+        bar = &b;
+        std::vector<std::thread> lanes;
+        for (unsigned lane = 0; lane < 32; ++lane)
+          lanes.emplace_back([=] { t_lane = lane; harness_lane(bufs, sg, lane, tgx, tgy, gx, gy); });
+        for (auto& t : lanes) t.join();
+      }
+}
+"""
+ATTRIBUTE_VALUES = {
+    "simdgroup_index_in_threadgroup": "sg",
+    "thread_index_in_simdgroup": "lane",
+    "thread_position_in_threadgroup": "uint3(sg * 32 + lane, 0u, 0u)",
+    "threadgroup_position_in_grid": "uint3(tgx, tgy, 0u)",
+    "threadgroups_per_grid": "uint3(gx, gy, 1u)",
+}
+
+
+def clang_with_float16():
+    """A clang++ that has _Float16 on this machine (15 on), or None."""
+    import shutil
+    import subprocess
+
+    for name in [f"clang++-{v}" for v in range(30, 14, -1)] + ["clang++"]:
+        path = shutil.which(name)
+        if path:
+            probe = subprocess.run([path, "-x", "c++", "-fsyntax-only", "-"], input=b"_Float16 h;", capture_output=True)
+            if probe.returncode == 0:
+                return path
+    return None
+
+
+CLANG_F16 = clang_with_float16()
+
+
+def check_metal_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
+    """The variant's source compiled for this CPU: ``harness_run(buffers, groups x, groups y, simdgroups)``."""
+    import ctypes
+    import re
+    import shutil
+    import subprocess
+
+    text, problems = script.lower(source)
+    assert not problems, problems
+    shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
+    (tmp_path / "metal_stub.h").write_text(
+        '#pragma once\n#include "metal_stub_decls.h"\nextern "C" float harness_simd_sum(float);\n'
+        "namespace metal { template <typename T, typename U> T simd_sum(T v) { return T(harness_simd_sum(float(v))); } }\n"
+    )
+    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
+    args = []
+    for param in text[start.end() : text.index(") {", start.end())].split(","):
+        name = re.search(r"(\w+)\s*$", param).group(1)
+        kind = param[: param.rindex(name)].strip()
+        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
+    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
+    text += (
+        '\nextern "C" void harness_lane(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
+        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
+    )
+    (tmp_path / "kernel.cpp").write_text(text)
+    (tmp_path / "driver.cpp").write_text(HARNESS_DRIVER)
+    flags = ["-O1", "-fPIC", "-c"]
+    for cmd in (
+        [CLANG_F16, "-std=c++17", *flags, "-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++"]
+        + [
+            "-fno-exceptions",
+            "-fno-rtti",
+            "-I",
+            str(tmp_path),
+            str(tmp_path / "kernel.cpp"),
+            "-o",
+            str(tmp_path / "k.o"),
+        ],
+        [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
+        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
+    ):
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+    return ctypes.CDLL(str(tmp_path / "h.so"))
+
+
+def metal_one_row_order(x, w, scales, biases, bits: int, group: int, mode: str, words: int):
+    """MLX's Metal qmv_fast (``words`` 2) / qmv (1) and their fp twins, transcribed
+    plainly for float16 rows: each lane's load_vector, qdot and ``result +=`` in
+    float32 (half sums of four x), the lanes added in order, one rounding."""
+    import numpy as np
+
+    f32, f16 = np.float32, np.float16
+    rows, k = x.shape
+    n = w.shape[0]
+    vpt = words * (4 if bits == 8 else 8)
+    nibble_bytes = w.view(np.uint8).reshape(n, -1)
+    out = np.zeros((rows, n), f16)
+
+    def fp4(b: int) -> float:
+        e, m = (b >> 1) & 3, b & 1
+        mag = 0.5 * m if e == 0 else (2 + m) * 2.0**e * 0.25
+        return -mag if b & 8 else mag
+
+    for r in range(rows):
+        for o in range(n):
+            total = f32(0)
+            for lane in range(32):
+                result = f32(0)
+                for k0 in range(lane * vpt, k, 32 * vpt):
+                    xv, g, byte = x[r, k0 : k0 + vpt], k0 // group, nibble_bytes[o]
+                    accum = f32(0)
+                    if mode == "mxfp4":
+                        e = int(scales[o, g])
+                        s = np.array([e << 23 if e else 0x400000], np.uint32).view(f32)[0]
+                        q = [f32(fp4((int(byte[(k0 + i) // 2]) >> (4 * ((k0 + i) % 2))) & 15)) for i in range(vpt)]
+                        for i in range(0, vpt, 4):
+                            t = f32(f32(xv[i]) * q[i])
+                            for j in range(1, 4):
+                                t = f32(t + f32(f32(xv[i + j]) * q[i + j]))
+                            accum = f32(accum + t)
+                        result = f32(result + f32(s * accum))
+                        continue
+                    s, b, xsum = f32(scales[o, g]), f32(biases[o, g]), f32(0)
+                    if bits == 4:
+                        xt = [f32(xv[i]) / f32(16 ** (i % 4)) for i in range(vpt)]
+                        for i in range(0, vpt, 4):
+                            xsum = f32(xsum + f32(f16(f16(f16(xv[i] + xv[i + 1]) + xv[i + 2]) + xv[i + 3])))
+                            pair = int(byte[(k0 + i) // 2]) | int(byte[(k0 + i) // 2 + 1]) << 8
+                            t = f32(xt[i] * f32(pair & 0x000F))
+                            for j, mask in ((1, 0x00F0), (2, 0x0F00), (3, 0xF000)):
+                                t = f32(t + f32(xt[i + j] * f32(pair & mask)))
+                            accum = f32(accum + t)
+                    else:
+                        for i in range(vpt):
+                            xsum = f32(xsum + f32(xv[i]))
+                            accum = f32(accum + f32(f32(xv[i]) * f32(byte[k0 + i])))
+                    result = f32(result + f32(f32(s * accum) + f32(xsum * b)))
+                total = f32(total + result)
+            out[r, o] = f16(total)
+    return out
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "rows, k, bits, group, mode",
+    [(3, 512, 4, 64, "affine"), (13, 768, 4, 32, "affine"), (27, 384, 8, 32, "affine"), (5, 2880, 4, 32, "mxfp4")],
+)
+def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(tmp_path, rows, k, bits, group, mode):
+    """Every row tile, both of Metal's one-row orders (qmv_fast's two words a lane a
+    step at K = 512, qmv's one at 768, 384 and gpt-oss's 2880), affine 4 and 8 bits
+    and mxfp4: the kernel's rows are the transcription's, bit for bit."""
+    import ctypes
+
+    import numpy as np
+
+    from dflash_mlx.kernels.quantized_source import INPUTS, OUTPUTS
+
+    script = check_metal_script()
+    recorder = script.Recorder()
+    kernel = qp.QuantizedProductKernel("metal", factory=recorder.factory)
+    n = 8
+    module = quantized_linear(k, n, bits, group, mode, dtype=mx.float16)
+    x = rows_of(rows, k, mx.float16)[0]
+    biases = module.get("biases")
+    kernel(x, module.weight, module.scales, biases, bits=bits, group=group, mode=mode)
+    ((name, variant),) = recorder.variants.items()
+    ((grid, group_size),) = variant.launches
+    lib = build_on_cpu(script, variant.source, INPUTS + ["x_shape", "w_shape"] + OUTPUTS, tmp_path)
+    xs, ws, sc = np.array(x), np.array(module.weight), np.array(module.scales)
+    bi = np.array(biases) if biases is not None else np.zeros(8, np.float16)
+    y = np.zeros((rows, n), np.float16)
+    shapes = np.array(xs.shape, np.int32), np.array(ws.shape, np.int32)
+    buffers = (ctypes.c_void_p * 7)(*[a.ctypes.data for a in (xs, ws, sc, bi, *shapes, y)])
+    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
+    want = metal_one_row_order(xs, ws, sc, bi, bits, group, mode, qp.packs(k, bits, "metal"))
+    assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (y != want).sum()
+    # and what MLX's CPU product computes, to the rounding of a float16 sum of products
+    mlx = np.array(module(mx.array(xs)).astype(mx.float32))
+    assert np.abs(y.astype(np.float32) - mlx).max() <= 2e-2 * np.abs(mlx).max()
