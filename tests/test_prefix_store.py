@@ -298,3 +298,41 @@ def test_serve_refuses_prefix_cache_flags_it_cannot_use_in_one_sentence(kv_pair,
     )
     said = " ".join(result.stderr.split())
     assert result.exit_code == 1 and "cannot be made" in said and said.endswith("choose another."), result.output
+
+
+def test_chat_reads_and_writes_the_prefix_cache_across_sessions(tmp_path):
+    """Three chat sessions over one directory: the first writes its cache,
+    the second starts from it, the third finds it damaged, says so, and
+    prefills; all three reply with mlx-lm's greedy tokens."""
+    from cli_fixtures import make_tiny_pair
+    from typer.testing import CliRunner
+
+    import dflash_mlx
+    from dflash_mlx.cli.app import app
+
+    pair = make_tiny_pair(tmp_path / "pair")
+    model, draft, tok = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
+    text = " ".join(f"w{i % 50 + 5}" for i in range(300))
+    want = dflash_mlx.generate(model, draft, tok, text, max_tokens=8)
+    cache_dir = tmp_path / "prefix"
+
+    def session():
+        flags = ["--model", str(pair.target), "--draft-model", str(pair.draft), "-m", "8"]
+        result = CliRunner().invoke(
+            app,
+            ["chat", *flags, "--prefix-cache-dir", str(cache_dir)],
+            input=text + "\n",
+            prog_name="dflash-mlx",
+            env={"COLUMNS": "200"},
+        )
+        assert result.exit_code == 0, result.output
+        assert want in result.stdout
+        return result
+
+    session()
+    (entry,) = cache_dir.glob("*/*.safetensors")
+    session()
+    flip_a_tensor_byte(entry)
+    with pytest.warns(UserWarning, match="the prefix cache skips an entry, removed"):
+        session()
+    assert len(list(cache_dir.glob("*/*.safetensors"))) == 1  # written again by the third

@@ -31,6 +31,7 @@ from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, fl
 from .pair import room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, uses_template
+from .serve import PrefixCacheDir, PrefixCacheGB, check_prefix_cache
 from .status import status_text
 
 EXAMPLES = """\
@@ -317,6 +318,8 @@ class ChatSession:
         cache_file: Optional[Path] = None,
         prefix: str = "",
         kv: Kv = Kv(),
+        prefix_cache_dir: Optional[Path] = None,
+        prefix_cache_gb: float = 20.0,
         **sampling,
     ):
         """``sampling``: Sampling's flags (max_tokens, temp, ..., block_size
@@ -338,6 +341,14 @@ class ChatSession:
         self.kv = kv
         self.interrupts = Interrupts()
         self._make_cache = lambda: kv.cache(model, draft) or make_prompt_cache(model, draft)
+        self.prefix_store = None
+        if prefix_cache_dir is not None:
+            from dflash_mlx.cache.store import PrefixStore
+
+            try:
+                self.prefix_store = PrefixStore(prefix_cache_dir, int(prefix_cache_gb * 1e9), self._make_cache)
+            except ValueError as e:
+                raise UserError(options.flag_names(str(e))) from None
         self.reset()
 
     def reset(self) -> None:
@@ -403,6 +414,8 @@ class ChatSession:
         if first and self.cache_file is not None:
             loaded = open_cache(self.cache_file, self.model, self.draft, ids, self.kv.quantization)
             self.cache = self.kv.cache(self.model, self.draft, loaded)
+        if self.prefix_store is not None:  # an earlier session's cache holding more of this prompt
+            self.cache = self.prefix_store.load_longer(ids, self.cache) or self.cache
         progress = PrefillProgress()
         view = ReplyView(console)
         tokens: list[int] = []
@@ -460,6 +473,8 @@ class ChatSession:
             # aloud so that a test or a user would see it.
             console.print(Text("(prompt cache rebuilt)", style="dim"))
             self.cache = self._make_cache()
+        elif self.prefix_store is not None:
+            self.prefix_store.save(self.cache)  # written by the store's thread while the user reads
         reply = "".join(pieces)
         if tokens:
             self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
@@ -539,8 +554,12 @@ class ChatSession:
         tty = sys.stdout.isatty()
         prompt = "\001\033[1;32m\002>>> \001\033[0m\002" if tty else ">>> "
         self.banner()
-        with sigint_handled(self.interrupts):
-            self._loop(prompt, tty)
+        try:
+            with sigint_handled(self.interrupts):
+                self._loop(prompt, tty)
+        finally:
+            if self.prefix_store is not None:
+                self.prefix_store.close()  # the last turn's cache reaches the disk
 
     def _loop(self, prompt: str, tty: bool) -> None:
         while True:
@@ -581,6 +600,8 @@ def chat_command(
     ] = None,
     prefill_step_size: options.PrefillStepSize = 2048,
     kv: Kv = flags(Kv),
+    prefix_cache_dir: PrefixCacheDir = None,
+    prefix_cache_gb: PrefixCacheGB = 20.0,
     verbose: options.Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
@@ -594,6 +615,7 @@ def chat_command(
         block_size = sampling.check(prefill_step_size)["block_size"]
         kwargs = template.kwargs()
         kv.check(prompt_cache_file)
+        check_prefix_cache(prefix_cache_dir, prefix_cache_gb)
         conversation = None if resume is None else load_conversation(resume)
         prefix = ""
         if prompt_cache_file is not None:
@@ -616,6 +638,8 @@ def chat_command(
             cache_file=prompt_cache_file,
             prefix=prefix,
             kv=kv,
+            prefix_cache_dir=prefix_cache_dir,
+            prefix_cache_gb=prefix_cache_gb,
             **asdict(replace(sampling, block_size=block_size, num_draft_tokens=None)),
         )
         if conversation is not None:
