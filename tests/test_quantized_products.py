@@ -157,7 +157,7 @@ def test_each_launch_covers_every_row_and_output_once(backend_name, rows):
     template = dict(launch["template"])
     mr, rs = template["MR"], template["RS"]
     assert (mr, rs) == qp.tile(rows, backend_name)
-    assert mr * rs <= (32 if backend_name == "metal" else 16)  # accumulators a lane
+    assert mr * rs <= (64 if backend_name == "metal" else 16)  # accumulators a lane
     assert launch["threadgroup"] == (64, 1, 1)
     gx, gy, gz = launch["grid"]
     assert gx % 64 == 0 and gz == 1
@@ -176,6 +176,18 @@ def test_mxfp4_launches_with_e8m0_scales_and_no_biases():
     assert template["MXFP4"] and template["S"] == mx.uint8 and template["GROUP"] == 32
     # (a stand-in the kernel never reads, of 8 elements: in device memory on Metal, as real biases are)
     assert launches[0]["inputs"][3].shape == (8,)
+
+
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+def test_a_weight_of_fewer_outputs_takes_fewer_a_simdgroup(backend_name):
+    for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1):
+        mr, most = qp.tile(rows, backend_name)
+        for n in (8, 16, 24, 64, 72, 4096):
+            assert qp.tile(rows, backend_name, n)[0] == mr
+            rs = qp.tile(rows, backend_name, n)[1]
+            assert n % (2 * rs) == 0 and (rs == most or n % (4 * rs))
+    # the check's weights take both where they differ
+    assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N} == {8, 4}
 
 
 def test_the_self_check_runs_every_row_tile():
@@ -311,7 +323,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
     assert {values[5] for values in recorded} == {1, 2}  # words a lane a step
     assert {values[6] for values in recorded} == {False}  # (FUSED: CUDA's alone)
     tiles = {values[7:] for values in recorded}
-    assert tiles == {(4, 4), (8, 2), (16, 1), (32, 1)}
+    assert tiles == {(4, 8), (4, 4), (8, 4), (16, 4), (32, 2)}
 
 
 def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matches(fake_gpu, monkeypatch):
@@ -521,10 +533,18 @@ def metal_one_row_order(x, w, scales, biases, bits: int, group: int, mode: str, 
 
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
 @pytest.mark.parametrize(
-    "rows, k, bits, group, mode",
-    [(3, 512, 4, 64, "affine"), (13, 768, 4, 32, "affine"), (27, 384, 8, 32, "affine"), (5, 2880, 4, 32, "mxfp4")],
+    "rows, n, k, bits, group, mode",
+    [
+        (3, 16, 512, 4, 64, "affine"),
+        (4, 8, 512, 4, 64, "affine"),
+        (13, 8, 768, 4, 32, "affine"),
+        (27, 8, 384, 8, 32, "affine"),
+        (5, 8, 2880, 4, 32, "mxfp4"),
+    ],
 )
-def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(tmp_path, rows, k, bits, group, mode):
+def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
+    tmp_path, rows, n, k, bits, group, mode
+):
     """Every row tile, both of Metal's one-row orders (qmv_fast's two words a lane a
     step at K = 512, qmv's one at 768, 384 and gpt-oss's 2880), affine 4 and 8 bits
     and mxfp4: the kernel's rows are the transcription's, bit for bit."""
@@ -537,7 +557,6 @@ def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
     script = check_metal_script()
     recorder = script.Recorder()
     kernel = qp.QuantizedProductKernel("metal", factory=recorder.factory)
-    n = 8
     module = quantized_linear(k, n, bits, group, mode, dtype=mx.float16)
     x = rows_of(rows, k, mx.float16)[0]
     biases = module.get("biases")

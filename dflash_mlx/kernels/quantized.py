@@ -20,6 +20,7 @@ The CPU never runs it.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -37,9 +38,10 @@ GROUPS = (32, 64, 128)
 FEWEST_ROWS, MOST_ROWS = 2, 32
 # On sm90 MLX's one-row product takes its qmv kernel only up to this N and K.
 WIDE = 16384
-# Rows a self-check runs: one case of each row tile (tile()).
+# Rows a self-check runs: one case of each row tile (tile()), over weights of N
+# taking each backend's most outputs a simdgroup and (Metal) fewer.
 CHECK_ROWS = (3, 8, 13, 27)
-CHECK_N = 64
+CHECK_N = (64, 72)
 
 
 @dataclass(frozen=True)
@@ -87,18 +89,26 @@ def block_k(bits: int, words: int) -> int:
     return 32 * words * 32 // bits
 
 
-def tile(rows: int, backend_name: str) -> tuple[int, int]:
-    """(x rows a threadgroup, outputs a simdgroup) for ``rows`` rows: the
-    accumulators (rows x outputs) stay at 16 a lane, except 32 rows on Metal
-    (one float each there; CUDA keeps 16 a lane and takes 17-32 rows in two
-    tiles)."""
-    if rows <= 4:
-        return 4, 4
-    if rows <= 8:
-        return 8, 2
-    if rows <= 16 or backend_name != "metal":
-        return 16, 1
-    return 32, 1
+# (most rows, x rows a threadgroup, outputs a simdgroup) by backend. A simdgroup
+# reads its rows of x once a step for all its outputs, so more outputs save x
+# reads; its accumulators (rows x outputs) must stay in registers: one float each
+# on Metal (at most 64), 16 values each on CUDA (qmv's per-lane sums; at most 16
+# accumulators, 17-32 rows in two tiles).
+TILES = {
+    "metal": ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2)),
+    "cuda": ((4, 4, 4), (8, 8, 2), (32, 16, 1)),
+}
+
+
+def tile(rows: int, backend_name: str, n: int = 0) -> tuple[int, int]:
+    """(x rows a threadgroup, outputs a simdgroup) for ``rows`` rows of a weight
+    of ``n`` outputs (whole threadgroups of WARPS simdgroups: fewer outputs a
+    simdgroup where ``n`` needs it; any n, 0, takes the most)."""
+    tiles = TILES["metal" if backend_name == "metal" else "cuda"]
+    mr, rs = next((mr, rs) for most, mr, rs in tiles if rows <= most)
+    while n % (WARPS * rs):
+        rs //= 2
+    return mr, rs
 
 
 class QuantizedProductKernel:
@@ -134,7 +144,7 @@ class QuantizedProductKernel:
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
-        mr, rs = tile(rows, self.backend)
+        mr, rs = tile(rows, self.backend, n)
         words = packs(k, bits, self.backend)
         (y,) = self.kernel(
             inputs=[x.reshape(rows, k), weight, scales, self._no_biases[x.dtype] if biases is None else biases],
@@ -270,15 +280,15 @@ def one_row_products(x: mx.array, weight, scales, biases, *, bits: int, group: i
 def check_cases(variant: Variant):
     """(x, weight, scales, biases): a weight of the variant's K and N class, and
     rows of every tile (partial ones too)."""
-    n = WIDE + 8 if variant.wide else CHECK_N
-    w = mx.random.normal((n, variant.k), key=mx.random.key(variant.k + variant.bits + variant.group))
-    w = (variant.k**-0.5 * w).astype(variant.dtype)
-    quantized = mx.quantize(w, group_size=variant.group, bits=variant.bits, mode=variant.mode)
-    weight, scales = quantized[0], quantized[1]
-    biases = quantized[2] if variant.mode == "affine" else None
-    for rows in CHECK_ROWS:
-        x = mx.random.normal((rows, variant.k), key=mx.random.key(1000 * rows + variant.k)).astype(variant.dtype)
-        yield x, weight, scales, biases
+    for n in (WIDE + 8,) if variant.wide else CHECK_N:
+        w = mx.random.normal((n, variant.k), key=mx.random.key(variant.k + variant.bits + variant.group + n))
+        w = (variant.k**-0.5 * w).astype(variant.dtype)
+        quantized = mx.quantize(w, group_size=variant.group, bits=variant.bits, mode=variant.mode)
+        weight, scales = quantized[0], quantized[1]
+        biases = quantized[2] if variant.mode == "affine" else None
+        for rows in CHECK_ROWS:
+            x = mx.random.normal((rows, variant.k), key=mx.random.key(1000 * rows + variant.k)).astype(variant.dtype)
+            yield x, weight, scales, biases
 
 
 def self_check(where: str, variant: Variant) -> QuantizedCheck:
@@ -340,8 +350,8 @@ def record_variants(factory, backend_name: str) -> None:
     kernel = QuantizedProductKernel(backend_name, factory=factory)
     for dtype, scales_dtype, bits, group, mode in all_variants():
         # K of whole two-word blocks, and one past them (Metal's one-word steps)
-        for k in (block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)):
-            n = 8
+        # (every step order, and N of most outputs a simdgroup and of fewer)
+        for k, n in itertools.product((block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)), (16, 8)):
             weight = mx.zeros((n, k * bits // 32), mx.uint32)
             scales = mx.zeros((n, k // group), scales_dtype)
             biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None
