@@ -243,8 +243,7 @@ DEQUANTIZATIONS = {"cuda": (False, True)}
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
     """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
     None (the caller runs MLX's product); never checks."""
-    rows = x.size // x.shape[-1]
-    if not FEWEST_ROWS <= rows <= MOST_ROWS:
+    if type(module) is not nn.QuantizedLinear or not FEWEST_ROWS <= x.size // x.shape[-1] <= MOST_ROWS:
         return None
     where = backend()
     if where not in BUILDERS:
