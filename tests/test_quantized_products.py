@@ -130,7 +130,8 @@ def test_a_weight_past_wide_is_its_own_variant():
     narrow = qp.variant_of(quantized_linear(512, 64), mx.bfloat16)
     wide = qp.variant_of(quantized_linear(512, qp.WIDE + 8), mx.bfloat16)
     assert wide.wide and not narrow.wide and wide != narrow
-    assert next(qp.check_cases(wide))[1].shape[0] == qp.WIDE + 8
+    assert {w.shape[0] for _, w, _, _ in qp.check_cases(wide)} == {qp.WIDE + 16, qp.WIDE + 24}
+    assert {qp.tile(3, "metal", n) for n in (qp.WIDE + 16, qp.WIDE + 24)} == {(4, 8), (4, 4)}
 
 
 def record_launches(backend_name: str):

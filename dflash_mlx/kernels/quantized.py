@@ -39,7 +39,8 @@ FEWEST_ROWS, MOST_ROWS = 2, 32
 # On sm90 MLX's one-row product takes its qmv kernel only up to this N and K.
 WIDE = 16384
 # Rows a self-check runs: one case of each row tile (tile()), over weights of N
-# taking each backend's most outputs a simdgroup and (Metal) fewer.
+# taking each backend's most outputs a simdgroup and (Metal) fewer (past WIDE:
+# WIDE + 16 and WIDE + 24).
 CHECK_ROWS = (3, 8, 13, 27)
 CHECK_N = (64, 72)
 
@@ -279,7 +280,7 @@ def one_row_products(x: mx.array, weight, scales, biases, *, bits: int, group: i
 def check_cases(variant: Variant):
     """(x, weight, scales, biases): a weight of the variant's K and N class, and
     rows of every tile (partial ones too)."""
-    for n in (WIDE + 8,) if variant.wide else CHECK_N:
+    for n in (WIDE + 16, WIDE + 24) if variant.wide else CHECK_N:
         w = mx.random.normal((n, variant.k), key=mx.random.key(variant.k + variant.bits + variant.group + n))
         w = (variant.k**-0.5 * w).astype(variant.dtype)
         quantized = mx.quantize(w, group_size=variant.group, bits=variant.bits, mode=variant.mode)
