@@ -204,11 +204,14 @@ def test_every_layout_accepts_the_same_counts_cycle_by_cycle(layouts, target):
     """The key test: text alone cannot show a miswired drafter."""
     drafters = {name: load_draft(path) for name, path in layouts.items()}
     runs = {name: [cycles(target, d, p) for p in PROMPTS] for name, d in drafters.items()}
+    by_zlab = [sampled(target, drafters["zlab"], p) for p in PROMPTS]
+    want = [greedy_reference(target, p, 32) for p in PROMPTS]
     for name, results in runs.items():
         for prompt, (tokens, steps) in zip(PROMPTS, results):
-            assert tokens == greedy_reference(target, prompt, 32), name
+            assert tokens == want[PROMPTS.index(prompt)], name
             if name != "off-by-one":
                 assert steps == runs["zlab"][PROMPTS.index(prompt)][1], name
+                assert sampled(target, drafters[name], prompt) == by_zlab[PROMPTS.index(prompt)], name
     # The counts say something: they vary, and a drafter tapping the wrong layers shows.
     accepted = {a for _, steps in runs["zlab"] for _, a in steps}
     assert len(accepted) >= 3, accepted
@@ -216,15 +219,35 @@ def test_every_layout_accepts_the_same_counts_cycle_by_cycle(layouts, target):
 
 
 def test_dflash2_layouts_accept_the_same_counts(tmp_path, target):
+    """Greedy and seeded sampled runs: the selector's walk is the same in
+    both layouts, so are the proposals, their q and what is accepted."""
     zcfg = _without_logit_scaling(dflash2_config(TCFG, taps=(1, 4), block_size=5))
-    weights = random_dflash2_weights(zcfg, seed=2)
+    weights = random_dflash2_weights(zcfg, seed=5)
     zlab = load_draft(write_zlab_draft(tmp_path / "zlab", zcfg, weights, dtype=mx.float32))
     spec = load_draft(write_speculators(tmp_path / "spec", zcfg, weights, target, reduced=False))
     assert type(spec) is type(zlab) and spec.config.selector_top_k == zlab.config.selector_top_k
+    seen = set()
     for prompt in PROMPTS:
         tokens, steps = cycles(target, spec, prompt)
         assert tokens == greedy_reference(target, prompt, 32)
         assert steps == cycles(target, zlab, prompt)[1]
+        seen |= {a for _, a in steps}
+        assert sampled(target, spec, prompt) == sampled(target, zlab, prompt)
+    assert len(seen) >= 2, seen
+
+
+def sampled(model, draft, prompt):
+    run = stream_generate(
+        model,
+        draft,
+        make_tokenizer(48),
+        prompt,
+        max_tokens=24,
+        temperature=0.8,
+        block_size=draft.config.block_size,
+        seed=7,
+    )
+    return [(r.tokens, r.accepted) for r in run]
 
 
 def _without_logit_scaling(zcfg: dict) -> dict:
