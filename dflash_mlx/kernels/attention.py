@@ -40,16 +40,7 @@ class BlockAttentionKernel:
         self.backend = backend
         self._factory = compacting(factory or make_factory(backend), backend)
         hdr = source.header(backend)
-        # The partial passes read the queries through their strides (no copy of a
-        # rotated, transposed query); keys and values are made contiguous below.
-        self.partial = self._factory(
-            name="dflash_block_attn_partial",
-            input_names=source.PARTIAL_INPUTS,
-            output_names=source.PARTIAL_OUTPUTS,
-            source=source.partial_source(backend),
-            header=hdr,
-            ensure_row_contiguous=False,
-        )
+        self.partial = self._partial_pass("dflash_block_attn_partial", source.partial_source(backend), hdr)
         self.merge = self._factory(
             name="dflash_block_attn_merge",
             input_names=source.MERGE_INPUTS,
@@ -63,19 +54,26 @@ class BlockAttentionKernel:
         self._params: dict[tuple[float, bool], mx.array] = {}  # (scale, one chunk written whole) -> params
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)
 
+    def _partial_pass(self, name: str, body: str, header: str, **launch):
+        # A partial pass reads the queries through their strides (no copy of a
+        # rotated, transposed query); keys and values are made contiguous below.
+        return self._factory(
+            name=name,
+            input_names=source.PARTIAL_INPUTS,
+            output_names=source.PARTIAL_OUTPUTS,
+            source=body,
+            header=header,
+            ensure_row_contiguous=False,
+            **launch,
+        )
+
     def partial_tiles(self, staging_bytes: int):
         """The matrix-unit pass with ``staging_bytes`` of staging memory (one
         kernel object per size: CUDA fixes dynamic shared memory per object)."""
         kernel = self._tiles.get(staging_bytes)
         if kernel is None:
-            kernel = self._tiles[staging_bytes] = self._factory(
-                name="dflash_block_attn_partial_tiles",
-                input_names=source.PARTIAL_INPUTS,
-                output_names=source.PARTIAL_OUTPUTS,
-                source=self._tiles_source,
-                header=self._tiles_header,
-                ensure_row_contiguous=False,
-                shared_memory=staging_bytes,
+            kernel = self._tiles[staging_bytes] = self._partial_pass(
+                "dflash_block_attn_partial_tiles", self._tiles_source, self._tiles_header, shared_memory=staging_bytes
             )
         return kernel
 

@@ -142,8 +142,10 @@ PRELUDE = {
 # run time, so a growing buffer does not compile new variants.
 PARTIAL_INPUTS = ["queries", "keys", "values", "q_offset", "kv_length", "params"]
 PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
-PARTIAL_BODY = """
-  constexpr int DL = D / 32;
+# Both partial passes (this one and attention_tiles' on the matrix units) begin
+# alike: the shapes, read at run time, and the threadgroup's place in the grid,
+# (row tile, key chunk, batch x kv head).
+GRID_PLACE = """
   const int Lq = queries_shape[2];
   const int HQ = queries_shape[1];
   const int HKV = keys_shape[1];
@@ -155,10 +157,28 @@ PARTIAL_BODY = """
   const int b = tg_z / HKV;
   const int hk = tg_z % HKV;
   const int chunk = tg_y;
-  const int r0 = (tg_x * NW + warp) * RW;
   const int qoff = q_offset[0];
   const int kvlen = kv_length[0] < NK ? kv_length[0] : NK;
   const float qscale = params[0];
+"""
+
+# The keys a threadgroup reads, in both partial passes: its chunk, cut to what
+# its rows (at positions pmin .. pmax) may see.
+KEY_RANGE = """
+  int lo = chunk * C;
+  int hi = lo + C < kvlen ? lo + C : kvlen;
+  if (CAUSAL && hi > pmax + 1) hi = pmax + 1;
+  if (WINDOW > 0) {
+    if (lo < pmin - WINDOW + 1) lo = pmin - WINDOW + 1;
+    if (!CAUSAL && hi > pmax + WINDOW) hi = pmax + WINDOW;
+  }
+"""
+
+PARTIAL_BODY = (
+    """
+  constexpr int DL = D / 32;"""
+    + GRID_PLACE
+    + """  const int r0 = (tg_x * NW + warp) * RW;
 
   TG_MEM float qs[NW * RW * D];
   TG_MEM TG_ALIGN float ps[NW * RW * 32];
@@ -187,15 +207,9 @@ PARTIAL_BODY = """
     const int p_ = qoff + r % Lq;
     pmin = p_ < pmin ? p_ : pmin;
     pmax = p_ > pmax ? p_ : pmax;
-  }
-  int lo = chunk * C;
-  int hi = lo + C < kvlen ? lo + C : kvlen;
-  if (CAUSAL && hi > pmax + 1) hi = pmax + 1;
-  if (WINDOW > 0) {
-    if (lo < pmin - WINDOW + 1) lo = pmin - WINDOW + 1;
-    if (!CAUSAL && hi > pmax + WINDOW) hi = pmax + WINDOW;
-  }
-
+  }"""
+    + KEY_RANGE
+    + """
   float m[RW];
   float l[RW];
   float acc[RW][DL];
@@ -271,6 +285,7 @@ PARTIAL_BODY = """
     }
   }
 """
+)
 
 # Template constants: T (output dtype), D, HAS_SINKS.
 # One key's dot product with each of the warp's query rows (kp: the key,

@@ -26,6 +26,8 @@ reductions over a row's four threads.
 
 from __future__ import annotations
 
+from .attention_source import GRID_PLACE, KEY_RANGE
+
 HEADER = {
     "metal": """
 #include <metal_simdgroup_matrix>
@@ -259,25 +261,13 @@ OUT = {"metal": "el(ot[(e) >> 1][nt])[(e) & 1]", "cuda": "ot[nt][e]"}  # element
 # the key chunks are the grid's y. Inputs and outputs are those of
 # source.PARTIAL_* (params: the scale, and on CUDA whether to write the output
 # itself, STORE).
-BODY = """
+BODY = (
+    """
   constexpr int DP = D + 8;  // staged row pitch: rows stay 16-byte aligned and fall on distinct banks
   constexpr int NT = KT / 8;
-  constexpr float RESCALE = 8.0f;
-  const int Lq = queries_shape[2];
-  const int HQ = queries_shape[1];
-  const int HKV = keys_shape[1];
-  const int NK = keys_shape[2];
-  const int G = HQ / HKV;
-  const int R = G * Lq;
-  const int nch = n_tg_y;  // key chunks: the grid's y
-  const int C = (NK + nch - 1) / nch;
-  const int b = tg_z / HKV;
-  const int hk = tg_z % HKV;
-  const int chunk = tg_y;
-  const int qoff = q_offset[0];
-  const int kvlen = kv_length[0] < NK ? kv_length[0] : NK;
-  const float qscale = params[0];
-
+  constexpr float RESCALE = 8.0f;"""
+    + GRID_PLACE
+    + """
 STAGING
 COORDS
   const int rt0 = tg_x * NW * 16;
@@ -298,15 +288,9 @@ COORDS
   const int rt1 = rt0 + NW * 16 < R ? rt0 + NW * 16 : R;
   const bool all_positions = rt1 - rt0 >= Lq || rt0 % Lq > (rt1 - 1) % Lq;
   const int pmin = qoff + (all_positions ? 0 : rt0 % Lq);
-  const int pmax = qoff + (all_positions ? Lq - 1 : (rt1 - 1) % Lq);
-  int lo = chunk * C;
-  int hi = lo + C < kvlen ? lo + C : kvlen;
-  if (CAUSAL && hi > pmax + 1) hi = pmax + 1;
-  if (WINDOW > 0) {
-    if (lo < pmin - WINDOW + 1) lo = pmin - WINDOW + 1;
-    if (!CAUSAL && hi > pmax + WINDOW) hi = pmax + WINDOW;
-  }
-
+  const int pmax = qoff + (all_positions ? Lq - 1 : (rt1 - 1) % Lq);"""
+    + KEY_RANGE
+    + """
   float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sum
   const idx_t head = (idx_t(b) * HKV + hk) * idx_t(NK) * D;
   float s[NT][4];
@@ -432,6 +416,7 @@ P_TIMES_V
 STORE
   }
 """
+)
 
 # The output: a chunk's unnormalised rows and their max and sum, for the merge;
 # on CUDA, where the launch says so (params[1] != 0: one key chunk, no sinks),
