@@ -200,6 +200,30 @@ def test_reduced_vocabulary_logits_are_the_targets_over_its_tokens(layouts, targ
     assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item()
 
 
+def test_other_layouts_match_the_official_code(layouts, target, monkeypatch):
+    """The official Z Lab MLX code on the Z Lab layout is the oracle: the
+    speculators (reduced vocabulary) and assistant layouts of the same
+    weights give its logits over their tokens, context cached in steps."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_dflash2 import official_load_draft
+
+    theirs = official_load_draft(layouts["zlab"], monkeypatch).bind(target)
+    bound = adapt(target)
+    ours = {name: load_draft(layouts[name]).bind(bound) for name in ("speculators", "assistant")}
+    caches = {name: d.make_cache() for name, d in ours.items()}
+    their_cache = make_prompt_cache(theirs)
+    inside = mx.array(INCLUDED)
+    mx.random.seed(2)
+    # Within the sliding window (8), where the official rotating cache and ours hold the same keys.
+    for ctx, anchor in ((4, 5), (2, 12), (1, 30)):
+        taps = mx.random.normal((1, ctx, 2 * TCFG["hidden_size"]))
+        block = mx.array([[anchor] + [MASK] * 5])
+        want = theirs(block, taps, their_cache, logits_start=1)[0]
+        for name, draft in ours.items():
+            got = draft(block, taps, caches[name])[0]
+            assert mx.allclose(got[:, inside], want[:, inside], rtol=1e-4, atol=1e-4).item(), name
+
+
 def test_every_layout_accepts_the_same_counts_cycle_by_cycle(layouts, target):
     """The key test: text alone cannot show a miswired drafter."""
     drafters = {name: load_draft(path) for name, path in layouts.items()}
