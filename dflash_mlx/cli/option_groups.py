@@ -1,5 +1,7 @@
 """The flags several commands share, in groups: a dataclass a group, whose
-fields are typer options, handed to a command as one object (``takes_groups``)."""
+fields are typer options, handed to a command as one object (``takes_groups``).
+A flag for several commands goes into its group, and into the group's methods
+where it reaches the library (``Sampling.generation``: stream_generate's)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,9 @@ class Pair:
         return load_pair(name or self.model, self.draft_model, dtype=self.dtype, **loading)
 
 
+SAMPLER = ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold", "min_tokens_to_keep")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """--max-tokens, the sampler's flags (mlx-lm's), --seed and the block size."""
@@ -90,8 +95,7 @@ class Sampling:
 
     def sampler(self) -> dict:
         """mlx-lm's make_sampler arguments: the flags that pick each token."""
-        rest = ("max_tokens", "seed", "block_size", "num_draft_tokens")
-        return {name: value for name, value in asdict(self).items() if name not in rest}
+        return {name: getattr(self, name) for name in SAMPLER}
 
     def generation(self, block_size: int | str, prefill_step_size: int = 2048) -> dict:
         """stream_generate's keyword arguments but max_tokens, ``block_size`` checked already."""
