@@ -12,6 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from family_models import LARGE, check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
+from test_attention_routing import decode, fake_gpu  # noqa: F401
+from test_attention_routing_families import HeadDimRecorder, target_forwards
+from test_attention_routing_families import pair as routing_pair
 from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
@@ -31,7 +34,7 @@ FAMILY = {
     "minimax_m2": "minimax",
 }
 # Seeds whose random weights give a varied greedy text (not one token repeated).
-SEED = {"deepseek_v3": 3, "kimi_k25": 3, "deepseek_v32": 2, "glm_moe_dsa": 2, "glm4_moe": 4, "minimax_m2": 3}
+SEED = {"deepseek_v3": 3, "kimi_k25": 3, "deepseek_v32": 2, "glm_moe_dsa": 2, "glm4_moe": 4, "minimax_m2": 15}
 LATENT = ("deepseek_v3", "kimi_k25", "deepseek_v32", "glm_moe_dsa")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 
@@ -232,3 +235,28 @@ def test_a_saved_prompt_cache_decodes_what_the_uncached_prompt_decodes(family, t
     prompt = prefix + [5, 6, 7]
     want = greedy_reference(model, prompt, 20)
     assert run(model, draft, prompt, want, vocab=VOCAB, max_tokens=20, block_size=8, prompt_cache=loaded)[0] == want
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2", "deepseek_v3"])
+def test_which_layers_reach_the_attention_kernel(fake_gpu, family):
+    """On a stand-in GPU whose kernel records its calls: GLM-4.5's and
+    MiniMax's attention layers call the block-attention kernel in every
+    prefill chunk and verify (head dim 64 at hidden 256), with the cache's
+    start and valid length; latent attention never does (its scores add a
+    rotary part the kernel does not compute). Output stays mlx-lm's."""
+    kernel = fake_gpu(HeadDimRecorder())
+    model, draft = routing_pair(family, seed=11)
+    prompt = [(3 * i + 1) % 20 for i in range(40)]
+    assert decode(model, draft, prompt, block_size=8, prefill_step_size=16) == greedy_reference(model, prompt, 24)
+    # this decode's forwards (the kernel's own self-check cases sit at position 500)
+    forwards = {k: v for k, v in target_forwards(kernel.calls).items() if k[0] < 100}
+    if family in LATENT:
+        assert not forwards
+        return
+    assert {start for start, _ in forwards} >= {0, 16, 32} and any(start >= 40 for start, _ in forwards)
+    for (start, rows), calls in forwards.items():
+        assert [c["head_dim"] for c in calls] == [64] * 4, (start, rows)
+        assert all(
+            (c["kv_length"].item() if isinstance(c["kv_length"], mx.array) else c["kv_length"]) == start + rows
+            for c in calls
+        )
