@@ -1,11 +1,24 @@
-"""A verify's time as the context grows, and the pieces that grow with it.
+"""Decoding after long prompts: plain mlx-lm, block 16 and ``auto`` side by
+side; or a verify's time as the context grows, and the pieces that grow with it.
 
 Reported in BENCHMARKS.md, "Long contexts".
 
-    python benchmarks/long_context.py --shape qwen3-8b --prompt-tokens 1024,16384 --block 16
+    python benchmarks/long_context.py --prompt-tokens 8192,16384,32768   # a GPU: Qwen3-8B shapes
+    python benchmarks/long_context.py --shape tiny                          # a CPU, in seconds
+    python benchmarks/long_context.py --pieces --shape qwen3-8b --prompt-tokens 1024,16384
 
-At each prompt length, on a target at a model's shapes (random weights),
-synced (built, evaluated alone, waited for), median of 7:
+At each prompt length, random weights (the drafter accepts nothing, so a
+cycle commits one token: what ``auto`` must see and leave for plain steps),
+greedy, ``--max-tokens`` new tokens a reply, a warm-up round then the median
+of ``--repeat``: decode tok/s after the first token of mlx-lm's own decoding,
+of block 16 and of ``auto``, ``auto``'s share of plain decoding's rate, and
+what ``auto`` did in its last reply (plain steps, drafting cycles, why).
+``auto``'s chooser is new at each length, as a new process's is: it starts
+from what the last one remembered (``DFLASH_MLX_AUTO_MEMORY=0``: from
+nothing). The prompt is prefilled once a length, each reply reusing the cache.
+
+``--pieces``, on a target at a model's shapes, synced (built, evaluated
+alone, waited for), median of 7:
 
 - verify: the target's forward over one block, as the loop runs it;
 - attention: ``layers`` fused attention calls over the cache buffer with the
@@ -24,9 +37,12 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
+import time
 
 import mlx.core as mx
 from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
+from mlx_lm.generate import generate_step
 
 
 def pieces(model, draft, shape: str, P: int, block: int) -> dict:
@@ -96,17 +112,125 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     return out
 
 
+def tiny_pair():
+    """A tiny random pair (dflash_mlx.tiny) for a CPU: the same loop, in seconds."""
+    from dflash_mlx.tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+
+    tcfg = target_config("qwen3", vocab=256, layers=4, hidden=64)
+    dcfg = draft_config(tcfg, layers=1, block_size=16, taps=[0, 2])
+    return make_target(tcfg, seed=3), make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+
+
+def decode_tps(tokens) -> float:
+    """Run a token stream (each item: tokens so far) to its end; tok/s after the first."""
+    first = count = None
+    for count in tokens:
+        if first is None:
+            first = time.perf_counter()
+            start = count
+    return (count - start) / max(time.perf_counter() - first, 1e-9)
+
+
+def plain_tokens(model, cache, prompt: list[int], n: int):
+    """mlx-lm's greedy decoding after ``prompt``, its cache cut back to all but the last token."""
+    for c in cache:
+        c.trim(c.offset - (len(prompt) - 1))
+    k = 0
+    for _ in generate_step(
+        mx.array(prompt[-1:]), model, max_tokens=n, prompt_cache=cache, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
+        k += 1
+        yield k
+
+
+def dflash_tokens(model, draft, tokenizer, cache, prompt: list[int], n: int, block):
+    from dflash_mlx import stream_generate
+
+    k = 0
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=n, block_size=block, prompt_cache=cache):
+        k += len(r.tokens)
+        yield k
+
+
+def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
+    """Plain mlx-lm, block 16 and auto after a ``P``-token prompt (see the module docstring)."""
+    from mlx_lm.models.cache import make_prompt_cache as lm_cache
+
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.auto.chooser import auto_range, chooser_for, forget
+    from dflash_mlx.targets import adapt
+    from dflash_mlx.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer(64)
+    prompt = synthetic_prompt(draft.config.vocab_size, P)
+    lm = lm_cache(model)
+    for _ in generate_step(mx.array(prompt), model, max_tokens=1, prompt_cache=lm):
+        pass
+    ours = make_prompt_cache(model, draft)
+    forget(draft)
+    block = min(16, draft.config.block_size)
+    rates: dict[str, list[float]] = {"plain": [], "block": [], "auto": []}
+    for round_ in range(repeat + 1):  # the first round warms up
+        got = {
+            "plain": decode_tps(plain_tokens(model, lm, prompt, max_tokens)),
+            "block": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, block)),
+            "auto": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, "auto")),
+        }
+        if round_:
+            for mode, tps in got.items():
+                rates[mode].append(tps)
+    chooser = chooser_for(draft, *auto_range(adapt(model), draft))
+    row = {mode: statistics.median(tps) for mode, tps in rates.items()}
+    del lm, ours
+    mx.clear_cache()
+    return {
+        "prompt_tokens": P,
+        **row,
+        "block_size": block,
+        "auto_plain_steps": chooser.reply_plain,
+        "auto_drafting_cycles": chooser.reply_drafting,
+        "auto_reason": chooser.reason,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
-    ap.add_argument("--prompt-tokens", default="1024,16384")
-    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], help="default: qwen3-8b on a GPU, tiny on a CPU")
+    ap.add_argument("--prompt-tokens", help="comma-separated; default: 8192,16384,32768 (tiny: 256,1024)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens a reply")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up one")
+    ap.add_argument("--pieces", action="store_true", help="a verify's pieces instead of decoding")
+    ap.add_argument("--block", type=int, default=16, help="--pieces: the verify's block")
     args = ap.parse_args()
-    model, draft = random_pair(args.shape, None)
-    print(
-        f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; "
-        f"{args.shape} bf16, block {args.block}"
-    )
+    shape = args.shape or ("qwen3-8b" if mx.default_device() == mx.gpu else "tiny")
+    if args.pieces and shape == "tiny":
+        ap.error("--pieces measures a model's shapes: name one with --shape (say small).")
+    lengths = args.prompt_tokens or ("256,1024" if shape == "tiny" else "8192,16384,32768")
+    try:
+        lengths = [int(p) for p in lengths.split(",")]
+    except ValueError:
+        ap.error("--prompt-tokens takes comma-separated integers, say 8192,16384,32768.")
+    if min(lengths) < 2 or args.max_tokens < 2 or args.repeat < 1:
+        ap.error("prompts need 2 tokens or more, --max-tokens 2 or more and --repeat 1 or more.")
+    model, draft = tiny_pair() if shape == "tiny" else random_pair(shape, None)
+    print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {shape}, random weights")
+    if args.pieces:
+        return print_pieces(model, draft, shape, lengths, args.block)
+    print(f"greedy, {args.max_tokens} new tokens a reply, median of {args.repeat} rounds after a warm-up one")
+    head = f"{'prompt':>8} {'plain tok/s':>12} {'block tok/s':>12} {'auto tok/s':>11} {'block/plain':>12} {'auto/plain':>11}"
+    print(head + "  auto's last reply")
+    for P in lengths:
+        r = side_by_side(model, draft, P, args.max_tokens, args.repeat)
+        did = f"{r['auto_plain_steps']} plain steps, {r['auto_drafting_cycles']} drafting cycles; {r['auto_reason']}"
+        print(
+            f"{P:>8} {r['plain']:>12.1f} {r['block']:>12.1f} {r['auto']:>11.1f} "
+            f"{r['block'] / r['plain']:>11.2f}x {r['auto'] / r['plain']:>10.2f}x  {did}",
+            flush=True,
+        )
+
+
+def print_pieces(model, draft, shape: str, lengths: list[int], block: int) -> None:
+    print(f"block {block}")
     cols = [
         "prompt_tokens",
         "capacity",
@@ -117,8 +241,8 @@ def main():
         "cache_writes_ms",
     ]
     print(" ".join(f"{c:>20}" for c in cols))
-    for P in [int(p) for p in args.prompt_tokens.split(",")]:
-        row = pieces(model, draft, args.shape, P, args.block)
+    for P in lengths:
+        row = pieces(model, draft, shape, P, block)
         print(
             " ".join(
                 f"{row.get(c, float('nan')):>20.2f}" if c != "prompt_tokens" and c != "capacity" else f"{row[c]:>20}"
