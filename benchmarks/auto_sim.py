@@ -9,8 +9,9 @@ No model and no device, in seconds. Each scenario is a cost model measured on
 a real machine and an acceptance pattern; the chooser is the real one
 (``dflash_mlx.auto.chooser.BlockChooser``), fed what the decode loop would
 feed it: each cycle's block, accepted drafts and time, plus what a change of
-block size costs the host. The oracle knows each cycle's acceptance and takes
-the best block size or plain steps. A change to the chooser should keep every
+block size costs the host, and each reply's context (its cost grows with the
+context: the long-prompt scenarios). The oracle knows each cycle's acceptance
+and takes the best block size or plain steps. A change to the chooser should keep every
 row near 1.0; where one falls, the cycles-by-choice column says what it did.
 """
 
@@ -234,12 +235,12 @@ def main():
     ap.add_argument("--cycles", type=int, default=3000)
     ap.add_argument("--seeds", type=int, default=5)
     args = ap.parse_args()
-    print(f"{'scenario':<44} {'rate / oracle (min, median)':>28}  cycles by choice (last seed)")
+    print(f"{'scenario':<50} {'rate / oracle (min, median)':>28}  cycles by choice (last seed)")
     for s in SCENARIOS:
         results = [run(s, args.cycles, seed) for seed in range(args.seeds)]
         shares = [r for r, _ in results]
         used = " ".join(f"{'plain' if b == 1 else b}:{n}" for b, n in results[-1][1].most_common(4))
-        print(f"{s.name:<44} {min(shares):>14.3f} {statistics.median(shares):>13.3f}  {used}")
+        print(f"{s.name:<50} {min(shares):>14.3f} {statistics.median(shares):>13.3f}  {used}")
 
 
 if __name__ == "__main__":
