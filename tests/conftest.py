@@ -20,6 +20,14 @@ def auto_memory_home(tmp_path_factory, monkeypatch):
     never the user's: a test starts knowing nothing unless it says otherwise."""
     monkeypatch.setenv("DFLASH_MLX_HOME", str(tmp_path_factory.mktemp("dflash-home")))
     monkeypatch.delenv("DFLASH_MLX_AUTO_MEMORY", raising=False)
+    # A fake GPU's kernels serve wherever the dispatch table lets them: the
+    # measurement that decides on a real machine (decisions.py) has its own tests.
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    from dflash_mlx.kernels import decisions
+
+    decisions.reset()
+    yield
+    decisions.reset()
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,20 @@ def test_doctor_reports_machine_kernels_probe_and_a_paste_block():
 
 def on_fake_gpu(monkeypatch, attention_kernel):
     """Doctor as if on a GPU backend named 'fake' whose block-attention
-    kernel is ``attention_kernel``, its attention timing stubbed."""
+    kernel is ``attention_kernel``, measuring two shape classes whose times
+    are given: the kernel wins the longer one."""
+    from dflash_mlx.kernels import decisions
+
     dispatch.reset()
     monkeypatch.setattr(dispatch, "backend", lambda: "fake")
     monkeypatch.setattr("dflash_mlx.kernels.backend", lambda: "fake")
     monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: attention_kernel)
-    monkeypatch.setattr(doctor, "time_attention", lambda keys: (0.5, 0.25))
+    monkeypatch.setattr(dispatch, "ROW_CLASSES", (16,))
+    monkeypatch.setattr(dispatch, "KEY_CLASSES", (256, 1024))
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    times = iter([(0.0006, 0.0005), (0.00025, 0.0005)])
+    monkeypatch.setattr(decisions, "seconds_per_call", lambda ours, theirs: next(times))
 
 
 def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
@@ -65,7 +73,12 @@ def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
     assert all((status == "FAILED") == (dtype == "float32") for dtype, _, _, status in checks)
     assert "FAILED (fused op used), max relative error" in out
     assert "kernel checks          12 of 18 passed" in out
-    assert "attention 1k keys      fused 0.500 ms, kernel 0.250 ms" in out
+    assert "decisions              policy measure (DFLASH_MLX_KERNELS), kept in " in out
+    measured = re.findall(r"^  block attention bfloat16 d128 full (rows<=16 keys<=\d+) +(kernel .*)$", out, re.M)
+    assert measured == [
+        ("rows<=16 keys<=256", "kernel 0.600 ms, MLX 0.500 ms: MLX's own"),
+        ("rows<=16 keys<=1024", "kernel 0.250 ms, MLX 0.500 ms: kernel"),
+    ]
     assert "probe                  skipped (--seconds 0)" in out
 
 

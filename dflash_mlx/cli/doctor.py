@@ -127,17 +127,31 @@ def kernels(line, note) -> None:
     results += small_kernel_checks(line)
     failed = sum(not r.ok for r in results)
     line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
+    decided(line)
+
+
+def decided(line) -> None:
+    """This machine's measured decisions, kernel against MLX's own path (ms per
+    call), a line each; the verify's common case (bf16, head dim 128) is
+    measured first where it never was."""
+    import mlx.core as mx
+
+    from dflash_mlx.kernels import decisions, dispatch
+
+    store = decisions.current()
+    where = f"in {store.path}" if store.path is not None else "in memory only (DFLASH_MLX_AUTO_MEMORY=off)"
+    line("decisions", f"policy {store.policy} (DFLASH_MLX_KERNELS), kept {where}")
     try:
-        for keys in (1024, 4096):
-            fused, kernel = time_attention(keys)
-            line(
-                f"attention {keys // 1024}k keys",
-                f"fused {fused:.3f} ms, kernel {kernel:.3f} ms (16 rows, 32/8 heads, d128, bf16)"
-                if kernel is not None
-                else f"fused {fused:.3f} ms, kernel not usable",
-            )
-    except Exception as e:
-        line("attention timing", f"failed: {type(e).__name__}: {e}", "red")
+        dispatch.measure(dispatch.backend(), mx.bfloat16, 128, None)
+    except Exception as e:  # doctor reports, it does not crash
+        line("measuring", f"failed: {type(e).__name__}: {e}", "red")
+    for d in store.all():
+        verdict = "kernel" if d.faster else "MLX's own"
+        line(
+            f"{d.kernel} {d.case}",
+            f"kernel {d.ours * 1e3:.3f} ms, MLX {d.mlx * 1e3:.3f} ms: {verdict}",
+            "green" if d.faster else "",
+        )
 
 
 def check_line(line, name: str, result, fallback: str) -> None:
@@ -234,28 +248,6 @@ def product_scaling(dtype: str, n: int = 1024, reps: int = 10) -> float:
         return time.perf_counter() - tic
 
     return seconds(rows[16]) / seconds(rows[1])
-
-
-def time_attention(keys: int, reps: int = 20):
-    """Fused op vs kernel (ms per call) at the verify shape the dispatch table was measured on."""
-    import mlx.core as mx
-
-    from dflash_mlx.kernels import backend, ops_attention
-    from dflash_mlx.kernels.dispatch import checked_kernel
-
-    q = mx.random.normal((1, 32, 16, 128)).astype(mx.bfloat16)
-    k = mx.random.normal((1, 8, keys, 128)).astype(mx.bfloat16)
-    kw = dict(scale=128**-0.5, q_offset=mx.array(keys - 16), kv_length=mx.array(keys), causal=True)
-    kernel = checked_kernel(backend(), mx.bfloat16, 128, False)
-
-    def ms(fn):
-        mx.eval(fn())
-        tic = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
-        return (time.perf_counter() - tic) / reps * 1e3
-
-    fused = ms(lambda: ops_attention(q, k, k, **kw))
-    return fused, (ms(lambda: kernel(q, k, k, **kw)) if kernel is not None else None)
 
 
 def probe(line, seconds: float) -> None:

@@ -1,8 +1,9 @@
 """Choose the kernel or the fused op per call; check each kernel variant once.
 
 A variant (backend, dtype, head dim, window kind) is used only after it has
-matched the ops path in this process; a failure sends it to the ops path for
-good, with one warning."""
+matched the ops path in this process (a failure sends it to the ops path for
+good, with one warning), and for a class of shapes only where this machine
+measured it faster than MLX's fused attention (decisions.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..device import backend
+from . import decisions
 from .attention import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
 
-# Where the kernel beats the fused op, by query rows per key-value head:
-# (most rows, fewest keys; None: never). The first entry whose rows cover the call decides.
-KERNEL_WINS = ((4, None), (16, 1024), (128, 0))
-# Metal launches cheaply, so it takes the kernel from this many keys at the least.
-METAL_FEWEST_KEYS = 1024
+# Where the kernel may serve, by query rows per key-value head: (most rows,
+# fewest keys; None: never). The first entry whose rows cover the call
+# decides; within it, this machine's measurement does (``serving_kernel``).
+KERNEL_WINS = ((128, 0),)
+# The classes of shapes measured: a call takes the decision of the smallest
+# class that holds its rows per key-value head and its keys (the largest past them).
+ROW_CLASSES = (4, 16, 64, 128)
+KEY_CLASSES = (1024, 4096, 16384, 65536)
+DECISION = "block attention"
 
 TOLERANCE = {mx.float32: 2e-3, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -64,24 +70,84 @@ def block_attention(queries, keys, values, *, scale, q_offset, kv_length, causal
     kw = dict(scale=scale, q_offset=q_offset, kv_length=kv_length, causal=causal, window=window, sinks=sinks)
     where = backend()
     keys_hint = kv_length if isinstance(kv_length, int) else keys.shape[2]
-    if where == "cpu" or not kernel_wins(queries.shape[1] // keys.shape[1] * queries.shape[2], keys_hint, where):
-        return ops_attention(queries, keys, values, **kw)
-    kernel = checked_kernel(where, queries.dtype, queries.shape[3], window is not None)
+    rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
+    if where != "cpu" and kernel_wins(rows, keys_hint, where):
+        checked_kernel(where, queries.dtype, queries.shape[3], window is not None)
+    kernel = serving_kernel(where, queries.dtype, queries.shape[3], window is not None, rows=rows, keys=keys_hint)
     if kernel is None:
         return ops_attention(queries, keys, values, **kw)
     return kernel(queries, keys, values, **kw)
 
 
 def kernel_wins(rows_per_kv_head: int, keys: int, where: str = "cuda") -> bool:
-    """Whether KERNEL_WINS picks the kernel on backend ``where``."""
+    """Whether KERNEL_WINS lets the kernel serve the call (``where``: kept for callers)."""
     for most_rows, fewest_keys in KERNEL_WINS:
         if rows_per_kv_head <= most_rows:
-            if fewest_keys is None:
-                return False
-            if where == "metal":
-                fewest_keys = max(fewest_keys, METAL_FEWEST_KEYS)
-            return keys >= fewest_keys
+            return fewest_keys is not None and keys >= fewest_keys
     return False
+
+
+def shape_class(rows_per_kv_head: int, keys: int) -> tuple[int, int]:
+    """The measured class (rows, keys) whose decision a call takes."""
+    rows = next((r for r in ROW_CLASSES if rows_per_kv_head <= r), ROW_CLASSES[-1])
+    return rows, next((k for k in KEY_CLASSES if keys <= k), KEY_CLASSES[-1])
+
+
+def decision_case(dtype, head_dim: int, windowed: bool, rows: int, keys: int) -> str:
+    kind = "window" if windowed else "full"
+    return f"{str(dtype).split('.')[-1]} d{head_dim} {kind} rows<={rows} keys<={keys}"
+
+
+def serving_kernel(where: str, dtype, head_dim: int, windowed: bool, *, rows: int, keys: int):
+    """The kernel for a call of ``rows`` per key-value head over ``keys``: where
+    the table lets it, its variant passed its check and this machine measured
+    its shape class faster; else None. Never checks or measures (safe in a trace)."""
+    if where == "cpu" or not kernel_wins(rows, keys, where):
+        return None
+    kernel = passed_kernel(where, dtype, head_dim, windowed)
+    if kernel is None or not decisions.current().uses(
+        DECISION, decision_case(dtype, head_dim, windowed, *shape_class(rows, keys))
+    ):
+        return None
+    return kernel
+
+
+def measure(where: str, dtype, head_dim: int, window: int | None) -> list[decisions.Decision]:
+    """Decide every shape class the table admits for a checked variant, measuring
+    those this machine has not (outside compiled traces); the decisions made."""
+    kernel = checked_kernel(where, dtype, head_dim, window is not None)
+    if kernel is None:
+        return []
+    store, made = decisions.current(), []
+    for rows in ROW_CLASSES:
+        for keys in KEY_CLASSES:
+            if not kernel_wins(rows, keys, where):
+                continue
+            case = decision_case(dtype, head_dim, window is not None, rows, keys)
+            store.decide(DECISION, case, *_timed_pair(kernel, dtype, head_dim, window, rows=rows, keys=keys))
+            made.append(store.known.get((DECISION, case)))
+    return [d for d in made if d is not None]
+
+
+def _timed_pair(kernel, dtype, head_dim: int, window: int | None, *, rows: int, keys: int):
+    """(ours, MLX's) at a verify's shape of the class: 8 key-value heads at
+    GQA 4, the rows' queries at the end of ``keys`` valid keys."""
+    kv_heads, gqa = 8, 4
+    length = max(1, rows // gqa)
+    q = mx.random.normal((1, kv_heads * gqa, length, head_dim)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
+    scale = head_dim**-0.5
+    position = mx.arange(keys - length, keys)[:, None]
+    seen = mx.arange(keys)[None] <= position
+    if window is not None:
+        seen = seen & (position - mx.arange(keys)[None] < window)
+    mx.eval(q, k, v, seen)
+    kw = dict(scale=scale, q_offset=mx.array(keys - length), kv_length=mx.array(keys), causal=True, window=window)
+    return (
+        lambda: kernel(q, k, v, **kw),
+        lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen),
+    )
 
 
 def passed_kernel(where: str, dtype, head_dim: int, windowed: bool):

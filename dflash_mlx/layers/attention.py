@@ -1,6 +1,7 @@
 """A layer's attention over its cache: the block-attention kernel for a
-``BufferKVCache`` where it wins and passed its check (in ``prepare``, never
-inside a compiled cycle), mlx-lm's attention everywhere else."""
+``BufferKVCache`` where it passed its check and this machine measured it
+faster (both in ``prepare``, never inside a compiled cycle), mlx-lm's
+attention everywhere else."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from . import linear
 
 
 def prepare(dtype, head_dim: int, windows) -> None:
-    """Check every kernel variant a target's layers will use, outside compiled traces."""
+    """Check and measure every kernel variant a target's layers will use, outside compiled traces."""
     norm_rope.prepare(dtype, head_dim)
     linear.prepare(dtype)
     where = dispatch.backend()
     if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
         return
-    for windowed in sorted({w is not None for w in windows}):
-        dispatch.checked_kernel(where, dtype, head_dim, windowed)
+    for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+        dispatch.measure(where, dtype, head_dim, window)
 
 
 def attention(queries, keys, values, **where) -> mx.array:
@@ -54,20 +55,21 @@ def attention_output(
     if type(cache) is BufferKVCache and start is not None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
-        if where != "cpu" and dispatch.kernel_wins(rows, keys.shape[2], where):
-            kernel = dispatch.passed_kernel(where, queries.dtype, queries.shape[3], window is not None)
-            if kernel is not None:
-                out = kernel(
-                    queries,
-                    keys,
-                    values,
-                    scale=scale,
-                    q_offset=start,
-                    kv_length=cache.offset if length is None else length,
-                    causal=causal,
-                    window=window,
-                    sinks=sinks,
-                )
-                B, _, L, _ = out.shape
-                return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
+        kernel = dispatch.serving_kernel(
+            where, queries.dtype, queries.shape[3], window is not None, rows=rows, keys=keys.shape[2]
+        )
+        if kernel is not None:
+            out = kernel(
+                queries,
+                keys,
+                values,
+                scale=scale,
+                q_offset=start,
+                kv_length=cache.offset if length is None else length,
+                causal=causal,
+                window=window,
+                sinks=sinks,
+            )
+            B, _, L, _ = out.shape
+            return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
