@@ -110,3 +110,14 @@ def test_every_quantized_product_variant_is_recorded_and_wrapped():
         "const __nv_bfloat16* biases",
         "__nv_bfloat16* y",
     ]
+
+
+def test_every_kernel_module_listed_records_its_variants():
+    """A kernel joins the check by its module's name in KERNEL_MODULES (its record_variants hook)."""
+    script = load_script()
+    assert "dflash_mlx.kernels.gated_delta" in script.KERNEL_MODULES
+    for module in script.KERNEL_MODULES:
+        recorder, bare = script.Recorder(), script.Recorder()
+        script.record_all(recorder, modules=[module])
+        script.record_all(bare, modules=[])
+        assert set(recorder.variants) - set(bare.variants), module

@@ -193,3 +193,12 @@ def test_the_quantized_products_weights_in_registers_are_thread_memory(monkeypat
     monkeypatch.setattr(quantized_source, "BODY", body)
     failed, log, n = check_subset("quantized_product", most=2)
     assert len(failed) == n and "no matching function for call to 'qv_add'" in log, log
+
+
+def test_every_kernel_module_listed_records_its_variants():
+    """A kernel joins the check by its module's name in KERNEL_MODULES (its record_variants hook)."""
+    assert "dflash_mlx.kernels.gated_delta" in script.KERNEL_MODULES
+    for module in script.KERNEL_MODULES:
+        recorder = script.Recorder()
+        script.record_modules(recorder, "metal", modules=[module])
+        assert recorder.variants, module
