@@ -7,6 +7,14 @@ Z Lab loop" row.
     python benchmarks/speed.py --shape qwen3-8b --max-tokens 96 --block-size 16,auto --repeat 2
     python benchmarks/speed.py --model dflash_mlx/builtin/target --draft dflash_mlx/builtin/draft \
         --prompt @benchmarks/prompts/held_out_code.txt --max-tokens 256
+    python benchmarks/speed.py --model dflash_mlx/builtin/target --draft dflash_mlx/builtin/draft \
+        --prompts benchmarks/prompts/copy_edits.json --block-size 16 --lookup off,on,auto,alone
+
+``--lookup`` adds prompt lookup to dflash-mlx's rows (off, on, auto; alone: no
+drafter, lookup only). ``--prompts`` runs a prompt set (a JSON list of texts, or
+an object whose "prompts" list them) and sums its decode times; copy_edits.json,
+written by ``--write-copy-edits``, asks for an edit of a function given in the
+prompt (held-out stdlib files, a name renamed): replies that copy their context.
 
 All three run in one process, each round in turn; the official loop
 (``dflash.model_mlx``, ``pip install --no-deps dflash==0.1.0``) is skipped where
@@ -18,8 +26,11 @@ it is the real speedup.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import platform
+import random
+import re
 import sys
 import tempfile
 import time
@@ -28,6 +39,9 @@ from pathlib import Path
 import mlx.core as mx
 from cycle import SHAPES, configs, random_target, synthetic_prompt
 from mlx_lm.generate import generate_step
+
+ROOT = Path(__file__).resolve().parent.parent
+COPY_EDITS = ROOT / "benchmarks" / "prompts" / "copy_edits.json"
 
 
 def random_pair(shape: str, tmp: Path):
@@ -40,21 +54,27 @@ def random_pair(shape: str, tmp: Path):
     return str(target_dir), str(draft_dir)
 
 
-def timed(label, stream, n_tokens):
-    """Run a token stream to the end; decode tok/s after the first token."""
-    tic = time.perf_counter()
-    first = None
-    count = 0
-    for count_now in stream:
-        if first is None:
-            first = time.perf_counter()
-        count = count_now
-    end = time.perf_counter()
+def timed(label, streams):
+    """Run each prompt's token stream to the end; decode tok/s after each first token, summed."""
+    tokens = 0
+    ttft = decode = 0.0
+    for stream in streams:
+        tic = time.perf_counter()
+        first = None
+        count = 0
+        for count_now in stream:
+            if first is None:
+                first = time.perf_counter()
+            count = count_now
+        end = time.perf_counter()
+        tokens += count - 1
+        ttft += first - tic
+        decode += end - first
     return {
         "mode": label,
-        "tokens": count,
-        "ttft_s": round(first - tic, 4),
-        "decode_tps": round((count - 1) / max(end - first, 1e-9), 2),
+        "tokens": tokens,
+        "ttft_s": round(ttft, 4),
+        "decode_tps": round(tokens / max(decode, 1e-9), 2),
     }
 
 
@@ -65,14 +85,48 @@ def plain(model, prompt, n):
         yield k
 
 
-def ours(model, draft, tok, prompt, n, bs, stats):
+def ours(model, draft, tok, prompt, n, bs, stats, lookup=False):
     from dflash_mlx import stream_generate
 
     k = 0
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs, lookup=lookup):
         k += len(r.tokens)
-        stats["acceptance_length"] = round(r.acceptance_length, 3)
+        if r.accepted is not None:
+            stats["tokens"] = stats.get("tokens", 0) + len(r.tokens)
+            stats["cycles"] = stats.get("cycles", 0) + 1
+            stats["lookup_hits"] = stats.get("lookup_hits", 0) + r.lookup_hit
         yield k
+
+
+def copy_edits(n: int, seed: int) -> list[str]:
+    """``n`` prompts asking for an edit of a documented function from a
+    held-out stdlib file: the function, then its start with a local name
+    renamed, for the model to finish (a reply that copies its context)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from builtin_corpus import functions, stdlib_files
+
+    rng = random.Random(seed)
+    found = []
+    for rel, text in stdlib_files(held_out=True):
+        for _, _, src in functions(text):
+            if not 8 <= src.count("\n") + 1 <= 24 or len(src) > 1000:
+                continue
+            uses: dict[str, int] = {}
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.Name) and len(node.id) > 2 and not node.id.startswith("__"):
+                    uses[node.id] = uses.get(node.id, 0) + 1
+            names = sorted(k for k, v in uses.items() if v >= 3 and k != "self" and k not in dir(__builtins__))
+            if names:
+                found.append((rel, src, names))
+    rng.shuffle(found)
+    prompts = []
+    for rel, src, names in found[:n]:
+        old = rng.choice(names)
+        new = f"new_{old}"
+        lines = re.sub(rf"\b{re.escape(old)}\b", new, src).splitlines(keepends=True)
+        cut = next(i for i in range(len(lines) // 2, len(lines)) if lines[i].strip())
+        prompts.append(f"# {rel}\n{src}\n\n# {rel}, with {old} renamed to {new}\n{''.join(lines[:cut])}")
+    return prompts
 
 
 def official_draft(path: str):
@@ -105,6 +159,18 @@ def main():
         "--prompt",
         help="a text prompt instead (a trained pair accepts little on synthetic ids); '@FILE' reads it from FILE",
     )
+    ap.add_argument("--prompts", type=Path, help="a prompt set instead: a JSON list of texts (or {'prompts': [...]})")
+    ap.add_argument(
+        "--write-copy-edits",
+        type=int,
+        metavar="N",
+        help=f"write N copy-edit prompts from this Python's held-out stdlib to {COPY_EDITS.relative_to(ROOT)} and stop",
+    )
+    ap.add_argument(
+        "--lookup",
+        default="off",
+        help="comma-separated prompt lookup settings for dflash-mlx: off, on, auto, alone (no drafter)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--block-size",
@@ -121,6 +187,15 @@ def main():
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.write_copy_edits:
+        prompts = copy_edits(args.write_copy_edits, seed=0)
+        record = {"python": platform.python_version(), "prompts": prompts}
+        COPY_EDITS.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {len(prompts)} prompts to {COPY_EDITS}")
+        return
+    lookups = args.lookup.split(",")
+    if not set(lookups) <= {"off", "on", "auto", "alone"}:
+        raise SystemExit(f"--lookup takes off, on, auto and alone; got {args.lookup!r}")
 
     from dflash_mlx import load
 
@@ -133,12 +208,16 @@ def main():
     blocks = [b if b == "auto" else int(b) for b in args.block_size.split(",")]
     bs = next((b for b in blocks if b != "auto"), draft.config.block_size)
     vocab = draft.config.vocab_size
-    if args.prompt:
+    if args.prompts:
+        texts = json.loads(args.prompts.read_text())
+        prompts = [tok.encode(t) for t in (texts["prompts"] if isinstance(texts, dict) else texts)]
+    elif args.prompt:
         text = Path(args.prompt[1:]).read_text() if args.prompt.startswith("@") else args.prompt
-        prompt = tok.encode(text)
-        args.prompt_tokens = len(prompt)
+        prompts = [tok.encode(text)]
     else:
-        prompt = synthetic_prompt(vocab, args.prompt_tokens)
+        prompts = [synthetic_prompt(vocab, args.prompt_tokens)]
+    args.prompt_tokens = sum(len(p) for p in prompts) // len(prompts)
+    setting = {"off": False, "on": True, "auto": "auto", "alone": True}
 
     have_official = True
     try:
@@ -152,19 +231,20 @@ def main():
 
     rows = []
     for rep in range(1 if args.cold else args.repeat + 1):  # the first round warms up, unless --cold
-        stats: dict = {}
-        round_rows = [timed("plain mlx-lm", plain(model, prompt, args.max_tokens), args.max_tokens)]
+        round_rows = [timed("plain mlx-lm", [plain(model, p, args.max_tokens) for p in prompts])]
         for block in blocks:
-            run = ours(model, draft, tok, prompt, args.max_tokens, block, stats)
-            round_rows.append({**timed(f"dflash-mlx {block}", run, args.max_tokens), **stats})
+            for lookup in lookups:
+                stats: dict = {}
+                drafter = None if lookup == "alone" else draft
+                runs = [ours(model, drafter, tok, p, args.max_tokens, block, stats, setting[lookup]) for p in prompts]
+                label = f"dflash-mlx {block}" + ("" if lookup == "off" else f" lookup {lookup}")
+                row = timed(label, runs)
+                row["acceptance_length"] = round(stats["tokens"] / max(stats["cycles"], 1), 3)
+                row["lookup_hits"] = stats["lookup_hits"]
+                round_rows.append(row)
         if have_official:
-            round_rows.append(
-                timed(
-                    "official dflash",
-                    official(their_model, their_draft, tok, prompt, args.max_tokens, bs),
-                    args.max_tokens,
-                )
-            )
+            runs = [official(their_model, their_draft, tok, p, args.max_tokens, bs) for p in prompts]
+            round_rows.append(timed("official dflash", runs))
         if rep or args.cold:
             rows.extend(round_rows)
 
@@ -177,6 +257,7 @@ def main():
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, device {mx.default_device()}",
         "target": target_dir if args.model else f"random {args.shape}",
         "block_size": bs,
+        "prompts": len(prompts),
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "results": [
@@ -185,6 +266,7 @@ def main():
                 "decode_tps": median(m, "decode_tps"),
                 "speedup_vs_plain": round(median(m, "decode_tps") / base, 3),
                 "acceptance_length": median(m, "acceptance_length"),
+                "lookup_hits": median(m, "lookup_hits"),
             }
             for m in dict.fromkeys(r["mode"] for r in rows)
         ],
@@ -194,12 +276,14 @@ def main():
         return
     print(summary["machine"])
     print(
-        f"target {summary['target']}, block {bs}, prompt {args.prompt_tokens}, new tokens {args.max_tokens}, "
+        f"target {summary['target']}, block {bs}, {len(prompts)} prompt(s) of {args.prompt_tokens} tokens "
+        f"(mean), new tokens {args.max_tokens} each, "
         + ("one cold round (no warm-up)" if args.cold else f"median of {args.repeat}")
     )
     for r in summary["results"]:
-        tau = f"  tau {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
-        print(f"{r['mode']:>18}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}")
+        tau = f"  tokens/cycle {r['acceptance_length']}" if r["acceptance_length"] is not None else ""
+        hits = f"  lookup hits {r['lookup_hits']}" if r["lookup_hits"] else ""
+        print(f"{r['mode']:>28}: {r['decode_tps']:8.1f} tok/s  x{r['speedup_vs_plain']:.2f}{tau}{hits}")
 
 
 if __name__ == "__main__":
