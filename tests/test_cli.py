@@ -259,6 +259,10 @@ def test_generate_bad_flags(pair, extra, fragments):
     assert_user_error(result, *fragments)
 
 
+def test_serve_refuses_a_bad_prefill_step_before_loading():
+    assert_user_error(run("serve", "--prefill-step-size", "0"), "--prefill-step-size must be a positive integer")
+
+
 def test_generate_without_model_or_prompt(pair, monkeypatch):
     from dflash_mlx import builtin
 

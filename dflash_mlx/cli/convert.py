@@ -26,7 +26,11 @@ The output loads with dflash_mlx.load or --draft-model; an existing one is repla
 
 def convert_command(
     *,
-    hf_path: str = typer.Option(..., "--hf-path", help="Z Lab drafter: Hub repo id or local directory."),
+    hf_path: str = typer.Option(
+        ...,
+        "--hf-path",
+        help="DFlash drafter in any published format (Z Lab, speculators, transformers assistant): Hub repo id or local directory.",
+    ),
     mlx_path: str = typer.Option("mlx_model", "--mlx-path", help="Output directory."),
     dtype: Optional[str] = typer.Option(
         None, "--dtype", help="float16, bfloat16 or float32 (default: the checkpoint's own)."

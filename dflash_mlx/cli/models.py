@@ -40,8 +40,9 @@ def models_command(
     """List the known target -> drafter pairs, which run today, and which are downloaded.
 
     The first row is the built-in pair (--model builtin, or no --model). A
-    target marked as running needs no --draft-model: its drafter is found
-    here. The others wait for an adapter for their model family.
+    target marked as running needs no --draft-model: its first drafter here
+    is the default (others are named with --draft-model). The others wait
+    for an adapter for their model family.
     """
     with user_errors(verbose):
         from dflash_mlx import builtin, loading
@@ -53,6 +54,7 @@ def models_command(
                 {
                     "target": "builtin",
                     "drafter": "builtin",
+                    "format": "Z Lab DFlash",
                     "runs": here,
                     "why_not": None if here else "its weights are not installed with this copy of dflash-mlx.",
                     "target_cached": here,
@@ -69,6 +71,7 @@ def models_command(
                 {
                     "target": target,
                     "drafter": drafter,
+                    "format": loading.drafter_format(drafter),
                     "runs": why_not is None,
                     "why_not": why_not,
                     "target_cached": t,
@@ -82,12 +85,13 @@ def models_command(
         table = Table(title="known DFlash pairs", title_style="bold")
         table.add_column("target")
         table.add_column("drafter")
+        table.add_column("format")
         table.add_column("runs")
         table.add_column("cached", justify="center")
         for r in rows:
             runs = "[green]yes[/]" if r["runs"] else f"[dim]no: {r['why_not']}[/]"
             target = f"{r['target']} [cyan](built-in, offline)[/]" if r["builtin"] else r["target"]
-            table.add_row(target, r["drafter"], runs, _CACHED[r["target_cached"], r["drafter_cached"]])
+            table.add_row(target, r["drafter"], r["format"], runs, _CACHED[r["target_cached"], r["drafter_cached"]])
         console.print(table)
         if not any(not r["builtin"] for r in rows):
             console.print("[dim]no Hub pair is fully cached yet; `dflash-mlx chat --model <target>` downloads one.[/]")

@@ -136,7 +136,7 @@ def serve_command(
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
     with user_errors(verbose):
-        generation = sampling.check()
+        generation = sampling.check(prefill_step_size)
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
         if prompt_cache_size < 0:
