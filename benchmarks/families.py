@@ -19,6 +19,8 @@ experts, top 4, sliding layers with sinks). For each it times
   delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
   in ms and in plain steps of both (a random drafter: the cycle's cost does
   not depend on how many drafts are accepted);
+- each time the median over the run's steps or cycles (a graph traced or a
+  kernel built mid-run moves the mean, not the median);
 - rollback (hybrid): what the rollback adds to the delta-net layers' verify
   when half of a verify's steps are kept, ms per cycle over the layers;
 - with ``--official``: the official Z Lab MLX loop's cycle on the same shapes.
@@ -30,6 +32,7 @@ import argparse
 import importlib
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -158,14 +161,18 @@ def official_cycle_ms(cfg: dict, bits: int | None, dtype, tok, prompt, bs: int, 
     return (stamps[-1] - stamps[2]) * 1000 / max(len(stamps) - 3, 1)
 
 
+def median_interval(stamps: list[tuple[float, int]], skip: int = 2) -> float:
+    """ms per unit (token or cycle) between (time, count) stamps, the median
+    over consecutive pairs past the first ``skip``: a spike (a graph traced or
+    a kernel built for a new buffer width) does not move it."""
+    per = [(t1 - t0) * 1000 / (c1 - c0) for (t0, c0), (t1, c1) in zip(stamps[skip:], stamps[skip + 1 :]) if c1 > c0]
+    return statistics.median(per)
+
+
 def plain_ms(model, prompt, n: int) -> float:
     steps = generate_step(mx.array(prompt), model, max_tokens=n + 4, sampler=lambda x: mx.argmax(x, axis=-1))
-    for _ in range(4):
-        next(steps)
-    t = time.perf_counter()
-    for _ in range(n):
-        next(steps)
-    return (time.perf_counter() - t) * 1000 / n
+    stamps = [(time.perf_counter(), i) for i, _ in enumerate(steps)]
+    return median_interval(stamps)
 
 
 def adapter_plain_ms(model, prompt, n: int) -> float:
@@ -180,17 +187,14 @@ def adapter_plain_ms(model, prompt, n: int) -> float:
         return mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
 
     token = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
-    mx.eval(token)
-    t = None
+    stamps = []
     for i in range(n + 4):
-        if i == 4:
-            t = time.perf_counter()
         following = step(token)
         mx.async_eval(following)
         token.item()
+        stamps.append((time.perf_counter(), i))
         token = following
-    token.item()
-    return (time.perf_counter() - t) * 1000 / n
+    return median_interval(stamps)
 
 
 def cycle_ms(model, draft, tok, prompt, bs: int, n: int, rollback: str | None = None) -> float:
@@ -199,9 +203,8 @@ def cycle_ms(model, draft, tok, prompt, bs: int, n: int, rollback: str | None = 
     cache.target[:] = [DeltaCache(rollback) if isinstance(c, DeltaCache) else c for c in cache.target]
     stamps = []
     for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, block_size=bs, prompt_cache=cache):
-        stamps.append((time.perf_counter(), r.cycles if hasattr(r, "cycles") else len(stamps)))
-    (t0, c0), (t1, c1) = stamps[2], stamps[-1]
-    return (t1 - t0) * 1000 / max(c1 - c0, 1)
+        stamps.append((time.perf_counter(), r.cycles))
+    return median_interval(stamps)
 
 
 def rollback_ms(model, prompt, bs: int, reps: int, rollback: str | None = None) -> float | None:
@@ -232,10 +235,11 @@ def rollback_ms(model, prompt, bs: int, reps: int, rollback: str | None = None) 
             mx.eval(out)
 
         once()
-        t = time.perf_counter()
-        for _ in range(reps):
+        stamps = [(time.perf_counter(), 0)]
+        for i in range(reps):
             once()
-        return (time.perf_counter() - t) * 1000 / reps
+            stamps.append((time.perf_counter(), i + 1))
+        return median_interval(stamps, skip=0)
 
     plain = verify("replay", cut=False)
     return verify(rollback, cut=True) - plain
