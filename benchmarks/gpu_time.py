@@ -1,4 +1,4 @@
-"""Device time per kernel of a cycle, a verify or 36 attention calls, read from Nsight Compute.
+"""Device time and DRAM bytes per kernel of a cycle, a verify or 36 attention calls, read from Nsight Compute.
 
 Reported in BENCHMARKS.md: "GPU kernels" (block attention, block products),
 the device-time table under "Qwen3-8B shapes, random weights", and the
@@ -10,6 +10,14 @@ built-in pair's kernels a cycle under "The built-in pair" / "H100".
     ncu ... python benchmarks/gpu_time.py attention --rows 16 --keys 1024,2048,4096,16384,32768 > cases.txt
     ncu ... python benchmarks/gpu_time.py verify --shape qwen3-8b --prompt-tokens 1024,16384 > cases.txt
     python benchmarks/gpu_time.py launches ncu.csv     # per distinct launch, any profiled run
+
+Bytes a cycle moves, against a plain step's (what a Mac, bound by memory
+bandwidth, pays; BENCHMARKS.md "Bytes per cycle"):
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+        --csv --log-file ncu.csv python benchmarks/gpu_time.py cycle --shape qwen3-8b --quantize 4 \
+        --prompt-tokens 1024 > cases.txt
+    python benchmarks/gpu_time.py summarize ncu.csv cases.txt
 
 Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost
 of encoding it, which at these sizes is as large as the kernel itself. Here
@@ -139,8 +147,8 @@ def attention_at(kernel, n: int, rows, chunks, query_heads: int, stagings) -> No
                 )
 
 
-def verify_cases(shape: str, prompts: list[int], block: int) -> None:
-    model, draft = random_pair(shape, None)
+def verify_cases(shape: str, prompts: list[int], block: int, quantize: int | None = None) -> None:
+    model, draft = random_pair(shape, quantize)
     for P in prompts:
         verify_at(model, draft, P, block)
 
@@ -159,10 +167,10 @@ def verify_at(model, draft, P: int, block: int) -> None:
     profiled(f"verify {block} rows after {P}", verify)
 
 
-def cycle_cases(shape: str, prompts: list[int], block: int) -> None:
+def cycle_cases(shape: str, prompts: list[int], block: int, quantize: int | None = None) -> None:
     """A DFlash cycle and, beside it, one plain mlx-lm decoding step
-    (``shape`` "builtin": the shipped pair, bf16)."""
-    model, draft = random_pair(shape, None)
+    (``shape`` "builtin": the shipped pair, bf16; ``quantize``: the target's bits)."""
+    model, draft = random_pair(shape, quantize)
     for P in prompts:
         cycle_at(model, draft, P, block)
         plain_at(model, draft, P)
@@ -195,12 +203,17 @@ def plain_at(model, draft, P: int) -> None:
     )
 
 
-def kernel_rows(path: str):
-    """(ncu's CSV row, the kernel's device microseconds) per profiled launch,
-    in launch order."""
+TIME_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+BYTE_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+
+
+def launch_metrics(path: str):
+    """(ncu's CSV row, the kernel's device microseconds, its DRAM bytes or
+    None where not profiled) per profiled launch, in launch order."""
     with open(path) as f:
         lines = f.read().splitlines()
-    header = None
+    header, launches, order = None, {}, []
     for line in lines:
         if line.startswith('"ID"'):
             header = next(csv.reader([line]))
@@ -208,10 +221,25 @@ def kernel_rows(path: str):
         if header is None or not line.startswith('"'):
             continue
         row = dict(zip(header, next(csv.reader([line]))))
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[row["Metric Unit"]]
-        yield row, float(row["Metric Value"].replace(",", "")) * scale
+        key = row["ID"]
+        if key not in launches:
+            launches[key] = [row, None, None]
+            order.append(key)
+        value = float(row["Metric Value"].replace(",", ""))
+        if row.get("Metric Name") == "gpu__time_duration.sum":
+            launches[key][1] = value * TIME_UNITS[row["Metric Unit"]]
+        elif row.get("Metric Name") in BYTE_METRICS:
+            launches[key][2] = (launches[key][2] or 0.0) + value * BYTE_UNITS[row["Metric Unit"]]
+    for key in order:
+        row, us, moved = launches[key]
+        if us is not None:
+            yield row, us, moved
+
+
+def kernel_rows(path: str):
+    """(ncu's CSV row, the kernel's device microseconds) per profiled launch, in launch order."""
+    for row, us, _ in launch_metrics(path):
+        yield row, us
 
 
 def launches(path: str) -> None:
@@ -243,9 +271,10 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
     with open(names_path) as f:
         names = iter([line[5:].strip() for line in f if line.startswith("case ")])
     cases: dict[str, dict[str, float]] = {}
+    moved: dict[str, float] = defaultdict(float)
     order: dict[str, list[str]] = defaultdict(list)
     current = None
-    for row, us in kernel_rows(path):
+    for row, us, launch_bytes in launch_metrics(path):
         name = row["Kernel Name"].split("(")[0][:60]
         if "dflash_case_marker" in name:
             current = next(names, f"case {len(cases)}")
@@ -255,9 +284,18 @@ def summarize(path: str, names_path: str, sequence: bool = False) -> None:
             continue
         order[current].append(name)
         cases[current][name] += us
+        if launch_bytes is not None:
+            moved[current] += launch_bytes
+    plain = {case.rsplit(" ", 1)[-1]: moved[case] for case in cases if case.startswith("plain") and moved[case]}
     for case, kernels in cases.items():
         total = sum(kernels.values())
-        print(f"{case}: {total / 1000:.3f} ms device time, {len(order[case])} kernels")
+        line = f"{case}: {total / 1000:.3f} ms device time, {len(order[case])} kernels"
+        if moved[case]:
+            line += f", {moved[case] / 1e9:.3f} GB DRAM"
+            step = plain.get(case.rsplit(" ", 1)[-1])
+            if step and not case.startswith("plain"):
+                line += f" ({moved[case] / step:.2f}x a plain step's)"
+        print(line)
         for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {us / 1000:8.3f} ms  {name}")
         if sequence:
@@ -289,6 +327,9 @@ def main():
     ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument(
+        "--quantize", type=int, default=None, help="verify, cycle: the target's bits (mlx-lm affine, group 64)"
+    )
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
     ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")
@@ -310,9 +351,9 @@ def main():
             ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads, stagings
         )
     elif args.what == "cycle":
-        cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
+        cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
     else:
-        verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block)
+        verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
 
 
 if __name__ == "__main__":
