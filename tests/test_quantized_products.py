@@ -576,3 +576,22 @@ def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
     # and what MLX's CPU product computes, to the rounding of a float16 sum of products
     mlx = np.array(module(mx.array(xs)).astype(mx.float32))
     assert np.abs(y.astype(np.float32) - mlx).max() <= 2e-2 * np.abs(mlx).max()
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_a_tied_quantized_heads_product_is_its_embeddings_and_takes_the_kernel(fake_gpu, mode):
+    """``quantized_head`` holds a quantized embedding's arrays as a linear layer:
+    its product is ``as_linear``'s, on the CPU and through a checked kernel."""
+    embed = nn.Embedding(64, 512)
+    embed.set_dtype(mx.bfloat16)
+    embed = nn.QuantizedEmbedding.from_embedding(embed, group_size=32 if mode == "mxfp4" else 64, bits=4, mode=mode)
+    h = rows_of(6, 512)
+    head = linear.quantized_head(embed)
+    assert head.weight is embed.weight or mx.array_equal(head.weight, embed.weight)
+    assert mx.array_equal(linear.apply_linear(head, h), embed.as_linear(h))
+    kernel = fake_gpu(FakeKernel())
+    linear.prepare_quantized(embed, mx.bfloat16)  # (a model holding it: its tied head is checked)
+    assert [r.ok for r in qp._checks.values()] == [True]
+    kernel.rows.clear()
+    assert mx.array_equal(linear.apply_linear(linear.quantized_head(embed), h), embed.as_linear(h))
+    assert kernel.rows == [6]

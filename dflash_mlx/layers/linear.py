@@ -118,8 +118,25 @@ def prepare(dtype) -> None:
         products.prepare(dtype)
 
 
+def quantized_head(embedding: nn.QuantizedEmbedding) -> nn.QuantizedLinear:
+    """A tied quantized embedding as the output head's linear layer, holding its
+    arrays: ``apply_linear(quantized_head(e), h)`` is ``e.as_linear(h)``, with a
+    verify's rows through the quantized verify product where it checked out."""
+    head = nn.QuantizedLinear.__new__(nn.QuantizedLinear)  # no weights of its own: the embedding's are
+    nn.Module.__init__(head)
+    head.group_size, head.bits, head.mode = embedding.group_size, embedding.bits, embedding.mode
+    for name in ("weight", "scales", "biases"):
+        if name in embedding:
+            head[name] = embedding[name]
+    head.freeze()
+    return head
+
+
 def prepare_quantized(model: nn.Module, dtype) -> None:
     """Check the quantized verify product for every quantized linear layer of
-    ``model`` at ``dtype`` rows; call it outside compiled traces (unchecked
-    layers keep MLX's product)."""
+    ``model`` (and a quantized embedding, for a tied head) at ``dtype`` rows;
+    call it outside compiled traces (unchecked layers keep MLX's product)."""
     quantized.prepare(model, dtype)
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedEmbedding:  # (a tied output head's)
+            quantized.prepare(quantized_head(module), dtype)
