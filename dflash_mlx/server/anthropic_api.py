@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import error_body
-from .job import Done, Event, Failed, Job, Usage
+from .job import Done, Event, Failed, Job, Progress, Usage
 from .reply import Delta
 from .schemas import AnthropicRequest, CountTokensRequest
-from .service import Service, event_stream, sse
+from .service import Service, event_stream, keep_alive, sse
 from .templates import anthropic_messages, anthropic_thinking, anthropic_tools, rendered_chat
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -145,6 +145,9 @@ async def message_stream(
     yield sse({"type": "message_start", "message": start}, "message_start")
     blocks = _BlockStream()
     async for event in events:
+        if isinstance(event, Progress):  # Anthropic's keep-alive, after a comment with the progress
+            yield keep_alive(event) + sse({"type": "ping"}, "ping")
+            continue
         if isinstance(event, Failed):
             yield sse(error_body(event.error.status, event.error.message), "error")
             return

@@ -29,7 +29,7 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     service = request.app.state.service
     service.authorize(request)
-    text = service.metrics.render(service.worker.queued, service.worker.decoder.pool)
+    text = service.metrics.render(service.worker.queued, service.worker.decoder.pool, service.choice)
     return Response(text, media_type=CONTENT_TYPE)
 
 

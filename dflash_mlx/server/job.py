@@ -36,7 +36,16 @@ class Failed:
     error: APIError
 
 
-Event = Union[Delta, Done, Failed]
+@dataclass
+class Progress:
+    """Prompt tokens prefilled so far, of those the request has to prefill:
+    a stream's keep-alive before its first token."""
+
+    done: int
+    total: int
+
+
+Event = Union[Delta, Done, Failed, Progress]
 
 
 @dataclass
@@ -67,6 +76,13 @@ class Job:
     # -- worker thread side --
     def post(self, event: Event) -> None:
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def prefill_progress(self, done: int, total: int) -> None:
+        """A prefill callback (stream_generate's ``prompt_progress``): posts
+        Progress while more of the prompt is left, none once it is done (the
+        first token follows at once)."""
+        if done < total:
+            self.post(Progress(done, total))
 
     # -- event loop side --
     def cancel(self) -> None:

@@ -11,10 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import error_body
-from .job import Done, Event, Failed, Job, Usage
+from .job import Done, Event, Failed, Job, Progress, Usage
 from .reply import Delta, TokenLogprob
 from .schemas import ChatRequest, CompletionRequest
-from .service import Service, event_stream, sse
+from .service import Service, event_stream, keep_alive, sse
 from .templates import rendered_chat, text_prompt
 
 
@@ -141,6 +141,9 @@ async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage
     yield sse(reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
     tools_sent = 0
     async for event in events:
+        if isinstance(event, Progress):
+            yield keep_alive(event)
+            continue
         if isinstance(event, Failed):
             yield sse(error_body(event.error.status, event.error.message))
             return
@@ -199,6 +202,9 @@ async def completion_job(service: Service, body: CompletionRequest) -> Job:
 
 async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
     async for event in events:
+        if isinstance(event, Progress):
+            yield keep_alive(event)
+            continue
         if isinstance(event, Failed):
             yield sse(error_body(event.error.status, event.error.message))
             return

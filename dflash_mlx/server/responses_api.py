@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, error_body
-from .job import Done, Event, Failed, Job, Usage
+from .job import Done, Event, Failed, Job, Progress, Usage
 from .reply import Delta
 from .schemas import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest, TextPart
-from .service import Service, event_stream, sse
+from .service import Service, event_stream, keep_alive, sse
 from .templates import rendered_chat
 
 
@@ -268,6 +268,9 @@ async def response_stream(turn: _Turn, events: AsyncIterator[Event]) -> AsyncIte
     yield items.event("response.in_progress", response=started)
     whole = Delta()
     async for event in events:
+        if isinstance(event, Progress):
+            yield keep_alive(event)
+            continue
         if isinstance(event, Failed):
             error = error_body(event.error.status, event.error.message)
             yield items.event("error", **error)

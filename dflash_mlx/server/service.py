@@ -19,11 +19,13 @@ from starlette.responses import StreamingResponse
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.cache.store import PrefixStore
 
+from .batch import BatchDecoder
 from .cache_pool import PromptCachePool
 from .decoder import Decoder
 from .errors import APIError
-from .job import Done, Event, Failed, GenerationParams, Job
+from .job import Done, Event, Failed, GenerationParams, Job, Progress
 from .metrics import Metrics
+from .path_choice import PathChoice, check_mode
 from .reply import Delta
 from .schemas import Sampling, TemplateKwargs, parse_json
 from .worker import Worker
@@ -61,6 +63,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     stored_responses: int = 256  # finished /v1/responses kept for previous_response_id
+    # several requests waiting: "auto" batches them (mlx-lm's plain decoding) where that measures
+    # faster than DFlash one at a time, "off" never, "always" whenever it can; at most max_batch at once
+    batching: str = "auto"
+    max_batch: int = 8
 
 
 RETRY_AFTER_S = 5
@@ -102,6 +108,9 @@ def _presented_key(request: Request) -> Optional[str]:
 
 class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
+        check_mode(config.batching)
+        if config.max_batch < 1:
+            raise ValueError(f"max_batch must be 1 or more; got {config.max_batch}.")
         self.tokenizer, self.config = tokenizer, config
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.context_length = context_length(model)
@@ -131,18 +140,29 @@ class Service:
         bounded = config.max_kv_size is not None
         self.metrics = Metrics()
         self.responses = StoredResponses(config.stored_responses)
-        self.worker = Worker(
-            Decoder(
-                model,
-                draft,
-                tokenizer,
-                pool,
-                block_size=config.block_size,
-                prefill_step_size=config.prefill_step_size,
-                read_limit=self.context_length if bounded else None,
-                metrics=self.metrics,
-            )
+        decoder = Decoder(
+            model,
+            draft,
+            tokenizer,
+            pool,
+            block_size=config.block_size,
+            prefill_step_size=config.prefill_step_size,
+            read_limit=self.context_length if bounded else None,
+            metrics=self.metrics,
         )
+        # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
+        plain_caches = config.kv_bits is None and not bounded
+        batching = config.batching if plain_caches and config.max_batch > 1 else "off"
+        self.choice = PathChoice(mode=batching)
+        batcher = BatchDecoder(
+            model,
+            tokenizer,
+            self.choice,
+            max_batch=config.max_batch,
+            prefill_step_size=config.prefill_step_size,
+            metrics=self.metrics,
+        )
+        self.worker = Worker(decoder, batcher if batching != "off" else None, self.choice)
 
     # -- checks --------------------------------------------------------------------
     async def accept(self, request: Request, schema: type[Sampling]) -> Sampling:
@@ -264,17 +284,18 @@ class Service:
         async for event in events:
             if isinstance(event, Failed):
                 raise event.error
+            if isinstance(event, Progress):
+                continue
             if isinstance(event, Done):
                 return out.merge(event.delta), event
             out = out.merge(event)
         raise APIError(500, "the reply ended without finishing.")
 
     def health(self) -> dict:
-        active = self.worker.active
         return {
             "status": "ok" if self.worker.thread.is_alive() else "worker stopped",
             "model": self.config.model_name,
-            "busy": active is not None,
+            "busy": bool(self.worker.running),
             "queued": self.worker.queued,
             "served": self.worker.served,
             "prompt_caches": len(self.worker.decoder.pool),
@@ -320,6 +341,12 @@ def sse(data: dict | str, event: Optional[str] = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n"
+
+
+def keep_alive(progress: Progress) -> str:
+    """An SSE comment: ignored by clients, it keeps proxies and timeouts
+    waiting through a long prefill and shows how far it got."""
+    return f": prefill {progress.done}/{progress.total}\n\n"
 
 
 def event_stream(job: Job, chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -1,33 +1,49 @@
 """Many clients, one device: jobs queue up and one thread serves them in
-arrival order (the decode loop owns the device)."""
+arrival order (the decode loop owns the device): one at a time with DFlash,
+or, with several waiting and the measurements in favour, batched."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections import deque
 from typing import Optional
 
+from .batch import BatchDecoder
 from .decoder import Decoder
-from .job import Job
+from .job import Job, Progress
+from .path_choice import PathChoice
 
 log = logging.getLogger("dflash_mlx.server")
 
+# DFlash replies shorter than this say little about its speed
+MIN_MEASURED_TOKENS = 8
+
 
 class Worker:
-    def __init__(self, decoder: Decoder):
-        self.decoder = decoder
+    def __init__(
+        self,
+        decoder: Decoder,
+        batcher: Optional[BatchDecoder] = None,
+        choice: Optional[PathChoice] = None,
+    ):
+        self.decoder, self.batcher = decoder, batcher
+        self.choice = choice or PathChoice(mode="off")
         self.jobs: queue.Queue[Optional[Job]] = queue.Queue()
-        self.active: Optional[Job] = None
+        # jobs taken off the queue and not yet served, with whether the batch may serve them
+        self.backlog: deque[tuple[Job, bool]] = deque()
+        self.running: list[Job] = []
         self.served = 0
+        self.stopping = False
         self.thread = threading.Thread(target=self._serve, name="dflash-decode", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self) -> None:
-        if self.active is not None:
-            self.active.cancel()
+        for job in list(self.running):
+            job.cancel()
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
@@ -36,17 +52,80 @@ class Worker:
 
     @property
     def queued(self) -> int:
-        return self.jobs.qsize()
+        return self.jobs.qsize() + len(self.backlog)
+
+    @property
+    def active(self) -> Optional[Job]:
+        running = self.running
+        return running[0] if running else None
+
+    def _batchable(self, job: Job) -> bool:
+        """Whether the batch may serve ``job``: one it serves as DFlash would,
+        whose prompt no kept cache holds the most of (DFlash would reuse it)."""
+        if self.batcher is None or not self.batcher.accepts(job):
+            return False
+        return 2 * self.decoder.pool.held(job.prompt) < len(job.prompt)
+
+    def _drain(self, wait: bool) -> None:
+        """Moves queued jobs to the backlog (waiting for one if ``wait``)."""
+        while not self.stopping:
+            try:
+                job = self.jobs.get(block=wait and not self.backlog)
+            except queue.Empty:
+                return
+            if job is None:
+                self.stopping = True
+            elif not job.cancelled.is_set():  # a client that left while it waited is not served
+                self.backlog.append((job, self._batchable(job)))
+
+    def _take_batchable(self, room: int) -> list[Job]:
+        """Up to ``room`` batchable jobs off the backlog, in arrival order."""
+        self._drain(wait=False)
+        taken, kept = [], deque()
+        for job, batchable in self.backlog:
+            if batchable and len(taken) < room and not job.cancelled.is_set():
+                taken.append(job)
+            elif not job.cancelled.is_set():
+                kept.append((job, batchable))
+        self.backlog = kept
+        self.running += taken
+        return taken
 
     def _serve(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            if job.cancelled.is_set():  # its client left while it waited
-                continue
-            self.active = job
-            try:
-                self.decoder.run(job)
-            except BaseException:  # Decoder.run answers its own failures; this is a last guard
-                log.exception("the decode worker caught an unexpected error")
-            finally:
-                self.active = None
-                self.served += 1
+        while True:
+            self._drain(wait=True)
+            if self.stopping:
+                return
+            waiting = sum(1 for _, batchable in self.backlog if batchable)
+            if self.choice.batch(min(waiting, self.batcher.max_batch if self.batcher else 1)):
+                self._run_batched()
+            else:
+                job, _ = self.backlog.popleft()
+                self._run_dflash(job)
+
+    def _run_batched(self) -> None:
+        try:
+            first = self._take_batchable(self.batcher.max_batch)
+            self.served += self.batcher.run(first, self._take_batchable)
+        except BaseException:  # BatchDecoder.run answers its own failures; this is a last guard
+            log.exception("the decode worker caught an unexpected error")
+        finally:
+            self.running = []
+
+    def _run_dflash(self, job: Job) -> None:
+        self.running = [job]
+        try:
+            new = len(job.prompt) - self.decoder.pool.held(job.prompt)
+            if new > self.decoder.prefill_step_size:  # a keep-alive before a long prefill
+                job.post(Progress(0, new))
+            metrics = self.decoder.metrics
+            before = metrics.last if metrics is not None else None
+            self.decoder.run(job)
+            measured = metrics.last if metrics is not None else None
+            if measured is not before and measured.generated_tokens >= MIN_MEASURED_TOKENS:
+                self.choice.observe_dflash(measured.generation_tps)
+        except BaseException:  # Decoder.run answers its own failures; this is a last guard
+            log.exception("the decode worker caught an unexpected error")
+        finally:
+            self.running = []
+            self.served += 1
