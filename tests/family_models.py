@@ -97,7 +97,7 @@ def _large_family(family: str, vocab: int, layers: int, hidden: int) -> dict:
             "architectures": ["DeepseekV32ForCausalLM"],
             "model_type": "deepseek_v32",
             "index_head_dim": 16,
-            "index_n_heads": 4,
+            "index_n_heads": 16,
             "index_topk": 6,
         }
         if family == "glm_moe_dsa":
