@@ -3,7 +3,9 @@ the text model's fields under ``text_config``, weights under
 ``language_model.``, a vision tower mlx-lm drops at load) run through the
 Gemma text adapters: a checkpoint in that layout loads with mlx-lm and greedy
 DFlash output equals mlx-lm's own greedy decoding of the wrapper model, token
-for token, over block sizes and prompt lengths, with an EOS, and 4-bit."""
+for token, over block sizes and prompt lengths, with an EOS, and 4-bit. Kimi
+K2.5 (``kimi_k25``: DeepSeek V3 under ``language_model``) likewise, through
+the DeepSeek V3 adapter."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -83,3 +85,31 @@ def test_quantized_wrapper(family):
     prompt = list(range(1, 30))
     tokens, _ = run(model, draft, prompt, vocab=VOCAB, max_tokens=20, block_size=4)
     assert tokens == greedy_reference(model, prompt, 20)
+
+
+def test_a_kimi_k25_checkpoint_loads_and_decodes_as_mlx_lm(tmp_path):
+    """Kimi K2.5 as mlx-community publishes it: the DeepSeek V3 text model
+    under language_model. (its latent attention's kv_b_proj already split
+    into embed_q / unembed_out), the text fields under text_config, a vision
+    tower mlx-lm drops at load. The checkpoint loads with mlx-lm, the
+    DeepSeek V3 adapter serves it, and greedy output equals mlx-lm's."""
+    cfg = family_config("kimi_k25", vocab=VOCAB, layers=4)
+    model = make_family_target(cfg, seed=3)
+    weights = dict(tree_flatten(model.parameters()))
+    weights["vision_tower.encoder.blocks.0.mlp.fc0.weight"] = mx.zeros((16, 16))
+    weights["mm_projector.proj.0.weight"] = mx.zeros((64, 16))
+    path = tmp_path / "kimi"
+    path.mkdir()
+    (path / "config.json").write_text(__import__("json").dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    make_tokenizer(VOCAB)._tokenizer.save_pretrained(str(path))
+
+    loaded, _ = load_target(path)
+    assert loaded.model_type == "kimi_k25" and family_runs("kimi_k25")
+    assert "vision_tower" not in loaded and "mm_projector" not in loaded
+    target = adapt(loaded)
+    assert target.family == "deepseek_v3" and target.text is loaded.language_model and not target.tied
+    dcfg = draft_config({**cfg["text_config"], "vocab_size": VOCAB}, layers=1, block_size=16)
+    draft = scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=4)))
+    accepted = greedy_over_blocks(loaded, draft, VOCAB, (1, 13, 40), (2, 4, 8, 16), prefill_step_size=16)
+    assert {0, 1, 2} <= accepted
