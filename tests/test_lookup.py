@@ -237,8 +237,8 @@ def test_a_looked_up_draft_is_a_one_hot_proposal_on_dflash2s_path(tmp_path):
 
     model, draft = small_sampling_pair(tmp_path)
     tok = make_tokenizer(6)
-    # "2 y" occurs for every y: whatever the first token, the first block is looked up
-    prompt, length, n = [2, 0, 2, 1, 2, 2, 3, 2, 4, 2, 5, 2], 3, 500
+    # "1 2 y" occurs for every y: whatever the first token, the first block is looked up
+    prompt, length, n = [t for y in range(6) for t in (1, 2, y)] + [1, 2], 3, 500
     seqs, expected = sequence_distribution(model, prompt, length, 1.0, 1.0, 0)
     index = {s: i for i, s in enumerate(seqs)}
     observed = np.zeros(len(seqs))

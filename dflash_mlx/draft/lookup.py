@@ -27,8 +27,8 @@ class LookupParams:
     """Matches of the last n committed tokens, n from ``max_ngram`` down to 1;
     beside a DFlash drafter a cycle drafts from one of at least ``min_ngram``."""
 
-    min_ngram: int = 2
-    max_ngram: int = 4
+    min_ngram: int = 3
+    max_ngram: int = 8
 
 
 class TokenHistory:
@@ -67,20 +67,17 @@ def find(history: mx.array, length, k: int, params: LookupParams) -> tuple[mx.ar
     no match). A continuation that runs past ``length`` repeats the span it
     copied, as a repeating sequence would go on."""
     capacity = history.shape[0]
+    levels = constant_arange(params.max_ngram)  # j: the token j back from the last
     ends = constant_arange(capacity)
-    matched = ends < length  # a match ends before the last token: its next token is committed
-    best_end = mx.array(-1, mx.int32)
-    best_n = mx.array(0, mx.int32)
-    for j in range(params.max_ngram):
-        # history[q - j] == history[length - j] at every end q; -1 below position j matches nothing
-        earlier = history if j == 0 else mx.concatenate([mx.full((j,), -1, mx.int32), history[: capacity - j]])
-        back = length - j
-        want = mx.take(history, mx.maximum(back, 0))
-        matched = matched & (earlier == want) & (back >= 0)
-        end = mx.max(mx.where(matched, ends, -1))
-        found = end >= 0
-        best_end = mx.where(found, end, best_end)
-        best_n = mx.where(found, j + 1, best_n)
+    earlier = ends[None] - levels[:, None]  # [n, capacity]: q - j for a match ending at q
+    back = length - levels
+    same = mx.take(history, mx.maximum(earlier, 0)) == mx.take(history, mx.maximum(back, 0))[:, None]
+    # a match ends before the last token (its next token is committed) and starts at 0 or later
+    same = same & (earlier >= 0) & (back >= 0)[:, None] & (ends < length)[None]
+    matched = mx.cumprod(same.astype(mx.int32), axis=0)  # row j: the last j + 1 tokens all match
+    latest = mx.max(mx.where(matched > 0, ends[None], -1), axis=1)  # [n]: the most recent end per length
+    best_n = mx.max(mx.where(latest >= 0, levels + 1, 0))
+    best_end = mx.where(best_n > 0, mx.take(latest, mx.maximum(best_n - 1, 0)), -1)
     at = best_end + 1 + constant_arange(k)
     period = mx.maximum(length - best_end, 1)
     past = at - length
