@@ -125,6 +125,7 @@ def kernels(line, note) -> None:
         line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
         return
     results += small_kernel_checks(line)
+    results += quantized_checks(line)
     failed = sum(not r.ok for r in results)
     line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
     decided(line)
@@ -147,11 +148,41 @@ def decided(line) -> None:
         line("measuring", f"failed: {type(e).__name__}: {e}", "red")
     for d in store.all():
         verdict = "kernel" if d.faster else "MLX's own"
+        if d.kernel.endswith("(exact)"):  # serves wherever it checked out, for exactness
+            verdict = "kernel (exact), " + ("faster" if d.faster else "slower")
         line(
             f"{d.kernel} {d.case}",
             f"kernel {d.ours * 1e3:.3f} ms, MLX {d.mlx * 1e3:.3f} ms: {verdict}",
             "green" if d.faster else "",
         )
+
+
+def quantized_checks(line) -> list:
+    """The quantized verify product's checks (Metal, CUDA) at a Qwen3-8B
+    4-bit layer's K, affine 4 and 8 bits and mxfp4, a line each; their results."""
+    import warnings
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from dflash_mlx.kernels import quantized
+
+    if quantized.backend() not in quantized.BUILDERS:
+        return []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the lines say it)
+            for bits, group, mode in ((4, 64, "affine"), (8, 64, "affine"), (4, 32, "mxfp4")):
+                layer = nn.QuantizedLinear(4096, 4096, bias=False, group_size=group, bits=bits, mode=mode)
+                layer.set_dtype(mx.bfloat16)
+                quantized.prepare(layer, mx.bfloat16)
+        results = quantized.self_check_all()
+    except Exception as e:  # doctor reports, it does not crash
+        line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
+        return []
+    for r in results:
+        check_line(line, f"check quantized {r.variant.case}", r, "MLX's quantized_matmul used")
+    return results
 
 
 def check_line(line, name: str, result, fallback: str) -> None:

@@ -12,7 +12,10 @@ Which (dtype, mode, bits, group, K, N class) a machine serves with it is
 decided once, outside compiled traces (``prepare``): its rows must equal
 ``mx.quantized_matmul`` of each row alone, bit for bit, on random cases of
 that K and N class and of every row tile; a failure keeps MLX's product for
-that variant, with one warning. Affine weights of 4 or 8 bits in groups of
+that variant, with one warning. Exactness comes first: a variant that checked
+out serves whatever its speed (MLX's few-row product rounds otherwise); its
+time against MLX's at a verify's rows is measured once a machine and shown
+by `dflash-mlx doctor`. DFLASH_MLX_KERNELS=off keeps MLX's product. Affine weights of 4 or 8 bits in groups of
 32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8
 and K whole groups (not 64 or 128, where Metal's one row takes ``qmv_quad``).
 The CPU never runs it.
@@ -28,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import backend
+from . import decisions
 from .attention import make_factory
 from .launch_source import compacting
 from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
@@ -203,15 +207,27 @@ def reset() -> None:
     _checks.clear()
 
 
+DECISION = "quantized verify (exact)"
+MEASURED_ROWS = 16  # a verify of a block of 16
+
+
 def prepare(model: nn.Module, dtype) -> None:
-    """Check the variant of every quantized linear layer in ``model`` once; call it outside compiled traces."""
+    """Check the variant of every quantized linear layer in ``model`` once, and
+    time each checked (variant, N) against MLX's product; call it outside compiled traces."""
     where = backend()
     if where not in BUILDERS:
         return
     for _, module in model.named_modules():
         variant = variant_of(module, dtype)
-        if variant is not None:
-            checked(where, variant)
+        if variant is not None and checked(where, variant).ok:
+            n = module["weight"].shape[0]
+            x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
+            decisions.current().decide(
+                DECISION,
+                f"{variant.case} N={n} rows={MEASURED_ROWS}",
+                lambda module=module, x=x: product(module, x),
+                lambda module=module, x=x: module(x),
+            )
 
 
 def checked(where: str, variant: Variant) -> QuantizedCheck:
@@ -231,10 +247,10 @@ def checked(where: str, variant: Variant) -> QuantizedCheck:
 
 
 def use_quantized_kernel(where: str, variant: Variant) -> bool:
-    """Whether products of ``variant`` take the kernel on backend ``where``: where
-    it passed its self-check. (Where "is it faster here" will be asked too.)"""
+    """Whether products of ``variant`` take the kernel on backend ``where``:
+    where it passed its self-check, unless DFLASH_MLX_KERNELS=off."""
     result = _checks.get((where, variant))
-    return result is not None and result.ok
+    return result is not None and result.ok and decisions.current().policy != "off"
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).
