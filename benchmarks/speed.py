@@ -231,21 +231,23 @@ def main():
 
     rows = []
     for rep in range(1 if args.cold else args.repeat + 1):  # the first round warms up, unless --cold
-        round_rows = [timed("plain mlx-lm", [plain(model, p, args.max_tokens) for p in prompts])]
+        measured = rep or args.cold
+        run_on = prompts if measured else prompts[:1]  # the warm-up builds graphs; one prompt does
+        round_rows = [timed("plain mlx-lm", [plain(model, p, args.max_tokens) for p in run_on])]
         for block in blocks:
             for lookup in lookups:
                 stats: dict = {}
                 drafter = None if lookup == "alone" else draft
-                runs = [ours(model, drafter, tok, p, args.max_tokens, block, stats, setting[lookup]) for p in prompts]
+                runs = [ours(model, drafter, tok, p, args.max_tokens, block, stats, setting[lookup]) for p in run_on]
                 label = f"dflash-mlx {block}" + ("" if lookup == "off" else f" lookup {lookup}")
                 row = timed(label, runs)
                 row["acceptance_length"] = round(stats["tokens"] / max(stats["cycles"], 1), 3)
                 row["lookup_hits"] = stats["lookup_hits"]
                 round_rows.append(row)
         if have_official:
-            runs = [official(their_model, their_draft, tok, p, args.max_tokens, bs) for p in prompts]
+            runs = [official(their_model, their_draft, tok, p, args.max_tokens, bs) for p in run_on]
             round_rows.append(timed("official dflash", runs))
-        if rep or args.cold:
+        if measured:
             rows.extend(round_rows)
 
     def median(mode, key):

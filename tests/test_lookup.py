@@ -266,3 +266,39 @@ def test_the_servers_usage_carries_the_lookup_figures():
     figures = dflash_figures(last, {r.block_size for r in responses})
     assert figures["lookup_hits"] == last.lookup_hits > 0
     assert figures["lookup_tokens"] == last.lookup_tokens == sum(len(r.tokens) for r in responses if r.lookup_hit)
+
+
+def test_a_stale_generator_with_lookup_leaves_the_cache_exact():
+    from dflash_mlx.cache.prompt import StaleGenerationError
+
+    model, draft = dense_pair()
+    cache = make_prompt_cache(model, draft)
+    tok = make_tokenizer(VOCAB)
+    prompt = copy_heavy(random.Random(8), 16)
+    old = stream_generate(model, draft, tok, prompt, max_tokens=30, prompt_cache=cache, lookup=True, block_size=6)
+    next(old), next(old)
+    newer = prompt[:10] + [5, 6]
+    out, _ = decoded(model, draft, newer, max_tokens=20, block_size=6, prompt_cache=cache, lookup=True)
+    assert out == greedy_reference(model, newer, 20)
+    with pytest.raises(StaleGenerationError):
+        next(old)
+    assert cache.consistent()
+    follow = newer + out + newer[:5]
+    again, _ = decoded(model, draft, follow, max_tokens=12, block_size=6, prompt_cache=cache, lookup="auto")
+    assert again == greedy_reference(model, follow, 12)
+
+
+def test_one_compiled_trace_serves_lookup_on_and_auto(monkeypatch):
+    """Whether a match is drafted from is an input of the trace, not a key:
+    "auto" switching it on and off replays the same graph."""
+    from dflash_mlx.decode.traces import traces_for
+    from dflash_mlx.targets import adapt
+
+    monkeypatch.setattr(Cycle, "compile_graphs", True)
+    model, draft = dense_pair()
+    prompt = copy_heavy(random.Random(9))
+    for lookup in (True, "auto", True):
+        tokens, _ = decoded(model, draft, prompt, max_tokens=24, block_size=7, lookup=lookup)
+        assert tokens == greedy_reference(model, prompt, 24)
+    keys = [k for k in traces_for(adapt(model), draft).compiled if k[0] == 7 and "lookup" in k]
+    assert len(keys) == 1
