@@ -171,6 +171,25 @@ def test_compiled_cycles_equal_mlx_lm(pair, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("family", ["kimi_k25", "glm_moe_dsa"])
+def test_whole_buffer_reads_as_on_cuda(family, monkeypatch):
+    """On CUDA every forward spans the whole buffer (kv/buffer.py), the
+    unfilled and rolled-back tail hidden by the mask only, the indexer's
+    top-k included: still mlx-lm's greedy text, across prompt-cache turns."""
+    from dflash_mlx import device
+
+    monkeypatch.setattr(device, "backend", lambda: "cuda")
+    model, draft = make_pair(family)
+    cache = make_prompt_cache(model, draft)
+    prompt = [(5 * i + 2) % (VOCAB - 1) for i in range(13)]
+    for turn in range(2):
+        want = greedy_reference(model, prompt, 20)
+        assert run(model, draft, prompt, want, vocab=VOCAB, max_tokens=20, block_size=8, prompt_cache=cache)[0] == want
+        c = cache.target[0]
+        assert c.read_width(8) == c.width_after(8) > c.bound + 8  # the whole buffer, not up to the bound
+        prompt = prompt + want + [4, 2]
+
+
 @pytest.mark.parametrize("family", ["kimi_k25", "glm_moe_dsa", "minimax_m2"])
 def test_seeded_sampling_is_the_targets_own(family):
     """A seed fixes the sampled text at every block size, and it is the text
