@@ -108,6 +108,21 @@ def test_good_acceptance_on_a_long_prompt_keeps_block_16s_gain():
         assert rate_against(runs[1:], h100_8b(1, 32768)) > 2.0, seed  # over twice plain decoding's rate
 
 
+def test_drafting_comes_back_when_the_drafter_turns_good_on_a_long_prompt():
+    """After replies where nothing was accepted (plain steps won), a drafter
+    at 0.78 pays again at 32k: a reply's drafting run or an exploring one
+    finds it and goes on while it pays, a dip of the counts back below plain
+    steps' rate notwithstanding (the counts still hold the bad replies)."""
+    for seed in range(6):
+        c = BlockChooser(4, 16)
+        replies(c, [32768] * 4, 0.0, seed=seed)
+        runs = replies(c, [32768] * 8, 0.78, seed=seed)
+        back = next(k for k, (u, _, _) in enumerate(runs) if sum(b > 1 for b in u) > 48)
+        assert back <= 3, seed
+        later = [b for u, _, _ in runs[back:] for b in u]
+        assert sum(b > 1 for b in later) > 0.9 * len(later), seed
+
+
 def test_a_reply_at_another_context_is_not_judged_by_the_last_ones_times():
     """Replies after 1k and after 32k tokens in turn, a drafter at 0.4: a
     block-16 cycle pays after 1k (1.67 tokens for 0.98 plain steps) and not

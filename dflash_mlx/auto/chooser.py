@@ -144,6 +144,7 @@ class BlockChooser:
         self.cycles += 1
         self._memo.clear()
         in_trial = self.trial is not None and self.trial[0] == block
+        drafting_trial = self.trial is not None and self.trial[0] > 1 and block > 1
         if built is not None:
             self.seconds += built
             self.build_seconds = self.build_seconds[-15:] + [built]
@@ -162,7 +163,7 @@ class BlockChooser:
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
         changed, self.previous = block != self.previous, block
-        if in_trial:
+        if in_trial or drafting_trial:
             self.trial[1:] = [self.trial[1] * keep + 1, self.trial[2] * keep + accepted + 1]
         if seconds is None:
             return
@@ -286,13 +287,19 @@ class BlockChooser:
         self.reason = "plain: blocks cost more than they commit" if best == 1 else f"drafting: block {best} pays"
         if self.trial is not None:
             # A drafting run from plain steps goes on while it beats them, for
-            # at most 2 * MEMORY cycles: faded counts need cycles to follow.
+            # at most 2 * MEMORY cycles: faded counts need cycles to follow. It
+            # is kept while drafting wins meanwhile: a dip of the counts back to
+            # plain steps does not end drafting that pays.
             b, cycles, tokens = self.trial
-            seconds = self._seconds(b, self._median_times())
-            rate = tokens / (cycles * seconds) if cycles else best_rate
-            if best == 1 and b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY and rate > best_rate:
+            times = self._median_times()
+            seconds = self._seconds(b, times)
+            plain_rate = best_rate if best == 1 else 1.0 / times[1] if times.get(1) else math.inf
+            rate = tokens / (cycles * seconds) if cycles else plain_rate
+            going = b > 1 and self.cycles - self.last_explored < 2 * self.MEMORY and rate > plain_rate
+            if going and best == 1:
                 self.run = [b] * (self.EXPLORE_RUN - 1)
                 return b
+        if self.trial is not None and not going:
             self.trial = None
             if self.reply_trial:
                 # Only a clear loss skips replies: three cycles are few.
