@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,24 +15,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import compute_dtype, fast_blas
+from ..home import home, remembers, write_json
 from .chooser import BlockChooser, chooser_for
 
 PRIOR_CYCLES = 64  # the most cycles of acceptance a remembered chooser starts with
 VERSION = 1  # of the file's layout; another one is ignored
 
 
-def enabled() -> bool:
-    return os.environ.get("DFLASH_MLX_AUTO_MEMORY", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def home() -> Path:
-    return Path(os.environ.get("DFLASH_MLX_HOME") or Path.home() / ".cache" / "dflash-mlx").expanduser()
-
-
 def chooser(target, draft, lo: int, hi: int) -> BlockChooser:
     """The process's chooser, started from an earlier process's when new."""
     found = chooser_for(draft, lo, hi)
-    if found.memory_path is None and enabled():
+    if found.memory_path is None and remembers():
         found.memory_path = home() / "auto" / f"{fingerprint(target, draft, lo, hi)}.json"
         if found.cycles == 0:
             state = _read(found.memory_path)
@@ -93,14 +84,4 @@ def _read(path: Path) -> dict | None:
 
 
 def _write(path: Path, state: dict) -> None:
-    """Write ``state`` whole or not at all."""
-    temporary = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            temporary = Path(f.name)
-            json.dump({"version": VERSION, **state}, f)
-        os.replace(temporary, path)
-    except OSError:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
+    write_json(path, {"version": VERSION, **state})
