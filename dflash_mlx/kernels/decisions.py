@@ -88,10 +88,14 @@ class Decisions:
         found = self.known.get((kernel, case))
         return found is not None and found.faster
 
+    def needs(self, kernel: str, case: str) -> bool:
+        """Whether ``decide`` would measure this case."""
+        return self.policy == "measure" and (kernel, case) not in self.known
+
     def decide(self, kernel: str, case: str, ours: Callable[[], object], theirs: Callable[[], object]) -> bool:
         """``uses``, measuring ``ours`` against MLX's ``theirs`` first if this
         case was never measured here. Call it outside compiled traces."""
-        if self.policy == "measure" and (kernel, case) not in self.known:
+        if self.needs(kernel, case):
             self.record(Decision(kernel, case, *seconds_per_call(ours, theirs)))
         return self.uses(kernel, case)
 

@@ -124,7 +124,8 @@ def measure(where: str, dtype, head_dim: int, window: int | None) -> list[decisi
             if not kernel_wins(rows, keys, where):
                 continue
             case = decision_case(dtype, head_dim, window is not None, rows, keys)
-            store.decide(DECISION, case, *_timed_pair(kernel, dtype, head_dim, window, rows=rows, keys=keys))
+            if store.needs(DECISION, case):  # (the pair's buffers are made only to be timed)
+                store.decide(DECISION, case, *_timed_pair(kernel, dtype, head_dim, window, rows=rows, keys=keys))
             made.append(store.known.get((DECISION, case)))
     return [d for d in made if d is not None]
 

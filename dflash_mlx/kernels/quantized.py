@@ -219,14 +219,13 @@ def prepare(model: nn.Module, dtype) -> None:
         return
     for _, module in model.named_modules():
         variant = variant_of(module, dtype)
-        if variant is not None and checked(where, variant).ok:
-            n = module["weight"].shape[0]
+        if variant is None or not checked(where, variant).ok:
+            continue
+        case = f"{variant.case} N={module['weight'].shape[0]} rows={MEASURED_ROWS}"
+        if decisions.current().needs(DECISION, case):
             x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
             decisions.current().decide(
-                DECISION,
-                f"{variant.case} N={n} rows={MEASURED_ROWS}",
-                lambda module=module, x=x: product(module, x),
-                lambda module=module, x=x: module(x),
+                DECISION, case, lambda module=module, x=x: product(module, x), lambda module=module, x=x: module(x)
             )
 
 
