@@ -295,8 +295,6 @@ def test_decoding_a_quantized_target_through_the_kernel_is_its_greedy_output(fak
     model, draft = quantized_pair(*quant, seed=61)
     prompt = [1, 2, 3, 4, 5]
     want = greedy_reference(model, prompt, 12)
-    linear.prepare_quantized(model, mx.bfloat16)
-    assert qp._checks and all(r.ok for r in qp._checks.values())
     kernel.rows.clear()
     got = [
         t
@@ -304,6 +302,8 @@ def test_decoding_a_quantized_target_through_the_kernel_is_its_greedy_output(fak
         for t in r.tokens
     ]
     assert got == want
+    # the adapter checked every quantized layer's variant itself, outside the cycle's graphs
+    assert qp._checks and all(r.ok for r in qp._checks.values())
     assert kernel.rows and all(2 <= r <= 32 for r in kernel.rows)
 
 

@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
-from ..layers.linear import NORM_MOST, apply_linear
+from ..layers.linear import NORM_MOST, apply_linear, prepare_quantized, quantized_head
 
 
 class DenseTarget:
@@ -35,6 +35,7 @@ class DenseTarget:
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
         self.make_blocks()
+        prepare_quantized(self.text, self.dtype)
 
     def make_blocks(self) -> None:
         """Build the layers' forwards from their current projections."""
@@ -61,9 +62,12 @@ class DenseTarget:
         if head is not None:
             return apply_linear(head, h, norm=norm)
         h = h if norm is None else norm(h)
-        if self.tied:
-            return self.inner.embed_tokens.as_linear(h)
-        return self.text.lm_head(h)
+        if not self.tied:
+            return apply_linear(self.text.lm_head, h)
+        embedding = self.inner.embed_tokens
+        if type(embedding) is nn.QuantizedEmbedding:  # its verify rows through the exact product
+            return apply_linear(quantized_head(embedding), h)
+        return embedding.as_linear(h)
 
     def _small_head(self) -> nn.Linear | None:
         """The head as a plain nn.Linear below linear.NORM_MOST elements, so its
