@@ -1,0 +1,348 @@
+"""A verify's dense products: 2-32 rows times an ``nn.Linear``'s bf16, fp16 or
+float32 weight, each row bit for bit what MLX's one-row product computes
+(Metal, CUDA).
+
+A plain step multiplies one row by each weight; a verify multiplies its block
+(2-16 rows, a draft tree up to 32). MLX's product of a few rows takes another
+kernel (Metal's gemv_wide or steel GEMM, CUDA's cuBLASLt) that sums in
+another order, so at a near-tie a greedy verify could pick another token than
+the plain step. This kernel (exact_products_source.py, which names the order
+it follows and where in MLX's sources it comes from) reads each weight once
+for all the rows and reduces each row in the one-row kernel's own order.
+
+Which (dtype, K, one-row order, bias) a machine serves with it is decided once,
+outside compiled traces (``prepare``): its rows must equal ``x[i:i+1] @ w.T``
+(``mx.addmm`` with a bias, as ``nn.Linear`` calls it) of each row alone, bit for
+bit, on random cases of every row tile; a failure keeps MLX's product for that
+variant, with one warning. Where MLX sends the one-row product to a library
+(CUDA's cuBLASLt for a layer with a bias) no order can be known: the check
+fails there and MLX's product stays. DFLASH_MLX_KERNELS=off keeps MLX's
+product. The CPU never runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..device import backend
+from . import decisions
+from .attention import make_factory
+from .exact_products_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
+from .launch_source import compacting
+
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+FEWEST_ROWS, MOST_ROWS = 2, 32
+# Rows a self-check runs: one case of each row tile (tile()), partial ones too.
+CHECK_ROWS = (3, 8, 13, 27)
+# (most rows, x rows a threadgroup, outputs a lane group): a lane's
+# accumulators (rows x outputs, one float each) stay at most 64.
+TILES = ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2))
+GROUPS = 2  # simdgroups a threadgroup per K part
+
+
+@dataclass(frozen=True)
+class Order:
+    """How MLX's one-row kernel splits and sums an output's K (see exact_products_source)."""
+
+    lanes: int  # lanes sharing an output's K
+    vpt: int  # consecutive values a lane takes a step
+    split: int  # simdgroups sharing an output's K, summed in order
+    every_lane: bool  # in the last step, lanes past K still add zero products (Metal)
+
+
+def one_row_order(backend_name: str, k: int, n: int) -> Order:
+    """The order of MLX's one-row product of an [n, k] weight on its backend
+    (Metal: gemv_axbpy's choice; CUDA: gemv's n_per_thread)."""
+    if backend_name == "metal":
+        if k <= 64:
+            return Order(4, 4, 1, True)
+        return Order(32, 4, 8 if k >= 16 * n else 1, True)
+    return Order(32, 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1, 1, False)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one self-check covers: products of a K in one order at any 2-32 rows."""
+
+    dtype: mx.Dtype
+    k: int
+    order: Order
+    bias: bool
+
+    @property
+    def case(self) -> str:
+        dtype = str(self.dtype).split(".")[-1]
+        o = self.order
+        split = f" split {o.split}" if o.split > 1 else ""
+        return f"{dtype} K={self.k} lanes {o.lanes} x {o.vpt}{split}" + (" + bias" if self.bias else "")
+
+
+@dataclass
+class ExactCheck:
+    backend: str
+    variant: Variant
+    ok: bool
+    detail: str
+    fused: bool = False  # the multiply-add as one fma matched
+
+    @property
+    def case(self) -> str:
+        return f"{self.backend} {self.variant.case}"
+
+
+def tile(rows: int) -> tuple[int, int]:
+    """(x rows a threadgroup, outputs a lane group) for ``rows`` rows."""
+    return next((mr, rs) for most, mr, rs in TILES if rows <= most)
+
+
+class ExactProductKernel:
+    """The kernel for one backend, compiled by MLX per (T, order, fused, tile, bias)."""
+
+    def __init__(self, backend_name: str, factory=None):
+        self.backend = backend_name
+        factory = compacting(factory or make_factory(backend_name), backend_name)
+        # (the version in the name: MLX caches built kernels on disk by name, not by source)
+        self.kernel = factory(
+            name=f"dflash_exact_product_v{VERSION}",
+            input_names=INPUTS,
+            output_names=OUTPUTS,
+            source=source(backend_name),
+            header=HEADER[backend_name],
+        )
+        self._no_bias = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (never read)
+
+    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None, *, fused: bool = False) -> mx.array:
+        """x [..., K] of 2-32 rows times the [N, K] weight (plus ``bias``): [..., N]."""
+        *lead, k = x.shape
+        rows = x.size // k
+        n = weight.shape[0]
+        order = one_row_order(self.backend, k, n)
+        mr, rs = tile(rows)
+        per_group = SIMD // order.lanes * rs
+        (y,) = self.kernel(
+            inputs=[x.reshape(rows, k), weight, self._no_bias[x.dtype] if bias is None else bias],
+            template=[
+                ("T", x.dtype),
+                ("LANES", order.lanes),
+                ("VPT", order.vpt),
+                ("SPLIT", order.split),
+                ("EVERY_LANE", order.every_lane),
+                ("FUSED", fused),
+                ("MR", mr),
+                ("RS", rs),
+                ("GROUPS", GROUPS),
+                ("HAS_BIAS", bias is not None),
+            ],
+            grid=(-(-n // (GROUPS * per_group)) * GROUPS * order.split * SIMD, -(-rows // mr), 1),
+            threadgroup=(GROUPS * order.split * SIMD, 1, 1),
+            output_shapes=[(rows, n)],
+            output_dtypes=[x.dtype],
+        )
+        return y.reshape(*lead, n)
+
+
+def variant_of(module: nn.Module, dtype, backend_name: str) -> Variant | None:
+    """The variant serving ``module``'s products of ``dtype`` rows on
+    ``backend_name``, or None where the kernel never does."""
+    if type(module) is not nn.Linear or dtype not in DTYPES:
+        return None
+    weight = module["weight"]
+    bias = module["bias"] if "bias" in module else None
+    if weight.ndim != 2 or weight.dtype != dtype:
+        return None
+    n, k = weight.shape
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        return None
+    return Variant(dtype, k, one_row_order(backend_name, k, n), bias is not None)
+
+
+BUILDERS = {"metal": ExactProductKernel, "cuda": ExactProductKernel}
+_kernels: dict[str, ExactProductKernel] = {}
+_checks: dict[tuple[str, Variant], ExactCheck] = {}
+
+
+def reset() -> None:
+    _kernels.clear()
+    _checks.clear()
+
+
+DECISION = "dense verify (exact)"
+MEASURED_ROWS = 16  # a verify of a block of 16
+
+
+def orders_at(backend_name: str, k: int) -> list[Order]:
+    """Every order MLX's one-row product takes at K on the backend (whatever N)."""
+    return sorted({one_row_order(backend_name, k, n) for n in (1, max(1, k // 16), k // 16 + 1)}, key=repr)
+
+
+def prepare(model: nn.Module, dtype) -> None:
+    """Check every variant ``model``'s linear layers can reach (each K, at each
+    order N can give it: fused projections change N) once, and time each
+    checked (variant, N) against MLX's product; call it outside compiled traces."""
+    where = backend()
+    if where not in BUILDERS:
+        return
+    for _, module in model.named_modules():
+        if type(module) is not nn.Linear or variant_of(module, dtype, where) is None:
+            continue
+        k, bias = module.weight.shape[1], "bias" in module
+        for order in orders_at(where, k):
+            checked(where, Variant(dtype, k, order, bias))
+        variant = variant_of(module, dtype, where)
+        if _checks[(where, variant)].ok:
+            x = mx.random.normal((MEASURED_ROWS, k)).astype(dtype)
+            decisions.current().decide(
+                DECISION,
+                f"{variant.case} N={module.weight.shape[0]} rows={MEASURED_ROWS}",
+                lambda module=module, x=x: product(module, x),
+                lambda module=module, x=x: module(x),
+            )
+
+
+def checked(where: str, variant: Variant) -> ExactCheck:
+    """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
+    key = (where, variant)
+    result = _checks.get(key)
+    if result is None:
+        result = _checks[key] = self_check(where, variant)
+        if not result.ok:
+            warnings.warn(
+                f"dflash_mlx: the {result.case} exact verify product failed its self-check "
+                f"({result.detail}); using MLX's matmul for it instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return result
+
+
+def use_exact_kernel(where: str, variant: Variant) -> bool:
+    """Whether products of ``variant`` take the kernel on backend ``where``:
+    where it passed its self-check, unless DFLASH_MLX_KERNELS=off."""
+    result = _checks.get((where, variant))
+    return result is not None and result.ok and decisions.current().policy != "off"
+
+
+def takes(module: nn.Module, x: mx.array) -> bool:
+    """Whether ``product(module, x)`` runs the kernel; never checks."""
+    return serves(module, x.size // x.shape[-1], x.shape[-1], x.dtype)
+
+
+def serves(module: nn.Module, rows: int, k: int, dtype) -> bool:
+    """Whether the kernel takes ``rows`` rows of length ``k`` in ``dtype`` through ``module``."""
+    if type(module) is not nn.Linear or not FEWEST_ROWS <= rows <= MOST_ROWS:
+        return False
+    where = backend()
+    if where not in BUILDERS:
+        return False
+    variant = variant_of(module, dtype, where)
+    return variant is not None and k == variant.k and use_exact_kernel(where, variant)
+
+
+# The multiply-add forms a backend's check tries, in order (exact_products_source: FUSED):
+# what MLX's source writes first (Metal: the compiler's choice; CUDA: nvcc's contraction).
+FORMS = {"metal": (False, True), "cuda": (True, False)}
+
+
+def product(module: nn.Module, x: mx.array) -> mx.array | None:
+    """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
+    None (the caller runs MLX's product); never checks."""
+    if not takes(module, x):
+        return None
+    where = backend()
+    variant = variant_of(module, x.dtype, where)
+    bias = module["bias"] if "bias" in module else None
+    return _kernels[where](x, module["weight"], bias, fused=_checks[(where, variant)].fused)
+
+
+def one_row_products(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """Each row of x [rows, K] through MLX's product alone, as ``nn.Linear`` calls
+    it: what a plain step computes."""
+    rows = [x[i : i + 1] for i in range(x.shape[0])]
+    if bias is None:
+        return mx.concatenate([r @ weight.T for r in rows])
+    return mx.concatenate([mx.addmm(bias, r, weight.T) for r in rows])
+
+
+def check_sizes(where: str, variant: Variant) -> tuple[int, ...]:
+    """Output counts that give the variant's order at its K, neither a whole
+    number of threadgroups' outputs (the last one partial)."""
+    k = variant.k
+    if where == "metal" and k > 64:
+        if variant.order.split > 1:
+            most = max(1, k // 16)
+            return tuple(sorted({min(most, 44), max(1, min(most, 44) - 5)}))
+        least = k // 16 + 1
+        return (max(least, 68), max(least, 68) + 5)
+    return (68, 73)
+
+
+def check_cases(where: str, variant: Variant):
+    """(x, weight, bias): weights of the variant's K and order, rows of every tile."""
+    for n in check_sizes(where, variant):
+        key = variant.k + n + 7 * variant.bias
+        w = (variant.k**-0.5 * mx.random.normal((n, variant.k), key=mx.random.key(key))).astype(variant.dtype)
+        bias = mx.random.normal((n,), key=mx.random.key(key + 1)).astype(variant.dtype) if variant.bias else None
+        for rows in CHECK_ROWS:
+            x = mx.random.normal((rows, variant.k), key=mx.random.key(1000 * rows + variant.k)).astype(variant.dtype)
+            yield x, w, bias
+
+
+def self_check(where: str, variant: Variant) -> ExactCheck:
+    """The kernel's rows against MLX's one-row products of the same rows, bit
+    for bit, with each multiply-add form in turn, keeping the first that matches."""
+    for fused in FORMS.get(where, (False,)):
+        result = _check_once(where, variant, fused)
+        if result.ok:
+            break
+    return result
+
+
+def _check_once(where: str, variant: Variant, fused: bool) -> ExactCheck:
+    try:
+        kernel = _kernels.get(where)
+        if kernel is None:
+            kernel = _kernels[where] = BUILDERS[where](where)
+        for x, w, bias in check_cases(where, variant):
+            got = kernel(x, w, bias, fused=fused)
+            want = one_row_products(x, w, bias)
+            if got.shape != want.shape:
+                return ExactCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
+            if not mx.array_equal(got, want, equal_nan=True).item():
+                differ = (got != want).sum().item()
+                worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+                detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
+                return ExactCheck(where, variant, False, detail, fused)
+        return ExactCheck(where, variant, True, "every row equal to MLX's one-row product", fused)
+    except Exception as e:  # a build or launch error: the kernel is not used
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ExactCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
+
+
+def self_check_all(report=None) -> list[ExactCheck]:
+    """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
+    where = backend()
+    results = [r for (w, _), r in _checks.items() if w == where]
+    if report is not None:
+        for r in results:
+            report(r)
+    return results
+
+
+def record_variants(factory, backend_name: str) -> None:
+    """Launch every variant the kernel can (each dtype, one-row order, form,
+    row tile, bias) through ``factory``, a stand-in for MLX's kernel factory
+    that records them (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
+    kernel = ExactProductKernel(backend_name, factory=factory)
+    # K of each order: Metal's SN = 4 (K <= 64), split and not (by N); CUDA's 4, 2 and 1 values a lane
+    shapes = ((64, 8), (512, 8), (512, 64)) if backend_name == "metal" else ((512, 8), (576, 8), (520, 8))
+    for dtype, (k, n), bias in itertools.product(DTYPES, shapes, (False, True)):
+        weight = mx.zeros((n, k), dtype)
+        b = mx.zeros((n,), dtype) if bias else None
+        for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
+            for fused in FORMS[backend_name]:
+                kernel(mx.zeros((rows, k), dtype), weight, b, fused=fused)
