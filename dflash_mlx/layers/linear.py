@@ -1,9 +1,12 @@
-"""A verify's products: on CUDA, 2-16 rows of a bf16/fp16 ``nn.Linear`` through the
-block-product kernel where it checked out (with the RMSNorm, residual or SwiGLU
-in its launch); on Metal and CUDA, 2-32 rows of an ``nn.QuantizedLinear``
-through the quantized verify product where its variant checked out (each row
-then bit for bit MLX's one-row product). Everything else, and the CPU, runs
-MLX's own product."""
+"""A verify's products. 2-32 rows of a bf16/fp16/fp32 ``nn.Linear`` take the
+exact verify product where its variant checked out (Metal, CUDA: each row bit
+for bit MLX's one-row product; a norm, SwiGLU or residual around it stays
+MLX's op, as in the plain step); 2-32 rows of an ``nn.QuantizedLinear`` take
+the quantized verify product likewise. On CUDA, 2-16 rows the exact product
+does not take (its check failed: no order can be matched there) go through
+the block-product kernel where it checked out (with the RMSNorm, residual or
+SwiGLU in its launch), which is no less exact than MLX's few-row product.
+Everything else, and the CPU, runs MLX's own product."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..device import backend
-from ..kernels import quantized
+from ..kernels import exact_products, quantized
 
 # Largest weight the kernel takes a norm into: each block reads the rows twice.
 NORM_MOST = 1 << 24
@@ -35,7 +38,7 @@ def _cuda_products():
 
 def apply_linear_swiglu(module: nn.Module, x: mx.array, norm: nn.Module | None = None) -> mx.array:
     """``swiglu(gate, up)`` of a fused gate/up product of ``norm(x)``."""
-    if x.size // x.shape[-1] >= 2 and module.weight.shape[0] % 2 == 0:
+    if x.size // x.shape[-1] >= 2 and module.weight.shape[0] % 2 == 0 and not exact_products.takes(module, x):
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
         if taken is not None and taken[1] is None and _products().swiglu_passed(x.dtype):
             folded = _norm_operands(norm, x, module)
@@ -54,7 +57,7 @@ def apply_linear_output(module: nn.Module, out: mx.array, as_rows: bool, residua
 def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | None = None) -> mx.array:
     """``apply_linear`` on heads [B, heads, L, D] as rows, read in place by the kernel."""
     B, h, L, d = heads.shape
-    if B == 1 and L >= 2 and d % 8 == 0:
+    if B == 1 and L >= 2 and d % 8 == 0 and not exact_products.serves(module, L, h * d, heads.dtype):
         taken = _taking(module, (1, L), h * d, heads.dtype, residual)
         if taken is not None:
             kernel, bias = taken
@@ -67,6 +70,10 @@ def apply_linear(
 ) -> mx.array:
     """``residual + module(norm(x))`` (either optional), in one launch where the kernel takes it."""
     if x.size // x.shape[-1] >= 2:  # (a plain step's row: at once)
+        if exact_products.takes(module, x):
+            # (the norm and the residual as the plain step runs them: MLX's ops)
+            y = exact_products.product(module, x if norm is None else norm(x))
+            return y if residual is None else residual + y
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, residual)
         if taken is not None:
             kernel, bias = taken
@@ -84,7 +91,8 @@ def apply_linear(
 def takes_norm(module: nn.Module, x: mx.array, norm: nn.Module) -> bool:
     """Whether ``apply_linear(module, x, norm=norm)`` takes the norm into the kernel's launch."""
     return (
-        _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None) is not None
+        not exact_products.takes(module, x)
+        and _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None) is not None
         and _norm_operands(norm, x, module) is not None
     )
 
@@ -129,6 +137,25 @@ def quantized_head(embedding: nn.QuantizedEmbedding) -> nn.QuantizedLinear:
         if name in embedding:
             head[name] = embedding[name]
     head.freeze()
+    return head
+
+
+def prepare_exact(model: nn.Module, dtype) -> None:
+    """Check the exact verify product for every ``nn.Linear`` layer of ``model``
+    (and an ``nn.Embedding``, for a tied head) at ``dtype`` rows; call it
+    outside compiled traces (unchecked layers keep MLX's product)."""
+    exact_products.prepare(model, dtype)
+    for _, module in model.named_modules():
+        if type(module) is nn.Embedding:  # (a tied output head's)
+            exact_products.prepare(linear_head(module), dtype)
+
+
+def linear_head(embedding: nn.Embedding) -> nn.Linear:
+    """A tied embedding as the output head's linear layer, holding its weight:
+    ``apply_linear(linear_head(e), h)`` is ``e.as_linear(h)``."""
+    head = nn.Linear.__new__(nn.Linear)  # no weights of its own: the embedding's are
+    nn.Module.__init__(head)
+    head["weight"] = embedding["weight"]
     return head
 
 
