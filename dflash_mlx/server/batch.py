@@ -194,9 +194,10 @@ class BatchDecoder:
         seconds = time.perf_counter() - start
         if generated and not prompted:  # a step of decoding only: the batch's speed at its size
             self.choice.observe_batched(len(generated), len(generated) / seconds)
-        for r in prompted:
-            if not r.end_of_prompt and r.uid in streams:
-                streams[r.uid].job.prefill_progress(*r.progress)
+        for r in prompted:  # progress of prompts longer than a prefill step, as on the DFlash path
+            job = streams[r.uid].job if r.uid in streams else None
+            if job is not None and not r.end_of_prompt and len(job.prompt) > self.prefill_step_size:
+                job.prefill_progress(*r.progress)
         finished = []
         for r in generated:
             stream = streams[r.uid]

@@ -56,13 +56,13 @@ class PathChoice:
             return self.dflash_tps, dict(self.batched_tps)
 
     def batched_estimate(self, size: int) -> Optional[float]:
-        """Batched total tokens/s at ``size``: measured, else the most any
-        measured size allows, else None (nothing measured yet)."""
+        """Batched total tokens/s at ``size``: measured, else the tightest
+        bound the measured sizes set, else None (nothing measured yet)."""
         with self.lock:
             if size in self.batched_tps:
                 return self.batched_tps[size]
             bounds = [tps * (size / n if n < size else 1.0) for n, tps in self.batched_tps.items()]
-        return max(bounds) if bounds else None
+        return min(bounds) if bounds else None
 
     def batch(self, size: int) -> bool:
         """Whether to serve ``size`` waiting requests batched."""
