@@ -163,7 +163,7 @@ def test_choice_follows_the_measurements():
     assert not PathChoice(mode="off").batch(8)
     always = PathChoice(mode="always")
     always.observe_dflash(1e9)
-    assert always.batch(2)
+    assert always.batch(2) and always.batch(1) and not always.batch(0)
     with pytest.raises(ValueError, match="batching must be one of"):
         PathChoice(mode="sometimes")
 
@@ -176,6 +176,7 @@ def test_the_worker_serves_by_the_measured_choice(chat_pair):
     fast_batch = PathChoice(dflash_tps=10.0, batched_tps={2: 1000.0})
     assert [path(r) for r in serve_waiting(chat_pair, requests, fast_batch)] == ["batched"] * 3
     assert [path(r) for r in serve_waiting(chat_pair, requests[:1])] == ["dflash"]  # a lone request
+    assert [path(r) for r in serve_waiting(chat_pair, requests[:1], batching="always")] == ["batched"]
 
 
 def test_quantized_or_bounded_caches_turn_batching_off(kv_pair):
@@ -200,7 +201,7 @@ def stream_lines(url: str, endpoint: str, body: dict) -> list[str]:
 def test_over_http_concurrent_clients_batch_a_lone_one_does_not_and_metrics_show_it(chat_pair):
     model, _, tokenizer = chat_pair
     prompts = [f"w{11 + i} w{30 - i}" for i in range(4)]
-    with serving(*chat_pair, batching="always") as url:
+    with serving(*chat_pair) as url:
         lone = httpx.post(
             f"{url}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "w5"}], "max_tokens": 24},

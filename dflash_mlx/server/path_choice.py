@@ -22,11 +22,11 @@ class PathChoice:
     """Generated tokens per second, as exponential moving averages: DFlash
     serving one request, and batched plain decoding in total per batch size.
 
-    ``mode``: "auto" batches when the batched estimate for that many
-    requests could beat DFlash (measured there, or an upper bound from
-    another size: total throughput grows at most linearly with the batch and
-    does not fall as it grows), "off" never batches, "always" batches
-    whenever two or more requests can be."""
+    ``mode``: "auto" batches two or more requests when the batched
+    estimate for that many could beat DFlash (measured there, or an upper
+    bound from another size: total throughput grows at most linearly with
+    the batch and does not fall as it grows), "off" never batches, "always"
+    batches every request it can, a lone one too (plain decoding)."""
 
     mode: str = "auto"
     weight: float = 0.3  # of a new measurement in the average
@@ -66,9 +66,11 @@ class PathChoice:
 
     def batch(self, size: int) -> bool:
         """Whether to serve ``size`` waiting requests batched."""
+        if self.mode == "always":
+            return size >= 1
         if size < 2 or self.mode == "off":
             return False
-        if self.mode == "always" or self.dflash_tps is None:
+        if self.dflash_tps is None:
             return True
         estimate = self.batched_estimate(size)
         return estimate is None or estimate > self.dflash_tps
