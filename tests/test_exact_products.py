@@ -1,0 +1,546 @@
+"""The exact verify product for dense layers (kernels/exact_products.py): the
+one-row order it takes on each backend, its launch shapes, its self-check (bit
+for bit against MLX's one-row product), and the routing in layers/linear.py.
+On the CPU every product is MLX's; on a pretend GPU a kernel that checks out
+takes a verify's 2-32-row products of ``nn.Linear`` layers (the norm, SwiGLU
+and residual around them staying MLX's ops), one that does not never does,
+and decoding through it stays the target's own greedy output. Then the Metal
+source itself, compiled for this CPU and run, against a transcription of MLX's
+Metal gemv order."""
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from test_quantized_products import ATTRIBUTE_VALUES, CLANG_F16, check_metal_script
+from tiny import (
+    draft_config,
+    greedy_reference,
+    make_draft,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+)
+
+from dflash_mlx.kernels import exact_products as ep
+from dflash_mlx.layers import linear
+
+
+def dense(k: int, n: int, bias: bool = False, dtype=mx.bfloat16) -> nn.Linear:
+    mx.random.seed(k + n)
+    module = nn.Linear(k, n, bias=bias)
+    module.set_dtype(dtype)
+    return module
+
+
+def rows_of(rows: int, k: int, dtype=mx.bfloat16):
+    return mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(dtype)
+
+
+class FakeKernel:
+    """A kernel as the module's callers see it, computing each row as MLX's
+    one-row product does (what the real kernel must), counting its calls."""
+
+    def __init__(self, nudge: float = 0.0):
+        self.nudge = nudge  # added to one output: a kernel one rounding off
+        self.rows = []
+        self.forms = []
+
+    def __call__(self, x, weight, bias, *, fused=False):
+        *lead, k = x.shape
+        self.rows.append(x.size // k)
+        self.forms.append(fused)
+        y = ep.one_row_products(x.reshape(-1, k), weight, bias)
+        if self.nudge:
+            y = y.at[-1, 0].add(mx.array(self.nudge, y.dtype))
+        return y.reshape(*lead, -1)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The exact product as if MLX ran on a GPU backend named 'fake' with a
+    kernel of our choosing (its one-row order: CUDA's rules)."""
+    ep.reset()
+    monkeypatch.setattr(ep, "backend", lambda: "fake")
+
+    def install(kernel):
+        monkeypatch.setitem(ep.BUILDERS, "fake", lambda where: kernel)
+        return kernel
+
+    yield install
+    ep.reset()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 32, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_on_the_cpu_a_linear_layer_is_its_own_module(rows, bias):
+    module = dense(256, 64, bias)
+    x = rows_of(rows, 256)
+    assert ep.product(module, x) is None and not ep.takes(module, x)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x))
+    h = rows_of(rows, 64)
+    assert mx.array_equal(linear.apply_linear(module, x, residual=h), h + module(x))
+
+
+@pytest.mark.parametrize(
+    "k, n, order",
+    [
+        (4096, 1024, ep.Order(32, 4, 1, True)),  # Qwen3-8B's k/v: gemv_axbpy's BN 1, SN 32
+        (4096, 256, ep.Order(32, 4, 8, True)),  # K >= 16 N: BN 8
+        (12288, 4096, ep.Order(32, 4, 1, True)),  # down_proj
+        (12288, 768, ep.Order(32, 4, 8, True)),
+        (64, 4096, ep.Order(4, 4, 1, True)),  # K <= 64: SN 4, whatever N
+    ],
+)
+def test_metal_takes_the_order_gemv_axbpy_picks(k, n, order):
+    assert ep.one_row_order("metal", k, n) == order
+    assert order in ep.orders_at("metal", k)
+
+
+@pytest.mark.parametrize("k, vpt", [(4096, 4), (12288, 4), (2880, 2), (576, 2), (520, 1), (100, 1)])
+def test_cuda_takes_gemvs_values_a_lane(k, vpt):
+    """CUDA's gemv: 4 values a lane where K % 128 == 0, 2 where K % 64 == 0, else 1; any N."""
+    assert {ep.one_row_order("cuda", k, n) for n in (8, 4096, 151936)} == {ep.Order(32, vpt, 1, False)}
+    assert ep.orders_at("cuda", k) == [ep.Order(32, vpt, 1, False)]
+
+
+@pytest.mark.parametrize(
+    "module, dtype, served",
+    [
+        (dense(256, 64), mx.bfloat16, True),
+        (dense(256, 64, dtype=mx.float16), mx.float16, True),
+        (dense(256, 64, dtype=mx.float32), mx.float32, True),
+        (dense(256, 64, bias=True), mx.bfloat16, True),
+        (dense(256, 64), mx.float16, False),  # (rows of another dtype than the weight: MLX's)
+        (nn.QuantizedLinear(256, 64, group_size=64), mx.bfloat16, False),  # (the quantized product's)
+    ],
+)
+def test_the_variants_served(module, dtype, served):
+    variant = ep.variant_of(module, dtype, "metal")
+    assert (variant is not None) == served
+    if served:
+        assert variant.k == 256 and variant.bias == ("bias" in module) and variant.dtype == dtype
+
+
+def record_launches(backend_name: str):
+    launches = []
+
+    def factory(**made):
+        def launch(**kw):
+            launches.append(kw)
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    return ep.ExactProductKernel(backend_name, factory=factory), launches
+
+
+@pytest.mark.parametrize(
+    "backend_name, k, n", [("metal", 512, 100), ("metal", 512, 24), ("metal", 64, 100), ("cuda", 512, 100)]
+)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 27, 32])
+def test_each_launch_covers_every_row_and_output(backend_name, k, n, rows):
+    kernel, launches = record_launches(backend_name)
+    y = kernel(rows_of(rows, k), mx.zeros((n, k), mx.bfloat16), None)
+    assert y.shape == (1, rows, n) and y.dtype == mx.bfloat16
+    (launch,) = launches
+    t = dict(launch["template"])
+    order = ep.one_row_order(backend_name, k, n)
+    assert (t["LANES"], t["VPT"], t["SPLIT"], t["EVERY_LANE"]) == (
+        order.lanes,
+        order.vpt,
+        order.split,
+        order.every_lane,
+    )
+    assert (t["MR"], t["RS"]) == ep.tile(rows) and t["MR"] * t["RS"] <= 64  # accumulators a lane
+    threads = ep.GROUPS * order.split * 32
+    assert launch["threadgroup"] == (threads, 1, 1)
+    gx, gy, gz = launch["grid"]
+    assert gx % threads == 0 and gz == 1
+    per_threadgroup = ep.GROUPS * (32 // order.lanes) * t["RS"]
+    assert (gx // threads - 1) * per_threadgroup < n <= gx // threads * per_threadgroup
+    assert (gy - 1) * t["MR"] < rows <= gy * t["MR"]
+    assert not t["HAS_BIAS"] and launch["inputs"][2].shape == (8,)  # (a stand-in in device memory)
+
+
+def test_the_self_check_runs_every_row_tile_and_each_order_at_its_k():
+    assert {ep.tile(r) for r in ep.CHECK_ROWS} == {ep.tile(r) for r in range(ep.FEWEST_ROWS, ep.MOST_ROWS + 1)}
+    for k in (64, 512, 4096, 12288):
+        for order in ep.orders_at("metal", k):
+            variant = ep.Variant(mx.bfloat16, k, order, False)
+            sizes = ep.check_sizes("metal", variant)
+            assert all(ep.one_row_order("metal", k, n) == order for n in sizes), (k, sizes)
+            for _, _, rs in ep.TILES:  # (the last threadgroup partial)
+                assert any(n % (ep.GROUPS * (32 // order.lanes) * rs) for n in sizes), (k, sizes, rs)
+
+
+def layers():
+    return {"no bias": dense(256, 64), "bias": dense(256, 64, bias=True), "float32": dense(256, 64, dtype=mx.float32)}
+
+
+@pytest.mark.parametrize("name", ["no bias", "bias", "float32"])
+def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, name):
+    module = layers()[name]
+    dtype = module.weight.dtype
+    kernel = fake_gpu(FakeKernel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_exact(module, dtype)
+    (result,) = ep._checks.values()
+    assert result.ok and sorted(set(kernel.rows)) == sorted(ep.CHECK_ROWS)
+    for rows in (1, 2, 9, 16, 32, 33):
+        kernel.rows.clear()
+        x = rows_of(rows, 256, dtype)
+        got = linear.apply_linear(module, x)
+        assert kernel.rows == ([rows] if 2 <= rows <= 32 else [])
+        for i in range(rows):  # each row what MLX's product computes for it alone
+            assert mx.array_equal(got[:, i], module(x[:, i : i + 1])[:, 0]), (rows, i)
+    kernel.rows.clear()
+    other = mx.float16 if dtype != mx.float16 else mx.bfloat16
+    linear.apply_linear(module, rows_of(5, 256, other))  # (never checked for those rows: MLX's)
+    assert kernel.rows == []
+
+
+def test_the_norm_swiglu_and_residual_around_it_stay_mlxs_ops(fake_gpu):
+    """The plain step runs them as MLX's ops, so the verify does too: the
+    CUDA block-product kernel's fused prologue and epilogues do not round as
+    MLX's rms_norm and swiglu do, and never take a product the exact one takes."""
+    from mlx_lm.models.activations import swiglu
+
+    module, gate_up, heads_out = dense(256, 64), dense(256, 128), dense(256, 64)
+    norm = nn.RMSNorm(256)
+    norm.weight = (1 + 0.1 * mx.random.normal((256,), key=mx.random.key(5))).astype(mx.bfloat16)
+    kernel = fake_gpu(FakeKernel())
+    linear.prepare_exact(module, mx.bfloat16)
+    x, h = rows_of(6, 256), rows_of(6, 64)
+    kernel.rows.clear()
+    got = linear.apply_linear(module, x, residual=h, norm=norm)
+    assert kernel.rows == [6] and mx.array_equal(got, h + module(norm(x)))
+    assert not linear.takes_norm(module, x, norm)
+    kernel.rows.clear()
+    gate, up = mx.split(gate_up(norm(x)), 2, axis=-1)
+    assert mx.array_equal(linear.apply_linear_swiglu(gate_up, x, norm), swiglu(gate, up)) and kernel.rows == [6]
+    heads = mx.random.normal((1, 4, 6, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+    kernel.rows.clear()
+    want = h + heads_out(heads.transpose(0, 2, 1, 3).reshape(1, 6, -1))
+    assert mx.array_equal(linear.apply_linear_output(heads_out, heads, False, residual=h), want)
+    assert kernel.rows == [6]
+
+
+def test_a_kernel_one_rounding_off_fails_its_check_warns_once_and_is_never_used(fake_gpu):
+    """Exactness is the check: one output one step off fails the variant."""
+    module = dense(256, 64)
+    kernel = fake_gpu(FakeKernel(nudge=1.0))
+    with pytest.warns(RuntimeWarning, match=r"fake bfloat16 K=256 lanes 32 x 4 exact verify product failed"):
+        linear.prepare_exact(module, mx.bfloat16)
+    (result,) = ep._checks.values()
+    assert not result.ok and "1 of" in result.detail and "outputs differ" in result.detail
+    calls = len(kernel.rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_exact(module, mx.bfloat16)  # (checked once: no second warning)
+        x = rows_of(5, 256)
+        assert mx.array_equal(linear.apply_linear(module, x), module(x))
+        assert not ep.takes(module, x)
+    assert len(kernel.rows) == calls
+
+
+def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatch):
+    def broken(where):
+        raise RuntimeError("metal: error: use of undeclared identifier 'ep_madd'")
+
+    monkeypatch.setitem(ep.BUILDERS, "fake", broken)
+    module = dense(256, 64)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: metal: error: use of undeclared identifier 'ep_madd'"):
+        linear.prepare_exact(module, mx.bfloat16)
+    x = rows_of(5, 256)
+    assert not ep.takes(module, x) and mx.array_equal(linear.apply_linear(module, x), module(x))
+
+
+def test_the_check_tries_each_multiply_add_and_keeps_the_one_that_matches(fake_gpu, monkeypatch):
+    """Whether MLX's binary contracted its multiply-add is the compiler's: the
+    check tries the backend's forms in order, and products use the one that matched."""
+
+    class OneWay(FakeKernel):
+        def __call__(self, x, weight, bias, *, fused=False):
+            self.nudge = 0.0 if fused else 1.0  # only the fused form matches
+            return super().__call__(x, weight, bias, fused=fused)
+
+    kernel = fake_gpu(OneWay())
+    monkeypatch.setitem(ep.FORMS, "fake", (False, True))
+    module = dense(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_exact(module, mx.bfloat16)
+    (result,) = ep._checks.values()
+    assert result.ok and result.fused and kernel.forms[0] is False
+    kernel.forms.clear()
+    x = rows_of(5, 256)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x)) and kernel.forms == [True]
+
+
+def test_a_tied_embeddings_head_is_checked_as_a_linear_layer(fake_gpu):
+    embed = nn.Embedding(64, 256)
+    embed.set_dtype(mx.bfloat16)
+    head = linear.linear_head(embed)
+    h = rows_of(6, 256)
+    assert mx.array_equal(linear.apply_linear(head, h), embed.as_linear(h))
+    kernel = fake_gpu(FakeKernel())
+    linear.prepare_exact(embed, mx.bfloat16)  # (a model holding it: its tied head is checked)
+    assert [r.ok for r in ep._checks.values()] == [True]
+    kernel.rows.clear()
+    assert mx.array_equal(linear.apply_linear(linear.linear_head(embed), h), embed.as_linear(h))
+    assert kernel.rows == [6]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu, dtype):
+    """The verify's dense products (fused q/k/v, o, fused gate/up, down, the
+    output head) go through the kernel; each row as the plain step computes
+    it, so the output is the target's own, token for token."""
+    from dflash_mlx import stream_generate
+
+    kernel = fake_gpu(FakeKernel())
+    tcfg = target_config("qwen3", vocab=32, layers=2, hidden=256)
+    model = make_target(tcfg, seed=71)
+    model.set_dtype(dtype)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 1])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=72))
+    draft.set_dtype(dtype)
+    prompt = [1, 2, 3, 4, 5]
+    want = greedy_reference(model, prompt, 12)
+    linear.prepare_exact(model, dtype)
+    assert ep._checks and all(r.ok for r in ep._checks.values())
+    kernel.rows.clear()
+    tokens = make_tokenizer(32)
+    got = [t for r in stream_generate(model, draft, tokens, prompt, max_tokens=12, block_size=6) for t in r.tokens]
+    assert got == want
+    assert kernel.rows and all(2 <= r <= 32 for r in kernel.rows)
+
+
+def test_every_variant_is_recorded_for_the_check_scripts():
+    for backend_name in ("metal", "cuda"):
+        recorded = set()
+
+        def factory(**made):
+            def launch(*, template, output_shapes, output_dtypes, **kw):
+                recorded.add(tuple(v for _, v in template))
+                return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+            return launch
+
+        ep.record_variants(factory, backend_name)
+        orders = {values[1:5] for values in recorded}
+        if backend_name == "metal":
+            assert orders == {(4, 4, 1, True), (32, 4, 8, True), (32, 4, 1, True)}
+        else:
+            assert orders == {(32, 4, 1, False), (32, 2, 1, False), (32, 1, 1, False)}
+        assert {values[0] for values in recorded} == set(ep.DTYPES)
+        assert {values[5] for values in recorded} == {False, True}  # both multiply-add forms
+        assert {values[6:8] for values in recorded} == {(mr, rs) for _, mr, rs in ep.TILES}
+        assert {values[9] for values in recorded} == {False, True}  # with and without a bias
+
+
+# --- The Metal source itself, run on this CPU --------------------------------------------------------------
+#
+# What a Mac would compile (the variant's source as MLX builds it, lowered as
+# scripts/check_metal_kernels.py lowers it) is compiled by clang for this machine, every
+# thread of a threadgroup a thread here (simd_shuffle_down exchanging within its 32
+# lanes, threadgroup_barrier across the threadgroup), and run over the launch's grid;
+# its rows must equal, bit for bit, a plain transcription of MLX's Metal GEMVKernel
+# (the order it claims). half arithmetic rounds each operation, as an Apple GPU's does.
+
+HARNESS_DRIVER = r"""
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+extern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
+static thread_local unsigned t_sg, t_lane;
+static float slots[64][32];
+static std::barrier<>* simd_bars[64];
+static std::barrier<>* group_bar;
+extern "C" float harness_shuffle_down(float v, unsigned delta) {
+  slots[t_sg][t_lane] = v;
+  simd_bars[t_sg]->arrive_and_wait();
+  const float got = t_lane + delta < 32 ? slots[t_sg][t_lane + delta] : v;
+  simd_bars[t_sg]->arrive_and_wait();
+  return got;
+}
+extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
+extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
+  for (unsigned tgy = 0; tgy < gy; ++tgy)
+    for (unsigned tgx = 0; tgx < gx; ++tgx) {
+      std::barrier<> group(simdgroups * 32);
+      group_bar = &group;
+      std::vector<std::unique_ptr<std::barrier<>>> bars;
+      for (unsigned sg = 0; sg < simdgroups; ++sg) {
+        bars.emplace_back(new std::barrier<>(32));
+        simd_bars[sg] = bars.back().get();
+      }
+      std::vector<std::thread> threads;
+      for (unsigned sg = 0; sg < simdgroups; ++sg)
+        for (unsigned lane = 0; lane < 32; ++lane)
+          threads.emplace_back([=] { t_sg = sg; t_lane = lane; harness_thread(bufs, sg, lane, tgx, tgy, gx, gy); });
+      for (auto& t : threads) t.join();
+    }
+}
+"""
+HARNESS_STUB = r"""#pragma once
+#include "metal_stub_decls.h"
+extern "C" float harness_shuffle_down(float, unsigned);
+extern "C" void harness_group_barrier();
+namespace metal {
+template <typename T, typename U> T simd_shuffle_down(T v, ushort delta) { return T(harness_shuffle_down(float(v), delta)); }
+void threadgroup_barrier(mem_flags) { harness_group_barrier(); }
+template <typename T, typename U> T fma(T a, T b, T c) { return __builtin_fmaf(a, b, c); }
+}
+"""
+
+
+def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
+    """The variant's source compiled for this CPU: ``harness_run(buffers, groups x, groups y, simdgroups)``."""
+    import ctypes
+    import re
+    import shutil
+    import subprocess
+
+    text, problems = script.lower(source)
+    assert not problems, problems
+    shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
+    (tmp_path / "metal_stub.h").write_text(HARNESS_STUB)
+    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
+    args = []
+    for param in text[start.end() : text.index(") {", start.end())].split(","):
+        name = re.search(r"(\w+)\s*$", param).group(1)
+        kind = param[: param.rindex(name)].strip()
+        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
+    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
+    text += (
+        '\nextern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
+        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
+    )
+    (tmp_path / "kernel.cpp").write_text(text)
+    (tmp_path / "driver.cpp").write_text(HARNESS_DRIVER)
+    flags = ["-O1", "-fPIC", "-c"]
+    kernel_flags = ["-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++", "-fno-exceptions"]
+    for cmd in (
+        [CLANG_F16, "-std=c++17", *flags, *kernel_flags, "-fno-rtti", "-I", str(tmp_path)]
+        + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
+        [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
+        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
+    ):
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+    return ctypes.CDLL(str(tmp_path / "h.so"))
+
+
+def metal_gemv_order(x, w, bias, order: ep.Order):
+    """MLX's Metal GEMVKernel::run for one row, transcribed plainly and run for
+    each row: lane l of simdgroup part s takes (s * SN + l) * 4 + t of every
+    step of BN * SN * 4 values (zeros past K in the last, every lane adding),
+    ``result += float(w) * float(x)`` in float; simd_shuffle_down over the SN
+    lanes; the BN parts added in order; one rounding (``T(result) + bias`` in T)."""
+    f32 = np.float32
+    rows, k = x.shape
+    step = order.split * order.lanes * 4
+    steps = -(-k // step)
+    pad = ((0, 0), (0, steps * step - k))
+    xs, ws = np.pad(x.astype(f32), pad), np.pad(w.astype(f32), pad)
+    result = np.zeros((order.split, order.lanes, rows, w.shape[0]), f32)
+    lanes = np.arange(order.split)[:, None] * order.lanes + np.arange(order.lanes)[None, :]
+    for s in range(steps):
+        for t in range(4):
+            at = s * step + lanes * 4 + t  # [split, lanes]
+            inter = ws[:, at].transpose(1, 2, 0)[:, :, None, :]
+            v_coeff = xs[:, at].transpose(1, 2, 0)[:, :, :, None]
+            result = result + inter * v_coeff
+    o = order.lanes // 2
+    while o >= 1:  # result += simd_shuffle_down(result, o): lane l adds lane l + o's
+        result[:, : order.lanes - o] = result[:, : order.lanes - o] + result[:, o:]
+        o //= 2
+    total = result[0, 0]
+    for part in range(1, order.split):
+        total = total + result[part, 0]
+    out = total.astype(x.dtype)
+    return out if bias is None else out + bias
+
+
+def run_metal_source(tmp_path, x, w, bias, plant=None):
+    """The kernel's rows for x [rows, K] of float16 or float32, run on this CPU
+    from the Metal source (``plant``: (old, new) text swapped into it first)."""
+    import ctypes
+
+    from dflash_mlx.kernels.exact_products_source import INPUTS, OUTPUTS
+
+    script = check_metal_script()
+    recorder = script.Recorder()
+    kernel = ep.ExactProductKernel("metal", factory=recorder.factory)
+    dtype = mx.float16 if x.dtype == np.float16 else mx.float32
+    kernel(mx.array(x), mx.array(w), None if bias is None else mx.array(bias))
+    ((name, variant),) = recorder.variants.items()
+    ((grid, group),) = variant.launches
+    src = variant.source
+    if plant is not None:
+        assert plant[0] in src
+        src = src.replace(plant[0], plant[1])
+    lib = build_on_cpu(script, src, INPUTS + ["x_shape", "w_shape"] + OUTPUTS, tmp_path)
+    b = bias if bias is not None else np.zeros(8, x.dtype)
+    y = np.zeros((x.shape[0], w.shape[0]), x.dtype)
+    shapes = np.array(x.shape, np.int32), np.array(w.shape, np.int32)
+    buffers = (ctypes.c_void_p * 6)(*[a.ctypes.data for a in (x, w, b, *shapes, y)])
+    lib.harness_run(buffers, grid[0] // group[0], grid[1], group[0] // 32)
+    assert dtype == mx.float16 or dtype == mx.float32
+    return y
+
+
+def metal_case(rows: int, n: int, k: int, bias: bool, dtype=np.float16):
+    rng = np.random.default_rng(rows * 1000 + n + k)
+    x = rng.standard_normal((rows, k)).astype(dtype)
+    w = (k**-0.5 * rng.standard_normal((n, k))).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "rows, n, k, bias, dtype",
+    [
+        (3, 264, 4096, False, np.float16),  # Qwen3-8B's K: BN 1 (K < 16 N), the last threadgroup partial
+        (13, 24, 4096, False, np.float16),  # BN 8 (K >= 16 N), threadgroup memory
+        (5, 776, 12288, False, np.float16),  # down_proj's K
+        (17, 40, 12288, True, np.float16),  # BN 8, with a bias (AddMM's axpby)
+        (9, 20, 64, False, np.float16),  # K <= 64: SN 4, 8 outputs a simdgroup
+        (4, 264, 4096, False, np.float32),
+        (2, 40, 1000, False, np.float16),  # a last partial step: lanes past K add zeros
+    ],
+)
+def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(tmp_path, rows, n, k, bias, dtype):
+    x, w, b = metal_case(rows, n, k, bias, dtype)
+    y = run_metal_source(tmp_path, x, w, b)
+    want = metal_gemv_order(x, w, b, ep.one_row_order("metal", k, n))
+    assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), (y != want).sum()
+    # and what MLX's CPU product computes, to the rounding of a sum's order
+    mlx = x.astype(np.float32) @ w.astype(np.float32).T + (0 if b is None else b.astype(np.float32))
+    assert np.abs(y.astype(np.float32) - mlx).max() <= 1e-2 * np.abs(mlx).max()
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "plant, dtype",
+    [
+        # the lanes added in another tree (shuffles of 1, 2, 4, ... instead of 16, 8, 4, ...)
+        (("for (int o = LANES / 2; o >= 1; o >>= 1)", "for (int o = 1; o < LANES; o <<= 1)"), np.float16),
+        # a lane's products added fused (one rounding instead of two; exact for half's products)
+        (("acc += w * x;", "acc = metal::fma(static_cast<float>(w), x, acc);"), np.float32),
+    ],
+)
+def test_a_planted_order_change_fails_the_comparison(tmp_path, plant, dtype):
+    x, w, b = metal_case(8, 264, 4096, False, dtype)
+    y = run_metal_source(tmp_path, x, w, b, plant=plant)
+    want = metal_gemv_order(x, w, b, ep.one_row_order("metal", 4096, 264))
+    assert not np.array_equal(y.view(np.uint8), want.view(np.uint8))
+    assert np.abs(y.astype(np.float32) - want.astype(np.float32)).max() <= 1e-2 * np.abs(want).max()
