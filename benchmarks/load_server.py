@@ -1,4 +1,5 @@
 """`dflash-mlx serve` under load: requests/s, time to first token, tok/s a client, errors (must be 0);
+with --compare, serial DFlash, batched plain decoding and the server's automatic choice side by side;
 and, with --prefix-reuse, how soon a request sharing a long prefix with an earlier one starts.
 
 Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
@@ -6,6 +7,13 @@ Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
     python benchmarks/load_server.py --clients 8 --requests 4 --max-tokens 64
     python benchmarks/load_server.py --url http://127.0.0.1:8080 --model-name builtin   # a server already running
     python benchmarks/load_server.py --prefix-reuse --prompt-tokens 4096
+    python benchmarks/load_server.py --compare --clients 1,4,8 --requests 3 --max-tokens 64
+
+--compare serves the pair three times per number of clients: --batching off
+(serial DFlash, one request at a time), always (every request through mlx-lm's
+batched plain decoding) and auto (the server's measured choice), each a fresh
+server warmed by one request; per run it reports total tokens/s, each client's
+mean time to first token, and errors.
 
 --prefix-reuse serves the pair with a prefix cache on disk (--prefix-cache-dir, a
 temporary one by default) and times three requests of --prompt-tokens token ids
@@ -119,6 +127,11 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
         decode = sum(r["decode_s"] for r in mine)  # after each reply's first token, so that one is not counted
         per_client.append(sum(max(r["tokens"] - 1, 0) for r in mine) / decode if decode > 0 else 0.0)
     ttft = sorted(r["ttft"] for r in results) or [0.0]
+    ttft_per_client = [
+        statistics.mean(r["ttft"] for r in results if r["client"] == c)
+        for c in range(args.clients)
+        if any(r["client"] == c for r in results)
+    ]
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
         "clients": args.clients,
@@ -131,6 +144,7 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
         "tokens_per_s_total": round(sum(r["tokens"] for r in results) / wall, 1),
         "ttft_s_median": round(statistics.median(ttft), 3),
         "ttft_s_max": round(ttft[-1], 3),
+        "ttft_s_per_client": [round(t, 3) for t in ttft_per_client],
         "tokens_per_s_per_client_mean": round(statistics.mean(per_client), 1) if per_client else 0.0,
         "error_messages": errors[:5],
     }
@@ -153,20 +167,67 @@ def direct_tokens_per_s(pair, prompts: list[str], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def local_server(args):
+def local_server(args, batching: str = "auto"):
     """The pair served from a thread of this process, on a free loopback port."""
     import socket
 
     from dflash_mlx import load
     from dflash_mlx.server import ServerConfig, create_app, running_in_thread
 
-    model, draft, tokenizer = load(args.model or "builtin", draft=args.draft_model)
-    args.pair = (model, draft, tokenizer)
+    if getattr(args, "pair", None) is None:
+        args.pair = load(args.model or "builtin", draft=args.draft_model)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ServerConfig(model_name=args.model_name, max_tokens=args.max_tokens, block_size=args.block_size)
-    return running_in_thread(create_app(model, draft, tokenizer, config), port=port)
+    config = ServerConfig(
+        model_name=args.model_name,
+        max_tokens=args.max_tokens,
+        block_size=args.block_size,
+        batching=batching,
+        max_batch=args.max_batch,
+    )
+    return running_in_thread(create_app(*args.pair, config), port=port)
+
+
+def path_counters(url: str) -> dict:
+    """/metrics' requests by path and tokens/s estimates."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("dflash_path_")}
+
+
+def compare(args) -> dict:
+    """Serial DFlash, batched plain and the automatic choice, per number of clients."""
+    import copy
+
+    runs = []
+    for clients in args.clients:
+        for batching in ("off", "always", "auto"):
+            run_args = copy.copy(args)
+            run_args.clients = clients
+            with local_server(args, batching) as url:
+                warm = {"model": args.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+                httpx.post(f"{url}/v1/chat/completions", json=warm, timeout=args.timeout).raise_for_status()
+                report = drive(url, run_args)
+                report["paths"] = path_counters(url)
+            report["batching"] = batching
+            runs.append(report)
+            print(
+                f"clients {clients} batching {batching:6s}: {report['tokens_per_s_total']:8.1f} tok/s total, "
+                f"TTFT per client {report['ttft_s_per_client']}, errors {report['errors']}",
+                flush=True,
+            )
+    goals = {}
+    for clients in args.clients:
+        by = {r["batching"]: r for r in runs if r["clients"] == clients}
+        best = max(by["off"]["tokens_per_s_total"], by["always"]["tokens_per_s_total"])
+        goals[clients] = {
+            "auto_vs_best_total": round(by["auto"]["tokens_per_s_total"] / best, 3) if best else None,
+            "auto_ttft_vs_serial_worst_client": round(
+                max(a / s for a, s in zip(by["auto"]["ttft_s_per_client"], by["off"]["ttft_s_per_client"])), 3
+            ),
+            "errors": sum(r["errors"] for r in by.values()),
+        }
+    return {"machine": runs[0]["machine"], "runs": runs, "goals": goals}
 
 
 def long_context_pair(args):
@@ -304,7 +365,14 @@ def main() -> None:
     parser.add_argument("--model-name", default="builtin", help="The model id to send.")
     parser.add_argument("--block-size", type=lambda s: s if s == "auto" else int(s))
     parser.add_argument("--api-key")
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument(
+        "--clients", default="4", help="Concurrent clients; with --compare a comma-separated list (1,4,8)."
+    )
+    parser.add_argument(
+        "--batching", choices=["auto", "off", "always"], default="auto", help="The in-process server's batching."
+    )
+    parser.add_argument("--max-batch", type=int, default=8, help="The most requests one batch serves at once.")
+    parser.add_argument("--compare", action="store_true", help="Serial DFlash, batched plain and auto side by side.")
     parser.add_argument("--requests", type=int, default=3, help="Requests per client, one after another.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
@@ -317,10 +385,22 @@ def main() -> None:
     parser.add_argument("--phase", choices=["first", "restart"], default="first", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    args.clients = [int(c) for c in args.clients.split(",")]
     if args.prefix_reuse:
         print(json.dumps(prefix_reuse(args), indent=2))
         return
-    server = nullcontext(args.url.rstrip("/")) if args.url else local_server(args)
+    if args.compare:
+        if args.url:
+            raise SystemExit("--compare serves the pair itself; leave out --url.")
+        report = compare(args)
+        print(json.dumps(report, indent=2))
+        if any(g["errors"] for g in report["goals"].values()):
+            raise SystemExit(1)
+        return
+    if len(args.clients) != 1:
+        raise SystemExit("give one number of clients, or several with --compare.")
+    args.clients = args.clients[0]
+    server = nullcontext(args.url.rstrip("/")) if args.url else local_server(args, args.batching)
     with server as url:
         report = drive(url, args)
     if not args.url:  # the same first requests without the server, for the ratio

@@ -145,7 +145,8 @@ class BatchDecoder:
             self.model,
             stop_tokens=[[t] for t in self.tokenizer.eos_token_ids],
             completion_batch_size=self.max_batch,
-            prefill_batch_size=self.max_batch,
+            # one prompt at a time, in arrival order: the first request's first token waits for no other prefill
+            prefill_batch_size=1,
             prefill_step_size=self.prefill_step_size,
         )
         streams: dict[int, _Stream] = {}
