@@ -121,3 +121,28 @@ def test_every_kernel_module_listed_records_its_variants():
         script.record_all(recorder, modules=[module])
         script.record_all(bare, modules=[])
         assert set(recorder.variants) - set(bare.variants), module
+
+
+def test_every_exact_product_variant_is_recorded_and_wrapped():
+    """The exact verify product: each dtype, CUDA one-row order (4, 2 or 1
+    values a lane), multiply-add form, row tile and bias, wrapped as MLX wraps it."""
+    from dflash_mlx.kernels import exact_products
+
+    script = load_script()
+    assert "dflash_mlx.kernels.exact_products" in script.KERNEL_MODULES
+    recorder = script.Recorder()
+    script.record_all(recorder, modules=["dflash_mlx.kernels.exact_products"])
+    names = [n for n in recorder.variants if n.startswith("dflash_exact_product")]
+    tiles = len(exact_products.TILES)
+    assert len(names) == len(exact_products.DTYPES) * 3 * 2 * tiles * 2
+    src = recorder.variants[f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_True_16_4_2_True"]
+    signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
+    assert [p.strip() for p in signature.split(",")] == [
+        "const __nv_bfloat16* x",
+        "const __grid_constant__ Shape x_shape",
+        "const __nv_bfloat16* w",
+        "const __grid_constant__ Shape w_shape",
+        "const __nv_bfloat16* bias",
+        "__nv_bfloat16* y",
+    ]
+    assert "constexpr int VPT = 2;" in src and "constexpr bool FUSED = true;" in src and "__shfl_down_sync" in src

@@ -202,3 +202,36 @@ def test_every_kernel_module_listed_records_its_variants():
         recorder = script.Recorder()
         script.record_modules(recorder, "metal", modules=[module])
         assert recorder.variants, module
+
+
+@needs_clang
+def test_the_exact_products_variants_compile_and_a_wrong_arity_fails(monkeypatch):
+    """The exact verify product's variants of each Metal one-row order (SN 32
+    with BN 1 and 8, whose parts meet in threadgroup memory, and SN 4) compile;
+    a shuffle given one argument too few fails every one of them."""
+    from dflash_mlx.kernels import exact_products, exact_products_source
+
+    assert "dflash_mlx.kernels.exact_products" in script.KERNEL_MODULES
+
+    def compile_orders():
+        recorder = script.Recorder()
+        script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_products"])
+        prefix = f"custom_kernel_dflash_exact_product_v{exact_products_source.VERSION}__bfloat16_t_"
+        picked = [prefix + order + "_0_32_2_2_0_" for order in ("32_4_1_1", "32_4_8_1", "4_4_1_1")]
+        recorder.variants = {n: v for n, v in recorder.variants.items() if any(n.startswith(p) for p in picked)}
+        assert len(recorder.variants) == 3, sorted(recorder.variants)
+        compiler = script.Compiler(CLANG)
+        lines = []
+        try:
+            failed = script.check_all(recorder, compiler, report=lines.append)
+        finally:
+            compiler.close()
+        return failed, "\n".join(lines), len(recorder.variants)
+
+    failed, log, n = compile_orders()
+    assert not failed, log
+    header = exact_products_source.HEADER["metal"].replace("simd_shuffle_down(v, ushort(o))", "simd_shuffle_down(v)")
+    assert header != exact_products_source.HEADER["metal"]
+    monkeypatch.setitem(exact_products.HEADER, "metal", header)
+    failed, log, n = compile_orders()
+    assert len(failed) == n and "simd_shuffle_down" in log, log
