@@ -1,6 +1,6 @@
 """A verify's products through MLX and through dflash-mlx's kernels: the bf16
-block-product kernel (CUDA) and, with ``--quantized``, the quantized verify
-product (Metal or CUDA).
+block-product kernel (CUDA), with ``--quantized`` the quantized verify product
+and with ``--exact`` the exact dense verify product (both Metal or CUDA).
 
 Reported in BENCHMARKS.md, "GPU kernels" ("Block products": the host's launch
 cost here; device time from Nsight Compute through gpu_time.py).
@@ -14,6 +14,18 @@ cost here; device time from Nsight Compute through gpu_time.py).
     ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
         python benchmarks/block_products.py --quantized --rows 16 --repeat 4 --runs 1 --repeat-rounds 1
     python benchmarks/gpu_time.py launches ncu.csv
+
+    python benchmarks/block_products.py --exact --rows 16
+    ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv --log-file ncu.csv \
+        python benchmarks/block_products.py --exact --rows 16 --repeat 4 --runs 1 --repeat-rounds 1
+    python benchmarks/gpu_time.py launches ncu.csv
+
+``--exact``: Qwen3-8B bf16 products (q/k/v, o, gate/up, down, the output
+head), as ``--quantized`` below: each product's self-check (``check``), then
+the kernel's ``--rows`` rows, MLX's product of the same rows and MLX's
+one-row product (``x[:1] @ w.T``, a plain step's), over ``--repeat``
+distinct weights (fewer for the head: at most 8 GB of them), and whether the
+kernel's rows equal the one-row products here (``exact``).
 
 ``--quantized``: Qwen3-8B 4-bit products (affine, groups of 64: q/k/v, o,
 gate/up, down, the output head) and gpt-oss-20b mxfp4 ones (q/k/v, o, the
@@ -168,6 +180,75 @@ def quantized_main(args) -> None:
         )
 
 
+# (product, N, K) of Qwen3-8B's dense linear layers (q/k/v and gate/up fused, as the target runs them).
+DENSE = [
+    ("q/k/v", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate/up", 24576, 4096),
+    ("down", 4096, 12288),
+    ("head", 151936, 4096),
+]
+WEIGHT_BYTES = 8 << 30  # the most a product's distinct weights take
+
+
+def exact_main(args) -> None:
+    from dflash_mlx.kernels import exact_products as ep
+
+    where = ep.backend()
+    if where not in ep.BUILDERS:
+        raise SystemExit(f"the exact verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
+    dtype = getattr(mx, args.dtype)
+    kernel = ep.ExactProductKernel(where)
+    rows = []
+    for name, n, k in DENSE:
+        variant = ep.Variant(dtype, k, ep.one_row_order(where, k, n), False)
+        check = ep.self_check(where, variant)
+        repeat = max(1, min(args.repeat, WEIGHT_BYTES // (n * k * dtype.size)))
+        weights = [(k**-0.5 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype) for i in range(repeat)]
+        mx.eval(weights)
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = mx.random.normal((m, k)).astype(dtype)
+            one = x[:1]
+            mx.eval(x, one)
+            got = kernel(x, weights[0], None, fused=check.fused)
+            exact = mx.array_equal(got, ep.one_row_products(x, weights[0], None)).item()
+            sides = {
+                f"kernel {m} rows": lambda i: kernel(x + i, weights[i], None, fused=check.fused),
+                f"mlx {m} rows": lambda i: (x + i) @ weights[i].T,
+                "mlx 1 row": lambda i: (one + i) @ weights[i].T,
+            }
+            for rnd in range(args.repeat_rounds):
+                for side, make in sides.items():
+                    r = measure(make, repeat, args.runs)
+                    rows.append(
+                        {
+                            "product": name,
+                            "n": n,
+                            "k": k,
+                            "rows": m,
+                            "side": side,
+                            "round": rnd,
+                            "repeat": repeat,
+                            "check": "passed" if check.ok else f"FAILED: {check.detail}",
+                            "exact": exact,
+                            **{key: round(v, 1) for key, v in r.items()},
+                        }
+                    )
+        weights.clear()
+    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})"
+    if args.json:
+        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+        return
+    print(machine)
+    print(f"{args.dtype} rows; microseconds per product (median of {args.runs}) over distinct weights")
+    print(f"{'product':<8} {'N x K':>12} {'weights':>7} {'side':>15} {'total':>8} {'launch':>7}  exact  check")
+    for r in rows:
+        print(
+            f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['repeat']:>7} {r['side']:>15} "
+            f"{r['total_us']:>8.1f} {r['launch_us']:>7.1f}  {str(r['exact']):<5}  {r['check']}"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -189,9 +270,12 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quantized", action="store_true", help="time the quantized verify product (Metal or CUDA)")
     ap.add_argument("--models", default="qwen3-8b,gpt-oss-20b", help="with --quantized: " + ", ".join(QUANTIZED))
+    ap.add_argument("--exact", action="store_true", help="time the exact dense verify product (Metal or CUDA)")
     args = ap.parse_args()
     if args.quantized:
         return quantized_main(args)
+    if args.exact:
+        return exact_main(args)
 
     from dflash_mlx.kernels.cuda import products as bp
 
