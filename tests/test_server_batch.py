@@ -148,7 +148,7 @@ def test_seeded_sampling_stays_on_dflash_and_unseeded_sampling_batches(chat_pair
 # -- the choice -----------------------------------------------------------------------
 def test_choice_follows_the_measurements():
     choice = PathChoice()
-    assert not choice.batch(1)
+    assert not choice.batch(1) and not choice.batch(0)
     assert choice.batch(2)  # nothing measured yet: try it
     choice.observe_dflash(100.0)
     assert choice.batch(2)  # batching not measured yet
@@ -160,6 +160,11 @@ def test_choice_follows_the_measurements():
     assert choice.batch(8)  # up to 180
     choice.observe_batched(4, 200.0)  # a moving average: 0.7 * 90 + 0.3 * 200
     assert choice.batched_estimate(4) == pytest.approx(123.0) and choice.batch(4)
+    assert not choice.batch(1)  # a lone request: DFlash unless plain decoding measured faster
+    choice.observe_batched(1, 90.0)
+    assert not choice.batch(1)
+    choice.observe_batched(1, 300.0)
+    assert choice.batched_estimate(1) > 100.0 and choice.batch(1)
     assert not PathChoice(mode="off").batch(8)
     always = PathChoice(mode="always")
     always.observe_dflash(1e9)

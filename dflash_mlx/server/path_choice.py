@@ -25,8 +25,9 @@ class PathChoice:
     ``mode``: "auto" batches two or more requests when the batched
     estimate for that many could beat DFlash (measured there, or an upper
     bound from another size: total throughput grows at most linearly with
-    the batch and does not fall as it grows), "off" never batches, "always"
-    batches every request it can, a lone one too (plain decoding)."""
+    the batch and does not fall as it grows), and a lone one only where
+    plain decoding was measured faster than DFlash; "off" never batches;
+    "always" batches every request it can, a lone one too."""
 
     mode: str = "auto"
     weight: float = 0.3  # of a new measurement in the average
@@ -68,8 +69,12 @@ class PathChoice:
         """Whether to serve ``size`` waiting requests batched."""
         if self.mode == "always":
             return size >= 1
-        if size < 2 or self.mode == "off":
+        if size < 1 or self.mode == "off":
             return False
+        if size == 1:  # only where plain decoding measured faster than DFlash (a batch's last steps measure it)
+            with self.lock:
+                alone = self.batched_tps.get(1)
+            return alone is not None and self.dflash_tps is not None and alone > self.dflash_tps
         if self.dflash_tps is None:
             return True
         estimate = self.batched_estimate(size)

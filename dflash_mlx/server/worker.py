@@ -78,16 +78,24 @@ class Worker:
             elif not job.cancelled.is_set():  # a client that left while it waited is not served
                 self.backlog.append((job, self._batchable(job)))
 
+    def _batchable_ahead(self) -> int:
+        """How many jobs at the head of the backlog the batch may serve: the
+        batch takes jobs in arrival order, and none past one it cannot serve."""
+        n = 0
+        for _, batchable in self.backlog:
+            if not batchable:
+                break
+            n += 1
+        return n
+
     def _take_batchable(self, room: int) -> list[Job]:
-        """Up to ``room`` batchable jobs off the backlog, in arrival order."""
+        """Up to ``room`` batchable jobs off the head of the backlog."""
         self._drain(wait=False)
-        taken, kept = [], deque()
-        for job, batchable in self.backlog:
-            if batchable and len(taken) < room and not job.cancelled.is_set():
+        taken = []
+        while self.backlog and len(taken) < room and self._batchable_ahead():
+            job, _ = self.backlog.popleft()
+            if not job.cancelled.is_set():
                 taken.append(job)
-            elif not job.cancelled.is_set():
-                kept.append((job, batchable))
-        self.backlog = kept
         self.running += taken
         return taken
 
@@ -96,8 +104,8 @@ class Worker:
             self._drain(wait=True)
             if self.stopping:
                 return
-            waiting = sum(1 for _, batchable in self.backlog if batchable)
-            if self.choice.batch(min(waiting, self.batcher.max_batch if self.batcher else 1)):
+            ahead = self._batchable_ahead()
+            if self.batcher is not None and self.choice.batch(min(ahead, self.batcher.max_batch)):
                 self._run_batched()
             else:
                 job, _ = self.backlog.popleft()
