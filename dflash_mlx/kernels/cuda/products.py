@@ -5,7 +5,9 @@ costs the host far more than a plain kernel's, and a verify's cycle is bound
 by its launches. This kernel does 2-16 rows on the matrix units, optionally
 with an RMSNorm prologue and a bias, residual or SwiGLU epilogue. Its sums run
 over K in another order than cuBLAS's (last-bit differences, as between any
-two products); each part is used only after matching MLX's ops here."""
+two products), so it takes only what the exact verify product
+(kernels/exact_products.py) does not, where no order can match MLX's one-row
+product anyway; each part is used only after matching MLX's ops here."""
 
 from __future__ import annotations
 
