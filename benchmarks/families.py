@@ -107,6 +107,7 @@ def target(cfg: dict, bits: int | None, dtype=mx.bfloat16):
     model.set_dtype(dtype)
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
+    model.eval()  # as mlx-lm's load leaves it: its recurrence kernels run only outside training
     mx.eval(model.parameters())
     return model
 
