@@ -14,7 +14,7 @@ input plus one of two rollbacks:
 
 Per cycle and delta-net layer, with S the bytes of a state (float32 [Hv, Dv,
 Dk]): replay moves 4 S in 2 launches (the verify and the replay each read and
-write a state); per-step moves 4T + 4 S in T + 2 launches (T steps reading
+write a state); per-step moves (4T + 4) S in T + 2 launches (T steps reading
 and writing it, T+1 states stacked, the take). So the default (``rollback``
 None) is replay wherever it is one exact kernel launch (Metal; CUDA once its
 kernel passed its check), and per-step where the recurrence runs as ops (the
