@@ -282,6 +282,41 @@ def test_the_check_tries_each_multiply_add_and_keeps_the_one_that_matches(fake_g
     assert mx.array_equal(linear.apply_linear(module, x), module(x)) and kernel.forms == [True]
 
 
+@pytest.mark.parametrize("exact_passes", [True, False])
+def test_the_block_product_kernel_takes_only_what_the_exact_one_leaves(fake_gpu, monkeypatch, exact_passes):
+    """On CUDA both kernels may check out: a product the exact one takes never
+    reaches the block-product kernel (nor its fused norm or SwiGLU); one whose
+    exact variant failed (no order matches there) still does."""
+    from test_block_products import FakeKernel as BlockKernel
+
+    from dflash_mlx.kernels.cuda import products as bp
+
+    bp.reset()
+    monkeypatch.setattr(bp, "backend", lambda: "fake")
+    monkeypatch.setattr(linear, "backend", lambda: "fake")
+    block = BlockKernel()
+    monkeypatch.setitem(bp.BUILDERS, "fake", lambda where: block)
+    exact = fake_gpu(FakeKernel(nudge=0.0 if exact_passes else 1.0))
+    module, gate_up = dense(256, 64), dense(256, 128)
+    norm = nn.RMSNorm(256)
+    norm.set_dtype(mx.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        linear.prepare(mx.bfloat16)
+        linear.prepare_exact(module, mx.bfloat16)
+    x, h = rows_of(6, 256), rows_of(6, 64)
+    block.calls = block.norms = block.swiglus = 0
+    exact.rows = []
+    linear.apply_linear(module, x, residual=h, norm=norm)
+    linear.apply_linear_swiglu(gate_up, x, norm)
+    assert linear.takes_norm(module, x, norm) == (not exact_passes)
+    if exact_passes:
+        assert exact.rows == [6, 6] and block.calls == 0
+    else:
+        assert exact.rows == [] and block.calls == 2 and block.norms == 2 and block.swiglus == 1
+    bp.reset()
+
+
 def test_a_tied_embeddings_head_is_checked_as_a_linear_layer(fake_gpu):
     embed = nn.Embedding(64, 256)
     embed.set_dtype(mx.bfloat16)

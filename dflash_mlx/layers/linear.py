@@ -72,7 +72,9 @@ def apply_linear(
     if x.size // x.shape[-1] >= 2:  # (a plain step's row: at once)
         if exact_products.takes(module, x):
             # (the norm and the residual as the plain step runs them: MLX's ops)
-            y = exact_products.product(module, x if norm is None else norm(x))
+            x = x if norm is None else norm(x)
+            y = exact_products.product(module, x)
+            y = module(x) if y is None else y  # (a norm whose output is of another dtype)
             return y if residual is None else residual + y
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, residual)
         if taken is not None:
