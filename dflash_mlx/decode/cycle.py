@@ -327,7 +327,9 @@ class Cycle:
                 )
             finally:
                 now.clear()
-                self.lookup_enabled = enabled
+                self.lookup_enabled = enabled  # a trace left tracers here
+                if history is not None:
+                    history.tokens = tokens
         taps = buffers.pop(0) if defer else None
         scores = None
         if top is not None:
