@@ -1,20 +1,29 @@
 """The gated delta-net recurrence (kernels/gated_delta.py): its ops path
 against mlx-lm's ``gated_delta_update``, a limited run against a plain run of
 the prefix, which inputs the kernel takes, a kernel that fails its self-check
-refused, and every Metal and CUDA variant recorded as MLX would build it (the
-Metal ones compiled by clang where it is installed)."""
+refused, every Metal and CUDA variant recorded as MLX would build it (the
+Metal ones compiled by clang where it is installed), and, with a kernel that
+passed its check (mlx-lm's ops standing in for it, as CUDA routes): every
+delta-net write one launch, the cut one limited launch, replay the default,
+states and greedy output mlx-lm's."""
 
 import importlib.util
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update
+from family_models import family_config, greedy_over_blocks, make_family_target, scripted
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
+from tiny import draft_config, make_draft, random_draft_weights
 
 from dflash_mlx.kernels import gated_delta
+from dflash_mlx.kernels.dispatch import CheckResult
 from dflash_mlx.kernels.gated_delta import GatedDeltaKernel, check_cases, fits, recurrence
+from dflash_mlx.targets import adapt
+from dflash_mlx.targets.recurrent import DeltaCache
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+VOCAB = 48
 
 
 def load_script(name: str):
@@ -153,3 +162,64 @@ def test_the_metal_variants_compile():
         assert script.check_all(recorder, compiler, jobs=2, report=lambda *_: None) == []
     finally:
         compiler.close()
+
+
+class OpsKernel:
+    """In place of a checked kernel on this backend: mlx-lm's ops, limited by
+    ``steps`` as the kernel is, each launch recorded (T, limited)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, q, k, v, g, beta, state, steps=None):
+        self.launches.append((q.shape[1], steps is not None))
+        mask = None if steps is None else mx.broadcast_to(mx.arange(q.shape[1]) < steps, q.shape[:2])
+        return gated_delta_ops(q, k, v, g, beta, state, mask)
+
+
+@pytest.fixture
+def checked_kernel(monkeypatch):
+    """A kernel that passed its check here (as on CUDA: it runs every write), for Dk 32 in float32."""
+    kernel = OpsKernel()
+    gated_delta.reset()
+    monkeypatch.setitem(gated_delta._kernels, "cpu", kernel)
+    monkeypatch.setitem(
+        gated_delta._checks, ("cpu", mx.float32, 32), CheckResult("cpu", "float32", 32, False, True, "stand-in")
+    )
+    yield kernel
+    gated_delta.reset()
+
+
+def kernel_sized_hybrid(seed: int = 1):
+    cfg = family_config("qwen3_5", vocab=VOCAB, linear_key_head_dim=32, linear_value_head_dim=32)
+    model = make_family_target(cfg, seed)
+    model.eval()  # as mlx-lm's load leaves it: the kernels run only outside training
+    dcfg = draft_config(cfg, layers=1, block_size=16)
+    return model, scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=seed + 1)))
+
+
+def test_with_a_checked_kernel_every_write_is_one_launch_and_the_cut_one_more(checked_kernel):
+    model, _ = kernel_sized_hybrid()
+    target = adapt(model)
+    cache = target.make_cache()
+    layers = sum(isinstance(c, DeltaCache) for c in cache)
+    prompt, block = list(range(1, 20)), list(range(20, 36))
+    target(mx.array(prompt)[None], cache, [0])
+    target.set_length(cache, len(prompt))
+    del checked_kernel.launches[:]
+    target(mx.array(block)[None], cache, [0])
+    assert all(c.pending.states is None for c in cache if isinstance(c, DeltaCache))  # the default: replay
+    target.set_length(cache, mx.array(len(prompt) + 5, mx.int32), len(prompt) + len(block))
+    assert checked_kernel.launches == [(16, False)] * layers + [(16, True)] * layers
+    want = model.make_cache()
+    model(mx.array(prompt + block[:5])[None], cache=want)
+    for c, w in zip(cache, want):
+        if isinstance(c, DeltaCache):
+            assert mx.array_equal(c.ssm, w[1]).item() and mx.array_equal(c.conv, w[0]).item()
+
+
+def test_with_a_checked_kernel_greedy_equals_mlx_lm(checked_kernel):
+    model, draft = kernel_sized_hybrid(seed=3)
+    accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 90), (2, 5, 16), prefill_step_size=40)
+    assert set(range(4)) <= accepted and max(accepted) >= 7
+    assert {limited for _, limited in checked_kernel.launches} == {False, True}
