@@ -91,7 +91,8 @@ template <typename T> __device__ __forceinline__ T ep_with_bias(float v, T b) {
 # RS (outputs a lane group), GROUPS (simdgroups a threadgroup per K part);
 # HAS_BIAS (else ``bias`` is a stand-in never read). x [M, K] and w [N, K]
 # row-contiguous. Outputs past N load the last row and are not stored, and the
-# rows past M are skipped whole, so every lane reaches the shuffles.
+# rows past M are skipped whole, so every lane reaches the shuffles. (The
+# loops over the accumulators unroll, so that they stay in registers.)
 BODY = """
   constexpr int PER_SG = (32 / LANES) * RS;
   constexpr int STEP = SPLIT * LANES * VPT;
@@ -113,22 +114,30 @@ BODY = """
     const int k = s * STEP + (part * LANES + at) * VPT;
     if (!EVERY_LANE && k >= K) break;
     T wv[RS][VPT];
+#pragma unroll
     for (int r = 0; r < RS; ++r) {
       const idx_t row = idx_t(n0 + r < N ? n0 + r : N - 1) * K;
+#pragma unroll
       for (int t = 0; t < VPT; ++t) wv[r][t] = k + t < K ? w[row + k + t] : ep_zero<T>();
     }
+#pragma unroll
     for (int m = 0; m < MR; ++m) {
       if (m0 + m < M) {
         float xv[VPT];
+#pragma unroll
         for (int t = 0; t < VPT; ++t) xv[t] = k + t < K ? to_float(x[idx_t(m0 + m) * K + k + t]) : 0.0f;
+#pragma unroll
         for (int r = 0; r < RS; ++r) {
+#pragma unroll
           for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FUSED>(wv[r][t], xv[t], acc[m][r]);
         }
       }
     }
   }
+#pragma unroll
   for (int m = 0; m < MR; ++m) {
     if (m0 + m < M) {
+#pragma unroll
       for (int r = 0; r < RS; ++r) {
         for (int o = LANES / 2; o >= 1; o >>= 1) acc[m][r] += ep_shuffle_down(acc[m][r], o);
       }
