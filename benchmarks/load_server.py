@@ -12,8 +12,10 @@ Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
 --compare serves the pair three times per number of clients: --batching off
 (serial DFlash, one request at a time), always (every request through mlx-lm's
 batched plain decoding) and auto (the server's measured choice), each a fresh
-server warmed by one request; per run it reports total tokens/s, each client's
-mean time to first token, and errors.
+server warmed up alike (one request alone, then max(clients, 2) at once, so
+that auto has measured both paths, as a server that has been up a while); per
+run it reports total tokens/s, each client's mean time to first token, errors,
+and the /metrics path counters (the warm-up's requests included).
 
 --prefix-reuse serves the pair with a prefix cache on disk (--prefix-cache-dir, a
 temporary one by default) and times three requests of --prompt-tokens token ids
@@ -195,6 +197,21 @@ def path_counters(url: str) -> dict:
     return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("dflash_path_")}
 
 
+def warm_up(url: str, args, concurrent: int) -> None:
+    """One request alone, then ``concurrent`` at once: every path runs
+    once, and the automatic choice has measured both, as on a server that
+    has been up a while."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(text: str) -> None:
+        body = {"model": args.model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 16}
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=args.timeout).raise_for_status()
+
+    ask("Hi")
+    with ThreadPoolExecutor(concurrent) as pool:
+        list(pool.map(ask, [f"Count to {i + 3}." for i in range(concurrent)]))
+
+
 def compare(args) -> dict:
     """Serial DFlash, batched plain and the automatic choice, per number of clients."""
     import copy
@@ -205,8 +222,7 @@ def compare(args) -> dict:
             run_args = copy.copy(args)
             run_args.clients = clients
             with local_server(args, batching) as url:
-                warm = {"model": args.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
-                httpx.post(f"{url}/v1/chat/completions", json=warm, timeout=args.timeout).raise_for_status()
+                warm_up(url, args, max(clients, 2))
                 report = drive(url, run_args)
                 report["paths"] = path_counters(url)
             report["batching"] = batching

@@ -54,11 +54,6 @@ class Worker:
     def queued(self) -> int:
         return self.jobs.qsize() + len(self.backlog)
 
-    @property
-    def active(self) -> Optional[Job]:
-        running = self.running
-        return running[0] if running else None
-
     def _batchable(self, job: Job) -> bool:
         """Whether the batch may serve ``job``: one it serves as DFlash would,
         whose prompt no kept cache holds the most of (DFlash would reuse it)."""
