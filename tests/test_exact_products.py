@@ -542,18 +542,24 @@ def metal_case(rows: int, n: int, k: int, bias: bool, dtype=np.float16):
 
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
 @pytest.mark.parametrize(
-    "rows, n, k, bias, dtype",
+    "rows, n, k, bias, dtype, ahead",
     [
-        (3, 264, 4096, False, np.float16),  # Qwen3-8B's K: BN 1 (K < 16 N), the last threadgroup partial
-        (13, 24, 4096, False, np.float16),  # BN 8 (K >= 16 N), threadgroup memory
-        (5, 776, 12288, False, np.float16),  # down_proj's K
-        (17, 40, 12288, True, np.float16),  # BN 8, with a bias (AddMM's axpby)
-        (9, 20, 64, False, np.float16),  # K <= 64: SN 4, 8 outputs a simdgroup
-        (4, 264, 4096, False, np.float32),
-        (2, 40, 1000, False, np.float16),  # a last partial step: lanes past K add zeros
+        (3, 264, 4096, False, np.float16, 2),  # Qwen3-8B's K: BN 1 (K < 16 N), the last threadgroup partial
+        (13, 24, 4096, False, np.float16, 2),  # BN 8 (K >= 16 N), threadgroup memory
+        (5, 776, 12288, False, np.float16, 2),  # down_proj's K
+        (17, 40, 12288, True, np.float16, 2),  # BN 8, with a bias (AddMM's axpby)
+        (9, 20, 64, False, np.float16, 2),  # K <= 64: SN 4, 8 outputs a simdgroup
+        (4, 264, 4096, False, np.float32, 2),
+        (2, 40, 1000, False, np.float16, 2),  # one partial step: lanes past K add zeros
+        (3, 72, 1100, False, np.float16, 2),  # 9 steps (an odd one out of AHEAD), the last partial
+        (3, 72, 1100, False, np.float16, 4),  # (CUDA's loads ahead, through the same body)
+        (13, 24, 4096, False, np.float16, 4),
     ],
 )
-def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(tmp_path, rows, n, k, bias, dtype):
+def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
+    tmp_path, monkeypatch, rows, n, k, bias, dtype, ahead
+):
+    monkeypatch.setitem(ep.AHEAD, "metal", ahead)
     x, w, b = metal_case(rows, n, k, bias, dtype)
     y = run_metal_source(tmp_path, x, w, b)
     want = metal_gemv_order(x, w, b, ep.one_row_order("metal", k, n))

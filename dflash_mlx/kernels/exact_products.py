@@ -43,6 +43,8 @@ CHECK_ROWS = (3, 8, 13, 27)
 # accumulators (rows x outputs, one float each) stay at most 64.
 TILES = ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2))
 GROUPS = 2  # simdgroups a threadgroup per K part
+# Steps of weights a lane loads before adding them (registers: AHEAD x 4 x outputs a lane group).
+AHEAD = {"metal": 2, "cuda": 4}
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class ExactProductKernel:
                 ("RS", rs),
                 ("GROUPS", GROUPS),
                 ("HAS_BIAS", bias is not None),
+                ("AHEAD", AHEAD[self.backend]),
             ],
             grid=(-(-n // (GROUPS * per_group)) * GROUPS * order.split * SIMD, -(-rows // mr), 1),
             threadgroup=(GROUPS * order.split * SIMD, 1, 1),

@@ -51,7 +51,7 @@ from __future__ import annotations
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
-VERSION = 1  # of BODY and the headers: a change must bump it
+VERSION = 2  # of BODY and the headers: a change must bump it
 SIMD = 32
 INPUTS = ["x", "w", "bias"]
 OUTPUTS = ["y"]
@@ -88,7 +88,9 @@ template <typename T> __device__ __forceinline__ T ep_with_bias(float v, T b) {
 # n_per_thread), SPLIT (simdgroups sharing an output's K: BN), EVERY_LANE
 # (Metal: a lane past K in the last step still adds its zero products);
 # FUSED (the multiply-add as one fma); the launch: MR (x rows a threadgroup),
-# RS (outputs a lane group), GROUPS (simdgroups a threadgroup per K part);
+# RS (outputs a lane group), GROUPS (simdgroups a threadgroup per K part),
+# AHEAD (steps whose weights a lane loads before adding any: more loads in
+# flight; the steps are still added in order);
 # HAS_BIAS (else ``bias`` is a stand-in never read). x [M, K] and w [N, K]
 # row-contiguous. Outputs past N load the last row and are not stored, and the
 # rows past M are skipped whole, so every lane reaches the shuffles. (The
@@ -110,26 +112,34 @@ BODY = """
     for (int r = 0; r < RS; ++r) acc[m][r] = 0.0f;
   }
   const int steps = (K + STEP - 1) / STEP;
-  for (int s = 0; s < steps; ++s) {
-    const int k = s * STEP + (part * LANES + at) * VPT;
-    if (!EVERY_LANE && k >= K) break;
-    T wv[RS][VPT];
+  for (int s0 = 0; s0 < steps; s0 += AHEAD) {
+    T wv[AHEAD][RS][VPT];
 #pragma unroll
-    for (int r = 0; r < RS; ++r) {
-      const idx_t row = idx_t(n0 + r < N ? n0 + r : N - 1) * K;
+    for (int u = 0; u < AHEAD; ++u) {
+      const int k = (s0 + u) * STEP + (part * LANES + at) * VPT;
 #pragma unroll
-      for (int t = 0; t < VPT; ++t) wv[r][t] = k + t < K ? w[row + k + t] : ep_zero<T>();
+      for (int r = 0; r < RS; ++r) {
+        const idx_t row = idx_t(n0 + r < N ? n0 + r : N - 1) * K;
+#pragma unroll
+        for (int t = 0; t < VPT; ++t) wv[u][r][t] = k + t < K ? w[row + k + t] : ep_zero<T>();
+      }
     }
 #pragma unroll
-    for (int m = 0; m < MR; ++m) {
-      if (m0 + m < M) {
-        float xv[VPT];
+    for (int u = 0; u < AHEAD; ++u) {
+      const int k = (s0 + u) * STEP + (part * LANES + at) * VPT;
+      if (s0 + u < steps && (EVERY_LANE || k < K)) {
 #pragma unroll
-        for (int t = 0; t < VPT; ++t) xv[t] = k + t < K ? to_float(x[idx_t(m0 + m) * K + k + t]) : 0.0f;
+        for (int m = 0; m < MR; ++m) {
+          if (m0 + m < M) {
+            float xv[VPT];
 #pragma unroll
-        for (int r = 0; r < RS; ++r) {
+            for (int t = 0; t < VPT; ++t) xv[t] = k + t < K ? to_float(x[idx_t(m0 + m) * K + k + t]) : 0.0f;
 #pragma unroll
-          for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FUSED>(wv[r][t], xv[t], acc[m][r]);
+            for (int r = 0; r < RS; ++r) {
+#pragma unroll
+              for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FUSED>(wv[u][r][t], xv[t], acc[m][r]);
+            }
+          }
         }
       }
     }
