@@ -135,7 +135,10 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
     names = [n for n in recorder.variants if n.startswith("dflash_exact_product")]
     tiles = len(exact_products.TILES)
     assert len(names) == len(exact_products.DTYPES) * 3 * 2 * tiles * 2
-    src = recorder.variants[f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_True_16_4_2_True"]
+    ahead = exact_products.AHEAD["cuda"]
+    src = recorder.variants[
+        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_True_16_4_2_True_{ahead}"
+    ]
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
         "const __nv_bfloat16* x",
@@ -146,3 +149,4 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
         "__nv_bfloat16* y",
     ]
     assert "constexpr int VPT = 2;" in src and "constexpr bool FUSED = true;" in src and "__shfl_down_sync" in src
+    assert f"constexpr int AHEAD = {ahead};" in src
