@@ -143,6 +143,10 @@ def test_seeded_sampling_stays_on_dflash_and_unseeded_sampling_batches(chat_pair
     seeded = serve_waiting(chat_pair, requests[:1], batching="off")
     assert results[0]["reply"].content == seeded[0]["reply"].content
     assert all(r["done"].usage.completion_tokens <= 12 for r in results)
+    # in arrival order: the batch takes none past a request it cannot serve
+    in_order = serve_waiting(chat_pair, [requests[1], requests[0], requests[2]], batching="always")
+    assert [path(r) for r in in_order] == ["batched", "dflash", "batched"]
+    assert [r["done"].usage.dflash.get("batch_size") for r in in_order] == [1, None, 1]
 
 
 # -- the choice -----------------------------------------------------------------------
