@@ -266,7 +266,7 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
     module = quantized_linear(512, 64)
     with pytest.warns(RuntimeWarning, match=r"RuntimeError: metal: error: use of undeclared identifier 'qv_load'"):
         linear.prepare_quantized(module, mx.bfloat16)
-    assert not qp.use_quantized_kernel("fake", qp.variant_of(module, mx.bfloat16))
+    assert not qp.use_quantized_kernel("fake", qp.variant_of(module, mx.bfloat16), 64)
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x))
 
@@ -595,3 +595,31 @@ def test_a_tied_quantized_heads_product_is_its_embeddings_and_takes_the_kernel(f
     kernel.rows.clear()
     assert mx.array_equal(linear.apply_linear(linear.quantized_head(embed), h), embed.as_linear(h))
     assert kernel.rows == [6]
+
+
+@pytest.mark.parametrize("kernel_ms, serves", [(2.0, False), (0.5, True)])
+def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, monkeypatch, kernel_ms, serves):
+    """Exact but slower (as CUDA's qmv order is at a verify's rows) keeps MLX's
+    product; each layer's shape is measured once, against MLX's 16 rows."""
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    timed = []
+
+    def seconds_per_call(ours, theirs):
+        timed.append(1)
+        return kernel_ms * 1e-3, 1e-3
+
+    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    kernel = fake_gpu(FakeKernel())
+    module = quantized_linear(512, 64)
+    linear.prepare_quantized(module, mx.bfloat16)
+    linear.prepare_quantized(module, mx.bfloat16)  # measured once
+    assert len(timed) == 1
+    (made,) = decisions.current().all()
+    assert made.case == "bfloat16 affine 4-bit group 64 K=512 N=64 rows=16" and made.faster == serves
+    kernel.rows.clear()
+    x = rows_of(5, 512)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x)) or serves
+    assert bool(kernel.rows) == serves

@@ -148,8 +148,6 @@ def decided(line) -> None:
         line("measuring", f"failed: {type(e).__name__}: {e}", "red")
     for d in store.all():
         verdict = "kernel" if d.faster else "MLX's own"
-        if d.kernel.endswith("(exact)"):  # serves wherever it checked out, for exactness
-            verdict = "kernel (exact), " + ("faster" if d.faster else "slower")
         line(
             f"{d.kernel} {d.case}",
             f"kernel {d.ours * 1e3:.3f} ms, MLX {d.mlx * 1e3:.3f} ms: {verdict}",

@@ -12,10 +12,10 @@ Which (dtype, mode, bits, group, K, N class) a machine serves with it is
 decided once, outside compiled traces (``prepare``): its rows must equal
 ``mx.quantized_matmul`` of each row alone, bit for bit, on random cases of
 that K and N class and of every row tile; a failure keeps MLX's product for
-that variant, with one warning. Exactness comes first: a variant that checked
-out serves whatever its speed (MLX's few-row product rounds otherwise); its
-time against MLX's at a verify's rows is measured once a machine and shown
-by `dflash-mlx doctor`. DFLASH_MLX_KERNELS=off keeps MLX's product. Affine weights of 4 or 8 bits in groups of
+that variant, with one warning. A variant that checked out serves a layer's
+shape only where this machine measured it faster than MLX's product at a
+verify's rows (decisions.py); elsewhere MLX's few-row product runs, which
+may round otherwise. Affine weights of 4 or 8 bits in groups of
 32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8
 and K whole groups (not 64 or 128, where Metal's one row takes ``qmv_quad``).
 The CPU never runs it.
@@ -207,7 +207,7 @@ def reset() -> None:
     _checks.clear()
 
 
-DECISION = "quantized verify (exact)"
+DECISION = "quantized verify"
 MEASURED_ROWS = 16  # a verify of a block of 16
 
 
@@ -221,12 +221,16 @@ def prepare(model: nn.Module, dtype) -> None:
         variant = variant_of(module, dtype)
         if variant is None or not checked(where, variant).ok:
             continue
-        case = f"{variant.case} N={module['weight'].shape[0]} rows={MEASURED_ROWS}"
+        case = decision_case(variant, module["weight"].shape[0])
         if decisions.current().needs(DECISION, case):
             x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
             decisions.current().decide(
-                DECISION, case, lambda module=module, x=x: product(module, x), lambda module=module, x=x: module(x)
+                DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
             )
+
+
+def decision_case(variant: Variant, n: int) -> str:
+    return f"{variant.case} N={n} rows={MEASURED_ROWS}"
 
 
 def checked(where: str, variant: Variant) -> QuantizedCheck:
@@ -245,27 +249,30 @@ def checked(where: str, variant: Variant) -> QuantizedCheck:
     return result
 
 
-def use_quantized_kernel(where: str, variant: Variant) -> bool:
-    """Whether products of ``variant`` take the kernel on backend ``where``:
-    where it passed its self-check, unless DFLASH_MLX_KERNELS=off."""
+def use_quantized_kernel(where: str, variant: Variant, n: int) -> bool:
+    """Whether products of ``variant`` with ``n`` outputs take the kernel on
+    backend ``where``: where it passed its self-check and measured faster here."""
     result = _checks.get((where, variant))
-    return result is not None and result.ok and decisions.current().policy != "off"
+    return result is not None and result.ok and decisions.current().uses(DECISION, decision_case(variant, n))
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).
 DEQUANTIZATIONS = {"cuda": (False, True)}
 
 
-def product(module: nn.Module, x: mx.array) -> mx.array | None:
-    """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
-    None (the caller runs MLX's product); never checks."""
+def product(module: nn.Module, x: mx.array, measuring: bool = False) -> mx.array | None:
+    """``module(x)`` through the kernel for 2-32 rows of a checked variant that
+    serves here (``measuring``: not asking), else None (the caller runs MLX's
+    product); never checks."""
     if type(module) is not nn.QuantizedLinear or not FEWEST_ROWS <= x.size // x.shape[-1] <= MOST_ROWS:
         return None
     where = backend()
     if where not in BUILDERS:
         return None
     variant = variant_of(module, x.dtype)
-    if variant is None or x.shape[-1] != variant.k or not use_quantized_kernel(where, variant):
+    if variant is None or x.shape[-1] != variant.k:
+        return None
+    if not (measuring or use_quantized_kernel(where, variant, module["weight"].shape[0])):
         return None
     y = _kernels[where](
         x,
