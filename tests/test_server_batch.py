@@ -328,3 +328,42 @@ def test_batched_prefill_reports_its_progress(chat_pair):
     assert all(isinstance(e, Progress) for e in results[0]["events"][: len(progress)])
     assert first_text >= len(progress)
     assert json.dumps(results[1]["done"].usage.dflash)  # a short prompt's reply, batched beside it
+
+
+# -- families -------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_5"])
+def test_batched_greedy_equals_mlx_lm_across_families(family):
+    """Dense, sliding-window and hybrid (delta-net) targets: prompts of
+    different lengths batched together, each reply mlx-lm's greedy text."""
+    from family_models import family_config, make_family_target
+
+    from dflash_mlx.server.batch import BatchDecoder, can_batch
+    from dflash_mlx.tiny import make_target, make_tokenizer, target_config
+
+    vocab = 48
+    if family == "qwen3":
+        model = make_target(target_config(vocab=vocab), seed=2)
+    else:
+        model = make_family_target(family_config(family, vocab=vocab), seed=2)
+    tokenizer = make_tokenizer(vocab)
+    assert can_batch(model)
+    prompts = [[(7 * i + 3 * j) % (vocab - 2) + 1 for j in range(n)] for i, n in enumerate((5, 19, 11, 30))]
+
+    async def main():
+        jobs = [Job(p, params(14)) for p in prompts]
+        batcher = BatchDecoder(model, tokenizer, PathChoice(), max_batch=4, prefill_step_size=8)
+        await asyncio.to_thread(batcher.run, jobs, lambda room: [])
+        results = []
+        for job in jobs:
+            results.append([e async for e in job.events()])
+        return results
+
+    for prompt, events in zip(prompts, asyncio.run(main())):
+        done = events[-1]
+        reply = Delta()
+        for e in events:
+            if isinstance(e, Delta):
+                reply = reply.merge(e)
+        text, tokens, finish = mlx_lm_greedy(model, tokenizer, prompt, 14)
+        assert reply.merge(done.delta).content == text
+        assert (done.usage.completion_tokens, done.finish_reason) == (tokens, finish)

@@ -12,6 +12,7 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .errors import APIError
@@ -21,6 +22,11 @@ from .path_choice import PathChoice
 from .reply import ReplyParser, TokenLogprob
 
 log = logging.getLogger("dflash_mlx.server")
+
+
+def can_batch(model) -> bool:
+    """Whether mlx-lm can batch this model: every cache of it merges (mlx-lm's server asks the same)."""
+    return all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
 
 def batched_figures(stream: _Stream) -> dict:

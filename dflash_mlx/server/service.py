@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.cache.store import PrefixStore
 
-from .batch import BatchDecoder
+from .batch import BatchDecoder, can_batch
 from .cache_pool import PromptCachePool
 from .decoder import Decoder
 from .errors import APIError
@@ -152,7 +152,7 @@ class Service:
         )
         # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
         plain_caches = config.kv_bits is None and not bounded
-        batching = config.batching if plain_caches and config.max_batch > 1 else "off"
+        batching = config.batching if plain_caches and config.max_batch > 1 and can_batch(model) else "off"
         self.choice = PathChoice(mode=batching)
         batcher = BatchDecoder(
             model,
