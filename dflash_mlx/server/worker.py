@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Optional
 
@@ -19,6 +20,9 @@ log = logging.getLogger("dflash_mlx.server")
 
 # DFlash replies shorter than this say little about its speed
 MIN_MEASURED_TOKENS = 8
+# right after a batch, how long a lone request waits for another to batch with: the clients of a
+# busy server send their next requests within it, and a DFlash reply would make them wait its length
+COMPANY_WAIT_S = 0.05
 
 
 class Worker:
@@ -36,6 +40,7 @@ class Worker:
         self.running: list[Job] = []
         self.served = 0
         self.stopping = False
+        self.batch_ended_at = float("-inf")  # time.monotonic() when the last batch ended
         self.thread = threading.Thread(target=self._serve, name="dflash-decode", daemon=True)
 
     def start(self) -> None:
@@ -61,17 +66,29 @@ class Worker:
             return False
         return 2 * self.decoder.pool.held(job.prompt) < len(job.prompt)
 
+    def _add(self, job: Optional[Job]) -> None:
+        if job is None:
+            self.stopping = True
+        elif not job.cancelled.is_set():  # a client that left while it waited is not served
+            self.backlog.append((job, self._batchable(job)))
+
     def _drain(self, wait: bool) -> None:
         """Moves queued jobs to the backlog (waiting for one if ``wait``)."""
         while not self.stopping:
             try:
-                job = self.jobs.get(block=wait and not self.backlog)
+                self._add(self.jobs.get(block=wait and not self.backlog))
             except queue.Empty:
                 return
-            if job is None:
-                self.stopping = True
-            elif not job.cancelled.is_set():  # a client that left while it waited is not served
-                self.backlog.append((job, self._batchable(job)))
+
+    def _wait_for_company(self) -> None:
+        """Right after a batch, a lone batchable request waits up to
+        COMPANY_WAIT_S for another one."""
+        deadline = self.batch_ended_at + COMPANY_WAIT_S
+        while not self.stopping and self._batchable_ahead() == 1 and (left := deadline - time.monotonic()) > 0:
+            try:
+                self._add(self.jobs.get(timeout=left))
+            except queue.Empty:
+                return
 
     def _batchable_ahead(self) -> int:
         """How many jobs at the head of the backlog the batch may serve: the
@@ -100,6 +117,9 @@ class Worker:
             if self.stopping:
                 return
             ahead = self._batchable_ahead()
+            if ahead == 1 and self.batcher is not None and not self.choice.batch(1):
+                self._wait_for_company()
+                ahead = self._batchable_ahead()
             if self.batcher is not None and self.choice.batch(min(ahead, self.batcher.max_batch)):
                 self._run_batched()
             else:
@@ -114,6 +134,7 @@ class Worker:
             log.exception("the decode worker caught an unexpected error")
         finally:
             self.running = []
+            self.batch_ended_at = time.monotonic()
 
     def _run_dflash(self, job: Job) -> None:
         self.running = [job]
