@@ -213,10 +213,10 @@ def exact_main(args) -> None:
             x = mx.random.normal((m, k)).astype(dtype)
             one = x[:1]
             mx.eval(x, one)
-            got = kernel(x, weights[0], None, fused=check.fused)
+            got = kernel(x, weights[0], None, form=check.form)
             exact = mx.array_equal(got, ep.one_row_products(x, weights[0], None)).item()
             sides = {
-                f"kernel {m} rows": lambda i: kernel(x + i, weights[i], None, fused=check.fused),
+                f"kernel {m} rows": lambda i: kernel(x + i, weights[i], None, form=check.form),
                 f"mlx {m} rows": lambda i: (x + i) @ weights[i].T,
                 "mlx 1 row": lambda i: (one + i) @ weights[i].T,
             }

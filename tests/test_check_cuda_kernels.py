@@ -134,10 +134,10 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
     script.record_all(recorder, modules=["dflash_mlx.kernels.exact_products"])
     names = [n for n in recorder.variants if n.startswith("dflash_exact_product")]
     tiles = len(exact_products.TILES)
-    assert len(names) == len(exact_products.DTYPES) * 3 * 2 * tiles * 2
+    assert len(names) == len(exact_products.DTYPES) * 3 * len(exact_products.FORMS["cuda"]) * tiles * 2
     ahead = exact_products.AHEAD["cuda"]
     src = recorder.variants[
-        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_True_16_4_2_True_{ahead}"
+        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_1_16_4_2_True_{ahead}"
     ]
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
@@ -148,5 +148,5 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
         "const __nv_bfloat16* bias",
         "__nv_bfloat16* y",
     ]
-    assert "constexpr int VPT = 2;" in src and "constexpr bool FUSED = true;" in src and "__shfl_down_sync" in src
+    assert "constexpr int VPT = 2;" in src and "constexpr int FORM = 1;" in src and "__shfl_down_sync" in src
     assert f"constexpr int AHEAD = {ahead};" in src

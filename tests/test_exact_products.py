@@ -49,10 +49,10 @@ class FakeKernel:
         self.rows = []
         self.forms = []
 
-    def __call__(self, x, weight, bias, *, fused=False):
+    def __call__(self, x, weight, bias, *, form=0):
         *lead, k = x.shape
         self.rows.append(x.size // k)
-        self.forms.append(fused)
+        self.forms.append(form)
         y = ep.one_row_products(x.reshape(-1, k), weight, bias)
         if self.nudge:
             y = y.at[-1, 0].add(mx.array(self.nudge, y.dtype))
@@ -265,21 +265,21 @@ def test_the_check_tries_each_multiply_add_and_keeps_the_one_that_matches(fake_g
     check tries the backend's forms in order, and products use the one that matched."""
 
     class OneWay(FakeKernel):
-        def __call__(self, x, weight, bias, *, fused=False):
-            self.nudge = 0.0 if fused else 1.0  # only the fused form matches
-            return super().__call__(x, weight, bias, fused=fused)
+        def __call__(self, x, weight, bias, *, form=0):
+            self.nudge = 0.0 if form == 2 else 1.0  # only the last form matches
+            return super().__call__(x, weight, bias, form=form)
 
     kernel = fake_gpu(OneWay())
-    monkeypatch.setitem(ep.FORMS, "fake", (False, True))
+    monkeypatch.setitem(ep.FORMS, "fake", (0, 1, 2))
     module = dense(256, 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear.prepare_exact(module, mx.bfloat16)
     (result,) = ep._checks.values()
-    assert result.ok and result.fused and kernel.forms[0] is False
+    assert result.ok and result.form == 2 and kernel.forms[0] == 0 and 1 in kernel.forms
     kernel.forms.clear()
     x = rows_of(5, 256)
-    assert mx.array_equal(linear.apply_linear(module, x), module(x)) and kernel.forms == [True]
+    assert mx.array_equal(linear.apply_linear(module, x), module(x)) and kernel.forms == [2]
 
 
 @pytest.mark.parametrize("exact_passes", [True, False])
@@ -374,7 +374,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
         else:
             assert orders == {(32, 4, 1, False), (32, 2, 1, False), (32, 1, 1, False)}
         assert {values[0] for values in recorded} == set(ep.DTYPES)
-        assert {values[5] for values in recorded} == {False, True}  # both multiply-add forms
+        assert {values[5] for values in recorded} == set(ep.FORMS[backend_name])  # each multiply-add form
         assert {values[6:8] for values in recorded} == {(mr, rs) for _, mr, rs in ep.TILES}
         assert {values[9] for values in recorded} == {False, True}  # with and without a bias
 

@@ -90,7 +90,7 @@ class ExactCheck:
     variant: Variant
     ok: bool
     detail: str
-    fused: bool = False  # the multiply-add as one fma matched
+    form: int = 0  # the multiply-add form that matched (exact_products_source: FORM)
 
     @property
     def case(self) -> str:
@@ -103,7 +103,7 @@ def tile(rows: int) -> tuple[int, int]:
 
 
 class ExactProductKernel:
-    """The kernel for one backend, compiled by MLX per (T, order, fused, tile, bias)."""
+    """The kernel for one backend, compiled by MLX per (T, order, form, tile, bias)."""
 
     def __init__(self, backend_name: str, factory=None):
         self.backend = backend_name
@@ -118,7 +118,7 @@ class ExactProductKernel:
         )
         self._no_bias = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (never read)
 
-    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None, *, fused: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None, *, form: int = 0) -> mx.array:
         """x [..., K] of 2-32 rows times the [N, K] weight (plus ``bias``): [..., N]."""
         *lead, k = x.shape
         rows = x.size // k
@@ -134,7 +134,7 @@ class ExactProductKernel:
                 ("VPT", order.vpt),
                 ("SPLIT", order.split),
                 ("EVERY_LANE", order.every_lane),
-                ("FUSED", fused),
+                ("FORM", form),
                 ("MR", mr),
                 ("RS", rs),
                 ("GROUPS", GROUPS),
@@ -246,9 +246,10 @@ def serves(module: nn.Module, rows: int, k: int, dtype) -> bool:
     return variant is not None and k == variant.k and use_exact_kernel(where, variant)
 
 
-# The multiply-add forms a backend's check tries, in order (exact_products_source: FUSED):
-# what MLX's source writes first (Metal: the compiler's choice; CUDA: nvcc's contraction).
-FORMS = {"metal": (False, True), "cuda": (True, False)}
+# The multiply-add forms a backend's check tries, in order (exact_products_source: FORM):
+# Metal: as MLX writes it (the compiler's choice), one fma, two roundings; CUDA: the fma nvcc
+# contracts MLX's to, then two roundings.
+FORMS = {"metal": (0, 1, 2), "cuda": (1, 2)}
 
 
 def product(module: nn.Module, x: mx.array) -> mx.array | None:
@@ -259,7 +260,7 @@ def product(module: nn.Module, x: mx.array) -> mx.array | None:
     where = backend()
     variant = variant_of(module, x.dtype, where)
     bias = module["bias"] if "bias" in module else None
-    return _kernels[where](x, module["weight"], bias, fused=_checks[(where, variant)].fused)
+    return _kernels[where](x, module["weight"], bias, form=_checks[(where, variant)].form)
 
 
 def one_row_products(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
@@ -298,20 +299,20 @@ def check_cases(where: str, variant: Variant):
 def self_check(where: str, variant: Variant) -> ExactCheck:
     """The kernel's rows against MLX's one-row products of the same rows, bit
     for bit, with each multiply-add form in turn, keeping the first that matches."""
-    for fused in FORMS.get(where, (False,)):
-        result = _check_once(where, variant, fused)
+    for form in FORMS.get(where, (0,)):
+        result = _check_once(where, variant, form)
         if result.ok:
             break
     return result
 
 
-def _check_once(where: str, variant: Variant, fused: bool) -> ExactCheck:
+def _check_once(where: str, variant: Variant, form: int) -> ExactCheck:
     try:
         kernel = _kernels.get(where)
         if kernel is None:
             kernel = _kernels[where] = BUILDERS[where](where)
         for x, w, bias in check_cases(where, variant):
-            got = kernel(x, w, bias, fused=fused)
+            got = kernel(x, w, bias, form=form)
             want = one_row_products(x, w, bias)
             if got.shape != want.shape:
                 return ExactCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
@@ -319,8 +320,8 @@ def _check_once(where: str, variant: Variant, fused: bool) -> ExactCheck:
                 differ = (got != want).sum().item()
                 worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
                 detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
-                return ExactCheck(where, variant, False, detail, fused)
-        return ExactCheck(where, variant, True, "every row equal to MLX's one-row product", fused)
+                return ExactCheck(where, variant, False, detail, form)
+        return ExactCheck(where, variant, True, "every row equal to MLX's one-row product", form)
     except Exception as e:  # a build or launch error: the kernel is not used
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return ExactCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
@@ -347,5 +348,5 @@ def record_variants(factory, backend_name: str) -> None:
         weight = mx.zeros((n, k), dtype)
         b = mx.zeros((n,), dtype) if bias else None
         for rows in range(FEWEST_ROWS, MOST_ROWS + 1):
-            for fused in FORMS[backend_name]:
-                kernel(mx.zeros((rows, k), dtype), weight, b, fused=fused)
+            for form in FORMS[backend_name]:
+                kernel(mx.zeros((rows, k), dtype), weight, b, form=form)

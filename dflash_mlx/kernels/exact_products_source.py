@@ -35,15 +35,15 @@ machine checks before use, see exact_products.py):
   values at ``l * VPT + j * 32 * VPT``, j = 0, 1, ... while inside K, VPT = 4
   where K % 128 == 0, 2 where K % 64 == 0, else 1 (the weight and x aligned,
   as a contiguous weight and its row views are); each ``sum += float(w) *
-  float(x)`` in float, which nvcc contracts to an fma (FUSED; else one
-  rounding each, and the self-check keeps whichever matches MLX's binary);
+  float(x)`` in float, which nvcc contracts to an fma (FORM 1; else two
+  roundings, FORM 2: the self-check keeps whichever matches MLX's binary);
   then ``cg::reduce`` over the warp: ``v + shfl_xor(v, o)``, o = 16 .. 1,
   which leaves lane 0 the sum that shuffling down gives it; one rounding.
 
 Whether a compiler contracts a multiply and an add alike in our kernel and in
 MLX's is not the source's to promise (MLX's Metal library is built with
 -fno-fast-math, custom kernels in MLX's default safe math mode): the self-check
-on the device decides, trying both forms.
+on the device decides, trying each form (FORM: as written, fused, apart).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from __future__ import annotations
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
-VERSION = 2  # of BODY and the headers: a change must bump it
+VERSION = 3  # of BODY and the headers: a change must bump it
 SIMD = 32
 INPUTS = ["x", "w", "bias"]
 OUTPUTS = ["y"]
@@ -59,9 +59,16 @@ OUTPUTS = ["y"]
 HEADER = {
     "metal": BASE_HEADER["metal"]
     + """
-template <bool FUSED, typename T>
+template <typename T>
+inline float ep_madd_apart(T w, float x, float acc) {
+#pragma clang fp contract(off)
+  acc += w * x;
+  return acc;
+}
+template <int FORM, typename T>
 inline float ep_madd(T w, float x, float acc) {
-  if (FUSED) return metal::fma(static_cast<float>(w), x, acc);
+  if (FORM == 1) return metal::fma(static_cast<float>(w), x, acc);
+  if (FORM == 2) return ep_madd_apart(w, x, acc);
   acc += w * x;
   return acc;
 }
@@ -71,9 +78,12 @@ template <typename T> inline T ep_with_bias(float v, T b) { return static_cast<T
 """,
     "cuda": BASE_HEADER["cuda"]
     + """
-template <bool FUSED, typename T>
+template <int FORM, typename T>
 __device__ __forceinline__ float ep_madd(T w, float x, float acc) {
-  return FUSED ? __fmaf_rn(to_float(w), x, acc) : __fadd_rn(acc, __fmul_rn(to_float(w), x));
+  if (FORM == 1) return __fmaf_rn(to_float(w), x, acc);
+  if (FORM == 2) return __fadd_rn(acc, __fmul_rn(to_float(w), x));
+  acc += to_float(w) * x;
+  return acc;
 }
 __device__ __forceinline__ float ep_shuffle_down(float v, int o) { return __shfl_down_sync(0xffffffffu, v, o); }
 template <typename T> __device__ __forceinline__ T ep_zero() { return from_float<T>(0.0f); }
@@ -87,7 +97,8 @@ template <typename T> __device__ __forceinline__ T ep_with_bias(float v, T b) {
 # K: MLX's SN), VPT (consecutive values a lane takes a step: TN, or CUDA's
 # n_per_thread), SPLIT (simdgroups sharing an output's K: BN), EVERY_LANE
 # (Metal: a lane past K in the last step still adds its zero products);
-# FUSED (the multiply-add as one fma); the launch: MR (x rows a threadgroup),
+# FORM (the multiply-add: 0 as MLX writes it, the compiler's to contract; 1
+# one fma; 2 two roundings, never contracted); the launch: MR (x rows a threadgroup),
 # RS (outputs a lane group), GROUPS (simdgroups a threadgroup per K part),
 # AHEAD (steps whose weights a lane loads before adding any: more loads in
 # flight; the steps are still added in order);
@@ -137,7 +148,7 @@ BODY = """
 #pragma unroll
             for (int r = 0; r < RS; ++r) {
 #pragma unroll
-              for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FUSED>(wv[u][r][t], xv[t], acc[m][r]);
+              for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FORM>(wv[u][r][t], xv[t], acc[m][r]);
             }
           }
         }
