@@ -5,6 +5,7 @@ Reported in BENCHMARKS.md, "The built-in pair" ("Acceptance on held-out prompts"
 
     python benchmarks/bench_builtin.py --prompts 8 --blocks 16,auto --temps 0
     python benchmarks/bench_builtin.py --prompts 16                  # acceptance at blocks 8, 16, temps 0, 0.7
+    python benchmarks/bench_builtin.py --prompts 8 --blocks 16 --temps 0 --lookup auto   # with prompt lookup
 
 Prompts come from standard-library files that the build held out of every
 training stage (scripts/builtin_corpus.py: a fixed hash split of file paths):
@@ -108,7 +109,7 @@ def plain(model, tokenizer, prompt, max_tokens, temp, seed, gaps: list | None = 
     return n, seconds
 
 
-def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used: Counter, gaps: list | None = None):
+def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used: Counter, gaps=None, lookup=False):
     """DFlash's decode; counts each cycle's block size into ``used`` (1: a plain step)."""
     from dflash_mlx import stream_generate
 
@@ -121,7 +122,15 @@ def dflash(model, draft, tokenizer, prompt, max_tokens, temp, block, seed, used:
     n, seconds, last = decode_time(
         counted(
             stream_generate(
-                model, draft, tokenizer, prompt, max_tokens=max_tokens, temperature=temp, block_size=block, seed=seed
+                model,
+                draft,
+                tokenizer,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temp,
+                block_size=block,
+                seed=seed,
+                lookup=lookup,
             )
         ),
         gaps,
@@ -143,6 +152,12 @@ def main():
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--sets", default="code,chat")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--lookup",
+        choices=["off", "on", "auto"],
+        default="off",
+        help="prompt lookup beside the drafter (docs/lookup.md)",
+    )
     ap.add_argument(
         "--dtype",
         choices=["auto", "bfloat16", "float16", "float32"],
@@ -183,7 +198,7 @@ def main():
         else f"{PROMPTS.name} (Python {texts['python']})"
     )
     print(
-        f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens"
+        f"pair: {args.model} + {args.draft} ({dtype}, --dtype {args.dtype}; BLAS: {fast_blas.describe()}); {args.prompts} held-out prompts per set from {source}, {args.max_tokens} new tokens, lookup {args.lookup}"
     )
     rows = table(args, model, draft, tok, sets, blocks, temps)
     if args.json:
@@ -193,12 +208,13 @@ def main():
 
 
 def table(args, model, draft, tok, sets, blocks, temps) -> list[dict]:
+    lookup = {"off": False, "on": True, "auto": "auto"}[args.lookup]
     # Warm-up: first calls build kernels and graphs.
     warm = sets["code"][0]
     plain(model, tok, warm, 16, 0.0, 0)
     for b in blocks:
         for t in temps:  # sampling builds its own kernels
-            dflash(model, draft, tok, warm, 32, t, b, 0, Counter())
+            dflash(model, draft, tok, warm, 32, t, b, 0, Counter(), lookup=lookup)
 
     rows = []
     print(
@@ -218,7 +234,9 @@ def table(args, model, draft, tok, sets, blocks, temps) -> list[dict]:
                 for i, p in enumerate(sets[name]):
                     n, s = plain(model, tok, p, args.max_tokens, temp, args.seed + i, steps)
                     base_tok, base_s = base_tok + n, base_s + s
-                    n, s, acc = dflash(model, draft, tok, p, args.max_tokens, temp, b, args.seed + i, used, cycles)
+                    n, s, acc = dflash(
+                        model, draft, tok, p, args.max_tokens, temp, b, args.seed + i, used, cycles, lookup
+                    )
                     tok_n, sec = tok_n + n, sec + s
                     accs.append(acc)
                 row = {
