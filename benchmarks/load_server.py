@@ -7,7 +7,7 @@ Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
     python benchmarks/load_server.py --clients 8 --requests 4 --max-tokens 64
     python benchmarks/load_server.py --url http://127.0.0.1:8080 --model-name builtin   # a server already running
     python benchmarks/load_server.py --prefix-reuse --prompt-tokens 4096
-    python benchmarks/load_server.py --compare --clients 1,4,8 --requests 3 --max-tokens 64
+    python benchmarks/load_server.py --compare --clients 1,4,8 --requests 3 --max-tokens 64 --repeat 3
 
 --compare serves the pair three times per number of clients: --batching off
 (serial DFlash, one request at a time), always (every request through mlx-lm's
@@ -213,37 +213,50 @@ def warm_up(url: str, args, concurrent: int) -> None:
 
 
 def compare(args) -> dict:
-    """Serial DFlash, batched plain and the automatic choice, per number of clients."""
+    """Serial DFlash, batched plain and the automatic choice, per number of
+    clients; with --repeat R the three take turns R times (so a machine
+    that slows down slows all three), and the medians are compared."""
     import copy
 
     runs = []
     for clients in args.clients:
-        for batching in ("off", "always", "auto"):
-            run_args = copy.copy(args)
-            run_args.clients = clients
-            with local_server(args, batching) as url:
-                warm_up(url, args, max(clients, 2))
-                report = drive(url, run_args)
-                report["paths"] = path_counters(url)
-            report["batching"] = batching
-            runs.append(report)
-            print(
-                f"clients {clients} batching {batching:6s}: {report['tokens_per_s_total']:8.1f} tok/s total, "
-                f"TTFT per client {report['ttft_s_per_client']}, errors {report['errors']}",
-                flush=True,
-            )
-    goals = {}
+        for _ in range(args.repeat):
+            for batching in ("off", "always", "auto"):
+                run_args = copy.copy(args)
+                run_args.clients = clients
+                with local_server(args, batching) as url:
+                    warm_up(url, args, max(clients, 2))
+                    report = drive(url, run_args)
+                    report["paths"] = path_counters(url)
+                report["batching"] = batching
+                runs.append(report)
+                print(
+                    f"clients {clients} batching {batching:6s}: {report['tokens_per_s_total']:8.1f} tok/s total, "
+                    f"TTFT per client {report['ttft_s_per_client']}, errors {report['errors']}",
+                    flush=True,
+                )
+    medians, goals = {}, {}
     for clients in args.clients:
-        by = {r["batching"]: r for r in runs if r["clients"] == clients}
+        by = {}
+        for batching in ("off", "always", "auto"):
+            mine = [r for r in runs if r["clients"] == clients and r["batching"] == batching]
+            by[batching] = {
+                "tokens_per_s_total": statistics.median(r["tokens_per_s_total"] for r in mine),
+                "ttft_s_per_client": [
+                    round(statistics.median(r["ttft_s_per_client"][c] for r in mine), 3) for c in range(clients)
+                ],
+                "errors": sum(r["errors"] for r in mine),
+            }
+        medians[clients] = by
         best = max(by["off"]["tokens_per_s_total"], by["always"]["tokens_per_s_total"])
         goals[clients] = {
             "auto_vs_best_total": round(by["auto"]["tokens_per_s_total"] / best, 3) if best else None,
             "auto_ttft_vs_serial_worst_client": round(
                 max(a / s for a, s in zip(by["auto"]["ttft_s_per_client"], by["off"]["ttft_s_per_client"])), 3
             ),
-            "errors": sum(r["errors"] for r in by.values()),
+            "errors": sum(b["errors"] for b in by.values()),
         }
-    return {"machine": runs[0]["machine"], "runs": runs, "goals": goals}
+    return {"machine": runs[0]["machine"], "runs": runs, "medians": medians, "goals": goals}
 
 
 def long_context_pair(args):
@@ -389,6 +402,7 @@ def main() -> None:
     )
     parser.add_argument("--max-batch", type=int, default=8, help="The most requests one batch serves at once.")
     parser.add_argument("--compare", action="store_true", help="Serial DFlash, batched plain and auto side by side.")
+    parser.add_argument("--repeat", type=int, default=1, help="--compare: rounds of the three, medians compared.")
     parser.add_argument("--requests", type=int, default=3, help="Requests per client, one after another.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
