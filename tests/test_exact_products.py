@@ -230,6 +230,26 @@ def test_the_norm_swiglu_and_residual_around_it_stay_mlxs_ops(fake_gpu):
     assert kernel.rows == [6]
 
 
+def test_on_metal_each_order_a_layers_k_can_take_is_checked(monkeypatch):
+    """Metal's one-row order at a K depends on N (K >= 16 N: 8 simdgroups a
+    K): a layer's check covers both, so a fused projection of the same K but
+    another N, made after the check, is served too."""
+    ep.reset()
+    monkeypatch.setattr(ep, "backend", lambda: "metal")
+    kernel = FakeKernel()
+    monkeypatch.setitem(ep.BUILDERS, "metal", lambda where: kernel)
+    small, fused = dense(512, 16), dense(512, 96)  # (512 >= 16 x 16: split; 512 < 16 x 96: not)
+    linear.prepare_exact(small, mx.bfloat16)
+    assert {v.order.split for _, v in ep._checks} == {1, 8} and all(r.ok for r in ep._checks.values())
+    assert {n for v in ep._checks.values() for n in ep.check_sizes("metal", v.variant)} >= {32, 27, 68, 73}
+    for module in (small, fused):
+        kernel.rows.clear()
+        x = rows_of(7, 512)
+        assert mx.array_equal(linear.apply_linear(module, x), ep.one_row_products(x[0], module.weight, None)[None])
+        assert kernel.rows == [7]
+    ep.reset()
+
+
 def test_a_kernel_one_rounding_off_fails_its_check_warns_once_and_is_never_used(fake_gpu):
     """Exactness is the check: one output one step off fails the variant."""
     module = dense(256, 64)
