@@ -188,31 +188,30 @@ def test_the_worker_serves_by_the_measured_choice(chat_pair):
     assert [path(r) for r in serve_waiting(chat_pair, requests[:1], batching="always")] == ["batched"]
 
 
-def test_right_after_a_batch_a_lone_request_waits_a_moment_for_company(chat_pair):
+def test_a_lone_request_joins_the_batch_only_while_it_was_shared_recently(chat_pair):
     model, draft, tokenizer = chat_pair
-    ids = [chat_ids(tokenizer, f"w{9 + i}") for i in range(2)]
+    ids = chat_ids(tokenizer, "w9 w10")
 
-    async def serve(batch_just_ended: bool) -> list[str]:
-        service = Service(model, draft, tokenizer, ServerConfig())
-        service.choice.dflash_tps, service.choice.batched_tps = 100.0, {2: 1000.0}
-        if batch_just_ended:  # a second of slack for a loaded machine, beyond the wait itself
-            service.worker.batch_ended_at = time.monotonic() + 1.0
-        jobs = [Job(i, params(6)) for i in ids]
-        service.worker.submit(jobs[0])
-        service.worker.start()
-        await asyncio.sleep(0.01)
-        service.worker.submit(jobs[1])
-        try:
-            paths = []
-            for job in jobs:
-                events = [e async for e in job.events()]
-                paths.append(events[-1].usage.dflash.get("path", "dflash"))
-            return paths
-        finally:
-            await asyncio.to_thread(service.worker.stop)
+    def lone(shared_ago_s: float, batched_alone: float | None = None) -> str:
+        async def main():
+            service = Service(model, draft, tokenizer, ServerConfig())
+            service.choice.dflash_tps, service.choice.batched_tps = 100.0, {2: 1000.0}
+            if batched_alone is not None:
+                service.choice.batched_tps[1] = batched_alone
+            service.worker.batcher.shared_at = time.monotonic() - shared_ago_s
+            job = Job(ids, params(6))
+            service.worker.submit(job)
+            service.worker.start()
+            try:
+                return [e async for e in job.events()][-1].usage.dflash.get("path", "dflash")
+            finally:
+                await asyncio.to_thread(service.worker.stop)
 
-    assert asyncio.run(serve(batch_just_ended=True)) == ["batched", "batched"]
-    assert asyncio.run(serve(batch_just_ended=False)) == ["dflash", "dflash"]
+        return asyncio.run(main())
+
+    assert lone(shared_ago_s=-1.0) == "batched"  # a batch of several is running down: clients come back
+    assert lone(shared_ago_s=5.0) == "dflash"  # long ago: a lone request is DFlash's
+    assert lone(shared_ago_s=5.0, batched_alone=1000.0) == "batched"  # plain measured faster alone
 
 
 def test_quantized_or_bounded_caches_turn_batching_off(kv_pair):

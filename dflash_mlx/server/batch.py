@@ -129,6 +129,7 @@ class BatchDecoder:
         self.model, self.tokenizer, self.choice = model, tokenizer, choice
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.metrics = metrics
+        self.shared_at = float("-inf")  # time.monotonic() of the last step that decoded several requests
 
     @staticmethod
     def accepts(job: Job) -> bool:
@@ -201,6 +202,8 @@ class BatchDecoder:
         seconds = time.perf_counter() - start
         if generated and not prompted:  # a step of decoding only: the batch's speed at its size
             self.choice.observe_batched(len(generated), len(generated) / seconds)
+        if len(generated) > 1:
+            self.shared_at = time.monotonic()
         for r in prompted:  # progress of prompts longer than a prefill step, as on the DFlash path
             job = streams[r.uid].job if r.uid in streams else None
             if job is not None and not r.end_of_prompt and len(job.prompt) > self.prefill_step_size:

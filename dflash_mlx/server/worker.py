@@ -20,9 +20,9 @@ log = logging.getLogger("dflash_mlx.server")
 
 # DFlash replies shorter than this say little about its speed
 MIN_MEASURED_TOKENS = 8
-# right after a batch, how long a lone request waits for another to batch with: the clients of a
-# busy server send their next requests within it, and a DFlash reply would make them wait its length
-COMPANY_WAIT_S = 0.05
+# a lone request this soon after a batch decoded several goes to the batch: the clients of a busy
+# server come back within it, and a DFlash reply would keep them waiting its whole length
+SHARED_RECENTLY_S = 0.5
 
 
 class Worker:
@@ -40,7 +40,6 @@ class Worker:
         self.running: list[Job] = []
         self.served = 0
         self.stopping = False
-        self.batch_ended_at = float("-inf")  # time.monotonic() when the last batch ended
         self.thread = threading.Thread(target=self._serve, name="dflash-decode", daemon=True)
 
     def start(self) -> None:
@@ -80,15 +79,14 @@ class Worker:
             except queue.Empty:
                 return
 
-    def _wait_for_company(self) -> None:
-        """Right after a batch, a lone batchable request waits up to
-        COMPANY_WAIT_S for another one."""
-        deadline = self.batch_ended_at + COMPANY_WAIT_S
-        while not self.stopping and self._batchable_ahead() == 1 and (left := deadline - time.monotonic()) > 0:
-            try:
-                self._add(self.jobs.get(timeout=left))
-            except queue.Empty:
-                return
+    def _batch(self, ahead: int) -> bool:
+        """Whether to serve the ``ahead`` batchable jobs batched."""
+        if self.batcher is None:
+            return False
+        if self.choice.batch(min(ahead, self.batcher.max_batch)):
+            return True
+        shared_recently = time.monotonic() - self.batcher.shared_at < SHARED_RECENTLY_S
+        return ahead == 1 and shared_recently and self.choice.batch(2)
 
     def _batchable_ahead(self) -> int:
         """How many jobs at the head of the backlog the batch may serve: the
@@ -116,11 +114,7 @@ class Worker:
             self._drain(wait=True)
             if self.stopping:
                 return
-            ahead = self._batchable_ahead()
-            if ahead == 1 and self.batcher is not None and not self.choice.batch(1):
-                self._wait_for_company()
-                ahead = self._batchable_ahead()
-            if self.batcher is not None and self.choice.batch(min(ahead, self.batcher.max_batch)):
+            if self._batch(self._batchable_ahead()):
                 self._run_batched()
             else:
                 job, _ = self.backlog.popleft()
@@ -134,7 +128,6 @@ class Worker:
             log.exception("the decode worker caught an unexpected error")
         finally:
             self.running = []
-            self.batch_ended_at = time.monotonic()
 
     def _run_dflash(self, job: Job) -> None:
         self.running = [job]
