@@ -605,3 +605,30 @@ def test_a_planted_order_change_fails_the_comparison(tmp_path, plant, dtype):
     want = metal_gemv_order(x, w, b, ep.one_row_order("metal", 4096, 264))
     assert not np.array_equal(y.view(np.uint8), want.view(np.uint8))
     assert np.abs(y.astype(np.float32) - want.astype(np.float32)).max() <= 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kernel_ms, serves", [(2.0, False), (0.5, True)])
+def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, monkeypatch, kernel_ms, serves):
+    """Exact but slower keeps MLX's product; each layer's shape is measured once."""
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    timed = []
+
+    def seconds_per_call(ours, theirs):
+        timed.append(1)
+        return kernel_ms * 1e-3, 1e-3
+
+    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    kernel = fake_gpu(FakeKernel())
+    module = dense(512, 64)
+    linear.prepare_exact(module, mx.bfloat16)
+    linear.prepare_exact(module, mx.bfloat16)  # measured once
+    assert len(timed) == 1
+    (made,) = decisions.current().all()
+    assert made.case.startswith("bfloat16 K=512") and made.case.endswith("N=64 rows=16") and made.faster == serves
+    kernel.rows.clear()
+    x = rows_of(5, 512)
+    assert mx.array_equal(linear.apply_linear(module, x), module(x))  # exact either way
+    assert bool(kernel.rows) == serves

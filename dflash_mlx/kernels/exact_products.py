@@ -16,8 +16,9 @@ outside compiled traces (``prepare``): its rows must equal ``x[i:i+1] @ w.T``
 bit, on random cases of every row tile; a failure keeps MLX's product for that
 variant, with one warning. Where MLX sends the one-row product to a library
 (CUDA's cuBLASLt for a layer with a bias) no order can be known: the check
-fails there and MLX's product stays. DFLASH_MLX_KERNELS=off keeps MLX's
-product. The CPU never runs it.
+fails there and MLX's product stays. A checked variant serves a layer's
+shape only where this machine measured it faster than MLX's product at a
+verify's rows (decisions.py). The CPU never runs it.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def reset() -> None:
     _checks.clear()
 
 
-DECISION = "dense verify (exact)"
+DECISION = "dense verify"
 MEASURED_ROWS = 16  # a verify of a block of 16
 
 
@@ -197,14 +198,16 @@ def prepare(model: nn.Module, dtype) -> None:
         for order in orders_at(where, k):
             checked(where, Variant(dtype, k, order, bias))
         variant = variant_of(module, dtype, where)
-        if _checks[(where, variant)].ok:
+        case = decision_case(variant, module.weight.shape[0])
+        if _checks[(where, variant)].ok and decisions.current().needs(DECISION, case):
             x = mx.random.normal((MEASURED_ROWS, k)).astype(dtype)
             decisions.current().decide(
-                DECISION,
-                f"{variant.case} N={module.weight.shape[0]} rows={MEASURED_ROWS}",
-                lambda module=module, x=x: product(module, x),
-                lambda module=module, x=x: module(x),
+                DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
             )
+
+
+def decision_case(variant: Variant, n: int) -> str:
+    return f"{variant.case} N={n} rows={MEASURED_ROWS}"
 
 
 def checked(where: str, variant: Variant) -> ExactCheck:
@@ -223,27 +226,33 @@ def checked(where: str, variant: Variant) -> ExactCheck:
     return result
 
 
-def use_exact_kernel(where: str, variant: Variant) -> bool:
-    """Whether products of ``variant`` take the kernel on backend ``where``:
-    where it passed its self-check, unless DFLASH_MLX_KERNELS=off."""
+def use_exact_kernel(where: str, variant: Variant, n: int) -> bool:
+    """Whether products of ``variant`` with ``n`` outputs take the kernel on
+    backend ``where``: where it passed its self-check and measured faster here."""
     result = _checks.get((where, variant))
-    return result is not None and result.ok and decisions.current().policy != "off"
+    return result is not None and result.ok and decisions.current().uses(DECISION, decision_case(variant, n))
 
 
-def takes(module: nn.Module, x: mx.array) -> bool:
+def takes(module: nn.Module, x: mx.array, measuring: bool = False) -> bool:
     """Whether ``product(module, x)`` runs the kernel; never checks."""
-    return serves(module, x.size // x.shape[-1], x.shape[-1], x.dtype)
+    return serves(module, x.size // x.shape[-1], x.shape[-1], x.dtype, measuring)
 
 
-def serves(module: nn.Module, rows: int, k: int, dtype) -> bool:
-    """Whether the kernel takes ``rows`` rows of length ``k`` in ``dtype`` through ``module``."""
+def serves(module: nn.Module, rows: int, k: int, dtype, measuring: bool = False) -> bool:
+    """Whether the kernel takes ``rows`` rows of length ``k`` in ``dtype`` through
+    ``module`` (``measuring``: a checked variant, not asking whether it is faster)."""
     if type(module) is not nn.Linear or not FEWEST_ROWS <= rows <= MOST_ROWS:
         return False
     where = backend()
     if where not in BUILDERS:
         return False
     variant = variant_of(module, dtype, where)
-    return variant is not None and k == variant.k and use_exact_kernel(where, variant)
+    if variant is None or k != variant.k:
+        return False
+    if measuring:
+        result = _checks.get((where, variant))
+        return result is not None and result.ok
+    return use_exact_kernel(where, variant, module.weight.shape[0])
 
 
 # The multiply-add forms a backend's check tries, in order (exact_products_source: FORM):
@@ -252,10 +261,11 @@ def serves(module: nn.Module, rows: int, k: int, dtype) -> bool:
 FORMS = {"metal": (0, 1, 2), "cuda": (1, 2)}
 
 
-def product(module: nn.Module, x: mx.array) -> mx.array | None:
-    """``module(x)`` through the kernel for 2-32 rows of a checked variant, else
-    None (the caller runs MLX's product); never checks."""
-    if not takes(module, x):
+def product(module: nn.Module, x: mx.array, measuring: bool = False) -> mx.array | None:
+    """``module(x)`` through the kernel for 2-32 rows of a checked variant that
+    serves here (``measuring``: not asking), else None (the caller runs MLX's
+    product); never checks."""
+    if not takes(module, x, measuring):
         return None
     where = backend()
     variant = variant_of(module, x.dtype, where)

@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
-from ..layers.linear import NORM_MOST, apply_linear, prepare_quantized, quantized_head
+from ..layers.linear import NORM_MOST, apply_linear, linear_head, prepare_exact, prepare_quantized, quantized_head
 
 
 class DenseTarget:
@@ -36,6 +36,7 @@ class DenseTarget:
         self.embed_scale = 1.0
         self.make_blocks()
         prepare_quantized(self.text, self.dtype)
+        prepare_exact(self.text, self.dtype)
 
     def make_blocks(self) -> None:
         """Build the layers' forwards from their current projections."""
@@ -65,9 +66,10 @@ class DenseTarget:
         if not self.tied:
             return apply_linear(self.text.lm_head, h)
         embedding = self.inner.embed_tokens
-        if type(embedding) is nn.QuantizedEmbedding:  # its verify rows through the exact product
+        # its verify rows through the exact products where they serve
+        if type(embedding) is nn.QuantizedEmbedding:
             return apply_linear(quantized_head(embedding), h)
-        return embedding.as_linear(h)
+        return apply_linear(linear_head(embedding), h)
 
     def _small_head(self) -> nn.Linear | None:
         """The head as a plain nn.Linear below linear.NORM_MOST elements, so its
