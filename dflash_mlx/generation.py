@@ -55,6 +55,8 @@ class GenerationResponse:
     lookup_hit: bool = False
     lookup_hits: int = 0
     lookup_tokens: int = 0
+    # With block_size "auto": what it is doing and why, e.g. "plain: blocks cost more than they commit".
+    auto_reason: str | None = None
 
     @property
     def plain_cycles(self) -> int:
@@ -102,7 +104,9 @@ def _lookup_setting(lookup, draft) -> LookupSetting | None:
     if lookup not in (False, True, "auto") or isinstance(lookup, int) and not isinstance(lookup, bool):
         raise ValueError(f'lookup must be False, True or "auto"; got {lookup!r}.')
     if draft is None and lookup is False:
-        raise ValueError("no drafter was given; pass a DFlash drafter, or lookup=True to draft by prompt lookup.")
+        raise ValueError(
+            "no drafter was given; pass a DFlash drafter, or draft by prompt lookup (lookup=True, --lookup on)."
+        )
     if lookup is False:
         return None
     return LookupSetting(auto=lookup == "auto")
@@ -207,10 +211,10 @@ def stream_generate(
     )
     if auto:
         steps = block_memory.remembered(steps, block)
-    return _responses(target, tokenizer, steps, len(ids), hi)
+    return _responses(target, tokenizer, steps, len(ids), hi, block if auto else None)
 
 
-def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterator[GenerationResponse]:
+def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int, chooser=None) -> Iterator[GenerationResponse]:
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -264,6 +268,7 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int) -> Iterato
                 lookup_hit=step.lookup_hit,
                 lookup_hits=hits,
                 lookup_tokens=hit_tokens,
+                auto_reason=None if chooser is None else chooser.reason,
             )
 
 

@@ -92,6 +92,7 @@ class Sampling:
     seed: options.Seed = None
     block_size: options.BlockSize = None
     num_draft_tokens: options.NumDraftTokens = None
+    lookup: options.Lookup = "off"
 
     def sampler(self) -> dict:
         """mlx-lm's make_sampler arguments: the flags that pick each token."""
@@ -101,7 +102,8 @@ class Sampling:
         """stream_generate's keyword arguments but max_tokens, ``block_size`` checked already."""
         args = self.sampler()
         args["temperature"] = args.pop("temp")
-        return dict(args, seed=self.seed, block_size=block_size, prefill_step_size=prefill_step_size)
+        lookup = options.LOOKUP.get(self.lookup, self.lookup)
+        return dict(args, seed=self.seed, block_size=block_size, prefill_step_size=prefill_step_size, lookup=lookup)
 
     def check(self, prefill_step_size: int = 2048) -> dict:
         """``generation``'s arguments, checked by the library's rules
@@ -116,18 +118,23 @@ class Sampling:
             if self.num_draft_tokens < 1:
                 raise UserError(f"--num-draft-tokens must be a positive integer, got {self.num_draft_tokens}.")
             block_size = str(self.num_draft_tokens + 1)
+        if self.lookup not in options.LOOKUP:
+            raise UserError(f"--lookup must be on, off or auto, got {self.lookup!r}.")
         args = self.generation(block_size, prefill_step_size)
+        rules = {k: v for k, v in args.items() if k != "lookup"}
         try:
-            checked = check_generation_args(max_tokens=self.max_tokens, **args, trained_block_size=None, flags=True)
+            checked = check_generation_args(max_tokens=self.max_tokens, **rules, trained_block_size=None, flags=True)
         except ValueError as e:
             raise UserError(str(e)) from None
         return dict(args, block_size=checked.block_size)
 
 
 def check_drafter_block(block_size: int | str, draft) -> None:
-    """A checked block size that the loaded drafter was trained for too."""
+    """A checked block size that the loaded drafter (None: lookup alone) was trained for too."""
     from dflash_mlx.arguments import check_block_size, flag_words
 
+    if draft is None:
+        return
     try:
         check_block_size(block_size, draft.config.block_size)
     except ValueError as e:
@@ -216,6 +223,10 @@ class Kv:
                 return loaded
             if self.kv_bits is None and self.max_kv_size is None:
                 return None
+            if draft is None:  # lookup alone: the cache holds the target's caches only
+                from dflash_mlx.draft.lookup import lookup_drafter
+
+                draft = lookup_drafter(target)
             return make_prompt_cache(target, draft, **asdict(self))
         except ValueError as e:
             raise UserError(options.flag_names(str(e))) from None

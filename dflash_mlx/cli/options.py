@@ -24,7 +24,8 @@ DraftModel = Annotated[
     Optional[str],
     typer.Option(
         "--draft-model",
-        help="DFlash drafter: a local directory or repo id; defaults to the known drafter for --model.",
+        help="DFlash drafter: a local directory or repo id; defaults to the known drafter for --model. "
+        "'none': no drafter, drafts by prompt lookup alone (with --lookup on).",
         show_default=False,
     ),
 ]
@@ -91,6 +92,15 @@ BlockSize = Annotated[
         "Default 'auto': picked before every cycle (plain steps included) from the measured acceptance and "
         "cycle times.",
         show_default=False,
+    ),
+]
+LOOKUP = {"off": False, "on": True, "auto": "auto"}
+Lookup = Annotated[
+    str,
+    typer.Option(
+        "--lookup",
+        help="Prompt lookup: also draft by copying what followed the last tokens earlier in the prompt or "
+        "reply (on), decide per reply (auto), or not (off). See docs/lookup.md.",
     ),
 ]
 NumDraftTokens = Annotated[

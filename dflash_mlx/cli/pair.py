@@ -45,7 +45,14 @@ def load_pair(
     downloaded."""
     from dflash_mlx import loading
 
-    model = model_or_builtin(model, draft)
+    model = model_or_builtin(model, None if draft == "none" else draft)
+    if draft == "none":  # lookup alone (docs/lookup.md)
+        with Progress(SpinnerColumn(), TextColumn("[dim]{task.description}"), console=err, transient=True) as progress:
+            progress.add_task(f"loading {model}", total=None)
+            target, tokenizer = loading.load_target(
+                model, adapter_path=adapter_path, trust_remote_code=trust_remote_code
+            )
+        return target, None, tokenizer
 
     columns = (SpinnerColumn(), TextColumn("[dim]{task.description}"), BarColumn(), TaskProgressColumn())
     with Progress(*columns, console=err, transient=True) as progress:

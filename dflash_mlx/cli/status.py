@@ -19,6 +19,12 @@ def block_text(r, block_size: int | str | None = None) -> str:
     plain = (getattr(r, "block_sizes", None) or {}).get(1, 0)
     if plain:
         text += f", {plain} plain step{'s' if plain != 1 else ''}"
+        reason = getattr(r, "auto_reason", None)
+        if block_size in (None, "auto") and reason and reason.startswith("plain") and 2 * plain > r.cycles:
+            text += f" ({reason.removeprefix('plain: ')})"
+    hits = getattr(r, "lookup_hits", 0)
+    if hits:
+        text += f", {hits} looked up"
     return text
 
 

@@ -148,7 +148,7 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         return chooser.choose(cycle.would_build) if chooser is not None else block
 
     if chooser is not None:
-        chooser.new_reply()
+        chooser.new_reply(len(ids))
 
     with mx.stream(generation_stream):
         last_logits = prefill(target, draft, cache, ids, step, progress)

@@ -36,6 +36,8 @@ def dflash_figures(last, block_sizes: set[int]) -> dict:
         # prompt lookup: cycles whose drafts were looked up, and the tokens they committed
         "lookup_hits": int(getattr(last, "lookup_hits", 0)),
         "lookup_tokens": int(getattr(last, "lookup_tokens", 0)),
+        # block "auto": what it was doing at the end and why, e.g. running plain steps
+        "auto_reason": getattr(last, "auto_reason", None),
     }
 
 
