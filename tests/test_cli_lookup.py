@@ -75,3 +75,20 @@ def test_an_auto_reply_says_what_auto_did(pair):
     for last in dflash_mlx.stream_generate(model, draft, tokenizer, "w1 w2", max_tokens=8, block_size=4):
         pass
     assert last.auto_reason is None
+
+
+def test_a_prompt_cache_without_a_drafter_serves_lookup_alone_across_turns(pair):
+    model, _, tokenizer = dflash_mlx.load(str(pair.target), draft=str(pair.draft))
+    cache = dflash_mlx.make_prompt_cache(model, None)
+    ids = tokenizer.encode("w1 w2 w3 w1 w2")
+    for turn in range(2):
+        got = [t for r in dflash_mlx.stream_generate(model, None, tokenizer, ids, max_tokens=8, lookup=True,
+                                                        prompt_cache=cache) for t in r.tokens]  # fmt: skip
+        assert got == greedy_reference(model, ids, 8), turn
+        ids = ids + got + tokenizer.encode(" w3")
+
+
+def test_chat_runs_with_lookup_alone(pair):
+    r = run("chat", "--model", pair.target, "--draft-model", "none", "--lookup", "on", "-m", "6", input="w1 w2\n")
+    assert r.exit_code == 0, r.output
+    assert "error" not in r.output.lower()

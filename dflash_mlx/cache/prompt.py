@@ -16,6 +16,7 @@ it. A bounded cache that wrapped cannot be cut back: it is read afresh.
 from __future__ import annotations
 
 from ..draft.dflash import DFlashDraft
+from ..draft.lookup import lookup_drafter
 from ..kv.buffer import align, set_lengths
 from ..kv.quantized import QuantizedBufferKVCache, check_settings
 from ..kv.rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
@@ -29,18 +30,21 @@ class StaleGenerationError(RuntimeError):
 class PromptCache:
     """A cache to pass to ``stream_generate`` across turns; only the uncached
     part of each prompt is read. ``kv_bits`` etc. quantize as mlx-lm's
-    QuantizedKVCache; ``max_kv_size`` bounds it as mlx-lm's RotatingKVCache."""
+    QuantizedKVCache; ``max_kv_size`` bounds it as mlx-lm's RotatingKVCache.
+    ``draft`` None: for drafting by prompt lookup alone (lookup_drafter)."""
 
     def __init__(
         self,
         model,
-        draft: DFlashDraft,
+        draft: DFlashDraft | None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 0,
         max_kv_size: int | None = None,
     ):
         target = adapt(model)
+        if draft is None:
+            draft = lookup_drafter(target.model)
         check_max_kv_size(target, max_kv_size, kv_bits)
         check_settings(target, kv_bits, kv_group_size, quantized_kv_start)
         self.max_kv_size = max_kv_size

@@ -223,10 +223,6 @@ class Kv:
                 return loaded
             if self.kv_bits is None and self.max_kv_size is None:
                 return None
-            if draft is None:  # lookup alone: the cache holds the target's caches only
-                from dflash_mlx.draft.lookup import lookup_drafter
-
-                draft = lookup_drafter(target)
             return make_prompt_cache(target, draft, **asdict(self))
         except ValueError as e:
             raise UserError(options.flag_names(str(e))) from None
