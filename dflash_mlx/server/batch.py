@@ -23,6 +23,9 @@ from .reply import ReplyParser, TokenLogprob
 
 log = logging.getLogger("dflash_mlx.server")
 
+# a batch size's speed is measured over a run's steps at that size, once this many (one step is noise)
+MIN_TIMED_STEPS = 4
+
 
 def can_batch(model) -> bool:
     """Whether mlx-lm can batch this model: every cache of it merges (mlx-lm's server asks the same)."""
@@ -130,6 +133,7 @@ class BatchDecoder:
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.metrics = metrics
         self.shared_at = float("-inf")  # time.monotonic() of the last step that decoded several requests
+        self.timed: dict[int, list[float]] = {}
 
     @staticmethod
     def accepts(job: Job) -> bool:
@@ -157,6 +161,7 @@ class BatchDecoder:
             prefill_step_size=self.prefill_step_size,
         )
         streams: dict[int, _Stream] = {}
+        self.timed: dict[int, list[float]] = {}  # batch size -> [steps, tokens, seconds] of this run
         served = 0
         try:
             served += self._admit(generator, streams, jobs)
@@ -172,6 +177,9 @@ class BatchDecoder:
                 stream.job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
         finally:
             generator.close()
+            for size, (steps, tokens, seconds) in self.timed.items():
+                if steps >= MIN_TIMED_STEPS:
+                    self.choice.observe_batched(size, tokens / seconds)
         return served
 
     def _admit(self, generator: BatchGenerator, streams: dict[int, _Stream], jobs: list[Job]) -> int:
@@ -201,7 +209,10 @@ class BatchDecoder:
         prompted, generated = generator.next()
         seconds = time.perf_counter() - start
         if generated and not prompted:  # a step of decoding only: the batch's speed at its size
-            self.choice.observe_batched(len(generated), len(generated) / seconds)
+            timed = self.timed.setdefault(len(generated), [0, 0, 0.0])
+            timed[0] += 1
+            timed[1] += len(generated)
+            timed[2] += seconds
         if len(generated) > 1:
             self.shared_at = time.monotonic()
         for r in prompted:  # progress of prompts longer than a prefill step, as on the DFlash path
