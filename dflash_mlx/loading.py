@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import compute_dtype
+from . import compute_dtype, distributed
 from .draft import formats
 from .draft.dflash import DFlashDraft, DraftConfig, check_config
 from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
@@ -465,13 +465,18 @@ def load(
     trust_remote_code: bool = False,
     dtype: str = "auto",
     flags: bool = False,
+    group=None,
+    split: str = "auto",
 ):
     """Load a target with mlx-lm and its DFlash drafter (by default the one
     the registry knows; ``"builtin"`` names the packaged pair).
 
     Returns (model, draft, tokenizer), the drafter bound to the model.
     ``dtype``: what the pair computes in (see compute_dtype.py); ``flags``:
-    errors name the command line's flags instead of the Python arguments."""
+    errors name the command line's flags instead of the Python arguments.
+    ``group``: an ``mx.distributed`` group of more than one rank splits the
+    target over its ranks by mlx-lm's sharding, ``split`` saying how
+    (distributed.py); every rank must call this alike."""
     if str(path_or_repo) == "builtin":
         from . import builtin
 
@@ -496,10 +501,44 @@ def load(
     if not local:
         check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
     drafter = load_draft(draft, tqdm_class=tqdm_class)
-    model, tokenizer = load_target(
-        path_or_repo, lazy=lazy, tqdm_class=tqdm_class, adapter_path=adapter_path, trust_remote_code=trust_remote_code
-    )
+    sharded = group is not None and group.size() > 1
+    if sharded:
+        model, tokenizer = load_sharded_target(path_or_repo, group, split, adapter_path, trust_remote_code)
+    else:
+        model, tokenizer = load_target(
+            path_or_repo,
+            lazy=lazy,
+            tqdm_class=tqdm_class,
+            adapter_path=adapter_path,
+            trust_remote_code=trust_remote_code,
+        )
     # Cast before the adapter fuses projections and checks kernels for the dtype.
     compute_dtype.apply(model, drafter, dtype, evaluate=not lazy)
-    drafter.bind(adapt(model))
+    target = adapt(model)
+    if sharded:
+        distributed.check_ranks_agree(group, target, drafter)
+    drafter.bind(target)
     return model, drafter, tokenizer
+
+
+def load_sharded_target(path_or_repo, group, split: str, adapter_path=None, trust_remote_code: bool = False):
+    """(model, tokenizer) of a target split over ``group``'s ranks by mlx-lm
+    (distributed.py); only the ranks' own layers are read under a pipeline."""
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    from .targets import ADAPTERS
+
+    if split not in distributed.SPLITS:
+        raise ValueError(f"split must be one of {', '.join(distributed.SPLITS)}, not {split!r}.")
+    if adapter_path is not None:
+        raise ValueError(
+            "LoRA adapters cannot be applied to a target split across ranks yet; fuse them first (mlx_lm.fuse)."
+        )
+    path = resolve(path_or_repo, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    model_type = read_config(path, "target").get("model_type")
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    adapter = ADAPTERS.get(model_type) or ADAPTERS.get(MODEL_REMAPPING.get(model_type))
+    if adapter is None:
+        raise ValueError(unsupported_family(model_type))
+    return distributed.sharded_target(path, group, split, adapter.pipelines(), trust_remote_code)

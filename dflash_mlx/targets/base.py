@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from .. import distributed
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
@@ -31,18 +32,45 @@ class DenseTarget:
         args = self.text.args
         self.hidden_size = int(args.hidden_size)
         self.vocab_size = int(args.vocab_size)
-        self.num_layers = len(self.inner.layers)
+        # Split across ranks by mlx-lm: each rank runs layers ``here``; tap ids stay global.
+        self.pipeline_rank, self.pipeline_size = distributed.pipeline_place(self.inner)
+        self.tensor_group = distributed.tensor_group(self.text)
+        if self.tensor_group is not None:  # fused products and shape routing assume whole weights
+            self.fuse_projections = False
+        if self.pipeline_size > 1:
+            if not self.pipelines():
+                raise ValueError(
+                    f"the {self.family} adapter cannot run a pipelined slice of the layers yet; load the target "
+                    "with split='tensor' (--split tensor) or on one machine."
+                )
+            self.num_layers = int(args.num_hidden_layers)
+            self.here = range(self.inner.start_idx, self.inner.end_idx)
+        else:
+            self.num_layers = len(self.inner.layers)
+            self.here = range(self.num_layers)
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
         self.make_blocks()
         prepare_quantized(self.text, self.dtype)
         prepare_exact(self.text, self.dtype)
 
+    @classmethod
+    def pipelines(cls) -> bool:
+        """Whether this adapter runs a pipeline stage: it builds its layers and
+        masks through this class, which picks the stage's own."""
+        own = ("make_blocks", "make_cache", "masks", "windows", "__call__", "set_length")
+        return all(getattr(cls, name) is getattr(DenseTarget, name) for name in own)
+
     def make_blocks(self) -> None:
-        """Build the layers' forwards from their current projections."""
+        """Build the layers' forwards from their current projections (only
+        this rank's under a pipeline)."""
         windows = self.windows()
-        self.blocks = [self.layer_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
-        prepare(self.dtype, self.head_dim, windows)
+        layers = self.inner.layers
+        if self.tensor_group is not None:  # mlx-lm's own forwards all-reduce inside the split modules
+            self.blocks = [layers[i] for i in self.here]
+        else:
+            self.blocks = [self.layer_block(layers[i], windows[i]) for i in self.here]
+        prepare(self.dtype, self.head_dim, [windows[i] for i in self.here])
 
     def layer_block(self, layer: nn.Module, window: int | None):
         """One layer's forward (h, mask, cache) -> h."""
@@ -91,8 +119,9 @@ class DenseTarget:
         return self.inner.norm.weight.dtype
 
     def make_cache(self) -> list:
-        """One buffer per layer; its length may live on the device."""
-        return [BufferKVCache() for _ in self.inner.layers]
+        """One buffer per layer (per layer of this rank's stage); its length
+        may live on the device."""
+        return [BufferKVCache() for _ in self.here]
 
     def windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full attention."""
@@ -100,7 +129,7 @@ class DenseTarget:
 
     def masks(self, h: mx.array, cache: list) -> list:
         """Each layer's mask, made by its cache."""
-        windows = self.windows()
+        windows = [self.windows()[i] for i in self.here]
         made = {w: create_attention_mask(h, cache[0], window_size=w, return_array=True) for w in set(windows)}
         return [made[w] for w in windows]
 
@@ -114,15 +143,37 @@ class DenseTarget:
         """tokens [1, L] -> (logits [1, L or 1, V], hidden [1, L, len(taps)*H]):
         the outputs of layers ``taps`` before the final norm, in that order."""
         h = self.first_input(tokens)
+        rank, stages = self.pipeline_rank, self.pipeline_size
+        if rank < stages - 1:  # mlx-lm's order: the last rank runs the first layers
+            h = mx.distributed.recv_like(h, rank + 1)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
-        for i, (layer, c, mask) in enumerate(zip(self.blocks, cache, self.masks(h, cache))):
+        for i, layer, c, mask in zip(self.here, self.blocks, cache, self.masks(h, cache)):
             h = layer(h, mask, c)
             if i in order:
                 tapped[order[i]] = h
-        if last_only:
+        if stages > 1:
+            h, tapped = self._share(h, tapped, last_only)
+        elif last_only:
             h = h[:, -1:]
         return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
+
+    def _share(self, h: mx.array, tapped: list, last_only: bool) -> tuple[mx.array, list]:
+        """Pass ``h`` on to the next stage, and bring every tap and the last
+        stage's output to every rank: one all-sum of a buffer each rank fills
+        only where it ran the layer (adding zeros is exact)."""
+        rank = self.pipeline_rank
+        last = h[:, -1:] if last_only else h
+        zero = mx.zeros_like(h)
+        parts = [zero if t is None else t for t in tapped] + [last if rank == 0 else mx.zeros_like(last)]
+        flat = mx.concatenate([p.reshape(-1) for p in parts])
+        if rank != 0:
+            flat = mx.depends(flat, mx.distributed.send(h, rank - 1))
+        flat = mx.distributed.all_sum(flat)
+        rows = [p.size for p in parts]
+        pieces = mx.split(flat, [sum(rows[: k + 1]) for k in range(len(rows) - 1)])
+        shared = [p.reshape(q.shape) for p, q in zip(pieces, parts)]
+        return shared[-1], shared[:-1]
 
     def first_input(self, tokens: mx.array) -> mx.array:
         """The first layer's input."""

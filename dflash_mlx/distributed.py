@@ -1,0 +1,190 @@
+"""DFlash across ranks of ``mx.distributed`` (started by ``mlx.launch``).
+
+Every rank runs the same token loop, cycle and drafter; only the target is
+split, by mlx-lm's own sharding, and its adapter hands every rank the same
+logits and tapped hidden states (targets/base.py). So acceptance, rollback
+and the prompt cache stay exact on every rank with nothing else aware of it.
+
+Splits: ``"pipeline"`` (each rank runs its own layers, the family's
+``pipeline()``), ``"tensor"`` (every layer split across the ranks, the
+family's ``shard()``), ``"auto"``: pipeline where the family and its adapter
+have it, else tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed as sharded_layers
+from mlx.utils import tree_flatten
+
+SPLITS = ("auto", "pipeline", "tensor")
+
+_SHARDED = (
+    sharded_layers.AllToShardedLinear,
+    sharded_layers.ShardedToAllLinear,
+    sharded_layers.QuantizedAllToShardedLinear,
+    sharded_layers.QuantizedShardedToAllLinear,
+)
+
+
+def world() -> mx.distributed.Group | None:
+    """The group ``mlx.launch`` started this process in; None when alone."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def is_first_rank(group: mx.distributed.Group | None) -> bool:
+    """Whether this process speaks for the group (prints, writes files)."""
+    return group is None or group.rank() == 0
+
+
+def pipeline_place(inner: nn.Module) -> tuple[int, int]:
+    """(rank, size) of mlx-lm's pipeline split of ``inner`` (1 stage: (0, 1))."""
+    return int(getattr(inner, "pipeline_rank", 0)), int(getattr(inner, "pipeline_size", 1))
+
+
+def tensor_group(model: nn.Module) -> mx.distributed.Group | None:
+    """The group that mlx-lm's ``shard()`` split ``model``'s layers over, else None."""
+    for _, module in model.named_modules():
+        group = getattr(module, "group", None) if isinstance(module, _SHARDED) else None
+        group = group or getattr(module, "sharding_group", None)
+        if group is not None and group.size() > 1:
+            return group
+    return None
+
+
+def can_pipeline(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "language_model", model), "model") and hasattr(
+        getattr(model, "language_model", model).model, "pipeline"
+    )
+
+
+def choose_split(model: nn.Module, split: str, pipelines: bool) -> str:
+    """The split to use for ``model`` (loaded lazily, unsplit); ``pipelines``:
+    whether its family's adapter runs a slice of the layers."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}.")
+    has_pipeline, has_tensor = can_pipeline(model) and pipelines, hasattr(model, "shard")
+    if split == "auto":
+        split = "pipeline" if has_pipeline else "tensor"
+    if split == "pipeline" and not has_pipeline:
+        how = "use split='tensor' (--split tensor)" if has_tensor else "run it on one machine"
+        raise ValueError(f"this target's family cannot be pipelined across ranks yet; {how}.")
+    if split == "tensor" and not has_tensor:
+        how = "use split='pipeline' (--split pipeline)" if has_pipeline else "run it on one machine"
+        raise ValueError(f"mlx-lm cannot split this target's family across ranks by tensor; {how}.")
+    return split
+
+
+def sharded_target(path: Path, group: mx.distributed.Group, split: str, pipelines: bool, trust_remote_code: bool):
+    """(model, tokenizer) of the target at ``path``, split over ``group`` by
+    mlx-lm's ``sharded_load``; ``pipelines``: as in ``choose_split``."""
+    from mlx_lm.utils import load_model, sharded_load
+
+    if split in ("auto", "pipeline") and not (path / "model.safetensors.index.json").is_file():
+        if split == "pipeline":
+            raise ValueError(
+                f"{path} has no model.safetensors.index.json, which a pipelined load reads; "
+                "save it with mlx_lm.convert or use split='tensor'."
+            )
+        pipelines = False
+    lazy, _ = load_model(path, lazy=True, strict=False, trust_remote_code=trust_remote_code)
+    split = choose_split(lazy, split, pipelines)
+    groups = {"pipeline_group": group} if split == "pipeline" else {"tensor_group": group}
+    try:
+        return sharded_load(str(path), **groups, trust_remote_code=trust_remote_code)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(
+            f"mlx-lm cannot split the target {path} over {group.size()} ranks ({type(e).__name__}: {e}); "
+            "check that every rank has the same complete model directory."
+        ) from e
+
+
+def _versions() -> dict:
+    import mlx_lm
+
+    from . import __name__ as package
+
+    try:
+        from importlib.metadata import version
+
+        ours = version("mlx-dflash")
+    except Exception:
+        ours = package
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "dflash_mlx": ours}
+
+
+def _sample(array: mx.array, rows: int = 16) -> bytes:
+    """The bytes of a few evenly spaced rows of ``array`` (all of a small one)."""
+    if array.ndim > 1 and array.shape[0] > rows:
+        step = array.shape[0] // rows
+        array = array[::step][:rows]
+    return memoryview(mx.contiguous(array.view(mx.uint8) if array.dtype != mx.bool_ else array)).tobytes()
+
+
+def fingerprint(target, draft) -> dict[str, str]:
+    """What every rank must share, each part hashed: versions, the target's
+    config and split, the weights every rank keeps whole (outside the layers)
+    and the drafter's."""
+    text = getattr(target.model, "language_model", target.model)
+    split = {
+        "pipeline": target.pipeline_size,
+        "tensor": 1 if target.tensor_group is None else target.tensor_group.size(),
+        "layers": target.num_layers,
+    }
+    config = getattr(text, "args", None)
+    config = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    parts = {
+        "versions": json.dumps(_versions(), sort_keys=True),
+        "split": json.dumps(split, sort_keys=True),
+        "target config": json.dumps(config, sort_keys=True, default=str),
+    }
+    whole = [(k, v) for k, v in tree_flatten(text.parameters()) if ".layers." not in f".{k}"]
+    drafter = tree_flatten(draft.parameters()) if draft is not None else []
+    for name, params in (("target weights", whole), ("drafter weights", drafter)):
+        h = hashlib.sha256()
+        for key, value in sorted(params, key=lambda kv: kv[0]):
+            h.update(f"{key}{value.shape}{value.dtype}".encode())
+            h.update(_sample(value))
+        parts[name] = h.hexdigest()
+    return {name: hashlib.sha256(value.encode()).hexdigest() for name, value in parts.items()}
+
+
+def check_ranks_agree(group: mx.distributed.Group, target, draft) -> None:
+    """Refuse, on every rank alike, a group whose ranks loaded different
+    things: each rank's fingerprint goes to every other."""
+    parts = fingerprint(target, draft)
+    words = [int(digest[i : i + 8], 16) for digest in parts.values() for i in range(0, 64, 8)]
+    mine = mx.array(words, dtype=mx.uint32)
+    every = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu)
+    every = every.reshape(group.size(), len(parts), 8)
+    differ = mx.any(every != every[:1], axis=(0, 2)).tolist()
+    names = [name for name, d in zip(parts, differ) if d]
+    if names:
+        raise ValueError(
+            f"the {group.size()} ranks loaded different {', '.join(names)}; give every rank the same "
+            "model and drafter directories and the same versions of mlx, mlx-lm and dflash-mlx."
+        )
+
+
+def exchanged_bytes(target, taps: int, rows: int, last_only: bool = False) -> int:
+    """Bytes a rank sends in one pipelined target call over ``rows`` positions:
+    the hidden state to the next stage, and its share of the all-sum that
+    brings every tap and the last hidden state to every rank."""
+    size = target.pipeline_size
+    if size == 1:
+        return 0
+    itemsize = target.dtype.size
+    hidden = rows * target.hidden_size * itemsize
+    gathered = (taps * rows + (1 if last_only else rows)) * target.hidden_size * itemsize
+    # a ring all-sum sends 2 (n - 1) / n of the buffer from each rank
+    return hidden + 2 * (size - 1) * gathered // size

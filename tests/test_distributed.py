@@ -1,0 +1,156 @@
+"""DFlash across ranks: ``mlx.launch --backend ring`` runs 2 or 3 MLX
+processes over loopback on this CPU, the target split by mlx-lm (tensor
+parallel for qwen3, a pipeline for qwen3_moe); every rank's tokens must equal
+one process's, which equal mlx-lm's greedy decoding.
+
+Run as a script, this file is one rank: it loads the pair split over the
+group and writes the tokens it generated to ``<out>/rank<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+PROMPT = [3, 17, 5, 9, 22, 11, 4]
+MAX_TOKENS = 14
+BLOCKS = [2, 5, "auto"]
+SEED = 7
+TEMP = 0.8
+
+
+def tokens(model, draft, tokenizer, **settings) -> list[int]:
+    from dflash_mlx import stream_generate
+
+    responses = stream_generate(model, draft, tokenizer, PROMPT, max_tokens=MAX_TOKENS, **settings)
+    return [t for r in responses for t in r.tokens]
+
+
+def runs(model, draft, tokenizer) -> dict:
+    """Greedy tokens at each block size, and a seeded sampled run."""
+    out = {str(b): tokens(model, draft, tokenizer, block_size=b) for b in BLOCKS}
+    out["sampled"] = tokens(model, draft, tokenizer, block_size=4, temperature=TEMP, seed=SEED)
+    return out
+
+
+def rank_main(target: str, draft: str, split: str, out: str) -> None:
+    from dflash_mlx.loading import load
+
+    group = mx.distributed.init()
+    try:
+        model, drafter, tokenizer = load(target, draft, group=group, split=split, dtype="float32")
+        result = runs(model, drafter, tokenizer)
+    except ValueError as e:
+        result = {"error": str(e)}
+    (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    rank_main(*sys.argv[1:5])
+    sys.exit(0)
+
+
+from family_models import family_config, make_family_target  # noqa: E402
+from tiny import (  # noqa: E402
+    draft_config,
+    greedy_reference,
+    lean_towards_one_token,
+    make_target,
+    make_tokenizer,
+    random_draft_weights,
+    target_config,
+    write_target,
+    write_zlab_draft,
+)
+
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+pytestmark = pytest.mark.skipif(not Path(LAUNCH).is_file(), reason="mlx.launch (MLX's launcher) is not installed")
+
+
+def write_pair(root: Path, family: str, layers: int, draft_seed: int = 1) -> tuple[Path, Path, object]:
+    """A tiny target of ``family`` (its weights indexed, as a pipelined load
+    reads them) and a drafter tapping two of its layers; returns the
+    directories and the target."""
+    if family == "qwen3":
+        cfg = target_config("qwen3", vocab=48, layers=layers, hidden=64)
+        model = make_target(cfg)
+    else:
+        cfg = family_config(family, vocab=48, layers=layers, hidden=64)
+        model = make_family_target(cfg)
+    model = lean_towards_one_token(model, 1.5)
+    target = write_target(root / f"{family}-target", cfg, model, make_tokenizer(48))
+    names = mx.load(str(target / "model.safetensors"))
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model.safetensors" for k in names}})
+    )
+    dcfg = draft_config(cfg, layers=2, block_size=6, taps=[1, layers - 2])
+    draft = write_zlab_draft(root / f"{family}-draft-{draft_seed}", dcfg, random_draft_weights(dcfg, draft_seed))
+    return target, draft, model
+
+
+def launch(ranks: int, target: Path, drafts: list[Path], split: str, out: Path) -> list[dict]:
+    """Each rank's results; ``drafts``: one drafter for all ranks, or one a rank."""
+    out.mkdir()
+    hosts = out / "hosts.json"
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * ranks))
+    script = Path(__file__).resolve()
+    if len(drafts) == 1:
+        command = [sys.executable, str(script), str(target), str(drafts[0]), split, str(out)]
+    else:  # a wrapper picks each rank's drafter by its rank
+        chooser = out / "rank.sh"
+        cases = " ".join(f'{r}) d="{d}";;' for r, d in enumerate(drafts))
+        chooser.write_text(
+            f'case "$MLX_RANK" in {cases} esac\nexec "{sys.executable}" "{script}" "{target}" "$d" {split} "{out}"\n'
+        )
+        command = ["bash", str(chooser)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [LAUNCH, "--backend", "ring", "-n", str(ranks), *command], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def one_process(target: Path, draft: Path) -> dict:
+    from dflash_mlx.loading import load
+
+    model, drafter, tokenizer = load(target, draft, dtype="float32")
+    return runs(model, drafter, tokenizer)
+
+
+@pytest.mark.parametrize(
+    "family, layers, split, ranks",
+    [("qwen3", 4, "tensor", 2), ("qwen3_moe", 4, "pipeline", 2), ("qwen3_moe", 4, "pipeline", 3)],
+)
+def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):
+    target, draft, model = write_pair(tmp_path, family, layers)
+    alone = one_process(target, draft)
+    expected = greedy_reference(model, PROMPT, MAX_TOKENS)
+    for b in BLOCKS:
+        assert alone[str(b)] == expected, b
+    for rank, result in enumerate(launch(ranks, target, [draft], split, tmp_path / "out")):
+        assert "error" not in result, result
+        assert result == alone, f"rank {rank} differs from one process"
+
+
+def test_auto_split_pipelines_a_family_that_has_it(tmp_path):
+    target, draft, _ = write_pair(tmp_path, "qwen3_moe", 4)
+    alone = one_process(target, draft)
+    for result in launch(2, target, [draft], "auto", tmp_path / "out"):
+        assert result == alone
+
+
+def test_ranks_with_different_drafters_are_refused(tmp_path):
+    target, draft, _ = write_pair(tmp_path, "qwen3", 4)
+    _, other, _ = write_pair(tmp_path, "qwen3", 4, draft_seed=2)
+    for result in launch(2, target, [draft, other], "tensor", tmp_path / "out"):
+        assert "drafter weights" in result.get("error", ""), result
+        assert "same model and drafter" in result["error"]
