@@ -68,6 +68,15 @@ console = _Console(highlight=False)
 err = _Console(stderr=True, highlight=False)
 
 
+def speak_on_first_rank_only(group) -> None:
+    """Under ``mlx.launch`` (``group``: distributed.world()), silence every
+    rank but the first: the ranks run alike, one of them prints."""
+    if group is None or group.rank() == 0:
+        return
+    console.quiet = err.quiet = True
+    silence_stdout()
+
+
 @contextmanager
 def user_errors(verbose: bool = False, interrupted: str = "interrupted") -> Iterator[None]:
     """Turn what users can cause into one red sentence and exit code 1 (a

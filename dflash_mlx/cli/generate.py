@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
+from typing import Annotated
 
 import typer
 from rich.text import Text
 
 from . import options
 from .cache_prompt import open_cache, read_cache_file
-from .console import err, note, user_errors
+from .console import UserError, err, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
 from .pair import room_for_reply
 from .progress import PrefillProgress
@@ -31,8 +32,20 @@ $ cat question.txt | dflash-mlx generate --model Qwen/Qwen3-8B --prompt - --pref
 
 $ dflash-mlx generate --model Qwen/Qwen3-8B --prompt-cache-file manual.safetensors --prompt "What does chapter 2 say?"
 
+$ mlx.launch --hostfile hosts.json dflash-mlx generate --model ./kimi-k2.5-4bit --prompt "Hello"
+
 Without --model the built-in pair runs; without --draft-model the drafter comes from the known pairs (dflash-mlx models).
+Under mlx.launch the target is split across the ranks (docs/distributed.md) and only rank 0 prints.
 """
+
+Split = Annotated[
+    str,
+    typer.Option(
+        "--split",
+        help="Under mlx.launch, how the target is split across the ranks: pipeline, tensor or auto "
+        "(pipeline where the family has it).",
+    ),
+]
 
 
 @takes_groups
@@ -49,6 +62,7 @@ def generate_command(
     prompt_cache_file: options.PromptCacheFile = None,
     prefill_step_size: options.PrefillStepSize = 2048,
     kv: Kv = flags(Kv),
+    split: Split = "auto",
     verbose: options.Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
@@ -57,7 +71,13 @@ def generate_command(
     the block used, acceptance length and rate, peak memory) follows on stderr.
     Leaving out --model uses the built-in pair.
     """
+    from dflash_mlx import distributed
+
+    group = distributed.world()
+    speak_on_first_rank_only(group)
     with user_errors(verbose):
+        if group is not None and prompt_cache_file is not None:
+            raise UserError("--prompt-cache-file cannot be used across ranks yet; leave it out under mlx.launch.")
         text = read_prompt(prompt)
         if prompt_cache_file is not None:  # the file's prefix, then the prompt
             cached = read_cache_file(prompt_cache_file)
@@ -70,8 +90,14 @@ def generate_command(
         kv.check(prompt_cache_file)
         from dflash_mlx import stream_generate
 
-        target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        if group is None:
+            target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        else:
+            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
         block_size = generation["block_size"]
+        if group is not None and block_size in ("auto", None):
+            # auto times each rank on its own, and every rank must run the same block
+            generation["block_size"] = block_size = draft.config.block_size
         check_drafter_block(block_size, draft)
         template.prepare(tokenizer)
         ids = prompt_ids(
@@ -128,3 +154,23 @@ def generate_command(
                 sys.stderr.flush()
             if last.finish_reason == "length" and reply_tokens < sampling.max_tokens:
                 note(f"stopped at {limit}: the reply cannot be longer than the context the target was trained for.")
+
+
+def load_split(pair: Pair, group, split: str, adapter_path, trust_remote_code: bool):
+    """(target, drafter, tokenizer), the target split across ``group``'s ranks."""
+    from dflash_mlx import loading
+
+    from .pair import model_or_builtin
+
+    if pair.draft_model == "none":
+        raise UserError("--draft-model none cannot run across ranks yet; name a drafter under mlx.launch.")
+    return loading.load(
+        model_or_builtin(pair.model, pair.draft_model),
+        pair.draft_model,
+        adapter_path=adapter_path,
+        trust_remote_code=trust_remote_code,
+        dtype=pair.dtype,
+        flags=True,
+        group=group,
+        split=split,
+    )
