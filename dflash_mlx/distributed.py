@@ -188,3 +188,25 @@ def exchanged_bytes(target, taps: int, rows: int, last_only: bool = False) -> in
     gathered = (taps * rows + (1 if last_only else rows)) * target.hidden_size * itemsize
     # a ring all-sum sends 2 (n - 1) / n of the buffer from each rank
     return hidden + 2 * (size - 1) * gathered // size
+
+
+def agreed_chooser(chooser, group: mx.distributed.Group):
+    """``chooser`` (auto/chooser.py's, this process's) with every choice
+    rank 0's, so every rank runs the same block; ``block_size="auto"``
+    across ranks needs it."""
+    from .auto.chooser import BlockChooser
+
+    class AgreedChooser(BlockChooser):
+        def __init__(self):
+            self.__dict__ = chooser.__dict__  # one state with the process's chooser
+
+        def choose(self, would_build=None) -> int:
+            mine = super().choose(would_build)
+            from mlx_lm.generate import generation_stream
+
+            # after the queued cycle's exchanges on every rank alike, which share the connection
+            with mx.stream(generation_stream):
+                picked = mx.distributed.all_sum(mx.array(mine if group.rank() == 0 else 0, mx.int32), group=group)
+            return int(picked.item())
+
+    return AgreedChooser()

@@ -60,8 +60,29 @@ def rank_main(target: str, draft: str, split: str, out: str) -> None:
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(result))
 
 
+def chooser_main(out: str) -> None:
+    """Each rank times cycles differently; the agreed chooser's choices must
+    still be one sequence, rank 0's own chooser's."""
+    from dflash_mlx.auto.chooser import BlockChooser
+    from dflash_mlx.distributed import agreed_chooser
+
+    group = mx.distributed.init()
+    agreed, alone = agreed_chooser(BlockChooser(2, 8), group), BlockChooser(2, 8)
+    picks, own = [], []
+    for cycle in range(60):
+        for chooser, sequence in ((agreed, picks), (alone, own)):
+            b = chooser.choose()
+            sequence.append(b)
+            slow = 1 + (b if group.rank() == 0 else 9 - b)  # each rank finds other sizes fast
+            chooser.record(b, min(b - 1, cycle % 4), slow / 1000)
+    (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps({"agreed": picks, "own": own}))
+
+
 if __name__ == "__main__":
-    rank_main(*sys.argv[1:5])
+    if sys.argv[1] == "chooser":
+        chooser_main(sys.argv[2])
+    else:
+        rank_main(*sys.argv[1:5])
     sys.exit(0)
 
 
@@ -180,3 +201,21 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
     for result in launch(2, target, [draft, other], "tensor", tmp_path / "out"):
         assert "drafter weights" in result.get("error", ""), result
         assert "same model and drafter" in result["error"]
+
+
+def test_auto_chooses_one_block_on_every_rank(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve()
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    done = subprocess.run(
+        [LAUNCH, "--backend", "ring", "-n", "2", sys.executable, str(script), "chooser", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    assert first["own"] != second["own"]  # alone, the ranks' timings would part them
+    assert first["agreed"] == second["agreed"] == first["own"]
