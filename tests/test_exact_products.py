@@ -190,7 +190,8 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         warnings.simplefilter("error")
         linear.prepare_exact(module, dtype)
     (result,) = ep._checks.values()
-    assert result.ok and sorted(set(kernel.rows)) == sorted(ep.CHECK_ROWS)
+    # the variant's cases, then the layer's own weight at a verify's rows
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*ep.CHECK_ROWS, ep.MEASURED_ROWS})
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()
         x = rows_of(rows, 256, dtype)
@@ -214,7 +215,8 @@ def test_the_norm_swiglu_and_residual_around_it_stay_mlxs_ops(fake_gpu):
     norm = nn.RMSNorm(256)
     norm.weight = (1 + 0.1 * mx.random.normal((256,), key=mx.random.key(5))).astype(mx.bfloat16)
     kernel = fake_gpu(FakeKernel())
-    linear.prepare_exact(module, mx.bfloat16)
+    for layer in (module, gate_up, heads_out):
+        linear.prepare_exact(layer, mx.bfloat16)
     x, h = rows_of(6, 256), rows_of(6, 64)
     kernel.rows.clear()
     got = linear.apply_linear(module, x, residual=h, norm=norm)
@@ -241,6 +243,7 @@ def test_on_metal_each_order_a_layers_k_can_take_is_checked(monkeypatch):
     small, fused = dense(512, 16), dense(512, 96)  # (512 >= 16 x 16: split; 512 < 16 x 96: not)
     linear.prepare_exact(small, mx.bfloat16)
     assert {v.order.split for _, v in ep._checks} == {1, 8} and all(r.ok for r in ep._checks.values())
+    linear.prepare_exact(fused, mx.bfloat16)  # (its own shape's rows, as layers/fused.py does)
     assert {n for v in ep._checks.values() for n in ep.check_sizes("metal", v.variant)} >= {32, 27, 68, 73}
     for module in (small, fused):
         kernel.rows.clear()
@@ -324,6 +327,7 @@ def test_the_block_product_kernel_takes_only_what_the_exact_one_leaves(fake_gpu,
         warnings.simplefilter("ignore")
         linear.prepare(mx.bfloat16)
         linear.prepare_exact(module, mx.bfloat16)
+        linear.prepare_exact(gate_up, mx.bfloat16)
     x, h = rows_of(6, 256), rows_of(6, 64)
     block.calls = block.norms = block.swiglus = 0
     exact.rows = []

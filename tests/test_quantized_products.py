@@ -215,7 +215,8 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         warnings.simplefilter("error")
         linear.prepare_quantized(module, mx.bfloat16)
     (result,) = qp._checks.values()
-    assert result.ok and sorted(set(kernel.rows)) == sorted(qp.CHECK_ROWS)
+    # the variant's cases, then the layer's own weight at a verify's rows
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*qp.CHECK_ROWS, qp.MEASURED_ROWS})
     k = module.weight.shape[1] * 32 // module.bits
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()
@@ -623,3 +624,25 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x)) or serves
     assert bool(kernel.rows) == serves
+
+
+class WideOff(FakeKernel):
+    """Exact on the check's small weights, one rounding off past 64 outputs:
+    a one-row kernel whose order changes with N."""
+
+    def __call__(self, x, weight, scales, biases, **kw):
+        y = super().__call__(x, weight, scales, biases, **kw)
+        return y.at[..., 0].add(mx.array(1e-2, y.dtype)) if weight.shape[0] > 72 else y
+
+
+def test_a_variant_that_checks_out_but_rounds_otherwise_at_a_layers_own_n_is_not_used(fake_gpu):
+    kernel = fake_gpu(WideOff())
+    small, wide = quantized_linear(512, 64), quantized_linear(512, 128)
+    linear.prepare_quantized(small, mx.bfloat16)
+    linear.prepare_quantized(wide, mx.bfloat16)
+    variant = qp.variant_of(wide, mx.bfloat16)
+    assert qp._checks[("fake", variant)].ok
+    assert qp.use_quantized_kernel("fake", variant, 64) and not qp.use_quantized_kernel("fake", variant, 128)
+    kernel.rows.clear()
+    x = rows_of(5, 512)
+    assert mx.array_equal(linear.apply_linear(wide, x), wide(x)) and kernel.rows == []

@@ -170,9 +170,14 @@ _kernels: dict[str, ExactProductKernel] = {}
 _checks: dict[tuple[str, Variant], ExactCheck] = {}
 
 
+# (backend, variant, N): whether a layer's own weight gave each row bit for bit its one-row product.
+_exact_at: dict[tuple[str, Variant, int], bool] = {}
+
+
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
+    _exact_at.clear()
 
 
 DECISION = "dense verify"
@@ -198,8 +203,14 @@ def prepare(model: nn.Module, dtype) -> None:
         for order in orders_at(where, k):
             checked(where, Variant(dtype, k, order, bias))
         variant = variant_of(module, dtype, where)
-        case = decision_case(variant, module.weight.shape[0])
-        if _checks[(where, variant)].ok and decisions.current().needs(DECISION, case):
+        n = module.weight.shape[0]
+        if _checks[(where, variant)].ok and (where, variant, n) not in _exact_at:
+            x = mx.random.normal((MEASURED_ROWS, k), key=mx.random.key(k)).astype(dtype)
+            got = product(module, x, measuring=True)
+            want = one_row_products(x, module["weight"], module["bias"] if "bias" in module else None)
+            _exact_at[(where, variant, n)] = got is not None and bool(mx.array_equal(got, want))
+        case = decision_case(variant, n)
+        if _exact_at.get((where, variant, n)) and decisions.current().needs(DECISION, case):
             x = mx.random.normal((MEASURED_ROWS, k)).astype(dtype)
             decisions.current().decide(
                 DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
@@ -230,7 +241,9 @@ def use_exact_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and measured faster here."""
     result = _checks.get((where, variant))
-    return result is not None and result.ok and decisions.current().uses(DECISION, decision_case(variant, n))
+    if result is None or not result.ok or not _exact_at.get((where, variant, n), False):
+        return False
+    return decisions.current().uses(DECISION, decision_case(variant, n))
 
 
 def takes(module: nn.Module, x: mx.array, measuring: bool = False) -> bool:

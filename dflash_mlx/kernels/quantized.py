@@ -200,11 +200,15 @@ def variant_of(module: nn.Module, dtype) -> Variant | None:
 BUILDERS = {"metal": QuantizedProductKernel, "cuda": QuantizedProductKernel}
 _kernels: dict[str, QuantizedProductKernel] = {}
 _checks: dict[tuple[str, Variant], QuantizedCheck] = {}
+# (backend, variant, N): whether a layer's own weight gave each row bit for bit
+# its one-row product (a one-row kernel's order may change with N).
+_exact_at: dict[tuple[str, Variant, int], bool] = {}
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
+    _exact_at.clear()
 
 
 DECISION = "quantized verify"
@@ -221,12 +225,29 @@ def prepare(model: nn.Module, dtype) -> None:
         variant = variant_of(module, dtype)
         if variant is None or not checked(where, variant).ok:
             continue
-        case = decision_case(variant, module["weight"].shape[0])
-        if decisions.current().needs(DECISION, case):
+        n = module["weight"].shape[0]
+        if (where, variant, n) not in _exact_at:
+            _exact_at[(where, variant, n)] = exact_on(module, variant, dtype)
+        case = decision_case(variant, n)
+        if _exact_at[(where, variant, n)] and decisions.current().needs(DECISION, case):
             x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
             decisions.current().decide(
                 DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
             )
+
+
+def exact_on(module: nn.Module, variant: Variant, dtype) -> bool:
+    """Whether the kernel's rows through ``module``'s own weight equal its one-row products."""
+    x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
+    got = product(module, x, measuring=True)
+    bias = module["bias"] if "bias" in module else None
+    want = one_row_products(
+        x, module["weight"], module["scales"], module.get("biases"), bits=variant.bits, group=variant.group,
+        mode=variant.mode,
+    )  # fmt: skip
+    if bias is not None:
+        want = want + bias
+    return got is not None and bool(mx.array_equal(got, want))
 
 
 def decision_case(variant: Variant, n: int) -> str:
@@ -253,7 +274,9 @@ def use_quantized_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and measured faster here."""
     result = _checks.get((where, variant))
-    return result is not None and result.ok and decisions.current().uses(DECISION, decision_case(variant, n))
+    if result is None or not result.ok or not _exact_at.get((where, variant, n), False):
+        return False
+    return decisions.current().uses(DECISION, decision_case(variant, n))
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 
 from .blocks import dense_block
-from .linear import apply_linear, apply_linear_swiglu
+from .linear import apply_linear, apply_linear_swiglu, prepare_products
 
 # Layers whose attention and MLP are qwen3's (projection names and forward);
 # a drafter's layer says so itself with ``fusable_projections``.
@@ -112,6 +112,11 @@ def projections(layer: nn.Module) -> FusedProjections | None:
             # (a quantized weight packs along its columns: rows are still outputs)
             nk, nv = attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
             made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up)
+            # the fused shapes are new ones: check and time their verify products too
+            norm = getattr(layer, "input_layernorm", None)
+            if norm is not None:
+                for fused in (kvq, gate_up):
+                    prepare_products(fused, norm.weight.dtype)
     _fused[key] = (weakref.ref(layer, lambda _, key=key: _fused.pop(key, None)), made, _sources(layer))
     return made
 

@@ -169,3 +169,11 @@ def prepare_quantized(model: nn.Module, dtype) -> None:
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedEmbedding:  # (a tied output head's)
             quantized.prepare(quantized_head(module), dtype)
+
+
+def prepare_products(model: nn.Module, dtype) -> None:
+    """Check, at ``dtype`` rows, the exact verify products for every linear
+    layer of ``model`` at its own shape (quantized and dense), and time them
+    on this machine; call it outside compiled traces."""
+    prepare_quantized(model, dtype)
+    prepare_exact(model, dtype)

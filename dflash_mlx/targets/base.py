@@ -13,7 +13,7 @@ from .. import distributed
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
-from ..layers.linear import NORM_MOST, apply_linear, linear_head, prepare_exact, prepare_quantized, quantized_head
+from ..layers.linear import NORM_MOST, apply_linear, linear_head, prepare_products, quantized_head
 
 
 class DenseTarget:
@@ -51,8 +51,7 @@ class DenseTarget:
         self.tied = bool(getattr(args, "tie_word_embeddings", False)) or "lm_head" not in self.text
         self.embed_scale = 1.0
         self.make_blocks()
-        prepare_quantized(self.text, self.dtype)
-        prepare_exact(self.text, self.dtype)
+        prepare_products(self.text, self.dtype)
 
     @classmethod
     def pipelines(cls) -> bool:
