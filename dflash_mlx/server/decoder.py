@@ -25,6 +25,7 @@ def dflash_figures(last, block_sizes: set[int]) -> dict:
     plain_cycles = int(getattr(last, "plain_cycles", 0) or 0)
     drafted = int(last.cycles) > plain_cycles
     return {
+        "path": "dflash",
         "acceptance_length": round(float(last.acceptance_length), 4) if drafted else None,
         "acceptance_rate": round(float(last.acceptance_rate), 4) if drafted else None,
         "cycles": int(last.cycles),
@@ -112,6 +113,7 @@ class Decoder:
             block_size=self.block_size,
             prompt_cache=cache,
             prefill_step_size=self.prefill_step_size,
+            prompt_progress=job.prefill_progress,
             logprobs=p.logprobs,
             lookup=self.lookup,
         )

@@ -41,6 +41,7 @@ class ServerConfig:
     min_p: float = 0.0
     seed: Optional[int] = None
     block_size: int | str | None = None
+    lookup: bool | str = False  # prompt lookup (stream_generate's): False, True or "auto"
     prefill_step_size: int = 2048
     api_key: Optional[str] = None
     chat_template_args: dict = field(default_factory=dict)
@@ -109,6 +110,10 @@ def _presented_key(request: Request) -> Optional[str]:
 class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
         check_mode(config.batching)
+        if draft is None and config.lookup is False:
+            raise ValueError(
+                "the server has no drafter; load one, or draft by prompt lookup (lookup=True, --lookup on)."
+            )
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be 1 or more; got {config.max_batch}.")
         self.tokenizer, self.config = tokenizer, config
@@ -149,6 +154,7 @@ class Service:
             prefill_step_size=config.prefill_step_size,
             read_limit=self.context_length if bounded else None,
             metrics=self.metrics,
+            lookup=config.lookup,
         )
         # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
         plain_caches = config.kv_bits is None and not bounded
