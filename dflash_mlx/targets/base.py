@@ -37,6 +37,8 @@ class DenseTarget:
         self.tensor_group = distributed.tensor_group(self.text)
         if self.tensor_group is not None:  # fused products and shape routing assume whole weights
             self.fuse_projections = False
+        # the ranks that run every call together (mlx-lm's pipeline uses the global group)
+        self.group = self.tensor_group or (mx.distributed.init() if self.pipeline_size > 1 else None)
         if self.pipeline_size > 1:
             if not self.pipelines():
                 raise ValueError(
