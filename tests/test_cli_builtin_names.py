@@ -46,6 +46,7 @@ def test_models_lists_the_builtin_pair_first(monkeypatch, tmp_path):
     assert rows[0] == {
         "target": "builtin",
         "drafter": "builtin",
+        "format": "Z Lab DFlash",
         "runs": True,
         "why_not": None,
         "target_cached": True,
