@@ -42,9 +42,18 @@ def tokens(model, draft, tokenizer, **settings) -> list[int]:
 
 
 def runs(model, draft, tokenizer) -> dict:
-    """Greedy tokens at each block size, and a seeded sampled run."""
+    """Greedy tokens at each block size, a seeded sampled run, and two turns
+    through one prompt cache."""
+    from dflash_mlx import make_prompt_cache, stream_generate
+
     out = {str(b): tokens(model, draft, tokenizer, block_size=b) for b in BLOCKS}
     out["sampled"] = tokens(model, draft, tokenizer, block_size=4, temperature=TEMP, seed=SEED)
+    cache, prompt, turns = make_prompt_cache(model, draft), PROMPT, []
+    for _ in range(2):
+        responses = stream_generate(model, draft, tokenizer, prompt, max_tokens=6, block_size=3, prompt_cache=cache)
+        turns.append([t for r in responses for t in r.tokens])
+        prompt = prompt + turns[-1] + [5, 9]
+    out["turns"] = turns
     return out
 
 
