@@ -176,20 +176,6 @@ def check_ranks_agree(group: mx.distributed.Group, target, draft) -> None:
         )
 
 
-def exchanged_bytes(target, taps: int, rows: int, last_only: bool = False) -> int:
-    """Bytes a rank sends in one pipelined target call over ``rows`` positions:
-    the hidden state to the next stage, and its share of the all-sum that
-    brings every tap and the last hidden state to every rank."""
-    size = target.pipeline_size
-    if size == 1:
-        return 0
-    itemsize = target.dtype.size
-    hidden = rows * target.hidden_size * itemsize
-    gathered = (taps * rows + (1 if last_only else rows)) * target.hidden_size * itemsize
-    # a ring all-sum sends 2 (n - 1) / n of the buffer from each rank
-    return hidden + 2 * (size - 1) * gathered // size
-
-
 def agreed_chooser(chooser, group: mx.distributed.Group):
     """``chooser`` (auto/chooser.py's, this process's) with every choice
     rank 0's, so every rank runs the same block; ``block_size="auto"``

@@ -77,6 +77,15 @@ def speak_on_first_rank_only(group) -> None:
     silence_stdout()
 
 
+def refuse_under_launch(command: str, group) -> None:
+    """A command that runs on one machine, started by ``mlx.launch``
+    (``group``: distributed.world())."""
+    if group is not None:
+        raise UserError(
+            f"`dflash-mlx {command}` runs on one machine; across ranks use `dflash-mlx generate` under mlx.launch."
+        )
+
+
 @contextmanager
 def user_errors(verbose: bool = False, interrupted: str = "interrupted") -> Iterator[None]:
     """Turn what users can cause into one red sentence and exit code 1 (a

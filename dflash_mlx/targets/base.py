@@ -55,10 +55,14 @@ class DenseTarget:
         self.make_blocks()
         prepare_products(self.text, self.dtype)
 
+    # Whether the adapter runs a pipeline stage's slice of the layers (``here``);
+    # None: when it builds its layers, caches and masks through this class.
+    runs_a_stage: bool | None = None
+
     @classmethod
     def pipelines(cls) -> bool:
-        """Whether this adapter runs a pipeline stage: it builds its layers and
-        masks through this class, which picks the stage's own."""
+        if cls.runs_a_stage is not None:
+            return cls.runs_a_stage
         own = ("make_blocks", "make_cache", "masks", "windows", "__call__", "set_length")
         return all(getattr(cls, name) is getattr(DenseTarget, name) for name in own)
 
