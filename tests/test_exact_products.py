@@ -26,6 +26,7 @@ from tiny import (
 )
 
 from dflash_mlx.kernels import exact_products as ep
+from dflash_mlx.kernels import serving
 from dflash_mlx.layers import linear
 
 
@@ -191,7 +192,7 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         linear.prepare_exact(module, dtype)
     (result,) = ep._checks.values()
     # the variant's cases, then the layer's own weight at a verify's rows
-    assert result.ok and sorted(set(kernel.rows)) == sorted({*ep.CHECK_ROWS, ep.MEASURED_ROWS})
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*ep.CHECK_ROWS, serving.MEASURED_ROWS})
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()
         x = rows_of(rows, 256, dtype)

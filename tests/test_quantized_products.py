@@ -23,6 +23,7 @@ from tiny import (
 )
 
 from dflash_mlx.kernels import quantized as qp
+from dflash_mlx.kernels import serving
 from dflash_mlx.layers import linear
 
 
@@ -216,7 +217,7 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         linear.prepare_quantized(module, mx.bfloat16)
     (result,) = qp._checks.values()
     # the variant's cases, then the layer's own weight at a verify's rows
-    assert result.ok and sorted(set(kernel.rows)) == sorted({*qp.CHECK_ROWS, qp.MEASURED_ROWS})
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*qp.CHECK_ROWS, serving.MEASURED_ROWS})
     k = module.weight.shape[1] * 32 // module.bits
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()

@@ -16,6 +16,7 @@ from ..device import backend
 from . import decisions
 from .attention import BlockAttentionKernel
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
+from .serving import failure
 
 # Where the kernel may serve, by query rows per key-value head: (most rows,
 # fewest keys; None: never). The first entry whose rows cover the call
@@ -206,8 +207,7 @@ def compare_with_ops(
         detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
         return CheckResult(where, name, head_dim, windowed, ok, detail)
     except Exception as e:  # a build or launch error: the kernel is not used
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return CheckResult(where, name, head_dim, windowed, False, f"{type(e).__name__}: {msg[:200]}")
+        return CheckResult(where, name, head_dim, windowed, False, failure(e))
 
 
 def _check_cases(dtype, head_dim: int, windowed: bool):

@@ -24,17 +24,16 @@ verify's rows (decisions.py). The CPU never runs it.
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import backend
-from . import decisions
 from .attention import make_factory
 from .exact_products_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .launch_source import compacting
+from .serving import LayerShapes, bit_difference, check_once, checked_here, failure, passed
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 FEWEST_ROWS, MOST_ROWS = 2, 32
@@ -170,18 +169,13 @@ _kernels: dict[str, ExactProductKernel] = {}
 _checks: dict[tuple[str, Variant], ExactCheck] = {}
 
 
-# (backend, variant, N): whether a layer's own weight gave each row bit for bit its one-row product.
-_exact_at: dict[tuple[str, Variant, int], bool] = {}
+_shapes = LayerShapes("dense verify")
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
-    _exact_at.clear()
-
-
-DECISION = "dense verify"
-MEASURED_ROWS = 16  # a verify of a block of 16
+    _shapes.clear()
 
 
 def orders_at(backend_name: str, k: int) -> list[Order]:
@@ -203,47 +197,33 @@ def prepare(model: nn.Module, dtype) -> None:
         for order in orders_at(where, k):
             checked(where, Variant(dtype, k, order, bias))
         variant = variant_of(module, dtype, where)
-        n = module.weight.shape[0]
-        if _checks[(where, variant)].ok and (where, variant, n) not in _exact_at:
-            x = mx.random.normal((MEASURED_ROWS, k), key=mx.random.key(k)).astype(dtype)
-            got = product(module, x, measuring=True)
-            want = one_row_products(x, module["weight"], module["bias"] if "bias" in module else None)
-            _exact_at[(where, variant, n)] = got is not None and bool(mx.array_equal(got, want))
-        case = decision_case(variant, n)
-        if _exact_at.get((where, variant, n)) and decisions.current().needs(DECISION, case):
-            x = mx.random.normal((MEASURED_ROWS, k)).astype(dtype)
-            decisions.current().decide(
-                DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
+        if _checks[(where, variant)].ok:
+            _shapes.prepare(
+                (where, variant, module.weight.shape[0]),
+                module,
+                lambda x, m=module: product(m, x, measuring=True),
+                lambda x, m=module: one_row_products(x, m["weight"], m["bias"] if "bias" in m else None),
+                dtype,
             )
-
-
-def decision_case(variant: Variant, n: int) -> str:
-    return f"{variant.case} N={n} rows={MEASURED_ROWS}"
 
 
 def checked(where: str, variant: Variant) -> ExactCheck:
     """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
-    key = (where, variant)
-    result = _checks.get(key)
-    if result is None:
-        result = _checks[key] = self_check(where, variant)
-        if not result.ok:
-            warnings.warn(
-                f"dflash_mlx: the {result.case} exact verify product failed its self-check "
-                f"({result.detail}); using MLX's matmul for it instead.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return result
+    return check_once(
+        _checks,
+        (where, variant),
+        lambda: self_check(where, variant),
+        lambda r: (
+            f"dflash_mlx: the {r.case} exact verify product failed its self-check ({r.detail}); "
+            "using MLX's matmul for it instead."
+        ),
+    )
 
 
 def use_exact_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
-    backend ``where``: where it passed its self-check and measured faster here."""
-    result = _checks.get((where, variant))
-    if result is None or not result.ok or not _exact_at.get((where, variant, n), False):
-        return False
-    return decisions.current().uses(DECISION, decision_case(variant, n))
+    backend ``where``: where it passed its self-check and serves that shape here."""
+    return passed(_checks, (where, variant)) and _shapes.serves((where, variant, n))
 
 
 def takes(module: nn.Module, x: mx.array, measuring: bool = False) -> bool:
@@ -263,8 +243,7 @@ def serves(module: nn.Module, rows: int, k: int, dtype, measuring: bool = False)
     if variant is None or k != variant.k:
         return False
     if measuring:
-        result = _checks.get((where, variant))
-        return result is not None and result.ok
+        return passed(_checks, (where, variant))
     return use_exact_kernel(where, variant, module.weight.shape[0])
 
 
@@ -337,27 +316,17 @@ def _check_once(where: str, variant: Variant, form: int) -> ExactCheck:
         for x, w, bias in check_cases(where, variant):
             got = kernel(x, w, bias, form=form)
             want = one_row_products(x, w, bias)
-            if got.shape != want.shape:
-                return ExactCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
-            if not mx.array_equal(got, want, equal_nan=True).item():
-                differ = (got != want).sum().item()
-                worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
+            detail = bit_difference(got, want)
+            if detail is not None:
                 return ExactCheck(where, variant, False, detail, form)
         return ExactCheck(where, variant, True, "every row equal to MLX's one-row product", form)
     except Exception as e:  # a build or launch error: the kernel is not used
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return ExactCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
+        return ExactCheck(where, variant, False, failure(e))
 
 
 def self_check_all(report=None) -> list[ExactCheck]:
     """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
-    where = backend()
-    results = [r for (w, _), r in _checks.items() if w == where]
-    if report is not None:
-        for r in results:
-            report(r)
-    return results
+    return checked_here(_checks, backend(), report)
 
 
 def record_variants(factory, backend_name: str) -> None:

@@ -39,8 +39,6 @@ and is never used: its callers run mlx-lm's path (``recurrence``).
 
 from __future__ import annotations
 
-import warnings
-
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
@@ -48,6 +46,8 @@ from ..device import backend, constant_arange
 from .attention import make_factory
 from .dispatch import TOLERANCE, CheckResult
 from .launch_source import compacting
+from .serving import check_once, failure
+from .serving import passed as check_passed
 
 INPUTS = ["q", "k", "v", "g", "beta", "state_in", "steps"]
 OUTPUTS = ["y", "state_out"]
@@ -263,24 +263,22 @@ def prepare(dtype, key_dim: int, value_dim: int) -> None:
         return
     if value_dim < 8 or value_dim % rows_per_simdgroup(key_dim):
         return
-    key = (where, dtype, key_dim)
-    if key not in _checks:
-        result = _checks[key] = self_check(where, dtype, key_dim, value_dim)
-        if not result.ok:
-            instead = "mlx-lm's Metal kernel and per-step rollback" if where == "metal" else "mlx-lm's ops"
-            warnings.warn(
-                f"dflash_mlx: the {where} {result.dtype} Dk={key_dim} gated delta-net kernel failed its "
-                f"self-check ({result.detail}); using {instead} for it instead.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    instead = "mlx-lm's Metal kernel and per-step rollback" if where == "metal" else "mlx-lm's ops"
+    check_once(
+        _checks,
+        (where, dtype, key_dim),
+        lambda: self_check(where, dtype, key_dim, value_dim),
+        lambda r: (
+            f"dflash_mlx: the {where} {r.dtype} Dk={key_dim} gated delta-net kernel failed its "
+            f"self-check ({r.detail}); using {instead} for it instead."
+        ),
+    )
 
 
 def passed(dtype, key_dim: int) -> GatedDeltaKernel | None:
     """This backend's kernel if the variant passed its check; never checks."""
     where = backend()
-    result = _checks.get((where, dtype, key_dim))
-    return _kernels.get(where) if result is not None and result.ok else None
+    return _kernels.get(where) if check_passed(_checks, (where, dtype, key_dim)) else None
 
 
 def kernel_for(q, v, g, beta, state, use_kernel: bool = True) -> GatedDeltaKernel | None:
@@ -389,8 +387,7 @@ def self_check(where: str, dtype, key_dim: int, value_dim: int) -> CheckResult:
         mlx_lm = ", bit for bit mlx-lm's kernel" if where == "metal" else ""
         return result(True, f"max relative error {worst:.1e}, exact replay{mlx_lm}")
     except Exception as e:  # a build or launch error: the kernel is not used
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return result(False, f"{type(e).__name__}: {msg[:200]}")
+        return result(False, failure(e))
 
 
 def self_check_all(report=None) -> list[CheckResult]:

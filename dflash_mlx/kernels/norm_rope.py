@@ -29,7 +29,6 @@ runs.
 from __future__ import annotations
 
 import math
-import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +38,8 @@ from .attention_source import HEADER
 from .dispatch import CheckResult, backend, compare_with_ops
 from .launch_source import compacting
 from .ops import DTYPES, HEAD_DIMS
+from .serving import check_once
+from .serving import passed as check_passed
 
 INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
 OUTPUTS = ["q_out", "k_out"]
@@ -183,23 +184,21 @@ def prepare(dtype, head_dim: int) -> None:
     where = backend()
     if where == "cpu" or dtype not in DTYPES or head_dim not in HEAD_DIMS:
         return
-    key = (where, dtype, head_dim)
-    if key not in _checks:
-        result = _checks[key] = self_check(where, dtype, head_dim)
-        if not result.ok:
-            warnings.warn(
-                f"dflash_mlx: the {where} {result.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its self-check "
-                f"({result.detail}); using MLX's rms_norm and rope for it instead.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    check_once(
+        _checks,
+        (where, dtype, head_dim),
+        lambda: self_check(where, dtype, head_dim),
+        lambda r: (
+            f"dflash_mlx: the {where} {r.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its "
+            f"self-check ({r.detail}); using MLX's rms_norm and rope for it instead."
+        ),
+    )
 
 
 def passed(dtype, head_dim: int) -> NormRopeKernel | None:
     """This backend's kernel if the variant passed its check; never checks."""
     where = backend()
-    result = _checks.get((where, dtype, head_dim))
-    return _kernels.get(where) if result is not None and result.ok else None
+    return _kernels.get(where) if check_passed(_checks, (where, dtype, head_dim)) else None
 
 
 def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):

@@ -24,17 +24,16 @@ The CPU never runs it.
 from __future__ import annotations
 
 import itertools
-import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import backend
-from . import decisions
 from .attention import make_factory
 from .launch_source import compacting
 from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
+from .serving import LayerShapes, bit_difference, check_once, checked_here, failure, passed
 
 DTYPES = (mx.bfloat16, mx.float16)
 AFFINE_BITS = (4, 8)
@@ -200,19 +199,13 @@ def variant_of(module: nn.Module, dtype) -> Variant | None:
 BUILDERS = {"metal": QuantizedProductKernel, "cuda": QuantizedProductKernel}
 _kernels: dict[str, QuantizedProductKernel] = {}
 _checks: dict[tuple[str, Variant], QuantizedCheck] = {}
-# (backend, variant, N): whether a layer's own weight gave each row bit for bit
-# its one-row product (a one-row kernel's order may change with N).
-_exact_at: dict[tuple[str, Variant, int], bool] = {}
+_shapes = LayerShapes("quantized verify")
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
-    _exact_at.clear()
-
-
-DECISION = "quantized verify"
-MEASURED_ROWS = 16  # a verify of a block of 16
+    _shapes.clear()
 
 
 def prepare(model: nn.Module, dtype) -> None:
@@ -225,58 +218,41 @@ def prepare(model: nn.Module, dtype) -> None:
         variant = variant_of(module, dtype)
         if variant is None or not checked(where, variant).ok:
             continue
-        n = module["weight"].shape[0]
-        if (where, variant, n) not in _exact_at:
-            _exact_at[(where, variant, n)] = exact_on(module, variant, dtype)
-        case = decision_case(variant, n)
-        if _exact_at[(where, variant, n)] and decisions.current().needs(DECISION, case):
-            x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
-            decisions.current().decide(
-                DECISION, case, lambda m=module, x=x: product(m, x, measuring=True), lambda m=module, x=x: m(x)
-            )
+        _shapes.prepare(
+            (where, variant, module["weight"].shape[0]),
+            module,
+            lambda x, m=module: product(m, x, measuring=True),
+            lambda x, m=module, v=variant: one_row_layer(m, v, x),
+            dtype,
+        )
 
 
-def exact_on(module: nn.Module, variant: Variant, dtype) -> bool:
-    """Whether the kernel's rows through ``module``'s own weight equal its one-row products."""
-    x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
-    got = product(module, x, measuring=True)
-    bias = module["bias"] if "bias" in module else None
-    want = one_row_products(
+def one_row_layer(module: nn.Module, variant: Variant, x: mx.array) -> mx.array:
+    """``module(x)`` a row at a time through MLX's one-row product: a plain step's."""
+    y = one_row_products(
         x, module["weight"], module["scales"], module.get("biases"), bits=variant.bits, group=variant.group,
         mode=variant.mode,
     )  # fmt: skip
-    if bias is not None:
-        want = want + bias
-    return got is not None and bool(mx.array_equal(got, want))
-
-
-def decision_case(variant: Variant, n: int) -> str:
-    return f"{variant.case} N={n} rows={MEASURED_ROWS}"
+    return y + module["bias"] if "bias" in module else y
 
 
 def checked(where: str, variant: Variant) -> QuantizedCheck:
     """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
-    key = (where, variant)
-    result = _checks.get(key)
-    if result is None:
-        result = _checks[key] = self_check(where, variant)
-        if not result.ok:
-            warnings.warn(
-                f"dflash_mlx: the {result.case} quantized verify product failed its self-check "
-                f"({result.detail}); using MLX's quantized_matmul for it instead.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return result
+    return check_once(
+        _checks,
+        (where, variant),
+        lambda: self_check(where, variant),
+        lambda r: (
+            f"dflash_mlx: the {r.case} quantized verify product failed its self-check ({r.detail}); "
+            "using MLX's quantized_matmul for it instead."
+        ),
+    )
 
 
 def use_quantized_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
-    backend ``where``: where it passed its self-check and measured faster here."""
-    result = _checks.get((where, variant))
-    if result is None or not result.ok or not _exact_at.get((where, variant, n), False):
-        return False
-    return decisions.current().uses(DECISION, decision_case(variant, n))
+    backend ``where``: where it passed its self-check and serves that shape here."""
+    return passed(_checks, (where, variant)) and _shapes.serves((where, variant, n))
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).
@@ -356,27 +332,17 @@ def _check_once(where: str, variant: Variant, fused: bool) -> QuantizedCheck:
         for x, weight, scales, biases in check_cases(variant):
             got = kernel(x, weight, scales, biases, **quant, fused=fused)
             want = one_row_products(x, weight, scales, biases, **quant)
-            if got.shape != want.shape:
-                return QuantizedCheck(where, variant, False, f"output shape {got.shape} != {want.shape}")
-            if not mx.array_equal(got, want, equal_nan=True).item():
-                differ = (got != want).sum().item()
-                worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-                detail = f"{differ} of {got.size} outputs differ at {x.shape[0]} rows, by up to {worst:.1e}"
+            detail = bit_difference(got, want)
+            if detail is not None:
                 return QuantizedCheck(where, variant, False, detail, fused)
         return QuantizedCheck(where, variant, True, "every row equal to MLX's one-row product", fused)
     except Exception as e:  # a build or launch error: the kernel is not used
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return QuantizedCheck(where, variant, False, f"{type(e).__name__}: {msg[:200]}")
+        return QuantizedCheck(where, variant, False, failure(e))
 
 
 def self_check_all(report=None) -> list[QuantizedCheck]:
     """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
-    where = backend()
-    results = [r for (w, _), r in _checks.items() if w == where]
-    if report is not None:
-        for r in results:
-            report(r)
-    return results
+    return checked_here(_checks, backend(), report)
 
 
 def all_variants():

@@ -1,0 +1,90 @@
+"""The rules every custom kernel follows before it serves: its self-check runs
+once per variant (a failure warns once and keeps MLX's path), and a verify
+product serves a layer's shape only where its rows through that layer's own
+weight equal the one-row products bit for bit and it measured faster here."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from . import decisions
+
+MEASURED_ROWS = 16  # a verify of a block of 16
+
+
+def check_once(checks: dict, key, check: Callable[[], object], warning: Callable[[object], str]):
+    """``checks[key]``, running ``check()`` the first time; a failed result
+    (``.ok`` false) warns once with ``warning(result)``."""
+    result = checks.get(key)
+    if result is None:
+        result = checks[key] = check()
+        if not result.ok:
+            warnings.warn(warning(result), RuntimeWarning, stacklevel=4)
+    return result
+
+
+def passed(checks: dict, key) -> bool:
+    """Whether ``key``'s variant was checked and passed; never checks."""
+    result = checks.get(key)
+    return result is not None and result.ok
+
+
+class LayerShapes:
+    """Which (backend, variant, N) an exact verify product serves: named by
+    ``decision`` in this machine's decisions."""
+
+    def __init__(self, decision: str):
+        self.decision = decision
+        self.exact: dict[tuple, bool] = {}
+
+    def clear(self) -> None:
+        self.exact.clear()
+
+    def case(self, variant, n: int) -> str:
+        return f"{variant.case} N={n} rows={MEASURED_ROWS}"
+
+    def prepare(self, key: tuple, module, ours: Callable, one_row: Callable, dtype) -> None:
+        """Check ``ours`` (the kernel through ``module``) against ``one_row`` at
+        the layer's own shape, then time it against MLX's product once a machine."""
+        variant, n = key[1], key[2]
+        if key not in self.exact:
+            x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
+            got = ours(x)
+            self.exact[key] = got is not None and bool(mx.array_equal(got, one_row(x)))
+        case = self.case(variant, n)
+        if self.exact[key] and decisions.current().needs(self.decision, case):
+            x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
+            decisions.current().decide(self.decision, case, lambda: ours(x), lambda: module(x))
+
+    def serves(self, key: tuple) -> bool:
+        """Whether the shape checked out exact and measured faster; never measures."""
+        return self.exact.get(key, False) and decisions.current().uses(self.decision, self.case(key[1], key[2]))
+
+
+def bit_difference(got: mx.array, want: mx.array) -> str | None:
+    """None where ``got`` equals ``want`` bit for bit; else what differs, in a few words."""
+    if got.shape != want.shape:
+        return f"output shape {got.shape} != {want.shape}"
+    if mx.array_equal(got, want, equal_nan=True).item():
+        return None
+    differ = (got != want).sum().item()
+    worst = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    return f"{differ} of {got.size} outputs differ at {got.shape[0]} rows, by up to {worst:.1e}"
+
+
+def failure(e: Exception) -> str:
+    """A build or launch error as a check's detail."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {msg[:200]}"
+
+
+def checked_here(checks: dict, where: str, report=None) -> list:
+    """The results checked on backend ``where`` so far (keys lead with it), each told to ``report``."""
+    results = [r for (w, *_), r in checks.items() if w == where]
+    if report is not None:
+        for r in results:
+            report(r)
+    return results
