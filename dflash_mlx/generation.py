@@ -17,6 +17,7 @@ from .auto.chooser import auto_range
 from .cache.prompt import PromptCache, make_prompt_cache
 from .decode.loop import LookupSetting, decode
 from .decode.sampling import SamplingParams
+from .distributed import agreed_chooser
 from .draft.dflash import DFlashDraft
 from .draft.lookup import lookup_drafter
 from .prompts import encode
@@ -184,6 +185,8 @@ def stream_generate(
     hi = draft.config.block_size
     auto = args.block_size == "auto"
     block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
+    if auto and getattr(target, "group", None) is not None:  # every rank runs rank 0's choice
+        block = agreed_chooser(block, target.group)
     steps = decode(
         target,
         draft,

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 PROMPT = [3, 17, 5, 9, 20, 11, 4]
 MAX_TOKENS = 14
-# auto times each rank alone, so across ranks it is not yet run (docs/distributed.md)
 BLOCKS = [2, 5]
 SEED = 7
 TEMP = 0.8
@@ -47,6 +46,7 @@ def runs(model, draft, tokenizer) -> dict:
     from dflash_mlx import make_prompt_cache, stream_generate
 
     out = {str(b): tokens(model, draft, tokenizer, block_size=b) for b in BLOCKS}
+    out["auto"] = tokens(model, draft, tokenizer)  # every rank runs rank 0's choices
     out["sampled"] = tokens(model, draft, tokenizer, block_size=4, temperature=TEMP, seed=SEED)
     cache, prompt, turns = make_prompt_cache(model, draft), PROMPT, []
     for _ in range(2):
@@ -192,7 +192,7 @@ def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):
     target, draft, model = write_pair(tmp_path, family, layers)
     alone = one_process(target, draft)
     expected = greedy_reference(model, PROMPT, MAX_TOKENS)
-    for b in BLOCKS:
+    for b in [*BLOCKS, "auto"]:
         assert alone[str(b)] == expected, b
     assert alone["sampled"] != expected  # a sampled reply, not the greedy one again
     for rank, result in enumerate(launch(ranks, target, [draft], split, tmp_path / "out")):

@@ -612,6 +612,11 @@ def chat_command(
     uses the built-in pair.
     """
     with user_errors(verbose):
+        from dflash_mlx import distributed
+
+        from .console import refuse_under_launch
+
+        refuse_under_launch("chat", distributed.world())
         block_size = sampling.check(prefill_step_size)["block_size"]
         kwargs = template.kwargs()
         kv.check(prompt_cache_file)

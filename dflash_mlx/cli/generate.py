@@ -95,9 +95,6 @@ def generate_command(
         else:
             target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
         block_size = generation["block_size"]
-        if group is not None and block_size in ("auto", None):
-            # auto times each rank on its own, and every rank must run the same block
-            generation["block_size"] = block_size = draft.config.block_size
         check_drafter_block(block_size, draft)
         template.prepare(tokenizer)
         ids = prompt_ids(

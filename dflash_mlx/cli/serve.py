@@ -146,6 +146,11 @@ def serve_command(
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
     with user_errors(verbose):
+        from dflash_mlx import distributed
+
+        from .console import refuse_under_launch
+
+        refuse_under_launch("serve", distributed.world())
         generation = sampling.check(prefill_step_size)
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
