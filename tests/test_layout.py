@@ -51,3 +51,20 @@ def test_every_moved_name_resolves():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             assert importlib.import_module(old) is importlib.import_module(new), old
+
+
+def test_no_library_function_takes_more_than_six_positional_parameters():
+    """Settings travel as keywords or objects: a call reads what it sets."""
+    import ast
+    from pathlib import Path
+
+    import dflash_mlx
+
+    many = []
+    for path in Path(dflash_mlx.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                positional = [a for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                if len(positional) > 6:
+                    many.append(f"{path.name}:{node.lineno} {node.name}")
+    assert not many, many

@@ -224,7 +224,7 @@ class GatedDeltaKernel:
         )
         self._all_steps = mx.zeros((1,), mx.int32)  # (read by no variant: LIMITED is false)
 
-    def __call__(self, q, k, v, g, beta, state, steps: mx.array | None = None):
+    def __call__(self, q, k, v, g, beta, state, *, steps: mx.array | None = None):
         """(y [B, T, Hv, Dv], the state after all T steps, or after the first
         ``steps`` (int32 [1]); y's rows from ``steps`` on are not written)."""
         B, T, _, key_dim = q.shape
@@ -294,7 +294,7 @@ def one_launch_replay(q, v, g, beta, state, use_kernel: bool = True) -> bool:
     return kernel_for(q, v, g, beta, state, use_kernel) is not None
 
 
-def recurrence(q, k, v, g, beta, state, steps: mx.array | None = None, *, use_kernel: bool = True):
+def recurrence(q, k, v, g, beta, state, *, steps: mx.array | None = None, use_kernel: bool = True):
     """mlx-lm's recurrence (q, k normalized, g and beta made): y [B, T, Hv,
     Dv] and the state after all T steps, or after the first ``steps`` (an
     int32 array [1], never read back: rows of y from there on are unset).
@@ -306,7 +306,7 @@ def recurrence(q, k, v, g, beta, state, steps: mx.array | None = None, *, use_ke
     kernel = kernel_for(q, v, g, beta, state, use_kernel)
     metal = mlx_lm_kernel_runs(q.shape[-1], use_kernel)
     if kernel is not None and (steps is not None or not metal):
-        return kernel(q, k, v, g, beta, state, steps)
+        return kernel(q, k, v, g, beta, state, steps=steps)
     mask = None if steps is None else mx.broadcast_to(constant_arange(q.shape[1]) < steps, q.shape[:2])
     if metal:
         return gated_delta_kernel(q, k, v, g, beta, state, mask)
@@ -372,7 +372,7 @@ def self_check(where: str, dtype, key_dim: int, value_dim: int) -> CheckResult:
             if not (_bitwise(mx.concatenate(ys, axis=1), y) and _bitwise(stepped, last)):
                 return result(False, "one launch of T steps differs from T launches of one step")
             for s in (0, 1, T // 2, T):
-                _, kept = kernel(q, k, v, g, beta, state, mx.array([s], mx.int32))
+                _, kept = kernel(q, k, v, g, beta, state, steps=mx.array([s], mx.int32))
                 if s == 0:
                     want = [state]
                 else:
@@ -414,4 +414,4 @@ def record_variants(factory, backend_name: str) -> None:
         for d in KEY_DIMS:
             for q, k, v, g, beta, state in check_cases(dtype, d, d):
                 kernel(q, k, v, g, beta, state)
-                kernel(q, k, v, g, beta, state, mx.array([1], mx.int32))
+                kernel(q, k, v, g, beta, state, steps=mx.array([1], mx.int32))
