@@ -185,7 +185,8 @@ def one_process(target: Path, draft: Path) -> dict:
         ("qwen3", 4, "tensor", 2),
         ("qwen3_moe", 4, "pipeline", 2),
         ("qwen3_moe", 4, "pipeline", 3),
-        ("deepseek_v3", 4, "auto", 2),  # its adapter builds MLA layers of its own: tensor parallel
+        ("deepseek_v3", 4, "tensor", 2),
+        ("deepseek_v3", 4, "pipeline", 2),  # its own MLA layer forwards, over each rank's slice
     ],
 )
 def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):

@@ -23,9 +23,10 @@ from .base import DenseTarget
 
 class DeepseekV3Target(DenseTarget):
     family = "deepseek_v3"
+    runs_a_stage = True  # its own layer forwards, over this rank's slice like the base class's
 
     def make_blocks(self) -> None:
-        self.blocks = [mla_block(layer) for layer in self.inner.layers]
+        self.blocks = [mla_block(self.inner.layers[i]) for i in self.here]
         linear.prepare(self.dtype)
 
 

@@ -25,7 +25,8 @@ class GlmMoeDsaTarget(DeepseekV3Target):
     family = "glm_moe_dsa"
 
     def make_blocks(self) -> None:
-        self.blocks = [mla_block(layer, sparse_selection(layer.self_attn)) for layer in self.inner.layers]
+        layers = [self.inner.layers[i] for i in self.here]
+        self.blocks = [mla_block(layer, sparse_selection(layer.self_attn)) for layer in layers]
         linear.prepare(self.dtype)
 
 
