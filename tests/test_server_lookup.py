@@ -49,3 +49,22 @@ def test_serve_refuses_bad_batching_and_lookup_flags(flags, words):
         timeout=60,
     )
     assert run.returncode == 1 and words in " ".join(run.stderr.split()), run.stderr
+
+
+def test_an_openai_stream_that_fails_ends_with_its_error_and_no_done():
+    import asyncio
+
+    from dflash_mlx.server.errors import APIError
+    from dflash_mlx.server.job import Failed, Progress
+    from dflash_mlx.server.openai_api import completion_stream
+
+    async def events():
+        yield Progress(0, 4096)
+        yield Failed(APIError(500, "the decode failed."))
+
+    async def collect():
+        return [chunk async for chunk in completion_stream(None, events(), include_usage=False)]
+
+    chunks = asyncio.run(collect())
+    assert chunks[0] == ": prefill 0/4096\n\n"
+    assert len(chunks) == 2 and "the decode failed." in chunks[1] and "[DONE]" not in "".join(chunks)

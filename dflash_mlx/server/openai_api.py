@@ -137,15 +137,31 @@ def chat_delta(delta: Delta, tools_sent: int) -> dict:
     return out
 
 
-async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
-    yield sse(reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
-    tools_sent = 0
+ENDED = object()  # after a failure's error event: the stream ends there, without [DONE]
+
+
+async def stream_events(events: AsyncIterator[Event]) -> AsyncIterator[str | Event | object]:
+    """A job's events for an OpenAI stream: prefill progress as keep-alive
+    comments; a failure as its error event, then ENDED."""
     async for event in events:
         if isinstance(event, Progress):
             yield keep_alive(event)
-            continue
-        if isinstance(event, Failed):
+        elif isinstance(event, Failed):
             yield sse(error_body(event.error.status, event.error.message))
+            yield ENDED
+            return
+        else:
+            yield event
+
+
+async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
+    yield sse(reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+    tools_sent = 0
+    async for event in stream_events(events):
+        if isinstance(event, str):  # a keep-alive, or an error, which ENDED follows
+            yield event
+            continue
+        if event is ENDED:
             return
         delta = event.delta if isinstance(event, Done) else event
         if delta:
@@ -201,12 +217,11 @@ async def completion_job(service: Service, body: CompletionRequest) -> Job:
 
 
 async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
-    async for event in events:
-        if isinstance(event, Progress):
-            yield keep_alive(event)
+    async for event in stream_events(events):
+        if isinstance(event, str):  # a keep-alive, or an error, which ENDED follows
+            yield event
             continue
-        if isinstance(event, Failed):
-            yield sse(error_body(event.error.status, event.error.message))
+        if event is ENDED:
             return
         done = event if isinstance(event, Done) else None
         delta = done.delta if done else event
