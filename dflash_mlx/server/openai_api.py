@@ -137,32 +137,28 @@ def chat_delta(delta: Delta, tools_sent: int) -> dict:
     return out
 
 
-ENDED = object()  # after a failure's error event: the stream ends there, without [DONE]
-
-
-async def stream_events(events: AsyncIterator[Event]) -> AsyncIterator[str | Event | object]:
-    """A job's events for an OpenAI stream: prefill progress as keep-alive
-    comments; a failure as its error event, then ENDED."""
+async def stream_events(events: AsyncIterator[Event]) -> AsyncIterator[str | Event]:
+    """A job's events for an OpenAI stream, and its end: prefill progress as
+    keep-alive comments; a failure as its error event, which ends the stream;
+    else [DONE] after the last event."""
     async for event in events:
         if isinstance(event, Progress):
             yield keep_alive(event)
         elif isinstance(event, Failed):
             yield sse(error_body(event.error.status, event.error.message))
-            yield ENDED
             return
         else:
             yield event
+    yield sse("[DONE]")
 
 
 async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
     yield sse(reply.body({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
     tools_sent = 0
     async for event in stream_events(events):
-        if isinstance(event, str):  # a keep-alive, or an error, which ENDED follows
+        if isinstance(event, str):  # a keep-alive, the error that ends it, or [DONE]
             yield event
             continue
-        if event is ENDED:
-            return
         delta = event.delta if isinstance(event, Done) else event
         if delta:
             choice = {"index": 0, "delta": chat_delta(delta, tools_sent), "finish_reason": None}
@@ -174,7 +170,6 @@ async def chat_stream(reply: _Reply, events: AsyncIterator[Event], include_usage
             yield sse(reply.body({"index": 0, "delta": {}, "finish_reason": event.finish_reason}))
             if include_usage:
                 yield sse(reply.body(None, usage=usage_body(event.usage)))
-    yield sse("[DONE]")
 
 
 def _endpoint(schema, make_job, kind: str, choice, stream):
@@ -218,11 +213,9 @@ async def completion_job(service: Service, body: CompletionRequest) -> Job:
 
 async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include_usage: bool) -> AsyncIterator[str]:
     async for event in stream_events(events):
-        if isinstance(event, str):  # a keep-alive, or an error, which ENDED follows
+        if isinstance(event, str):  # a keep-alive, the error that ends it, or [DONE]
             yield event
             continue
-        if event is ENDED:
-            return
         done = event if isinstance(event, Done) else None
         delta = done.delta if done else event
         if delta.content or delta.logprobs or done:
@@ -231,7 +224,6 @@ async def completion_stream(reply: _Reply, events: AsyncIterator[Event], include
             yield sse(reply.body({**choice, "logprobs": logprobs}))
         if done and include_usage:
             yield sse(reply.body(None, usage=usage_body(done.usage)))
-    yield sse("[DONE]")
 
 
 completions = _endpoint(
