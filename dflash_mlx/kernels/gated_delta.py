@@ -44,6 +44,7 @@ from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
 from ..device import backend, constant_arange
 from .attention import make_factory
+from .attention_source import HEADER as BASE_HEADER
 from .dispatch import TOLERANCE, CheckResult
 from .launch_source import compacting
 from .serving import check_once, failure
@@ -54,26 +55,16 @@ OUTPUTS = ["y", "state_out"]
 KEY_DIMS = (32, 64, 128, 256)  # Dk: a lane holds 32 state elements, Dk / 32 lanes a value row
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WARPS = 2  # simdgroups per threadgroup, as mlx-lm's packed kernel
-VERSION = 1  # of BODY and its inputs: a change must bump it
+VERSION = 2  # of BODY and its inputs: a change must bump it
 
+# The attention kernels' header (to_float, from_float, idx_t) and a butterfly step.
 HEADER = {
-    "metal": """
-typedef int64_t gd_idx;
-template <typename U> inline float gd_float(U x) { return static_cast<float>(x); }
-template <typename U> inline U gd_from_float(float x) { return static_cast<U>(x); }
+    "metal": BASE_HEADER["metal"]
+    + """
 inline float gd_shuffle_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
 """,
-    "cuda": """
-typedef long long gd_idx;
-__device__ __forceinline__ float gd_float(float x) { return x; }
-__device__ __forceinline__ float gd_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float gd_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename U> __device__ __forceinline__ U gd_from_float(float x);
-template <> __device__ __forceinline__ float gd_from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half gd_from_float<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 gd_from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
+    "cuda": BASE_HEADER["cuda"]
+    + """
 __device__ __forceinline__ float gd_shuffle_xor(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }
 """,
 }
@@ -113,30 +104,30 @@ BODY = """
   const int dv = row_group * ROWS + lane / LANES;
   const int first = lane_in_row * 32;
 
-  auto q_ = q + (gd_idx(b) * T * Hk + hk) * Dk + first;
-  auto k_ = k + (gd_idx(b) * T * Hk + hk) * Dk + first;
-  auto v_ = v + (gd_idx(b) * T * Hv + hv) * Dv;
-  auto y_ = y + (gd_idx(b) * T * Hv + hv) * Dv;
-  const gd_idx g0 = gd_idx(b) * T * Hv + hv;
-  const gd_idx row = (gd_idx(n) * Dv + dv) * Dk + first;
+  auto q_ = q + (idx_t(b) * T * Hk + hk) * Dk + first;
+  auto k_ = k + (idx_t(b) * T * Hk + hk) * Dk + first;
+  auto v_ = v + (idx_t(b) * T * Hv + hv) * Dv;
+  auto y_ = y + (idx_t(b) * T * Hv + hv) * Dv;
+  const idx_t g0 = idx_t(b) * T * Hv + hv;
+  const idx_t row = (idx_t(n) * Dv + dv) * Dk + first;
 
   float state[32];
   for (int i = 0; i < 32; ++i) {
-    state[i] = gd_float(state_in[row + i]);
+    state[i] = to_float(state_in[row + i]);
   }
   int count = T;
   if (LIMITED) {
     count = steps[0] < 0 ? 0 : (steps[0] < T ? steps[0] : T);
   }
   for (int t = 0; t < count; ++t) {
-    const float gt = gd_float(g[g0 + gd_idx(t) * Hv]);
+    const float gt = to_float(g[g0 + idx_t(t) * Hv]);
     float part[PARTS];
     for (int c = 0; c < PARTS; ++c) {
       float acc = 0.0f;
       for (int i = 0; i < CHAIN; ++i) {
         const int e = c * CHAIN + i;
         state[e] = state[e] * gt;
-        acc += state[e] * gd_float(k_[e]);
+        acc += state[e] * to_float(k_[e]);
       }
       part[c] = acc;
     }
@@ -150,14 +141,14 @@ BODY = """
       kv_mem += gd_shuffle_xor(kv_mem, m);
     }
 
-    const float delta = (gd_float(v_[dv]) - kv_mem) * gd_float(beta[g0 + gd_idx(t) * Hv]);
+    const float delta = (to_float(v_[dv]) - kv_mem) * to_float(beta[g0 + idx_t(t) * Hv]);
 
     for (int c = 0; c < PARTS; ++c) {
       float acc = 0.0f;
       for (int i = 0; i < CHAIN; ++i) {
         const int e = c * CHAIN + i;
-        state[e] = state[e] + gd_float(k_[e]) * delta;
-        acc += state[e] * gd_float(q_[e]);
+        state[e] = state[e] + to_float(k_[e]) * delta;
+        acc += state[e] * to_float(q_[e]);
       }
       part[c] = acc;
     }
@@ -171,7 +162,7 @@ BODY = """
       out += gd_shuffle_xor(out, m);
     }
     if (lane_in_row == 0) {
-      y_[dv] = gd_from_float<InT>(out);
+      y_[dv] = from_float<InT>(out);
     }
     q_ += Hk * Dk;
     k_ += Hk * Dk;
