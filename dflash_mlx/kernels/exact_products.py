@@ -33,7 +33,7 @@ from ..device import backend
 from .attention import make_factory
 from .exact_products_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .launch_source import compacting
-from .serving import LayerShapes, bit_difference, check_once, checked_here, failure, passed
+from .serving import CheckedVariants, bit_difference, checked_here, failure, passed
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 FEWEST_ROWS, MOST_ROWS = 2, 32
@@ -166,16 +166,16 @@ def variant_of(module: nn.Module, dtype, backend_name: str) -> Variant | None:
 
 BUILDERS = {"metal": ExactProductKernel, "cuda": ExactProductKernel}
 _kernels: dict[str, ExactProductKernel] = {}
-_checks: dict[tuple[str, Variant], ExactCheck] = {}
+_variants = CheckedVariants("exact verify product", "MLX's matmul", "dense verify")
+_checks: dict[tuple[str, Variant], ExactCheck] = _variants.checks
 
 
-_shapes = LayerShapes("dense verify")
+_shapes = _variants.shapes
 
 
 def reset() -> None:
     _kernels.clear()
-    _checks.clear()
-    _shapes.clear()
+    _variants.clear()
 
 
 def orders_at(backend_name: str, k: int) -> list[Order]:
@@ -209,21 +209,13 @@ def prepare(model: nn.Module, dtype) -> None:
 
 def checked(where: str, variant: Variant) -> ExactCheck:
     """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
-    return check_once(
-        _checks,
-        (where, variant),
-        lambda: self_check(where, variant),
-        lambda r: (
-            f"dflash_mlx: the {r.case} exact verify product failed its self-check ({r.detail}); "
-            "using MLX's matmul for it instead."
-        ),
-    )
+    return _variants.checked(where, variant, lambda: self_check(where, variant))
 
 
 def use_exact_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and serves that shape here."""
-    return passed(_checks, (where, variant)) and _shapes.serves((where, variant, n))
+    return _variants.serves(where, variant, n)
 
 
 def takes(module: nn.Module, x: mx.array, measuring: bool = False) -> bool:

@@ -33,7 +33,7 @@ from ..device import backend
 from .attention import make_factory
 from .launch_source import compacting
 from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
-from .serving import LayerShapes, bit_difference, check_once, checked_here, failure, passed
+from .serving import CheckedVariants, bit_difference, checked_here, failure
 
 DTYPES = (mx.bfloat16, mx.float16)
 AFFINE_BITS = (4, 8)
@@ -198,14 +198,14 @@ def variant_of(module: nn.Module, dtype) -> Variant | None:
 
 BUILDERS = {"metal": QuantizedProductKernel, "cuda": QuantizedProductKernel}
 _kernels: dict[str, QuantizedProductKernel] = {}
-_checks: dict[tuple[str, Variant], QuantizedCheck] = {}
-_shapes = LayerShapes("quantized verify")
+_variants = CheckedVariants("quantized verify product", "MLX's quantized_matmul", "quantized verify")
+_checks: dict[tuple[str, Variant], QuantizedCheck] = _variants.checks
+_shapes = _variants.shapes
 
 
 def reset() -> None:
     _kernels.clear()
-    _checks.clear()
-    _shapes.clear()
+    _variants.clear()
 
 
 def prepare(model: nn.Module, dtype) -> None:
@@ -238,21 +238,13 @@ def one_row_layer(module: nn.Module, variant: Variant, x: mx.array) -> mx.array:
 
 def checked(where: str, variant: Variant) -> QuantizedCheck:
     """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
-    return check_once(
-        _checks,
-        (where, variant),
-        lambda: self_check(where, variant),
-        lambda r: (
-            f"dflash_mlx: the {r.case} quantized verify product failed its self-check ({r.detail}); "
-            "using MLX's quantized_matmul for it instead."
-        ),
-    )
+    return _variants.checked(where, variant, lambda: self_check(where, variant))
 
 
 def use_quantized_kernel(where: str, variant: Variant, n: int) -> bool:
     """Whether products of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and serves that shape here."""
-    return passed(_checks, (where, variant)) and _shapes.serves((where, variant, n))
+    return _variants.serves(where, variant, n)
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).

@@ -32,6 +32,37 @@ def passed(checks: dict, key) -> bool:
     return result is not None and result.ok
 
 
+class CheckedVariants:
+    """A verify product's variants checked on this machine (``checks``) and the
+    layer shapes it serves (``shapes``); ``what`` names it in the warning,
+    ``instead`` what runs where a variant fails."""
+
+    def __init__(self, what: str, instead: str, decision: str):
+        self.what, self.instead = what, instead
+        self.checks: dict = {}
+        self.shapes = LayerShapes(decision)
+
+    def clear(self) -> None:
+        self.checks.clear()
+        self.shapes.clear()
+
+    def checked(self, where: str, variant, check: Callable[[], object]):
+        """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
+        return check_once(
+            self.checks,
+            (where, variant),
+            check,
+            lambda r: (
+                f"dflash_mlx: the {r.case} {self.what} failed its self-check ({r.detail}); "
+                f"using {self.instead} for it instead."
+            ),
+        )
+
+    def serves(self, where: str, variant, n: int) -> bool:
+        """Whether the variant passed its check and serves layers of ``n`` outputs here."""
+        return passed(self.checks, (where, variant)) and self.shapes.serves((where, variant, n))
+
+
 class LayerShapes:
     """Which (backend, variant, N) an exact verify product serves: named by
     ``decision`` in this machine's decisions."""
