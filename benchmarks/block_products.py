@@ -83,6 +83,24 @@ def measure(make, repeat: int, runs: int) -> dict:
     return {"build_us": med(0), "launch_us": med(1), "total_us": med(2)}
 
 
+def timed_rows(sides: dict, args, repeat: int, **fields) -> list[dict]:
+    """A row per side and round (``args.repeat_rounds``): ``fields``, then the side's times."""
+    return [
+        {**fields, "side": side, "round": rnd, **{k: round(v, 1) for k, v in measure(make, repeat, args.runs).items()}}
+        for rnd in range(args.repeat_rounds)
+        for side, make in sides.items()
+    ]
+
+
+def printed_json(args, machine: str, rows: list) -> bool:
+    """With --json, the run as JSON (True); else the machine line, for the table below it (False)."""
+    if args.json:
+        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+        return True
+    print(machine)
+    return False
+
+
 # (product, N, K) of each model's quantized linear layers, and its quantization (bits, group, mode).
 QUANTIZED = {
     "qwen3-8b": (
@@ -146,29 +164,21 @@ def quantized_main(args) -> None:
                         one + i, *weights[i], transpose=True, group_size=group, bits=bits, mode=mode
                     ),
                 }
-                for rnd in range(args.repeat_rounds):
-                    for side, make in sides.items():
-                        r = measure(make, args.repeat, args.runs)
-                        rows.append(
-                            {
-                                "model": model,
-                                "product": name,
-                                "n": n,
-                                "k": k,
-                                "rows": m,
-                                "side": side,
-                                "round": rnd,
-                                "check": "passed" if check.ok else f"FAILED: {check.detail}",
-                                "exact": exact,
-                                **{key: round(v, 1) for key, v in r.items()},
-                            }
-                        )
+                rows += timed_rows(
+                    sides,
+                    args,
+                    args.repeat,
+                    model=model,
+                    product=name,
+                    n=n,
+                    k=k,
+                    rows=m,
+                    check="passed" if check.ok else f"FAILED: {check.detail}",
+                    exact=exact,
+                )
             weights.clear()
-    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})"
-    if args.json:
-        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+    if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})", rows):
         return
-    print(machine)
     print(
         f"{args.dtype} rows, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})"
     )
@@ -220,29 +230,21 @@ def exact_main(args) -> None:
                 f"mlx {m} rows": lambda i: (x + i) @ weights[i].T,
                 "mlx 1 row": lambda i: (one + i) @ weights[i].T,
             }
-            for rnd in range(args.repeat_rounds):
-                for side, make in sides.items():
-                    r = measure(make, repeat, args.runs)
-                    rows.append(
-                        {
-                            "product": name,
-                            "n": n,
-                            "k": k,
-                            "rows": m,
-                            "side": side,
-                            "round": rnd,
-                            "repeat": repeat,
-                            "check": check.detail if check.ok else f"FAILED: {check.detail}",
-                            "exact": exact,
-                            **{key: round(v, 1) for key, v in r.items()},
-                        }
-                    )
+            rows += timed_rows(
+                sides,
+                args,
+                repeat,
+                product=name,
+                n=n,
+                k=k,
+                rows=m,
+                repeat=repeat,
+                check=check.detail if check.ok else f"FAILED: {check.detail}",
+                exact=exact,
+            )
         weights.clear()
-    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})"
-    if args.json:
-        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+    if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})", rows):
         return
-    print(machine)
     print(f"{args.dtype} rows; microseconds per product (median of {args.runs}) over distinct weights")
     print(f"{'product':<8} {'N x K':>12} {'weights':>7} {'side':>15} {'total':>8} {'launch':>7}  exact  check")
     for r in rows:
@@ -328,27 +330,10 @@ def main():
                 # (a SwiGLU launch keeps its two tiles: the side names the shape it runs, once)
                 side = "kernel " + ",".join(map(str, (2, *k.shape[1:]) if glu else k.shape))
                 sides.setdefault(side, (lambda k: lambda i: k(x + i, weights[i], swiglu=glu))(k))
-            for rnd in range(args.repeat_rounds):
-                for side, make in sides.items():
-                    r = measure(make, args.repeat, args.runs)
-                    rows.append(
-                        {
-                            "product": name,
-                            "n": n,
-                            "k": k,
-                            "rows": m,
-                            "side": side,
-                            "round": rnd,
-                            "rel_err": err,
-                            **{key: round(v, 1) for key, v in r.items()},
-                        }
-                    )
+            rows += timed_rows(sides, args, args.repeat, product=name, n=n, k=k, rows=m, rel_err=err)
         weights.clear()  # free this product's weights before the next one's
-    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
-    if args.json:
-        print(json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2))
+    if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}", rows):
         return
-    print(machine)
     print(f"{args.dtype}, {args.repeat} distinct weights per product; microseconds per product (median of {args.runs})")
     print(
         f"{'product':<8} {'N x K':>12} {'rows':>4} {'side':>14} {'build':>7} {'launch':>7} {'total':>7} {'kernel err':>10}"
