@@ -39,3 +39,25 @@ def agreeing_pair():
     model = lean_towards_one_token(make_target(tcfg, seed=21), 0.36)
     dcfg = draft_config(tcfg, layers=2, block_size=16, taps=[0, 3])
     return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Kernel decisions measured (DFLASH_MLX_KERNELS=measure) with given
+    times: ``measured(ours_ms, mlx_ms)`` makes every measurement return them
+    and returns the list that counts the measurements."""
+    from dflash_mlx.kernels import decisions
+
+    def install(ours_ms: float, mlx_ms: float) -> list:
+        timed = []
+
+        def seconds_per_call(ours, theirs):
+            timed.append(1)
+            return ours_ms * 1e-3, mlx_ms * 1e-3
+
+        monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+        decisions.reset()
+        monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+        return timed
+
+    return install

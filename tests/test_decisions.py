@@ -170,9 +170,9 @@ def test_the_attention_dispatch_uses_a_checked_kernel_only_where_it_measured_fas
     assert kernel.calls == calls  # the slower kernel is not called
 
 
-def test_a_kernel_measured_faster_serves_its_class(measuring_gpu, monkeypatch):
+def test_a_kernel_measured_faster_serves_its_class(measuring_gpu, measured):
     kernel = measuring_gpu(Kernel(extra=0.0))
-    monkeypatch.setattr(decisions, "seconds_per_call", lambda ours, theirs: (0.5e-3, 1e-3))
+    measured(0.5, 1.0)
     (made,) = dispatch.measure("fake", mx.float32, 64, None)
     assert made.faster
     assert dispatch.serving_kernel("fake", mx.float32, 64, False, rows=9, keys=100) is kernel

@@ -600,20 +600,12 @@ def test_a_tied_quantized_heads_product_is_its_embeddings_and_takes_the_kernel(f
 
 
 @pytest.mark.parametrize("kernel_ms, serves", [(2.0, False), (0.5, True)])
-def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, monkeypatch, kernel_ms, serves):
+def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, measured, kernel_ms, serves):
     """Exact but slower (as CUDA's qmv order is at a verify's rows) keeps MLX's
     product; each layer's shape is measured once, against MLX's 16 rows."""
     from dflash_mlx.kernels import decisions
 
-    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
-    decisions.reset()
-    timed = []
-
-    def seconds_per_call(ours, theirs):
-        timed.append(1)
-        return kernel_ms * 1e-3, 1e-3
-
-    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    timed = measured(kernel_ms, 1.0)
     kernel = fake_gpu(FakeKernel())
     module = quantized_linear(512, 64)
     linear.prepare_quantized(module, mx.bfloat16)
