@@ -374,3 +374,21 @@ def check_eos(model, draft, vocab: int, prompt_length: int) -> tuple[list[int], 
     assert tokens == greedy_reference(model, prompt, 30, eos={eos})
     assert responses[-1].finish_reason == "stop"
     return prompt, ref
+
+
+def check_turns(model, draft, vocab: int) -> None:
+    """An EOS mid-reply (``check_eos``), then prompt-cache turns: a follow-up
+    reads only what is new, and an edit inside the conversation keeps the
+    common prefix; each turn equal to mlx-lm's greedy decoding."""
+    from dflash_mlx import make_prompt_cache
+
+    prompt, ref = check_eos(model, draft, vocab, 20)
+    cache = make_prompt_cache(model, draft)
+    out1, _ = run(model, draft, prompt, vocab=vocab, max_tokens=12, block_size=6, prompt_cache=cache)
+    assert out1 == ref[:12]
+    turn2 = prompt + out1 + [3, 4, 5]
+    out2, _ = run(model, draft, turn2, vocab=vocab, max_tokens=16, block_size=3, prompt_cache=cache)
+    assert out2 == greedy_reference(model, turn2, 16)
+    turn3 = prompt[:9] + [7] + prompt[10:]
+    out3, _ = run(model, draft, turn3, vocab=vocab, max_tokens=10, block_size=9, prompt_cache=cache)
+    assert out3 == greedy_reference(model, turn3, 10)

@@ -11,7 +11,15 @@ across turns, and 4-bit weights."""
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from family_models import LARGE, check_eos, family_config, greedy_over_blocks, make_family_target, run, scripted
+from family_models import (
+    LARGE,
+    check_turns,
+    family_config,
+    greedy_over_blocks,
+    make_family_target,
+    run,
+    scripted,
+)
 from test_attention_routing import decode, fake_gpu  # noqa: F401
 from test_attention_routing_families import HeadDimRecorder, target_forwards
 from test_attention_routing_families import pair as routing_pair
@@ -138,18 +146,7 @@ def test_greedy_equals_mlx_lm(pair):
 
 def test_eos_and_prompt_cache_across_turns(pair):
     _, model, draft = pair
-    prompt, ref = check_eos(model, draft, VOCAB, 20)
-
-    cache = make_prompt_cache(model, draft)
-    out1, _ = run(model, draft, prompt, vocab=VOCAB, max_tokens=12, block_size=6, prompt_cache=cache)
-    assert out1 == ref[:12]
-    turn2 = prompt + out1 + [3, 4, 5]
-    out2, _ = run(model, draft, turn2, vocab=VOCAB, max_tokens=16, block_size=3, prompt_cache=cache)
-    assert out2 == greedy_reference(model, turn2, 16)
-    # An edit inside the conversation: the cache keeps the common prefix.
-    turn3 = prompt[:9] + [7] + prompt[10:]
-    out3, _ = run(model, draft, turn3, vocab=VOCAB, max_tokens=10, block_size=9, prompt_cache=cache)
-    assert out3 == greedy_reference(model, turn3, 10)
+    check_turns(model, draft, VOCAB)
 
 
 def test_compiled_cycles_equal_mlx_lm(pair, monkeypatch):
