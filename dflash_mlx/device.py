@@ -15,6 +15,21 @@ def backend() -> str:
     return "cpu"
 
 
+def device_info() -> dict:
+    """MLX's description of the default device (name, memory, ...); {} where it has none."""
+    try:
+        return dict(mx.device_info())
+    except Exception:
+        try:
+            return dict(mx.metal.device_info())
+        except Exception:
+            return {}
+
+
+def device_name() -> str:
+    return str(device_info().get("device_name", ""))
+
+
 def device_scalar(x, add: int = 0):
     """``x + add``; on CUDA, for an int32 scalar array, a view of a 16-byte
     array the device writes (MLX keeps arrays of 8 bytes or less in managed

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import compute_dtype, fast_blas
+from ..device import device_name
 from ..home import home, remembers, write_json
 from .chooser import BlockChooser, chooser_for
 
@@ -45,10 +46,7 @@ def remembered(steps: Iterator, chooser: BlockChooser) -> Iterator:
 
 def fingerprint(target, draft, lo: int, hi: int) -> str:
     device = mx.default_device()
-    try:
-        name = mx.device_info().get("device_name", "")
-    except Exception:
-        name = ""
+    name = device_name()
     parts = {
         "draft": _config(draft.config),
         "target": _config(getattr(target.model, "args", None)),

@@ -77,9 +77,10 @@ def machine() -> list[tuple[str, str]]:
     import mlx.core as mx
 
     from dflash_mlx import __version__
+    from dflash_mlx.device import device_info
     from dflash_mlx.kernels import backend
 
-    info = _device_info(mx)
+    info = device_info()
     rows = [
         ("dflash-mlx", __version__),
         ("os", f"{platform.system()} {platform.release()} ({platform.machine()})"),
@@ -353,16 +354,6 @@ def _version(dist: str, fallback: str | None = None) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return fallback or "not installed"
-
-
-def _device_info(mx) -> dict:
-    try:
-        return dict(mx.device_info())
-    except Exception:
-        try:
-            return dict(mx.metal.device_info())
-        except Exception:
-            return {}
 
 
 def _cpu_name() -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..device import backend
+from ..device import backend, device_name
 from ..home import home, remembers, write_json
 
 FORMAT = "dflash-mlx kernel decisions"
@@ -48,11 +48,7 @@ class Decision:
 
 def machine() -> dict[str, str]:
     """What a decision holds for: the backend, the device and MLX's version."""
-    try:
-        device = str(mx.device_info().get("device_name", ""))
-    except Exception:
-        device = ""
-    return {"backend": backend(), "device": device, "mlx": mx.__version__}
+    return {"backend": backend(), "device": device_name(), "mlx": mx.__version__}
 
 
 def seconds_per_call(ours: Callable[[], object], theirs: Callable[[], object]) -> tuple[float, float]:
