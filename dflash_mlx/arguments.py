@@ -117,6 +117,17 @@ def check_seed(seed) -> int:
     return integer("seed", seed) % (1 << 64)
 
 
+def check_lookup(lookup, has_drafter: bool) -> bool | str:
+    """``lookup`` (False, True or "auto"), checked: without a drafter it must be on."""
+    if lookup not in (False, True, "auto") or isinstance(lookup, int) and not isinstance(lookup, bool):
+        raise ValueError(f'lookup must be False, True or "auto"; got {lookup!r}.')
+    if not has_drafter and lookup is False:
+        raise ValueError(
+            "no drafter was given; pass a DFlash drafter, or draft by prompt lookup (lookup=True, --lookup on)."
+        )
+    return lookup
+
+
 def check_generation_args(
     *,
     max_tokens=256,

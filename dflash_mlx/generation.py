@@ -11,7 +11,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .arguments import check_generation_args
+from .arguments import check_generation_args, check_lookup
 from .auto import memory as block_memory
 from .auto.chooser import auto_range
 from .cache.prompt import PromptCache, make_prompt_cache
@@ -102,13 +102,7 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int] | mx.
 
 
 def _lookup_setting(lookup, draft) -> LookupSetting | None:
-    if lookup not in (False, True, "auto") or isinstance(lookup, int) and not isinstance(lookup, bool):
-        raise ValueError(f'lookup must be False, True or "auto"; got {lookup!r}.')
-    if draft is None and lookup is False:
-        raise ValueError(
-            "no drafter was given; pass a DFlash drafter, or draft by prompt lookup (lookup=True, --lookup on)."
-        )
-    if lookup is False:
+    if check_lookup(lookup, draft is not None) is False:
         return None
     return LookupSetting(auto=lookup == "auto")
 

@@ -28,7 +28,7 @@ def test_lookup_replies_are_the_targets_greedy_text(chat_pair, lookup, alone):
 
 def test_a_server_without_a_drafter_needs_lookup(chat_pair):
     model, _, tokenizer = chat_pair
-    with pytest.raises(ValueError, match=r"the server has no drafter; .*--lookup on"):
+    with pytest.raises(ValueError, match=r"no drafter was given; .*--lookup on"):
         Service(model, None, tokenizer, ServerConfig())
 
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from dflash_mlx import make_prompt_cache
+from dflash_mlx.arguments import check_lookup
 from dflash_mlx.cache.store import PrefixStore
 
 from .batch import BatchDecoder, can_batch
@@ -110,10 +111,7 @@ def _presented_key(request: Request) -> Optional[str]:
 class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
         check_mode(config.batching)
-        if draft is None and config.lookup is False:
-            raise ValueError(
-                "the server has no drafter; load one, or draft by prompt lookup (lookup=True, --lookup on)."
-            )
+        check_lookup(config.lookup, draft is not None)
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be 1 or more; got {config.max_batch}.")
         self.tokenizer, self.config = tokenizer, config
