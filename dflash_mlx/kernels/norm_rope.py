@@ -159,7 +159,16 @@ def ops_norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
     q, k [B, L, heads, D] -> normed, transposed, rotated [B, heads, L, D]."""
     q = q_norm(q).transpose(0, 2, 1, 3)
     k = k_norm(k).transpose(0, 2, 1, 3)
-    return rope(q, offset=offset), rope(k, offset=offset)
+    return rotate(rope, q, offset), rotate(rope, k, offset)
+
+
+def rotate(rope, x: mx.array, offset) -> mx.array:
+    """``rope`` over x [1, heads, L, D] at positions offset.. (an int or a
+    scalar array), or at ``offset[i]`` for row i (an array [L]: a tree's
+    depths). MLX's rope takes one offset per batch entry, so rows become them."""
+    if not isinstance(offset, mx.array) or offset.size == 1:
+        return rope(x, offset=offset)
+    return rope(x.swapaxes(0, 2), offset=offset).swapaxes(0, 2)
 
 
 def plain_rope(rope, head_dim: int) -> bool:
@@ -206,7 +215,8 @@ def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
     D] at positions offset.. (an int or an int32 array): the kernel where its
     variant passed, else the ops path."""
     d = q.shape[-1]
-    kernel = passed(q.dtype, d) if plain_rope(rope, d) and isinstance(q_norm, nn.RMSNorm) else None
+    per_row = isinstance(offset, mx.array) and offset.size > 1
+    kernel = passed(q.dtype, d) if plain_rope(rope, d) and not per_row and isinstance(q_norm, nn.RMSNorm) else None
     if kernel is None or k.dtype != q.dtype or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype:
         return ops_norm_rope(q, k, q_norm, k_norm, rope, offset)
     return kernel(q, k, q_norm.weight, k_norm.weight, eps=q_norm.eps, scale=rope.scale, base=rope.base, offset=offset)

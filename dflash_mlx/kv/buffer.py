@@ -71,6 +71,7 @@ class DeviceLengthCache:
 
     step = 256
     shared: SharedPositions | None = None  # set by set_lengths
+    tree = None  # a draft tree's TreeLayout (kv/tree.py) while a verify of one is built
 
     def __init__(self):
         self.keys = None
@@ -137,6 +138,8 @@ class DeviceLengthCache:
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
         """The mask for ``N`` positions about to be written, spanning the
         buffer as it will be then; None where the row sees every key read."""
+        if self.tree is not None:
+            return self.tree.mask(self.offset, self.read_width(N), window_size)
         if (
             N == 1
             and self.read == "exact"

@@ -52,7 +52,7 @@ def attention_output(
     a copy: (rows [B, L, heads * D], True) where the kernel ran, else (heads
     [B, heads, L, D], False). ``mask`` is mlx-lm's path's, ``length`` the
     valid length (default: the cache's offset)."""
-    if type(cache) is BufferKVCache and start is not None:
+    if type(cache) is BufferKVCache and start is not None and cache.tree is None:
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         kernel = dispatch.serving_kernel(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.norm_rope import norm_rope
+from ..kernels.norm_rope import norm_rope, rotate
 from .attention import attention_output
 from .linear import apply_linear_output
 
@@ -34,7 +34,8 @@ def attend_output(
     """``attend``'s output in its stored layout, as ``attention_output`` gives it."""
     start = None if cache is None else cache.offset
     if rope is not None and cache is not None:
-        queries, keys = rope(queries, offset=start), rope(keys, offset=start)
+        at = rope_positions(cache)
+        queries, keys = rotate(rope, queries, at), rotate(rope, keys, at)
     elif rope is not None:
         queries, keys = rope(queries), rope(keys)
     if cache is not None:
@@ -42,6 +43,13 @@ def attend_output(
     return attention_output(
         queries, keys, values, cache=cache, scale=scale, mask=mask, start=start, window=window, sinks=sinks
     )
+
+
+def rope_positions(cache):
+    """Where the rows being written are rotated: from the cache's length on,
+    or at their depths in a draft tree (kv/tree.py)."""
+    tree = getattr(cache, "tree", None)
+    return cache.offset if tree is None else tree.positions(cache.offset)
 
 
 def own_projections(attn: nn.Module) -> Callable:
@@ -69,7 +77,7 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
         v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         rope = attn.rope
         if q_norm is not None and cache is not None:
-            q, k = norm_rope(q, k, q_norm, k_norm, rope, cache.offset)
+            q, k = norm_rope(q, k, q_norm, k_norm, rope, rope_positions(cache))
             rope = None
         else:
             if q_norm is not None:

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 
-from .blocks import dense_block
+from .blocks import dense_block, own_projections
 from .linear import apply_linear, apply_linear_swiglu, prepare_products
 
 # Layers whose attention and MLP are qwen3's (projection names and forward);
@@ -139,9 +139,13 @@ def _unchanged(then: tuple, now: tuple) -> bool:
 
 
 def block(layer: nn.Module, window: int | None = None) -> Callable:
-    """``layer``'s forward (h, mask, cache) -> h through fused projections, else the layer."""
+    """``layer``'s forward (h, mask, cache) -> h through fused projections,
+    else through its own (still our forward, which rotates a tree's rows at
+    their depths), else mlx-lm's layer itself."""
     fused = projections(layer)
     if fused is None:
-        return layer
+        if type(layer) not in FUSABLE_BLOCKS:
+            return layer
+        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
 
     return dense_block(layer, fused.qkv, lambda h, norm: fused.mlp(layer.mlp, h, h, norm), window)

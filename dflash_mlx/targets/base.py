@@ -11,6 +11,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from .. import distributed
 from ..kv.buffer import BufferKVCache, set_lengths
+from ..kv.tree import TreeLayout, keep_path
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
 from ..layers.linear import NORM_MOST, apply_linear, linear_head, prepare_products, quantized_head
@@ -75,6 +76,8 @@ class DenseTarget:
             self.blocks = [layers[i] for i in self.here]
         else:
             self.blocks = [self.layer_block(layers[i], windows[i]) for i in self.here]
+        # mlx-lm's own modules rotate every row at the cache's one offset
+        self.rotates_rows = not any(b is layers[i] for b, i in zip(self.blocks, self.here))
         prepare(self.dtype, self.head_dim, [windows[i] for i in self.here])
 
     def layer_block(self, layer: nn.Module, window: int | None):
@@ -187,6 +190,21 @@ class DenseTarget:
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
         """The target's own logits (``lm_head`` unless the family rescales)."""
         return self.lm_head(h, norm)
+
+    def takes_trees(self, cache: list) -> bool:
+        """Whether a draft tree can be verified over ``cache``: every layer
+        runs our forwards, which rotate each row at its depth, over plain
+        buffers whose rows ``keep_path`` moves."""
+        return self.rotates_rows and all(type(c) is BufferKVCache for c in cache)
+
+    def set_tree(self, cache: list, tree: TreeLayout | None) -> None:
+        """Lay the next forward's rows out as ``tree`` (None: a block)."""
+        for c in cache:
+            c.tree = tree
+
+    def keep_path(self, cache: list, start, path: mx.array) -> None:
+        """After a tree's verify, move the accepted path's rows to follow ``start``."""
+        keep_path(cache, start, path)
 
     def set_length(self, cache: list, length, bound: int | None = None, read: str = "bound") -> None:
         """Keep the first ``length`` cached positions (an int or device array,

@@ -17,7 +17,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.norm_rope import rotate
 from ..layers import linear
+from ..layers.blocks import rope_positions
 from .base import DenseTarget
 
 
@@ -65,8 +67,8 @@ def mla_attention(attn: nn.Module, x: mx.array, mask, cache, selection: Callable
     latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
     k_pe = k_pe.reshape(B, L, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
     latent = mx.expand_dims(attn.kv_a_layernorm(latent), axis=1)
-    offset = cache.offset if cache is not None else 0
-    q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
+    offset = rope_positions(cache) if cache is not None else 0
+    q_pe, k_pe = rotate(attn.rope, q_pe, offset), rotate(attn.rope, k_pe, offset)
 
     if selection is not None:
         latent, k_pe, mask = selection(x, q_low, latent, k_pe, mask, cache)

@@ -17,7 +17,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.norm_rope import rotate
 from ..layers import linear
+from ..layers.blocks import rope_positions
 from .deepseek_v3 import DeepseekV3Target, mla_block
 
 
@@ -43,10 +45,10 @@ def sparse_selection(attn: nn.Module) -> Callable:
 
     def select(x, q_low, latent, k_pe, mask, cache):
         B, L, _ = x.shape
-        offset = cache.offset if cache is not None else 0
+        offset = rope_positions(cache) if cache is not None else 0
         q = indexer.wq_b(q_low).reshape(B, L, heads, dim).swapaxes(1, 2)
         k = indexer.k_norm(indexer.wk(x)).reshape(B, 1, L, dim)
-        q, k = indexer.rope(q, offset=offset), indexer.rope(k, offset=offset)
+        q, k = rotate(indexer.rope, q, offset), rotate(indexer.rope, k, offset)
         if cache is not None:
             latent, both = cache.update_and_fetch(latent, mx.concatenate([k_pe, k], axis=-1))
             k_pe, k = mx.split(both, [attn.qk_rope_head_dim], axis=-1)

@@ -1,0 +1,86 @@
+"""A draft tree laid out for one verify pass over the caches.
+
+The verify writes the tree's N nodes at the committed length ``start``, in
+node order (a parent before its children, node 0 the root: the last
+committed token). Each node is rotated at ``start + depth`` and attends to
+the context and to its own ancestors only. After acceptance the accepted
+path's rows move to ``start .. start + a`` (``keep_path``), so that the next
+cycle's rollback is again a move of a length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import device
+from .buffer import put_positions
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    parents: mx.array  # [N] int32; the root is its own parent
+    depths: mx.array  # [N] int32; the root's is 0
+    ancestors: mx.array  # [N, N] bool: [i, j] when node j is node i or one of its ancestors
+
+    @property
+    def size(self) -> int:
+        return self.parents.shape[0]
+
+    def positions(self, start) -> mx.array:
+        """Each node's position (RoPE's and a window's): ``start`` plus its depth."""
+        return start + self.depths
+
+    def mask(self, start, width: int, window: int | None = None) -> mx.array:
+        """Boolean [N, width]: which of ``width`` buffer positions each node
+        sees: the ``start`` committed ones, and its ancestors written at
+        ``start + j``."""
+        n = self.size
+        k = device.constant_arange(width)[None]
+        node = k - start
+        in_tree = (node >= 0) & (node < n)
+        column = mx.broadcast_to(mx.clip(node, 0, n - 1), (n, width))
+        visible = (k < start) | (in_tree & mx.take_along_axis(self.ancestors, column, axis=1))
+        if window is not None:
+            visible = visible & (
+                self.positions(start)[:, None] - mx.where(in_tree, start + self.depths[column], k) < window
+            )
+        return visible
+
+
+def chain(n: int) -> TreeLayout:
+    """A block of ``n`` as a tree: node i's parent is node i - 1."""
+    nodes = mx.arange(n, dtype=mx.int32)
+    return TreeLayout(mx.maximum(nodes - 1, 0), nodes, nodes[None] <= nodes[:, None])
+
+
+def from_parents(parents: mx.array, max_depth: int) -> TreeLayout:
+    """A layout from each node's parent [N] (parents before children, the
+    root its own parent), for trees at most ``max_depth`` deep."""
+    n = parents.shape[0]
+    nodes = mx.arange(n, dtype=mx.int32)
+    up, lineage = nodes, [nodes]
+    for _ in range(max_depth):
+        up = parents[up]
+        lineage.append(up)
+    lineage = mx.stack(lineage, axis=1)  # [N, max_depth + 1]: each node, its parent, ...
+    ancestors = (lineage[:, :, None] == nodes[None, None]).any(axis=1)
+    depths = ancestors.astype(mx.int32).sum(axis=1) - 1
+    return TreeLayout(parents.astype(mx.int32), depths, ancestors)
+
+
+def keep_path(caches: list, start, path: mx.array) -> None:
+    """Move the rows the accepted path's nodes ``path`` [D] wrote at
+    ``start + path`` to ``start .. start + D - 1`` in every plain buffer
+    (rows past the accepted depth move too; they lie past the new length)."""
+    n = path.shape[0]
+    to = start + device.constant_arange(n)
+    at = start + path
+    for c in caches:
+        if c.keys is None:
+            continue
+        keys = mx.take(c.keys, at, axis=2)
+        values = mx.take(c.values, at, axis=2)
+        c.keys = put_positions(c.keys, keys, to)
+        c.values = put_positions(c.values, values, to)
