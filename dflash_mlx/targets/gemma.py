@@ -13,14 +13,16 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma3_text import clip_residual
 
+from ..kernels.norm_rope import rotate
 from ..kv.buffer import BufferKVCache
 from ..layers.attention import attention, prepare
-from ..layers.blocks import attend, own_projections
+from ..layers.blocks import attend, own_projections, rope_positions
 from .base import DenseTarget
 
 
 class Gemma3Target(DenseTarget):
     family = "gemma3_text"
+    runs_a_stage = True  # its layers over this rank's slice, as the base class runs them
 
     def __init__(self, model):
         super().__init__(model)
@@ -57,14 +59,26 @@ def gemma3_block(layer: nn.Module, window: int | None) -> Callable:
 
 
 class Gemma4Target(DenseTarget):
+    """Under a pipeline, a layer reusing another's keys/values is on that
+    layer's stage (distributed.stage_sizes)."""
+
     family = "gemma4_text"
+    runs_a_stage = True
 
     def __init__(self, model):
         super().__init__(model)
         self.tied = bool(self.text.tie_word_embeddings)
         self.softcap = self.text.final_logit_softcapping
-        self.types = [layer.layer_type for layer in self.inner.layers]
-        self.with_kv = sum(layer.self_attn.has_kv for layer in self.inner.layers)
+
+    @property
+    def types(self) -> list[str]:
+        return self.text.args.layer_types
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """This stage's layers that keep keys/values (the others reuse an earlier layer's)."""
+        args = self.text.args
+        return [i for i in self.here if i < args.num_hidden_layers - args.num_kv_shared_layers]
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens) * self.inner.embed_scale
@@ -76,44 +90,53 @@ class Gemma4Target(DenseTarget):
         return logits
 
     def make_cache(self) -> list:
-        return [BufferKVCache() for _ in range(self.with_kv)]
+        return [BufferKVCache() for _ in self.kv_layers]
 
     def windows(self):
         w = self.inner.window_size
-        return [w if layer.layer_type == "sliding_attention" else None for layer in self.inner.layers]
+        return [w if t == "sliding_attention" else None for t in self.types]
 
     def make_blocks(self) -> None:
         windows = self.windows()
-        self.blocks = [gemma4_block(layer, w) for layer, w in zip(self.inner.layers, windows)]
-        dims = [layer.self_attn.head_dim for layer in self.inner.layers]
-        for d in set(dims):  # full layers may have a head dim of their own
-            prepare(self.dtype, d, [w for w, e in zip(windows, dims) if e == d])
+        layers = [self.inner.layers[i] for i in self.here]
+        self.blocks = [gemma4_block(layer, windows[i]) for layer, i in zip(layers, self.here)]
+        self.rotates_rows = True
+        dims = {i: layer.self_attn.head_dim for layer, i in zip(layers, self.here)}
+        for d in set(dims.values()):  # full layers may have a head dim of their own
+            prepare(self.dtype, d, [windows[i] for i, e in dims.items() if e == d])
 
     def masks(self, h, cache):
         # One mask per layer type; layers sharing keys/values see their source's buffers.
         made = {}
-        for i, t in enumerate(self.types[: self.with_kv]):
+        for i, c in zip(self.kv_layers, cache):
+            t = self.types[i]
             if t not in made:
                 window = self.inner.window_size if t == "sliding_attention" else None
-                made[t] = create_attention_mask(h, cache[i], window_size=window, return_array=True)
-        return [made[t] for t in self.types]
+                made[t] = create_attention_mask(h, c, window_size=window, return_array=True)
+        return [made[self.types[i]] for i in self.here]
 
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):
         inner = self.inner
         h = self.embed(tokens)
-        per_layer = [None] * self.num_layers
-        if inner.hidden_size_per_layer_input:
+        per_layer = {}
+        if inner.hidden_size_per_layer_input:  # every stage makes its layers' inputs from the tokens
             inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
-            per_layer = [inputs[:, :, i, :] for i in range(self.num_layers)]
-        caches = list(cache) + [None] * (self.num_layers - len(cache))
+            per_layer = {i: inputs[:, :, i, :] for i in self.here}
+        rank, stages = self.pipeline_rank, self.pipeline_size
+        if rank < stages - 1:  # mlx-lm's order: the last rank runs the first layers
+            h = mx.distributed.recv_like(h, rank + 1)
+        caches = dict(zip(self.kv_layers, cache))
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
-        shared: list = [None] * self.num_layers
-        for i, (block, c, mask) in enumerate(zip(self.blocks, caches, self.masks(h, cache))):
-            h, shared[i] = block(h, mask, c, per_layer[i], shared[inner.previous_kvs[i]])
+        shared: dict = {}
+        for i, block, mask in zip(self.here, self.blocks, self.masks(h, cache)):
+            source = inner.previous_kvs[i]
+            h, shared[i] = block(h, mask, caches.get(i), per_layer.get(i), shared.get(source) if source != i else None)
             if i in order:
                 tapped[order[i]] = h
-        if last_only:
+        if stages > 1:
+            h, tapped = self._share(h, tapped, last_only)
+        elif last_only:
             h = h[:, -1:]
         return self.logits(inner.norm(h)), mx.concatenate(tapped, axis=-1)
 
@@ -121,7 +144,8 @@ class Gemma4Target(DenseTarget):
 def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
     """mlx-lm's gemma4_text DecoderLayer forward (h, mask, cache,
     per_layer_input, shared) -> (h, shared): ``shared`` the (keys, values,
-    offset, cache) a layer reusing keys/values gets (its ``cache`` is None)."""
+    offset, rotation positions, cache) a layer reusing keys/values gets (its
+    ``cache`` is None), taken before its source's cache grew."""
     attn = layer.self_attn
 
     def forward(h: mx.array, mask, cache, per_layer_input=None, shared=None):
@@ -129,17 +153,18 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
         B, L, _ = x.shape
         q = attn.q_norm(attn.q_proj(x).reshape(B, L, attn.n_heads, attn.head_dim))
         if shared is not None:
-            k, v, offset, source = shared
+            k, v, offset, at, source = shared
         else:
             k = attn.k_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
             v = k if attn.use_k_eq_v else attn.v_proj(x).reshape(B, L, attn.n_kv_heads, attn.head_dim)
             offset = (
                 0 if cache is None else (cache.offset if isinstance(cache.offset, mx.array) else mx.array(cache.offset))
             )
-            k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+            at = offset if cache is None else rope_positions(cache)
+            k = rotate(attn.rope, attn.k_norm(k).transpose(0, 2, 1, 3), at)
             v = attn.v_norm(v).transpose(0, 2, 1, 3)
             source = cache
-        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        q = rotate(attn.rope, q.transpose(0, 2, 1, 3), at)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         # A reusing layer attends over its source's buffer from the source's
@@ -159,7 +184,7 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
             h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gate))
         if layer.layer_scalar is not None:
             h = h * layer.layer_scalar
-        return h, (k, v, offset, source)
+        return h, (k, v, offset, at, source)
 
     return forward
 
