@@ -10,7 +10,7 @@ it, on a GPU. This script gets there sooner: it builds each kernel object
 KERNEL_MODULES, e.g. the quantized verify product) with a recording
 factory in place of ``mx.fast.cuda_kernel``, drives it through its own
 self-check cases on the CPU (every dtype, head dim, window, launch shape and
-bias its check covers), and compiles each variant it recorded, wrapped as
+bias its check covers; block attention's over a block and a draft tree), and compiles each variant it recorded, wrapped as
 MLX wraps a custom kernel (its parameters, shapes, strides and template
 constants; MLX's device header replaced by a small stand-in), for
 ``--arch``. A syntax or type error, a name a body uses but no header defines,
@@ -152,6 +152,8 @@ def record_all(recorder: Recorder, modules=KERNEL_MODULES) -> None:
             for windowed in (False, True):
                 for q, k, v, kw in dispatch._check_cases(dtype, d, windowed):
                     attention(q, k, v, **kw)
+                for q, k, v, kw in dispatch._tree_check_cases(dtype, d, windowed):
+                    attention(q, k, v, causal=True, **kw)
             rope = norm_rope.NormRopeKernel("cuda", factory=recorder.factory)
             for q, k, qn, kn, rp, offset in norm_rope._check_cases(dtype, d):
                 rope(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rp.scale, base=rp.base, offset=offset)

@@ -366,13 +366,15 @@ def record_all(
     (1 to its largest, KERNEL_WINS: every warps count either pass picks),
     one query head and eight (sinks in constant or in device memory, MLX's
     rule), causal or not, windowed or not, sinks or not, one key chunk or
-    many (the merge's partials in constant memory or device memory). The
+    many (the merge's partials in constant memory or device memory), a block
+    or a draft tree of those rows (``record_tree``). The
     template values come from the kernels' own code. Then every variant of
     the kernel modules in ``modules`` (their ``record_variants`` hooks:
     each variant they can launch, all of them checked on first use).
     ``dtypes``, ``head_dims``, ``rows``: a subset (tests)."""
     from dflash_mlx.kernels import dispatch, norm_rope
     from dflash_mlx.kernels.attention import BlockAttentionKernel
+    from dflash_mlx.kernels.attention_source import TREE_NODES
     from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
 
     dtypes = DTYPES if dtypes is None else dtypes
@@ -387,6 +389,8 @@ def record_all(
             for windowed in (False, True):
                 for q, k, v, kw in dispatch._check_cases(dtype, d, windowed):
                     attention(q, k, v, **kw)
+                for q, k, v, kw in dispatch._tree_check_cases(dtype, d, windowed):
+                    attention(q, k, v, causal=True, **kw)
             for q, k, qn, kn, rp, offset in norm_rope._check_cases(dtype, d):
                 rope(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rp.scale, base=rp.base, offset=offset)
             if not decoding:
@@ -425,6 +429,34 @@ def record_all(
                                         window=window,
                                         sinks=s,
                                     )
+                    if r // heads <= TREE_NODES:
+                        record_tree(attention, q, sinks)
+
+
+def record_tree(attention, queries, sinks) -> None:
+    """A draft tree of the queries' length over each key buffer, windowed or
+    not, sinks or not (a tree's verify is causal; its ancestors and depths in
+    constant memory for trees of 1 or 2 nodes, MLX's rule, else device)."""
+    from dflash_mlx.kv.tree import chain
+
+    b, heads, nodes, d = queries.shape
+    tree = chain(nodes)
+    for n in KEY_BUFFERS:
+        kv = mx.zeros((1, 1, n, d), queries.dtype)
+        for window in (None,) + MODEL_WINDOWS:
+            for s in (None, sinks):
+                attention(
+                    queries,
+                    kv,
+                    kv,
+                    scale=d**-0.5,
+                    q_offset=mx.array([n // 2], mx.int32),
+                    kv_length=mx.array([n // 2 + nodes], mx.int32),
+                    causal=True,
+                    window=window,
+                    sinks=s,
+                    tree=tree,
+                )
 
 
 def check_all(recorder: Recorder, compiler: Compiler, jobs: int = os.cpu_count() or 1, report=print) -> list[str]:

@@ -333,15 +333,31 @@ def test_bad_input_is_one_sentence():
 
 def test_both_dialects_come_from_one_body():
     """Metal and CUDA sources differ only in header and prelude; each header
-    defines every helper the body calls (or Metal has it built in)."""
+    defines every helper the body calls (or Metal has it built in); a draft
+    tree's passes are the same bodies with the tree's rows and rule."""
     compact = launch_source.compact  # (the factories are handed compact sources)
     calls = []
     for where in ("metal", "cuda"):
         kernel = BlockAttentionKernel(where, factory=lambda **kw: calls.append(kw) or (lambda **_: None))
-        kernel.partial_tiles(source_tiles.staging_bytes(128, *source_tiles.staging(128, where)))
-    metal_p, metal_m, metal_t, cuda_p, cuda_m, cuda_t = calls
-    for m, c in ((metal_p, cuda_p), (metal_m, cuda_m)):
+        staged = source_tiles.staging_bytes(128, *source_tiles.staging(128, where))
+        kernel.partial_tiles(staged)
+        kernel.partial_tree()
+        kernel.partial_tiles(staged, tree=True)
+    metal_p, metal_m, metal_t, metal_pt, metal_tt, cuda_p, cuda_m, cuda_t, cuda_pt, cuda_tt = calls
+    for m, c in ((metal_p, cuda_p), (metal_m, cuda_m), (metal_pt, cuda_pt), (metal_tt, cuda_tt)):
         assert m["name"] == c["name"] and m["input_names"] == c["input_names"]
+    for block, tree in ((metal_p, metal_pt), (metal_t, metal_tt)):
+        assert tree["name"] == block["name"] + "_tree"
+        assert tree["input_names"] == block["input_names"] + source.TREE_INPUTS
+    trees = {
+        where: p["source"].replace(compact(source.PRELUDE[where]), "")
+        for where, p in (("metal", metal_pt), ("cuda", cuda_pt))
+    }
+    assert trees["metal"] == trees["cuda"]
+    for t in (metal_pt, metal_tt, cuda_pt, cuda_tt):
+        assert "tree_sees(" in t["source"] and "warp_or(" in t["source"] and "#define tree_sees" in t["header"]
+    for t in (metal_p, metal_t, cuda_p, cuda_t):
+        assert "tree_sees" not in t["source"] + t["header"] and "ancestors" not in t["source"]
     bodies = {
         where: (
             p["source"].replace(compact(source.PRELUDE[where]), ""),
@@ -353,20 +369,22 @@ def test_both_dialects_come_from_one_body():
     # the merge's bodies differ only in its parts' pointer type
     for where, (_, merge) in bodies.items():
         assert merge == compact(source.MERGE_BODY.replace("PARTS_PTR", source.PARTS_PTR[where]))
-    body = source.PARTIAL_BODY + source.MERGE_BODY
+    body = source.PARTIAL_BODY + source.MERGE_BODY + source.TREE_ROWS
     used = set(
-        re.findall(r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F)\b", body)
+        re.findall(
+            r"\b(bk_\w+|to_float|from_float|load4|copy4|simd_\w+|TG_\w+|WARP_\w+|DEV|NEG_INF|LOG2E_F|warp_or)\b", body
+        )
     )
     for where, builtin in (("metal", {"simd_max", "simd_sum"}), ("cuda", set())):
-        hdr = source.header(where)
+        hdr = source.header(where, tree=True)
         missing = [n for n in used if n not in builtin and not re.search(rf"(#define {n}\b|\b{n}\s*\(|\b{n}\s*<)", hdr)]
         assert not missing, (where, missing)
     # The matrix-unit pass: one shared body; only the tile products and the
     # fragment coordinates are the dialect's, and each dialect defines them all.
     assert metal_t["name"] == cuda_t["name"] and metal_t["input_names"] == cuda_t["input_names"]
     holes = ("STAGING", "COORDS", "LOAD_Q", "SCORES", "SCALE_OUT", "P_TIMES_V", "STORE")
-    shared = re.split(rf"(?m)^(?:{'|'.join(holes)})$|OUT_ELEM|OUT_NEXT", source_tiles.BODY)
-    for t, where in ((metal_t, "metal"), (cuda_t, "cuda")):
+    shared = re.split(rf"(?m)^(?:{'|'.join(holes + ('TREE_ROWS', 'SEES'))})$|OUT_ELEM|OUT_NEXT", source_tiles.BODY)
+    for t, where in ((metal_t, "metal"), (cuda_t, "cuda"), (metal_tt, "metal"), (cuda_tt, "cuda")):
         out_next = source_tiles.OUT[where].replace("(e)", "(e + 1)").replace("[e]", "[e + 1]")
         assert all(compact(part).strip("\n") in t["source"] for part in shared)
         assert all(

@@ -48,18 +48,18 @@ class BlockAttentionKernel:
             source=source.merge_source(backend),
             header=hdr,
         )
-        self._tiles_source = source_tiles.partial_source(source.PRELUDE[backend], backend)
         self._tiles_header = hdr + source_tiles.header(backend)
-        self._tiles: dict[int, object] = {}
+        self._tiles: dict[tuple[int, bool], object] = {}  # (staging bytes, tree) -> kernel
+        self._trees = None  # the SIMT pass over a tree, made at its first launch
         self._params: dict[tuple[float, bool], mx.array] = {}  # (scale, one chunk written whole) -> params
         self._no_sinks = mx.zeros((1,), dtype=mx.float32)
 
-    def _partial_pass(self, name: str, body: str, header: str, **launch):
+    def _partial_pass(self, name: str, body: str, header: str, tree: bool = False, **launch):
         # A partial pass reads the queries through their strides (no copy of a
         # rotated, transposed query); keys and values are made contiguous below.
         return self._factory(
-            name=name,
-            input_names=source.PARTIAL_INPUTS,
+            name=name + ("_tree" if tree else ""),
+            input_names=source.PARTIAL_INPUTS + (source.TREE_INPUTS if tree else []),
             output_names=source.PARTIAL_OUTPUTS,
             source=body,
             header=header,
@@ -67,15 +67,31 @@ class BlockAttentionKernel:
             **launch,
         )
 
-    def partial_tiles(self, staging_bytes: int):
+    def partial_tiles(self, staging_bytes: int, tree: bool = False):
         """The matrix-unit pass with ``staging_bytes`` of staging memory (one
-        kernel object per size: CUDA fixes dynamic shared memory per object)."""
-        kernel = self._tiles.get(staging_bytes)
+        kernel object per size: CUDA fixes dynamic shared memory per object),
+        over a block or a draft tree."""
+        kernel = self._tiles.get((staging_bytes, tree))
         if kernel is None:
-            kernel = self._tiles[staging_bytes] = self._partial_pass(
-                "dflash_block_attn_partial_tiles", self._tiles_source, self._tiles_header, shared_memory=staging_bytes
+            kernel = self._tiles[(staging_bytes, tree)] = self._partial_pass(
+                "dflash_block_attn_partial_tiles",
+                source_tiles.partial_source(source.PRELUDE[self.backend], self.backend, tree),
+                source.header(self.backend, tree) + source_tiles.header(self.backend),
+                tree,
+                shared_memory=staging_bytes,
             )
         return kernel
+
+    def partial_tree(self):
+        """The SIMT pass over a draft tree."""
+        if self._trees is None:
+            self._trees = self._partial_pass(
+                "dflash_block_attn_partial",
+                source.partial_source(self.backend, tree=True),
+                source.header(self.backend, tree=True),
+                tree=True,
+            )
+        return self._trees
 
     def __call__(
         self,
@@ -89,11 +105,14 @@ class BlockAttentionKernel:
         causal,
         window=None,
         sinks=None,
+        tree=None,
         chunk=None,
         tile_keys=None,
         stages=None,
     ):
-        """chunk: keys per threadgroup; tile_keys, stages:
+        """tree: a draft tree's layout (kv/tree.py's TreeLayout; causal, its
+        nodes the L query rows, written at q_offset on), or None for a block;
+        chunk: keys per threadgroup; tile_keys, stages:
         keys per staged tile and staging buffers of the matrix-unit pass
         (defaults: chosen from the shape and backend; benchmarks sweep them).
         The result is a [B, Hq, L, D] view of a [B, L, Hq, D] array."""
@@ -123,17 +142,22 @@ class BlockAttentionKernel:
         if params is None:
             params = self._params[(scale, final)] = mx.array([scale * source.LOG2E, float(final)], dtype=mx.float32)
         common = [("T", queries.dtype), ("D", d), ("NW", warps), ("CAUSAL", bool(causal)), ("WINDOW", int(window or 0))]
+        in_tree = tree is not None
         if tiles:
             kt, st = source_tiles.staging(d, self.backend, tile_keys, stages)
-            partial, extra = self.partial_tiles(source_tiles.staging_bytes(d, kt, st)), [("KT", kt), ("ST", st)]
+            staged = source_tiles.staging_bytes(d, kt, st)
+            partial, extra = self.partial_tiles(staged, in_tree), [("KT", kt), ("ST", st)]
         else:
-            partial, extra = self.partial, [("RW", rw)]
+            partial, extra = self.partial_tree() if in_tree else self.partial, [("RW", rw)]
+        inputs = [queries, mx.contiguous(keys), mx.contiguous(values), _int1(q_offset), _int1(kv_length), params]
+        if in_tree:
+            inputs += [tree.ancestors, tree.depths]
         if final:  # (T is 2 bytes: the output's d elements in d / 2 floats)
             shapes = [(b, lq, hq, d // 2), (1,), (1,)]
         else:
             shapes = [(b, hq, lq, nch, d), (b, hq, lq, nch), (b, hq, lq, nch)]
         o_part, m_part, l_part = partial(
-            inputs=[queries, mx.contiguous(keys), mx.contiguous(values), _int1(q_offset), _int1(kv_length), params],
+            inputs=inputs,
             template=common + extra,
             grid=(row_tiles * warps * source.SIMD, nch, b * hkv),
             threadgroup=(warps * source.SIMD, 1, 1),

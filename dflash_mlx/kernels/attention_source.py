@@ -207,7 +207,8 @@ PARTIAL_BODY = (
     const int p_ = qoff + r % Lq;
     pmin = p_ < pmin ? p_ : pmin;
     pmax = p_ > pmax ? p_ : pmax;
-  }"""
+  }
+TREE_ROWS"""
     + KEY_RANGE
     + """
   float m[RW];
@@ -233,11 +234,7 @@ PARTIAL_BODY = (
     float p[RW];
     for (int rr = 0; rr < RW; ++rr) {
       bool vis = live[rr] && k < hi;
-      if (CAUSAL) vis = vis && k <= pos[rr];
-      if (WINDOW > 0) {
-        vis = vis && pos[rr] - k < WINDOW;
-        if (!CAUSAL) vis = vis && k - pos[rr] < WINDOW;
-      }
+SEES
       const float sv = vis ? s[rr] : NEG_INF;
       const float mnew = bk_max(m[rr], simd_max(sv));
       p[rr] = 0.0f;
@@ -299,6 +296,72 @@ SCORE_KEY = """for (int d = 0; d < D; d += 4) {
         }
       }"""
 
+# Which keys a row at position ROW_POS sees within the threadgroup's key range
+# (both partial passes): a block's rule, or a draft tree's (kv/tree.py): the
+# context before qoff by position and window, node j's key at qoff + j where
+# j is one of the row's ancestors (ROW_SEEN: their bits, the window folded in).
+SEES = {
+    "block": """      if (CAUSAL) vis = vis && k <= ROW_POS;
+      if (WINDOW > 0) {
+        vis = vis && ROW_POS - k < WINDOW;
+        if (!CAUSAL) vis = vis && k - ROW_POS < WINDOW;
+      }""",
+    "tree": """      vis = vis && (k < qoff ? WINDOW == 0 || ROW_POS - k < WINDOW : tree_sees(ROW_SEEN, k - qoff));""",
+}
+
+# A tree's two more inputs: ancestors [N, N] bool (kv/tree.py's TreeLayout) and
+# depths [N] int32, read through their strides; N (the query length) is at most
+# TREE_NODES, two 32-bit words of ancestors a row.
+TREE_INPUTS = ["ancestors", "depths"]
+TREE_NODES = 64
+TREE_HEADER = {
+    "metal": """
+inline unsigned int warp_or(unsigned int v) {
+  for (ushort o = 16; o > 0; o >>= 1) v |= simd_shuffle_xor(v, o);
+  return v;
+}
+""",
+    "cuda": """
+__device__ __forceinline__ unsigned int warp_or(unsigned int v) {
+  for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+""",
+}
+TREE_SEES = """
+// Whether a tree row whose ancestors are the bits of (w0, w1) sees node j's key.
+#define tree_sees(w0, w1, j) ((j) < 32 ? (((w0) >> (j)) & 1u) != 0u : (j) < 64 && (((w1) >> ((j) - 32)) & 1u) != 0u)
+"""
+
+# Tree row i_'s depth_ and its ancestors' bits word_[2], made by the warp together
+# (lane l reads nodes l and l + 32); a window drops the ancestors out of its reach.
+TREE_WORDS = """
+    const int depth_ = depths[i_ * depths_strides[0]];
+    unsigned int word_[2];
+    for (int w = 0; w < 2; ++w) {
+      const int j = w * 32 + lane;
+      const bool a = j < Lq && ancestors[i_ * ancestors_strides[0] + j * ancestors_strides[1]] &&
+                     (WINDOW == 0 || depth_ - depths[j * depths_strides[0]] < WINDOW);
+      word_[w] = warp_or(a ? 1u << lane : 0u);
+    }"""
+
+# The SIMT pass's tree rows: each row at its depth, the key range to the tree's end
+# (pmin = qoff bounds every row's position from below).
+TREE_ROWS = """
+  pmin = qoff;
+  pmax = qoff + Lq - 1;
+  unsigned int seen[RW][2];
+  for (int rr = 0; rr < RW; ++rr) {
+    const int i_ = live[rr] ? (r0 + rr) % Lq : 0;"""
+TREE_ROWS += (
+    TREE_WORDS
+    + """
+    pos[rr] = qoff + depth_;
+    seen[rr][0] = word_[0];
+    seen[rr][1] = word_[1];
+  }"""
+)
+
 MERGE_INPUTS = ["o_part", "m_part", "l_part", "sinks"]
 MERGE_OUTPUTS = ["out"]
 MERGE_BODY = """
@@ -341,12 +404,22 @@ MERGE_BODY = """
 """
 
 
-def header(backend: str) -> str:
-    return HEADER[backend] + f"#define LOG2E_F {LOG2E!r}f\n"
+def header(backend: str, tree: bool = False) -> str:
+    common = HEADER[backend] + f"#define LOG2E_F {LOG2E!r}f\n"
+    return common + TREE_HEADER[backend] + TREE_SEES if tree else common
 
 
-def partial_source(backend: str) -> str:
-    return PRELUDE[backend] + PARTIAL_BODY.replace("SCORE_KEY", SCORE_KEY)
+def partial_source(backend: str, tree: bool = False) -> str:
+    body = PARTIAL_BODY.replace("SCORE_KEY", SCORE_KEY)
+    return PRELUDE[backend] + tree_parts(body, TREE_ROWS, "pos[rr]", "seen[rr][0], seen[rr][1]", tree)
+
+
+def tree_parts(body: str, rows: str, row_pos: str, row_seen: str, tree: bool) -> str:
+    """A partial pass's body for a block or (``tree``) a draft tree: its
+    TREE_ROWS hole filled with ``rows`` or nothing, SEES with the rule for a row
+    at ``row_pos`` (a tree's with its ancestors' words ``row_seen``)."""
+    sees = SEES["tree" if tree else "block"].replace("ROW_POS", row_pos).replace("ROW_SEEN", row_seen)
+    return body.replace("\nTREE_ROWS", rows if tree else "").replace("SEES", sees)
 
 
 # The merge's pointers into m_part and l_part. MLX's Metal backend passes an input

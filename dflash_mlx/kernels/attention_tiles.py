@@ -26,7 +26,7 @@ reductions over a row's four threads.
 
 from __future__ import annotations
 
-from .attention_source import GRID_PLACE, KEY_RANGE
+from .attention_source import GRID_PLACE, KEY_RANGE, TREE_WORDS, tree_parts
 
 HEADER = {
     "metal": """
@@ -275,8 +275,8 @@ COORDS
   const int rb = ra + 8;
   const bool live_a = ra < R;
   const bool live_b = rb < R;
-  const int pos_a = qoff + (live_a ? ra % Lq : 0);
-  const int pos_b = qoff + (live_b ? rb % Lq : 0);
+  int pos_a = qoff + (live_a ? ra % Lq : 0);
+  int pos_b = qoff + (live_b ? rb % Lq : 0);
   const idx_t qsd = queries_strides[3];
   const DEV T* qa = queries + b * queries_strides[0] + (hk * G + (live_a ? ra / Lq : 0)) * queries_strides[1]
                     + (live_a ? ra % Lq : 0) * queries_strides[2];
@@ -287,8 +287,9 @@ COORDS
   // once they span Lq rows or wrap past its end, else rt0 % Lq .. (rt1 - 1) % Lq.
   const int rt1 = rt0 + NW * 16 < R ? rt0 + NW * 16 : R;
   const bool all_positions = rt1 - rt0 >= Lq || rt0 % Lq > (rt1 - 1) % Lq;
-  const int pmin = qoff + (all_positions ? 0 : rt0 % Lq);
-  const int pmax = qoff + (all_positions ? Lq - 1 : (rt1 - 1) % Lq);"""
+  int pmin = qoff + (all_positions ? 0 : rt0 % Lq);
+  int pmax = qoff + (all_positions ? Lq - 1 : (rt1 - 1) % Lq);
+TREE_ROWS"""
     + KEY_RANGE
     + """
   float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;  // l: this thread's share of the row sum
@@ -354,11 +355,7 @@ SCORES
           const int k = k0 + t * 8 + fc + (e & 1);
           const int p_ = e < 2 ? pos_a : pos_b;
           bool vis = (e < 2 ? live_a : live_b) && k < hi;
-          if (CAUSAL) vis = vis && k <= p_;
-          if (WINDOW > 0) {
-            vis = vis && p_ - k < WINDOW;
-            if (!CAUSAL) vis = vis && k - p_ < WINDOW;
-          }
+SEES
           s[t][e] = vis ? s[t][e] : NEG_INF;
           if (e < 2) mx_a = bk_max(mx_a, s[t][e]); else mx_b = bk_max(mx_b, s[t][e]);
         }
@@ -487,8 +484,29 @@ def header(backend: str) -> str:
     return HEADER[backend]
 
 
-def partial_source(prelude: str, backend: str) -> str:
-    body = BODY
+# The tile pass's tree rows: the warp makes its 16 rows' words one row at a time,
+# each thread keeps its two rows' (fr and fr + 8), each at its depth.
+TREE_ROWS = """
+  pmin = qoff;
+  pmax = qoff + Lq - 1;
+  unsigned int seen[2][2];
+  for (int q = 0; q < 16; ++q) {
+    const int r_ = rt0 + warp * 16 + q;
+    const int i_ = r_ < R ? r_ % Lq : 0;"""
+TREE_ROWS += (
+    TREE_WORDS
+    + """
+    if (q == fr || q == fr + 8) {
+      seen[q / 8][0] = word_[0];
+      seen[q / 8][1] = word_[1];
+      if (q == fr) pos_a = qoff + depth_; else pos_b = qoff + depth_;
+    }
+  }"""
+)
+
+
+def partial_source(prelude: str, backend: str, tree: bool = False) -> str:
+    body = tree_parts(BODY, TREE_ROWS, "p_", "seen[e >> 1][0], seen[e >> 1][1]", tree)
     for name, part in (
         ("STAGING", STAGING),
         ("COORDS", COORDS),

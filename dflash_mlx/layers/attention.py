@@ -1,7 +1,8 @@
 """A layer's attention over its cache: the block-attention kernel for a
-``BufferKVCache`` where it passed its check and this machine measured it
-faster (both in ``prepare``, never inside a compiled cycle), mlx-lm's
-attention everywhere else."""
+``BufferKVCache`` (over a block, or a draft tree's nodes while the cache has
+one) where it passed its check and this machine measured it faster (both in
+``prepare``, never inside a compiled cycle), mlx-lm's attention everywhere
+else."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..kernels import dispatch, norm_rope
+from ..kernels.attention_source import TREE_NODES
 from ..kv.buffer import BufferKVCache
 from . import linear
 
 
-def prepare(dtype, head_dim: int, windows) -> None:
-    """Check and measure every kernel variant a target's layers will use, outside compiled traces."""
+def prepare(dtype, head_dim: int, windows, trees: bool = False) -> None:
+    """Check and measure every kernel variant a target's layers will use
+    (``trees``: the draft-tree variants too), outside compiled traces."""
     norm_rope.prepare(dtype, head_dim)
     linear.prepare(dtype)
     where = dispatch.backend()
@@ -22,6 +25,8 @@ def prepare(dtype, head_dim: int, windows) -> None:
         return
     for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
         dispatch.measure(where, dtype, head_dim, window)
+        if trees:
+            dispatch.measure(where, dtype, head_dim, window, tree=True)
 
 
 def attention(queries, keys, values, **where) -> mx.array:
@@ -51,12 +56,20 @@ def attention_output(
     """Attention in its stored layout, which the output product reads without
     a copy: (rows [B, L, heads * D], True) where the kernel ran, else (heads
     [B, heads, L, D], False). ``mask`` is mlx-lm's path's, ``length`` the
-    valid length (default: the cache's offset)."""
-    if type(cache) is BufferKVCache and start is not None and cache.tree is None:
+    valid length (default: the cache's offset). A draft tree on the cache
+    (kv/tree.py) takes the tree kernel, its nodes the rows written at ``start``."""
+    tree = getattr(cache, "tree", None)
+    if type(cache) is BufferKVCache and start is not None and (tree is None or takes_tree(tree, queries, causal)):
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         kernel = dispatch.serving_kernel(
-            where, queries.dtype, queries.shape[3], window is not None, rows=rows, keys=keys.shape[2]
+            where,
+            queries.dtype,
+            queries.shape[3],
+            window is not None,
+            rows=rows,
+            keys=keys.shape[2],
+            tree=tree is not None,
         )
         if kernel is not None:
             out = kernel(
@@ -69,7 +82,13 @@ def attention_output(
                 causal=causal,
                 window=window,
                 sinks=sinks,
+                **({} if tree is None else {"tree": tree}),
             )
             B, _, L, _ = out.shape
             return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
+
+
+def takes_tree(tree, queries, causal: bool) -> bool:
+    """Whether the tree kernel can verify ``tree``: its nodes are the causal query rows, at most TREE_NODES."""
+    return causal and tree.size == queries.shape[2] <= TREE_NODES
