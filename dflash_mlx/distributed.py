@@ -5,10 +5,11 @@ split, by mlx-lm's own sharding, and its adapter hands every rank the same
 logits and tapped hidden states (targets/base.py). So acceptance, rollback
 and the prompt cache stay exact on every rank with nothing else aware of it.
 
-Splits: ``"pipeline"`` (each rank runs its own layers, the family's
-``pipeline()``), ``"tensor"`` (every layer split across the ranks, the
-family's ``shard()``), ``"auto"``: pipeline where the family and its adapter
-have it, else tensor.
+Splits: ``"pipeline"`` (each rank runs its own layers: the family's
+``pipeline()``, or where mlx-lm's family has none, mlx-lm's pipeline split
+applied to its layers here), ``"tensor"`` (every layer split across the
+ranks, the family's ``shard()``), ``"auto"``: mlx-lm's pipeline where the
+family and its adapter have it, else tensor, else our pipeline.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def tensor_group(model: nn.Module) -> mx.distributed.Group | None:
 
 
 def can_pipeline(model: nn.Module) -> bool:
+    """Whether mlx-lm's family of ``model`` has its own ``pipeline()``."""
     return hasattr(getattr(model, "language_model", model), "model") and hasattr(
         getattr(model, "language_model", model).model, "pipeline"
     )
@@ -71,9 +73,9 @@ def choose_split(model: nn.Module, split: str, pipelines: bool) -> str:
     whether its family's adapter runs a slice of the layers."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}.")
-    has_pipeline, has_tensor = can_pipeline(model) and pipelines, hasattr(model, "shard")
+    has_pipeline, has_tensor = pipelines, hasattr(model, "shard")
     if split == "auto":
-        split = "pipeline" if has_pipeline else "tensor"
+        split = "pipeline" if has_pipeline and (can_pipeline(model) or not has_tensor) else "tensor"
     if split == "pipeline" and not has_pipeline:
         how = "use split='tensor' (--split tensor)" if has_tensor else "run it on one machine"
         raise ValueError(f"this target's family cannot be pipelined across ranks yet; {how}.")
@@ -88,17 +90,20 @@ def sharded_target(path: Path, group: mx.distributed.Group, split: str, pipeline
     mlx-lm's ``sharded_load``; ``pipelines``: as in ``choose_split``."""
     from mlx_lm.utils import load_model, sharded_load
 
-    if split in ("auto", "pipeline") and not (path / "model.safetensors.index.json").is_file():
+    lazy, _ = load_model(path, lazy=True, strict=False, trust_remote_code=trust_remote_code)
+    indexed = (path / "model.safetensors.index.json").is_file()
+    if split in ("auto", "pipeline") and can_pipeline(lazy) and not indexed:
         if split == "pipeline":
             raise ValueError(
                 f"{path} has no model.safetensors.index.json, which a pipelined load reads; "
                 "save it with mlx_lm.convert or use split='tensor'."
             )
         pipelines = False
-    lazy, _ = load_model(path, lazy=True, strict=False, trust_remote_code=trust_remote_code)
     split = choose_split(lazy, split, pipelines)
     groups = {"pipeline_group": group} if split == "pipeline" else {"tensor_group": group}
     try:
+        if split == "pipeline" and not can_pipeline(lazy):
+            return stage_load(path, group, trust_remote_code)
         return sharded_load(str(path), **groups, trust_remote_code=trust_remote_code)
     except ValueError:
         raise
@@ -107,6 +112,43 @@ def sharded_target(path: Path, group: mx.distributed.Group, split: str, pipeline
             f"mlx-lm cannot split the target {path} over {group.size()} ranks ({type(e).__name__}: {e}); "
             "check that every rank has the same complete model directory."
         ) from e
+
+
+def stage_sizes(inner: nn.Module, ranks: int) -> list[int]:
+    """Layers per rank (rank 0 the last ones), as mlx-lm's ``pipeline()``
+    splits them, except that the layers reusing an earlier layer's keys and
+    values (Gemma 4's ``previous_kvs``) stay on that layer's stage, rank 0's."""
+    count = len(inner.layers)
+    base, extra = divmod(count, ranks)
+    sizes = [base + (1 if r < extra else 0) for r in range(ranks)]
+    reused = [source for i, source in enumerate(getattr(inner, "previous_kvs", [])) if source != i]
+    first = min(reused, default=count)
+    if count - sizes[0] > first:  # rank 0 starts at the first reused layer; the rest split the layers before it
+        base, extra = divmod(first, ranks - 1)
+        sizes = [count - first] + [base + (1 if r < extra else 0) for r in range(ranks - 1)]
+    if min(sizes) < 1:
+        raise ValueError(
+            f"this target's {count} layers cannot be split over {ranks} ranks (layers reusing another's keys "
+            f"and values stay with it); run it on at most {max(1, min(count, first + 1))} ranks."
+        )
+    return sizes
+
+
+def stage_load(path: Path, group: mx.distributed.Group, trust_remote_code: bool):
+    """(model, tokenizer) of the target at ``path`` with only this rank's
+    stage of the layers read: mlx-lm's pipeline split of a family whose
+    mlx-lm model has no ``pipeline()`` (the model is loaded lazily, so the
+    other stages' weights are never read)."""
+    from mlx_lm.models.pipeline import PipelineMixin
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(path, lazy=True, strict=False, trust_remote_code=trust_remote_code)
+    inner = getattr(model, "language_model", model).model
+    PipelineMixin.pipeline(inner, group, stage_sizes(inner, group.size()))
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank loaded
+    return model, tokenizer
 
 
 def _versions() -> dict:

@@ -30,7 +30,15 @@ VOCAB = 24
 TARGET_SEED = 21
 # One shared direction in the embeddings: greedy replies that vary, and
 # for qwen3 cycles whose random drafter is right part of the time.
-LEAN = {"qwen3": 0.36, "qwen3_moe": 0.6, "deepseek_v3": 0.5}
+LEAN = {
+    "qwen3": 0.36,
+    "qwen3_moe": 0.6,
+    "deepseek_v3": 0.5,
+    "gemma3_text": 0.5,
+    "gemma4_text": 0.5,
+    "gpt_oss": 0.5,
+    "minimax_m2": 0.5,
+}
 
 
 def tokens(model, draft, tokenizer, **settings) -> list[int]:
@@ -63,7 +71,7 @@ def rank_main(target: str, draft: str, split: str, out: str) -> None:
     group = mx.distributed.init()
     try:
         model, drafter, tokenizer = load(target, draft, group=group, split=split, dtype="float32")
-        result = runs(model, drafter, tokenizer)
+        result = {**runs(model, drafter, tokenizer), "here": list(drafter.target.here)}
     except ValueError as e:
         result = {"error": str(e)}
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(result))
@@ -187,6 +195,14 @@ def one_process(target: Path, draft: Path) -> dict:
         ("qwen3_moe", 4, "pipeline", 3),
         ("deepseek_v3", 4, "tensor", 2),
         ("deepseek_v3", 4, "pipeline", 2),  # its own MLA layer forwards, over each rank's slice
+        # Families whose mlx-lm model has no pipeline(): mlx-lm's split applied here.
+        ("gemma3_text", 6, "pipeline", 2),
+        ("gemma4_text", 6, "pipeline", 2),  # rank 0 keeps the layers reusing keys/values with their sources
+        ("gemma4_text", 6, "pipeline", 3),
+        ("gpt_oss", 4, "pipeline", 2),
+        ("gpt_oss", 4, "tensor", 2),
+        ("minimax_m2", 4, "pipeline", 3),
+        ("minimax_m2", 4, "tensor", 2),
     ],
 )
 def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):
@@ -196,9 +212,23 @@ def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):
     for b in [*BLOCKS, "auto"]:
         assert alone[str(b)] == expected, b
     assert alone["sampled"] != expected  # a sampled reply, not the greedy one again
-    for rank, result in enumerate(launch(ranks, target, [draft], split, tmp_path / "out")):
+    results = launch(ranks, target, [draft], split, tmp_path / "out")
+    for rank, result in enumerate(results):
         assert "error" not in result, result
+        assert result.pop("here") == (list(range(layers)) if split == "tensor" else stages(family, layers, ranks)[rank])
         assert result == alone, f"rank {rank} differs from one process"
+
+
+def stages(family: str, layers: int, ranks: int) -> list[list[int]]:
+    """Each rank's layers under a pipeline: mlx-lm's even split, rank 0 the
+    last ones, except that rank 0 starts no later than the first layer whose
+    keys/values another reuses (Gemma 4's fixture: layers 4, 5 reuse 3, 2)."""
+    if family == "gemma4_text":
+        sizes = {2: [4, 2], 3: [4, 1, 1]}[ranks]
+    else:
+        sizes = {(4, 2): [2, 2], (4, 3): [2, 1, 1], (6, 2): [3, 3]}[layers, ranks]
+    ends = [layers - sum(sizes[:r]) for r in range(ranks)]
+    return [list(range(end - size, end)) for end, size in zip(ends, sizes)]
 
 
 def test_auto_split_pipelines_a_family_that_has_it(tmp_path):
@@ -250,3 +280,14 @@ def test_auto_chooses_one_block_on_every_rank(tmp_path):
     first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
     assert first["own"] != second["own"]  # alone, the ranks' timings would part them
     assert first["agreed"] == second["agreed"] == first["own"]
+
+
+def test_stages_keep_reused_keys_with_their_source():
+    from dflash_mlx.distributed import stage_sizes
+
+    inner = make_family_target(family_config("gemma4_text", vocab=VOCAB, layers=6)).model
+    assert [stage_sizes(inner, n) for n in (2, 3)] == [[4, 2], [4, 1, 1]]
+    with pytest.raises(ValueError, match="run it on at most 3 ranks"):
+        stage_sizes(inner, 4)
+    plain = make_family_target(family_config("gpt_oss", vocab=VOCAB, layers=4)).model
+    assert stage_sizes(plain, 3) == [2, 1, 1]  # mlx-lm's own split

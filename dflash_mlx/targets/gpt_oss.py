@@ -13,6 +13,7 @@ from .base import DenseTarget
 
 class GptOssTarget(DenseTarget):
     family = "gpt_oss"
+    runs_a_stage = True  # its layers over this rank's slice, as the base class runs them
 
     def windows(self):
         window = int(self.inner.window_size)
