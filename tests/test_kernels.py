@@ -14,9 +14,12 @@ from dflash_mlx.kernels import attention_source as source
 from dflash_mlx.kernels import attention_tiles as source_tiles
 from dflash_mlx.kernels import block_attention, dispatch, launch_source, ops_attention
 from dflash_mlx.kernels.attention import BlockAttentionKernel, chunk_size, max_warps
+from dflash_mlx.kernels.attention_source import TREE_NODES
 from dflash_mlx.kernels.cuda.products import BlockProductKernel
+from dflash_mlx.kernels.dispatch import check_tree, ops_tree_attention, tree_attention
 from dflash_mlx.kernels.norm_rope import NormRopeKernel
 from dflash_mlx.kernels.ops import visible
+from dflash_mlx.kv.tree import chain
 
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -525,3 +528,367 @@ def test_the_matrix_unit_pass_stages_whole_tiles_for_every_row_count(where):
             passes = partial["NW"] * 32 // (d // 8)
             assert partial["KT"] % passes == 0, (where, d, rows, partial["NW"])
             assert partial["NW"] == tile_warps(rows) and partial["NW"] * 16 >= min(rows, 64)
+
+
+# --- A draft tree's mask ---------------------------------------------------------------------------------
+
+
+def dense_tree(q, k, v, *, scale, q_offset, kv_length, tree, window=None, sinks=None):
+    """softmax(q k^T) v in float32 with kv/tree.py's rule written out key by
+    key: node i, at position start + depth i, sees key j < start where its
+    position reaches it (window), and the key of node a at start + a where a
+    is i or an ancestor of i (walking the parents) within the window."""
+    start, length = int(np.array(q_offset).reshape(())), int(np.array(kv_length).reshape(()))
+    parents, depths = np.array(tree.parents).tolist(), np.array(tree.depths).tolist()
+    nodes, n = q.shape[2], k.shape[2]
+    mask = np.zeros((nodes, n), dtype=bool)
+    for i in range(nodes):
+        pos = start + depths[i]
+        for j in range(min(start, length)):
+            mask[i, j] = window is None or pos - j < window
+        a = i
+        while True:
+            if start + a < length and (window is None or depths[i] - depths[a] < window):
+                mask[i, start + a] = True
+            if a == 0:
+                break
+            a = parents[a]
+    g = q.shape[1] // k.shape[1]
+    kf = mx.repeat(k.astype(mx.float32), g, axis=1)
+    vf = mx.repeat(v.astype(mx.float32), g, axis=1)
+    s = (q.astype(mx.float32) @ kf.transpose(0, 1, 3, 2)) * scale
+    s = mx.where(mx.array(mask), s, -mx.inf)
+    if sinks is not None:
+        col = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None, None], (*s.shape[:3], 1))
+        s = mx.concatenate([col, s], axis=-1)
+    p = mx.softmax(s, axis=-1)
+    return (p[..., 1:] if sinks is not None else p) @ vf
+
+
+def tree_case(nodes: int, *, start=60, keys=128, window=None, sinks=False, dtype=mx.float32, seed=0, d=64):
+    kq, kk, kv, ks = mx.random.split(mx.random.key(seed), 4)
+    q = mx.random.normal((1, nodes, 4, d), key=kq).astype(dtype).transpose(0, 2, 1, 3)  # (a strided view)
+    k = mx.random.normal((1, 2, keys, d), key=kk).astype(dtype)
+    v = mx.random.normal((1, 2, keys, d), key=kv).astype(dtype)
+    kw = dict(
+        scale=d**-0.5,
+        q_offset=mx.array(start),
+        kv_length=mx.array(start + nodes),
+        tree=check_tree(nodes, seed=seed),
+        window=window,
+        sinks=mx.random.normal((4,), key=ks) if sinks else None,
+    )
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("nodes, window, sinks", [(1, None, False), (9, None, True), (40, 6, False), (64, 45, True)])
+def test_the_ops_path_over_a_tree_is_the_rule_written_out(nodes, window, sinks):
+    q, k, v, kw = tree_case(nodes, window=window, sinks=sinks, seed=nodes)
+    if window is not None:
+        assert int(mx.max(kw["tree"].depths).item()) > window  # (the window cuts into the tree)
+    got = ops_tree_attention(q, k, v, **kw)
+    assert got.shape == q.shape and rel_err(got, dense_tree(q, k, v, **kw)) < 2e-5
+    assert mx.array_equal(tree_attention(q, k, v, **kw), got)  # on the CPU, the ops path
+
+
+def test_a_chain_is_a_block():
+    q, k, v, kw = tree_case(8, window=5)
+    kw["tree"] = chain(8)
+    block = ops_attention(q, k, v, causal=True, **{key: value for key, value in kw.items() if key != "tree"})
+    assert rel_err(tree_attention(q, k, v, **kw), block) < 2e-5
+
+
+def test_bad_tree_input_is_one_sentence():
+    q, k, v, kw = tree_case(6)
+    for tree, words in ((chain(5), "one query row a node"), ("tree", "TreeLayout")):
+        with pytest.raises(ValueError, match=words) as e:
+            tree_attention(q, k, v, **{**kw, "tree": tree})
+        msg = str(e.value)
+        assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
+    big = mx.zeros((1, 2, TREE_NODES + 1, 64))
+    with pytest.raises(ValueError, match=f"at most {TREE_NODES} nodes"):
+        tree_attention(big, k, k, **{**kw, "tree": chain(TREE_NODES + 1)})
+
+
+# --- The tree's Metal passes, run on this CPU ---------------------------------------------------------------
+#
+# A tree variant's partial pass as a Mac would compile it (its source as MLX builds it,
+# lowered as scripts/check_metal_kernels.py lowers it) is compiled by clang for this
+# machine, every thread of a threadgroup a thread here (the simdgroup functions
+# exchanging within its 32 lanes, threadgroup_barrier across the threadgroup, a
+# simdgroup_matrix held two elements a lane in Metal's layout, the body's COORDS), and
+# run over the launch's grid; its partials, merged, must equal MLX's attention with the
+# tree's mask. The matrix-unit pass runs with T = float (clang 14 has no _Float16 here):
+# the tree's rows and rule do not depend on T.
+
+TREE_DRIVER = r"""
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+extern "C" void harness_thread(void** bufs, unsigned tid, unsigned x, unsigned y, unsigned z, unsigned gx, unsigned gy, unsigned gz);
+static thread_local unsigned t_sg, t_lane;
+static unsigned slots[32][32][8];
+static std::barrier<>* simd_bars[32];
+static std::barrier<>* group_bar;
+extern "C" unsigned harness_lane() { return t_lane; }
+// Each lane's n words to every lane of its simdgroup: the slots, valid until harness_done().
+extern "C" const unsigned* harness_share(const unsigned* v, unsigned n) {
+  for (unsigned i = 0; i < n; ++i) slots[t_sg][t_lane][i] = v[i];
+  simd_bars[t_sg]->arrive_and_wait();
+  return &slots[t_sg][0][0];
+}
+extern "C" void harness_done() { simd_bars[t_sg]->arrive_and_wait(); }
+extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
+extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        std::barrier<> group(threads);
+        group_bar = &group;
+        std::vector<std::unique_ptr<std::barrier<>>> bars;
+        for (unsigned sg = 0; sg < threads / 32; ++sg) {
+          bars.emplace_back(new std::barrier<>(32));
+          simd_bars[sg] = bars.back().get();
+        }
+        std::vector<std::thread> pool;
+        for (unsigned tid = 0; tid < threads; ++tid)
+          pool.emplace_back([=] { t_sg = tid / 32; t_lane = tid % 32; harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
+        for (auto& t : pool) t.join();
+      }
+}
+"""
+TREE_STUB = r"""#pragma once
+#include "metal_stub_decls.h"
+extern "C" unsigned harness_lane();
+extern "C" const unsigned* harness_share(const unsigned* v, unsigned n);
+extern "C" void harness_done();
+extern "C" void harness_group_barrier();
+namespace metal {
+template <typename T> unsigned bits_of(T v) { return __builtin_bit_cast(unsigned, v); }
+template <typename T> T of_bits(unsigned b) { return __builtin_bit_cast(T, b); }
+template <typename T, typename U> T simd_sum(T v) {
+  const unsigned b = bits_of(v);
+  const unsigned* s = harness_share(&b, 1);
+  T acc = T(0);
+  for (int l = 0; l < 32; ++l) acc += of_bits<T>(s[l * 8]);
+  harness_done();
+  return acc;
+}
+template <typename T, typename U> T simd_max(T v) {
+  const unsigned b = bits_of(v);
+  const unsigned* s = harness_share(&b, 1);
+  T acc = of_bits<T>(s[0]);
+  for (int l = 1; l < 32; ++l) acc = of_bits<T>(s[l * 8]) > acc ? of_bits<T>(s[l * 8]) : acc;
+  harness_done();
+  return acc;
+}
+template <typename T, typename U> T simd_shuffle_xor(T v, ushort mask) {
+  const unsigned b = bits_of(v);
+  const unsigned* s = harness_share(&b, 1);
+  const T got = of_bits<T>(s[(harness_lane() ^ mask) * 8]);
+  harness_done();
+  return got;
+}
+bool simd_any(bool p) {
+  const unsigned b = p;
+  const unsigned* s = harness_share(&b, 1);
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || s[l * 8];
+  harness_done();
+  return any;
+}
+template <typename T, typename U> T exp2(T x) { return T(__builtin_exp2f(float(x))); }
+template <typename T, typename U> T max(T x, T y) { return x > y ? x : y; }
+void simdgroup_barrier(mem_flags) { harness_done(); }
+void threadgroup_barrier(mem_flags) { harness_group_barrier(); }
+// A lane's two elements of an 8 x 8 matrix: row fr, columns fc and fc + 1 (the body's COORDS).
+inline int tile_row(unsigned l) { return ((l >> 2) & 4) + ((l >> 1) & 3); }
+inline int tile_col(unsigned l) { return ((l >> 2) & 2) * 2 + (l & 1) * 2; }
+template <typename T, int C, int R>
+thread typename simdgroup_matrix<T, C, R>::elements_t& simdgroup_matrix<T, C, R>::thread_elements() { return elements_; }
+template <typename T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(const T value) {
+  simdgroup_matrix<T, C, R> m;
+  m.thread_elements() = vec<T, 2>(value);
+  return m;
+}
+template <typename TD, typename TA, typename TB, typename TC, int K, int M, int N>
+void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, K, M>& d, const thread simdgroup_matrix<TA, N, M>& a,
+                                   const thread simdgroup_matrix<TB, K, N>& b, const thread simdgroup_matrix<TC, K, M>& c) {
+  auto& ea = const_cast<simdgroup_matrix<TA, N, M>&>(a).thread_elements();
+  auto& eb = const_cast<simdgroup_matrix<TB, K, N>&>(b).thread_elements();
+  auto& ec = const_cast<simdgroup_matrix<TC, K, M>&>(c).thread_elements();
+  const unsigned mine[6] = {bits_of(float(ea[0])), bits_of(float(ea[1])), bits_of(float(eb[0])),
+                            bits_of(float(eb[1])), bits_of(float(ec[0])), bits_of(float(ec[1]))};
+  const unsigned* s = harness_share(mine, 6);
+  float ma[8][8], mb[8][8], mc[8][8];
+  for (unsigned l = 0; l < 32; ++l)
+    for (int e = 0; e < 2; ++e) {
+      ma[tile_row(l)][tile_col(l) + e] = of_bits<float>(s[l * 8 + e]);
+      mb[tile_row(l)][tile_col(l) + e] = of_bits<float>(s[l * 8 + 2 + e]);
+      mc[tile_row(l)][tile_col(l) + e] = of_bits<float>(s[l * 8 + 4 + e]);
+    }
+  harness_done();
+  const int r = tile_row(harness_lane()), c0 = tile_col(harness_lane());
+  for (int e = 0; e < 2; ++e) {
+    float acc = mc[r][c0 + e];
+    for (int k = 0; k < 8; ++k) acc += ma[r][k] * mb[k][c0 + e];
+    d.thread_elements()[e] = TD(acc);
+  }
+}
+}
+"""
+TREE_ATTRIBUTES = {
+    "simdgroup_index_in_threadgroup": "tid / 32",
+    "thread_index_in_simdgroup": "tid % 32",
+    "thread_position_in_threadgroup": "uint3(tid, 0u, 0u)",
+    "threadgroup_position_in_grid": "uint3(x, y, z)",
+    "threadgroups_per_grid": "uint3(gx, gy, gz)",
+}
+
+
+def metal_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def build_tree_pass(script, source: str, names: list[str], tmp_path):
+    """The variant's lowered source compiled for this CPU, its parameters read from
+    ``bufs`` in the order of ``names``: ``harness_run(bufs, gx, gy, gz, threads)``."""
+    import ctypes
+    import subprocess
+    from pathlib import Path
+
+    script.THREADGROUP_MEMORY = 1 << 20  # (this module's own copy: float staging takes twice a Mac's bytes)
+    text, problems = script.lower(source)
+    assert not problems, problems
+    # (no half runs here: a type of its size for it, where this clang lacks _Float16)
+    stub = Path(script.STUB).read_text().replace("typedef _Float16 half;", "typedef char16_t half;")
+    (tmp_path / "metal_stub_decls.h").write_text(stub)
+    (tmp_path / "metal_stub.h").write_text(TREE_STUB)
+    for header in script.METAL_HEADERS:
+        (tmp_path / header).write_text('#include "metal_stub.h"\n')
+    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
+    args = []
+    for param in text[start.end() : text.index(") {", start.end())].split(","):
+        name = re.search(r"(\w+)\s*$", param).group(1)
+        kind = param[: param.rindex(name)].strip()
+        args.append(f"({kind})bufs[{names.index(name)}]" if name in names else TREE_ATTRIBUTES[name])
+    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
+    text += (
+        '\nextern "C" void harness_thread(void** bufs, unsigned tid, unsigned x, unsigned y, unsigned z, '
+        f"unsigned gx, unsigned gy, unsigned gz) {{\n  {instance}({', '.join(args)});\n}}\n"
+    )
+    (tmp_path / "kernel.cpp").write_text(text)
+    (tmp_path / "driver.cpp").write_text(TREE_DRIVER)
+    clang = script.find_clang()
+    flags = ["-O1", "-fPIC", "-c"]
+    for cmd in (
+        [clang, "-std=c++17", *flags, "-nostdinc", "-nostdinc++", "-fno-exceptions", "-fno-rtti", "-I", str(tmp_path)]
+        + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
+        [clang, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
+        [clang, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so")]
+        + ["-lpthread", "-lm"],
+    ):
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+    return ctypes.CDLL(str(tmp_path / "h.so"))
+
+
+def run_tree_partials(tmp_path, q, k, v, kw, plant=None):
+    """The tree variant's partial pass for this call, run on this CPU from its
+    Metal source (float32 throughout), and its partials merged as the merge pass
+    does (``plant``: (old, new) text swapped into the source first)."""
+    import ctypes
+
+    script = metal_script()
+    recorder = script.Recorder()
+    kernel = BlockAttentionKernel("metal", factory=recorder.factory)
+    kernel(q, k, v, causal=True, **kw)
+    ((name, variant),) = [(n, v) for n, v in recorder.variants.items() if "_tree_" in n]
+    ((grid, group),) = variant.launches
+    src = variant.source.replace("float16_t", "float")  # (the matrix-unit pass with T = float)
+    if plant is not None:
+        assert plant[0] in src
+        src = src.replace(plant[0], plant[1])
+    f32 = np.float32
+    b, hq, lq, d = q.shape
+    qs = np.ascontiguousarray(np.array(q.astype(mx.float32)).transpose(0, 2, 1, 3))  # [B, L, Hq, D]
+    nch = grid[1]
+    tree = kw["tree"]
+    arrays = {
+        "queries": qs,
+        "queries_shape": np.array(q.shape, np.int32),
+        "queries_strides": np.array([lq * hq * d, d, hq * d, 1], np.int64),  # (the [B, Hq, L, D] view's)
+        "keys": np.array(k.astype(mx.float32)),
+        "keys_shape": np.array(k.shape, np.int32),
+        "values": np.array(v.astype(mx.float32)),
+        "q_offset": np.array([int(kw["q_offset"].item())], np.int32),
+        "kv_length": np.array([int(kw["kv_length"].item())], np.int32),
+        "params": np.array([kw["scale"] * source.LOG2E, 0.0], f32),
+        "ancestors": np.array(tree.ancestors).astype(np.uint8),
+        "ancestors_strides": np.array([lq, 1], np.int64),
+        "depths": np.array(tree.depths).astype(np.int32),
+        "depths_strides": np.array([1], np.int64),
+        "o_part": np.zeros((b, hq, lq, nch, d), f32),
+        "m_part": np.zeros((b, hq, lq, nch), f32),
+        "l_part": np.zeros((b, hq, lq, nch), f32),
+    }
+    names = list(arrays)
+    lib = build_tree_pass(script, src, names, tmp_path)
+    bufs = (ctypes.c_void_p * len(names))(*[arrays[n].ctypes.data for n in names])
+    lib.harness_run(bufs, grid[0] // group[0], grid[1], grid[2], group[0])
+    o, m, l = arrays["o_part"], arrays["m_part"], arrays["l_part"]
+    top = m.max(axis=-1, keepdims=True)
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        sink = (np.array(sinks, f32) * source.LOG2E)[None, :, None, None]
+        top = np.maximum(top, sink)
+    w = np.where(m == -np.inf, 0.0, np.exp2(m - top))
+    num, den = (o * w[..., None]).sum(axis=3), (l * w).sum(axis=3, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp2(sink - top)
+    return name, num / den[..., 0, None]
+
+
+needs_clang = pytest.mark.skipif(metal_script().find_clang() is None, reason="no clang++ on PATH")
+
+
+@needs_clang
+@pytest.mark.parametrize(
+    "dtype, nodes, window, sinks",
+    [(mx.float32, 40, None, True), (mx.float32, 40, 6, False), (mx.float16, 40, 6, True), (mx.float16, 9, None, False)],
+)
+def test_the_tree_passes_metal_source_run_on_the_cpu_is_mlxs_attention_with_the_tree_mask(
+    tmp_path, dtype, nodes, window, sinks
+):
+    """Both partial passes (SIMT for float32, the matrix units' for 16-bit types):
+    40 nodes (two words of ancestors a row, rows in more than one threadgroup of
+    the matrix-unit pass), a window shorter than the tree is deep, sinks."""
+    q, k, v, kw = tree_case(nodes, start=70, keys=160, window=window, sinks=sinks, dtype=dtype, seed=nodes)
+    name, got = run_tree_partials(tmp_path, q, k, v, kw)
+    assert ("partial_tiles_tree" in name) == (dtype != mx.float32), name
+    want = np.array(ops_tree_attention(*(a.astype(mx.float32) for a in (q, k, v)), **kw))
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+
+
+@needs_clang
+@pytest.mark.parametrize(
+    "dtype, plant",
+    [
+        (mx.float32, ("(WINDOW == 0 || depth_ - depths[", "(true || depth_ - depths[")),  # the window not folded in
+        (mx.float16, ("(j) < 64 &&", "(j) < 32 &&")),  # the second word of ancestors never read
+        (mx.float16, ("pmin = qoff;", "pmin = qoff + 1;")),  # node 1's key seen by every row
+    ],
+)
+def test_a_tree_pass_with_a_planted_error_differs_from_mlxs(tmp_path, dtype, plant):
+    q, k, v, kw = tree_case(40, start=70, keys=160, window=6, dtype=dtype, seed=40)
+    _, got = run_tree_partials(tmp_path, q, k, v, kw, plant=plant)
+    want = np.array(ops_tree_attention(*(a.astype(mx.float32) for a in (q, k, v)), **kw))
+    assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
