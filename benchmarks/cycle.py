@@ -7,6 +7,7 @@ README.md's Qwen3-8B rows.
     python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024,4096 --blocks 16 --cycles 48 [--cold]
     python benchmarks/cycle.py --shape qwen3-8b --quantize 4 --prompt-tokens 1024 --blocks 4,8,16 --cycles 32
     python benchmarks/cycle.py --shape builtin --prompt-tokens 256 --blocks 16 --cycles 64
+    mlx.launch --backend nccl -n 2 python benchmarks/cycle.py --shape qwen3-8b --split pipeline --blocks 16
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
 almost nothing, so every cycle commits about one token and shows a cycle's cost
@@ -20,6 +21,15 @@ almost nothing, so every cycle commits about one token and shows a cycle's cost
   for (no overlap);
 - cycle in plain steps, and the projected speedup tau x step / cycle at the
   acceptance ``--tau`` (Z Lab's Qwen3-8B figures: ~6.5 math, ~4.3 chat).
+
+Under ``mlx.launch`` the target is split across the ranks (``--split``
+pipeline or tensor, docs/distributed.md), the drafter whole on each, and only
+rank 0 prints. The plain step is then mlx-lm's sharded ``generate_step``
+(tensor), or one-token steps through the split adapter queued one ahead as
+``generate_step`` queues them (pipeline: mlx-lm's qwen3 has no pipelined
+forward). Each row adds the bytes a rank sends to the others per cycle and
+per plain step, from the exchanges' shapes (a ring all-sum sends
+2 (n - 1) / n of its buffer from each rank).
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 SHAPES = {
     # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
@@ -81,32 +91,42 @@ def configs(shape: str) -> tuple[dict, dict]:
     return target, draft
 
 
-def random_target(shape: str, quantize: int | None = None):
-    """An mlx-lm qwen3 model at a model's shapes, random bf16 weights (or quantized)."""
+def random_target(shape: str, quantize: int | None = None, group=None, split: str | None = None):
+    """An mlx-lm qwen3 model at a model's shapes, random bf16 weights (or
+    quantized), split over ``group`` by ``split`` before any weight is made."""
     from mlx_lm.models.qwen3 import Model, ModelArgs
+
+    from dflash_mlx import distributed
 
     model = Model(ModelArgs.from_dict(configs(shape)[0]))
     model.set_dtype(mx.bfloat16)
     if quantize:
         nn.quantize(model, group_size=64, bits=quantize)
+    if split == "pipeline":
+        distributed.split_stages(model, group)
+    elif split == "tensor":
+        model.shard(group)
     mx.eval(model.parameters())
     return model
 
 
-def random_pair(shape: str, quantize: int | None):
+def random_pair(shape: str, quantize: int | None, group=None, split: str | None = None):
     """The target and drafter at ``shape``'s sizes, random weights; "builtin":
     the shipped pair itself, bf16 (its drafter has four layers, where "small"
-    has the same target sizes and two)."""
+    has the same target sizes and two). Every rank makes the same weights."""
     from dflash_mlx import DFlashDraft, DraftConfig, load
     from dflash_mlx.targets import adapt
 
     if shape == "builtin":
-        model, draft, _ = load("builtin", dtype="bfloat16")
+        if quantize and group is not None:
+            raise ValueError("--quantize with --shape builtin runs on one process; leave out one of them.")
+        model, draft, _ = load("builtin", dtype="bfloat16", group=group, split=split or "auto")
         if quantize:
             nn.quantize(model, group_size=64, bits=quantize)
             draft.bind(adapt(model))
         return model, draft
-    model = random_target(shape, quantize)
+    mx.random.seed(0)
+    model = random_target(shape, quantize, group, split)
     draft = DFlashDraft(DraftConfig.from_dict(configs(shape)[1]))
     draft.set_dtype(mx.bfloat16)
     mx.eval(draft.parameters())
@@ -143,10 +163,57 @@ def synced_ms(fn, repeat: int = 7) -> float:
 
 
 def plain_step_ms(model, prompt: list[int], steps: int) -> float:
+    from dflash_mlx.targets import adapt
+
+    if adapt(model).pipeline_size > 1:
+        return split_step_ms(model, prompt, steps)
     times = []
     for _ in generate_step(mx.array(prompt), model, max_tokens=steps + 1, sampler=lambda x: mx.argmax(x, axis=-1)):
         times.append(time.perf_counter())
     return 1000 * (times[-1] - times[0]) / (len(times) - 1)
+
+
+def split_step_ms(model, prompt: list[int], steps: int) -> float:
+    """A plain greedy step of a pipelined target through its adapter, each
+    step queued before the last one's token is read (as generate_step);
+    it taps the last layer only, the least the adapter's exchange carries."""
+    from dflash_mlx.targets import adapt
+
+    target = adapt(model)
+    cache, taps = target.make_cache(), [target.num_layers - 1]
+
+    def step(ids: mx.array) -> mx.array:
+        logits, _ = target(ids[None], cache, taps, last_only=True)
+        return mx.argmax(logits[0, -1], axis=-1, keepdims=True)
+
+    with mx.stream(generation_stream):
+        head = prompt[:-1]
+        for i in range(0, len(head), 2048):
+            logits, _ = target(mx.array(head[i : i + 2048])[None], cache, taps, last_only=True)
+            mx.eval(logits, [c.keys for c in cache])
+        y = step(mx.array(prompt[-1:]))
+    mx.async_eval(y)
+    times = []
+    for _ in range(steps + 1):
+        with mx.stream(generation_stream):
+            following = step(y)
+        mx.async_eval(following)
+        y.item()
+        times.append(time.perf_counter())
+        y = following
+    mx.eval(y)
+    return 1000 * (times[-1] - times[0]) / (len(times) - 1)
+
+
+def sent_bytes(target, rows: int, taps: int) -> int:
+    """Bytes the busiest rank sends to the others for one target call over
+    ``rows`` rows tapping ``taps`` layers (targets/base.py's exchanges)."""
+    ranks = target.group.size()
+    row = target.hidden_size * target.dtype.size
+    ring = 2 * (ranks - 1) / ranks  # of an all-sum's buffer, sent by each rank
+    if target.tensor_group is not None:  # mlx-lm's sharded layers: an all-sum after attention, one after the MLP
+        return round(2 * target.num_layers * ring * rows * row)
+    return round(rows * row + ring * (taps + 1) * rows * row)  # the hidden state on, then taps and output to all
 
 
 def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int) -> dict:
@@ -206,12 +273,22 @@ def main():
     ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for the projected speedup")
     ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
+    ap.add_argument(
+        "--split", choices=["pipeline", "tensor"], help="under mlx.launch: how the target is split (default pipeline)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from dflash_mlx import distributed
+    from dflash_mlx.targets import adapt
     from dflash_mlx.tiny import make_tokenizer
 
-    model, draft = random_pair(args.shape, args.quantize)
+    group = distributed.world()
+    if args.split and group is None:
+        ap.error("--split splits the target across ranks; run under mlx.launch (e.g. mlx.launch -n 2 python ...).")
+    split = (args.split or "pipeline") if group is not None else None
+    model, draft = random_pair(args.shape, args.quantize, group, split)
+    target = adapt(model)
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
     blocks = [int(b) for b in args.blocks.split(",")]
@@ -229,20 +306,27 @@ def main():
             row.update(synced_pieces(model, draft, prompt, block))
             row["cycle_in_plain_steps"] = row["cycle_ms"] / step
             row["projected_speedup"] = args.tau * step / row["cycle_ms"]
+            if group is not None:
+                taps = len(draft.config.target_layer_ids)
+                row["cycle_sent_bytes"] = sent_bytes(target, block, taps)
+                row["plain_step_sent_bytes"] = sent_bytes(target, 1, 1)
             rows.append(row)
     record = {
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, "
         f"device {mx.default_device()}",
         "shape": args.shape + (f" {args.quantize}-bit" if args.quantize else " bf16"),
         "mode": "cold (first request)" if args.cold else "warm",
+        "split": f"{split} over {group.size()} ranks" if group is not None else "one process",
         "tau": args.tau,
         "rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
     }
+    if not distributed.is_first_rank(group):
+        return
     if args.json:
         print(json.dumps(record, indent=2))
         return
     print(record["machine"])
-    print(f"{record['shape']}, {record['mode']}, projected at tau {args.tau}")
+    print(f"{record['shape']}, {record['mode']}, {record['split']}, projected at tau {args.tau}")
     print(
         f"{'prompt':>6} {'block':>5} {'step ms':>8} {'cycle ms':>9} {'verify ms':>10} {'draft ms':>9} "
         f"{'steps':>6} {'x plain':>8}"
@@ -253,6 +337,11 @@ def main():
             f"{r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
             f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}"
         )
+        if "cycle_sent_bytes" in r:
+            print(
+                f"{'':>12} sent per rank: {r['cycle_sent_bytes'] / 1024:.1f} KiB a cycle, "
+                f"{r['plain_step_sent_bytes'] / 1024:.1f} KiB a plain step"
+            )
 
 
 if __name__ == "__main__":

@@ -127,11 +127,22 @@ def stage_sizes(inner: nn.Module, ranks: int) -> list[int]:
         base, extra = divmod(first, ranks - 1)
         sizes = [count - first] + [base + (1 if r < extra else 0) for r in range(ranks - 1)]
     if min(sizes) < 1:
+        why = " (layers reusing another's keys and values stay with it)" if reused else ""
         raise ValueError(
-            f"this target's {count} layers cannot be split over {ranks} ranks (layers reusing another's keys "
-            f"and values stay with it); run it on at most {max(1, min(count, first + 1))} ranks."
+            f"this target's {count} layers cannot be split over {ranks} ranks{why}; "
+            f"run it on at most {min(count, first + 1)} ranks."
         )
     return sizes
+
+
+def split_stages(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Keep only this rank's stage of ``model``'s layers (``stage_sizes``),
+    as mlx-lm's ``pipeline()`` does; ``model`` unevaluated, so the other
+    stages' weights are never read or made."""
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    inner = getattr(model, "language_model", model).model
+    PipelineMixin.pipeline(inner, group, stage_sizes(inner, group.size()))
 
 
 def stage_load(path: Path, group: mx.distributed.Group, trust_remote_code: bool):
@@ -139,12 +150,10 @@ def stage_load(path: Path, group: mx.distributed.Group, trust_remote_code: bool)
     stage of the layers read: mlx-lm's pipeline split of a family whose
     mlx-lm model has no ``pipeline()`` (the model is loaded lazily, so the
     other stages' weights are never read)."""
-    from mlx_lm.models.pipeline import PipelineMixin
     from mlx_lm.utils import load_model, load_tokenizer
 
     model, config = load_model(path, lazy=True, strict=False, trust_remote_code=trust_remote_code)
-    inner = getattr(model, "language_model", model).model
-    PipelineMixin.pipeline(inner, group, stage_sizes(inner, group.size()))
+    split_stages(model, group)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None))
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # every rank loaded
