@@ -1,11 +1,12 @@
 """The verify's and the drafter's attention through the block-attention
-kernel (dflash_mlx/targets/attention.py), on a stand-in GPU backend whose
+kernel (dflash_mlx/layers/attention.py), on a stand-in GPU backend whose
 "kernel" records its calls and computes through the ops path (the contract's
 reference): a fused qwen3/llama layer and a drafter layer call it with their
 cache's start and valid length where the table picks it, decoding stays
 exactly mlx-lm's, the
 check runs when the target's layers are made, and a kernel that fails its
-check, or a cache the kernel does not read, never reaches it."""
+check, or a cache the kernel does not read, never reaches it. A draft tree's
+verify takes the tree variant only once that variant passed its own check."""
 
 import random
 
@@ -23,6 +24,9 @@ from tiny import (
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kernels import dispatch, ops_attention
+from dflash_mlx.kernels.dispatch import ops_tree_attention
+from dflash_mlx.kv.tree import from_parents
+from dflash_mlx.layers.attention import prepare
 from dflash_mlx.targets import adapt
 
 VOCAB = 48
@@ -32,11 +36,14 @@ class RecordingKernel:
     """Stands in for a GPU's kernel: computes with the ops path, wrong by
     ``error`` (a kernel that fails its check), and records every call."""
 
-    def __init__(self, error: float = 0.0):
-        self.error, self.calls = error, []
+    def __init__(self, error: float = 0.0, tree_error: float = 0.0):
+        self.error, self.tree_error, self.calls = error, tree_error, []
 
-    def __call__(self, q, k, v, **kw):
-        self.calls.append(dict(kw, rows=q.shape[2]))
+    def __call__(self, q, k, v, tree=None, **kw):
+        self.calls.append(dict(kw, rows=q.shape[2], tree=tree))
+        if tree is not None:
+            assert kw.pop("causal")
+            return ops_tree_attention(q, k, v, tree=tree, **kw) + self.tree_error
         return ops_attention(q, k, v, **kw) + self.error
 
 
@@ -125,3 +132,81 @@ def test_outside_the_table_or_over_a_quantized_cache_the_fused_op_runs(fake_gpu,
     assert len(kernel.calls) == calls or kv
     if not kv:
         assert tokens == greedy_reference(model, prompt, 24)
+
+
+TAPS = [1]
+# The root (node 0), two children, and branches down to depth 5.
+PARENTS = [0, 0, 0, 1, 1, 2, 3, 6, 7]
+TREE = [5, 11, 30, 7, 19, 2, 40, 8, 13]
+CONTEXT = [(7 * i + 3) % (VOCAB - 1) for i in range(11)]
+
+
+def path_to(node: int) -> list[int]:
+    path = [node]
+    while path[-1] != 0:
+        path.append(PARENTS[path[-1]])
+    return path[::-1]
+
+
+def prefilled(target, ids: list[int]) -> list:
+    cache = target.make_cache()
+    target(mx.array(ids)[None], cache, TAPS)
+    return cache
+
+
+def verify_tree(target) -> mx.array:
+    """One verify of TREE after CONTEXT; each node's logits equal a plain
+    forward over its path's."""
+    cache = prefilled(target, CONTEXT)
+    assert target.takes_trees(cache)
+    target.set_tree(cache, from_parents(mx.array(PARENTS, mx.int32), max_depth=5))
+    logits, _ = target(mx.array(TREE)[None], cache, TAPS)
+    target.set_tree(cache, None)
+    for node in range(len(TREE)):
+        plain, _ = target(mx.array([TREE[j] for j in path_to(node)])[None], prefilled(target, CONTEXT), TAPS)
+        assert mx.allclose(logits[0, node], plain[0, -1], atol=1e-4).item(), node
+    return logits
+
+
+def tree_calls(kernel) -> list[dict]:
+    return [c for c in kernel.calls if c["tree"] is not None]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_trees_verify_takes_the_tree_kernel_once_checked_and_stays_exact(fake_gpu, family):
+    kernel = fake_gpu(RecordingKernel())
+    model, _ = pair(family, seed=13)
+    target = adapt(model)
+    prepare(target.dtype, 64, [None], trees=True)  # (a target that verifies trees: its variants checked too)
+    assert [k[1:] for k in dispatch._tree_checks] == [(target.dtype, 64, False)]
+    assert all(r.ok and r.case.endswith(" tree") for r in dispatch._tree_checks.values())
+    kernel.calls.clear()
+    verify_tree(target)
+    calls = tree_calls(kernel)
+    assert len(calls) == 2  # each layer's verify, through the tree variant
+    for c in calls:
+        start, length = (x.item() if isinstance(x, mx.array) else x for x in (c["q_offset"], c["kv_length"]))
+        assert (start, length, c["rows"]) == (len(CONTEXT), len(CONTEXT) + len(TREE), len(TREE))
+        assert c["tree"].size == len(TREE) and c["window"] is None
+
+
+def test_without_a_passed_tree_check_a_tree_takes_mlxs_attention(fake_gpu):
+    kernel = fake_gpu(RecordingKernel())
+    model, _ = pair("qwen3", seed=13)
+    target = adapt(model)  # the block variant checked, not the tree's
+    assert not dispatch._tree_checks
+    kernel.calls.clear()
+    verify_tree(target)
+    assert kernel.calls and not tree_calls(kernel)  # (the context's prefill still took the block kernel)
+
+
+def test_a_tree_variant_that_fails_its_check_is_never_called(fake_gpu):
+    kernel = fake_gpu(RecordingKernel(tree_error=0.5))
+    model, _ = pair("qwen3", seed=13)
+    target = adapt(model)
+    with pytest.warns(RuntimeWarning, match=r"head_dim=64 full tree block-attention kernel failed its self-check"):
+        prepare(target.dtype, 64, [None], trees=True)
+    assert dispatch._checks[("fake", target.dtype, 64, False)].ok  # the block's own check stands
+    kernel.calls.clear()
+    verify_tree(target)
+    assert kernel.calls and not tree_calls(kernel)
