@@ -137,17 +137,30 @@ class DeviceLengthCache:
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
         """The mask for ``N`` positions about to be written, spanning the
-        buffer as it will be then; None where the row sees every key read."""
+        buffer as it will be then; None where the row sees every key read;
+        "causal" (unless ``return_array``) where the rows read exactly the
+        filled keys, as mlx-lm's own caches give it."""
         if self.tree is not None:
             return self.tree.mask(self.offset, self.read_width(N), window_size)
+        width = self.read_width(N)
         if (
             N == 1
             and self.read == "exact"
-            and self.read_width(1) == self.bound + 1
+            and width == self.bound + 1
             and (window_size is None or self.bound < window_size)
         ):
             return None
-        return positions_mask(N, self.offset, self.read_width(N), window_size)
+        # A prompt chunk at a host length reading only the filled keys: MLX's
+        # own causal mask, which its fused attention takes without an array.
+        if (
+            N > 1
+            and not return_array
+            and isinstance(self.offset, int)
+            and width == self.offset + N
+            and (window_size is None or width <= window_size)
+        ):
+            return "causal"
+        return positions_mask(N, self.offset, width, window_size)
 
     # mlx-lm's trimming protocol
     def is_trimmable(self) -> bool:
@@ -164,15 +177,19 @@ class BufferKVCache(DeviceLengthCache):
     """Keys and values in a fixed-capacity buffer with a device-side length."""
 
     # Attention reads up to ``bound``, skipping the unfilled tail, except where
-    # shapes must not change: a compiled trace, and the CUDA backend, which
-    # builds a graph for every key length it sees.
+    # shapes must not change: a compiled trace, and a cycle on the CUDA
+    # backend, which builds a graph for every key length it sees. A length
+    # known on the host (a prompt chunk, an exact step) is read exactly on
+    # every backend, as mlx-lm reads it.
     takes_exact = True
 
     def read_width(self, n: int) -> int:
         """Up to the bound, or the whole buffer at a fixed width."""
-        if self.read == "fixed" or (device.backend() == "cuda" and not (self.read == "exact" and n == 1)):
+        if self.read == "fixed":
             return self.width_after(n)
-        return self.bound + n
+        if isinstance(self.offset, int) or (self.read == "exact" and n == 1) or device.backend() != "cuda":
+            return self.bound + n
+        return self.width_after(n)
 
     @property
     def capacity(self) -> int:
