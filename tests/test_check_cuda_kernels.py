@@ -150,3 +150,34 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
     ]
     assert "constexpr int VPT = 2;" in src and "constexpr int FORM = 1;" in src and "__shfl_down_sync" in src
     assert f"constexpr int AHEAD = {ahead};" in src
+
+
+def test_every_tree_variant_of_the_self_check_is_recorded_and_wrapped():
+    """Both partial passes over a draft tree, each dtype, head dim and window
+    the check covers, causal; ancestors and depths after the block's inputs."""
+    from dflash_mlx.kernels import attention_tiles, ops
+
+    script = load_script()
+    recorder = script.Recorder()
+    script.record_all(recorder, modules=[])
+    tiles = [n for n in recorder.variants if n.startswith("dflash_block_attn_partial_tiles_tree_")]
+    simt = [n for n in recorder.variants if n.startswith("dflash_block_attn_partial_tree_")]
+    for d in ops.HEAD_DIMS:
+        for window in (0, 45):
+            kt = attention_tiles.TILE_KEYS["cuda"][d]
+            for dtype in ("bfloat16", "float16"):
+                assert any(n.startswith(f"dflash_block_attn_partial_tiles_tree_{dtype}_{d}_") for n in tiles)
+                assert any(n.endswith(f"_True_{window}_{kt}_2") for n in tiles if f"_{dtype}_{d}_" in n), (dtype, d)
+            assert any(f"float32_{d}_" in n and n.endswith(f"_True_{window}_4") for n in simt), (d, window)
+    assert all("_True_" in n for n in tiles + simt)  # (causal, every one)
+    src = recorder.variants[tiles[0]]
+    signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
+    params = [p.strip() for p in signature.split(",")]
+    at = params.index("const float* params")
+    assert params[at + 1 : at + 5] == [
+        "const bool* ancestors",
+        "const __grid_constant__ Strides ancestors_strides",
+        "const int32_t* depths",
+        "const __grid_constant__ Strides depths_strides",
+    ]
+    assert "__device__ __forceinline__ unsigned int warp_or(" in src and "#define tree_sees(" in src

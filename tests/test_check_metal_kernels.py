@@ -38,6 +38,8 @@ def test_variants_are_named_and_wrapped_as_mlx_does():
         "dflash_block_attn_partial",
         "dflash_block_attn_merge",
         "dflash_norm_rope_v",
+        "dflash_block_attn_partial_tiles_tree",
+        "dflash_block_attn_partial_tree",
     ):
         assert any(v.kernel.startswith(family) for v in recorder.variants.values()), family
     # every warps count the SIMT pass picks at head dim 64 (16 at most) and the tiles' 1, 2, 4
@@ -235,3 +237,42 @@ def test_the_exact_products_variants_compile_and_a_wrong_arity_fails(monkeypatch
     monkeypatch.setitem(exact_products.HEADER, "metal", header)
     failed, log, n = compile_orders()
     assert len(failed) == n and "simd_shuffle_down" in log, log
+
+
+def test_every_tree_variant_is_recorded():
+    """A draft tree's passes: every warps count either pass picks for 1-64
+    nodes at one query head or eight, no window or a model's, the ancestors
+    and depths in constant memory (trees of 1 or 2 nodes, MLX's rule) or
+    device; causal only."""
+    import re
+
+    recorder = script.Recorder()
+    script.record_all(recorder, dtypes=[mx.bfloat16, mx.float32], head_dims=[64])
+    tiles = [n for n in recorder.variants if "_partial_tiles_tree__" in n]
+    simt = [n for n in recorder.variants if "_partial_tree__" in n]
+    for nw in (1, 2, 4):
+        for window in (0, 128):
+            assert any(f"_tiles_tree__bfloat16_t_64_{nw}_1_{window}_32_2_" in n for n in tiles), (nw, window)
+    for nw in range(1, 17):
+        assert any(f"_partial_tree__float_64_{nw}_1_0_4_" in n for n in simt), nw
+    # (T, D, NW, CAUSAL, ...): every tree launch is causal
+    assert all(re.search(r"__(?:bfloat16_t|float)_64_\d+_1_", n) for n in tiles + simt)
+    # ancestors (bool) and depths (int32) after params
+    assert any(n.endswith("_floatc_boolc_int32_tc_float_float_float") for n in tiles)
+    assert any(n.endswith("_floatc_bool_int32_t_float_float_float") for n in tiles)
+    src = recorder.variants[next(n for n in tiles if n.endswith("_boolc_int32_tc_float_float_float"))].source
+    assert "  const constant bool* ancestors [[buffer(" in src and "const constant int64_t* ancestors_strides" in src
+
+
+@needs_clang
+def test_the_tree_variants_compile_and_a_wrong_name_in_the_tree_rows_fails(monkeypatch):
+    from dflash_mlx.kernels import attention_source
+
+    for only in ("partial_tiles_tree", "partial_tree__float"):
+        failed, log, n = check_subset(only, most=2, dtypes=[mx.bfloat16, mx.float32])
+        assert not failed, log
+    rows = attention_source.TREE_ROWS.replace("word_[w] = warp_or(", "word_[w] = warp_or_(")
+    assert rows != attention_source.TREE_ROWS
+    monkeypatch.setattr(attention_source, "TREE_ROWS", rows)
+    failed, log, n = check_subset("partial_tree__float", most=2, dtypes=[mx.float32])
+    assert len(failed) == n and "use of undeclared identifier 'warp_or_'" in log, log
