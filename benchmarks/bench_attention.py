@@ -10,6 +10,8 @@ compares the kernel with ``mx.fast.scaled_dot_product_attention`` (through the
 ops path's boolean mask, as block_attention's fallback calls it) and times
 both: 2-16 query rows over 256..32k keys, bf16, 32 query / 8 key-value heads,
 head dim 128, which locates the crossover in dflash_mlx/kernels/dispatch.py.
+Then a draft tree's verify (issue 37): the tree kernel against the block kernel
+over the same rows and against MLX's attention with the tree's mask.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import mlx.core as mx
 
 from dflash_mlx.kernels import backend, block_attention, ops_attention, self_check_all
-from dflash_mlx.kernels.dispatch import _kernels, checked_kernel
+from dflash_mlx.kernels.dispatch import _kernels, check_tree, checked_kernel, ops_tree_attention
 
 CHUNKS = (128, 256, 512, 1024, 2048, 4096)
 
@@ -203,8 +205,41 @@ def main() -> int:
         t_ops = timed(lambda: ops_attention(q, k, v, **kw))
         report["dispatch"].append(dict(case=name, block_attention_ms=t_ba, ops_ms=t_ops))
         print(f"{name:34s} {t_ba:18.3f} {t_ops:12.3f}", flush=True)
+    report["trees"] = trees(where, kernel, args.quick)
     _write(args.out, report)
     return 0
+
+
+def trees(where: str, kernel, quick: bool) -> list[dict]:
+    """A draft tree's verify against a block of the same rows (the tree's cost
+    over the block's is what its mask adds) and against MLX's attention with
+    the tree's mask (what a tree ran before): 32/8 heads, D 128, bf16."""
+    rows = []
+    if checked_kernel(where, mx.bfloat16, 128, False, tree=True) is None:
+        print("the bf16 head-dim-128 tree variant failed its self-check; no tree rows.")
+        return rows
+    print(
+        f"\n{'keys':>6} {'nodes':>5} {'tree ms':>8} {'block ms':>9} {'tree/block':>10} {'fused+tree mask ms':>19} {'err':>8}"
+    )
+    for n in [4096] if quick else [1024, 4096, 16384]:
+        for nodes in [16] if quick else [8, 16, 32, 64]:
+            q, k, v = make(1, 32, 8, nodes, n, 128, mx.bfloat16, seed=n + nodes)
+            tree = check_tree(nodes, seed=nodes)
+            mx.eval(tree.ancestors, tree.depths)
+            kw = dict(scale=128**-0.5, q_offset=mx.array(n - nodes), kv_length=mx.array(n))
+            want = ops_tree_attention(q, k, v, tree=tree, **kw)
+            err = rel_err(kernel(q, k, v, causal=True, tree=tree, **kw), want)
+            t_tree = timed(lambda: kernel(q, k, v, causal=True, tree=tree, **kw))
+            t_block = timed(lambda: kernel(q, k, v, causal=True, **kw))
+            t_mask = timed(lambda: ops_tree_attention(q, k, v, tree=tree, **kw))
+            rows.append(
+                dict(keys=n, nodes=nodes, tree_ms=t_tree, block_ms=t_block, fused_tree_mask_ms=t_mask, rel_err=err)
+            )
+            print(
+                f"{n:6d} {nodes:5d} {t_tree:8.3f} {t_block:9.3f} {t_tree / t_block:9.2f}x {t_mask:19.3f} {err:8.1e}",
+                flush=True,
+            )
+    return rows
 
 
 def _write(path, report):
