@@ -11,7 +11,7 @@ its merge, the q/k norm + RoPE) with a recording factory in place of
 ``mx.fast.metal_kernel``, drives it over every launch decoding can ask of it
 (``record_all``: each dtype and head dim, every row count the dispatch table
 sends to the kernel, causal or not, windowed or not, sinks or not, one key
-chunk or many, and the self-checks' own cases), and for each variant MLX
+chunk or many, a block or a draft tree, and the self-checks' own cases), and for each variant MLX
 would compile (its kernel name: template values, dtypes, which inputs go in
 the ``constant`` address space) rebuilds the source MLX would hand Apple's
 compiler (mlx/backend/common/metal_kernel.cpp's ``write_signature``) and

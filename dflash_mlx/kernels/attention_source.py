@@ -18,6 +18,10 @@ Pass 2, ``merge`` (every dtype): one threadgroup per query row, one thread per h
 element; it rescales the chunks' partials to a common max (and adds the
 attention sink to the denominator) and writes the output in the input dtype.
 
+A draft tree's variant of either partial pass (``tree``: kv/tree.py's layout
+as two more inputs) is the same body with the tree's rows (``TREE_ROWS``: each
+row at its depth, its ancestors as bits) and rule (``SEES``) filled in.
+
 Layouts are those of mx.fast.scaled_dot_product_attention's callers, so no
 copy comes before or after: queries are read through their strides (a rotated
 query is a transposed view of the projection), and the output is written as
