@@ -77,6 +77,35 @@ def rank_main(target: str, draft: str, split: str, out: str) -> None:
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(result))
 
 
+def files_main(target: str, draft: str, split: str, out: str) -> None:
+    """Per-rank prompt-cache files: each rank saves its own caches after a
+    turn and reads them back for the next; another rank's file is refused."""
+    from dflash_mlx import make_prompt_cache, stream_generate
+    from dflash_mlx.cache.files import load_prompt_cache, save_prompt_cache
+    from dflash_mlx.loading import load
+
+    group = mx.distributed.init()
+    rank = group.rank()
+    model, drafter, tokenizer = load(target, draft, group=group, split=split, dtype="float32")
+
+    def turn(cache, prompt: list[int]) -> list[int]:
+        responses = stream_generate(model, drafter, tokenizer, prompt, max_tokens=6, block_size=3, prompt_cache=cache)
+        return [t for r in responses for t in r.tokens]
+
+    cache = make_prompt_cache(model, drafter)
+    first = turn(cache, PROMPT)
+    save_prompt_cache(Path(out) / f"cache-rank{rank}.safetensors", cache)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))  # every rank's file is written
+    loaded, _ = load_prompt_cache(Path(out) / f"cache-rank{rank}.safetensors", model, drafter)
+    second = turn(loaded, PROMPT + first + [5, 9])
+    try:
+        load_prompt_cache(Path(out) / f"cache-rank{(rank + 1) % group.size()}.safetensors", model, drafter)
+        other = ""
+    except ValueError as e:
+        other = str(e)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"turns": [first, second], "other": other}))
+
+
 def chooser_main(out: str) -> None:
     """Each rank times cycles differently; the agreed chooser's choices must
     still be one sequence, rank 0's own chooser's."""
@@ -96,10 +125,7 @@ def chooser_main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "chooser":
-        chooser_main(sys.argv[2])
-    else:
-        rank_main(*sys.argv[1:5])
+    {"runs": rank_main, "files": files_main, "chooser": chooser_main}[sys.argv[1]](*sys.argv[2:])
     sys.exit(0)
 
 
@@ -161,17 +187,17 @@ def _free(port: int) -> bool:
     return True
 
 
-def launch(ranks: int, target: Path, drafts: list[Path], split: str, out: Path) -> list[dict]:
+def launch(ranks: int, target: Path, drafts: list[Path], split: str, out: Path, mode: str = "runs") -> list[dict]:
     """Each rank's results; ``drafts``: one drafter for all ranks, or one a rank."""
     out.mkdir()
     script = Path(__file__).resolve()
     if len(drafts) == 1:
-        command = [sys.executable, str(script), str(target), str(drafts[0]), split, str(out)]
+        command = [sys.executable, str(script), mode, str(target), str(drafts[0]), split, str(out)]
     else:  # a wrapper picks each rank's drafter by its rank
         chooser = out / "rank.sh"
         cases = " ".join(f'{r}) d="{d}";;' for r, d in enumerate(drafts))
         chooser.write_text(
-            f'case "$MLX_RANK" in {cases} esac\nexec "{sys.executable}" "{script}" "{target}" "$d" {split} "{out}"\n'
+            f'case "$MLX_RANK" in {cases} esac\nexec "{sys.executable}" "{script}" {mode} "{target}" "$d" {split} "{out}"\n'
         )
         command = ["bash", str(chooser)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -291,3 +317,60 @@ def test_stages_keep_reused_keys_with_their_source():
         stage_sizes(inner, 4)
     plain = make_family_target(family_config("gpt_oss", vocab=VOCAB, layers=4)).model
     assert stage_sizes(plain, 3) == [2, 1, 1]  # mlx-lm's own split
+
+
+def test_prompt_cache_files_per_rank(tmp_path):
+    """Each rank's file holds its own stage's caches: read back on that rank
+    it continues the conversation as one process does; another rank, or one
+    process, refuses it in one sentence."""
+    from dflash_mlx.cache.files import load_prompt_cache
+    from dflash_mlx.loading import load
+
+    target, draft, _ = write_pair(tmp_path, "gemma4_text", 6)
+    alone = one_process(target, draft)
+    results = launch(2, target, [draft], "pipeline", tmp_path / "out", mode="files")
+    for result in results:
+        assert result["turns"] == alone["turns"]
+        assert "made for another model pair" in result["other"], result["other"]
+    model, drafter, _ = load(target, draft, dtype="float32")
+    with pytest.raises(ValueError, match="made for another model pair"):
+        load_prompt_cache(tmp_path / "out" / "cache-rank0.safetensors", model, drafter)
+
+
+def test_interrupt_on_rank_zero_ends_every_rank(tmp_path):
+    """Ctrl-C on rank 0 of `generate`: it says so and stops, and the launcher
+    ends the other ranks, blocked in their next exchange (nothing hangs, no
+    prompt cache outlives it)."""
+    import signal
+    import time
+
+    target, draft, _ = write_pair(tmp_path, "qwen3_moe", 4)
+    command = shutil.which("dflash-mlx") or str(Path(sys.executable).parent / "dflash-mlx")
+    args = f'--model "{target}" --draft-model "{draft}" --prompt "w3 w17 w5" -m 100000 --dtype float32 --split pipeline'
+    wrapper = tmp_path / "rank.sh"
+    wrapper.write_text(f'echo $$ > "{tmp_path}/pid$MLX_RANK"\nexec "{command}" generate {args}\n')
+    out, errors = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
+    run = subprocess.Popen([*launcher(2), "bash", str(wrapper)], stdout=out, stderr=errors)
+    try:
+        deadline = time.monotonic() + 120
+        while (tmp_path / "stdout").stat().st_size < 40:  # rank 0 is decoding
+            assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.2)
+        os.kill(int((tmp_path / "pid0").read_text()), signal.SIGINT)
+        run.wait(timeout=60)  # (mlx.launch itself exits 0 whatever its ranks did)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert stderr.count("interrupted") == 1 and "generated" in stderr
+    assert "rank 0 exited with code 130" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_prompt_cache_file_refused_across_ranks(tmp_path):
+    command = shutil.which("dflash-mlx") or str(Path(sys.executable).parent / "dflash-mlx")
+    args = ["--model", "builtin", "--prompt", "hi", "--prompt-cache-file", str(tmp_path / "c.safetensors")]
+    done = subprocess.run([*launcher(2), command, "generate", *args], capture_output=True, text=True, timeout=120)
+    assert "rank 0 exited with code 1" in done.stderr  # (mlx.launch itself exits 0)
+    assert done.stderr.count("--prompt-cache-file cannot be used across ranks yet") == 1
+    assert "Traceback" not in done.stderr
