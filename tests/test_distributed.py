@@ -219,6 +219,7 @@ def one_process(target: Path, draft: Path) -> dict:
         ("qwen3", 4, "tensor", 2),
         ("qwen3_moe", 4, "pipeline", 2),
         ("qwen3_moe", 4, "pipeline", 3),
+        ("qwen3", 4, "pipeline", 2),  # mlx-lm's qwen3 has no pipeline(): benchmarks/cycle.py's split
         ("deepseek_v3", 4, "tensor", 2),
         ("deepseek_v3", 4, "pipeline", 2),  # its own MLA layer forwards, over each rank's slice
         # Families whose mlx-lm model has no pipeline(): mlx-lm's split applied here.
@@ -306,6 +307,19 @@ def test_auto_chooses_one_block_on_every_rank(tmp_path):
     first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
     assert first["own"] != second["own"]  # alone, the ranks' timings would part them
     assert first["agreed"] == second["agreed"] == first["own"]
+
+
+def test_auto_split_prefers_mlx_lm_pipeline_then_tensor():
+    from dflash_mlx.distributed import choose_split
+
+    def model(family):
+        return make_family_target(family_config(family, vocab=VOCAB, layers=2))
+
+    assert choose_split(model("qwen3_moe"), "auto", True) == "pipeline"  # mlx-lm's own pipeline()
+    assert choose_split(model("gpt_oss"), "auto", True) == "tensor"  # its shard() over our stage split
+    assert choose_split(model("gemma3_text"), "auto", True) == "pipeline"  # no shard(): our stage split
+    with pytest.raises(ValueError, match="use split='pipeline'"):
+        choose_split(model("gemma3_text"), "tensor", True)
 
 
 def test_stages_keep_reused_keys_with_their_source():
