@@ -882,7 +882,10 @@ def test_the_tree_passes_metal_source_run_on_the_cpu_is_mlxs_attention_with_the_
 @pytest.mark.parametrize(
     "dtype, plant",
     [
-        (mx.float32, ("(WINDOW == 0 || depth_ - depths[", "(true || depth_ - depths[")),  # the window not folded in
+        (
+            mx.float32,
+            ("(WINDOW == 0 || depth_ - node_depth", "(true || depth_ - node_depth"),
+        ),  # the window not folded in
         (mx.float16, ("(j) < 64 &&", "(j) < 32 &&")),  # the second word of ancestors never read
         (mx.float16, ("pmin = qoff;", "pmin = qoff + 1;")),  # node 1's key seen by every row
     ],

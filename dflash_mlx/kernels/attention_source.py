@@ -337,15 +337,22 @@ TREE_SEES = """
 #define tree_sees(w0, w1, j) ((j) < 32 ? (((w0) >> (j)) & 1u) != 0u : (j) < 64 && (((w1) >> ((j) - 32)) & 1u) != 0u)
 """
 
-# Tree row i_'s depth_ and its ancestors' bits word_[2], made by the warp together
-# (lane l reads nodes l and l + 32); a window drops the ancestors out of its reach.
+# A tree's rows are made by the warp together: lane l reads nodes l and l + 32,
+# their depths once (TREE_NODES_DEPTHS), then for row i_ its depth_ and its
+# ancestors' bits word_[2] (TREE_WORDS); a window drops the ancestors out of reach.
+TREE_NODES_DEPTHS = """
+  int node_depth[2];
+  for (int w = 0; w < 2; ++w) {
+    const int j = w * 32 + lane;
+    node_depth[w] = WINDOW > 0 && j < Lq ? depths[j * depths_strides[0]] : 0;
+  }"""
 TREE_WORDS = """
     const int depth_ = depths[i_ * depths_strides[0]];
     unsigned int word_[2];
     for (int w = 0; w < 2; ++w) {
       const int j = w * 32 + lane;
       const bool a = j < Lq && ancestors[i_ * ancestors_strides[0] + j * ancestors_strides[1]] &&
-                     (WINDOW == 0 || depth_ - depths[j * depths_strides[0]] < WINDOW);
+                     (WINDOW == 0 || depth_ - node_depth[w] < WINDOW);
       word_[w] = warp_or(a ? 1u << lane : 0u);
     }"""
 
@@ -354,9 +361,13 @@ TREE_WORDS = """
 TREE_ROWS = """
   pmin = qoff;
   pmax = qoff + Lq - 1;
-  unsigned int seen[RW][2];
+  unsigned int seen[RW][2];"""
+TREE_ROWS += (
+    TREE_NODES_DEPTHS
+    + """
   for (int rr = 0; rr < RW; ++rr) {
     const int i_ = live[rr] ? (r0 + rr) % Lq : 0;"""
+)
 TREE_ROWS += (
     TREE_WORDS
     + """

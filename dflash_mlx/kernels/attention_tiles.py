@@ -26,7 +26,7 @@ reductions over a row's four threads.
 
 from __future__ import annotations
 
-from .attention_source import GRID_PLACE, KEY_RANGE, TREE_WORDS, tree_parts
+from .attention_source import GRID_PLACE, KEY_RANGE, TREE_NODES_DEPTHS, TREE_WORDS, tree_parts
 
 HEADER = {
     "metal": """
@@ -489,10 +489,14 @@ def header(backend: str) -> str:
 TREE_ROWS = """
   pmin = qoff;
   pmax = qoff + Lq - 1;
-  unsigned int seen[2][2];
+  unsigned int seen[2][2];"""
+TREE_ROWS += (
+    TREE_NODES_DEPTHS
+    + """
   for (int q = 0; q < 16; ++q) {
     const int r_ = rt0 + warp * 16 + q;
     const int i_ = r_ < R ? r_ % Lq : 0;"""
+)
 TREE_ROWS += (
     TREE_WORDS
     + """
