@@ -127,8 +127,12 @@ def test_a_wrong_kernel_fails_its_self_check():
 def test_every_variant_is_recorded_as_mlx_builds_it():
     cuda = load_script("check_cuda_kernels").Recorder()
     gated_delta.record_variants(cuda.factory, "cuda")
-    # each dtype, Dk, limited or not
-    assert len(cuda.variants) == len(gated_delta.DTYPES) * len(gated_delta.KEY_DIMS) * 2
+    # each dtype, Dk: a write limited or not, a tree keeping every state or not
+    assert len(cuda.variants) == len(gated_delta.DTYPES) * len(gated_delta.KEY_DIMS) * 4
+    tree = cuda.variants[f"dflash_gated_delta_tree_v{gated_delta.VERSION}_float16_64_False"]
+    assert (
+        "const int32_t* parents,\n    __half* y,\n    float* states)" in tree and "constexpr bool ALL = false;" in tree
+    )
     src = cuda.variants[f"dflash_gated_delta_v{gated_delta.VERSION}_bfloat16_128_True"]
     assert "const __nv_bfloat16* q,\n    const __grid_constant__ Shape q_shape," in src
     assert "const int32_t* steps,\n    __nv_bfloat16* y,\n    float* state_out)" in src

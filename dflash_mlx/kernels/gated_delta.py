@@ -10,7 +10,10 @@ adds what a verify and its rollback need:
   step;
 - on both, a ``steps`` limit read on the device (an int32 array [1]): the
   state after the first ``steps`` of T steps, which is the replay rollback
-  in one launch with no mask.
+  in one launch with no mask;
+- on both, a draft tree's nodes in one launch (``tree_recurrence``), each
+  from its parent's state (``parents`` read on the device), keeping every
+  node's state (per-step rollback) or only those a later node reads again.
 
 Arithmetic: that of mlx-lm's packed Metal kernel, expression for expression
 (float32 state; per step the decay, k's dot product, the delta, the update,
@@ -30,11 +33,13 @@ process (``prepare``, outside any compiled trace): against mlx-lm's ops
 path within a tolerance, one launch against step-by-step launches and a
 limited run against a plain run of its prefix bit for bit, and on Metal
 against mlx-lm's own kernel bit for bit (the replay must reach the states of
-the plain steps mlx-lm's kernel computes). A variant that fails warns once
+the plain steps mlx-lm's kernel computes), and its tree's every node against
+a plain launch from its parent's state bit for bit. A variant that fails warns once
 and is never used: its callers run mlx-lm's path (``recurrence``).
 
     y, state = recurrence(q, k, v, g, beta, state)             # [B, T, Hv, Dv], [B, Hv, Dv, Dk]
     _, kept = recurrence(q, k, v, g, beta, state, steps=s)     # the state after s steps (s: int32 [1])
+    y, states = tree_recurrence(q, k, v, g, beta, state, parents)  # states [T + 1, B, Hv, Dv, Dk]
 """
 
 from __future__ import annotations
@@ -44,139 +49,15 @@ from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
 from ..device import backend, constant_arange
 from .attention import make_factory
-from .attention_source import HEADER as BASE_HEADER
 from .dispatch import TOLERANCE, CheckResult
+from .gated_delta_source import HEADER, INPUTS, OUTPUTS, TREE_INPUTS, TREE_OUTPUTS, VERSION, source
 from .launch_source import compacting
 from .serving import check_once, failure
 from .serving import passed as check_passed
 
-INPUTS = ["q", "k", "v", "g", "beta", "state_in", "steps"]
-OUTPUTS = ["y", "state_out"]
 KEY_DIMS = (32, 64, 128, 256)  # Dk: a lane holds 32 state elements, Dk / 32 lanes a value row
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 WARPS = 2  # simdgroups per threadgroup, as mlx-lm's packed kernel
-VERSION = 2  # of BODY and its inputs: a change must bump it
-
-# The attention kernels' header (to_float, from_float, idx_t) and a butterfly step.
-HEADER = {
-    "metal": BASE_HEADER["metal"]
-    + """
-inline float gd_shuffle_xor(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
-""",
-    "cuda": BASE_HEADER["cuda"]
-    + """
-__device__ __forceinline__ float gd_shuffle_xor(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }
-""",
-}
-
-# lane: within the simdgroup (warp); rows: the grid's y, a simdgroup's value
-# rows each; n: the grid's z, batch x value head.
-PRELUDE = {
-    "metal": """
-  const int lane = int(thread_index_in_simdgroup);
-  const int row_group = int(thread_position_in_grid.y);
-  const int n = int(thread_position_in_grid.z);
-""",
-    "cuda": """
-  const int lane = int(threadIdx.x);
-  const int row_group = int(blockIdx.y * blockDim.y + threadIdx.y);
-  const int n = int(blockIdx.z * blockDim.z + threadIdx.z);
-""",
-}
-
-# Template constants: InT (q, k, v, y), Dk, LIMITED (read ``steps``). Shapes
-# are read at run time: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta
-# [B, T, Hv] (g float32); state [B, Hv, Dv, Dk] float32.
-BODY = """
-  constexpr int LANES = Dk / 32;  // lanes per value row
-  constexpr int ROWS = 32 / LANES;  // value rows per simdgroup
-  constexpr int CHAIN = Dk / 32;  // products one lane of mlx-lm's generic kernel sums in order
-  constexpr int PARTS = 32 / CHAIN;  // chains per lane here: 32 elements
-  const int T = q_shape[1];
-  const int Hk = q_shape[2];
-  const int Hv = v_shape[2];
-  const int Dv = v_shape[3];
-  if (row_group * ROWS >= Dv) return;  // whole simdgroups past the last row
-  const int b = n / Hv;
-  const int hv = n % Hv;
-  const int hk = hv / (Hv / Hk);
-  const int lane_in_row = lane % LANES;
-  const int dv = row_group * ROWS + lane / LANES;
-  const int first = lane_in_row * 32;
-
-  auto q_ = q + (idx_t(b) * T * Hk + hk) * Dk + first;
-  auto k_ = k + (idx_t(b) * T * Hk + hk) * Dk + first;
-  auto v_ = v + (idx_t(b) * T * Hv + hv) * Dv;
-  auto y_ = y + (idx_t(b) * T * Hv + hv) * Dv;
-  const idx_t g0 = idx_t(b) * T * Hv + hv;
-  const idx_t row = (idx_t(n) * Dv + dv) * Dk + first;
-
-  float state[32];
-  for (int i = 0; i < 32; ++i) {
-    state[i] = to_float(state_in[row + i]);
-  }
-  int count = T;
-  if (LIMITED) {
-    count = steps[0] < 0 ? 0 : (steps[0] < T ? steps[0] : T);
-  }
-  for (int t = 0; t < count; ++t) {
-    const float gt = to_float(g[g0 + idx_t(t) * Hv]);
-    float part[PARTS];
-    for (int c = 0; c < PARTS; ++c) {
-      float acc = 0.0f;
-      for (int i = 0; i < CHAIN; ++i) {
-        const int e = c * CHAIN + i;
-        state[e] = state[e] * gt;
-        acc += state[e] * to_float(k_[e]);
-      }
-      part[c] = acc;
-    }
-    for (int w = 1; w < PARTS; w <<= 1) {
-      for (int c = 0; c < PARTS; c += 2 * w) {
-        part[c] = part[c] + part[c + w];
-      }
-    }
-    float kv_mem = part[0];
-    for (int m = 1; m < LANES; m <<= 1) {
-      kv_mem += gd_shuffle_xor(kv_mem, m);
-    }
-
-    const float delta = (to_float(v_[dv]) - kv_mem) * to_float(beta[g0 + idx_t(t) * Hv]);
-
-    for (int c = 0; c < PARTS; ++c) {
-      float acc = 0.0f;
-      for (int i = 0; i < CHAIN; ++i) {
-        const int e = c * CHAIN + i;
-        state[e] = state[e] + to_float(k_[e]) * delta;
-        acc += state[e] * to_float(q_[e]);
-      }
-      part[c] = acc;
-    }
-    for (int w = 1; w < PARTS; w <<= 1) {
-      for (int c = 0; c < PARTS; c += 2 * w) {
-        part[c] = part[c] + part[c + w];
-      }
-    }
-    float out = part[0];
-    for (int m = 1; m < LANES; m <<= 1) {
-      out += gd_shuffle_xor(out, m);
-    }
-    if (lane_in_row == 0) {
-      y_[dv] = from_float<InT>(out);
-    }
-    q_ += Hk * Dk;
-    k_ += Hk * Dk;
-    v_ += Hv * Dv;
-    y_ += Hv * Dv;
-  }
-  for (int i = 0; i < 32; ++i) {
-    state_out[row + i] = state[i];
-  }
-"""
-
-
-def source(backend_name: str) -> str:
-    return PRELUDE[backend_name] + BODY
 
 
 def rows_per_simdgroup(key_dim: int) -> int:
@@ -201,7 +82,8 @@ def fits(q: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array)
 
 
 class GatedDeltaKernel:
-    """The kernel for one backend, compiled by MLX per (dtype, Dk, limited)."""
+    """The kernels for one backend, a write's and a tree's, compiled by MLX
+    per (dtype, Dk, limited) and (dtype, Dk, all states)."""
 
     def __init__(self, backend_name: str, factory=None):
         factory = compacting(factory or make_factory(backend_name), backend_name)
@@ -213,23 +95,47 @@ class GatedDeltaKernel:
             source=source(backend_name),
             header=HEADER[backend_name],
         )
+        self.tree_kernel = factory(
+            name=f"dflash_gated_delta_tree_v{VERSION}",
+            input_names=TREE_INPUTS,
+            output_names=TREE_OUTPUTS,
+            source=source(backend_name, tree=True),
+            header=HEADER[backend_name],
+        )
         self._all_steps = mx.zeros((1,), mx.int32)  # (read by no variant: LIMITED is false)
 
     def __call__(self, q, k, v, g, beta, state, *, steps: mx.array | None = None):
         """(y [B, T, Hv, Dv], the state after all T steps, or after the first
         ``steps`` (int32 [1]); y's rows from ``steps`` on are not written)."""
-        B, T, _, key_dim = q.shape
-        Hv, Dv = v.shape[2:]
-        groups = Dv // rows_per_simdgroup(key_dim)
-        warps = WARPS if groups % WARPS == 0 else 1
         return self.kernel(
             inputs=[q, k, v, g, beta, state, self._all_steps if steps is None else steps],
-            template=[("InT", q.dtype), ("Dk", key_dim), ("LIMITED", steps is not None)],
-            grid=(32, groups, B * Hv),
-            threadgroup=(32, warps, 1),
-            output_shapes=[(B, T, Hv, Dv), state.shape],
+            template=[("InT", q.dtype), ("Dk", q.shape[-1]), ("LIMITED", steps is not None)],
+            output_shapes=[v.shape, state.shape],
             output_dtypes=[q.dtype, mx.float32],
+            **launch(q, v),
         )
+
+    def tree(self, q, k, v, g, beta, state, parents: mx.array, *, keep_all: bool = True):
+        """A draft tree's T nodes, each from its parent's state (``parents``
+        [T] int32): (y [B, T, Hv, Dv], states [T + 1, ...]: the state before,
+        then each node's after its step; where not ``keep_all``, only the
+        nodes a later node other than the next reads, the rest unset)."""
+        return self.tree_kernel(
+            inputs=[q, k, v, g, beta, state, parents],
+            template=[("InT", q.dtype), ("Dk", q.shape[-1]), ("ALL", keep_all)],
+            output_shapes=[v.shape, (q.shape[1] + 1, *state.shape)],
+            output_dtypes=[q.dtype, mx.float32],
+            **launch(q, v),
+        )
+
+
+def launch(q: mx.array, v: mx.array) -> dict:
+    """The grid: a simdgroup's value rows, batch x value heads."""
+    key_dim = q.shape[-1]
+    Hv, Dv = v.shape[2:]
+    groups = Dv // rows_per_simdgroup(key_dim)
+    warps = WARPS if groups % WARPS == 0 else 1
+    return {"grid": (32, groups, q.shape[0] * Hv), "threadgroup": (32, warps, 1)}
 
 
 _kernels: dict[str, GatedDeltaKernel] = {}
@@ -304,6 +210,28 @@ def recurrence(q, k, v, g, beta, state, *, steps: mx.array | None = None, use_ke
     return gated_delta_ops(q, k, v, g, beta, state, mask)
 
 
+def tree_recurrence(q, k, v, g, beta, state, parents: mx.array, *, keep_all: bool = True, use_kernel: bool = True):
+    """The recurrence over a draft tree's T nodes in node order, each from its
+    parent's state after the parent's step (``parents`` [T] int32, the root
+    its own parent; never read by the host): y [B, T, Hv, Dv] and, where
+    ``keep_all``, the states [T + 1, B, Hv, Dv, Dk] (the state before, then
+    each node's after its step), else None. Node i's are a plain run's over
+    its root-to-i path. The checked kernel runs it in one launch; elsewhere a
+    node is one ``recurrence`` step from its parent's state."""
+    kernel = kernel_for(q, v, g, beta, state, use_kernel)
+    if kernel is not None:
+        y, states = kernel.tree(q, k, v, g, beta, state, parents, keep_all=keep_all)
+        return y, states if keep_all else None
+    after, ys = [], []
+    for t in range(q.shape[1]):
+        before = state if t == 0 else mx.take(mx.stack(after), parents[t], axis=0)
+        one = slice(t, t + 1)
+        y, s = recurrence(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], before, use_kernel=use_kernel)
+        ys.append(y)
+        after.append(s)
+    return mx.concatenate(ys, axis=1), mx.stack([state, *after]) if keep_all else None
+
+
 # --- self-check ----------------------------------------------------------------------------------
 
 
@@ -375,10 +303,35 @@ def self_check(where: str, dtype, key_dim: int, value_dim: int) -> CheckResult:
                 theirs = gated_delta_kernel(q, k, v, g, beta, state)
                 if not (_bitwise(y, theirs[0]) and _bitwise(last, theirs[1])):
                     return result(False, "not bit for bit mlx-lm's Metal kernel")
+            differs = tree_difference(kernel, (q, k, v, g, beta, state))
+            if differs is not None:
+                return result(False, differs)
         mlx_lm = ", bit for bit mlx-lm's kernel" if where == "metal" else ""
-        return result(True, f"max relative error {worst:.1e}, exact replay{mlx_lm}")
+        return result(True, f"max relative error {worst:.1e}, exact replay and trees{mlx_lm}")
     except Exception as e:  # a build or launch error: the kernel is not used
         return result(False, failure(e))
+
+
+def check_parents(n: int) -> mx.array:
+    """A tree of ``n`` nodes with chains, siblings and branches back to the root."""
+    return mx.array([0] + [max(0, t - 1 - t * 5 % 3) for t in range(1, n)], mx.int32)
+
+
+def tree_difference(kernel: GatedDeltaKernel, inputs: tuple) -> str | None:
+    """None where the tree kernel's every node equals one plain launch from its
+    parent's state bit for bit, keeping every state or only those read again."""
+    q, k, v, g, beta, state = inputs
+    parents = check_parents(q.shape[1])
+    y, states = kernel.tree(q, k, v, g, beta, state, parents)
+    y_read, _ = kernel.tree(q, k, v, g, beta, state, parents, keep_all=False)
+    if not (_bitwise(states[0], state) and _bitwise(y_read, y)):
+        return "a tree keeping only the states it reads again differs from one keeping all"
+    for t, parent in enumerate(parents.tolist()):
+        one = slice(t, t + 1)
+        y1, after = kernel(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], states[parent + 1 if t else 0])
+        if not (_bitwise(y[:, one], y1) and _bitwise(states[t + 1], after)):
+            return f"tree node {t} differs from a plain step from its parent's state"
+    return None
 
 
 def self_check_all(report=None) -> list[CheckResult]:
@@ -398,11 +351,14 @@ def self_check_all(report=None) -> list[CheckResult]:
 def record_variants(factory, backend_name: str) -> None:
     """Launch every variant this kernel can build, through ``factory`` (a
     recorder's stand-in for mx.fast.metal_kernel or cuda_kernel, launches
-    returning zeros): each dtype and Dk, limited or not, over the
-    self-check's cases (gates in device and in constant memory)."""
+    returning zeros): each dtype and Dk, limited or not, and a tree's keeping
+    every state or not, over the self-check's cases (gates and parents in
+    device and in constant memory)."""
     kernel = GatedDeltaKernel(backend_name, factory=factory)
     for dtype in DTYPES:
         for d in KEY_DIMS:
             for q, k, v, g, beta, state in check_cases(dtype, d, d):
                 kernel(q, k, v, g, beta, state)
                 kernel(q, k, v, g, beta, state, steps=mx.array([1], mx.int32))
+                for keep_all in (True, False):
+                    kernel.tree(q, k, v, g, beta, state, check_parents(q.shape[1]), keep_all=keep_all)

@@ -14,6 +14,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from ..kernels import gated_delta
 from ..kv.buffer import BufferKVCache, positions_mask, set_lengths
+from ..kv.tree import keep_path
 from ..layers.attention import prepare
 from ..layers.blocks import attend
 from .base import DenseTarget
@@ -96,6 +97,24 @@ class HybridTarget(DenseTarget):
         if last_only:
             h = h[:, -1:]
         return self.lm_head(self.inner.norm(h)), mx.concatenate(tapped, axis=-1)
+
+    def takes_trees(self, cache: list) -> bool:
+        """Every layer runs our forwards: attention rotating each row at its
+        depth over plain buffers, delta-net layers running each node from its
+        ancestors' inputs and its parent's state (recurrent.py)."""
+        return all(type(c) in (BufferKVCache, DeltaCache) for c in cache)
+
+    def keep_path(self, cache: list, start, path: mx.array) -> None:
+        """After a tree's verify: the attention rows move as the base's, each
+        delta-net layer keeps the path's write for the cut, and the log holds
+        the path's ids, so that a re-read sees the tokens kept."""
+        keep_path([c for c in cache if isinstance(c, BufferKVCache)], start, path)
+        for c in cache:
+            if isinstance(c, DeltaCache):
+                c.keep_path(path)
+        if isinstance(cache, HybridCache) and cache.log:
+            at, ids = cache.log[-1]  # (the tree's nodes, written last)
+            cache.log[-1] = (at, mx.take(ids, path))
 
     def set_length(self, cache: list, length, bound: int | None = None, read: str = "bound") -> None:
         """An array length: a verify's rollback, on the device. An int: the

@@ -21,6 +21,13 @@ kernel passed its check), and per-step where the recurrence runs as ops (the
 CPU), where a replay would run each step's ops again. Either leaves the
 state bit for bit as if the rejected tokens were never fed.
 
+A draft tree's verify (``tree`` set, kv/tree.py) runs each node from its
+K-1 nearest ancestors' convolution inputs and its parent's state, so node i
+sees what a plain run over its root-to-i path would. ``keep_path`` then
+makes the write the accepted path's: its inputs gathered, and, per-step,
+the rows of its nodes' states; the cut is a block's (replay re-runs the
+path's inputs from the saved state, per-step takes the last node's state).
+
 ``set_length`` with an int restores an exact state from the last writes or a
 few checkpoints; ``restore`` says when none has it, and the adapter re-reads
 (hybrid.py).
@@ -36,7 +43,8 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..device import constant_arange
-from ..kernels.gated_delta import one_launch_replay, recurrence
+from ..kernels.gated_delta import one_launch_replay, recurrence, tree_recurrence
+from ..kv.tree import TreeLayout
 
 ROLLBACKS = ("replay", "per-step")
 
@@ -64,6 +72,20 @@ def per_step_update(q, k, v, g, beta, state, *, use_kernel: bool = True):
     return mx.concatenate(ys, axis=1), mx.stack(states), state
 
 
+def tree_windows(conv_input: mx.array, tree: TreeLayout, width: int) -> mx.array:
+    """Each node's convolution input [T, width, C] from ``conv_input`` [1,
+    width-1+T, C] (the state before the tree, then the nodes' inputs): its
+    width-1 nearest ancestors' inputs, then its own, reaching into the state
+    before the tree past the root."""
+    keep = width - 1
+    up = constant_arange(tree.size)
+    columns = [keep + up]  # distance 0: the node itself
+    for m in range(1, width):
+        up = tree.parents[up]
+        columns.append(mx.where(m <= tree.depths, keep + up, keep + tree.depths - m))
+    return mx.take(conv_input[0], mx.stack(columns[::-1], axis=1), axis=0)
+
+
 @dataclass(kw_only=True)
 class Write:
     """One write of T steps starting at ``start`` (an int or an array)."""
@@ -76,32 +98,76 @@ class Write:
     g: mx.array
     beta: mx.array
     state0: mx.array  # the recurrent state before the write
-    state: mx.array  # ... and after all T steps
+    state: mx.array | None  # ... and after all T steps (None: a tree's or a path's)
     use_kernel: bool = True
     states: mx.array | None = None  # per-step rollback: the states after 0..T steps, stacked [T+1, ...]
+    parents: mx.array | None = None  # a draft tree's nodes until ``kept``: node order, not steps
+    rows: mx.array | None = None  # a path kept from a tree: the rows of ``states`` after 0..T steps
 
     @property
     def steps(self) -> int:
         return self.q.shape[1]
+
+    @property
+    def cuttable(self) -> int:
+        """The most steps a cut may keep: a tree's root alone until its path is kept."""
+        return 1 if self.parents is not None else self.steps
+
+    def kept(self, path: mx.array) -> Write:
+        """This tree's write as if only ``path`` (node indices from the root)
+        was written: each node's inputs were made from its ancestors', so the
+        path's, gathered, are a plain run's."""
+        keep = self.conv_input.shape[1] - self.steps
+        conv, q, k, v, g, beta = (
+            mx.take(a, path, axis=1) for a in (self.conv_input[:, keep:], self.q, self.k, self.v, self.g, self.beta)
+        )
+        rows = None
+        if self.states is not None:
+            rows = mx.concatenate([mx.zeros((1,), mx.int32), path.astype(mx.int32) + 1])
+        return Write(
+            start=self.start,
+            conv_input=mx.concatenate([self.conv_input[:, :keep], conv], axis=1),
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            state0=self.state0,
+            state=None,
+            use_kernel=self.use_kernel,
+            states=self.states,
+            rows=rows,
+        )
+
+    def _state_row(self, s) -> mx.array:
+        """The kept state after ``s`` steps (an int, or an int32 array [1])."""
+        row = s if self.rows is None else mx.take(self.rows, s)
+        if isinstance(row, int):
+            return self.states[row]
+        return mx.take(self.states, row, axis=0).reshape(self.state0.shape)
 
     def after(self, s) -> tuple[mx.array, mx.array]:
         """(convolution state, recurrent state) after the first ``s`` steps
         (an int, or an int32 array of one element the host never reads)."""
         keep = self.conv_input.shape[1] - self.steps
         if isinstance(s, int):
+            if s > self.cuttable:
+                raise ValueError(f"a draft tree's write keeps its root alone until its path is kept, not {s} steps")
             conv = self.conv_input[:, s : s + keep]
-            if s == self.steps:
-                return conv, self.state
             if s == 0:
                 return conv, self.state0
+            if s == self.steps and self.state is not None:
+                return conv, self.state
             if self.states is not None:
-                return conv, self.states[s]
+                return conv, self._state_row(s)
             inputs = (self.q, self.k, self.v, self.g, self.beta)
             _, state = recurrence(*(a[:, :s] for a in inputs), self.state0, use_kernel=self.use_kernel)
             return conv, state
+        if self.parents is not None:
+            raise ValueError("a draft tree's write is cut after keep_path, which makes it its accepted path's")
         conv = mx.take(self.conv_input, s + constant_arange(keep), axis=1)
         if self.states is not None:
-            return conv, mx.take(self.states, s, axis=0)[0]
+            return conv, self._state_row(s)
         _, state = recurrence(
             self.q, self.k, self.v, self.g, self.beta, self.state0, steps=s, use_kernel=self.use_kernel
         )
@@ -118,6 +184,7 @@ class DeltaCache:
     longest_write = 64
     rollback: str | None = None  # None: the cheapest exact one here (default_rollback)
     per_step_longest = 16
+    tree: TreeLayout | None = None  # a draft tree's layout while a verify of one is built (kv/tree.py)
 
     def __init__(self, rollback: str | None = None):
         if rollback is not None:
@@ -135,7 +202,11 @@ class DeltaCache:
 
     def forward(self, layer: nn.Module, x: mx.array) -> mx.array:
         """mlx-lm's GatedDeltaNet ``layer`` over x [1, T, H], run from its parts
-        so the recurrence inputs are kept."""
+        so the recurrence inputs are kept. While ``tree`` is set, x holds its
+        nodes: each runs from its ancestors' convolution inputs and its
+        parent's state, as a plain run over its root-to-node path would."""
+        if self.pending is not None and self.pending.parents is not None:
+            raise RuntimeError("a draft tree's verify must be kept (keep_path) and cut (set_length) before a write")
         self._settle_pending()
         if isinstance(self.offset, int):
             self._checkpoint(self.offset, self.conv, self.ssm)
@@ -151,7 +222,12 @@ class DeltaCache:
             self.conv if self.conv is not None else mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), x.dtype)
         )
         conv_input = mx.concatenate([conv, qkv], axis=1)
-        conv_out = nn.silu(layer.conv1d(conv_input))
+        tree = self.tree
+        if tree is None:
+            conv_out = nn.silu(layer.conv1d(conv_input))
+        else:
+            windows = tree_windows(conv_input, tree, layer.conv_kernel_size)
+            conv_out = nn.silu(layer.conv1d(windows)).reshape(B, T, -1)
         q, k, v = [
             t.reshape(B, T, h, d)
             for t, h, d in zip(
@@ -165,12 +241,16 @@ class DeltaCache:
         state0 = self.ssm if self.ssm is not None else mx.zeros((B, *v.shape[-2:], k.shape[-1]), mx.float32)
         use_kernel = not layer.training
         rollback = self.rollback or default_rollback(q, v, g, beta, state0, use_kernel)
-        states = None
-        if rollback == "per-step" and T <= self.per_step_longest:
+        states, state = None, None
+        if tree is not None:
+            out, states = tree_recurrence(
+                q, k, v, g, beta, state0, tree.parents, keep_all=rollback == "per-step", use_kernel=use_kernel
+            )
+        elif rollback == "per-step" and T <= self.per_step_longest:
             out, states, state = per_step_update(q, k, v, g, beta, state0, use_kernel=use_kernel)
         else:
             out, state = recurrence(q, k, v, g, beta, state0, use_kernel=use_kernel)
-        if T <= self.longest_write:
+        if T <= self.longest_write or tree is not None:
             self.pending = Write(
                 start=self.offset,
                 conv_input=conv_input,
@@ -183,12 +263,21 @@ class DeltaCache:
                 state=state,
                 use_kernel=use_kernel,
                 states=states,
+                parents=None if tree is None else tree.parents,
             )
         self.offset = self.offset + T
         self.bound += T
-        self.conv, self.ssm = conv_input[:, T:], state
+        # (a tree's state is its accepted path's: none until keep_path and the cut)
+        self.conv, self.ssm = (conv_input[:, T:], state) if tree is None else (None, None)
         out = layer.norm(out, z)
         return layer.out_proj(out.reshape(B, T, -1))
+
+    def keep_path(self, path: mx.array) -> None:
+        """After a tree's verify, make its write the accepted path's (``path``
+        [D+1] node indices, the root first), ready for the cut (set_length)."""
+        if self.pending is None or self.pending.parents is None:
+            raise RuntimeError("keep_path follows a draft tree's verify")
+        self.pending = self.pending.kept(path)
 
     def _settle_pending(self) -> None:
         """Keep the pending write whole."""
@@ -224,7 +313,7 @@ class DeltaCache:
         else:
             for w in ([self.pending] if self.pending is not None else []) + list(reversed(self.writes)):
                 start = _value(w.start)
-                if start <= n <= start + w.steps:
+                if start <= n <= start + w.cuttable:
                     found = w.after(n - start)
                     break
         if found is None:
