@@ -3,7 +3,9 @@
 (keep the state after every step of the verify, take the kept one). At every
 accepted count both leave the same states, those of mlx-lm's plain decoding,
 bit for bit alike; each makes the recurrence runs its cost counts; greedy
-output equals mlx-lm's with either."""
+output equals mlx-lm's with either. Where replay is one kernel launch, the
+machine measures it against per-step once and keeps the faster (replay
+unmeasured, or under a policy; a damaged store is measured again)."""
 
 import random
 
@@ -11,9 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from family_models import family_config, greedy_over_blocks, make_family_target, scripted
+from test_tree_hybrid import checked_kernel  # noqa: F401 (a fixture)
 from tiny import draft_config, make_draft, random_draft_weights
 
 import dflash_mlx.targets.recurrent as recurrent
+from dflash_mlx.kernels import decisions
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 
@@ -128,3 +132,89 @@ def test_an_unknown_rollback_is_one_sentence():
     assert ROLLBACKS == ("replay", "per-step")
     with pytest.raises(ValueError, match=r"^unknown rollback 'snapshot'; choose one of: replay, per-step\.$"):
         DeltaCache("snapshot")
+
+
+# --- the rollback as this machine's measured decision (decisions.py) -------------------------------
+
+
+def kernel_sized_model():
+    """A Qwen3.5 layout whose delta-net shapes a kernel takes (Dk 32)."""
+    cfg = family_config("qwen3_5", vocab=VOCAB, linear_key_head_dim=32, linear_value_head_dim=32)
+    model = make_family_target(cfg, seed=1)
+    model.eval()  # as mlx-lm's load leaves it: the kernels run only outside training
+    return model
+
+
+def rollbacks_used(target) -> set[str]:
+    """The rollback each delta-net layer's verify took (per-step keeps the verify's states)."""
+    cache = target.make_cache()
+    target(mx.array(list(range(1, 9)))[None], cache, [0])
+    target.set_length(cache, mx.array(8, mx.int32), 8)
+    target(mx.array(list(range(10, 16)))[None], cache, [0])
+    return {"replay" if c.pending.states is None else "per-step" for c in cache if isinstance(c, DeltaCache)}
+
+
+@pytest.mark.parametrize(
+    "replay_ms, per_step_ms, used", [(2.0, 1.0, "per-step"), (1.0, 2.0, "replay"), (1.0, 1.01, "per-step")]
+)
+def test_the_rollback_is_the_one_this_machine_measured_faster(checked_kernel, measured, replay_ms, per_step_ms, used):
+    timed = measured(replay_ms, per_step_ms)
+    model = kernel_sized_model()
+    assert rollbacks_used(adapt(model)) == {used}
+    assert len(timed) == 1  # one shape, every delta-net layer's
+    (decision,) = decisions.current().all()
+    assert decision.kernel == recurrent.ROLLBACK_DECISION
+    assert decision.case == "float32 Hk=2 Hv=4 Dk=32 Dv=32 T=16, MLX's own: per-step"
+    # remembered on this machine: the next process reads it and measures nothing
+    decisions.reset()
+    assert rollbacks_used(adapt(model)) == {used}
+    assert len(timed) == 1
+
+
+def test_a_real_measurement_times_both_and_is_followed(checked_kernel, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    target = adapt(kernel_sized_model())
+    (decision,) = decisions.current().all()
+    assert decision.ours > 0 and decision.mlx > 0
+    assert {launch[0] for launch in checked_kernel.launches} == {"write", "limited"}  # replay's two
+    assert rollbacks_used(target) == {"replay" if decision.faster else "per-step"}
+
+
+def test_nothing_measured_keeps_the_arithmetic_default(checked_kernel, measured):
+    """A forward never measures: where this machine measured nothing, replay (one launch)."""
+    target = adapt(kernel_sized_model())  # (under the tests' policy `on`: not measured)
+    timed = measured(2.0, 1.0)
+    assert rollbacks_used(target) == {"replay"}
+    assert timed == [] and decisions.current().all() == []
+
+
+@pytest.mark.parametrize("policy", ["on", "off"])
+def test_a_policy_keeps_the_default_whatever_was_measured(checked_kernel, measured, monkeypatch, policy):
+    measured(2.0, 1.0)
+    model = kernel_sized_model()
+    assert rollbacks_used(adapt(model)) == {"per-step"}
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", policy)
+    decisions.reset()
+    assert rollbacks_used(adapt(model)) == {"replay"}
+
+
+def test_a_damaged_store_is_ignored_with_a_warning(checked_kernel, measured):
+    timed = measured(2.0, 1.0)
+    model = kernel_sized_model()
+    adapt(model)
+    decisions.current().path.write_text('{"format": "dflash-mlx kernel decisions", "decisions": [')
+    decisions.reset()
+    with pytest.warns(RuntimeWarning, match="ignoring the kernel decisions in .*: it is not readable JSON"):
+        target = adapt(model)
+    assert len(timed) == 2  # measured again, and kept
+    assert rollbacks_used(target) == {"per-step"}
+    decisions.reset()
+    assert rollbacks_used(adapt(model)) == {"per-step"} and len(timed) == 2
+
+
+def test_where_replay_is_no_one_launch_nothing_is_measured(model, measured):
+    """On the ops path (no kernel passed here) replay would re-run each step's ops: per-step, unmeasured."""
+    timed = measured(1.0, 2.0)
+    assert rollbacks_used(adapt(model)) == {"per-step"}
+    assert timed == [] and decisions.current().all() == []

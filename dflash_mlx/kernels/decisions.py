@@ -7,6 +7,11 @@ machine (backend, device, MLX version) in ``$DFLASH_MLX_HOME/decisions/``,
 so a machine measures each case once. ``DFLASH_MLX_KERNELS`` overrides the
 policy: ``measure`` (the default), ``on`` (every checked kernel, unmeasured)
 or ``off`` (MLX's own ops only).
+
+A strategy whose default is not MLX's own path (the delta-net layers'
+rollback, targets/recurrent.py) is kept here alike, ours against the
+other; it reads ``measured`` and keeps its default where nothing was
+measured or the policy is ``on`` or ``off``.
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ class Decisions:
             return self.policy == "on"
         found = self.known.get((kernel, case))
         return found is not None and found.faster
+
+    def measured(self, kernel: str, case: str) -> Decision | None:
+        """This case's measurement under ``measure``; None where never measured
+        or a policy overrides (a strategy then keeps its own default)."""
+        return self.known.get((kernel, case)) if self.policy == "measure" else None
 
     def needs(self, kernel: str, case: str) -> bool:
         """Whether ``decide`` would measure this case."""

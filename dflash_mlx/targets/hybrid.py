@@ -18,7 +18,7 @@ from ..kv.tree import keep_path
 from ..layers.attention import prepare
 from ..layers.blocks import attend
 from .base import DenseTarget
-from .recurrent import DeltaCache, _value
+from .recurrent import DeltaCache, _value, measure_rollback
 
 
 class HybridCache(list):
@@ -69,6 +69,7 @@ class HybridTarget(DenseTarget):
         prepare(self.dtype, self.head_dim, [None])
         delta = next(layer.linear_attn for layer in self.inner.layers if layer.is_linear)
         gated_delta.prepare(self.dtype, delta.head_k_dim, delta.head_v_dim)
+        measure_rollback(delta, self.dtype)
 
     def make_cache(self) -> HybridCache:
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)

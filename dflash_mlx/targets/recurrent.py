@@ -18,8 +18,11 @@ write a state); per-step moves (4T + 4) S in T + 2 launches (T steps reading
 and writing it, T+1 states stacked, the take). So the default (``rollback``
 None) is replay wherever it is one exact kernel launch (Metal; CUDA once its
 kernel passed its check), and per-step where the recurrence runs as ops (the
-CPU), where a replay would run each step's ops again. Either leaves the
-state bit for bit as if the rejected tokens were never fed.
+CPU), where a replay would run each step's ops again. Where replay is one
+launch, a machine measures it against per-step at each layer's shapes once
+(``measure_rollback``, when the target is prepared) and keeps per-step where
+replay was slower (kernels/decisions.py; trees follow the same decision).
+Either leaves the state bit for bit as if the rejected tokens were never fed.
 
 A draft tree's verify (``tree`` set, kv/tree.py) runs each node from its
 K-1 nearest ancestors' convolution inputs and its parent's state, so node i
@@ -43,10 +46,13 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..device import constant_arange
+from ..kernels import decisions
 from ..kernels.gated_delta import one_launch_replay, recurrence, tree_recurrence
+from ..kernels.serving import MEASURED_ROWS
 from ..kv.tree import TreeLayout
 
 ROLLBACKS = ("replay", "per-step")
+ROLLBACK_DECISION = "rollback by replay"  # in this machine's decisions, against per-step
 
 
 def _value(n) -> int:
@@ -54,8 +60,58 @@ def _value(n) -> int:
 
 
 def default_rollback(q, v, g, beta, state, use_kernel: bool = True) -> str:
-    """The rollback that moves the fewest bytes in the fewest launches here (the module's doc)."""
-    return "replay" if one_launch_replay(q, v, g, beta, state, use_kernel) else "per-step"
+    """The rollback that moves the fewest bytes in the fewest launches here
+    (the module's doc), unless this machine measured replay slower than
+    per-step at these shapes (``measure_rollback``). Never measures."""
+    if not one_launch_replay(q, v, g, beta, state, use_kernel):
+        return "per-step"
+    found = decisions.current().measured(ROLLBACK_DECISION, rollback_case(q, v))
+    return "per-step" if found is not None and not found.faster else "replay"
+
+
+def rollback_case(q: mx.array, v: mx.array) -> str:
+    """A delta-net layer's shapes, as its rollback decision names them."""
+    *_, Hk, Dk = q.shape
+    *_, Hv, Dv = v.shape
+    dtype = str(q.dtype).split(".")[-1]
+    return f"{dtype} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} T={MEASURED_ROWS}, MLX's own: per-step"
+
+
+def rollback_inputs(layer: nn.Module, dtype) -> tuple:
+    """Recurrence inputs of a verify of MEASURED_ROWS at mlx-lm's delta-net ``layer``'s shapes."""
+    Hk, Hv, Dk, Dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    kq, kk, kv, ka, kb = mx.random.split(mx.random.key(Dk + Dv), 5)
+    T = MEASURED_ROWS
+    q = mx.random.normal((1, T, Hk, Dk), key=kq).astype(dtype)
+    k = mx.random.normal((1, T, Hk, Dk), key=kk).astype(dtype)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((1, T, Hv, Dv), key=kv).astype(dtype)
+    g = mx.exp(-mx.exp(mx.random.uniform(-3.0, 0.5, (1, T, Hv), key=ka)))
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=kb)).astype(dtype)
+    return q, k, v, g, beta, mx.zeros((1, Hv, Dv, Dk), mx.float32)
+
+
+def measure_rollback(layer: nn.Module, dtype) -> None:
+    """Where replay is one exact launch at this delta-net ``layer``'s shapes,
+    time a verify of MEASURED_ROWS and its cut by replay against per-step,
+    once a machine (decisions.py). Call outside compiled traces."""
+    inputs = rollback_inputs(layer, dtype)
+    q, _, v, g, beta, state = inputs
+    case = rollback_case(q, v)
+    store = decisions.current()
+    if not one_launch_replay(q, v, g, beta, state) or not store.needs(ROLLBACK_DECISION, case):
+        return
+    s = mx.array([MEASURED_ROWS // 2], mx.int32)
+
+    def replay():
+        y, _ = recurrence(*inputs)
+        return y, recurrence(*inputs, steps=s)[1]
+
+    def per_step():
+        y, states, _ = per_step_update(*inputs)
+        return y, mx.take(states, s, axis=0)
+
+    store.decide(ROLLBACK_DECISION, case, replay, per_step)
 
 
 def per_step_update(q, k, v, g, beta, state, *, use_kernel: bool = True):
