@@ -261,7 +261,8 @@ def stages(family: str, layers: int, ranks: int) -> list[list[int]]:
 def test_auto_split_pipelines_a_family_that_has_it(tmp_path):
     target, draft, _ = write_pair(tmp_path, "qwen3_moe", 4)
     alone = one_process(target, draft)
-    for result in launch(2, target, [draft], "auto", tmp_path / "out"):
+    for rank, result in enumerate(launch(2, target, [draft], "auto", tmp_path / "out")):
+        assert result.pop("here") == stages("qwen3_moe", 4, 2)[rank]
         assert result == alone
 
 
