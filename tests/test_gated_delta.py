@@ -227,3 +227,59 @@ def test_with_a_checked_kernel_greedy_equals_mlx_lm(checked_kernel):
     accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 90), (2, 5, 16), prefill_step_size=40)
     assert set(range(4)) <= accepted and max(accepted) >= 7
     assert {limited for _, limited in checked_kernel.launches} == {False, True}
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_trees_nodes_are_plain_runs_over_their_paths(dtype):
+    q, k, v, a, b, A_log, dt_bias = layer_inputs(dtype, T=11, seed=2)
+    g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+    state = 0.1 * mx.random.normal((1, 4, 16, 32), key=mx.random.key(7))
+    parents = [0, 0, 1, 1, 3, 0, 5, 2, 7, 7, 4]
+    y, states = gated_delta.tree_recurrence(q, k, v, g, beta, state, mx.array(parents, mx.int32))
+    assert states.shape == (12, 1, 4, 16, 32) and same(states[0], state)
+    for i in range(len(parents)):
+        path = mx.array(path_to(parents, i))
+        y_path, want = recurrence(*(mx.take(x, path, axis=1) for x in (q, k, v, g, beta)), state)
+        assert same(y[:, i], y_path[:, -1]) and same(states[i + 1], want), i
+    y_read, none = gated_delta.tree_recurrence(q, k, v, g, beta, state, mx.array(parents, mx.int32), keep_all=False)
+    assert none is None and same(y_read, y)
+
+
+class TreeStandIn(OpsKernel):
+    """A kernel whose writes are mlx-lm's ops and whose tree runs each node
+    from the state ``parent_of`` names."""
+
+    def __init__(self, parent_of):
+        super().__init__()
+        self.parent_of = parent_of
+
+    def tree(self, q, k, v, g, beta, state, parents, keep_all=True):
+        states, ys = [state], []
+        for t, parent in enumerate(parents.tolist()):
+            one = slice(t, t + 1)
+            before = states[self.parent_of(t, parent) + 1 if t else 0]
+            y, s = gated_delta_ops(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], before)
+            ys.append(y)
+            states.append(s)
+        return mx.concatenate(ys, axis=1), mx.stack(states)
+
+
+def test_the_self_check_runs_a_tree_node_by_node():
+    """A kernel whose trees run each node from its parent passes; one that
+    runs them as a chain (ignoring the parents) fails with the node named."""
+    gated_delta.reset()
+    try:
+        gated_delta._kernels["cpu"] = TreeStandIn(lambda t, parent: parent)
+        assert gated_delta.self_check("cpu", mx.float32, 32, 32).ok
+        gated_delta._kernels["cpu"] = TreeStandIn(lambda t, parent: t - 1)
+        result = gated_delta.self_check("cpu", mx.float32, 32, 32)
+        assert not result.ok and result.detail == "tree node 2 differs from a plain step from its parent's state"
+    finally:
+        gated_delta.reset()

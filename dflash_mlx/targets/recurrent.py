@@ -10,7 +10,8 @@ input plus one of two rollbacks:
   (kernels/gated_delta.py: one launch reading ``s`` on the device where a
   kernel runs, masked steps elsewhere);
 - ``per-step``: the verify runs a launch a step and keeps its T+1 states; the
-  cut takes one (writes of at most ``per_step_longest`` steps).
+  cut takes one (writes and trees of at most ``per_step_longest`` steps or
+  nodes; longer ones replay).
 
 Per cycle and delta-net layer, with S the bytes of a state (float32 [Hv, Dv,
 Dk]): replay moves 4 S in 2 launches (the verify and the replay each read and
@@ -298,11 +299,12 @@ class DeltaCache:
         use_kernel = not layer.training
         rollback = self.rollback or default_rollback(q, v, g, beta, state0, use_kernel)
         states, state = None, None
+        per_step = rollback == "per-step" and T <= self.per_step_longest
         if tree is not None:
             out, states = tree_recurrence(
-                q, k, v, g, beta, state0, tree.parents, keep_all=rollback == "per-step", use_kernel=use_kernel
+                q, k, v, g, beta, state0, tree.parents, keep_all=per_step, use_kernel=use_kernel
             )
-        elif rollback == "per-step" and T <= self.per_step_longest:
+        elif per_step:
             out, states, state = per_step_update(q, k, v, g, beta, state0, use_kernel=use_kernel)
         else:
             out, state = recurrence(q, k, v, g, beta, state0, use_kernel=use_kernel)
