@@ -36,6 +36,7 @@ LEAN = {
     "deepseek_v3": 0.5,
     "gemma3_text": 0.5,
     "gemma4_text": 0.5,
+    "gemma4": 0.5,
     "gpt_oss": 0.5,
     "minimax_m2": 0.5,
 }
@@ -156,13 +157,14 @@ def write_pair(root: Path, family: str, layers: int, draft_seed: int = 22) -> tu
     else:
         cfg = family_config(family, vocab=VOCAB, layers=layers, hidden=64)
         model = make_family_target(cfg, seed=TARGET_SEED)
-    model = lean_towards_one_token(model, LEAN[family])
+    lean_towards_one_token(getattr(model, "language_model", model), LEAN[family])
     target = write_target(root / f"{family}-target", cfg, model, make_tokenizer(VOCAB))
     names = mx.load(str(target / "model.safetensors"))
     (target / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {k: "model.safetensors" for k in names}})
     )
-    dcfg = draft_config(cfg, layers=2, block_size=6, taps=[1, layers - 2])
+    text = {**cfg["text_config"], "vocab_size": VOCAB} if "text_config" in cfg else cfg
+    dcfg = draft_config(text, layers=2, block_size=6, taps=[1, layers - 2])
     draft = write_zlab_draft(root / f"{family}-draft-{draft_seed}", dcfg, random_draft_weights(dcfg, draft_seed))
     return target, draft, model
 
@@ -226,6 +228,7 @@ def one_process(target: Path, draft: Path) -> dict:
         ("gemma3_text", 6, "pipeline", 2),
         ("gemma4_text", 6, "pipeline", 2),  # rank 0 keeps the layers reusing keys/values with their sources
         ("gemma4_text", 6, "pipeline", 3),
+        ("gemma4", 6, "pipeline", 2),  # the published checkpoints' multimodal wrapper
         ("gpt_oss", 4, "pipeline", 2),
         ("gpt_oss", 4, "tensor", 2),
         ("minimax_m2", 4, "pipeline", 3),
@@ -250,7 +253,7 @@ def stages(family: str, layers: int, ranks: int) -> list[list[int]]:
     """Each rank's layers under a pipeline: mlx-lm's even split, rank 0 the
     last ones, except that rank 0 starts no later than the first layer whose
     keys/values another reuses (Gemma 4's fixture: layers 4, 5 reuse 3, 2)."""
-    if family == "gemma4_text":
+    if family.startswith("gemma4"):
         sizes = {2: [4, 2], 3: [4, 1, 1]}[ranks]
     else:
         sizes = {(4, 2): [2, 2], (4, 3): [2, 1, 1], (6, 2): [3, 3]}[layers, ranks]
