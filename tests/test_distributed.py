@@ -335,6 +335,8 @@ def test_stages_keep_reused_keys_with_their_source():
         stage_sizes(inner, 4)
     plain = make_family_target(family_config("gpt_oss", vocab=VOCAB, layers=4)).model
     assert stage_sizes(plain, 3) == [2, 1, 1]  # mlx-lm's own split
+    with pytest.raises(ValueError, match="4 layers cannot be split over 5 ranks; run it on at most 4 ranks"):
+        stage_sizes(plain, 5)
 
 
 def test_prompt_cache_files_per_rank(tmp_path):
