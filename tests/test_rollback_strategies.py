@@ -18,6 +18,8 @@ from tiny import draft_config, make_draft, random_draft_weights
 
 import dflash_mlx.targets.recurrent as recurrent
 from dflash_mlx.kernels import decisions
+from dflash_mlx.kernels.decisions import Decision
+from dflash_mlx.kv.tree import from_parents
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 
@@ -145,13 +147,22 @@ def kernel_sized_model():
     return model
 
 
-def rollbacks_used(target) -> set[str]:
-    """The rollback each delta-net layer's verify took (per-step keeps the verify's states)."""
+def rollbacks_used(target, tree: bool = False) -> set[str]:
+    """The rollback each delta-net layer's verify, a block's or a tree's,
+    took (per-step keeps the verify's states)."""
     cache = target.make_cache()
     target(mx.array(list(range(1, 9)))[None], cache, [0])
     target.set_length(cache, mx.array(8, mx.int32), 8)
+    if tree:
+        target.set_tree(cache, from_parents(mx.array([0, 0, 1, 1, 2, 0], mx.int32), 5))
     target(mx.array(list(range(10, 16)))[None], cache, [0])
     return {"replay" if c.pending.states is None else "per-step" for c in cache if isinstance(c, DeltaCache)}
+
+
+CASES = {
+    "float32 Hk=2 Hv=4 Dk=32 Dv=32 T=16, MLX's own: per-step",
+    "float32 Hk=2 Hv=4 Dk=32 Dv=32 a tree of 16, MLX's own: per-step",
+}
 
 
 @pytest.mark.parametrize(
@@ -160,32 +171,45 @@ def rollbacks_used(target) -> set[str]:
 def test_the_rollback_is_the_one_this_machine_measured_faster(checked_kernel, measured, replay_ms, per_step_ms, used):
     timed = measured(replay_ms, per_step_ms)
     model = kernel_sized_model()
-    assert rollbacks_used(adapt(model)) == {used}
-    assert len(timed) == 1  # one shape, every delta-net layer's
-    (decision,) = decisions.current().all()
-    assert decision.kernel == recurrent.ROLLBACK_DECISION
-    assert decision.case == "float32 Hk=2 Hv=4 Dk=32 Dv=32 T=16, MLX's own: per-step"
+    target = adapt(model)
+    assert rollbacks_used(target) == rollbacks_used(target, tree=True) == {used}
+    assert len(timed) == 2  # a block and a tree at one shape, every delta-net layer's
+    assert {d.kernel for d in decisions.current().all()} == {recurrent.ROLLBACK_DECISION}
+    assert {d.case for d in decisions.current().all()} == CASES
     # remembered on this machine: the next process reads it and measures nothing
     decisions.reset()
-    assert rollbacks_used(adapt(model)) == {used}
-    assert len(timed) == 1
+    target = adapt(model)
+    assert rollbacks_used(target) == rollbacks_used(target, tree=True) == {used}
+    assert len(timed) == 2
+
+
+def test_a_block_and_a_tree_follow_their_own_measurements(checked_kernel, measured, monkeypatch):
+    measured(1.0, 2.0)
+    model = kernel_sized_model()
+    adapt(model)
+    tree = next(d for d in decisions.current().all() if "tree" in d.case)
+    decisions.current().record(Decision(tree.kernel, tree.case, 2.0e-3, 1.0e-3))  # replay slower for trees
+    target = adapt(model)
+    assert rollbacks_used(target) == {"replay"} and rollbacks_used(target, tree=True) == {"per-step"}
 
 
 def test_a_real_measurement_times_both_and_is_followed(checked_kernel, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
     decisions.reset()
     target = adapt(kernel_sized_model())
-    (decision,) = decisions.current().all()
-    assert decision.ours > 0 and decision.mlx > 0
-    assert {launch[0] for launch in checked_kernel.launches} == {"write", "limited"}  # replay's two
-    assert rollbacks_used(target) == {"replay" if decision.faster else "per-step"}
+    block, tree = sorted(decisions.current().all(), key=lambda d: "tree" in d.case)
+    assert {block.case, tree.case} == CASES
+    assert all(d.ours > 0 and d.mlx > 0 for d in (block, tree))
+    assert {launch[0] for launch in checked_kernel.launches} == {"write", "limited", "tree"}
+    assert rollbacks_used(target) == {"replay" if block.faster else "per-step"}
+    assert rollbacks_used(target, tree=True) == {"replay" if tree.faster else "per-step"}
 
 
 def test_nothing_measured_keeps_the_arithmetic_default(checked_kernel, measured):
     """A forward never measures: where this machine measured nothing, replay (one launch)."""
     target = adapt(kernel_sized_model())  # (under the tests' policy `on`: not measured)
     timed = measured(2.0, 1.0)
-    assert rollbacks_used(target) == {"replay"}
+    assert rollbacks_used(target) == rollbacks_used(target, tree=True) == {"replay"}
     assert timed == [] and decisions.current().all() == []
 
 
@@ -207,14 +231,15 @@ def test_a_damaged_store_is_ignored_with_a_warning(checked_kernel, measured):
     decisions.reset()
     with pytest.warns(RuntimeWarning, match="ignoring the kernel decisions in .*: it is not readable JSON"):
         target = adapt(model)
-    assert len(timed) == 2  # measured again, and kept
+    assert len(timed) == 4  # measured again, and kept
     assert rollbacks_used(target) == {"per-step"}
     decisions.reset()
-    assert rollbacks_used(adapt(model)) == {"per-step"} and len(timed) == 2
+    assert rollbacks_used(adapt(model)) == {"per-step"} and len(timed) == 4
 
 
 def test_where_replay_is_no_one_launch_nothing_is_measured(model, measured):
     """On the ops path (no kernel passed here) replay would re-run each step's ops: per-step, unmeasured."""
     timed = measured(1.0, 2.0)
-    assert rollbacks_used(adapt(model)) == {"per-step"}
+    target = adapt(model)
+    assert rollbacks_used(target) == rollbacks_used(target, tree=True) == {"per-step"}
     assert timed == [] and decisions.current().all() == []

@@ -48,7 +48,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from ..device import constant_arange
 from ..kernels import decisions
-from ..kernels.gated_delta import one_launch_replay, recurrence, tree_recurrence
+from ..kernels.gated_delta import check_parents, one_launch_replay, recurrence, tree_recurrence
 from ..kernels.serving import MEASURED_ROWS
 from ..kv.tree import TreeLayout
 
@@ -60,22 +60,24 @@ def _value(n) -> int:
     return n if isinstance(n, int) else int(n.item())
 
 
-def default_rollback(q, v, g, beta, state, use_kernel: bool = True) -> str:
+def default_rollback(q, v, g, beta, state, *, use_kernel: bool = True, tree: bool = False) -> str:
     """The rollback that moves the fewest bytes in the fewest launches here
     (the module's doc), unless this machine measured replay slower than
-    per-step at these shapes (``measure_rollback``). Never measures."""
+    per-step at these shapes, for a block or a ``tree`` (``measure_rollback``).
+    Never measures."""
     if not one_launch_replay(q, v, g, beta, state, use_kernel):
         return "per-step"
-    found = decisions.current().measured(ROLLBACK_DECISION, rollback_case(q, v))
+    found = decisions.current().measured(ROLLBACK_DECISION, rollback_case(q, v, tree))
     return "per-step" if found is not None and not found.faster else "replay"
 
 
-def rollback_case(q: mx.array, v: mx.array) -> str:
+def rollback_case(q: mx.array, v: mx.array, tree: bool = False) -> str:
     """A delta-net layer's shapes, as its rollback decision names them."""
     *_, Hk, Dk = q.shape
     *_, Hv, Dv = v.shape
     dtype = str(q.dtype).split(".")[-1]
-    return f"{dtype} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} T={MEASURED_ROWS}, MLX's own: per-step"
+    verify = f"a tree of {MEASURED_ROWS}" if tree else f"T={MEASURED_ROWS}"
+    return f"{dtype} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} {verify}, MLX's own: per-step"
 
 
 def rollback_inputs(layer: nn.Module, dtype) -> tuple:
@@ -94,13 +96,15 @@ def rollback_inputs(layer: nn.Module, dtype) -> tuple:
 
 def measure_rollback(layer: nn.Module, dtype) -> None:
     """Where replay is one exact launch at this delta-net ``layer``'s shapes,
-    time a verify of MEASURED_ROWS and its cut by replay against per-step,
-    once a machine (decisions.py). Call outside compiled traces."""
+    time a verify of MEASURED_ROWS, a block's and a tree's, and its cut by
+    replay against per-step, once a machine (decisions.py). Call outside
+    compiled traces."""
     inputs = rollback_inputs(layer, dtype)
     q, _, v, g, beta, state = inputs
-    case = rollback_case(q, v)
     store = decisions.current()
-    if not one_launch_replay(q, v, g, beta, state) or not store.needs(ROLLBACK_DECISION, case):
+    block, tree = rollback_case(q, v), rollback_case(q, v, tree=True)
+    needed = store.needs(ROLLBACK_DECISION, block) or store.needs(ROLLBACK_DECISION, tree)
+    if not needed or not one_launch_replay(q, v, g, beta, state):
         return
     s = mx.array([MEASURED_ROWS // 2], mx.int32)
 
@@ -112,7 +116,23 @@ def measure_rollback(layer: nn.Module, dtype) -> None:
         y, states, _ = per_step_update(*inputs)
         return y, mx.take(states, s, axis=0)
 
-    store.decide(ROLLBACK_DECISION, case, replay, per_step)
+    parents = check_parents(MEASURED_ROWS)
+    path = [MEASURED_ROWS - 1]  # the deepest node's, from the root
+    while path[-1]:
+        path.append(parents[path[-1]].item())
+    path = mx.array(path[::-1], mx.int32)
+    cut = mx.minimum(s, path.shape[0])
+
+    def tree_replay():
+        y, _ = tree_recurrence(*inputs, parents, keep_all=False)
+        return y, recurrence(*(mx.take(a, path, axis=1) for a in inputs[:5]), state, steps=cut)[1]
+
+    def tree_per_step():
+        y, states = tree_recurrence(*inputs, parents)
+        return y, mx.take(states, mx.take(path, cut - 1) + 1, axis=0)
+
+    store.decide(ROLLBACK_DECISION, block, replay, per_step)
+    store.decide(ROLLBACK_DECISION, tree, tree_replay, tree_per_step)
 
 
 def per_step_update(q, k, v, g, beta, state, *, use_kernel: bool = True):
@@ -297,7 +317,9 @@ class DeltaCache:
         beta, g = mx.sigmoid(b), compute_g(layer.A_log, a, layer.dt_bias)
         state0 = self.ssm if self.ssm is not None else mx.zeros((B, *v.shape[-2:], k.shape[-1]), mx.float32)
         use_kernel = not layer.training
-        rollback = self.rollback or default_rollback(q, v, g, beta, state0, use_kernel)
+        rollback = self.rollback or default_rollback(
+            q, v, g, beta, state0, use_kernel=use_kernel, tree=tree is not None
+        )
         states, state = None, None
         per_step = rollback == "per-step" and T <= self.per_step_longest
         if tree is not None:
