@@ -98,12 +98,20 @@ class Gemma4Target(DenseTarget):
 
     def make_blocks(self) -> None:
         windows = self.windows()
-        layers = [self.inner.layers[i] for i in self.here]
-        self.blocks = [gemma4_block(layer, windows[i]) for layer, i in zip(layers, self.here)]
+        self.blocks = [gemma4_block(self.inner.layers[i], windows[i]) for i in self.here]
         self.rotates_rows = True
-        dims = {i: layer.self_attn.head_dim for layer, i in zip(layers, self.here)}
+        self.prepare_attention(trees=False)
+
+    def prepare_trees(self) -> None:
+        self.prepare_attention(trees=True)
+
+    def prepare_attention(self, trees: bool) -> None:
+        """Check and measure the attention variants of this stage's layers
+        (``trees``: the draft-tree ones too)."""
+        windows = self.windows()
+        dims = {i: self.inner.layers[i].self_attn.head_dim for i in self.here}
         for d in set(dims.values()):  # full layers may have a head dim of their own
-            prepare(self.dtype, d, [windows[i] for i, e in dims.items() if e == d])
+            prepare(self.dtype, d, [windows[i] for i, e in dims.items() if e == d], trees=trees)
 
     def masks(self, h, cache):
         # One mask per layer type; layers sharing keys/values see their source's buffers.
