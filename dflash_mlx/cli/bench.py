@@ -16,7 +16,7 @@ from dflash_mlx.prompts import read_prompts
 
 from . import options
 from .console import UserError, console, err, user_errors
-from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import model_or_builtin
 from .prompt_input import prompt_ids
 
@@ -54,6 +54,17 @@ def _run(generate, *extra: str) -> dict:
     return dict(figures, peak_memory=last.peak_memory, text="".join(text), **{k: getattr(last, k) for k in extra})
 
 
+def _per_cycle(run: dict) -> dict:
+    """``run`` with the target rows each drafting cycle verified (a tree's
+    nodes, a block's rows) and the draft depth it accepted, on average."""
+    drafting = run["cycles"] - run["block_sizes"].get(1, 0)
+    return dict(
+        run,
+        rows_per_cycle=run["rows_verified"] / drafting if drafting else 0.0,
+        accepted_depth=run["acceptance_length"] - 1 if drafting else 0.0,
+    )
+
+
 def _short(text: str, n: int = 40) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -83,8 +94,9 @@ def bench_command(
     peak memory. At --temp 0 it also checks that both produced the same text.
     """
     with user_errors(verbose):
-        generation = sampling.check()
+        generation = sampling.check(drafter=pair.draft_model != "none")
         block_size, seed, max_tokens = generation["block_size"], sampling.seed, sampling.max_tokens
+        tree_budget = generation["tree_budget"]
         kv.check()
         if repeat < 1:
             raise UserError(f"--repeat must be a positive integer, got {repeat}.")
@@ -118,7 +130,7 @@ def bench_command(
 
         eos = list(tokenizer.eos_token_ids)
         sampler = make_sampler(**sampling.sampler(), xtc_special_tokens=tokenizer.encode("\n") + eos)
-        kv.cache(target, draft)  # refuses a target it cannot serve
+        trees = check_trees(tree_budget, target, draft, kv.cache(target, draft))  # refuses a target it cannot serve
 
         def plain(ids, n, run):
             if seed is not None:
@@ -128,8 +140,10 @@ def bench_command(
 
         def dflash(ids, n, run):
             args = dict(generation, seed=None if seed is None else seed + run, prompt_cache=kv.cache(target, draft))
-            stats = ("acceptance_length", "acceptance_rate", "block_size")
-            return _run(lambda: stream_generate(target, draft, tokenizer, ids, max_tokens=n, **args), *stats)
+            stats = ("acceptance_length", "acceptance_rate", "block_size", "rows_verified", "cycles", "block_sizes")
+            return _per_cycle(
+                _run(lambda: stream_generate(target, draft, tokenizer, ids, max_tokens=n, **args), *stats)
+            )
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -175,12 +189,15 @@ def bench_command(
                 "repeat": repeat,
                 **sampling.sampler(),
                 "block_size": block,
+                "tree_budget": trees,
                 "results": results,
                 "summary": summary,
             }
             typer.echo(json.dumps(out, indent=2))
             return
-        _table(results, summary, f"{target_name} · block {block}", str(mx.default_device()), sampling.temp == 0)
+        setting = f"block {block}" if trees is None else f"tree {trees}"
+        greedy = sampling.temp == 0
+        _table(results, summary, f"{target_name} · {setting}", str(mx.default_device()), greedy, trees is not None)
 
 
 def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:
@@ -198,6 +215,8 @@ def _summarise(text, ids, runs_plain, runs_dflash, greedy: bool) -> dict:
         "speedup": dflash_tps / plain_tps if plain_tps else 0.0,
         "acceptance_length": mean(runs_dflash, "acceptance_length"),
         "acceptance_rate": mean(runs_dflash, "acceptance_rate"),
+        "rows_per_cycle": mean(runs_dflash, "rows_per_cycle"),
+        "accepted_depth": mean(runs_dflash, "accepted_depth"),
         "plain_peak_memory_gb": max(r["peak_memory"] for r in runs_plain),
         "dflash_peak_memory_gb": max(r["peak_memory"] for r in runs_dflash),
     }
@@ -218,6 +237,8 @@ def _overall(results: list[dict]) -> dict:
         "speedup": dflash_tps / plain_tps if plain_tps else 0.0,
         "acceptance_length": statistics.fmean(r["acceptance_length"] for r in results),
         "acceptance_rate": statistics.fmean(r["acceptance_rate"] for r in results),
+        "rows_per_cycle": statistics.fmean(r["rows_per_cycle"] for r in results),
+        "accepted_depth": statistics.fmean(r["accepted_depth"] for r in results),
         "plain_peak_memory_gb": max(r["plain_peak_memory_gb"] for r in results),
         "dflash_peak_memory_gb": max(r["dflash_peak_memory_gb"] for r in results),
     }
@@ -226,7 +247,8 @@ def _overall(results: list[dict]) -> dict:
     return out
 
 
-def _table(results, summary, model_name, device, greedy) -> None:
+def _table(results, summary, model_name, device, greedy, trees: bool) -> None:
+    """The results as a table; ``trees``: with the rows each cycle verified and the depth it accepted."""
     table = Table(title=f"mlx-lm vs DFlash · {model_name} · {device}", title_style="bold")
     table.add_column("prompt", overflow="ellipsis", max_width=42)
     table.add_column("tokens", justify="right")
@@ -235,6 +257,9 @@ def _table(results, summary, model_name, device, greedy) -> None:
     table.add_column("speedup", justify="right")
     table.add_column("τ", justify="right")
     table.add_column("accepted", justify="right")
+    if trees:
+        table.add_column("rows/cycle", justify="right")
+        table.add_column("depth", justify="right")
     table.add_column("peak GB mlx-lm / dflash", justify="right")
     if greedy:
         table.add_column("same text", justify="center")
@@ -248,8 +273,10 @@ def _table(results, summary, model_name, device, greedy) -> None:
             f"[{'green' if r['speedup'] >= 1 else 'red'}]{r['speedup']:.2f}x[/]",
             f"{r['acceptance_length']:.2f}",
             f"{r['acceptance_rate']:.0%}",
-            f"{r['plain_peak_memory_gb']:.2f} / {r['dflash_peak_memory_gb']:.2f}",
         ]
+        if trees:
+            row += [f"{r['rows_per_cycle']:.1f}", f"{r['accepted_depth']:.2f}"]
+        row.append(f"{r['plain_peak_memory_gb']:.2f} / {r['dflash_peak_memory_gb']:.2f}")
         if greedy:
             row.append("[green]yes[/]" if r["identical"] else "[red]no[/]")
         return row

@@ -27,7 +27,7 @@ from dflash_mlx.prompts import apply_chat_template, encode
 from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, console, user_errors
-from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, uses_template
@@ -350,6 +350,8 @@ class ChatSession:
             except ValueError as e:
                 raise UserError(options.flag_names(str(e))) from None
         self.reset()
+        # the trees shown in the status lines (None: blocks)
+        self.tree_budget = check_trees(self.sampling["tree_budget"], model, draft, self.cache)
 
     def reset(self) -> None:
         if self.cache_file is not None:
@@ -442,7 +444,7 @@ class ChatSession:
                         with stops.held():
                             tokens += last.tokens
                             pieces.append(last.text)
-                            view.add(last.text, status_text(last))
+                            view.add(last.text, status_text(last, tree_budget=self.tree_budget))
                 finally:
                     stops.armed = False  # from here on, presses are absorbed
         except KeyboardInterrupt:
@@ -486,7 +488,8 @@ class ChatSession:
             console.print(Text("⏹ reply stopped", style="yellow"))
         if last is not None:
             cut = f" · cut at {limit}" if last.finish_reason == "length" else ""
-            console.print(Text("── " + status_text(last, self.block_size, final=True) + cut, style="dim"))
+            status = status_text(last, self.block_size, final=True, tree_budget=self.tree_budget)
+            console.print(Text("── " + status + cut, style="dim"))
             if last.finish_reason == "length" and max_tokens < self.max_tokens:
                 console.print(
                     Text(
@@ -504,9 +507,8 @@ class ChatSession:
     def banner(self) -> None:
         mode = "chat template" if self.template else "raw text (no chat template)"
         thinking = ", thinking on" if self.thinking else ""
-        console.print(
-            Text(f"dflash-mlx chat · {self.model_name} · block {self.block_size} · {mode}{thinking}", style="bold")
-        )
+        drafting = f"block {self.block_size}" if self.tree_budget is None else f"tree {self.tree_budget}"
+        console.print(Text(f"dflash-mlx chat · {self.model_name} · {drafting} · {mode}{thinking}", style="bold"))
         console.print(Text("/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit leaves", style="dim"))
 
     def command(self, line: str) -> bool:
@@ -617,7 +619,8 @@ def chat_command(
         from .console import refuse_under_launch
 
         refuse_under_launch("chat", distributed.world())
-        block_size = sampling.check(prefill_step_size)["block_size"]
+        generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
+        block_size = generation["block_size"]
         kwargs = template.kwargs()
         kv.check(prompt_cache_file)
         check_prefix_cache(prefix_cache_dir, prefix_cache_gb)

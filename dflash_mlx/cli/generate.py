@@ -13,7 +13,7 @@ from rich.text import Text
 from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, err, note, speak_on_first_rank_only, user_errors
-from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
+from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import prompt_ids, read_prompt
@@ -85,7 +85,7 @@ def generate_command(
             system_prompt = system_prompt or cached["system_prompt"]
             if not template.chat_template_config:
                 template = replace(template, chat_template_config=json.dumps(cached["template_kwargs"]))
-        generation = sampling.check(prefill_step_size)
+        generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
         kwargs = template.kwargs()
         kv.check(prompt_cache_file)
         from dflash_mlx import stream_generate
@@ -108,6 +108,7 @@ def generate_command(
         if prompt_cache_file is not None:
             cache = open_cache(prompt_cache_file, target, draft, ids, kv.quantization)
         cache = kv.cache(target, draft, cache)
+        trees = check_trees(generation["tree_budget"], target, draft, cache)
         if verbose:
             note(f"prompt: {len(ids)} tokens: {tokenizer.decode(ids)!r}")
         bounded = kv.max_kv_size is not None
@@ -134,14 +135,15 @@ def generate_command(
             progress.close()
             err.print(Text("interrupted", style="yellow"))
             if last is not None:
-                note(stats_line(last, block_size))
+                note(stats_line(last, block_size, tree_budget=trees))
             raise typer.Exit(130)
         finally:
             progress.close()
         out.write("\n")
         out.flush()
         if last is not None:
-            err.print(Text(stats_line(last, block_size, limit), style="dim"), soft_wrap=True)
+            line = stats_line(last, block_size, limit, tree_budget=trees)
+            err.print(Text(line, style="dim"), soft_wrap=True)
             if verbose:  # mlx-lm's closing lines, for scripts that parse them
                 sys.stderr.write(
                     f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import options
-from .console import UserError
+from .console import UserError, note
 from .pair import load_pair
 from .prompt_input import thinking_note, use_default_template
 
@@ -93,6 +93,7 @@ class Sampling:
     block_size: options.BlockSize = None
     num_draft_tokens: options.NumDraftTokens = None
     lookup: options.Lookup = "off"
+    tree_budget: options.TreeBudget = None
 
     def sampler(self) -> dict:
         """mlx-lm's make_sampler arguments: the flags that pick each token."""
@@ -103,12 +104,20 @@ class Sampling:
         args = self.sampler()
         args["temperature"] = args.pop("temp")
         lookup = options.LOOKUP.get(self.lookup, self.lookup)
-        return dict(args, seed=self.seed, block_size=block_size, prefill_step_size=prefill_step_size, lookup=lookup)
+        return dict(
+            args,
+            seed=self.seed,
+            block_size=block_size,
+            prefill_step_size=prefill_step_size,
+            lookup=lookup,
+            tree_budget=options.tree_budget(self.tree_budget),
+        )
 
-    def check(self, prefill_step_size: int = 2048) -> dict:
+    def check(self, prefill_step_size: int = 2048, drafter: bool = True) -> dict:
         """``generation``'s arguments, checked by the library's rules
         (dflash_mlx.arguments) before anything loads; the block size comes
-        from --block-size or --num-draft-tokens ("auto" for neither)."""
+        from --block-size or --num-draft-tokens ("auto" for neither).
+        ``drafter``: whether a DFlash drafter will be loaded (not --draft-model none)."""
         from dflash_mlx.arguments import check_generation_args
 
         block_size = self.block_size
@@ -121,7 +130,11 @@ class Sampling:
         if self.lookup not in options.LOOKUP:
             raise UserError(f"--lookup must be on, off or auto, got {self.lookup!r}.")
         args = self.generation(block_size, prefill_step_size)
-        rules = {k: v for k, v in args.items() if k != "lookup"}
+        if args["tree_budget"] is not None and not drafter:
+            raise UserError(
+                "--tree-budget drafts trees with a DFlash drafter; name one with --draft-model, or leave --tree-budget out."
+            )
+        rules = {k: v for k, v in args.items() if k not in ("lookup", "tree_budget")}
         try:
             checked = check_generation_args(max_tokens=self.max_tokens, **rules, trained_block_size=None, flags=True)
         except ValueError as e:
@@ -139,6 +152,27 @@ def check_drafter_block(block_size: int | str, draft) -> None:
         check_block_size(block_size, draft.config.block_size)
     except ValueError as e:
         raise UserError(flag_words(str(e), block_size)) from None
+
+
+def check_trees(tree_budget: int | str | None, target, draft, cache=None) -> int | str | None:
+    """The trees a decode will verify over ``cache`` (as the --kv-* flags made
+    it; None: a plain one): ``tree_budget``, or None where auto turns to
+    blocks (said in a note); a --tree-budget N the target cannot verify is refused."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.targets import adapt
+
+    if tree_budget is None:
+        return None
+    adapter = adapt(target)
+    if adapter.takes_trees((cache or make_prompt_cache(target, draft)).target):
+        return tree_budget
+    why = "over its KV caches (--kv-bits and --max-kv-size caches, or a family without trees)"
+    if tree_budget == "auto":
+        note(f"--tree-budget auto verifies blocks: this {adapter.family} target cannot verify draft trees {why}")
+        return None
+    raise UserError(
+        f"this {adapter.family} target cannot verify draft trees {why}; pass --tree-budget auto, or leave it out."
+    )
 
 
 @dataclass(frozen=True)

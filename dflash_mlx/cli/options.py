@@ -103,6 +103,16 @@ Lookup = Annotated[
         "reply (on), decide per reply (auto), or not (off). See docs/lookup.md.",
     ),
 ]
+TreeBudget = Annotated[
+    Optional[str],
+    typer.Option(
+        "--tree-budget",
+        help="Draft trees: verify N rows a cycle (1-64, the root included) on the drafter's likeliest "
+        "continuations, or choose N before every cycle (auto); off by default. See docs/trees.md.",
+        metavar="N|auto",
+        show_default=False,
+    ),
+]
 NumDraftTokens = Annotated[
     Optional[int],
     typer.Option(
@@ -120,6 +130,23 @@ ExtraEosToken = Annotated[
         show_default=False,
     ),
 ]
+
+
+def tree_budget(text: Optional[str]) -> int | str | None:
+    """--tree-budget as stream_generate takes it: None (off: blocks), "auto",
+    or the rows each drafting cycle's tree verifies."""
+    from dflash_mlx.arguments import MAX_TREE_BUDGET, check_tree_budget
+
+    word = None if text is None else text.strip().lower()
+    if word in (None, "off"):
+        return None
+    try:
+        return check_tree_budget(word if word == "auto" else int(word), has_drafter=True)
+    except ValueError:
+        raise UserError(
+            f"--tree-budget must be an integer from 1 to {MAX_TREE_BUDGET} (rows a cycle verifies) or auto, "
+            f"got {text!r}."
+        ) from None
 
 
 def utf8_text(ctx, param, value: Optional[str]) -> Optional[str]:
