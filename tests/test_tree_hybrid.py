@@ -175,13 +175,15 @@ def test_re_reads_see_the_paths_tokens(model):
 
 
 def test_an_unkept_tree_settles_at_its_root_and_refuses_another_write(model):
-    """An interrupt between a tree's verify and its keep: the cache settles
-    at the committed length or one past (the root), and no write follows an
-    unkept tree."""
+    """An interrupt between a tree's verify and its cut: the cache settles
+    at the committed length or one past (the root), and no write follows a
+    tree not yet cut."""
     target = adapt(model)
     prompt, tokens = list(range(1, 8)), [9, 10, 11, 12]
-    for n in (len(prompt), len(prompt) + 1):
-        cache, _, _ = verify_tree(target, prompt, [0, 0, 1, 1], tokens)
+    for n, kept in ((len(prompt), False), (len(prompt) + 1, False), (len(prompt) + 1, True)):
+        cache, start, _ = verify_tree(target, prompt, [0, 0, 1, 1], tokens)
+        if kept:
+            target.keep_path(cache, start, mx.array([0, 1, 3], mx.int32))
         delta = next(c for c in cache if isinstance(c, DeltaCache))
         with pytest.raises(RuntimeError, match="must be kept"):
             delta.forward(target.inner.layers[0].linear_attn, mx.zeros((1, 1, target.hidden_size)))

@@ -282,7 +282,7 @@ class DeltaCache:
         so the recurrence inputs are kept. While ``tree`` is set, x holds its
         nodes: each runs from its ancestors' convolution inputs and its
         parent's state, as a plain run over its root-to-node path would."""
-        if self.pending is not None and self.pending.parents is not None:
+        if self.pending is not None and self.ssm is None:  # (a tree's verify: no state until the cut)
             raise RuntimeError("a draft tree's verify must be kept (keep_path) and cut (set_length) before a write")
         self._settle_pending()
         if isinstance(self.offset, int):
