@@ -128,6 +128,25 @@ def check_lookup(lookup, has_drafter: bool) -> bool | str:
     return lookup
 
 
+# The most rows a draft tree verifies: its ancestors fit two 32-bit words a row.
+MAX_TREE_BUDGET = 64
+
+
+def check_tree_budget(tree_budget, has_drafter: bool) -> int | str | None:
+    """``tree_budget`` (None, an int of rows in 1..64, or "auto"), checked: a tree needs a drafter."""
+    if tree_budget is None:
+        return None
+    if tree_budget != "auto" and (
+        isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_TREE_BUDGET
+    ):
+        raise ValueError(
+            f'tree_budget must be None, an integer in [1, {MAX_TREE_BUDGET}] or "auto"; got {tree_budget!r}.'
+        )
+    if not has_drafter:
+        raise ValueError("draft trees need a DFlash drafter; pass one, or drop tree_budget (--tree-budget).")
+    return tree_budget
+
+
 def check_generation_args(
     *,
     max_tokens=256,

@@ -11,15 +11,16 @@ import numpy as np
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .arguments import check_generation_args, check_lookup
+from .arguments import check_generation_args, check_lookup, check_tree_budget
 from .auto import memory as block_memory
-from .auto.chooser import auto_range
+from .auto.chooser import auto_range, tree_range
 from .cache.prompt import PromptCache, make_prompt_cache
 from .decode.loop import LookupSetting, decode
 from .decode.sampling import SamplingParams
 from .distributed import agreed_chooser
 from .draft.dflash import DFlashDraft
 from .draft.lookup import lookup_drafter
+from .draft.tree import TreeParams
 from .prompts import encode
 from .targets import adapt
 
@@ -56,6 +57,8 @@ class GenerationResponse:
     lookup_hit: bool = False
     lookup_hits: int = 0
     lookup_tokens: int = 0
+    # Target rows verified by drafting cycles so far (a tree's nodes, or the blocks).
+    rows_verified: int = 0
     # With block_size "auto": what it is doing and why, e.g. "plain: blocks cost more than they commit".
     auto_reason: str | None = None
 
@@ -107,6 +110,24 @@ def _lookup_setting(lookup, draft) -> LookupSetting | None:
     return LookupSetting(auto=lookup == "auto")
 
 
+def _tree(target, prompt_cache: PromptCache, tree_budget, block_size, trained: int) -> TreeParams | None:
+    """The trees a decode verifies (None: blocks): drafted from ``block_size``'s
+    blocks (else the trained block's); "auto" falls back to blocks where the
+    target cannot verify a tree over its caches."""
+    if tree_budget is None:
+        return None
+    tree = TreeParams(block_size if isinstance(block_size, int) else trained)
+    if tree.block_size >= 2 and target.takes_trees(prompt_cache.target):
+        target.prepare_trees()
+        return tree
+    if tree_budget == "auto":
+        return None
+    raise ValueError(
+        f"this {target.family} target cannot verify draft trees over its caches (quantized, bounded or split "
+        "KV caches, or a family without them); drop tree_budget (--tree-budget)."
+    )
+
+
 def stream_generate(
     model,
     draft: DFlashDraft | None,
@@ -128,6 +149,7 @@ def stream_generate(
     prompt_progress: Callable[[int, int], None] | None = None,
     logprobs: int | None = None,
     lookup: bool | str = False,
+    tree_budget: int | str | None = None,
 ) -> Iterator[GenerationResponse]:
     """Yield a GenerationResponse for the first token and one per cycle;
     the output is exactly the target's own. Arguments are checked before this
@@ -146,8 +168,12 @@ def stream_generate(
     lookup: draft by prompt lookup too (docs/lookup.md): False, True, or
     "auto" (per reply, only while looked-up drafts beat the drafter's). With
     ``draft`` None the drafts are looked up only (lookup_drafter(model)).
+    tree_budget: verify draft trees (docs/trees.md): None (blocks), the rows
+    each drafting cycle verifies (1-64, the root included), or "auto" (chosen
+    before every cycle); ``block_size`` is then the drafter's block.
     """
     lookup_setting = _lookup_setting(lookup, draft)
+    tree_budget = check_tree_budget(tree_budget, draft is not None)
     target = adapt(model)
     if draft is None:
         draft = lookup_drafter(model)
@@ -177,8 +203,13 @@ def stream_generate(
         prompt_cache = make_prompt_cache(target.model, draft)
     prompt_cache.check_pair(target, draft)
     hi = draft.config.block_size
-    auto = args.block_size == "auto"
-    block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
+    tree = _tree(target, prompt_cache, tree_budget, args.block_size, hi)
+    auto = args.block_size == "auto" if tree is None else tree_budget == "auto"
+    if tree is not None:
+        hi = tree_range(hi)[1] if auto else tree_budget
+        block = block_memory.chooser(target, draft, *tree_range(tree.block_size)) if auto else tree_budget
+    else:
+        block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
     if auto and getattr(target, "group", None) is not None:  # every rank runs rank 0's choice
         block = agreed_chooser(block, target.group)
     steps = decode(
@@ -205,6 +236,7 @@ def stream_generate(
         progress=prompt_progress,
         logprobs=logprobs,
         lookup=lookup_setting,
+        tree=tree,
     )
     if auto:
         steps = block_memory.remembered(steps, block)
@@ -217,7 +249,7 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int, chooser=No
     eos = set(tokenizer.eos_token_ids)
     by_position = [0] * (hi - 1)
     sizes: dict[int, int] = {}
-    n = drafting = committed_drafting = accepted_total = proposed = hits = hit_tokens = 0
+    n = drafting = committed_drafting = accepted_total = proposed = hits = hit_tokens = rows = 0
     with wired_limit(target.model, [generation_stream]):
         tic = time.perf_counter()
         prompt_tps = gen_tic = None
@@ -231,7 +263,8 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int, chooser=No
                     drafting += 1
                     committed_drafting += len(step.tokens)
                     accepted_total += step.accepted
-                    proposed += step.block_size - 1
+                    proposed += step.rows - 1
+                    rows += step.rows
                     for i in range(step.accepted):
                         by_position[i] += 1
                     if step.lookup_hit:
@@ -265,6 +298,7 @@ def _responses(target, tokenizer, steps, prompt_tokens: int, hi: int, chooser=No
                 lookup_hit=step.lookup_hit,
                 lookup_hits=hits,
                 lookup_tokens=hit_tokens,
+                rows_verified=rows,
                 auto_reason=None if chooser is None else chooser.reason,
             )
 

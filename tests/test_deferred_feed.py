@@ -116,7 +116,7 @@ def test_drafting_after_plain_steps_grows_the_drafters_buffers_as_the_targets(mo
         shape = self._shape(block_size)
         flight = launch(self, block_size, *args, **kw)
         if block_size > 1:
-            predicted.append(shape[1])
+            predicted.append(shape[-1])  # the drafter's width
             widths.append(self.caches.draft[0].capacity)
         return flight
 

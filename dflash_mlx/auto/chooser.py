@@ -433,3 +433,9 @@ def auto_range(target, draft) -> tuple[int, int]:
         lo, top = QUANTIZED_DFLASH2_RANGE
         return min(lo, hi), min(top, hi)
     return min(4, hi), hi
+
+
+def tree_range(block_size: int) -> tuple[int, int]:
+    """The rows ``tree_budget="auto"`` chooses among for trees over blocks of
+    ``block_size``: from 4 up to two blocks' rows, at most 32."""
+    return min(4, block_size), max(min(32, 2 * block_size), min(4, block_size))

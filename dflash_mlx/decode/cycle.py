@@ -22,6 +22,7 @@ from .. import compute_dtype
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find
+from ..draft.tree import TreeParams, accepted_path, build_tree
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..targets import DenseTarget
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
@@ -38,6 +39,7 @@ class Flight:
     length: mx.array
     launch_seconds: float = 0.0
     new_shape: bool = False  # it built new graphs: not a measure of its size's cost
+    rows: int = 0  # the target rows it verifies (a tree's nodes, or the block)
     # With log-probs asked for: [bs, 1 + k] the picked token's then the top k's, and [bs, k] their ids.
     logprobs: mx.array | None = None
     top_ids: mx.array | None = None
@@ -77,11 +79,15 @@ class Cycle:
         logprobs: int | None = None,
         *,
         lookup: LookupParams | None = None,
+        tree: TreeParams | None = None,
     ):
         self.target, self.draft, self.caches = target, draft, caches
         self.logprobs = logprobs  # None: none computed; k: the picked token's and the top k
         self.lookup_only = isinstance(draft, LookupDraft)
         self.lookup = lookup if lookup is not None or not self.lookup_only else LookupParams()
+        # Draft trees where the drafter gives distributions and the target can verify one.
+        takes = tree is not None and not self.lookup_only and target.takes_trees(caches.target)
+        self.tree = tree if takes else None
         self.history: TokenHistory | None = None  # made by start_lookup
         # beside a drafter, whether a match is drafted from; an input of the graph, not a key
         self.lookup_on, self.lookup_enabled = True, mx.array(True)
@@ -129,45 +135,63 @@ class Cycle:
             return None, None
         return token_logprobs(last_logits[None], token, self.logprobs)
 
-    def would_build(self, block_size: int) -> bool:
-        """Whether a cycle of ``block_size`` launched now would build new graphs."""
-        return self._shape(block_size) not in self.traces.shapes
+    def would_build(self, size: int) -> bool:
+        """Whether a cycle of ``size`` launched now would build new graphs."""
+        return self._shape(size) not in self.traces.shapes
 
-    def _shape(self, block_size: int) -> tuple[int, int]:
-        """(block size, the drafter's buffer width after it): what its graphs are built for."""
+    def trees_now(self) -> bool:
+        """Whether drafting cycles verify trees (not once the caches are quantized)."""
+        return self.tree is not None and self.target.takes_trees(self.caches.target)
+
+    def block_of(self, size: int) -> int:
+        """The drafter's block in a cycle of ``size`` (a tree's rows, or a
+        block): the tree's, the size itself, or at most the tree's block
+        where trees stopped (the caches were quantized)."""
+        if size == 1 or self.tree is None:
+            return size
+        return self.tree.block_size if self.trees_now() else min(size, self.tree.block_size)
+
+    def rows(self, size: int) -> int:
+        """The target rows a cycle of ``size`` verifies: its tree's nodes, or its block."""
+        return self.tree.rows(size) if size > 1 and self.trees_now() else self.block_of(size)
+
+    def _shape(self, size: int) -> tuple[int, int, int]:
+        """(size, rows, the drafter's buffer width after its block): what its graphs are built for."""
+        block, rows = self.block_of(size), self.rows(size)
         if not self.caches.draft:
-            return block_size, self.history.room(self.history.bound + block_size + 1)
+            return size, rows, self.history.room(self.history.bound + block + 1)
         first = self.caches.draft[0]
-        if block_size > 1 and self.deferred:
-            return block_size, first.room(self.deferred_bound + len(self.deferred) + block_size)
-        return block_size, first.width_after(block_size)
+        if size > 1 and self.deferred:
+            return size, rows, first.room(self.deferred_bound + len(self.deferred) + block)
+        return size, rows, first.width_after(block)
 
-    def launch(self, block_size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
+    def launch(self, size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
         """Build a cycle's graph and queue it without waiting for the device.
         ``bound``: a host-side upper bound on ``length``; ``exact``: it is the
         length. An exact plain step runs uncompiled: its widths change every step."""
-        shape = self._shape(block_size)
+        shape = self._shape(size)
         new_shape = shape not in self.traces.shapes
         self.traces.shapes.add(shape)
-        if block_size > 1 and self.deferred:
+        if size > 1 and self.deferred:
             self._feed(len(self.deferred))
         if self.history is not None:
-            self.history.reserve(bound + block_size + 1)
-            self.history.bound = bound + block_size
-        exact_step = block_size == 1 and exact
+            block = self.block_of(size)
+            self.history.reserve(bound + block + 1)
+            self.history.bound = bound + block
+        exact_step = size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
-            result, new_last, new_length, taps, scores, looked = self._run_compiled(block_size, last, length, bound)
+            result, new_last, new_length, taps, scores, looked = self._run_compiled(size, last, length, bound)
         else:
             at_host = exact_step and all(type(c) is BufferKVCache for c in self.caches.target)
             read = "exact" if exact_step else "bound"
             result, new_last, new_length, taps, scores, looked = self._build(
-                block_size, last, length, bound, self.seed, read=read, at_host=at_host
+                size, last, length, bound, self.seed, read=read, at_host=at_host
             )
         if taps is not None:
             if not self.deferred:
                 self.deferred_from, self.deferred_bound = length, bound
             self.deferred.append(taps)
-        flight = Flight(block_size, result, new_last, new_length, new_shape=new_shape, lookup=looked)
+        flight = Flight(size, result, new_last, new_length, new_shape=new_shape, lookup=looked, rows=self.rows(size))
         if scores is not None:
             flight.logprobs, flight.top_ids = scores
         extra = [a for a in (flight.logprobs, flight.top_ids, flight.lookup) if a is not None]
@@ -194,7 +218,7 @@ class Cycle:
         self.deferred, self.deferred_from = [], None
 
     def _build(
-        self, block_size: int, last: mx.array, length: mx.array, bound: int, seed, *, read: str, at_host: bool = False
+        self, size: int, last: mx.array, length: mx.array, bound: int, seed, *, read: str, at_host: bool = False
     ):
         """The cycle's graph: (result, next last token, new length, a deferred
         plain step's tapped states or None, ``token_logprobs`` of every verify
@@ -206,12 +230,21 @@ class Cycle:
         if not (at_host and self.defers):
             length = device_scalar(length)
         self.target.set_length(target_cache, bound if at_host else length, bound, read)
-        defer = block_size == 1 and self.defers
+        defer = size == 1 and self.defers
         if not defer:
             set_lengths(draft_cache, length, bound, "fixed" if read == "fixed" else "bound")
+        block_size = self.block_of(size)
         drafts, q, key, k_draft = None, None, None, None
         looked_up, matched, hit = None, None, None
-        if block_size > 1:
+        tree = None
+        if block_size > 1 and self.trees_now():
+            block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
+            guesses = self.draft(block, None, draft_cache, self.draft_fused).squeeze(0)
+            if self.lookup is not None:
+                looked_up, matched, hit = self._look_up(length, block_size - 1)
+            nodes, tree = build_tree(guesses, self.rows(size), self.tree.top_k, looked_up, hit)
+            verify = mx.where(constant_arange(nodes.shape[0]) == 0, last, nodes)
+        elif block_size > 1:
             if self.lookup_only:
                 drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)
                 matched = hit = n > 0
@@ -228,9 +261,7 @@ class Cycle:
                         self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1
                     ).astype(mx.int32)
                 if self.lookup is not None:
-                    looked_up, n = find(self.history.tokens, length, block_size - 1, self.lookup)
-                    matched = n >= self.lookup.min_ngram
-                    hit = matched & self.lookup_enabled
+                    looked_up, matched, hit = self._look_up(length, block_size - 1)
                     drafted = drafts
                     drafts = mx.where(hit, looked_up, drafts)
                     if q is not None:  # a looked-up draft is a one-hot proposal
@@ -239,8 +270,21 @@ class Cycle:
             verify = mx.concatenate([last, drafts])
         else:
             verify = last
-        logits, hidden = self.target(verify[None], target_cache, self.taps)
-        if q is not None:
+        if tree is None:
+            logits, hidden = self.target(verify[None], target_cache, self.taps)
+        else:
+            self.target.set_tree(target_cache, tree)
+            try:
+                logits, hidden = self.target(verify[None], target_cache, self.taps)
+            finally:
+                self.target.set_tree(target_cache, None)
+        if tree is not None:
+            targets = pick(logits.squeeze(0), length + 1 + tree.depths, self.sampling, seed)
+            accepted, path = accepted_path(verify, tree, targets, block_size - 1)
+            tokens = targets[path]
+            logits, hidden = logits[:, path], hidden[:, path]
+            self.target.keep_path(target_cache, length, path)
+        elif q is not None:
             kept = accept_proposals(drafts, q, logits.squeeze(0), self.sampling, key)
             accepted, tokens = kept[0], kept[1:]
         else:
@@ -248,10 +292,10 @@ class Cycle:
             tokens = pick(logits.squeeze(0), length + 1 + constant_arange(block_size), self.sampling, seed)
             accepted = accepted_count(drafts, tokens) if drafts is not None else mx.array(0, mx.int32)
         new_length = length + accepted + 1
-        self.target.set_length(target_cache, new_length, bound + block_size)
+        self.target.set_length(target_cache, new_length, bound + size)
         if not defer:
             self.draft.extend(hidden, draft_cache, self.draft_fused)
-            set_lengths(draft_cache, new_length, bound + block_size)
+            set_lengths(draft_cache, new_length, bound + size)
         result = mx.concatenate([accepted[None].astype(mx.int32), tokens])
         scores = None
         if self.logprobs is not None:  # of the logits the tokens were picked from
@@ -262,24 +306,31 @@ class Cycle:
             looked = mx.array([0, 0, -1], mx.int32)  # a plain step drafts nothing
             if hit is not None:
                 other = mx.array(-1, mx.int32)
-                if looked_up is not None and q is None:
+                if looked_up is not None and q is None and tree is None:
                     # the other chain's drafts agree up to where the verified one broke off: a lower bound
                     other = mx.minimum(agreeing(mx.where(hit, drafted, looked_up), tokens), accepted + 1)
                 looked = mx.stack([matched.astype(mx.int32), hit.astype(mx.int32), other.astype(mx.int32)])
         return result, tokens[accepted][None], new_length, hidden if defer else None, scores, looked
 
-    def _run_compiled(self, block_size: int, last: mx.array, length: mx.array, bound: int):
+    def _look_up(self, length: mx.array, n: int):
+        """(the looked-up continuation [n], whether a long enough match was
+        found, whether the cycle drafts from it): beside a drafter."""
+        looked_up, matched = find(self.history.tokens, length, n, self.lookup)
+        matched = matched >= self.lookup.min_ngram
+        return looked_up, matched, matched & self.lookup_enabled
+
+    def _run_compiled(self, size: int, last: mx.array, length: mx.array, bound: int):
         """``_build`` through mx.compile, traced per key and buffer width. The
         trace reads this call's cycle, caches and bound from ``traces.now``, so
         a retrace in a later call builds that call's graph; the seed is an input."""
         layers = self.caches.target + self.caches.draft
         for c in layers:
-            c.reserve(bound + block_size)  # grow outside: shapes are fixed inside
+            c.reserve(bound + max(self.rows(size), self.block_of(size)))  # grow outside: shapes are fixed inside
         traces = self.traces
         now = traces.now
-        defer = block_size == 1 and self.defers
+        defer = size == 1 and self.defers
         key = (
-            block_size,
+            size,
             self.sampling,
             self.seed is not None,
             self.target.fuse_projections,
@@ -292,6 +343,8 @@ class Cycle:
         history = self.history
         if history is not None:
             key += ("lookup", self.lookup, self.lookup_only)
+        if self.trees_now():
+            key += ("tree", self.rows(size), self.tree)
 
         def make():
             def step(last, length, seed, enabled, tokens, *buffers):
@@ -301,7 +354,7 @@ class Cycle:
                 if history is not None:
                     cycle.lookup_enabled, cycle.history.tokens = enabled, tokens
                 traced_seed = seed if cycle.seed is not None else None
-                out = cycle._build(block_size, last, length, now["bound"], traced_seed, read="fixed")
+                out = cycle._build(size, last, length, now["bound"], traced_seed, read="fixed")
                 result, new_last, new_length, taps, scores, looked = out
                 return (
                     result,
@@ -339,7 +392,7 @@ class Cycle:
             looked, history.tokens = buffers.pop(0), buffers.pop(0)
         for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
             c.keys, c.values = k, v
-        self.target.set_length(self.caches.target, new_length, bound + block_size)
+        self.target.set_length(self.caches.target, new_length, bound + size)
         if not defer:
-            set_lengths(self.caches.draft, new_length, bound + block_size)
+            set_lengths(self.caches.draft, new_length, bound + size)
         return result, new_last, new_length, taps, scores, looked

@@ -18,6 +18,7 @@ from ..auto.chooser import BlockChooser
 from ..cache.prompt import PromptCache
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupGate, LookupParams
+from ..draft.tree import TreeParams
 from ..targets import DenseTarget
 from .cycle import Cycle, Flight
 from .sampling import SamplingParams
@@ -34,6 +35,7 @@ class Step:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     lookup_hit: bool = False  # the cycle's drafts were looked up
+    rows: int = 1  # the target rows it verified (a tree's nodes, or the block)
 
 
 @dataclass(frozen=True)
@@ -96,17 +98,19 @@ def decode(
     progress: Callable[[int, int], None] | None = None,
     logprobs: int | None = None,
     lookup: LookupSetting | None = None,
+    tree: TreeParams | None = None,
 ) -> Iterator[Step]:
     """Yield the first token's Step, then one per cycle. At each Step the
     target cache holds every committed token but the last; the drafter's
     context catches up (deferred plain steps) when the generator ends.
     ``logprobs``: None, or k to fill each Step's log-probs and top k;
-    ``lookup``: None (off; a lookup-only drafter looks up anyway) or how."""
+    ``lookup``: None (off; a lookup-only drafter looks up anyway) or how;
+    ``tree``: None (blocks) or the draft trees whose rows ``block`` gives."""
     owner = object()
     cache.claim(owner)
     try:
         params = lookup.params if lookup is not None else None
-        cycle = Cycle(target, draft, cache, sampling, seed, logprobs, lookup=params)
+        cycle = Cycle(target, draft, cache, sampling, seed, logprobs, lookup=params, tree=tree)
         gate = LookupGate() if lookup is not None and lookup.auto and not cycle.lookup_only else None
         yield from _settled(
             cycle,
@@ -203,7 +207,9 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         n += len(new)
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
         scores = _scores(flight.logprobs, flight.top_ids, len(new))
-        yield Step(new, min(accepted, len(new) - 1), flight.block_size, finish, *scores, lookup_hit=bool(hit))
+        yield Step(
+            new, min(accepted, len(new) - 1), flight.block_size, finish, *scores, lookup_hit=bool(hit), rows=flight.rows
+        )
         if finish is not None:
             return
         cache.check_owner(owner)

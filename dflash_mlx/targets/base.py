@@ -23,6 +23,9 @@ class DenseTarget:
     ``language_model``."""
 
     family = "dense"
+    # Whether every layer's forward is ours, rotating each row at its draft
+    # tree depth (mlx-lm's own modules take one offset); make_blocks says.
+    rotates_rows = False
     # Only for families whose layers are mlx-lm's plain qwen3/llama blocks.
     fuse_projections = False
 
@@ -76,7 +79,6 @@ class DenseTarget:
             self.blocks = [layers[i] for i in self.here]
         else:
             self.blocks = [self.layer_block(layers[i], windows[i]) for i in self.here]
-        # mlx-lm's own modules rotate every row at the cache's one offset
         self.rotates_rows = not any(b is layers[i] for b, i in zip(self.blocks, self.here))
         prepare(self.dtype, self.head_dim, [windows[i] for i in self.here])
 
@@ -190,6 +192,12 @@ class DenseTarget:
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
         """The target's own logits (``lm_head`` unless the family rescales)."""
         return self.lm_head(h, norm)
+
+    def prepare_trees(self) -> None:
+        """Check and measure the draft-tree attention variants this target's
+        layers would use, before a decode that verifies trees."""
+        windows = self.windows()
+        prepare(self.dtype, self.head_dim, [windows[i] for i in self.here], trees=True)
 
     def takes_trees(self, cache: list) -> bool:
         """Whether a draft tree can be verified over ``cache``: every layer

@@ -27,6 +27,8 @@ class DeepseekV3Target(DenseTarget):
     family = "deepseek_v3"
     runs_a_stage = True  # its own layer forwards, over this rank's slice like the base class's
 
+    rotates_rows = True
+
     def make_blocks(self) -> None:
         self.blocks = [mla_block(self.inner.layers[i]) for i in self.here]
         linear.prepare(self.dtype)
