@@ -168,3 +168,27 @@ def test_the_status_lines_show_the_trees():
     plain = SimpleNamespace(**{**vars(r), "block_sizes": {1: 4}, "cycles": 4, "rows_verified": 0})
     assert tree_text(plain, 24) == "tree 24: no drafting cycles, 4 plain steps"
     assert "block auto" in stats_line(r, "auto")  # without trees the block line as before
+
+
+def test_serve_sets_the_servers_tree_budget(pair, monkeypatch):
+    import dflash_mlx.server
+
+    made = []
+    real = dflash_mlx.server.create_app
+
+    def create_app(model, draft, tokenizer, config):
+        made.append(config)
+        return real(model, draft, tokenizer, config)
+
+    def serve_forever(app, **kwargs):  # the server would wait, then end the process
+        raise SystemExit(7)
+
+    monkeypatch.setattr(dflash_mlx.server, "create_app", create_app)
+    monkeypatch.setattr(dflash_mlx.server, "run", serve_forever)
+    base = ("serve", "--model", pair.chat_target, "--draft-model", pair.draft, "--port", "1")
+    for value, given in [("12", 12), ("auto", "auto"), (None, None)]:
+        r = run(*base, *(() if value is None else ("--tree-budget", value)))
+        assert r.exit_code == 7, r.output
+        assert made[-1].tree_budget == given
+    refused = run(*base, "--max-kv-size", "64", "--tree-budget", "8")
+    assert_user_error(refused, "cannot verify draft trees over its KV caches", "pass --tree-budget auto")

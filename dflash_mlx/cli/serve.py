@@ -31,7 +31,9 @@ Then point any OpenAI or Anthropic client at http://127.0.0.1:8080/v1 (see docs/
 """
 
 # The server's sampling flags: no XTC or --num-draft-tokens here.
-SAMPLING_FLAGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "block_size", "lookup")
+SAMPLING_FLAGS = ("max_tokens", "temp", "top_p", "top_k", "min_p", "seed", "block_size", "lookup", "tree_budget")
+# What the server's flags set for every request (ServerConfig's fields).
+SERVED = ("temperature", "top_p", "top_k", "min_p", "seed", "block_size", "lookup", "tree_budget")
 
 PrefixCacheDir = Annotated[
     Optional[Path],
@@ -151,7 +153,7 @@ def serve_command(
         from .console import refuse_under_launch
 
         refuse_under_launch("serve", distributed.world())
-        generation = sampling.check(prefill_step_size)
+        generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
         if prompt_cache_size < 0:
@@ -173,10 +175,7 @@ def serve_command(
             raise UserError(
                 f"the server needs its extra ({e.name} is missing): pip install 'dflash-mlx[server]'."
             ) from None
-        served = {
-            name: generation[name]
-            for name in ("temperature", "top_p", "top_k", "min_p", "seed", "block_size", "lookup")
-        }
+        served = {name: generation[name] for name in SERVED}
         config = ServerConfig(
             model_name=model_name or pair.model or "builtin",
             max_tokens=sampling.max_tokens,

@@ -34,7 +34,7 @@ def can_batch(model) -> bool:
 
 def batched_figures(stream: _Stream) -> dict:
     """``usage.dflash`` of a batched reply: the DFlash figures' keys, every
-    step a plain one, and the largest batch it was decoded in."""
+    step a plain one (no drafts, no trees), and the largest batch it was decoded in."""
     return {
         "path": "batched",
         "batch_size": stream.largest_batch,
@@ -48,6 +48,8 @@ def batched_figures(stream: _Stream) -> dict:
         "prompt_tps": round(stream.prompt_tps(), 2),
         "lookup_hits": 0,
         "lookup_tokens": 0,
+        "rows_verified": 0,
+        "tree_budget": None,
     }
 
 

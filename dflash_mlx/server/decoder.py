@@ -18,10 +18,12 @@ from .reply import ReplyParser, TokenLogprob
 log = logging.getLogger("dflash_mlx.server")
 
 
-def dflash_figures(last, block_sizes: set[int]) -> dict:
+def dflash_figures(last, block_sizes: set[int], tree_budget: int | str | None = None) -> dict:
     """DFlash's own figures for a reply, so a client can see what happened.
     The acceptance figures count drafting cycles only: null when every
-    cycle was plain (nothing was drafted), not a 0 that reads as rejection."""
+    cycle was plain (nothing was drafted), not a 0 that reads as rejection.
+    ``tree_budget``: the server's setting (None: blocks); with trees
+    ``block_sizes`` are the rows each cycle verified."""
     plain_cycles = int(getattr(last, "plain_cycles", 0) or 0)
     drafted = int(last.cycles) > plain_cycles
     return {
@@ -37,6 +39,9 @@ def dflash_figures(last, block_sizes: set[int]) -> dict:
         # prompt lookup: cycles whose drafts were looked up, and the tokens they committed
         "lookup_hits": int(getattr(last, "lookup_hits", 0)),
         "lookup_tokens": int(getattr(last, "lookup_tokens", 0)),
+        # target rows the drafting cycles verified (a tree's nodes, or the blocks), and the trees asked for
+        "rows_verified": int(getattr(last, "rows_verified", 0)),
+        "tree_budget": tree_budget,
         # block "auto": what it was doing at the end and why, e.g. running plain steps
         "auto_reason": getattr(last, "auto_reason", None),
     }
@@ -55,9 +60,11 @@ class Decoder:
         read_limit: Optional[int] = None,
         metrics: Optional[Metrics] = None,
         lookup: bool | str = False,
+        tree_budget: int | str | None = None,
     ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.lookup = lookup  # stream_generate's: False, True or "auto"
+        self.tree_budget = tree_budget  # stream_generate's: None, rows a cycle, or "auto"
         self.pool = pool
         self.block_size, self.prefill_step_size = block_size, prefill_step_size
         # with bounded caches a conversation runs past the context, but each
@@ -116,6 +123,7 @@ class Decoder:
             prompt_progress=job.prefill_progress,
             logprobs=p.logprobs,
             lookup=self.lookup,
+            tree_budget=self.tree_budget,
         )
         last, block_sizes = None, set()
         figures = Generation(len(job.prompt), cached)
@@ -146,7 +154,9 @@ class Decoder:
         final.logprobs += pending
         if finish == "stop" and parser.made_tool_call:
             finish = "tool_calls"
-        usage = Usage(last.prompt_tokens, last.generation_tokens, cached, dflash_figures(last, block_sizes))
+        usage = Usage(
+            last.prompt_tokens, last.generation_tokens, cached, dflash_figures(last, block_sizes, self.tree_budget)
+        )
         return Done(finish, parser.stop_sequence, usage, final)
 
     def _token_logprobs(self, response, eos: set[int]) -> list[TokenLogprob]:

@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from dflash_mlx import make_prompt_cache
-from dflash_mlx.arguments import check_lookup
+from dflash_mlx.arguments import check_lookup, check_tree_budget
 from dflash_mlx.cache.store import PrefixStore
+from dflash_mlx.targets import adapt
 
 from .batch import BatchDecoder, can_batch
 from .cache_pool import PromptCachePool
@@ -43,6 +44,7 @@ class ServerConfig:
     seed: Optional[int] = None
     block_size: int | str | None = None
     lookup: bool | str = False  # prompt lookup (stream_generate's): False, True or "auto"
+    tree_budget: int | str | None = None  # draft trees (stream_generate's): None, rows a cycle, or "auto"
     prefill_step_size: int = 2048
     api_key: Optional[str] = None
     chat_template_args: dict = field(default_factory=dict)
@@ -112,6 +114,7 @@ class Service:
     def __init__(self, model, draft, tokenizer, config: ServerConfig):
         check_mode(config.batching)
         check_lookup(config.lookup, draft is not None)
+        check_tree_budget(config.tree_budget, draft is not None)
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be 1 or more; got {config.max_batch}.")
         self.tokenizer, self.config = tokenizer, config
@@ -130,7 +133,8 @@ class Service:
                 max_kv_size=config.max_kv_size,
             )
 
-        new_cache()  # settings this pair cannot use: a ValueError now, not on every request
+        # settings this pair cannot use: a ValueError now, not on every request
+        tree_budget = served_trees(model, new_cache(), config.tree_budget)
         self.store = None
         if config.prefix_cache_dir is not None:
             self.store = PrefixStore(
@@ -153,6 +157,7 @@ class Service:
             read_limit=self.context_length if bounded else None,
             metrics=self.metrics,
             lookup=config.lookup,
+            tree_budget=tree_budget,
         )
         # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
         plain_caches = config.kv_bits is None and not bounded
@@ -305,6 +310,23 @@ class Service:
             "prompt_caches": len(self.worker.decoder.pool),
             "stored_responses": len(self.responses),
         }
+
+
+def served_trees(model, cache, tree_budget) -> int | str | None:
+    """The trees requests are verified with over the pool's caches like
+    ``cache``: ``tree_budget``, or None where "auto" turns to blocks; a tree
+    budget of N rows that the target cannot verify is a ValueError."""
+    if tree_budget is None:
+        return None
+    target = adapt(model)
+    if target.takes_trees(cache.target):
+        return tree_budget
+    if tree_budget == "auto":
+        return None
+    raise ValueError(
+        f"this {target.family} target cannot verify draft trees over its KV caches (--kv-bits and "
+        "--max-kv-size caches, or a family without trees); pass --tree-budget auto, or leave it out."
+    )
 
 
 class StoredResponses:
