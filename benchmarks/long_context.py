@@ -6,6 +6,7 @@ Reported in BENCHMARKS.md, "Long contexts".
     python benchmarks/long_context.py --prompt-tokens 8192,16384,32768   # a GPU: Qwen3-8B shapes
     python benchmarks/long_context.py --shape tiny                          # a CPU, in seconds
     python benchmarks/long_context.py --pieces --shape qwen3-8b --prompt-tokens 1024,16384
+    python benchmarks/long_context.py --memory --shape tiny --prompt-tokens 1024,16384
 
 At each prompt length, random weights (the drafter accepts nothing, so a
 cycle commits one token: what ``auto`` must see and leave for plain steps),
@@ -31,6 +32,12 @@ alone, waited for), median of 7:
 
 What grows between two lengths is what a long-context cycle pays for; the
 rest of the verify (products, norms) does not depend on the context.
+
+``--memory``: the peak memory of one greedy reply (prefill and
+``--max-tokens`` new tokens, a fresh cache each), DFlash at ``--block``
+against plain mlx-lm (``generate_step``), each the weights it needs plus the
+most it allocated above them, and the drafter's weights; the ratio is DFlash's
+peak over plain's plus the drafter's weights (issue 36's goal: at most 1.10).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import time
 
 import mlx.core as mx
 from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 
@@ -193,6 +201,63 @@ def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
     }
 
 
+def weights_bytes(module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+
+
+def peak_above_resident(run) -> int:
+    """The most bytes ``run`` held at once beyond what was allocated before it."""
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    resident = mx.get_active_memory()
+    run()
+    mx.synchronize()
+    return mx.get_peak_memory() - resident
+
+
+def peak_memory(model, draft, P: int, max_tokens: int, block: int) -> dict:
+    """Peak bytes of a greedy reply after a ``P``-token prompt: DFlash and plain mlx-lm (see the module docstring)."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer(64)
+    prompt = synthetic_prompt(draft.config.vocab_size, P)
+
+    def plain():
+        for _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+            pass
+
+    def dflash():
+        for _ in stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens, block_size=block):
+            pass
+
+    target_bytes, draft_bytes = weights_bytes(model), weights_bytes(draft)
+    plain_peak = target_bytes + peak_above_resident(plain)
+    dflash_peak = target_bytes + draft_bytes + peak_above_resident(dflash)
+    return {
+        "prompt_tokens": P,
+        "dflash": dflash_peak,
+        "plain": plain_peak,
+        "drafter_weights": draft_bytes,
+        "ratio": dflash_peak / (plain_peak + draft_bytes),
+    }
+
+
+def print_memory(model, draft, lengths: list[int], max_tokens: int, block: int) -> None:
+    block = min(block, draft.config.block_size)
+    print(f"greedy, {max_tokens} new tokens, DFlash block {block}; MiB")
+    print(f"{'prompt':>8} {'DFlash':>10} {'plain':>10} {'drafter':>10} {'DFlash / (plain + drafter)':>27}")
+    mib = 2**20
+    for P in lengths:
+        r = peak_memory(model, draft, P, max_tokens, block)
+        print(
+            f"{P:>8} {r['dflash'] / mib:>10.1f} {r['plain'] / mib:>10.1f} "
+            f"{r['drafter_weights'] / mib:>10.1f} {r['ratio']:>26.3f}x",
+            flush=True,
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], help="default: qwen3-8b on a GPU, tiny on a CPU")
@@ -200,11 +265,16 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens a reply")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up one")
     ap.add_argument("--pieces", action="store_true", help="a verify's pieces instead of decoding")
-    ap.add_argument("--block", type=int, default=16, help="--pieces: the verify's block")
+    ap.add_argument("--memory", action="store_true", help="peak memory of DFlash and plain mlx-lm instead")
+    ap.add_argument("--block", type=int, default=16, help="--pieces: the verify's block; --memory: DFlash's block")
     args = ap.parse_args()
     shape = args.shape or ("qwen3-8b" if mx.default_device() == mx.gpu else "tiny")
     if args.pieces and shape == "tiny":
         ap.error("--pieces measures a model's shapes: name one with --shape (say small).")
+    if args.pieces and args.memory:
+        ap.error("--pieces and --memory are separate runs: pass one of them.")
+    if args.block < 2:
+        ap.error("--block takes 2 or more (a verify of the last token and at least one draft).")
     lengths = args.prompt_tokens or ("256,1024" if shape == "tiny" else "8192,16384,32768")
     try:
         lengths = [int(p) for p in lengths.split(",")]
@@ -216,6 +286,8 @@ def main():
     print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {shape}, random weights")
     if args.pieces:
         return print_pieces(model, draft, shape, lengths, args.block)
+    if args.memory:
+        return print_memory(model, draft, lengths, args.max_tokens, args.block)
     print(f"greedy, {args.max_tokens} new tokens a reply, median of {args.repeat} rounds after a warm-up one")
     head = f"{'prompt':>8} {'plain tok/s':>12} {'block tok/s':>12} {'auto tok/s':>11} {'block/plain':>12} {'auto/plain':>11}"
     print(head + "  auto's last reply")

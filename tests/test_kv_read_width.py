@@ -1,7 +1,9 @@
 """Attention reads a buffer cache up to its host bound, not its capacity,
-except where shapes must stay fixed (a compiled trace, MLX's CUDA backend);
-its mask always spans what it hands attention, and a one-row step whose
-bound is exact reads only the filled keys with no mask at all."""
+except where shapes must stay fixed (a compiled trace, a cycle on MLX's CUDA
+backend; a prompt chunk at a host length reads exactly its filled keys
+everywhere: test_prefill_memory.py); its mask always spans what it hands
+attention, and a one-row step whose bound is exact reads only the filled keys
+with no mask at all."""
 
 import mlx.core as mx
 import pytest
