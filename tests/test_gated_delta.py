@@ -131,7 +131,8 @@ def test_every_variant_is_recorded_as_mlx_builds_it():
     assert len(cuda.variants) == len(gated_delta.DTYPES) * len(gated_delta.KEY_DIMS) * 4
     tree = cuda.variants[f"dflash_gated_delta_tree_v{gated_delta.VERSION}_float16_64_False"]
     assert (
-        "const int32_t* parents,\n    __half* y,\n    float* states)" in tree and "constexpr bool ALL = false;" in tree
+        "const int32_t* parents,\n    __half* y,\n    float* states)" in tree
+        and "constexpr bool KEEP_ALL = false;" in tree
     )
     src = cuda.variants[f"dflash_gated_delta_v{gated_delta.VERSION}_bfloat16_128_True"]
     assert "const __nv_bfloat16* q,\n    const __grid_constant__ Shape q_shape," in src

@@ -122,7 +122,7 @@ class GatedDeltaKernel:
         nodes a later node other than the next reads, the rest unset)."""
         return self.tree_kernel(
             inputs=[q, k, v, g, beta, state, parents],
-            template=[("InT", q.dtype), ("Dk", q.shape[-1]), ("ALL", keep_all)],
+            template=[("InT", q.dtype), ("Dk", q.shape[-1]), ("KEEP_ALL", keep_all)],
             output_shapes=[v.shape, (q.shape[1] + 1, *state.shape)],
             output_dtypes=[q.dtype, mx.float32],
             **launch(q, v),

@@ -4,7 +4,7 @@ tree's nodes, each from its parent's state.
 
 A thread holds 32 state elements of one value row; Dk / 32 lanes share a row.
 Template constants: InT (q, k, v, y), Dk; a write's LIMITED (read ``steps``);
-a tree's ALL (write every node's state, else only those a later node reads).
+a tree's KEEP_ALL (write every node's state, else only those a later node reads).
 Shapes are read at run time: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta
 [B, T, Hv] (g float32); state [B, Hv, Dv, Dk] float32; a tree's ``parents``
 [T] int32 (node 0 the root, its own parent; parents before children) and its
@@ -159,7 +159,7 @@ TREE = (
     SETUP
     + """
   const idx_t node_stride = idx_t(q_shape[0]) * Hv * Dv * Dk;
-  if (ALL) {
+  if (KEEP_ALL) {
     for (int i = 0; i < 32; ++i) {
       states[row + i] = state[i];
     }
@@ -174,7 +174,7 @@ TREE = (
 """
     + STEP
     + """
-    bool keep = ALL;
+    bool keep = KEEP_ALL;
     for (int c = t + 2; c < T && !keep; ++c) {
       keep = parents[c] == t;
     }
