@@ -4,16 +4,21 @@ root-to-node path (each delta-net node from its ancestors' convolution
 inputs and its parent's state), with either rollback, on the ops path and
 through a kernel that passed its check; keep_path and the cut leave every
 layer as a plain run over the accepted path, so decoding goes on exactly;
-re-reads see the path's tokens."""
+re-reads see the path's tokens. Decoding with trees is the target's own:
+greedy equal to mlx-lm's across prompt-cache turns, seeded samples the plain
+sampler's."""
 
 import random
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from family_models import family_config, make_family_target
+from family_models import family_config, make_family_target, run, scripted
 from mlx_lm.models.gated_delta import gated_delta_ops
+from test_sampling import plain_sampled
+from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
+from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.kernels import gated_delta
 from dflash_mlx.kernels.dispatch import CheckResult
 from dflash_mlx.kv.buffer import BufferKVCache
@@ -264,3 +269,59 @@ def test_with_a_checked_kernel_a_tree_is_one_launch_and_its_cut_at_most_one_more
     for i in range(len(parents)):
         want = plain_logits(model, prompt + [tokens[j] for j in path_to(parents, i)])
         np.testing.assert_allclose(np.array(logits[0, i]), want, atol=1e-5)
+
+
+def scripted_pair(family: str):
+    cfg = family_config(family, vocab=VOCAB)
+    dcfg = draft_config(cfg, layers=1, block_size=8)
+    return make_family_target(cfg, seed=1), scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=2)))
+
+
+@pytest.mark.parametrize("rollback", [None, "replay"])  # this machine's default, and a GPU's
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_trees_equal_mlx_lm_across_prompt_cache_turns(family, rollback, monkeypatch):
+    monkeypatch.setattr(DeltaCache, "rollback", rollback)
+    model, draft = scripted_pair(family)
+    rng = random.Random(family)
+    cache = make_prompt_cache(model, draft)
+    conversation = [rng.randrange(VOCAB - 1) for _ in range(11)]
+    accepted = set()
+    for budget in (3, 16, 33, "auto"):
+        prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(3, 30))]
+        want = greedy_reference(model, prompt, 24)
+        got, responses = run(model, draft, prompt, want, vocab=VOCAB, max_tokens=24, tree_budget=budget)
+        assert got == want, budget
+        accepted |= {r.accepted for r in responses[1:]}
+        conversation += [rng.randrange(VOCAB - 1)]
+        want = greedy_reference(model, conversation, 16)
+        got, _ = run(
+            model, draft, conversation, want, vocab=VOCAB, max_tokens=16, tree_budget=budget, prompt_cache=cache
+        )
+        assert got == want and cache.consistent(), budget
+        conversation += got
+    assert {0, 1, 2} <= accepted and max(accepted) >= 4  # cuts at many depths
+
+
+def test_seeded_samples_with_trees_are_the_plain_samplers():
+    model, draft = scripted_pair("qwen3_5")
+    prompt = [3, 1, 4, 1, 5]
+    for seed, (temperature, top_p, top_k) in enumerate([(1.0, 1.0, 0), (0.7, 0.9, 5)]):
+        want = plain_sampled(model, prompt, 24, seed, temperature, top_p, top_k)
+        draft.set_script(prompt + want)
+        for budget in (4, 16):
+            responses = list(
+                stream_generate(
+                    model,
+                    draft,
+                    make_tokenizer(VOCAB),
+                    prompt,
+                    max_tokens=24,
+                    seed=seed,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    tree_budget=budget,
+                )
+            )
+            assert [t for r in responses for t in r.tokens] == want, (seed, budget)
+            assert any(r.accepted for r in responses[1:])
