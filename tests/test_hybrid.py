@@ -3,7 +3,8 @@ roll back exactly. A verify's rollback (either strategy) at every accepted
 count leaves the states mlx-lm's plain decoding reaches; greedy output
 equals mlx-lm's (this machine's default rollback, and replay) over
 block sizes, prompt lengths, an EOS, a prompt cache across turns (extended,
-shortened, repeated); an interrupt at any write leaves the next turn exact;
+shortened, repeated); an interrupt at any write, with blocks or trees,
+leaves the next turn exact;
 seeded sampling gives the target's own sampled text."""
 
 import random
@@ -120,8 +121,8 @@ class Interrupt:
         return counted
 
 
-@pytest.mark.parametrize("block_size", [3, 16])
-def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block_size):
+@pytest.mark.parametrize("block_size, tree_budget", [(3, None), (16, None), (8, 12)])
+def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block_size, tree_budget):
     model, draft = make_pair("qwen3_5", seed=4)
     rng = random.Random(block_size)
     cache = make_prompt_cache(model, draft)
@@ -142,6 +143,7 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
                     max_tokens=30,
                     prompt_cache=cache,
                     block_size=block_size,
+                    tree_budget=tree_budget,
                     prefill_step_size=rng.choice([7, 16, 64]),
                 ):
                     got += r.tokens
@@ -152,7 +154,15 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
         conversation += got + [rng.randrange(VOCAB - 1)]
         want = greedy_reference(model, conversation, 10)
         out, _ = run(
-            model, draft, conversation, want, vocab=VOCAB, max_tokens=10, block_size=block_size, prompt_cache=cache
+            model,
+            draft,
+            conversation,
+            want,
+            vocab=VOCAB,
+            max_tokens=10,
+            block_size=block_size,
+            tree_budget=tree_budget,
+            prompt_cache=cache,
         )
         assert out == want, trial
         conversation += want
