@@ -10,7 +10,8 @@ Z Lab loop" row.
     python benchmarks/speed.py --model dflash_mlx/builtin/target --draft dflash_mlx/builtin/draft \
         --prompts benchmarks/prompts/copy_edits.json --block-size 16 --lookup off,on,auto,alone
 
-``--lookup`` adds prompt lookup to dflash-mlx's rows (off, on, auto; alone: no
+``--tree-budget`` verifies draft trees of that many rows (or auto) in
+dflash-mlx's rows (docs/trees.md). ``--lookup`` adds prompt lookup to dflash-mlx's rows (off, on, auto; alone: no
 drafter, lookup only). ``--prompts`` runs a prompt set (a JSON list of texts, or
 an object whose "prompts" list them) and sums its decode times; copy_edits.json,
 written by ``--write-copy-edits``, asks for an edit of a function given in the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import platform
 import random
@@ -85,11 +87,11 @@ def plain(model, prompt, n):
         yield k
 
 
-def ours(model, draft, tok, prompt, n, bs, stats, lookup=False):
+def ours(model, draft, tok, prompt, n, bs, stats, lookup=False, tree=None):
     from dflash_mlx import stream_generate
 
     k = 0
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs, lookup=lookup):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n, block_size=bs, lookup=lookup, tree_budget=tree):
         k += len(r.tokens)
         if r.accepted is not None:
             stats["tokens"] = stats.get("tokens", 0) + len(r.tokens)
@@ -171,6 +173,11 @@ def main():
         default="off",
         help="comma-separated prompt lookup settings for dflash-mlx: off, on, auto, alone (no drafter)",
     )
+    ap.add_argument(
+        "--tree-budget",
+        default="off",
+        help="comma-separated draft-tree settings for dflash-mlx: off, a row budget, auto (docs/trees.md)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
         "--block-size",
@@ -196,6 +203,7 @@ def main():
     lookups = args.lookup.split(",")
     if not set(lookups) <= {"off", "on", "auto", "alone"}:
         raise SystemExit(f"--lookup takes off, on, auto and alone; got {args.lookup!r}")
+    trees = [None if t == "off" else t if t == "auto" else int(t) for t in args.tree_budget.split(",")]
 
     from dflash_mlx import load
 
@@ -235,11 +243,14 @@ def main():
         run_on = prompts if measured else prompts[:1]  # the warm-up builds graphs; one prompt does
         round_rows = [timed("plain mlx-lm", [plain(model, p, args.max_tokens) for p in run_on])]
         for block in blocks:
-            for lookup in lookups:
+            for lookup, tree in itertools.product(lookups, trees):
                 stats: dict = {}
                 drafter = None if lookup == "alone" else draft
-                runs = [ours(model, drafter, tok, p, args.max_tokens, block, stats, setting[lookup]) for p in run_on]
+                runs = [
+                    ours(model, drafter, tok, p, args.max_tokens, block, stats, setting[lookup], tree) for p in run_on
+                ]
                 label = f"dflash-mlx {block}" + ("" if lookup == "off" else f" lookup {lookup}")
+                label += "" if tree is None else f" tree {tree}"
                 row = timed(label, runs)
                 row["acceptance_length"] = round(stats["tokens"] / max(stats["cycles"], 1), 3)
                 row["lookup_hits"] = stats["lookup_hits"]

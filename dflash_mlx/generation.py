@@ -110,22 +110,32 @@ def _lookup_setting(lookup, draft) -> LookupSetting | None:
     return LookupSetting(auto=lookup == "auto")
 
 
-def _tree(target, prompt_cache: PromptCache, tree_budget, block_size, trained: int) -> TreeParams | None:
-    """The trees a decode verifies (None: blocks): drafted from ``block_size``'s
-    blocks (else the trained block's); "auto" falls back to blocks where the
-    target cannot verify a tree over its caches."""
+def served_tree_budget(model, prompt_cache: PromptCache, tree_budget):
+    """``tree_budget`` if the target can verify draft trees over the prompt
+    cache's caches; else None for "auto" (blocks instead), a ValueError for a
+    number of rows."""
     if tree_budget is None:
         return None
-    tree = TreeParams(block_size if isinstance(block_size, int) else trained)
-    if tree.block_size >= 2 and target.takes_trees(prompt_cache.target):
-        target.prepare_trees()
-        return tree
+    target = adapt(model)
+    if target.takes_trees(prompt_cache.target):
+        return tree_budget
     if tree_budget == "auto":
         return None
     raise ValueError(
-        f"this {target.family} target cannot verify draft trees over its caches (quantized, bounded or split "
-        "KV caches, or a family without them); drop tree_budget (--tree-budget)."
+        f"this {target.family} target cannot verify draft trees over its KV caches (quantized or bounded KV "
+        'caches, a tensor split, or a family without trees); pass tree_budget "auto" (--tree-budget auto), '
+        "or leave it out."
     )
+
+
+def _tree(target, prompt_cache: PromptCache, tree_budget, block_size, trained: int) -> TreeParams | None:
+    """The trees a decode verifies (None: blocks), drafted from ``block_size``'s
+    blocks (else the trained block's)."""
+    tree = TreeParams(block_size if isinstance(block_size, int) else trained) if tree_budget is not None else None
+    if tree is None or tree.block_size < 2 or served_tree_budget(target, prompt_cache, tree_budget) is None:
+        return None
+    target.prepare_trees()
+    return tree
 
 
 def stream_generate(
@@ -206,7 +216,7 @@ def stream_generate(
     tree = _tree(target, prompt_cache, tree_budget, args.block_size, hi)
     auto = args.block_size == "auto" if tree is None else tree_budget == "auto"
     if tree is not None:
-        hi = tree_range(hi)[1] if auto else tree_budget
+        hi = tree.block_size  # the deepest node is a block deep
         block = block_memory.chooser(target, draft, *tree_range(tree.block_size)) if auto else tree_budget
     else:
         block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size

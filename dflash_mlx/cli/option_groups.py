@@ -159,20 +159,15 @@ def check_trees(tree_budget: int | str | None, target, draft, cache=None) -> int
     it; None: a plain one): ``tree_budget``, or None where auto turns to
     blocks (said in a note); a --tree-budget N the target cannot verify is refused."""
     from dflash_mlx import make_prompt_cache
-    from dflash_mlx.targets import adapt
+    from dflash_mlx.generation import served_tree_budget
 
-    if tree_budget is None:
-        return None
-    adapter = adapt(target)
-    if adapter.takes_trees((cache or make_prompt_cache(target, draft)).target):
-        return tree_budget
-    why = "over its KV caches (--kv-bits and --max-kv-size caches, or a family without trees)"
-    if tree_budget == "auto":
-        note(f"--tree-budget auto verifies blocks: this {adapter.family} target cannot verify draft trees {why}")
-        return None
-    raise UserError(
-        f"this {adapter.family} target cannot verify draft trees {why}; pass --tree-budget auto, or leave it out."
-    )
+    try:
+        served = served_tree_budget(target, cache or make_prompt_cache(target, draft), tree_budget)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if tree_budget == "auto" and served is None:
+        note("--tree-budget auto verifies blocks: this target cannot verify draft trees over its KV caches")
+    return served
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.arguments import check_lookup, check_tree_budget
 from dflash_mlx.cache.store import PrefixStore
-from dflash_mlx.targets import adapt
+from dflash_mlx.generation import served_tree_budget
 
 from .batch import BatchDecoder, can_batch
 from .cache_pool import PromptCachePool
@@ -134,7 +134,7 @@ class Service:
             )
 
         # settings this pair cannot use: a ValueError now, not on every request
-        tree_budget = served_trees(model, new_cache(), config.tree_budget)
+        tree_budget = served_tree_budget(model, new_cache(), config.tree_budget)
         self.store = None
         if config.prefix_cache_dir is not None:
             self.store = PrefixStore(
@@ -310,23 +310,6 @@ class Service:
             "prompt_caches": len(self.worker.decoder.pool),
             "stored_responses": len(self.responses),
         }
-
-
-def served_trees(model, cache, tree_budget) -> int | str | None:
-    """The trees requests are verified with over the pool's caches like
-    ``cache``: ``tree_budget``, or None where "auto" turns to blocks; a tree
-    budget of N rows that the target cannot verify is a ValueError."""
-    if tree_budget is None:
-        return None
-    target = adapt(model)
-    if target.takes_trees(cache.target):
-        return tree_budget
-    if tree_budget == "auto":
-        return None
-    raise ValueError(
-        f"this {target.family} target cannot verify draft trees over its KV caches (--kv-bits and "
-        "--max-kv-size caches, or a family without trees); pass --tree-budget auto, or leave it out."
-    )
 
 
 class StoredResponses:
