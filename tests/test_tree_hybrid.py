@@ -192,6 +192,9 @@ def test_an_unkept_tree_settles_at_its_root_and_refuses_another_write(model):
         delta = next(c for c in cache if isinstance(c, DeltaCache))
         with pytest.raises(RuntimeError, match="must be kept"):
             delta.forward(target.inner.layers[0].linear_attn, mx.zeros((1, 1, target.hidden_size)))
+        if not kept:
+            with pytest.raises(RuntimeError, match="cut after keep_path"):
+                delta.set_length(start + 2, len(prompt) + len(tokens))
         target.set_length(cache, n)
         want = model.make_cache()
         model(mx.array((prompt + tokens)[:n])[None], cache=want)

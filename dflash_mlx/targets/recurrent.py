@@ -22,7 +22,7 @@ kernel passed its check), and per-step where the recurrence runs as ops (the
 CPU), where a replay would run each step's ops again. Where replay is one
 launch, a machine measures it against per-step at each layer's shapes once
 (``measure_rollback``, when the target is prepared) and keeps per-step where
-replay was slower (kernels/decisions.py; trees follow the same decision).
+replay was slower (kernels/decisions.py; a block's and a tree's apart).
 Either leaves the state bit for bit as if the rejected tokens were never fed.
 
 A draft tree's verify (``tree`` set, kv/tree.py) runs each node from its
@@ -229,7 +229,7 @@ class Write:
         keep = self.conv_input.shape[1] - self.steps
         if isinstance(s, int):
             if s > self.cuttable:
-                raise ValueError(f"a draft tree's write keeps its root alone until its path is kept, not {s} steps")
+                raise RuntimeError(f"a draft tree's write keeps its root alone until its path is kept, not {s} steps")
             conv = self.conv_input[:, s : s + keep]
             if s == 0:
                 return conv, self.state0
@@ -241,7 +241,7 @@ class Write:
             _, state = recurrence(*(a[:, :s] for a in inputs), self.state0, use_kernel=self.use_kernel)
             return conv, state
         if self.parents is not None:
-            raise ValueError("a draft tree's write is cut after keep_path, which makes it its accepted path's")
+            raise RuntimeError("a draft tree's write is cut after keep_path, which makes it its accepted path's")
         conv = mx.take(self.conv_input, s + constant_arange(keep), axis=1)
         if self.states is not None:
             return conv, self._state_row(s)
