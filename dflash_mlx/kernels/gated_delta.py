@@ -153,8 +153,9 @@ def mlx_lm_kernel_runs(key_dim: int, use_kernel: bool = True) -> bool:
 
 
 def prepare(dtype, key_dim: int, value_dim: int) -> None:
-    """Check this backend's variant for (dtype, Dk) once, outside compiled
-    traces, so that ``recurrence`` may use it."""
+    """Check this backend's variant for (dtype, Dk), a write's and a tree's,
+    once, outside compiled traces, so that ``recurrence`` and
+    ``tree_recurrence`` may use it."""
     where = backend()
     if where == "cpu" or dtype not in DTYPES or key_dim not in KEY_DIMS:
         return
