@@ -7,6 +7,7 @@ README.md's Qwen3-8B rows.
     python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024,4096 --blocks 16 --cycles 48 [--cold]
     python benchmarks/cycle.py --shape qwen3-8b --quantize 4 --prompt-tokens 1024 --blocks 4,8,16 --cycles 32
     python benchmarks/cycle.py --shape builtin --prompt-tokens 256 --blocks 16 --cycles 64
+    python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024 --blocks 16,t16,t32 --cycles 32
     mlx.launch --backend nccl -n 2 python benchmarks/cycle.py --shape qwen3-8b --split pipeline --blocks 16
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
@@ -216,11 +217,13 @@ def sent_bytes(target, rows: int, taps: int) -> int:
     return round(rows * row + ring * (taps + 1) * rows * row)  # the hidden state on, then taps and output to all
 
 
-def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int) -> dict:
+def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int | str) -> dict:
+    """A cycle in the real loop; ``block`` "tN": draft trees of N rows."""
     from dflash_mlx import stream_generate
 
     marks, n = [], 0
-    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, block_size=block):
+    size = {"tree_budget": int(block[1:])} if isinstance(block, str) else {"block_size": block}
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, **size):
         marks.append(time.perf_counter())
         n = r.cycles
     gaps = sorted(b - a for a, b in zip(marks[1:], marks[2:]))
@@ -229,9 +232,15 @@ def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int) -> di
     return {"cycle_ms": 1000 * cycle_s, "mean_cycle_ms": 1000 * mean_s, "cycles": n}
 
 
-def synced_pieces(model, draft, prompt, block: int) -> dict:
-    """Verify and draft passes at this context, each built then evaluated alone."""
+def synced_pieces(model, draft, prompt, block: int | str) -> dict:
+    """Verify and draft passes at this context, each built then evaluated alone
+    (``block`` "tN": a tree of N rows, the drafter at its trained block)."""
+    from dflash_mlx.kv.tree import chain
+
     target, cache = prefilled(model, draft, prompt)
+    tree = chain(int(block[1:])) if isinstance(block, str) else None
+    rows = block if tree is None else tree.size
+    block = block if tree is None else draft.config.block_size
     taps = list(draft.config.target_layer_ids)
     mask = draft.config.mask_token_id
     out = {}
@@ -244,7 +253,9 @@ def synced_pieces(model, draft, prompt, block: int) -> dict:
                 c.set_length(length, len(prompt))
             tic = time.perf_counter()
             if name == "verify":
-                logits, hidden = target(mx.array([[1] * block]), cache.target, taps)
+                target.set_tree(cache.target, tree)  # a tree's mask and positions, or none
+                logits, hidden = target(mx.array([[1] * rows]), cache.target, taps)
+                target.set_tree(cache.target, None)
                 y = [logits, hidden]
             else:
                 y = [draft(mx.array([[1] + [mask] * (block - 1)]), None, cache.draft)]
@@ -269,7 +280,7 @@ def main():
     )
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
     ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
-    ap.add_argument("--blocks", default="16", help="comma-separated block sizes")
+    ap.add_argument("--blocks", default="16", help="comma-separated block sizes; tN: draft trees of N rows")
     ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
     ap.add_argument("--tau", type=float, default=6.5, help="acceptance length for the projected speedup")
     ap.add_argument("--cold", action="store_true", help="no warm-up: what a fresh process's first request pays")
@@ -291,7 +302,7 @@ def main():
     target = adapt(model)
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = [b if b.startswith("t") else int(b) for b in args.blocks.split(",")]
     rows = []
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         prompt = synthetic_prompt(vocab, P)
@@ -308,7 +319,7 @@ def main():
             row["projected_speedup"] = args.tau * step / row["cycle_ms"]
             if group is not None:
                 taps = len(draft.config.target_layer_ids)
-                row["cycle_sent_bytes"] = sent_bytes(target, block, taps)
+                row["cycle_sent_bytes"] = sent_bytes(target, int(str(block).lstrip("t")), taps)
                 row["plain_step_sent_bytes"] = sent_bytes(target, 1, 1)
             rows.append(row)
     record = {
