@@ -163,12 +163,12 @@ class DenseTarget:
             if i in order:
                 tapped[order[i]] = h
         if stages > 1:
-            h, tapped = self._share(h, tapped, last_only)
+            h, tapped = self.share(h, tapped, last_only)
         elif last_only:
             h = h[:, -1:]
         return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
 
-    def _share(self, h: mx.array, tapped: list, last_only: bool) -> tuple[mx.array, list]:
+    def share(self, h: mx.array, tapped: list, last_only: bool) -> tuple[mx.array, list]:
         """Pass ``h`` on to the next stage, and bring every tap and the last
         stage's output to every rank: one all-sum of a buffer each rank fills
         only where it ran the layer (adding zeros is exact)."""

@@ -143,7 +143,7 @@ class Gemma4Target(DenseTarget):
             if i in order:
                 tapped[order[i]] = h
         if stages > 1:
-            h, tapped = self._share(h, tapped, last_only)
+            h, tapped = self.share(h, tapped, last_only)
         elif last_only:
             h = h[:, -1:]
         return self.logits(inner.norm(h)), mx.concatenate(tapped, axis=-1)
