@@ -30,7 +30,19 @@ from dflash_mlx.kv.tree import chain, from_parents
 from dflash_mlx.targets import adapt
 
 VOCAB = 48
-TREE_FAMILIES = ["qwen3", "llama", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma4_text", "muse_glimmer", *LARGE]
+TREE_FAMILIES = [
+    "qwen3",
+    "llama",
+    "qwen3_moe",
+    "gpt_oss",
+    "gemma3_text",
+    "gemma4_text",
+    "muse_glimmer",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    *LARGE,
+]
 
 
 def paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:

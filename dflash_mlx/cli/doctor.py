@@ -147,11 +147,14 @@ def decided(line) -> None:
         dispatch.measure(dispatch.backend(), mx.bfloat16, 128, None)
     except Exception as e:  # doctor reports, it does not crash
         line("measuring", f"failed: {type(e).__name__}: {e}", "red")
+    from dflash_mlx.targets.recurrent import ROLLBACK_DECISION
+
     for d in store.all():
-        verdict = "kernel" if d.faster else "MLX's own"
+        ours, theirs = ("replay", "per-step") if d.kernel == ROLLBACK_DECISION else ("kernel", "MLX")
+        verdict = ours if d.faster else ("MLX's own" if theirs == "MLX" else theirs)
         line(
             f"{d.kernel} {d.case}",
-            f"kernel {d.ours * 1e3:.3f} ms, MLX {d.mlx * 1e3:.3f} ms: {verdict}",
+            f"{ours} {d.ours * 1e3:.3f} ms, {theirs} {d.mlx * 1e3:.3f} ms: {verdict}",
             "green" if d.faster else "",
         )
 

@@ -77,6 +77,7 @@ def prefill(
         mx.eval(logits, cache.arrays())
         cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
         cache.maybe_quantize()
+        mx.clear_cache()  # as mlx-lm's prefill: a chunk's scratch is not the next one's
         done += len(chunk)
         if progress is not None:
             progress(done, len(new))

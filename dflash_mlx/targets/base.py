@@ -26,6 +26,9 @@ class DenseTarget:
     # Whether every layer's forward is ours, rotating each row at its draft
     # tree depth (mlx-lm's own modules take one offset); make_blocks says.
     rotates_rows = False
+    # Whether the layers need boolean masks: a prompt chunk's may otherwise be
+    # "causal", which MLX's attention handles without materialising one.
+    array_masks = False
     # Only for families whose layers are mlx-lm's plain qwen3/llama blocks.
     fuse_projections = False
 
@@ -140,7 +143,9 @@ class DenseTarget:
     def masks(self, h: mx.array, cache: list) -> list:
         """Each layer's mask, made by its cache."""
         windows = [self.windows()[i] for i in self.here]
-        made = {w: create_attention_mask(h, cache[0], window_size=w, return_array=True) for w in set(windows)}
+        made = {
+            w: create_attention_mask(h, cache[0], window_size=w, return_array=self.array_masks) for w in set(windows)
+        }
         return [made[w] for w in windows]
 
     def __call__(

@@ -28,6 +28,7 @@ class DeepseekV3Target(DenseTarget):
     runs_a_stage = True  # its own layer forwards, over this rank's slice like the base class's
 
     rotates_rows = True
+    array_masks = True  # mla_attention selects with mx.where(mask, ...)
 
     def make_blocks(self) -> None:
         self.blocks = [mla_block(self.inner.layers[i]) for i in self.here]

@@ -120,7 +120,7 @@ class Gemma4Target(DenseTarget):
             t = self.types[i]
             if t not in made:
                 window = self.inner.window_size if t == "sliding_attention" else None
-                made[t] = create_attention_mask(h, c, window_size=window, return_array=True)
+                made[t] = create_attention_mask(h, c, window_size=window, return_array=False)
         return [made[self.types[i]] for i in self.here]
 
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):

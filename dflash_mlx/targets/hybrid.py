@@ -75,7 +75,7 @@ class HybridTarget(DenseTarget):
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)
 
     def masks(self, h, cache):
-        mask = create_attention_mask(h, cache[self.first_attention], return_array=True)
+        mask = create_attention_mask(h, cache[self.first_attention], return_array=False)
         return [None if linear else mask for linear in self.linear]
 
     def _layer(self, i, h, mask, c):
