@@ -83,6 +83,25 @@ def test_a_tree_keeps_the_first_choices_then_the_most_probable_prefixes():
             assert rows == min(budget, 1 + len(every))
 
 
+def test_a_looked_up_chain_joins_the_tree_first_where_it_was_found():
+    rng = random.Random(4)
+    for trial in range(30):
+        depth, vocab, k = rng.randrange(2, 6), 9, rng.randrange(1, 4)
+        logits = mx.random.normal((depth, vocab), key=mx.random.key(100 + trial)) * 2
+        chain_tokens = [rng.randrange(vocab) for _ in range(depth)]
+        for budget in (2, depth + 1, 2 * depth + 3):
+            rows = TreeParams(depth + 1, k).rows(budget)
+            plain, plain_layout = build_tree(logits, rows, k)
+            for hit in (False, True):
+                tokens, layout = build_tree(logits, rows, k, mx.array(chain_tokens), mx.array(hit))
+                got = paths(tokens.tolist(), layout.parents.tolist())
+                if not hit:  # nothing found: the drafter's tree
+                    assert set(got) == set(paths(plain.tolist(), plain_layout.parents.tolist()))
+                    continue
+                looked = [tuple(chain_tokens[:d]) for d in range(1, depth + 1)][: rows - 1]
+                assert set(looked) <= set(got), (trial, rows)
+
+
 def test_the_walk_keeps_the_deepest_path_the_target_agrees_with():
     rng = random.Random(1)
     for trial in range(200):

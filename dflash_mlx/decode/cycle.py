@@ -139,21 +139,23 @@ class Cycle:
         """Whether a cycle of ``size`` launched now would build new graphs."""
         return self._shape(size) not in self.traces.shapes
 
-    def trees_now(self) -> bool:
-        """Whether drafting cycles verify trees (not once the caches are quantized)."""
-        return self.tree is not None and self.target.takes_trees(self.caches.target)
+    def verifies_tree(self, size: int) -> bool:
+        """Whether a cycle of ``size`` verifies a tree: one of more rows than
+        the tree's block (one of fewer keeps the block's first choices: a
+        block), while the caches take trees (not once they are quantized)."""
+        tree = self.tree
+        return tree is not None and size > tree.block_size and self.target.takes_trees(self.caches.target)
 
     def block_of(self, size: int) -> int:
-        """The drafter's block in a cycle of ``size`` (a tree's rows, or a
-        block): the tree's, the size itself, or at most the tree's block
-        where trees stopped (the caches were quantized)."""
-        if size == 1 or self.tree is None:
-            return size
-        return self.tree.block_size if self.trees_now() else min(size, self.tree.block_size)
+        """The drafter's block in a cycle of ``size``: the tree's, or the size
+        itself (at most the tree's block: a tree's size may exceed it)."""
+        if self.verifies_tree(size):
+            return self.tree.block_size
+        return size if self.tree is None else min(size, self.tree.block_size)
 
     def rows(self, size: int) -> int:
         """The target rows a cycle of ``size`` verifies: its tree's nodes, or its block."""
-        return self.tree.rows(size) if size > 1 and self.trees_now() else self.block_of(size)
+        return self.tree.rows(size) if self.verifies_tree(size) else self.block_of(size)
 
     def _shape(self, size: int) -> tuple[int, int, int]:
         """(size, rows, the drafter's buffer width after its block): what its graphs are built for."""
@@ -237,7 +239,7 @@ class Cycle:
         drafts, q, key, k_draft = None, None, None, None
         looked_up, matched, hit = None, None, None
         tree = None
-        if block_size > 1 and self.trees_now():
+        if self.verifies_tree(size):
             block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
             guesses = self.draft(block, None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
@@ -343,7 +345,7 @@ class Cycle:
         history = self.history
         if history is not None:
             key += ("lookup", self.lookup, self.lookup_only)
-        if self.trees_now():
+        if self.verifies_tree(size):
             key += ("tree", self.rows(size), self.tree)
 
         def make():

@@ -70,49 +70,41 @@ def build_tree(logits: mx.array, rows: int, top_k: int, looked_up: mx.array | No
     order = mx.argsort(-values, axis=-1)  # best first: rank 0 is the first choice
     ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
     values = mx.take_along_axis(values, order, axis=-1)  # [D, k]
-    ranks = mx.tile(mx.arange(k, dtype=mx.int32), width)
 
-    # per slot of a depth: its rank, its path's log-probability, parent slot, token, kind
+    # Each depth keeps ``width`` slots (the root's depth: the root and padding):
+    # a rank, its path's log-probability, whether it is a first choice or looked up.
+    slot = mx.arange(width, dtype=mx.int32)
+    score = mx.where(slot == 0, 0.0, -mx.inf).astype(mx.float32)
+    first = slot == 0
+    looked = first if looked_up is not None else None
+    first_rank = mx.arange(k) == 0
     levels = []
-    rank, score = mx.array([FIRST_CHOICES]), mx.zeros((1,), mx.float32)
-    first, looked = mx.array([True]), mx.array([looked_up is not None])
     for d in range(depth_count):
-        n = score.shape[0]
         cand_score = (score[:, None] + values[d][None]).reshape(-1)
-        parent = mx.repeat(mx.arange(n, dtype=mx.int32), k)
-        token = mx.broadcast_to(ids[d][None], (n, k)).reshape(-1)
-        cand_first = mx.repeat(first, k) & (ranks[: n * k] == 0)
+        cand_first = (first[:, None] & first_rank[None]).reshape(-1)
         cand_rank = mx.where(cand_first, FIRST_CHOICES, cand_score)
-        cand_looked = mx.zeros(cand_rank.shape, mx.bool_)
-        if looked_up is not None:
-            on_chain = mx.argmax(looked).astype(mx.int32)  # the previous depth's looked-up slot
-            on = hit & looked[on_chain]
+        if looked_up is not None:  # one more candidate, first: the looked-up chain's next token
+            on_chain = mx.argmax(looked)
             token_d = looked_up[d : d + 1].astype(mx.int32)
-            cand_score = mx.concatenate([score[on_chain][None] + logprobs[d][token_d], cand_score])
-            cand_rank = mx.concatenate([mx.where(on, LOOKED_UP, -mx.inf)[None].astype(mx.float32), cand_rank])
-            parent = mx.concatenate([on_chain[None], parent])
-            token = mx.concatenate([token_d, token])
+            on = hit & looked[on_chain]
+            chain_rank = mx.where(on, LOOKED_UP, -mx.inf).astype(mx.float32)
+            chain_score = mx.where(on, score[on_chain] + logprobs[d][token_d], -mx.inf)  # -inf: no children
+            cand_score = mx.concatenate([chain_score.astype(mx.float32), cand_score])
+            cand_rank = mx.concatenate([chain_rank[None], cand_rank])
             cand_first = mx.concatenate([mx.array([False]), cand_first])
-            cand_looked = mx.concatenate([mx.array([True]), cand_looked])
-        # the depth's best ``width`` (fewer where there are fewer), padded to a fixed width
-        keep = mx.argsort(-cand_rank)[:width].astype(mx.int32)
-        pad = width - keep.shape[0]
-        rank, score, parent, token, first, looked = (
-            _padded(a[keep], pad, fill)
-            for a, fill in (
-                (cand_rank, -mx.inf),
-                (cand_score, -mx.inf),
-                (parent, 0),
-                (token, 0),
-                (cand_first, False),
-                (cand_looked, False),
-            )
-        )
-        levels.append((rank, parent, token))
+        keep = mx.argpartition(-cand_rank, width - 1)[:width].astype(mx.int32)
+        score, rank, first = cand_score[keep], cand_rank[keep], cand_first[keep]
+        drafted = keep - 1 if looked_up is not None else keep  # the index among the drafted candidates
+        parent = mx.where(drafted < 0, on_chain, drafted // k) if looked_up is not None else keep // k
+        token = ids[d][mx.maximum(drafted, 0) % k]
+        if looked_up is not None:
+            looked = drafted < 0
+            token = mx.where(looked, token_d, token)
+        levels.append((rank, parent.astype(mx.int32), token))
 
     # the best ``width`` prefixes of all depths, in depth order (parents first)
     ranked = mx.concatenate([r - DEPTH_PENALTY * (d + 1) for d, (r, _, _) in enumerate(levels)])
-    chosen = mx.sort(mx.argsort(-ranked)[:width]).astype(mx.int32)
+    chosen = mx.sort(mx.argpartition(-ranked, width - 1)[:width]).astype(mx.int32)
     node_of = mx.zeros((depth_count * width,), mx.int32).at[chosen].add(mx.arange(1, rows, dtype=mx.int32))
     level = chosen // width
     parent_flat = (level - 1) * width + mx.concatenate([p for _, p, _ in levels])[chosen]
@@ -120,10 +112,6 @@ def build_tree(logits: mx.array, rows: int, top_k: int, looked_up: mx.array | No
     node_parents = mx.concatenate([mx.zeros((1,), mx.int32), parent_node.astype(mx.int32)])
     node_tokens = mx.concatenate([mx.zeros((1,), mx.int32), mx.concatenate([t for _, _, t in levels])[chosen]])
     return node_tokens, from_parents(node_parents, depth_count)
-
-
-def _padded(a: mx.array, pad: int, fill) -> mx.array:
-    return a if pad == 0 else mx.concatenate([a, mx.full((pad,), fill, a.dtype)])
 
 
 def accepted_path(tokens: mx.array, layout: TreeLayout, target: mx.array, depth_count: int):
