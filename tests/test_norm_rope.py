@@ -21,9 +21,14 @@ from dflash_mlx.kernels.dispatch import TOLERANCE
 def kernel_arithmetic(q, k, q_weight, k_weight, *, eps, scale, base, offset):
     """What BODY computes, row by row: the norm in float32 rounded to the
     dtype, then the rotation of pair (i, i + D/2) by scale * position *
-    2^(-(i / (D/2)) * log2(base)), rounded again; [B, heads, L, D] out."""
+    2^(-(i / (D/2)) * log2(base)), rounded again, row l's position offset + l
+    or offset[l] (an array [L]); [B, heads, L, D] out."""
     dtype = q.dtype
-    start = int(np.array(offset).reshape(()))
+    L = q.shape[1]
+    if isinstance(offset, mx.array) and offset.size > 1:  # row l at offset[l]
+        rows = np.array(offset, dtype=np.float32)
+    else:
+        rows = int(np.array(offset).reshape(())) + np.arange(L, dtype=np.float32)
 
     def one(x, w):
         x = np.array(x.astype(mx.float32), dtype=np.float32)
@@ -32,7 +37,7 @@ def kernel_arithmetic(q, k, q_weight, k_weight, *, eps, scale, base, offset):
         inv = 1.0 / np.sqrt((x * x).sum(-1, keepdims=True) / np.float32(D) + np.float32(eps))
         y = np.array(mx.array(w * (x * inv)).astype(dtype).astype(mx.float32))
         half = D // 2
-        position = np.float32(scale) * (start + np.arange(x.shape[1], dtype=np.float32))
+        position = np.float32(scale) * rows
         theta = position[:, None] * np.exp2(-(np.arange(half, dtype=np.float32) / half) * np.float32(math.log2(base)))
         c, s = np.cos(theta)[None, :, None, :], np.sin(theta)[None, :, None, :]
         a, z = y[..., :half], y[..., half:]

@@ -7,7 +7,9 @@ Through MLX's ops that is six launches in a verify: a copy each of q and k
 through strides), the two norms and the two rotations. A cycle at real model
 sizes is bound by the host launching kernels, so this kernel does the six in
 one: a warp per (token, head) row of q or k, read through the views' strides,
-written as the [B, heads, L, D] arrays attention reads.
+written as the [B, heads, L, D] arrays attention reads. Row l is rotated at
+``offset + l``, or at ``offset[l]`` where offset is an array [L] (a draft
+tree's verify rotates each node at its depth past the committed length).
 
 Its arithmetic is MLX's: the norm in float32, rounded to the dtype (as the
 norm's output is), then the rotation in float32 at MLX's frequencies (pair i,
@@ -23,7 +25,8 @@ random cases in this process, checked outside any compiled trace
 variants, partial or traditional) and for variants that failed, the ops path
 runs.
 
-    q, k = norm_rope(q, k, q_norm, k_norm, rope, offset)   # q, k: [B, L, heads, D]
+    q, k = norm_rope(q, k, q_norm, k_norm, rope, offset)     # q, k: [B, L, heads, D]
+    q, k = norm_rope(q, k, q_norm, k_norm, rope, positions)  # positions: int32 [L]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .serving import passed as check_passed
 INPUTS = ["q", "k", "q_weight", "k_weight", "offset", "params"]
 OUTPUTS = ["q_out", "k_out"]
 WARPS = 4  # rows (warps) per threadgroup
-VERSION = 1  # of BODY and its inputs: a change must bump it
+VERSION = 2  # of BODY and its inputs: a change must bump it
 
 PRELUDE = {
     "metal": """
@@ -65,9 +68,11 @@ PRELUDE = {
 """,
 }
 
-# Template constants: T (dtype), D (head dim, a multiple of 64). params: eps,
-# the rotation's scale, log2 of its base. A warp per row; rows are the q rows
-# (b, l, h) then the k rows, and whole warps past the last row return.
+# Template constants: T (dtype), D (head dim, a multiple of 64), PER_ROW (offset
+# holds each row's position, [L], as a draft tree's verify rotates its nodes;
+# else one int, the first row's). params: eps, the rotation's scale, log2 of
+# its base. A warp per row; rows are the q rows (b, l, h) then the k rows, and
+# whole warps past the last row return.
 BODY = """
   constexpr int DL = D / 32;
   const int B = q_shape[0];
@@ -100,7 +105,7 @@ BODY = """
   for (int j = 0; j < DL; ++j) {
     x[j] = to_float(from_float<T>(to_float(w[lane + 32 * j]) * (x[j] * inv)));
   }
-  const float position = params[1] * float(offset[0] + l);
+  const float position = params[1] * float(PER_ROW ? offset[l] : offset[0] + l);
   for (int j = 0; j < DL / 2; ++j) {
     const int i = lane + 32 * j;
     const float theta = position * NR_EXP2(-(float(i) / float(D / 2)) * params[2]);
@@ -137,6 +142,7 @@ class NormRopeKernel:
     def __call__(self, q, k, q_weight, k_weight, *, eps: float, scale: float, base: float, offset):
         B, L, HQ, D = q.shape
         HK = k.shape[2]
+        each_row = per_row(offset, L)
         key = (eps, scale, base)
         params = self._params.get(key)
         if params is None:
@@ -145,7 +151,7 @@ class NormRopeKernel:
         group = WARPS * 32
         q_out, k_out = self.kernel(
             inputs=[q, k, q_weight, k_weight, _int1(offset), params],
-            template=[("T", q.dtype), ("D", D)],
+            template=[("T", q.dtype), ("D", D), ("PER_ROW", each_row)],
             grid=(-(-rows * 32 // group) * group, 1, 1),
             threadgroup=(group, 1, 1),
             output_shapes=[(B, HQ, L, D), (B, HK, L, D)],
@@ -163,12 +169,29 @@ def ops_norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
 
 
 def rotate(rope, x: mx.array, offset) -> mx.array:
-    """``rope`` over x [1, heads, L, D] at positions offset.. (an int or a
-    scalar array), or at ``offset[i]`` for row i (an array [L]: a tree's
-    depths). MLX's rope takes one offset per batch entry, so rows become them."""
-    if not isinstance(offset, mx.array) or offset.size == 1:
+    """``rope`` over x [B, heads, L, D] at positions offset.. (an int or a
+    scalar array), or at ``offset[i]`` for row i in every batch entry (an
+    array [L]: a tree's depths). MLX's rope takes one offset per leading
+    entry, so rows become them."""
+    B, H, L, D = x.shape
+    if not per_row(offset, L):
         return rope(x, offset=offset)
-    return rope(x.swapaxes(0, 2), offset=offset).swapaxes(0, 2)
+    if B == 1:
+        return rope(x.swapaxes(0, 2), offset=offset).swapaxes(0, 2)
+    rows = x.transpose(2, 0, 1, 3).reshape(L, B * H, 1, D)
+    return rope(rows, offset=offset).reshape(L, B, H, D).transpose(1, 2, 0, 3)
+
+
+def per_row(offset, rows: int) -> bool:
+    """Whether ``offset`` holds each of ``rows`` rows' own position (an array
+    [rows]) rather than the first row's (an int or a one-element array)."""
+    if not isinstance(offset, mx.array) or offset.size == 1:
+        return False
+    if offset.shape != (rows,):
+        raise ValueError(
+            f"Give RoPE one position a row, an array of shape ({rows},), or one offset, not shape {offset.shape}."
+        )
+    return True
 
 
 def plain_rope(rope, head_dim: int) -> bool:
@@ -212,11 +235,12 @@ def passed(dtype, head_dim: int) -> NormRopeKernel | None:
 
 def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
     """q, k [B, L, heads, D] (views are fine) -> normed, rotated [B, heads, L,
-    D] at positions offset.. (an int or an int32 array): the kernel where its
-    variant passed, else the ops path."""
+    D] at positions offset.. (an int or a scalar int32 array) or at offset[l]
+    for row l (an int32 array [L]: a draft tree's positions): the kernel
+    where its variant passed (its check covers both), else the ops path."""
     d = q.shape[-1]
-    per_row = isinstance(offset, mx.array) and offset.size > 1
-    kernel = passed(q.dtype, d) if plain_rope(rope, d) and not per_row and isinstance(q_norm, nn.RMSNorm) else None
+    per_row(offset, q.shape[1])  # (a wrong length is refused on either path)
+    kernel = passed(q.dtype, d) if plain_rope(rope, d) and isinstance(q_norm, nn.RMSNorm) else None
     if kernel is None or k.dtype != q.dtype or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype:
         return ops_norm_rope(q, k, q_norm, k_norm, rope, offset)
     return kernel(q, k, q_norm.weight, k_norm.weight, eps=q_norm.eps, scale=rope.scale, base=rope.base, offset=offset)
@@ -232,7 +256,8 @@ def norm_rope_keys(k, k_norm: nn.Module, rope, offset):
 
 def self_check(where: str, dtype, head_dim: int) -> CheckResult:
     """The kernel against the ops path on verify-like views (rows of a fused
-    q/k/v product, an array offset) and a drafter-like int offset."""
+    q/k/v product, an array offset), a draft tree's per-row positions and a
+    drafter-like int offset."""
 
     def outputs(kernel):
         for q, k, qn, kn, rope, offset in _check_cases(dtype, head_dim):
@@ -242,17 +267,33 @@ def self_check(where: str, dtype, head_dim: int) -> CheckResult:
     return compare_with_ops(where, dtype, head_dim, False, kernels=_kernels, builders=BUILDERS, outputs=outputs)
 
 
+# A draft tree's depths (parents 0 0 0 1 1 2 3 3 4 6 9 10): siblings share a position.
+TREE_DEPTHS = [0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 5, 6]
+
+
 def _check_cases(dtype, head_dim: int):
-    kx, kq, kk = mx.random.split(mx.random.key(head_dim + 7), 3)
-    hq, hk, n = 4, 2, 5
-    fused = mx.random.normal((1, n, (hq + 2 * hk) * head_dim), key=kx).astype(dtype)
-    k, _, q = mx.split(fused, [hk * head_dim, 2 * hk * head_dim], axis=-1)
-    q, k = q.reshape(1, n, hq, head_dim), k.reshape(1, n, hk, head_dim)
+    """A verify's views at an array offset and at a tree's positions (five
+    nodes and twelve: Metal passes fewer than eight in constant memory, more
+    in device memory), then a drafter's contiguous rows at an int offset."""
+    kq, kk, k5, k12 = mx.random.split(mx.random.key(head_dim + 7), 4)
     qn, kn = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-6)
     qn.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=kq)).astype(dtype)
     kn.weight = (1 + 0.3 * mx.random.normal((head_dim,), key=kk)).astype(dtype)
+    depths = mx.array(TREE_DEPTHS, mx.int32)
+    q, k = _fused_views(dtype, head_dim, 5, k5)
     yield q, k, qn, kn, nn.RoPE(head_dim, base=1_000_000.0), mx.array(4000, mx.int32)
+    yield q, k, qn, kn, nn.RoPE(head_dim, base=1_000_000.0), 4000 + depths[:5]
+    q12, k12 = _fused_views(dtype, head_dim, 12, k12)
+    yield q12, k12, qn, kn, nn.RoPE(head_dim, base=10_000.0, scale=0.5), 300 + depths
     yield mx.contiguous(q), mx.contiguous(k), qn, kn, nn.RoPE(head_dim, base=10_000.0, scale=0.5), 17
+
+
+def _fused_views(dtype, head_dim: int, rows: int, key):
+    """q [1, rows, 4, D] and k [1, rows, 2, D]: views into a fused k/v/q product."""
+    hq, hk = 4, 2
+    fused = mx.random.normal((1, rows, (hq + 2 * hk) * head_dim), key=key).astype(dtype)
+    k, _, q = mx.split(fused, [hk * head_dim, 2 * hk * head_dim], axis=-1)
+    return q.reshape(1, rows, hq, head_dim), k.reshape(1, rows, hk, head_dim)
 
 
 def self_check_all(report=None) -> list[CheckResult]:
