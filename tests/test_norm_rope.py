@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import test_kernels
 
 from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels import norm_rope as nr
@@ -245,3 +246,219 @@ def test_self_check_all_checks_every_dtype_and_head_dim_once(fake_gpu):
     calls = good.calls
     nr.self_check_all()
     assert good.calls == calls  # (checked once a process)
+
+
+# --- A draft tree's per-row positions --------------------------------------------------------------------------
+
+
+def llama3_rope(dims=64):
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    return initialize_rope(dims, 500_000.0, False, scaling, 131072)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("rope", [nn.RoPE(64, base=10_000.0), nn.RoPE(64, traditional=True), nn.RoPE(32), "llama3"])
+def test_the_ops_path_rotates_each_row_at_its_own_position(rope, batch):
+    rope = llama3_rope() if rope == "llama3" else rope
+    x = mx.random.normal((batch, 4, 12, 64), key=mx.random.key(3))
+    positions = 900 + mx.array(nr.TREE_DEPTHS, mx.int32)
+    one_by_one = [rope(x[:, :, i : i + 1], offset=int(positions[i])) for i in range(12)]
+    assert mx.allclose(nr.rotate(rope, x, positions), mx.concatenate(one_by_one, axis=2), atol=1e-5)
+    # a tree's norm + rotation: each row normed, then rotated alone at its position
+    q, k, qn, kn, _, _ = list(nr._check_cases(mx.float32, 64))[2]
+    got = nr.ops_norm_rope(q, k, qn, kn, rope, positions)
+    for g, x, norm in zip(got, (q, k), (qn, kn)):
+        for i in range(12):
+            row = rope(norm(x[:, i : i + 1]).transpose(0, 2, 1, 3), offset=int(positions[i]))
+            assert mx.allclose(g[:, :, i : i + 1], row, atol=1e-5), i
+
+
+def test_positions_of_the_wrong_length_are_one_sentence():
+    q, k, qn, kn, rope, _ = next(nr._check_cases(mx.float32, 64))  # 5 rows
+    for positions in (mx.array([3, 4, 4], mx.int32), mx.zeros((5, 1), mx.int32)):
+        for call in (
+            lambda: nr.norm_rope(q, k, qn, kn, rope, positions),
+            lambda: nr.rotate(rope, q.transpose(0, 2, 1, 3), positions),
+        ):
+            with pytest.raises(ValueError, match=r"one position a row, an array of shape \(5,\)") as e:
+                call()
+            msg = str(e.value)
+            assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_a_vector_of_positions_takes_the_kernel_only_where_checked(fake_gpu):
+    q, k, qn, kn, rope, _ = next(nr._check_cases(mx.float32, 64))
+    positions = 60 + mx.array(nr.TREE_DEPTHS[:5], mx.int32)
+    want = nr.ops_norm_rope(q, k, qn, kn, rope, positions)
+    good = Recorder(kernel_arithmetic)
+    fake_gpu(good)
+    nr.norm_rope(q, k, qn, kn, rope, positions)
+    assert good.calls == 0  # (not checked yet)
+    nr.prepare(mx.float32, 64)
+    calls = good.calls
+    got = nr.norm_rope(q, k, qn, kn, rope, positions)
+    assert good.calls == calls + 1
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+    nr.prepare(mx.float16, 64)
+    calls = good.calls
+    nr.norm_rope(q.astype(mx.bfloat16), k.astype(mx.bfloat16), qn, kn, rope, positions)
+    assert good.calls == calls  # (bfloat16's variant: not checked)
+
+
+def test_a_kernel_that_ignores_per_row_positions_fails_its_check(fake_gpu):
+    """Rows rotated at offset[0] + l: right for blocks, wrong for a tree, so the variant is never used."""
+
+    def as_a_block(q, k, qw, kw, *, offset, **kwargs):
+        start = offset[0] if isinstance(offset, mx.array) and offset.size > 1 else offset
+        return kernel_arithmetic(q, k, qw, kw, offset=start, **kwargs)
+
+    wrong = Recorder(as_a_block)
+    fake_gpu(wrong)
+    with pytest.warns(RuntimeWarning, match="failed its self-check"):
+        nr.prepare(mx.float32, 64)
+    q, k, qn, kn, rope, _ = next(nr._check_cases(mx.float32, 64))
+    calls = wrong.calls
+    for offset in (mx.array([7, 8, 8, 9, 9], mx.int32), 7):
+        got = nr.norm_rope(q, k, qn, kn, rope, offset)
+        for g, w in zip(got, nr.ops_norm_rope(q, k, qn, kn, rope, offset)):
+            assert mx.array_equal(g, w)
+    assert wrong.calls == calls
+
+
+def run_tree_layer(layer, h, start: int):
+    """A qwen3 layer's verify of a tree of h's rows after ``start`` zeros of context."""
+    from dflash_mlx.kv.buffer import BufferKVCache
+    from dflash_mlx.kv.tree import from_parents
+    from dflash_mlx.layers.fused import block
+
+    parents = mx.array([0, 0, 0, 1, 1, 2, 3, 3, 4, 6, 9, 10][: h.shape[1]], mx.int32)
+    cache = BufferKVCache()
+    cache.set_length(start)
+    cache.write(mx.zeros((1, 2, start, 64), h.dtype), mx.zeros((1, 2, start, 64), h.dtype), 0)
+    cache.set_length(mx.array(start, mx.int32), start)
+    cache.tree = from_parents(parents, 8)
+    assert mx.array_equal(cache.tree.depths, mx.array(nr.TREE_DEPTHS[: h.shape[1]]))
+    return block(layer)(h, cache.make_mask(h.shape[1]), cache)
+
+
+def test_a_qwen3_layers_tree_verify_runs_the_checked_kernel(fake_gpu):
+    layer = tiny_qwen3_layer()
+    h = mx.random.normal((1, 12, 128), key=mx.random.key(2))
+    want = run_tree_layer(layer, h, 40)  # (the CPU: the ops path)
+    good = Recorder(kernel_arithmetic)
+    fake_gpu(good)
+    nr.prepare(mx.float32, 64)
+    calls = good.calls
+    got = run_tree_layer(layer, h, 40)
+    assert good.calls == calls + 1
+    assert rel_err(got, want) < 1e-5
+
+
+# --- The Metal body, run on this CPU ---------------------------------------------------------------------------
+#
+# A variant's source as MLX builds it for a Mac, lowered and compiled by clang for this machine with
+# test_kernels.py's harness (a thread here for every thread of a threadgroup, simd_sum across its 32
+# lanes), plus the math functions the body calls; T = float.
+
+METAL_MATH = r"""
+namespace metal {
+namespace fast {
+template <typename T, typename U> T cos(T x) { return T(__builtin_cosf(float(x))); }
+template <typename T, typename U> T sin(T x) { return T(__builtin_sinf(float(x))); }
+}
+namespace precise {
+template <typename T, typename U> T rsqrt(T x) { return T(1.0f / __builtin_sqrtf(float(x))); }
+}
+}
+"""
+
+
+def run_metal_body(tmp_path, monkeypatch, rows: int, offset, plant=None):
+    """The float32 variant for ``rows`` rows of 4 query and 2 key heads, views
+    into a fused k/v/q product, at ``offset``; run from its Metal source."""
+    import ctypes
+
+    script = test_kernels.metal_script()
+    recorder = script.Recorder()
+    hq, hk, d = 4, 2, 64
+    width = (hq + 2 * hk) * d
+    fused = np.random.default_rng(rows).standard_normal((1, rows, width)).astype(np.float32)
+    weights = (1 + 0.3 * np.random.default_rng(1).standard_normal((2, d))).astype(np.float32)
+    k, _, q = mx.split(mx.array(fused), [hk * d, 2 * hk * d], axis=-1)
+    q, k = q.reshape(1, rows, hq, d), k.reshape(1, rows, hk, d)
+    qn, kn = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+    qn.weight, kn.weight = mx.array(weights[0]), mx.array(weights[1])
+    rope = nn.RoPE(d, base=10_000.0)
+    nr.NormRopeKernel("metal", factory=recorder.factory)(
+        q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset
+    )
+    ((name, variant),) = recorder.variants.items()
+    ((grid, group),) = variant.launches
+    src = variant.source
+    if plant is not None:
+        assert plant[0] in src
+        src = src.replace(plant[0], plant[1])
+    strides = np.array([rows * width, width, d, 1], np.int64)
+    base = fused.ctypes.data
+    arrays = {
+        "k": None,  # (at the fused product's first element: k's view)
+        "q": None,  # (2 * hk * d elements on)
+        "q_shape": np.array([1, rows, hq, d], np.int32),
+        "q_strides": strides,
+        "k_shape": np.array([1, rows, hk, d], np.int32),
+        "k_strides": strides,
+        "q_weight": weights[0],
+        "k_weight": weights[1],
+        "offset": np.array(offset, np.int32).reshape(-1),
+        "params": np.array([qn.eps, rope.scale, math.log2(rope.base)], np.float32),
+        "q_out": np.zeros((1, hq, rows, d), np.float32),
+        "k_out": np.zeros((1, hk, rows, d), np.float32),
+    }
+    names = list(arrays)
+    pointers = {"k": base, "q": base + 2 * hk * d * 4}
+    monkeypatch.setattr(test_kernels, "TREE_STUB", test_kernels.TREE_STUB + METAL_MATH)
+    monkeypatch.setitem(test_kernels.TREE_ATTRIBUTES, "thread_position_in_grid", f"uint3(x * {group[0]} + tid, 0u, 0u)")
+    lib = test_kernels.build_tree_pass(script, src, names, tmp_path)
+    bufs = (ctypes.c_void_p * len(names))(*[pointers.get(n) or arrays[n].ctypes.data for n in names])
+    lib.harness_run(bufs, grid[0] // group[0], grid[1], grid[2], group[0])
+    want = nr.ops_norm_rope(q, k, qn, kn, rope, offset)
+    return name, (arrays["q_out"], arrays["k_out"]), [np.array(w) for w in want]
+
+
+needs_clang = pytest.mark.skipif(test_kernels.metal_script().find_clang() is None, reason="no clang++ on PATH")
+
+
+@needs_clang
+@pytest.mark.parametrize(
+    "rows, offset, constant",
+    [
+        (5, 300 + mx.array(nr.TREE_DEPTHS[:5], mx.int32), True),  # a tree of 5: positions in constant memory
+        (12, 300 + mx.array(nr.TREE_DEPTHS, mx.int32), False),  # 12: device memory
+        (12, mx.array(300, mx.int32), True),  # a block
+    ],
+)
+def test_the_metal_body_run_on_the_cpu_is_the_ops_path(tmp_path, monkeypatch, rows, offset, constant):
+    name, got, want = run_metal_body(tmp_path, monkeypatch, rows, offset)
+    memory = "_int32_tc_" if constant else "_int32_t_"  # (MLX's name: T, D, PER_ROW, then each input)
+    assert f"__float_64_{int(offset.size > 1)}_" in name and memory + "floatc_float_float" in name, name
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < 1e-4 * np.abs(w).max(), np.abs(g - w).max()
+
+
+@needs_clang
+@pytest.mark.parametrize(
+    "plant",
+    [("offset[l]", "offset[0]"), ("PER_ROW ?", "false ?")],  # every node at the root's position; as a block
+)
+def test_a_metal_body_that_misreads_the_positions_differs_from_the_ops_path(tmp_path, monkeypatch, plant):
+    _, got, want = run_metal_body(tmp_path, monkeypatch, 12, 300 + mx.array(nr.TREE_DEPTHS, mx.int32), plant)
+    assert np.abs(got[0] - want[0]).max() > 1e-2 * np.abs(want[0]).max()
