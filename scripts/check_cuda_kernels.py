@@ -10,8 +10,9 @@ it, on a GPU. This script gets there sooner: it builds each kernel object
 KERNEL_MODULES, e.g. the quantized verify product) with a recording
 factory in place of ``mx.fast.cuda_kernel``, drives it through its own
 self-check cases on the CPU (every dtype, head dim, window, launch shape and
-bias its check covers; block attention's over a block and a draft tree), and compiles each variant it recorded, wrapped as
-MLX wraps a custom kernel (its parameters, shapes, strides and template
+bias its check covers; block attention's and the norm + RoPE's over a block
+and a draft tree), and compiles each variant it recorded, wrapped as MLX
+wraps a custom kernel (its parameters, shapes, strides and template
 constants; MLX's device header replaced by a small stand-in), for
 ``--arch``. A syntax or type error, a name a body uses but no header defines,
 shows here instead of as a failed self-check on the device. What it does not

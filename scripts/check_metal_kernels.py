@@ -11,9 +11,10 @@ its merge, the q/k norm + RoPE) with a recording factory in place of
 ``mx.fast.metal_kernel``, drives it over every launch decoding can ask of it
 (``record_all``: each dtype and head dim, every row count the dispatch table
 sends to the kernel, causal or not, windowed or not, sinks or not, one key
-chunk or many, a block or a draft tree, and the self-checks' own cases), and for each variant MLX
-would compile (its kernel name: template values, dtypes, which inputs go in
-the ``constant`` address space) rebuilds the source MLX would hand Apple's
+chunk or many, a block or a draft tree (the norm + RoPE at one offset or at
+each row's position), and the self-checks' own cases), and for each variant
+MLX would compile (its kernel name: template values, dtypes, which inputs go
+in the ``constant`` address space) rebuilds the source MLX would hand Apple's
 compiler (mlx/backend/common/metal_kernel.cpp's ``write_signature``) and
 compiles it with ``clang++ -fsyntax-only -std=c++17`` against
 scripts/metal_stub.h, a stand-in for Metal's headers with real address spaces
@@ -407,6 +408,12 @@ def record_all(
                 base=10_000.0,
                 offset=mx.array(7, mx.int32),
             )
+            # a draft tree's verify, each node at its own position (MLX passes fewer than 8 in constant memory)
+            for nodes in (2, TREE_NODES):
+                positions = 7 + mx.arange(nodes, dtype=mx.int32)
+                q, k = mx.zeros((1, nodes, 8, d), dtype), mx.zeros((1, nodes, 1, d), dtype)
+                weight = mx.ones((d,), dtype)
+                rope(q, k, weight, weight, eps=1e-6, scale=1.0, base=10_000.0, offset=positions)
             for heads in (1, 8):
                 for r in row_counts:
                     if r % heads:

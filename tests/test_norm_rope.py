@@ -462,3 +462,64 @@ def test_the_metal_body_run_on_the_cpu_is_the_ops_path(tmp_path, monkeypatch, ro
 def test_a_metal_body_that_misreads_the_positions_differs_from_the_ops_path(tmp_path, monkeypatch, plant):
     _, got, want = run_metal_body(tmp_path, monkeypatch, 12, 300 + mx.array(nr.TREE_DEPTHS, mx.int32), plant)
     assert np.abs(got[0] - want[0]).max() > 1e-2 * np.abs(want[0]).max()
+
+
+def load_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_the_kernel_checks_record_every_per_row_variant():
+    """Each dtype and head dim at one offset and at a tree's positions: on Metal the positions
+    in constant memory (fewer than 8) and in device memory, all of them in the self-check's cases."""
+    from dflash_mlx.kernels.ops import DTYPES, HEAD_DIMS
+
+    metal = load_script("check_metal_kernels")
+    recorder, checked = metal.Recorder(), metal.Recorder()
+    metal.record_all(recorder, modules=[])
+    metal.record_all(checked, decoding=False, modules=[])
+    names = {n for n in recorder.variants if "_norm_rope_" in n}
+    assert names == {n for n in checked.variants if "_norm_rope_" in n}
+    assert len(names) == len(DTYPES) * len(HEAD_DIMS) * 3
+    for d in HEAD_DIMS:
+        for per_row, memory in ((0, "int32_tc"), (1, "int32_tc"), (1, "int32_t")):
+            tag = f"_norm_rope_v{nr.VERSION}__bfloat16_t_{d}_{per_row}_"
+            assert any(tag in n and f"_{memory}_floatc_" in n for n in names), (d, per_row, memory)
+    cuda = load_script("check_cuda_kernels")
+    recorder = cuda.Recorder()
+    cuda.record_all(recorder, modules=[])
+    names = {n for n in recorder.variants if n.startswith("dflash_norm_rope_")}
+    assert names == {
+        f"dflash_norm_rope_v{nr.VERSION}_{str(t).split('.')[-1]}_{d}_{per_row}"
+        for t in DTYPES
+        for d in HEAD_DIMS
+        for per_row in (False, True)
+    }
+    assert "constexpr bool PER_ROW = true;" in recorder.variants[f"dflash_norm_rope_v{nr.VERSION}_bfloat16_128_True"]
+
+
+@needs_clang
+def test_the_per_row_metal_variants_compile(monkeypatch):
+    metal = load_script("check_metal_kernels")
+    recorder = metal.Recorder()
+    metal.record_all(recorder, dtypes=[mx.bfloat16], head_dims=[128], rows=[16], modules=[])
+    recorder.variants = {n: v for n, v in recorder.variants.items() if "_norm_rope_" in n}
+    compiler = metal.Compiler(metal.find_clang())
+    lines = []
+    try:
+        assert not metal.check_all(recorder, compiler, report=lines.append), "\n".join(lines)
+        # and a body that names the positions wrongly fails to compile, every variant
+        monkeypatch.setattr(nr, "BODY", nr.BODY.replace("offset[l]", "offsets[l]"))
+        recorder = metal.Recorder()
+        metal.record_all(recorder, dtypes=[mx.bfloat16], head_dims=[128], rows=[16], modules=[])
+        recorder.variants = {n: v for n, v in recorder.variants.items() if "_norm_rope_" in n}
+        failed = metal.check_all(recorder, compiler, report=lines.append)
+    finally:
+        compiler.close()
+    assert len(failed) == 3 and "use of undeclared identifier 'offsets'" in "\n".join(lines)
