@@ -288,7 +288,9 @@ def test_positions_of_the_wrong_length_are_one_sentence():
             lambda: nr.norm_rope(q, k, qn, kn, rope, positions),
             lambda: nr.rotate(rope, q.transpose(0, 2, 1, 3), positions),
         ):
-            with pytest.raises(ValueError, match=r"one position a row, an array of shape \(5,\)") as e:
+            with pytest.raises(
+                ValueError, match=r"one offset or one position a row \(an array of shape \(5,\)\), not shape"
+            ) as e:
                 call()
             msg = str(e.value)
             assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg

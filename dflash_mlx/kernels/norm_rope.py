@@ -173,9 +173,9 @@ def rotate(rope, x: mx.array, offset) -> mx.array:
     scalar array), or at ``offset[i]`` for row i in every batch entry (an
     array [L]: a tree's depths). MLX's rope takes one offset per leading
     entry, so rows become them."""
-    B, H, L, D = x.shape
-    if not per_row(offset, L):
+    if not per_row(offset, x.shape[-2]):
         return rope(x, offset=offset)
+    B, H, L, D = x.shape
     if B == 1:
         return rope(x.swapaxes(0, 2), offset=offset).swapaxes(0, 2)
     rows = x.transpose(2, 0, 1, 3).reshape(L, B * H, 1, D)
@@ -189,7 +189,7 @@ def per_row(offset, rows: int) -> bool:
         return False
     if offset.shape != (rows,):
         raise ValueError(
-            f"Give RoPE one position a row, an array of shape ({rows},), or one offset, not shape {offset.shape}."
+            f"RoPE takes one offset or one position a row (an array of shape ({rows},)), not shape {offset.shape}."
         )
     return True
 
