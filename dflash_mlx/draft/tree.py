@@ -37,7 +37,7 @@ class TreeParams:
     ``block_size`` (the deepest node is block_size - 1 deep)."""
 
     block_size: int
-    top_k: int = 4
+    top_k: int = 8
 
     def __post_init__(self):
         if self.block_size < 2 or self.top_k < 1:
