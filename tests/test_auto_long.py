@@ -105,6 +105,18 @@ def test_drafts_accepted_at_32k_keep_drafting_within_the_first_reply():
             assert sum(b > 1 for b in runs[1][0]) > 0.9 * len(runs[1][0]), (accept, seed)
 
 
+def test_a_size_probed_once_does_not_set_the_cost_line():
+    """Blocks 4 and 8 timed once in their probes, a little fast; block 16
+    timed every cycle since: the line at 16 is block 16's own time, not one
+    the two single probes pull down (which kept auto drafting at 16k, where
+    a block-16 cycle costs 1.09 plain steps)."""
+    c = BlockChooser(4, 16)
+    for b, t in [(4, 0.0120)] * 4 + [(8, 0.0120)] * 4 + [(16, 0.0128), (16, 0.0134)] * 18:
+        c.record(b, 0, t)
+    a, slope = c.cost()
+    assert abs(a + slope * 16 - c._median_times()[16]) < 0.003 * c._median_times()[16]
+
+
 def test_probes_first_then_plain_at_32k():
     c = BlockChooser(4, 16)
     used = replies(c, [32768], 0.0, cycles=24)[0][0]

@@ -239,19 +239,21 @@ class BlockChooser:
         return self._memo["cost"]
 
     def _fit(self) -> tuple[float, float]:
-        pts = [(b, mid, error) for b, (_, mid, error) in self._all_stats().items() if b > 1]
+        pts = [(b, mid, error, len(ts)) for b, (ts, mid, error) in self._all_stats().items() if b > 1]
         # sizes timed at this context only, where any is: another's times are no line
         pts = [p for p in pts if self.times[p[0]][-1][0] > self.stale_at] or pts
         if not pts:
             return 1.0, 0.0
         if len(pts) == 1:
             return pts[0][1], 0.0
-        n = len(pts)
-        mb = sum(b for b, _, _ in pts) / n
-        mt = sum(t for _, t, _ in pts) / n
-        var = sum((b - mb) ** 2 for b, _, _ in pts)
-        c = sum((b - mb) * (t - mt) for b, t, _ in pts) / var if var else 0.0
-        error = math.sqrt(sum(((b - mb) * se) ** 2 for b, _, se in pts)) / var if var else 0.0
+        # each size weighed by its times: a size probed once does not move
+        # the line as much as one timed every cycle
+        n = sum(w for *_, w in pts)
+        mb = sum(w * b for b, _, _, w in pts) / n
+        mt = sum(w * t for _, t, _, w in pts) / n
+        var = sum(w * (b - mb) ** 2 for b, _, _, w in pts)
+        c = sum(w * (b - mb) * (t - mt) for b, t, _, w in pts) / var if var else 0.0
+        error = math.sqrt(sum((w * (b - mb) * se) ** 2 for b, _, se, w in pts)) / var if var else 0.0
         c = max(0.0, c - self.SLOPE_DOUBT * error)
         a = max(mt - c * mb, 1e-9)
         return a, c
