@@ -141,9 +141,10 @@ def family_pair(family: str, block: int = 8):
 
 @pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_a_tree_verify_gives_each_node_its_paths_logits(family):
-    """Logits of every node of a random tree, verified after a prompt, equal
-    a plain run over the node's path; after keeping one path, decoding goes
-    on as over a cache that only ever saw it."""
+    """Logits and tapped states of every node of a random tree, verified
+    after a prompt longer than the sliding windows, equal a plain run over
+    the node's path; after keeping one path, decoding goes on as over a cache
+    that only ever saw it."""
     model, _ = family_pair(family)
     target = adapt(model)
     rng = random.Random(2)
@@ -158,13 +159,14 @@ def test_a_tree_verify_gives_each_node_its_paths_logits(family):
     target(mx.array(prompt[:-1])[None], cache, [0])
     start = len(prompt) - 1
     target.set_tree(cache, layout)
-    logits, _ = target(mx.array(nodes)[None], cache, [0])
+    logits, hidden = target(mx.array(nodes)[None], cache, [0, 1])
     target.set_tree(cache, None)
     for i in range(n):
         path = [nodes[j] for j in reversed(lineage(parents, i))]
         fresh = target.make_cache()
-        want, _ = target(mx.array(prompt[:-1] + path)[None], fresh, [0])
+        want, want_hidden = target(mx.array(prompt[:-1] + path)[None], fresh, [0, 1])
         assert mx.allclose(logits[0, i], want[0, -1], atol=2e-4, rtol=2e-4).item(), (family, i)
+        assert mx.allclose(hidden[0, i], want_hidden[0, -1], atol=2e-4, rtol=2e-4).item(), (family, i)
 
     deepest = max(range(n), key=lambda i: len(lineage(parents, i)))
     keep = list(reversed(lineage(parents, deepest)))
