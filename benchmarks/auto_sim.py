@@ -83,11 +83,11 @@ def h100_8b(b: int, context: int = 0) -> float:
     return (10.5 + 0.05 * k) / 1000 if b == 1 else (9.9 + 0.40 * k) / 1000
 
 
-def h100_8b_now(b: int, context: int = 0) -> float:
-    """Qwen3-8B shapes on an H100 as long_context.py measured them after the
-    attention kernels' work (random weights, MLX 0.32.4 CUDA): a plain step
-    11.8 ms, any block 11.4 + 0.0925 a 1k context: a block-16 cycle is 1.09
-    and 1.22 plain steps at 16k and 32k (measured: 1.09, 1.23)."""
+def h100_8b_measured(b: int, context: int = 0) -> float:
+    """Qwen3-8B shapes on an H100 as long_context.py measures them (random
+    weights, MLX 0.32.4 CUDA, a plain step mlx-lm's): a plain step 11.8 ms,
+    any block 11.4 + 0.0925 a 1k context: a block-16 cycle is 1.09 and 1.22
+    plain steps at 16k and 32k (measured: 1.09, 1.23)."""
     return 0.0118 if b == 1 else (11.4 + 0.0925 * context / 1024) / 1000
 
 
@@ -180,11 +180,11 @@ SCENARIOS = [
     Scenario(
         "H100 8B, 32k prompt, good acceptance", h100_8b, lambda i: 0.78, 0.002, 0.1, reply=64, prompt=lambda r: 32768
     ),
-    # long_context.py --repeat 1: a new chooser, a warm-up reply then one scored, times jittering
+    # as long_context.py --repeat 1 runs: a new chooser, a warm-up reply then one scored; times jitter
     *[
         Scenario(
-            f"H100 8B now, {k}k, nothing accepted, long_context",
-            h100_8b_now,
+            f"H100 8B measured, {k}k, nothing accepted, 2 rounds",
+            h100_8b_measured,
             lambda i: 0.0,
             0.002,
             0.05,
@@ -196,8 +196,8 @@ SCENARIOS = [
     ],
     *[
         Scenario(
-            f"H100 8B now, {k}k prompt, nothing accepted",
-            h100_8b_now,
+            f"H100 8B measured, {k}k, nothing accepted",
+            h100_8b_measured,
             lambda i: 0.0,
             0.002,
             0.05,
@@ -207,8 +207,8 @@ SCENARIOS = [
         for k in (16, 32)
     ],
     Scenario(
-        "H100 8B now, 32k prompt, accepted at 0.7",
-        h100_8b_now,
+        "H100 8B measured, 32k, accepted at 0.7",
+        h100_8b_measured,
         lambda i: 0.7,
         0.002,
         0.05,

@@ -28,8 +28,8 @@ def h100_8b(b: int, context: int) -> float:
     return (10.5 + 0.05 * k) / 1000 if b == 1 else (9.9 + 0.40 * k) / 1000
 
 
-def h100_8b_now(b: int, context: int) -> float:
-    """The same shapes as long_context.py measures them now: a block-16 cycle
+def h100_8b_measured(b: int, context: int) -> float:
+    """The same shapes as long_context.py measures them: a block-16 cycle
     costs 1.09 plain steps at 16k and 1.22 at 32k, so a drafter must have its
     first draft accepted about one cycle in six at 32k to pay."""
     return 0.0118 if b == 1 else (11.4 + 0.0925 * context / 1024) / 1000
@@ -87,7 +87,7 @@ def test_nothing_accepted_at_32k_runs_mostly_plain_within_the_first_reply():
     the faded counts held 32 cycles at most. Counted whole, the first drafts
     none of which was accepted show within the first reply that no block pays."""
     for seed in range(3):
-        first, second = replies(BlockChooser(4, 16), [32768] * 2, 0.0, seed=seed, seconds=h100_8b_now)
+        first, second = replies(BlockChooser(4, 16), [32768] * 2, 0.0, seed=seed, seconds=h100_8b_measured)
         assert first[0].count(1) > 32, (seed, first[0])
         assert first[0][-16:] == [1] * 16, seed
         assert second[0].count(1) > 0.85 * len(second[0]), seed
@@ -99,7 +99,7 @@ def test_drafts_accepted_at_32k_keep_drafting_within_the_first_reply():
     n = BlockChooser.PROBE_RUN
     for accept in (0.3, 0.7):
         for seed in range(3):
-            runs = replies(BlockChooser(4, 16), [32768] * 2, accept, seed=seed, seconds=h100_8b_now)
+            runs = replies(BlockChooser(4, 16), [32768] * 2, accept, seed=seed, seconds=h100_8b_measured)
             first = runs[0][0][4 * n :]
             assert sum(b > 1 for b in first) > 0.9 * len(first), (accept, seed, first)
             assert sum(b > 1 for b in runs[1][0]) > 0.9 * len(runs[1][0]), (accept, seed)

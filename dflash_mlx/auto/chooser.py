@@ -8,9 +8,9 @@ expected tokens per second:
 
 r_i the faded acceptance rate of draft i given drafts 1..i-1 were accepted
 (prior 1/2), and a, c a least-squares fit to recent cycle times at this
-context (a cycle's cost grows with it), the slope taken down by its standard
-error. Plain steps win once they clearly do, or at once where no block could
-pay even at a hopeful acceptance. The sizes not chosen are explored in short
+context (a cycle's cost grows with it), each size weighed by its times, the
+slope taken down by its standard error. Plain steps win once they clearly do,
+or at once where no block could pay even at a hopeful acceptance. The sizes not chosen are explored in short
 runs while what exploring loses stays within EXPLORE_SHARE of the decoding
 time. The block never changes the output (sampling.py).
 """
