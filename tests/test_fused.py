@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.tuner.lora import LoRALinear
 from tiny import greedy_reference, make_target, target_config
 
-from dflash_mlx.layers.fused import projections
+from dflash_mlx.layers import fused as fused_layers
+from dflash_mlx.layers.fused import MOST_FUSED_ROWS, projections
 from dflash_mlx.targets import adapt
 
 VOCAB = 40
@@ -45,6 +46,34 @@ def test_fused_forward_equals_mlx_lm_layers(family, bits):
     for got, ref in ((logits, want), (hidden, want_h), (logits2, want2), (hidden2, want_h2)):
         assert got.shape == ref.shape
         assert mx.array_equal(got, ref).item()  # the same arithmetic per output element
+
+
+def test_a_prompt_chunk_runs_the_layers_own_projections(monkeypatch):
+    """Fused products serve a verify's rows; a prompt chunk's many rows run
+    mlx-lm's own modules (views of the fused weights), with its logits."""
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=2, hidden=128), seed=4)
+    target = adapt(model)
+    fused_rows = []
+    for name in ("apply_linear", "apply_linear_swiglu"):
+        real = getattr(fused_layers, name)
+
+        def spy(module, x, *args, real=real, **kw):
+            fused_rows.append(x.size // x.shape[-1])
+            return real(module, x, *args, **kw)
+
+        monkeypatch.setattr(fused_layers, name, spy)
+    tokens = mx.array([[(7 * i) % VOCAB for i in range(MOST_FUSED_ROWS + 90)]])
+    cache = target.make_cache()
+    chunk = target(tokens[:, :-16], cache, [0, 1])
+    assert fused_rows == []
+    block = target(tokens[:, -16:], cache, [0, 1])
+    assert fused_rows and set(fused_rows) == {16}
+    plain = adapt(model)
+    plain.blocks = list(plain.inner.layers)
+    pcache = plain.make_cache()
+    want = plain(tokens[:, :-16], pcache, [0, 1]), plain(tokens[:, -16:], pcache, [0, 1])
+    for got, ref in zip((*chunk, *block), (*want[0], *want[1])):
+        assert mx.array_equal(got, ref).item()
 
 
 def test_fused_forward_without_a_cache_equals_mlx_lm_layers():

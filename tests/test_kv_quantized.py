@@ -276,3 +276,30 @@ def test_a_start_reached_after_the_first_turn_matches_mlx_lm_reusing_its_cache(q
         assert run(qpair, conversation, cache, 12, bs) == want, turn
         conversation += want
         new = [rng.randrange(VOCAB - 1) for _ in range(following)]
+
+
+def test_a_reused_cache_reads_only_its_filled_positions(qpair):
+    """A cache grown for a long prompt, cut back for a short one: a prompt
+    chunk reads its filled keys under MLX's causal mask, a verify block up to
+    the bound, never the capacity, as BufferKVCache's reads."""
+    cache = QuantizedBufferKVCache(group_size=32, bits=4)
+    kv = mx.ones((1, 2, 1000, 32))
+    cache.update_and_fetch(kv, kv)
+    cache.set_length(40)
+    kv = mx.ones((1, 2, 7, 32))
+    assert cache.make_mask(7) == "causal"
+    keys, values = cache.update_and_fetch(kv, kv)
+    assert all(a.shape[2] == 47 for a in (*keys, *values)) and cache.capacity == 1024
+    cache.set_length(mx.array(47, mx.int32), 50)
+    mask = cache.make_mask(4)
+    keys, _ = cache.update_and_fetch(mx.ones((1, 2, 4, 32)), mx.ones((1, 2, 4, 32)))
+    assert mask.shape == (4, 54) and keys[0].shape[2] == 54
+
+
+def test_a_short_prompt_after_a_long_one_matches_mlx_lm(qpair):
+    model, _ = qpair
+    cache = make_prompt_cache(model, qpair[1], kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    run(qpair, [i % (VOCAB - 1) for i in range(900)], cache, 2, 4)
+    short = [(7 * i) % (VOCAB - 1) for i in range(50)]
+    assert run(qpair, short, cache, 12, 6) == reference(model, short, 12, 4, 32, 0)
+    assert cache.target[0].capacity > 900

@@ -36,6 +36,10 @@ class QuantizedBufferKVCache(DeviceLengthCache):
         q.offset, q.bound, q.floor = cache.offset, cache.bound, cache.floor
         return q
 
+    # Attention reads what a BufferKVCache's would: up to the bound, not the
+    # whole capacity, which a reused cache grew for an earlier, longer prompt.
+    read_width = BufferKVCache.read_width
+
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys[0].shape[2]
@@ -54,7 +58,8 @@ class QuantizedBufferKVCache(DeviceLengthCache):
         self.keys, self.values = grown(self.keys, like), grown(self.values, like_v)
 
     def write(self, keys: mx.array, values: mx.array, start) -> tuple[tuple, tuple]:
-        """Quantize keys/values [B, H, n, d] and store them at start..start+n-1."""
+        """Quantize keys/values [B, H, n, d] and store them at start..start+n-1;
+        returns the buffers as attention reads them (``read_width`` positions)."""
         n = keys.shape[2]
         qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
@@ -67,7 +72,10 @@ class QuantizedBufferKVCache(DeviceLengthCache):
             at = self.positions(start, n)
             self.keys = tuple(put_positions(a, b, at) for a, b in zip(self.keys, qk))
             self.values = tuple(put_positions(a, b, at) for a, b in zip(self.values, qv))
-        return self.keys, self.values
+        width = self.read_width(n)
+        if width == self.capacity:
+            return self.keys, self.values
+        return tuple(a[..., :width, :] for a in self.keys), tuple(a[..., :width, :] for a in self.values)
 
     @property
     def state(self) -> tuple:

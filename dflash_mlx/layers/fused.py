@@ -1,7 +1,10 @@
 """Dense decoder layers with fused projections: q, k and v as one product,
 gate and up as another, with the same arithmetic per output element (a
 verify's cycle is bound by its launches). mlx-lm's projections become views
-of the fused weights, so memory does not grow and mlx-lm still runs them."""
+of the fused weights, so memory does not grow and mlx-lm still runs them.
+A prompt chunk (more rows than any verify's) runs them: one launch more a
+product costs it nothing, and its fused outputs, split and copied, would
+raise its peak above mlx-lm's."""
 
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from mlx_lm.models import llama, qwen3
 from .blocks import dense_block, own_projections
 from .linear import apply_linear, apply_linear_swiglu, prepare_products
 
+# The most rows fused products serve: a verify's block or draft tree (at most
+# arguments.MAX_TREE_BUDGET rows); longer inputs run the layer's own modules.
+MOST_FUSED_ROWS = 64
+
 # Layers whose attention and MLP are qwen3's (projection names and forward);
 # a drafter's layer says so itself with ``fusable_projections``.
 FUSABLE_BLOCKS = (qwen3.TransformerBlock, llama.TransformerBlock)
@@ -27,22 +34,38 @@ class FusedProjections:
     kvq_splits: list[int]  # where v and q start in kvq's output
     kv: nn.Module  # the first rows of kvq (a view): keys and values alone, for the drafter's context
     gate_up: nn.Module  # gate's rows, then up's (as many)
+    own: tuple  # the layer's q, k and v modules (views of kvq), for more than MOST_FUSED_ROWS rows
 
     def qkv(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        """The q, k and v projections of ``norm(x)`` from one product."""
+        """The q, k and v projections of ``norm(x)``, from one product up to MOST_FUSED_ROWS rows."""
+        if not fused_rows(x):
+            x = x if norm is None else norm(x)
+            return tuple(m(x) for m in self.own)
         k, v, q = mx.split(apply_linear(self.kvq, x, norm=norm), self.kvq_splits, axis=-1)
         return q, k, v
 
     def keys_values(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
-        """The k and v projections of ``norm(x)`` alone, from one product."""
+        """The k and v projections of ``norm(x)`` alone, from one product up to MOST_FUSED_ROWS rows."""
+        if not fused_rows(x):
+            x = x if norm is None else norm(x)
+            return self.own[1](x), self.own[2](x)
         k, v = mx.split(apply_linear(self.kv, x, norm=norm), self.kvq_splits[:1], axis=-1)
         return k, v
 
     def mlp(
         self, mlp: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
     ) -> mx.array:
-        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)`` (plus ``residual``), gate and up in one product."""
+        """mlx-lm's SwiGLU MLP ``mlp`` on ``norm(x)`` (plus ``residual``), gate
+        and up in one product up to MOST_FUSED_ROWS rows."""
+        if not fused_rows(x):
+            y = mlp(x if norm is None else norm(x))
+            return y if residual is None else residual + y
         return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x, norm), residual)
+
+
+def fused_rows(x: mx.array) -> bool:
+    """Whether ``x``'s rows go through the fused products."""
+    return x.size // x.shape[-1] <= MOST_FUSED_ROWS
 
 
 # id(layer) -> (the layer, what was made, what it was made from)
@@ -111,7 +134,8 @@ def projections(layer: nn.Module) -> FusedProjections | None:
         if gate_up is not None:
             # (a quantized weight packs along its columns: rows are still outputs)
             nk, nv = attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]
-            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up)
+            own = (attn.q_proj, attn.k_proj, attn.v_proj)
+            made = FusedProjections(kvq, [nk, nk + nv], first_rows(kvq, nk + nv), gate_up, own)
             # the fused shapes are new ones: check and time their verify products too
             norm = getattr(layer, "input_layernorm", None)
             if norm is not None:
