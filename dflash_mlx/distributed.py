@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -247,3 +250,74 @@ def agreed_chooser(chooser, group: mx.distributed.Group):
             return int(picked.item())
 
     return AgreedChooser()
+
+
+class AgreedStop:
+    """Ctrl-C on some ranks of ``group``, or a generation closed there, stops
+    every rank after the same cycle. Inside the token loop (``run``) it only
+    ``request``s the stop; each cycle launched carries ``flag()``, the ranks'
+    sum of their requests, and every rank ends the loop at the first cycle it
+    reads with the flag set. Every rank then has run the same exchanges."""
+
+    def __init__(self, group: mx.distributed.Group):
+        self.group = group
+        self.requested = False
+        self.interrupt: KeyboardInterrupt | None = None  # raised once the loop has stopped
+
+    def request(self, interrupt: KeyboardInterrupt | None = None) -> None:
+        self.requested = True
+        self.interrupt = self.interrupt or interrupt
+
+    def flag(self) -> mx.array:
+        """Queue, on the current stream, the exchange of every rank's request
+        as it stands now (nonzero: some rank asked to stop)."""
+        flag = mx.distributed.all_sum(mx.array(int(self.requested), mx.int32), group=self.group)
+        mx.async_eval(flag)
+        return flag
+
+    def _defer(self):
+        """Make Ctrl-C's handler request the stop instead of raising; return
+        the handler it replaced (None: left alone, off the main thread or
+        where Python's handler is not set)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        old = signal.getsignal(signal.SIGINT)
+        if not callable(old):
+            return None
+
+        def handler(signum, frame):
+            try:
+                old(signum, frame)
+            except KeyboardInterrupt as e:
+                self.request(e)
+
+        signal.signal(signal.SIGINT, handler)
+        return old
+
+    def run(self, steps: Iterator) -> Iterator:
+        """``steps`` (the token loop, whose cycles carry ``flag()``) until a
+        stop is requested: by Ctrl-C while it runs, by closing this generator
+        or throwing KeyboardInterrupt into it. Then the loop runs on unseen
+        to the flagged cycle, and a caught KeyboardInterrupt is raised."""
+        # A KeyboardInterrupt raised mid-cycle would leave this rank's
+        # exchanges unlike the others', so only the consumer sees the old handler.
+        old = self._defer()
+        try:
+            for step in steps:
+                if self.requested:
+                    continue
+                try:
+                    if old is not None:
+                        signal.signal(signal.SIGINT, old)
+                    yield step
+                except GeneratorExit:
+                    self.request()
+                except KeyboardInterrupt as e:
+                    self.request(e)
+                finally:
+                    old = self._defer()
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        if self.interrupt is not None:
+            raise self.interrupt

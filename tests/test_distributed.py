@@ -125,8 +125,100 @@ def chooser_main(out: str) -> None:
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps({"agreed": picks, "own": own}))
 
 
+REPLY = 40  # long enough that an interrupt after a few tokens lands mid-reply
+
+
+def interrupts_main(target: str, draft: str, split: str, out: str) -> None:
+    """Rank 1 alone stops a reply, in each way a script can: Ctrl-C in its
+    loop over the replies, a ``break``, Ctrl-C while the token loop runs a
+    cycle, Ctrl-C during the prefill. After each, every rank generates the
+    same prompt again through the same cache."""
+    import signal
+
+    from dflash_mlx import make_prompt_cache, stream_generate
+    from dflash_mlx.auto.chooser import BlockChooser
+    from dflash_mlx.decode.loop import decode
+    from dflash_mlx.decode.sampling import SamplingParams
+    from dflash_mlx.loading import load
+    from dflash_mlx.targets import adapt
+
+    group = mx.distributed.init()
+    stops = group.rank() == 1
+    model, drafter, tokenizer = load(target, draft, group=group, split=split, dtype="float32")
+
+    def press() -> None:
+        signal.raise_signal(signal.SIGINT)  # as Ctrl-C: Python's handler raises KeyboardInterrupt
+
+    class PressingChooser(BlockChooser):
+        """Blocks of 3; Ctrl-C on the stopping rank at the third choice, inside the loop."""
+
+        choices = 0
+
+        def choose(self, would_build=None) -> int:
+            self.choices += 1
+            if stops and self.choices == 3:
+                press()
+            return 3
+
+    def replies(how: str, cache):
+        if how == "in a cycle":
+            return decode(
+                adapt(model),
+                drafter,
+                cache,
+                PROMPT,
+                max_tokens=REPLY,
+                sampling=SamplingParams(),
+                seed=0,
+                block=PressingChooser(2, 3),
+                eos=set(),
+            )
+        progress = (lambda done, total: press() if stops and done == 2 else None) if how == "in the prefill" else None
+        return stream_generate(
+            model,
+            drafter,
+            tokenizer,
+            PROMPT,
+            max_tokens=REPLY,
+            block_size=3,
+            prompt_cache=cache,
+            prefill_step_size=2,
+            prompt_progress=progress,
+        )
+
+    results = {}
+    for how in ("in its loop", "by break", "in a cycle", "in the prefill"):
+        cache, seen, interrupted = make_prompt_cache(model, drafter), [], False
+        try:
+            for response in replies(how, cache):
+                seen += response.tokens
+                if stops and len(seen) >= 4 and how == "in its loop":
+                    press()
+                if stops and len(seen) >= 4 and how == "by break":
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+        kept, consistent = list(cache.tokens), cache.consistent()
+        again = [
+            t
+            for r in stream_generate(
+                model, drafter, tokenizer, PROMPT, max_tokens=REPLY, block_size=3, prompt_cache=cache
+            )
+            for t in r.tokens
+        ]
+        results[how] = {
+            "seen": seen,
+            "interrupted": interrupted,
+            "kept": kept,
+            "consistent": consistent,
+            "again": again,
+        }
+    (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
-    {"runs": rank_main, "files": files_main, "chooser": chooser_main}[sys.argv[1]](*sys.argv[2:])
+    modes = {"runs": rank_main, "files": files_main, "chooser": chooser_main, "interrupts": interrupts_main}
+    modes[sys.argv[1]](*sys.argv[2:])
     sys.exit(0)
 
 
@@ -358,9 +450,8 @@ def test_prompt_cache_files_per_rank(tmp_path):
 
 
 def test_interrupt_on_rank_zero_ends_every_rank(tmp_path):
-    """Ctrl-C on rank 0 of `generate`: it says so and stops, and the launcher
-    ends the other ranks, blocked in their next exchange (nothing hangs, no
-    prompt cache outlives it)."""
+    """Ctrl-C on rank 0 of `generate`: every rank stops after the same cycle,
+    rank 0 says so with its statistics and exits 130, nothing hangs."""
     import signal
     import time
 
@@ -385,6 +476,35 @@ def test_interrupt_on_rank_zero_ends_every_rank(tmp_path):
     assert stderr.count("interrupted") == 1 and "generated" in stderr
     assert "rank 0 exited with code 130" in stderr
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("family, split", [("qwen3_moe", "pipeline"), ("qwen3", "tensor")])
+def test_interrupt_on_one_rank_stops_every_rank_after_one_cycle(tmp_path, family, split):
+    """Rank 1 alone interrupts a reply or leaves it: every rank stops after
+    the same cycle, holds the same tokens (the target's, including the last
+    cycle's, which no rank yields) with its prompt cache exact, and the next
+    generation through that cache pairs its exchanges and equals one process's."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.loading import load
+
+    target, draft, model = write_pair(tmp_path, family, 4)
+    alone, drafter, tokenizer = load(target, draft, dtype="float32")
+    full = [
+        t for r in stream_generate(alone, drafter, tokenizer, PROMPT, max_tokens=REPLY, block_size=3) for t in r.tokens
+    ]
+    assert full == greedy_reference(model, PROMPT, REPLY)
+    first, second = launch(2, target, [draft], split, tmp_path / "out", mode="interrupts")
+    for how, zero in first.items():
+        one = second[how]
+        assert zero["interrupted"] is False and one["interrupted"] is (how != "by break"), how
+        assert zero["kept"] == one["kept"], f"{how}: the ranks hold different tokens"
+        reply = zero["kept"][len(PROMPT) :]
+        assert zero["kept"] == PROMPT + full[: len(reply)], how
+        assert len(zero["seen"]) <= len(reply) < REPLY - 1, f"{how}: rank 0 went on past the agreed cycle"
+        assert zero["seen"] == full[: len(zero["seen"])] and one["seen"] == full[: len(one["seen"])], how
+        for rank in (zero, one):
+            assert rank["consistent"], how
+            assert rank["again"] == full, how
 
 
 def test_prompt_cache_file_refused_across_ranks(tmp_path):

@@ -2,7 +2,9 @@
 
 Cycle n+1 is queued from cycle n's device state before the host reads cycle
 n's tokens, so the host learns each cycle's tokens one cycle late; a cycle
-queued past the end is dropped.
+queued past the end is dropped. Across ranks every cycle also carries the
+ranks' agreement to stop (distributed.AgreedStop), so an interrupt on some
+ranks ends every rank's loop after the same cycle.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from mlx_lm.generate import generation_stream
 
 from ..auto.chooser import BlockChooser
 from ..cache.prompt import PromptCache
+from ..distributed import AgreedStop
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupGate, LookupParams
 from ..draft.tree import TreeParams
@@ -106,14 +109,18 @@ def decode(
     context catches up (deferred plain steps) when the generator ends.
     ``logprobs``: None, or k to fill each Step's log-probs and top k;
     ``lookup``: None (off; a lookup-only drafter looks up anyway) or how;
-    ``tree``: None (blocks) or the draft trees whose rows ``block`` gives."""
+    ``tree``: None (blocks) or the draft trees whose rows ``block`` gives.
+    Across ranks, Ctrl-C or closing the generator on any rank ends every
+    rank's loop after the same cycle, whose tokens are kept but not yielded."""
     owner = object()
     cache.claim(owner)
     try:
         params = lookup.params if lookup is not None else None
         cycle = Cycle(target, draft, cache, sampling, seed, logprobs, lookup=params, tree=tree)
         gate = LookupGate() if lookup is not None and lookup.auto and not cycle.lookup_only else None
-        yield from _settled(
+        group = getattr(target, "group", None)
+        agreed = AgreedStop(group) if group is not None else None
+        steps = _settled(
             cycle,
             ids,
             owner=owner,
@@ -123,7 +130,9 @@ def decode(
             step=prefill_step_size,
             progress=progress,
             gate=gate,
+            agreed=agreed,
         )
+        yield from steps if agreed is None else agreed.run(steps)
     finally:
         cache.release(owner)
 
@@ -138,16 +147,19 @@ def _settled(cycle: Cycle, ids: list[int], **loop):
                 cycle.feed_deferred(len(cache.tokens))
 
 
-def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress, gate):
+def _cycles(
+    cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress, gate, agreed
+):
     target, draft, cache = cycle.target, cycle.draft, cycle.caches
     chooser = block if isinstance(block, BlockChooser) else None
 
-    def launch(bs: int, last, length, bound: int, exact: bool) -> Flight:
+    def launch(bs: int, last, length, bound: int, exact: bool) -> tuple[Flight, mx.array | None]:
+        """The cycle queued, and with a group, the ranks' flag to stop after it."""
         tic = time.perf_counter()
         with mx.stream(generation_stream):
             flight = cycle.launch(bs, last, length, bound, exact)
-        flight.launch_seconds = time.perf_counter() - tic
-        return flight
+            flight.launch_seconds = time.perf_counter() - tic
+            return flight, None if agreed is None else agreed.flag()
 
     def choose() -> int:
         return chooser.choose(cycle.would_build) if chooser is not None else block
@@ -166,7 +178,7 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         yield Step([first], None, 1, "stop" if first in eos else "length", *first_scores)
         return
     cycle.start_lookup(ids + [first])
-    flight = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
+    flight, flag = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
     yield Step([first], None, 1, None, *first_scores)
     cache.check_owner(owner)
     last_host = first
@@ -180,6 +192,8 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
             if cache.may_queue(bound, bs):  # not across the start of KV quantization
                 following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
         tic = time.perf_counter()
+        if flag is not None:
+            mx.eval(flight.result, flag)
         values = flight.result.tolist()
         if chooser is not None:
             # A cycle's cost is its launch plus the wait for its result, not
@@ -206,6 +220,8 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         cache.tokens.extend(new[:-1])
         last_host = new[-1]
         n += len(new)
+        if flag is not None and flag.item():
+            return  # on every rank alike; the cycle queued after it is dropped
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
         scores = _scores(flight.logprobs, flight.top_ids, len(new))
         yield Step(
@@ -216,6 +232,6 @@ def _cycles(cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos:
         cache.check_owner(owner)
         if following is None:
             following = launch(cache.block_from_here(bs), flight.last, flight.length, len(cache.tokens), exact=True)
-        flight = following
+        flight, flag = following
         if n // 256 != (n - len(new)) // 256:
             mx.clear_cache()
