@@ -198,6 +198,8 @@ def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
         "auto_plain_steps": chooser.reply_plain,
         "auto_drafting_cycles": chooser.reply_drafting,
         "auto_reason": chooser.reason,
+        # the chooser's own median cycle times by block (1: its plain step), ms
+        "auto_times_ms": {b: round(1000 * t, 2) for b, t in chooser._median_times().items()},
     }
 
 
@@ -294,6 +296,7 @@ def main():
     for P in lengths:
         r = side_by_side(model, draft, P, args.max_tokens, args.repeat)
         did = f"{r['auto_plain_steps']} plain steps, {r['auto_drafting_cycles']} drafting cycles; {r['auto_reason']}"
+        did += f"; its times ms {r['auto_times_ms']}"
         print(
             f"{P:>8} {r['plain']:>12.1f} {r['block']:>12.1f} {r['auto']:>11.1f} "
             f"{r['block'] / r['plain']:>11.2f}x {r['auto'] / r['plain']:>10.2f}x  {did}",
