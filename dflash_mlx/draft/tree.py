@@ -71,46 +71,53 @@ def build_tree(logits: mx.array, rows: int, top_k: int, looked_up: mx.array | No
     ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
     values = mx.take_along_axis(values, order, axis=-1)  # [D, k]
 
-    # Each depth keeps ``width`` slots (the root's depth: the root and padding):
-    # a rank, its path's log-probability, whether it is a first choice or looked up.
+    # Each depth keeps ``width`` slots (the root's depth: the root and padding),
+    # each its path's log-probability and whether it is a first choice; the
+    # looked-up candidate, where there is one, is a depth's candidate 0.
+    extra = 1 if looked_up is not None else 0
     slot = mx.arange(width, dtype=mx.int32)
     score = mx.where(slot == 0, 0.0, -mx.inf).astype(mx.float32)
-    first = slot == 0
-    looked = first if looked_up is not None else None
+    first, looked = slot == 0, slot == 0
     first_rank = mx.arange(k) == 0
-    levels = []
+    kept, ranks, chains = [], [], []
     for d in range(depth_count):
-        cand_score = (score[:, None] + values[d][None]).reshape(-1)
+        cand_score = (score[:, None] + values[d : d + 1]).reshape(-1)
         cand_first = (first[:, None] & first_rank[None]).reshape(-1)
         cand_rank = mx.where(cand_first, FIRST_CHOICES, cand_score)
-        if looked_up is not None:  # one more candidate, first: the looked-up chain's next token
-            on_chain = mx.argmax(looked)
-            token_d = looked_up[d : d + 1].astype(mx.int32)
+        if extra:
+            on_chain = mx.argmax(looked)  # the previous depth's looked-up slot
             on = hit & looked[on_chain]
-            chain_rank = mx.where(on, LOOKED_UP, -mx.inf).astype(mx.float32)
-            chain_score = mx.where(on, score[on_chain] + logprobs[d][token_d], -mx.inf)  # -inf: no children
-            cand_score = mx.concatenate([chain_score.astype(mx.float32), cand_score])
-            cand_rank = mx.concatenate([chain_rank[None], cand_rank])
+            gain = logprobs[d][looked_up[d]]
+            chain_score = mx.where(on, score[on_chain] + gain, -mx.inf).astype(mx.float32)  # -inf: no children
+            cand_score = mx.concatenate([chain_score[None], cand_score])
+            cand_rank = mx.concatenate([mx.where(on, LOOKED_UP, -mx.inf).astype(mx.float32)[None], cand_rank])
             cand_first = mx.concatenate([mx.array([False]), cand_first])
+            chains.append(on_chain)
         keep = mx.argpartition(-cand_rank, width - 1)[:width].astype(mx.int32)
-        score, rank, first = cand_score[keep], cand_rank[keep], cand_first[keep]
-        drafted = keep - 1 if looked_up is not None else keep  # the index among the drafted candidates
-        parent = mx.where(drafted < 0, on_chain, drafted // k) if looked_up is not None else keep // k
-        token = ids[d][mx.maximum(drafted, 0) % k]
-        if looked_up is not None:
-            looked = drafted < 0
-            token = mx.where(looked, token_d, token)
-        levels.append((rank, parent.astype(mx.int32), token))
+        score, first = cand_score[keep], cand_first[keep]
+        if extra:
+            looked = keep == 0
+        kept.append(keep)
+        ranks.append(cand_rank[keep])
+
+    # each slot's parent slot and token, for every depth at once
+    kept = mx.stack(kept)  # [D, width]
+    drafted = kept - extra  # the index among the drafted candidates (-1: looked up)
+    parents = mx.maximum(drafted, 0) // k
+    tokens = mx.take_along_axis(ids, mx.maximum(drafted, 0) % k, axis=1)
+    if extra:
+        parents = mx.where(drafted < 0, mx.stack(chains)[:, None].astype(mx.int32), parents)
+        tokens = mx.where(drafted < 0, looked_up[:, None].astype(mx.int32), tokens)
 
     # the best ``width`` prefixes of all depths, in depth order (parents first)
-    ranked = mx.concatenate([r - DEPTH_PENALTY * (d + 1) for d, (r, _, _) in enumerate(levels)])
-    chosen = mx.sort(mx.argpartition(-ranked, width - 1)[:width]).astype(mx.int32)
+    depth_rank = mx.stack(ranks) - DEPTH_PENALTY * mx.arange(1, depth_count + 1)[:, None]
+    chosen = mx.sort(mx.argpartition(-depth_rank.reshape(-1), width - 1)[:width]).astype(mx.int32)
     node_of = mx.zeros((depth_count * width,), mx.int32).at[chosen].add(mx.arange(1, rows, dtype=mx.int32))
     level = chosen // width
-    parent_flat = (level - 1) * width + mx.concatenate([p for _, p, _ in levels])[chosen]
+    parent_flat = (level - 1) * width + parents.reshape(-1)[chosen]
     parent_node = mx.where(level == 0, 0, node_of[mx.maximum(parent_flat, 0)])
     node_parents = mx.concatenate([mx.zeros((1,), mx.int32), parent_node.astype(mx.int32)])
-    node_tokens = mx.concatenate([mx.zeros((1,), mx.int32), mx.concatenate([t for _, _, t in levels])[chosen]])
+    node_tokens = mx.concatenate([mx.zeros((1,), mx.int32), tokens.reshape(-1)[chosen]])
     return node_tokens, from_parents(node_parents, depth_count)
 
 

@@ -57,15 +57,16 @@ def chain(n: int) -> TreeLayout:
 
 def from_parents(parents: mx.array, max_depth: int) -> TreeLayout:
     """A layout from each node's parent [N] (parents before children, the
-    root its own parent), for trees at most ``max_depth`` deep."""
+    root its own parent), for trees at most ``max_depth`` deep: who reaches
+    whom in one hop, squared until every ancestor is in reach."""
     n = parents.shape[0]
     nodes = mx.arange(n, dtype=mx.int32)
-    up, lineage = nodes, [nodes]
-    for _ in range(max_depth):
-        up = parents[up]
-        lineage.append(up)
-    lineage = mx.stack(lineage, axis=1)  # [N, max_depth + 1]: each node, its parent, ...
-    ancestors = (lineage[:, :, None] == nodes[None, None]).any(axis=1)
+    reach = ((parents[:, None] == nodes[None]) | (nodes[:, None] == nodes[None])).astype(mx.float32)
+    hops = 1
+    while hops < max_depth:
+        reach = mx.minimum(reach @ reach, 1.0)  # counts of at most n: exact in float32
+        hops *= 2
+    ancestors = reach > 0
     depths = ancestors.astype(mx.int32).sum(axis=1) - 1
     return TreeLayout(parents.astype(mx.int32), depths, ancestors)
 
