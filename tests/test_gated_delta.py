@@ -243,13 +243,15 @@ def test_a_trees_nodes_are_plain_runs_over_their_paths(dtype):
     g, beta = compute_g(A_log, a, dt_bias), mx.sigmoid(b)
     state = 0.1 * mx.random.normal((1, 4, 16, 32), key=mx.random.key(7))
     parents = [0, 0, 1, 1, 3, 0, 5, 2, 7, 7, 4]
-    y, states = gated_delta.tree_recurrence(q, k, v, g, beta, state, mx.array(parents, mx.int32))
+    y, states = gated_delta.tree_recurrence(q, k, v, g, beta, state, parents=mx.array(parents, mx.int32))
     assert states.shape == (12, 1, 4, 16, 32) and same(states[0], state)
     for i in range(len(parents)):
         path = mx.array(path_to(parents, i))
         y_path, want = recurrence(*(mx.take(x, path, axis=1) for x in (q, k, v, g, beta)), state)
         assert same(y[:, i], y_path[:, -1]) and same(states[i + 1], want), i
-    y_read, none = gated_delta.tree_recurrence(q, k, v, g, beta, state, mx.array(parents, mx.int32), keep_all=False)
+    y_read, none = gated_delta.tree_recurrence(
+        q, k, v, g, beta, state, parents=mx.array(parents, mx.int32), keep_all=False
+    )
     assert none is None and same(y_read, y)
 
 

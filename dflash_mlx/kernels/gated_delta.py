@@ -39,7 +39,7 @@ and is never used: its callers run mlx-lm's path (``recurrence``).
 
     y, state = recurrence(q, k, v, g, beta, state)             # [B, T, Hv, Dv], [B, Hv, Dv, Dk]
     _, kept = recurrence(q, k, v, g, beta, state, steps=s)     # the state after s steps (s: int32 [1])
-    y, states = tree_recurrence(q, k, v, g, beta, state, parents)  # states [T + 1, B, Hv, Dv, Dk]
+    y, states = tree_recurrence(q, k, v, g, beta, state, parents=parents)  # states [T + 1, B, Hv, Dv, Dk]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class GatedDeltaKernel:
             **launch(q, v),
         )
 
-    def tree(self, q, k, v, g, beta, state, parents: mx.array, *, keep_all: bool = True):
+    def tree(self, q, k, v, g, beta, state, *, parents: mx.array, keep_all: bool = True):
         """A draft tree's T nodes, each from its parent's state (``parents``
         [T] int32): (y [B, T, Hv, Dv], states [T + 1, ...]: the state before,
         then each node's after its step; where not ``keep_all``, only the
@@ -211,7 +211,7 @@ def recurrence(q, k, v, g, beta, state, *, steps: mx.array | None = None, use_ke
     return gated_delta_ops(q, k, v, g, beta, state, mask)
 
 
-def tree_recurrence(q, k, v, g, beta, state, parents: mx.array, *, keep_all: bool = True, use_kernel: bool = True):
+def tree_recurrence(q, k, v, g, beta, state, *, parents: mx.array, keep_all: bool = True, use_kernel: bool = True):
     """The recurrence over a draft tree's T nodes in node order, each from its
     parent's state after the parent's step (``parents`` [T] int32, the root
     its own parent; never read by the host): y [B, T, Hv, Dv] and, where
@@ -221,7 +221,7 @@ def tree_recurrence(q, k, v, g, beta, state, parents: mx.array, *, keep_all: boo
     node is one ``recurrence`` step from its parent's state."""
     kernel = kernel_for(q, v, g, beta, state, use_kernel)
     if kernel is not None:
-        y, states = kernel.tree(q, k, v, g, beta, state, parents, keep_all=keep_all)
+        y, states = kernel.tree(q, k, v, g, beta, state, parents=parents, keep_all=keep_all)
         return y, states if keep_all else None
     after, ys = [], []
     for t in range(q.shape[1]):
@@ -323,8 +323,8 @@ def tree_difference(kernel: GatedDeltaKernel, inputs: tuple) -> str | None:
     parent's state bit for bit, keeping every state or only those read again."""
     q, k, v, g, beta, state = inputs
     parents = check_parents(q.shape[1])
-    y, states = kernel.tree(q, k, v, g, beta, state, parents)
-    y_read, _ = kernel.tree(q, k, v, g, beta, state, parents, keep_all=False)
+    y, states = kernel.tree(q, k, v, g, beta, state, parents=parents)
+    y_read, _ = kernel.tree(q, k, v, g, beta, state, parents=parents, keep_all=False)
     if not (_bitwise(states[0], state) and _bitwise(y_read, y)):
         return "a tree keeping only the states it reads again differs from one keeping all"
     for t, parent in enumerate(parents.tolist()):
@@ -362,4 +362,4 @@ def record_variants(factory, backend_name: str) -> None:
                 kernel(q, k, v, g, beta, state)
                 kernel(q, k, v, g, beta, state, steps=mx.array([1], mx.int32))
                 for keep_all in (True, False):
-                    kernel.tree(q, k, v, g, beta, state, check_parents(q.shape[1]), keep_all=keep_all)
+                    kernel.tree(q, k, v, g, beta, state, parents=check_parents(q.shape[1]), keep_all=keep_all)

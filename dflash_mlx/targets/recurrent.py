@@ -124,11 +124,11 @@ def measure_rollback(layer: nn.Module, dtype) -> None:
     cut = mx.minimum(s, path.shape[0])
 
     def tree_replay():
-        y, _ = tree_recurrence(*inputs, parents, keep_all=False)
+        y, _ = tree_recurrence(*inputs, parents=parents, keep_all=False)
         return y, recurrence(*(mx.take(a, path, axis=1) for a in inputs[:5]), state, steps=cut)[1]
 
     def tree_per_step():
-        y, states = tree_recurrence(*inputs, parents)
+        y, states = tree_recurrence(*inputs, parents=parents)
         return y, mx.take(states, mx.take(path, cut - 1) + 1, axis=0)
 
     store.decide(ROLLBACK_DECISION, block, replay, per_step)
@@ -324,7 +324,7 @@ class DeltaCache:
         per_step = rollback == "per-step" and T <= self.per_step_longest
         if tree is not None:
             out, states = tree_recurrence(
-                q, k, v, g, beta, state0, tree.parents, keep_all=per_step, use_kernel=use_kernel
+                q, k, v, g, beta, state0, parents=tree.parents, keep_all=per_step, use_kernel=use_kernel
             )
         elif per_step:
             out, states, state = per_step_update(q, k, v, g, beta, state0, use_kernel=use_kernel)
