@@ -52,7 +52,7 @@ In the session: /help, /reset, /stats, /think, /save FILE, /quit; a line ending 
 HELP = """\
 /help    this list
 /reset   forget the conversation (and free its caches)
-/stats   acceptance by block position for this session, as a chart
+/stats   acceptance by block position (a tree's depth) for this session, as a chart
 /think   turn the template's thinking section on or off
 /save F  write the conversation to the file F (JSON); chat --resume F continues it
 /quit    leave (Ctrl-D too); Ctrl-C stops a reply and keeps the session
@@ -290,7 +290,7 @@ def stats_chart(s: SessionStats, width: int = 30) -> Text:
         f"acceptance length {s.committed / s.cycles:.2f}\n",
         style="bold",
     )
-    out.append("draft accepted, by block position (share of cycles)\n", style="dim")
+    out.append("draft accepted, by block position or tree depth (share of cycles)\n", style="dim")
     for i, c in enumerate(s.by_position):
         frac = c / s.cycles
         filled = round(frac * width)
