@@ -76,6 +76,8 @@ def prefill(
     done = 0
     for chunk in cache.chunks(new, step):
         logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
+        # the target's graph first: the extend's scratch would add to its attention's peak
+        mx.eval(logits, hidden, [a for c in cache.target for a in c.state if a is not None])
         draft.extend(hidden, cache.draft)
         mx.eval(logits, cache.arrays())
         cache.tokens.extend(chunk)  # only now: an interrupt above leaves the chunk out
