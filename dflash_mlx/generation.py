@@ -132,7 +132,7 @@ def _tree(target, prompt_cache: PromptCache, tree_budget, block_size, trained: i
     """The trees a decode verifies (None: blocks), drafted from ``block_size``'s
     blocks (else the trained block's)."""
     tree = TreeParams(block_size if isinstance(block_size, int) else trained) if tree_budget is not None else None
-    if tree is None or tree.block_size < 2 or served_tree_budget(target, prompt_cache, tree_budget) is None:
+    if tree is None or served_tree_budget(target, prompt_cache, tree_budget) is None:
         return None
     target.prepare_trees()
     return tree

@@ -240,8 +240,7 @@ class Cycle:
         looked_up, matched, hit = None, None, None
         tree = None
         if self.verifies_tree(size):
-            block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
-            guesses = self.draft(block, None, draft_cache, self.draft_fused).squeeze(0)
+            guesses = self.draft(self._masked(last, block_size), None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
                 looked_up, matched, hit = self._look_up(length, block_size - 1)
             nodes, tree = build_tree(guesses, self.rows(size), self.tree.top_k, looked_up, hit)
@@ -251,7 +250,7 @@ class Cycle:
                 drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)
                 matched = hit = n > 0
             else:
-                block = mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
+                block = self._masked(last, block_size)
                 if self.selects:
                     if self.temperature > 0:
                         key, k_draft = mx.random.split(position_key(seed, length))
@@ -313,6 +312,10 @@ class Cycle:
                     other = mx.minimum(agreeing(mx.where(hit, drafted, looked_up), tokens), accepted + 1)
                 looked = mx.stack([matched.astype(mx.int32), hit.astype(mx.int32), other.astype(mx.int32)])
         return result, tokens[accepted][None], new_length, hidden if defer else None, scores, looked
+
+    def _masked(self, last: mx.array, block_size: int) -> mx.array:
+        """The drafter's block [1, block_size]: the last committed token, then masks."""
+        return mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
 
     def _look_up(self, length: mx.array, n: int):
         """(the looked-up continuation [n], whether a long enough match was

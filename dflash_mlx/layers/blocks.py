@@ -88,3 +88,9 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
         return mlp(h, layer.post_attention_layernorm)
 
     return forward
+
+
+def own_block(layer: nn.Module, window: int | None = None) -> Callable:
+    """``dense_block`` of a qwen3/llama-shaped layer through its own modules:
+    its three projections and its MLP."""
+    return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 
-from .blocks import dense_block, own_projections
+from .blocks import dense_block, own_block
 from .linear import apply_linear, apply_linear_swiglu, prepare_products
 
 # The most rows fused products serve: a verify's block or draft tree (at most
@@ -170,6 +170,6 @@ def block(layer: nn.Module, window: int | None = None) -> Callable:
     if fused is None:
         if type(layer) not in FUSABLE_BLOCKS:
             return layer
-        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
+        return own_block(layer, window)
 
     return dense_block(layer, fused.qkv, lambda h, norm: fused.mlp(layer.mlp, h, h, norm), window)

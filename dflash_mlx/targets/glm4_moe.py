@@ -2,7 +2,7 @@
 (per-head q/k norms, RoPE over part of each head, biased projections) and
 routed experts after the first dense layers."""
 
-from ..layers.blocks import dense_block, own_projections
+from ..layers.blocks import own_block
 from .base import DenseTarget
 
 
@@ -10,4 +10,4 @@ class Glm4MoeTarget(DenseTarget):
     family = "glm4_moe"
 
     def layer_block(self, layer, window):
-        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
+        return own_block(layer, window)

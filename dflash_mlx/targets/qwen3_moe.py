@@ -1,7 +1,7 @@
 """Qwen3 MoE: mlx-lm's ``qwen3_moe`` models. Routing is per token, so a verify
 block routes each position as a decode step would."""
 
-from ..layers.blocks import dense_block, own_projections
+from ..layers.blocks import own_block
 from .base import DenseTarget
 
 
@@ -9,4 +9,4 @@ class Qwen3MoeTarget(DenseTarget):
     family = "qwen3_moe"
 
     def layer_block(self, layer, window):
-        return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
+        return own_block(layer, window)
