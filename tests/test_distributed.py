@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -513,6 +514,7 @@ def test_prompt_cache_file_refused_across_ranks(tmp_path):
     command = shutil.which("dflash-mlx") or str(Path(sys.executable).parent / "dflash-mlx")
     args = ["--model", "builtin", "--prompt", "hi", "--prompt-cache-file", str(tmp_path / "c.safetensors")]
     done = subprocess.run([*launcher(2), command, "generate", *args], capture_output=True, text=True, timeout=120)
-    assert "rank 0 exited with code 1" in done.stderr  # (mlx.launch itself exits 0)
+    # whichever rank refuses first ends the launch; the other may be stopped before it refuses
+    assert re.search(r"rank [01] exited with code 1 ", done.stderr), done.stderr  # (mlx.launch exits 0)
     assert done.stderr.count("--prompt-cache-file cannot be used across ranks yet") == 1
     assert "Traceback" not in done.stderr
