@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from test_quantized_products import ATTRIBUTE_VALUES, CLANG_F16, check_metal_script
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 from tiny import (
     draft_config,
     greedy_reference,
@@ -406,96 +406,8 @@ def test_every_variant_is_recorded_for_the_check_scripts():
 
 # --- The Metal source itself, run on this CPU --------------------------------------------------------------
 #
-# What a Mac would compile (the variant's source as MLX builds it, lowered as
-# scripts/check_metal_kernels.py lowers it) is compiled by clang for this machine, every
-# thread of a threadgroup a thread here (simd_shuffle_down exchanging within its 32
-# lanes, threadgroup_barrier across the threadgroup), and run over the launch's grid;
-# its rows must equal, bit for bit, a plain transcription of MLX's Metal GEMVKernel
-# (the order it claims). half arithmetic rounds each operation, as an Apple GPU's does.
-
-HARNESS_DRIVER = r"""
-#include <barrier>
-#include <memory>
-#include <thread>
-#include <vector>
-extern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
-static thread_local unsigned t_sg, t_lane;
-static float slots[64][32];
-static std::barrier<>* simd_bars[64];
-static std::barrier<>* group_bar;
-extern "C" float harness_shuffle_down(float v, unsigned delta) {
-  slots[t_sg][t_lane] = v;
-  simd_bars[t_sg]->arrive_and_wait();
-  const float got = t_lane + delta < 32 ? slots[t_sg][t_lane + delta] : v;
-  simd_bars[t_sg]->arrive_and_wait();
-  return got;
-}
-extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
-extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
-  for (unsigned tgy = 0; tgy < gy; ++tgy)
-    for (unsigned tgx = 0; tgx < gx; ++tgx) {
-      std::barrier<> group(simdgroups * 32);
-      group_bar = &group;
-      std::vector<std::unique_ptr<std::barrier<>>> bars;
-      for (unsigned sg = 0; sg < simdgroups; ++sg) {
-        bars.emplace_back(new std::barrier<>(32));
-        simd_bars[sg] = bars.back().get();
-      }
-      std::vector<std::thread> threads;
-      for (unsigned sg = 0; sg < simdgroups; ++sg)
-        for (unsigned lane = 0; lane < 32; ++lane)
-          threads.emplace_back([=] { t_sg = sg; t_lane = lane; harness_thread(bufs, sg, lane, tgx, tgy, gx, gy); });
-      for (auto& t : threads) t.join();
-    }
-}
-"""
-HARNESS_STUB = r"""#pragma once
-#include "metal_stub_decls.h"
-extern "C" float harness_shuffle_down(float, unsigned);
-extern "C" void harness_group_barrier();
-namespace metal {
-template <typename T, typename U> T simd_shuffle_down(T v, ushort delta) { return T(harness_shuffle_down(float(v), delta)); }
-void threadgroup_barrier(mem_flags) { harness_group_barrier(); }
-template <typename T, typename U> T fma(T a, T b, T c) { return __builtin_fmaf(a, b, c); }
-}
-"""
-
-
-def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
-    """The variant's source compiled for this CPU: ``harness_run(buffers, groups x, groups y, simdgroups)``."""
-    import ctypes
-    import re
-    import shutil
-    import subprocess
-
-    text, problems = script.lower(source)
-    assert not problems, problems
-    shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
-    (tmp_path / "metal_stub.h").write_text(HARNESS_STUB)
-    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
-    args = []
-    for param in text[start.end() : text.index(") {", start.end())].split(","):
-        name = re.search(r"(\w+)\s*$", param).group(1)
-        kind = param[: param.rindex(name)].strip()
-        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
-    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
-    text += (
-        '\nextern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
-        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
-    )
-    (tmp_path / "kernel.cpp").write_text(text)
-    (tmp_path / "driver.cpp").write_text(HARNESS_DRIVER)
-    flags = ["-O1", "-fPIC", "-c"]
-    kernel_flags = ["-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++", "-fno-exceptions"]
-    for cmd in (
-        [CLANG_F16, "-std=c++17", *flags, *kernel_flags, "-fno-rtti", "-I", str(tmp_path)]
-        + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
-        [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
-        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
-    ):
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-    return ctypes.CDLL(str(tmp_path / "h.so"))
+# The variant's source, run on this CPU (tests/metal_on_cpu.py), must give rows equal,
+# bit for bit, to a plain transcription of MLX's Metal GEMVKernel (the order it claims).
 
 
 def metal_gemv_order(x, w, bias, order: ep.Order):

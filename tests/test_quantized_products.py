@@ -12,6 +12,7 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 from tiny import (
     draft_config,
     greedy_reference,
@@ -357,124 +358,9 @@ def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matc
 
 # --- The Metal source itself, run on this CPU --------------------------------------------------------------
 #
-# What a Mac would compile (the variant's source as MLX builds it, lowered as
-# scripts/check_metal_kernels.py lowers it) is compiled by clang for this machine, with
-# each simdgroup's 32 lanes as threads and simd_sum adding the lanes in order, and run
-# over the launch's grid; its rows must equal, bit for bit, a plain transcription of
-# MLX's Metal qmv_fast / qmv (the order it claims) with the same lane order. half
-# arithmetic rounds each operation, as an Apple GPU's does (no excess precision).
-
-HARNESS_DRIVER = r"""
-#include <barrier>
-#include <thread>
-#include <vector>
-extern "C" void harness_lane(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
-static thread_local int t_lane;
-static float slots[32];
-static std::barrier<>* bar;
-extern "C" float harness_simd_sum(float v) {
-  slots[t_lane] = v;
-  bar->arrive_and_wait();
-  float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += slots[i];
-  bar->arrive_and_wait();
-  return s;
-}
-extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
-  for (unsigned tgy = 0; tgy < gy; ++tgy)
-    for (unsigned tgx = 0; tgx < gx; ++tgx)
-      for (unsigned sg = 0; sg < simdgroups; ++sg) {
-        std::barrier<> b(32);
-        bar = &b;
-        std::vector<std::thread> lanes;
-        for (unsigned lane = 0; lane < 32; ++lane)
-          lanes.emplace_back([=] { t_lane = lane; harness_lane(bufs, sg, lane, tgx, tgy, gx, gy); });
-        for (auto& t : lanes) t.join();
-      }
-}
-"""
-ATTRIBUTE_VALUES = {
-    "simdgroup_index_in_threadgroup": "sg",
-    "thread_index_in_simdgroup": "lane",
-    "thread_position_in_threadgroup": "uint3(sg * 32 + lane, 0u, 0u)",
-    "threadgroup_position_in_grid": "uint3(tgx, tgy, 0u)",
-    "threadgroups_per_grid": "uint3(gx, gy, 1u)",
-}
-
-
-def clang_with_float16():
-    """A clang++ that has _Float16 on this machine (15 on), or None."""
-    import shutil
-    import subprocess
-
-    for name in [f"clang++-{v}" for v in range(30, 14, -1)] + ["clang++"]:
-        path = shutil.which(name)
-        if path:
-            probe = subprocess.run([path, "-x", "c++", "-fsyntax-only", "-"], input=b"_Float16 h;", capture_output=True)
-            if probe.returncode == 0:
-                return path
-    return None
-
-
-CLANG_F16 = clang_with_float16()
-
-
-def check_metal_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
-def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
-    """The variant's source compiled for this CPU: ``harness_run(buffers, groups x, groups y, simdgroups)``."""
-    import ctypes
-    import re
-    import shutil
-    import subprocess
-
-    text, problems = script.lower(source)
-    assert not problems, problems
-    shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
-    (tmp_path / "metal_stub.h").write_text(
-        '#pragma once\n#include "metal_stub_decls.h"\nextern "C" float harness_simd_sum(float);\n'
-        "namespace metal { template <typename T, typename U> T simd_sum(T v) { return T(harness_simd_sum(float(v))); } }\n"
-    )
-    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
-    args = []
-    for param in text[start.end() : text.index(") {", start.end())].split(","):
-        name = re.search(r"(\w+)\s*$", param).group(1)
-        kind = param[: param.rindex(name)].strip()
-        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
-    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
-    text += (
-        '\nextern "C" void harness_lane(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
-        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
-    )
-    (tmp_path / "kernel.cpp").write_text(text)
-    (tmp_path / "driver.cpp").write_text(HARNESS_DRIVER)
-    flags = ["-O1", "-fPIC", "-c"]
-    for cmd in (
-        [CLANG_F16, "-std=c++17", *flags, "-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++"]
-        + [
-            "-fno-exceptions",
-            "-fno-rtti",
-            "-I",
-            str(tmp_path),
-            str(tmp_path / "kernel.cpp"),
-            "-o",
-            str(tmp_path / "k.o"),
-        ],
-        [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
-        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
-    ):
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-3000:]
-    return ctypes.CDLL(str(tmp_path / "h.so"))
+# The variant's source, run on this CPU (tests/metal_on_cpu.py), must give rows equal,
+# bit for bit, to a plain transcription of MLX's Metal qmv_fast / qmv (the order it
+# claims) with the same lane order.
 
 
 def metal_one_row_order(x, w, scales, biases, bits: int, group: int, mode: str, words: int):

@@ -1,0 +1,160 @@
+"""A Metal kernel's own source, compiled by clang for this CPU and run over its grid.
+
+What a Mac would compile (the variant's source as MLX builds it, lowered as
+scripts/check_metal_kernels.py lowers it) becomes a shared library here: every
+thread of a threadgroup is a thread of this machine, a simdgroup's 32 lanes meet
+at a barrier for each SIMD builtin (``simd_sum`` and ``simd_max`` take the lanes
+in order, ``simd_shuffle_down`` and ``simd_shuffle_xor`` exchange within the 32),
+and ``threadgroup_barrier`` waits for the whole threadgroup. half arithmetic
+rounds each operation, as an Apple GPU's does (no excess precision). A test
+then holds the kernel's outputs to a plain transcription of the order it claims.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+DRIVER = r"""
+#include <barrier>
+#include <memory>
+#include <thread>
+#include <vector>
+extern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
+static thread_local unsigned t_sg, t_lane;
+static float slots[64][32];
+static std::barrier<>* simd_bars[64];
+static std::barrier<>* group_bar;
+static void simd_meet(float v) { slots[t_sg][t_lane] = v; simd_bars[t_sg]->arrive_and_wait(); }
+static void simd_part() { simd_bars[t_sg]->arrive_and_wait(); }
+extern "C" float harness_simd_sum(float v) {
+  simd_meet(v);
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += slots[t_sg][i];
+  simd_part();
+  return s;
+}
+extern "C" float harness_simd_max(float v) {
+  simd_meet(v);
+  float m = slots[t_sg][0];
+  for (int i = 1; i < 32; ++i) m = slots[t_sg][i] > m ? slots[t_sg][i] : m;
+  simd_part();
+  return m;
+}
+extern "C" float harness_shuffle_down(float v, unsigned delta) {
+  simd_meet(v);
+  const float got = t_lane + delta < 32 ? slots[t_sg][t_lane + delta] : v;
+  simd_part();
+  return got;
+}
+extern "C" float harness_shuffle_xor(float v, unsigned mask) {
+  simd_meet(v);
+  const float got = slots[t_sg][(t_lane ^ mask) & 31u];
+  simd_part();
+  return got;
+}
+extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
+extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
+  for (unsigned tgy = 0; tgy < gy; ++tgy)
+    for (unsigned tgx = 0; tgx < gx; ++tgx) {
+      std::barrier<> group(simdgroups * 32);
+      group_bar = &group;
+      std::vector<std::unique_ptr<std::barrier<>>> bars;
+      for (unsigned sg = 0; sg < simdgroups; ++sg) {
+        bars.emplace_back(new std::barrier<>(32));
+        simd_bars[sg] = bars.back().get();
+      }
+      std::vector<std::thread> threads;
+      for (unsigned sg = 0; sg < simdgroups; ++sg)
+        for (unsigned lane = 0; lane < 32; ++lane)
+          threads.emplace_back([=] { t_sg = sg; t_lane = lane; harness_thread(bufs, sg, lane, tgx, tgy, gx, gy); });
+      for (auto& t : threads) t.join();
+    }
+}
+"""
+# Definitions of the builtins the stand-in header only declares (scripts/metal_stub.h).
+BUILTINS = r"""#pragma once
+#include "metal_stub_decls.h"
+extern "C" float harness_simd_sum(float);
+extern "C" float harness_simd_max(float);
+extern "C" float harness_shuffle_down(float, unsigned);
+extern "C" float harness_shuffle_xor(float, unsigned);
+extern "C" void harness_group_barrier();
+namespace metal {
+template <typename T, typename U> T simd_sum(T v) { return T(harness_simd_sum(float(v))); }
+template <typename T, typename U> T simd_max(T v) { return T(harness_simd_max(float(v))); }
+template <typename T, typename U> T simd_shuffle_down(T v, ushort delta) { return T(harness_shuffle_down(float(v), delta)); }
+template <typename T, typename U> T simd_shuffle_xor(T v, ushort mask) { return T(harness_shuffle_xor(float(v), mask)); }
+void threadgroup_barrier(mem_flags) { harness_group_barrier(); }
+template <typename T, typename U> T fma(T a, T b, T c) { return __builtin_fmaf(a, b, c); }
+}
+"""
+# A kernel's thread-position arguments, in the driver's terms.
+ATTRIBUTE_VALUES = {
+    "simdgroup_index_in_threadgroup": "sg",
+    "thread_index_in_simdgroup": "lane",
+    "thread_position_in_threadgroup": "uint3(sg * 32 + lane, 0u, 0u)",
+    "threadgroup_position_in_grid": "uint3(tgx, tgy, 0u)",
+    "threadgroups_per_grid": "uint3(gx, gy, 1u)",
+}
+
+
+def clang_with_float16():
+    """A clang++ that has _Float16 on this machine (15 on), or None."""
+    for name in [f"clang++-{v}" for v in range(30, 14, -1)] + ["clang++"]:
+        path = shutil.which(name)
+        if path:
+            probe = subprocess.run([path, "-x", "c++", "-fsyntax-only", "-"], input=b"_Float16 h;", capture_output=True)
+            if probe.returncode == 0:
+                return path
+    return None
+
+
+CLANG_F16 = clang_with_float16()
+
+
+def check_metal_script():
+    """scripts/check_metal_kernels.py as a module (its ``lower``, ``STUB``, ``Recorder``)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
+    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
+    """The variant's source compiled for this CPU: ``harness_run(buffers, groups x,
+    groups y, simdgroups)`` runs its grid, ``buffers`` naming the kernel's buffer
+    arguments in the order of the pointers passed."""
+    text, problems = script.lower(source)
+    assert not problems, problems
+    shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
+    (tmp_path / "metal_stub.h").write_text(BUILTINS)
+    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
+    args = []
+    for param in text[start.end() : text.index(") {", start.end())].split(","):
+        name = re.search(r"(\w+)\s*$", param).group(1)
+        kind = param[: param.rindex(name)].strip()
+        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
+    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
+    text += (
+        '\nextern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
+        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
+    )
+    (tmp_path / "kernel.cpp").write_text(text)
+    (tmp_path / "driver.cpp").write_text(DRIVER)
+    flags = ["-O1", "-fPIC", "-c"]
+    kernel_flags = ["-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++", "-fno-exceptions"]
+    for cmd in (
+        [CLANG_F16, "-std=c++17", *flags, *kernel_flags, "-fno-rtti", "-I", str(tmp_path)]
+        + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
+        [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
+        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
+    ):
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
+    return ctypes.CDLL(str(tmp_path / "h.so"))
