@@ -1,0 +1,825 @@
+"""Which piece of a verify rounds differently from mlx-lm's one-row decode step.
+
+Reported in BENCHMARKS.md, "Greedy output against mlx-lm's".
+
+    python benchmarks/verify_rounding.py                                  # the built-in pair's target
+    DFLASH_MLX_KERNELS=on python benchmarks/verify_rounding.py --shape qwen3-8b --prompt-tokens 1024
+    python benchmarks/verify_rounding.py --shape qwen3-8b --quantize 4 --json rounding.json
+    python benchmarks/verify_rounding.py --model PATH --rows 16 --committed 3
+
+After a prompt of P synthetic tokens and C committed ones, mlx-lm's own
+``generate_step`` decodes R tokens a row at a time (greedy), and our adapter
+verifies the same R tokens as one block, as a DFlash cycle does, with the
+kernels this machine serves (``DFLASH_MLX_KERNELS`` or ``--kernels``). Each
+layer's pieces are captured in both and compared row by row, bit for bit:
+a cell is the rows (of R) whose bits differ from the one-row step's, then
+the largest absolute difference; ``.`` where the piece cannot be seen.
+
+mlx-lm's side is read by wrapping its modules (restored afterwards). Ours
+cannot be wrapped without changing its path (our products dispatch on the
+exact module types), so its pieces come from a replay of the layer through
+the same functions (layers/blocks.py's ``dense_block``), from the layer's
+captured input, cache and mask; the layer's output, the keys and values it
+wrote and the logits are the verify's own, and ``replay`` says whether the
+replay reproduced each layer's output bit for bit. A piece a kernel folds
+into a neighbour's launch (the CUDA block product's norm, SwiGLU, residual)
+is replayed without the fold.
+
+The verify runs over mlx-lm's own cache (its prompt and committed tokens), so
+its table is the verify's rounding alone; ``history`` compares that cache
+with ours after our prefill and a committed block, and ``own history``
+verifies over ours, as DFlash runs. ``compiled`` runs the verify through
+mx.compile, as the cycle does on a GPU (layer outputs, cache, logits). Then
+each of our kernels and fusions that serves here is switched off in turn
+(and all at once): the run where the differences go names the culprit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LAYER_PIECES = (
+    "input norm",
+    "q",
+    "k",
+    "v",
+    "q rope",
+    "k rope",
+    "attention",
+    "o_proj",
+    "h+attn",
+    "post norm",
+    "gate",
+    "up",
+    "swiglu",
+    "down",
+    "out",
+)
+MODEL_PIECES = ("final norm", "logits")
+# The verify's own outputs; every other piece of ours is replayed.
+OBSERVED = ("k rope", "v", "out")
+BITS = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}
+
+Pieces = dict[tuple, mx.array]  # (layer index or "model", piece) -> rows [R, width]
+
+
+@dataclass
+class Difference:
+    rows: int  # rows whose bits differ from the one-row step's
+    worst: float  # the largest |ours - one-row|
+
+    def cell(self) -> str:
+        return "0" if self.rows == 0 else f"{self.rows}/{self.worst:.0e}"
+
+
+def as_rows(a: mx.array) -> mx.array:
+    """[1, L, width] or [1, heads, L, D] -> [L, width]."""
+    if a.ndim == 4:
+        a = a.transpose(0, 2, 1, 3)
+        return a.reshape(a.shape[1], -1)
+    return a.reshape(-1, a.shape[-1])
+
+
+def difference(ours: mx.array, theirs: mx.array) -> Difference:
+    if ours.shape != theirs.shape:
+        return Difference(ours.shape[0], float("inf"))
+    if ours.dtype == theirs.dtype and ours.dtype in BITS:
+        same = (ours.view(BITS[ours.dtype]) == theirs.view(BITS[ours.dtype])).all(axis=-1)
+    else:
+        same = (ours.astype(mx.float32) == theirs.astype(mx.float32)).all(axis=-1)
+    worst = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max()
+    return Difference(int((~same).sum().item()), float(worst.item()))
+
+
+def compare(ours: Pieces, theirs: Pieces, layers: range) -> dict[tuple, Difference]:
+    """Each piece both sides have, in the order a forward computes them."""
+    order = [(i, p) for i in layers for p in LAYER_PIECES] + [("model", p) for p in MODEL_PIECES]
+    return {key: difference(ours[key], theirs[key]) for key in order if key in ours and key in theirs}
+
+
+def first_difference(diffs: dict[tuple, Difference]) -> tuple | None:
+    return next((key for key, d in diffs.items() if d.rows), None)
+
+
+# ---- mlx-lm's one-row steps -------------------------------------------------
+
+
+class Probe(nn.Module):
+    """Calls ``inner`` and hands its inputs and output to ``seen``."""
+
+    def __init__(self, inner, seen: Callable):
+        super().__init__()
+        self.inner = inner
+        self.seen = seen
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.seen(args, out)
+        return out
+
+
+# (module path in a layer, what it shows: its input's or its output's piece)
+LAYER_PROBES = (
+    ("input_layernorm", None, "input norm"),
+    ("self_attn.q_proj", None, "q"),
+    ("self_attn.k_proj", None, "k"),
+    ("self_attn.v_proj", None, "v"),
+    ("self_attn.rope", None, ("q rope", "k rope")),  # called for the queries, then the keys
+    ("self_attn.o_proj", "attention", "o_proj"),
+    ("post_attention_layernorm", "h+attn", "post norm"),
+    ("mlp.gate_proj", None, "gate"),
+    ("mlp.up_proj", None, "up"),
+    ("mlp.down_proj", "swiglu", "down"),
+)
+
+
+@contextlib.contextmanager
+def probed(model: nn.Module, layers: list[int], record: Callable[[tuple, mx.array], None], whole: bool = True):
+    """mlx-lm's modules of ``layers`` wrapped to ``record`` their pieces
+    (``whole``: the layers themselves and the final norm too)."""
+    inner = getattr(model, "language_model", model).model
+    undo = []
+
+    def wrap(parent, name, key_in, key_out, i):
+        calls = [0]
+
+        def seen(args, out):
+            if key_in is not None:
+                record((i, key_in), args[0])
+            key = key_out if isinstance(key_out, str) else key_out[calls[0] % len(key_out)]
+            calls[0] += 1
+            record((i, key), out)
+
+        original = parent[name]
+        parent[name] = Probe(original, seen)
+        undo.append(lambda: parent.__setitem__(name, original))
+
+    for i in layers:
+        layer = inner.layers[i]
+        for path, key_in, key_out in LAYER_PROBES:
+            *parents, name = path.split(".")
+            parent = layer
+            for p in parents:
+                parent = parent.get(p) if isinstance(parent, dict) else None
+            if isinstance(parent, dict) and callable(parent.get(name)):
+                wrap(parent, name, key_in, key_out, i)
+        if whole:
+            wrap(inner.layers, i, None, "out", i)
+    if whole:
+        wrap(inner, "norm", None, "final norm", "model")
+    try:
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+class OneRowSteps:
+    """mlx-lm's model as ``generate_step`` calls it, keeping each one-row call's pieces."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.steps: dict[int, Pieces] = {}  # position -> pieces
+        self.current: Pieces | None = None
+
+    def record(self, key: tuple, value: mx.array) -> None:
+        if self.current is not None:
+            self.current[key] = value
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs):
+        one_row = inputs.shape[1] == 1
+        self.current = {} if one_row else None
+        if one_row:
+            self.steps[cache[0].offset] = self.current
+        out = self.model(inputs, cache=cache, **kwargs)
+        self.record(("model", "logits"), out)
+        self.current = None
+        return out
+
+
+@dataclass
+class Reference:
+    tokens: list[int]  # mlx-lm's greedy tokens after the prompt
+    pieces: Pieces  # the R compared steps' pieces, rows stacked
+    history: list[tuple[mx.array, mx.array]]  # each layer's keys and values before them
+
+
+def one_row_reference(model: nn.Module, prompt: list[int], committed: int, rows: int) -> Reference:
+    """mlx-lm's greedy ``generate_step``: the steps at positions P+C .. P+C+R-1, captured."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    steps = OneRowSteps(model)
+    layers = list(range(len(getattr(model, "language_model", model).model.layers)))
+    with probed(model, layers, steps.record):
+        run = generate_step(
+            mx.array(prompt), steps, prompt_cache=cache, max_tokens=committed + rows + 1, sampler=greedy
+        )
+        tokens = [int(t) for t, _ in run]
+    start = len(prompt) + committed
+    wanted = [steps.steps[p] for p in range(start, start + rows)]
+    pieces = {key: mx.concatenate([as_rows(s[key]) for s in wanted]) for key in wanted[0]}
+    history = [(c.keys[..., :start, :], c.values[..., :start, :]) for c in cache]
+    mx.eval(pieces, history)
+    return Reference(tokens, pieces, history)
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+# ---- our verify ---------------------------------------------------------------
+
+
+def copied(cache):
+    """A cache like ``cache`` (before a write), holding its own buffers."""
+    from dflash_mlx.kv.buffer import BufferKVCache
+
+    kept = BufferKVCache()
+    for name in ("offset", "bound", "read", "shared", "floor", "tree"):
+        setattr(kept, name, getattr(cache, name))
+    if cache.keys is not None:
+        kept.keys, kept.values = mx.array(cache.keys), mx.array(cache.values)
+    return kept
+
+
+def seeded_cache(target, history: list[tuple[mx.array, mx.array]]) -> list:
+    """Our buffers holding mlx-lm's keys and values."""
+    cache = target.make_cache()
+    for c, (k, v) in zip(cache, history):
+        c.update_and_fetch(k, v)
+    return cache
+
+
+@dataclass
+class LayerCall:
+    h: mx.array
+    mask: object
+    cache: object  # a copy of the layer's cache before the verify wrote
+    out: mx.array
+
+
+def replay_dense(target, i: int, call: LayerCall) -> Pieces:
+    """A qwen3/llama layer's verify, step by step as layers/blocks.py's
+    ``dense_block`` (fused projections, or the layer's own) takes it."""
+    from mlx_lm.models.activations import swiglu
+
+    from dflash_mlx.kernels.norm_rope import norm_rope, rotate
+    from dflash_mlx.layers.blocks import attend_output, own_projections, rope_positions
+    from dflash_mlx.layers.fused import fused_rows, projections
+    from dflash_mlx.layers.linear import apply_linear, apply_linear_output, apply_linear_swiglu
+
+    layer = target.inner.layers[i]
+    window = target.windows()[i]
+    fused = projections(layer) if target.fuse_projections else None
+    attn, mlp = layer.self_attn, layer.mlp
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    h, mask, cache = call.h, call.mask, call.cache
+    B, L, _ = h.shape
+    got = {"input norm": norm(h)}
+    q, k, v = fused.qkv(h, norm) if fused is not None else own_projections(attn)(h, norm)
+    got.update({"q": q, "k": k, "v": v})
+    q = q.reshape(B, L, attn.n_heads, -1)
+    k = k.reshape(B, L, attn.n_kv_heads, -1)
+    v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    rope = attn.rope
+    q_norm = getattr(attn, "q_norm", None)
+    if q_norm is not None:
+        q, k = norm_rope(q, k, q_norm, attn.k_norm, rope, rope_positions(cache))
+        rope = None
+        got["q rope"], got["k rope"] = q, k
+    else:
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        at = rope_positions(cache)
+        got["q rope"], got["k rope"] = rotate(rope, q, at), rotate(rope, k, at)
+    out, as_rows_ = attend_output(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+    got["attention"] = out if as_rows_ else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    got["o_proj"] = apply_linear_output(attn.o_proj, out, as_rows_)
+    h = got["h+attn"] = apply_linear_output(attn.o_proj, out, as_rows_, residual=h)
+    got["post norm"] = post(h)
+    if fused is not None and fused_rows(h):
+        got["gate"], got["up"] = mx.split(apply_linear(fused.gate_up, h, norm=post), 2, axis=-1)
+        got["swiglu"] = apply_linear_swiglu(fused.gate_up, h, post)
+        got["down"] = apply_linear(mlp.down_proj, got["swiglu"])
+        got["out"] = apply_linear(mlp.down_proj, got["swiglu"], h)
+    else:
+        x = post(h)
+        got["gate"], got["up"] = mlp.gate_proj(x), mlp.up_proj(x)
+        got["swiglu"] = swiglu(got["gate"], got["up"])
+        got["down"] = mlp.down_proj(got["swiglu"])
+        got["out"] = h + got["down"]
+    return {(i, name): value for name, value in got.items()}
+
+
+@dataclass
+class Verified:
+    pieces: Pieces
+    replay_exact: list[int]  # layers whose replayed output equals the verify's
+    replayed: list[int]  # layers replayed at all
+
+
+def our_verify(target, cache: list, tokens: list[int], start: int, read: str, plant=None) -> Verified:
+    """Our adapter's verify of ``tokens`` at ``start`` over ``cache``, eager, its pieces captured."""
+    from mlx_lm.generate import generation_stream
+
+    from dflash_mlx.device import device_scalar
+    from dflash_mlx.layers.fused import FUSABLE_BLOCKS
+
+    layers = target.inner.layers
+    calls: dict[int, LayerCall] = {}
+    seen: Pieces = {}
+
+    def watched(i, block):
+        def forward(h, mask, c):
+            before = copied(c)
+            out = block(h, mask, c)
+            calls[i] = LayerCall(h, mask, before, out)
+            return out
+
+        return forward
+
+    plain = [i for i, b in zip(target.here, target.blocks) if b is layers[i]]  # mlx-lm's own layers
+    saved = target.blocks
+    target.blocks = [watched(i, b) for i, b in zip(target.here, saved)]
+    try:
+        with (
+            planted(plant, target),
+            mx.stream(generation_stream),
+            probed(target.model, plain, lambda key, value: seen.__setitem__(key, value), whole=False),
+        ):
+            target.set_length(cache, device_scalar(mx.array(start, mx.int32)), start, read)
+            logits, _ = target(mx.array(tokens)[None], cache, [target.here[0]])
+            pieces: Pieces = {key: as_rows(value) for key, value in seen.items() if key[0] != "model"}
+            replayed, exact = [], []
+            for n, i in enumerate(target.here):
+                call = calls[i]
+                if i not in plain and type(layers[i]) in FUSABLE_BLOCKS:
+                    got = replay_dense(target, i, call)
+                    replayed.append(i)
+                    if mx.array_equal(got[(i, "out")], call.out).item():
+                        exact.append(i)
+                    pieces.update({key: as_rows(value) for key, value in got.items()})
+                pieces[(i, "out")] = as_rows(call.out)
+                pieces.update(written(cache[n], i, start, len(tokens)))
+            last = calls[target.here[-1]].out
+            pieces[("model", "final norm")] = as_rows(target.inner.norm(last))
+            pieces[("model", "logits")] = as_rows(logits)
+            mx.eval(pieces)
+    finally:
+        target.blocks = saved
+    return Verified(pieces, exact, replayed)
+
+
+def written(cache, i: int, start: int, n: int) -> Pieces:
+    """The keys (normed and rotated) and values a verify wrote at ``start``."""
+    k, v = cache.keys[..., start : start + n, :], cache.values[..., start : start + n, :]
+    return {(i, "k rope"): as_rows(k), (i, "v"): as_rows(v)}
+
+
+@contextlib.contextmanager
+def planted(plant, target):
+    """``plant(target)``, a context manager changing the verify alone (a test's), or nothing."""
+    with plant(target) if plant is not None else contextlib.nullcontext():
+        yield
+
+
+def compiled_verify(target, cache: list, tokens: list[int], start: int, plant=None) -> Verified:
+    """The verify through mx.compile at the buffers' fixed width, as a cycle
+    runs on a GPU: every layer's output (as tapped states), the keys and
+    values written, the logits."""
+    from mlx_lm.generate import generation_stream
+
+    from dflash_mlx.device import device_scalar
+
+    n, taps = len(tokens), list(target.here)
+    for c in cache:
+        c.reserve(start + n)  # (grown outside: shapes are fixed inside)
+
+    def step(ids, length, *buffers):
+        for c, k, v in zip(cache, buffers[0::2], buffers[1::2]):
+            c.keys, c.values = k, v
+        target.set_length(cache, device_scalar(length), start, "fixed")
+        logits, hidden = target(ids[None], cache, taps)
+        return (logits, hidden, *[a for c in cache for a in (c.keys, c.values)])
+
+    with planted(plant, target), mx.stream(generation_stream):
+        buffers = [a for c in cache for a in (c.keys, c.values)]
+        logits, hidden, *buffers = mx.compile(step)(mx.array(tokens), mx.array(start, mx.int32), *buffers)
+        H = target.hidden_size
+        pieces = {("model", "logits"): as_rows(logits)}
+        for j, i in enumerate(taps):
+            pieces[(i, "out")] = as_rows(hidden[..., j * H : (j + 1) * H])
+            k, v = buffers[2 * j][..., start : start + n, :], buffers[2 * j + 1][..., start : start + n, :]
+            pieces[(i, "k rope")], pieces[(i, "v")] = as_rows(k), as_rows(v)
+        pieces[("model", "final norm")] = as_rows(target.inner.norm(hidden[..., -H:]))
+        mx.eval(pieces)
+    return Verified(pieces, [], [])
+
+
+def own_history(target, prompt: list[int], block: list[int], committed: int, read: str, step: int = 2048) -> list:
+    """Our cache as DFlash leaves it: the prompt prefilled in chunks (decode/loop.py's
+    ``prefill``), then a verify of ``block`` of which ``committed`` rows are kept."""
+    from mlx_lm.generate import generation_stream
+
+    from dflash_mlx.device import device_scalar
+
+    cache, taps = target.make_cache(), [target.here[0]]
+    with mx.stream(generation_stream):
+        for i in range(0, len(prompt), step):
+            logits, hidden = target(mx.array(prompt[i : i + step])[None], cache, taps, last_only=True)
+            mx.eval(logits, hidden, [a for c in cache for a in c.state if a is not None])
+        if committed:
+            start = len(prompt)
+            target.set_length(cache, device_scalar(mx.array(start, mx.int32)), start, read)
+            mx.eval(target(mx.array(block)[None], cache, taps))
+            target.set_length(cache, start + committed)
+    return cache
+
+
+def history_difference(target, ours: list, theirs: list[tuple[mx.array, mx.array]]) -> dict[tuple, Difference]:
+    """Per layer, the positions whose cached keys or values differ from mlx-lm's."""
+    diffs = {}
+    for c, i, (k, v) in zip(ours, target.here, theirs):
+        n = k.shape[2]
+        diffs[(i, "k")] = difference(as_rows(c.keys[..., :n, :]), as_rows(k))
+        diffs[(i, "v")] = difference(as_rows(c.values[..., :n, :]), as_rows(v))
+    return diffs
+
+
+# ---- what serves, and switching it off -----------------------------------------
+
+
+def block_products():
+    """The CUDA block-product kernel's module where it can run, else None."""
+    from dflash_mlx.device import backend
+
+    if backend() != "cuda":
+        return None
+    from dflash_mlx.kernels.cuda import products
+
+    return products
+
+
+def product_path(module: nn.Module, rows: int, dtype) -> str:
+    """Which product a verify's ``rows`` take through ``module``."""
+    from dflash_mlx.device import backend
+    from dflash_mlx.kernels import exact_products, quantized
+
+    k = module["weight"].shape[1]
+    if exact_products.serves(module, rows, k, dtype):
+        return "exact"
+    if type(module) is nn.QuantizedLinear:
+        variant = quantized.variant_of(module, dtype)
+        n = module["weight"].shape[0]
+        serves = variant is not None and quantized.use_quantized_kernel(backend(), variant, n)
+        return "quantized kernel" if serves else "MLX quantized"
+    products = block_products()
+    bias = module["bias"] if "bias" in module else None
+    if (
+        products is not None
+        and products.passed(dtype) is not None
+        and products.fits((1, rows), k, dtype, module.weight, bias, None)
+    ):
+        return "block product"
+    return "MLX"
+
+
+def served(target, rows: int, keys: int) -> dict[str, str]:
+    """What the verify's first layer and the head run on this machine."""
+    from dflash_mlx.device import backend
+    from dflash_mlx.kernels import dispatch, norm_rope
+    from dflash_mlx.layers.fused import projections
+    from dflash_mlx.layers.linear import linear_head, quantized_head
+
+    i = target.here[0]
+    layer, dtype, d = target.inner.layers[i], target.dtype, target.head_dim
+    if target.blocks[0] is layer:
+        return {"layers": "mlx-lm's own", "head": head_path(target, rows, linear_head, quantized_head)}
+    attn, mlp = layer.self_attn, layer.mlp
+    fused = projections(layer) if target.fuse_projections else None
+    found = {
+        "q/k/v": ("fused " if fused else "") + product_path(fused.kvq if fused else attn.q_proj, rows, dtype),
+        "norm+rope": "MLX ops",
+        "attention": "MLX",
+        "o_proj": product_path(attn.o_proj, rows, dtype),
+        "gate/up": ("fused " if fused else "") + product_path(fused.gate_up if fused else mlp.gate_proj, rows, dtype),
+        "down": product_path(mlp.down_proj, rows, dtype),
+        "head": head_path(target, rows, linear_head, quantized_head),
+    }
+    if getattr(attn, "q_norm", None) is not None and norm_rope.plain_rope(attn.rope, d):
+        found["norm+rope"] = "kernel" if norm_rope.passed(dtype, d) is not None else "MLX ops"
+    window = target.windows()[i]
+    group = attn.n_heads // attn.n_kv_heads * rows
+    kernel = dispatch.serving_kernel(backend(), dtype, d, window is not None, rows=group, keys=keys)
+    found["attention"] = "kernel" if kernel is not None else "MLX"
+    return found
+
+
+def head_path(target, rows: int, linear_head, quantized_head) -> str:
+    if not target.tied:
+        return product_path(target.text.lm_head, rows, target.dtype)
+    embedding = target.inner.embed_tokens
+    as_linear = quantized_head if type(embedding) is nn.QuantizedEmbedding else linear_head
+    return product_path(as_linear(embedding), rows, target.dtype)
+
+
+def switches(target, uses: dict[str, str]) -> list[tuple[str, Callable[[], None]]]:
+    """(name, switch it off) for each of our kernels and fusions serving here,
+    then all of them together; ``restore`` switches them back."""
+    from dflash_mlx.kernels import dispatch, exact_products, norm_rope, quantized
+
+    paths = " ".join(uses.values())
+    found = []
+    if target.fuse_projections:
+        found.append(("mlx-lm's layers", lambda: unfuse(target)))
+    if uses.get("norm+rope") == "kernel":
+        found.append(("norm+rope kernel off", norm_rope.reset))
+    if any_attention_kernel(target):
+        found.append(("attention kernel off", dispatch.reset))
+    if "exact" in paths:
+        found.append(("exact products off", exact_products.reset))
+    if "quantized kernel" in paths:
+        found.append(("quantized kernel off", quantized.reset))
+    if "block product" in paths:
+        found.append(("block products off", block_products().reset))
+    if found:
+        offs = [off for _, off in found]
+        found.append(("all of ours off", lambda: [off() for off in offs]))
+    return found
+
+
+def any_attention_kernel(target) -> bool:
+    from dflash_mlx.device import backend
+    from dflash_mlx.kernels import dispatch
+
+    where, windows = backend(), {w is not None for w in target.windows()}
+    return any(dispatch.passed_kernel(where, target.dtype, target.head_dim, w) is not None for w in windows)
+
+
+def unfuse(target) -> None:
+    target.fuse_projections = False
+    target.make_blocks()
+
+
+def restore(target, fuse: bool) -> None:
+    """Fusions and kernels back as the adapter made them (each kernel checked again)."""
+    from dflash_mlx.layers.fused import projections
+    from dflash_mlx.layers.linear import prepare_products
+
+    target.fuse_projections = fuse
+    target.make_blocks()
+    prepare_products(target.text, target.dtype)
+    if fuse:
+        for i in target.here:
+            made = projections(target.inner.layers[i])
+            if made is not None:
+                prepare_products(made.kvq, target.dtype)
+                prepare_products(made.gate_up, target.dtype)
+
+
+# ---- the probe -------------------------------------------------------------------
+
+
+def cycle_read(target) -> str:
+    """How a cycle's verify spans the buffers here: at their fixed width where
+    the cycle is compiled (decode/cycle.py's rule), else up to the bound."""
+    from dflash_mlx import compute_dtype
+
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    compiled = gpu or (compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None)
+    return "fixed" if compiled else "bound"
+
+
+@dataclass
+class Run:
+    name: str
+    diffs: dict[tuple, Difference]
+    argmax_equal: int
+    replay: str = ""
+
+    @property
+    def first(self) -> tuple | None:
+        return first_difference(self.diffs)
+
+
+def run_of(name: str, got: Verified, reference: Reference, layers: range) -> Run:
+    diffs = compare(got.pieces, reference.pieces, layers)
+    ours, theirs = got.pieces[("model", "logits")], reference.pieces[("model", "logits")]
+    agree = int((mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).sum().item())
+    replay = f"{len(got.replay_exact)}/{len(got.replayed)}" if got.replayed else ""
+    return Run(name, diffs, agree, replay)
+
+
+def check_sizes(prompt_tokens: int, committed: int, rows: int) -> None:
+    if prompt_tokens < 1 or committed < 0 or rows < 2:
+        raise ValueError("pass --prompt-tokens of at least 1, --committed of 0 or more and --rows of at least 2.")
+
+
+def probe(
+    model: nn.Module, prompt: list[int], *, committed: int = 3, rows: int = 16, variants: bool = True, plant=None
+):
+    """Compare our verify of ``rows`` tokens with mlx-lm's one-row steps after
+    ``prompt`` and ``committed`` tokens. ``plant``: a context manager factory
+    ``plant(target)`` active around each of our compared verifies (a test's
+    planted difference). Returns the report (``report_json``'s input)."""
+    from dflash_mlx.kernels import decisions
+    from dflash_mlx.kv.buffer import BufferKVCache
+    from dflash_mlx.targets import DenseTarget, adapt
+
+    check_sizes(len(prompt), committed, rows)
+    target = adapt(model)  # (fuses projections, as load does before any decoding)
+    if type(target).__call__ is not DenseTarget.__call__ or any(
+        type(c) is not BufferKVCache for c in target.make_cache()
+    ):
+        raise ValueError(
+            f"the probe reads dense-attention targets over plain buffers (qwen3, llama); {target.family} is not one."
+        )
+    reference = one_row_reference(model, prompt, committed, rows)
+    start = len(prompt) + committed
+    tokens = reference.tokens[committed : committed + rows]
+    read, layers = cycle_read(target), target.here
+    report = {
+        "policy": decisions.current().policy,
+        "read": read,
+        "start": start,
+        "tokens": tokens,
+        "served": served(target, rows, start + rows),
+    }
+    runs = [
+        run_of(
+            "verify",
+            our_verify(target, seeded_cache(target, reference.history), tokens, start, read, plant),
+            reference,
+            layers,
+        )
+    ]
+    block = reference.tokens[: max(rows, committed)]
+    own = own_history(target, prompt, block, committed, read)
+    report["history"] = history_difference(target, own, reference.history)
+    runs.append(run_of("own history", our_verify(target, own, tokens, start, read, plant), reference, layers))
+    compiled = compiled_verify(target, seeded_cache(target, reference.history), tokens, start, plant)
+    runs.append(run_of("compiled", compiled, reference, layers))
+    if variants:
+        fuse = target.fuse_projections
+        for name, off in switches(target, report["served"]):
+            off()
+            try:
+                got = our_verify(target, seeded_cache(target, reference.history), tokens, start, read, plant)
+                runs.append(run_of(name, got, reference, layers))
+            finally:
+                restore(target, fuse)
+    report["runs"] = runs
+    return report
+
+
+# ---- output ----------------------------------------------------------------------
+
+
+def piece_name(key: tuple) -> str:
+    return f"{key[0]}/{key[1]}" if key[0] != "model" else key[1]
+
+
+def report_json(report: dict) -> dict:
+    """The report with its tables as plain JSON."""
+
+    def table(diffs):
+        return {piece_name(k): {"rows": d.rows, "max_abs": d.worst} for k, d in diffs.items()}
+
+    out = {k: v for k, v in report.items() if k not in ("history", "runs")}
+    out["history"] = table(report["history"])
+    out["runs"] = [
+        {
+            "name": r.name,
+            "first_difference": None if r.first is None else list(r.first),
+            "argmax_equal": r.argmax_equal,
+            "replay_exact": r.replay,
+            "pieces": table(r.diffs),
+        }
+        for r in report["runs"]
+    ]
+    return out
+
+
+def print_report(report: dict, rows: int) -> None:
+    print("served (layer 0): " + ", ".join(f"{k} {v}" for k, v in report["served"].items()))
+    history = report["history"]
+    parted = sorted({k[0] for k, d in history.items() if d.rows})
+    if not parted:
+        print("history: our prefill and committed block cache every position as mlx-lm does")
+    else:
+        cells = "  ".join(f"{i}: k {history[(i, 'k')].cell()} v {history[(i, 'v')].cell()}" for i in parted[:8])
+        print(f"history: positions whose cached k/v differ from mlx-lm's (of {report['start']}), layers {cells}")
+    main = report["runs"][0]
+    layers = sorted({k[0] for k in main.diffs if k[0] != "model"})
+    width = {p: max(len(p), 7) for p in LAYER_PIECES}
+    print(f"\nverify over mlx-lm's cache: rows (of {rows}) differing from the one-row step / max |diff|; . unseen")
+    print("layer " + " ".join(f"{p:>{width[p]}}" for p in LAYER_PIECES))
+    for i in layers:
+        cells = [main.diffs.get((i, p)) for p in LAYER_PIECES]
+        print(
+            f"{i:>5} " + " ".join(f"{'.' if c is None else c.cell():>{width[p]}}" for c, p in zip(cells, LAYER_PIECES))
+        )
+    model = "  ".join(f"{p} {main.diffs[('model', p)].cell()}" for p in MODEL_PIECES if ("model", p) in main.diffs)
+    print(f"model {model}")
+    print(
+        f"\n{'run':<24} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
+    )
+    for r in report["runs"]:
+        first = "none" if r.first is None else piece_name(r.first)
+        logits = r.diffs[("model", "logits")]
+        print(
+            f"{r.name:<24} {first:<20} {logits.rows:>10} {logits.worst:>8.1e} {r.argmax_equal:>9}/{rows:<2} "
+            f"{r.replay or '-':>12}"
+        )
+
+
+# ---- the command --------------------------------------------------------------------
+
+
+def load_model(args) -> tuple[nn.Module, str]:
+    """The target (an mlx-lm model) and how to name it."""
+    if args.model:
+        from dflash_mlx.loading import load_target
+
+        model, _ = load_target(args.model)
+        name = args.model
+    elif args.shape == "builtin":
+        from dflash_mlx import builtin
+        from dflash_mlx.loading import load_target
+
+        model, _ = load_target(builtin.TARGET)
+        name = "built-in target"
+    else:
+        from cycle import random_target
+
+        mx.random.seed(0)
+        model = random_target(args.shape)
+        name = f"{args.shape} random weights"
+    if args.dtype:
+        model.set_dtype(getattr(mx, args.dtype))
+    if args.quantize:
+        nn.quantize(model, group_size=64, bits=args.quantize)
+        name += f" {args.quantize}-bit"
+    mx.eval(model.parameters())
+    return model, name
+
+
+def main():
+    from cycle import SHAPES, synthetic_prompt
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a target model directory or Hub repo (default: --shape)")
+    ap.add_argument(
+        "--shape", default="builtin", choices=["builtin", *SHAPES], help="random weights at a model's shapes"
+    )
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="cast the target (default: its own)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--committed", type=int, default=3, help="tokens committed after the prompt before the verify")
+    ap.add_argument("--rows", type=int, default=16, help="the verify's block")
+    ap.add_argument("--kernels", choices=["measure", "on", "off"], help="DFLASH_MLX_KERNELS for this run")
+    ap.add_argument("--no-variants", action="store_true", help="skip the runs with our kernels switched off")
+    ap.add_argument("--json", metavar="PATH", help="also write the report here")
+    args = ap.parse_args()
+    if args.kernels:
+        from dflash_mlx.kernels import decisions
+
+        os.environ["DFLASH_MLX_KERNELS"] = args.kernels
+        decisions.reset()
+    try:
+        check_sizes(args.prompt_tokens, args.committed, args.rows)
+        model, name = load_model(args)
+        vocab = int(getattr(model, "language_model", model).args.vocab_size)
+        prompt = synthetic_prompt(vocab, args.prompt_tokens)
+        report = probe(model, prompt, committed=args.committed, rows=args.rows, variants=not args.no_variants)
+    except ValueError as e:
+        sys.exit(f"verify_rounding.py: {e}")
+    machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
+    report = {"machine": machine, "target": name, "args": vars(args), **report}
+    print(machine)
+    print(
+        f"{name}: prompt {args.prompt_tokens} tokens, {args.committed} committed, verify of {args.rows} rows; "
+        f"DFLASH_MLX_KERNELS={report['policy']}, buffers read {report['read']}"
+    )
+    print_report(report, args.rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(report), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""benchmarks/verify_rounding.py: the probe that compares a verify's pieces
+with mlx-lm's one-row steps finds nothing on the CPU, where both are the same
+arithmetic, and finds a difference planted in the verify alone, where it is."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from tiny import greedy_reference, make_target, target_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [(7 * i) % 61 + 1 for i in range(40)]
+ROWS, COMMITTED = 6, 2
+
+
+def load_probe():
+    spec = importlib.util.spec_from_file_location("verify_rounding", ROOT / "benchmarks" / "verify_rounding.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+vr = load_probe()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_target(target_config("qwen3", vocab=64, layers=3), seed=5)
+
+
+@contextlib.contextmanager
+def nudged_o_proj(target, layer: int = 1):
+    """Layer ``layer``'s o_proj weight moved a little, for the verify only."""
+    o_proj = target.inner.layers[layer].self_attn.o_proj
+    weight = o_proj.weight
+    o_proj.weight = weight + 1e-3 * mx.random.normal(weight.shape, key=mx.random.key(3)).astype(weight.dtype)
+    try:
+        yield
+    finally:
+        o_proj.weight = weight
+
+
+def test_every_piece_of_the_verify_equals_the_one_row_steps_on_the_cpu(model):
+    report = vr.probe(model, PROMPT, committed=COMMITTED, rows=ROWS)
+    runs = {r.name: r for r in report["runs"]}
+    # the fused layers are switched to mlx-lm's own, and then everything of ours
+    assert list(runs) == ["verify", "own history", "compiled", "mlx-lm's layers", "all of ours off"]
+    verify = runs["verify"]
+    # every piece of every layer was seen, and the replay reproduced each layer's output
+    assert set(verify.diffs) == {(i, p) for i in range(3) for p in vr.LAYER_PIECES} | {
+        ("model", p) for p in vr.MODEL_PIECES
+    }
+    assert verify.replay == "3/3"
+    assert all(d.rows == 0 and d.worst == 0 for d in report["history"].values())
+    for run in runs.values():
+        assert run.first is None, (run.name, run.first)
+        assert run.argmax_equal == ROWS
+        assert all(d.rows == 0 for d in run.diffs.values())
+    assert runs["compiled"].diffs.keys() >= {(2, "out"), (2, "k rope"), (2, "v"), ("model", "logits")}
+    # the verified tokens are mlx-lm's own greedy ones after the committed
+    assert report["tokens"] == greedy_reference(model, PROMPT, COMMITTED + ROWS)[COMMITTED:]
+
+
+def test_a_difference_planted_in_the_verify_is_found_where_it_is(model):
+    report = vr.probe(model, PROMPT, committed=COMMITTED, rows=ROWS, variants=False, plant=nudged_o_proj)
+    runs = {r.name: r for r in report["runs"]}
+    verify = runs["verify"]
+    assert verify.first == (1, "o_proj")
+    keys = list(verify.diffs)
+    before = keys[: keys.index((1, "o_proj"))]
+    assert before and all(verify.diffs[k].rows == 0 for k in before)
+    assert verify.diffs[(1, "o_proj")].rows == ROWS and verify.diffs[(1, "o_proj")].worst > 0
+    assert verify.diffs[(1, "out")].rows == ROWS and verify.diffs[("model", "logits")].rows == ROWS
+    assert verify.replay == "3/3"  # the replay saw the planted weight too
+    # the prefill and the committed block are not the verify: untouched
+    assert all(d.rows == 0 for d in report["history"].values())
+    assert runs["own history"].first == (1, "o_proj")
+    assert runs["compiled"].first == (1, "out")  # what a compiled verify shows of it
+
+
+def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rounding.json"
+    argv = ["verify_rounding.py", "--shape", "small", "--prompt-tokens", "24", "--committed", "1", "--rows", "4"]
+    monkeypatch.setattr(sys, "argv", argv + ["--no-variants", "--json", str(out)])
+    vr.main()
+    text = capsys.readouterr().out
+    assert "verify over mlx-lm's cache" in text and "first difference" in text
+    table = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["7"])]
+    assert len(table) == 2 and all(cells[1:] == ["0"] * len(vr.LAYER_PIECES) for cells in table)
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["runs"]] == ["verify", "own history", "compiled"]
+    assert all(r["first_difference"] is None for r in report["runs"])
+    assert report["runs"][0]["pieces"]["7/down"] == {"rows": 0, "max_abs": 0.0}
+
+
+def test_bad_sizes_end_in_one_sentence(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["verify_rounding.py", "--rows", "1"])
+    with pytest.raises(SystemExit) as e:
+        vr.main()
+    assert str(e.value) == (
+        "verify_rounding.py: pass --prompt-tokens of at least 1, --committed of 0 or more and --rows of at least 2."
+    )
