@@ -1,0 +1,356 @@
+"""A verify's exact attention: 2-16 causal query rows over a cache's keys, each
+row bit for bit what MLX's one-row attention computes for it alone (Metal, CUDA).
+
+A plain step attends one row over the filled keys with
+``mx.fast.scaled_dot_product_attention``, which runs MLX's one-row kernels
+(Metal's ``sdpa_vector`` or ``sdpa_vector_2pass``, CUDA's ``sdpav``); a
+verify's rows take another kernel and another summation order, so at a
+near-tie a greedy verify could pick another token than the plain step. This
+kernel (exact_attention_source.py, which names the orders it follows) computes
+each row as that one-row call over keys 0..its position does, the rows of a
+KV head reading each key together.
+
+Which (dtype, head dim) a machine serves with it is decided once, outside
+compiled traces (``prepare``): the rows must equal MLX's one-row attention of
+each row alone, bit for bit, on random cases either side of MLX's one-pass /
+two-pass switch; a failure keeps MLX's attention, with one warning. A checked
+variant serves only where this machine measured it faster than MLX's attention
+of the block (decisions.py). Not served: sinks, windows, draft trees (their
+keys are not one run), and keys where MLX's one-row call takes a kernel whose
+order is not followed (Metal's GQA-8/12/16 kernel from 8192 keys; on CUDA the
+2-pass kernel past 1024 keys and cuDNN from 256 keys of a cache's buffer,
+there the check fails). The CPU never runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..device import backend, device_info
+from . import decisions
+from .attention import make_factory
+from .exact_attention_source import (
+    ARCH,
+    MERGE_INPUTS,
+    MERGE_OUTPUTS,
+    PARTIAL_INPUTS,
+    PARTIAL_OUTPUTS,
+    VERSION,
+    merge_source,
+    partial_source,
+)
+from .exact_attention_source import HEADER as HEADERS
+from .launch_source import compacting
+from .serving import bit_difference, check_once, checked_here, failure, passed
+
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+HEAD_DIMS = {"metal": (64, 128, 256), "cuda": (64, 128)}
+FEWEST_ROWS, MOST_ROWS = 2, 16
+# Simdgroups a partial threadgroup holds (one a row; a KV head's rows in tiles of the least that fits).
+ROW_TILES = (4, 8, 16, 32)
+MERGE_WARPS = 4
+# The multiply-add forms a backend's check tries, in order (exact_attention_source: FORM).
+FORMS = {"metal": (0, 1, 2), "cuda": (0, 2)}
+# Keys past which MLX's one-row call leaves the order followed here.
+# CUDA: MLX's one-pass kernel; from 256 keys of a cache's buffer (steps of 256) a one-row call
+# takes cuDNN, past 1024 MLX's 2-pass kernel.
+CUDA_MOST_KEYS = 255
+GQA_KERNEL_KEYS = 8192  # Metal's sdpa_vector_2pass_1_gqa
+DECISION = "exact verify attention"
+KEY_CLASSES = (1024, 4096, 16384, 65536)
+MEASURED_ROWS, MEASURED_KV_HEADS, MEASURED_GQA = 16, 8, 4
+
+
+def arch_code(backend_name: str) -> int:
+    """The Metal architecture's code for the kernels (its name's last letter, MLX's
+    ``devc``: 's' 1, 'd' 2, any other 0); 0 on CUDA."""
+    if backend_name != "metal":
+        return 0
+    return ARCH.get(str(device_info().get("architecture", ""))[-1:], 0)
+
+
+def blocks(backend_name: str, arch: int, n: int, g: int) -> int:
+    """The 2-pass block count of MLX's one-row call over ``n`` keys at GQA ``g``,
+    or 0 where it takes the one-pass kernel (exact_attention_source: RULES)."""
+    if backend_name != "metal" or not ((arch in (1, 2) and n >= 1024) or (g > 1 and n >= 4096)):
+        return 0
+    if arch == 1:
+        if n > 1024 and g > 4:
+            return 128 if n <= 8192 else 256 if n <= 32768 else 512 if n <= 65536 else 1024
+        return 64
+    if arch == 2:
+        if g <= 2 and n > 8192:
+            return 256
+        if g >= 6:
+            return 1024 if n >= 65536 else 512 if n >= 16384 else 128
+        return 128
+    return 64 if g >= 4 else 32
+
+
+def most_keys(backend_name: str, g: int, d: int) -> int | None:
+    """The most keys a row may read and keep MLX's one-row order here (None: any)."""
+    if backend_name == "cuda":
+        return CUDA_MOST_KEYS
+    if (g == 8 and d in (64, 128)) or (g in (12, 16) and d == 128):
+        return GQA_KERNEL_KEYS - 1
+    return None
+
+
+def q_scale(backend_name: str, scale: float) -> float:
+    """What q is multiplied by: Metal's ``float(scale)``; CUDA's ``scale * M_LOG2E``
+    (a double product, then float)."""
+    if backend_name == "cuda":
+        return float(np.float32(np.float64(np.float32(scale)) * np.float64(1.4426950408889634074)))
+    return float(np.float32(scale))
+
+
+def row_tile(rows: int) -> int:
+    return next((t for t in ROW_TILES if rows <= t), ROW_TILES[-1])
+
+
+class ExactAttentionKernel:
+    """The two passes for one backend, compiled by MLX per (T, D, FORM, tile)."""
+
+    def __init__(self, backend_name: str, factory=None):
+        self.backend = backend_name
+        factory = compacting(factory or make_factory(backend_name), backend_name)
+        header = HEADERS[backend_name]
+        # (the version in the name: MLX caches built kernels on disk by name, not by source)
+        self.partial = factory(
+            name=f"dflash_exact_attn_partial_v{VERSION}",
+            input_names=PARTIAL_INPUTS,
+            output_names=PARTIAL_OUTPUTS,
+            source=partial_source(backend_name),
+            header=header,
+            ensure_row_contiguous=False,
+        )
+        self.merge = factory(
+            name=f"dflash_exact_attn_merge_v{VERSION}",
+            input_names=MERGE_INPUTS,
+            output_names=MERGE_OUTPUTS,
+            source=merge_source(backend_name),
+            header=header,
+        )
+
+    def __call__(self, queries, keys, values, *, scale: float, q_offset, arch: int = 0, form: int = 0) -> mx.array:
+        """queries [B, HQ, L, D] at positions q_offset .. q_offset + L - 1 over
+        keys, values [B, HKV, N, D] holding at least q_offset + L keys: [B, HQ, L, D]."""
+        B, HQ, L, D = queries.shape
+        HKV = keys.shape[1]
+        g = HQ // HKV
+        streams = max(32, blocks(self.backend, arch, keys.shape[2], g))
+        rows = g * L
+        tile = row_tile(rows)
+        tiles = -(-rows // tile)
+        offset = q_offset if isinstance(q_offset, mx.array) else mx.array(q_offset)
+        offset = offset.reshape((1,)).astype(mx.int32)
+        dims = mx.array([L, g, streams, arch], dtype=mx.int32)
+        params = mx.array([q_scale(self.backend, scale)], dtype=mx.float32)
+        o_part, m_part, l_part = self.partial(
+            inputs=[queries, keys, values, offset, params, dims],
+            template=[("T", queries.dtype), ("D", D), ("FORM", form), ("NW", tile)],
+            grid=(streams * tiles * tile * 32, B * HKV, 1),
+            threadgroup=(tile * 32, 1, 1),
+            output_shapes=[(B * HQ * L, streams, D), (B * HQ * L, streams), (B * HQ * L, streams)],
+            output_dtypes=[mx.float32] * 3,
+        )
+        (out,) = self.merge(
+            inputs=[o_part, m_part, l_part, offset, dims],
+            template=[("T", queries.dtype), ("D", D), ("FORM", form), ("MW", MERGE_WARPS)],
+            grid=(B * HQ * L * MERGE_WARPS * 32, 1, 1),
+            threadgroup=(MERGE_WARPS * 32, 1, 1),
+            output_shapes=[(B * HQ * L, D)],
+            output_dtypes=[queries.dtype],
+        )
+        return out.reshape(B, HQ, L, D)
+
+
+@dataclass
+class ExactAttentionCheck:
+    backend: str
+    dtype: str
+    head_dim: int
+    ok: bool
+    detail: str
+    form: int = 0
+
+    @property
+    def case(self) -> str:
+        return f"{self.backend} {self.dtype} head_dim={self.head_dim}"
+
+
+BUILDERS = {"metal": ExactAttentionKernel, "cuda": ExactAttentionKernel}
+_kernels: dict[str, ExactAttentionKernel] = {}
+_checks: dict[tuple, ExactAttentionCheck] = {}
+
+
+def reset() -> None:
+    _kernels.clear()
+    _checks.clear()
+
+
+def checked(where: str, dtype, head_dim: int) -> ExactAttentionCheck:
+    """The variant's self-check on backend ``where``, run once (warning once where it fails)."""
+    return check_once(
+        _checks,
+        (where, dtype, head_dim),
+        lambda: self_check(where, dtype, head_dim),
+        lambda r: (
+            f"dflash_mlx: the {r.case} exact verify attention failed its self-check ({r.detail}); "
+            "using MLX's attention for it instead."
+        ),
+    )
+
+
+def decision_case(dtype, head_dim: int, keys: int) -> str:
+    width = next((k for k in KEY_CLASSES if keys <= k), KEY_CLASSES[-1])
+    return f"{str(dtype).split('.')[-1]} d{head_dim} rows={MEASURED_ROWS} keys<={width}"
+
+
+def prepare(dtype, head_dim: int) -> None:
+    """Check the (dtype, head dim) variant once and time each key class it may
+    serve against MLX's attention of a verify block once a machine; call it
+    outside compiled traces."""
+    where = backend()
+    if where not in BUILDERS or dtype not in DTYPES or head_dim not in HEAD_DIMS[where]:
+        return
+    if not checked(where, dtype, head_dim).ok:
+        return
+    store = decisions.current()
+    limit = most_keys(where, MEASURED_GQA, head_dim)
+    for keys in KEY_CLASSES:
+        if limit is not None and keys > limit + 1:
+            break
+        case = decision_case(dtype, head_dim, keys)
+        if store.needs(DECISION, case):
+            store.decide(DECISION, case, *_timed_pair(where, dtype, head_dim, keys))
+
+
+def _timed_pair(where: str, dtype, head_dim: int, keys: int):
+    """(ours, MLX's attention of the block with its causal mask) at a verify's shape."""
+    heads = MEASURED_KV_HEADS * MEASURED_GQA
+    q = mx.random.normal((1, heads, MEASURED_ROWS, head_dim)).astype(dtype)
+    k = mx.random.normal((1, MEASURED_KV_HEADS, keys, head_dim)).astype(dtype)
+    v = mx.random.normal((1, MEASURED_KV_HEADS, keys, head_dim)).astype(dtype)
+    start = keys - MEASURED_ROWS
+    seen = mx.arange(keys)[None] <= mx.arange(start, keys)[:, None]
+    offset = mx.array(start)
+    scale = head_dim**-0.5
+    mx.eval(q, k, v, seen, offset)
+    kernel, arch, form = _kernels[where], arch_code(where), _checks[(where, dtype, head_dim)].form
+    return (
+        lambda: kernel(q, k, v, scale=scale, q_offset=offset, arch=arch, form=form),
+        lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen),
+    )
+
+
+def serves(where: str, queries, keys) -> bool:
+    """Whether the kernel takes this verify's attention here: a checked variant,
+    2-16 rows, keys within the order followed, and a key class measured faster;
+    never checks or measures (safe in a trace)."""
+    B, HQ, L, D = queries.shape
+    if where not in BUILDERS or not FEWEST_ROWS <= L <= MOST_ROWS or HQ % keys.shape[1]:
+        return False
+    if queries.dtype != keys.dtype or not passed(_checks, (where, queries.dtype, D)):
+        return False
+    limit = most_keys(where, HQ // keys.shape[1], D)
+    if limit is not None and keys.shape[2] > limit:
+        return False
+    return decisions.current().uses(DECISION, decision_case(queries.dtype, D, keys.shape[2]))
+
+
+def attention(queries, keys, values, *, scale: float, q_offset) -> mx.array | None:
+    """The causal attention of a verify's rows written at ``q_offset`` over the
+    cache's buffers (``keys`` holding at least q_offset + L): [B, HQ, L, D]
+    through the kernel where it serves here, else None (MLX's attention runs)."""
+    where = backend()
+    if not serves(where, queries, keys):
+        return None
+    form = _checks[(where, queries.dtype, queries.shape[3])].form
+    return _kernels[where](queries, keys, values, scale=scale, q_offset=q_offset, arch=arch_code(where), form=form)
+
+
+def one_row_attention(queries, keys, values, *, scale: float, q_offset: int) -> mx.array:
+    """Each row through MLX's one-row attention alone over keys 0..its position,
+    as a plain step calls it (the buffer's slice, no mask): [B, HQ, L, D]."""
+    rows = []
+    for i in range(queries.shape[2]):
+        n = q_offset + i + 1
+        rows.append(
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, i : i + 1], keys[..., :n, :], values[..., :n, :], scale=scale, mask=None
+            )
+        )
+    return mx.concatenate(rows, axis=2)
+
+
+# (G, rows, q_offset, key buffer): one pass at a few keys and GQA 1; across MLX's
+# switch to two passes on 's' and 'd' devices (1024 keys), across its switch under
+# GQA (4096 keys), and two passes with more blocks (GQA 6 past 16384 keys, GQA 2
+# past 8192). Buffers are whole steps of 256, as a cache's. (CUDA: under 256 keys.)
+CHECK_CASES = {
+    "metal": ((1, 3, 37, 256), (4, 16, 1015, 1280), (4, 5, 4089, 4352), (6, 16, 16380, 16640), (2, 7, 9000, 9216)),
+    "cuda": ((1, 3, 37, 256), (4, 16, 200, 256), (8, 16, 239, 256)),
+}
+
+
+def check_cases(where: str, dtype, head_dim: int):
+    """(q, k, v, q_offset): random verifies of each case over a cache-like buffer."""
+    for g, rows, start, n in CHECK_CASES[where]:
+        key = mx.random.key(g * 1000 + rows + head_dim)
+        kq, kk, kv = mx.random.split(key, 3)
+        q = mx.random.normal((1, rows, 2 * g, head_dim), key=kq).astype(dtype).transpose(0, 2, 1, 3)
+        k = mx.random.normal((1, 2, n, head_dim), key=kk).astype(dtype)
+        v = mx.random.normal((1, 2, n, head_dim), key=kv).astype(dtype)
+        mx.eval(q, k, v)
+        yield q, k, v, start
+
+
+def self_check(where: str, dtype, head_dim: int) -> ExactAttentionCheck:
+    """The kernel's rows against MLX's one-row attention of the same rows, bit
+    for bit, with each multiply-add form in turn, keeping the first that matches."""
+    for form in FORMS.get(where, (0,)):
+        result = _check_once(where, dtype, head_dim, form)
+        if result.ok:
+            break
+    return result
+
+
+def _check_once(where: str, dtype, head_dim: int, form: int) -> ExactAttentionCheck:
+    name = str(dtype).split(".")[-1]
+    try:
+        kernel = _kernels.get(where)
+        if kernel is None:
+            kernel = _kernels[where] = BUILDERS[where](where)
+        arch = arch_code(where)
+        for q, k, v, start in check_cases(where, dtype, head_dim):
+            scale = head_dim**-0.5
+            got = kernel(q, k, v, scale=scale, q_offset=mx.array(start), arch=arch, form=form)
+            want = one_row_attention(q, k, v, scale=scale, q_offset=start)
+            detail = bit_difference(got.reshape(-1, head_dim), want.reshape(-1, head_dim))
+            if detail is not None:
+                return ExactAttentionCheck(where, name, head_dim, False, f"at {start} keys: {detail}", form)
+        return ExactAttentionCheck(where, name, head_dim, True, "every row equal to MLX's one-row attention", form)
+    except Exception as e:  # a build or launch error: the kernel is not used
+        return ExactAttentionCheck(where, name, head_dim, False, failure(e), form)
+
+
+def self_check_all(report=None) -> list[ExactAttentionCheck]:
+    """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
+    return checked_here(_checks, backend(), report)
+
+
+def record_variants(factory, backend_name: str) -> None:
+    """Launch every variant the kernel can (each dtype, head dim, form and row
+    tile) through ``factory``, a stand-in for MLX's kernel factory that records
+    them (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
+    kernel = ExactAttentionKernel(backend_name, factory=factory)
+    for dtype, d, form in itertools.product(DTYPES, HEAD_DIMS[backend_name], FORMS[backend_name]):
+        kv = mx.zeros((1, 1, 4096, d), dtype)
+        for rows in ROW_TILES:
+            q = mx.zeros((1, rows // 2, 2, d), dtype)
+            kernel(q, kv, kv, scale=d**-0.5, q_offset=mx.array([100], mx.int32), arch=1, form=form)

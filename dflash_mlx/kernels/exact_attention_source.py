@@ -1,0 +1,277 @@
+"""Kernel source for a verify's exact attention: one body, two dialects.
+
+A plain step attends one query row over the filled keys, with no mask, through
+``mx.fast.scaled_dot_product_attention``; a verify attends its block of rows.
+This kernel computes each verify row at position p as that one-row call over
+keys 0..p computes it, so the row comes out bit for bit as the plain step's.
+
+The orders replicated, read from MLX's sources (github.com/ml-explore/mlx;
+the Metal kernels from the installed 0.32.4's
+mlx/backend/metal/kernels/sdpa_vector.h, the dispatch from
+mlx/backend/metal/scaled_dot_product_attention.cpp and
+mlx/backend/cuda/scaled_dot_product_attention.cu of the 0.32 tree; each
+machine checks before use, see exact_attention.py):
+
+- Metal, the choice (``ScaledDotProductAttention::eval_gpu``, one query row,
+  no mask, so not causal): ``sdpa_vector_2pass`` where the architecture name
+  ends in 'd' or 's' and N >= 1024, or under GQA where N >= 4096; else
+  ``sdpa_vector``. The 2-pass block count (``sdpa_vector_2pass``, n_simds =
+  the GQA factor for one row): 's': 64, or where N > 1024 and n_simds > 4,
+  128 to N <= 8192, 256 to 32768, 512 to 65536, else 1024; 'd': 128, 256
+  where n_simds <= 2 and N > 8192, or where n_simds >= 6 512 from N = 16384
+  and 1024 from 65536; any other: 64 where n_simds >= 4, else 32. (GQA 8 at
+  head dim 64/128, or 12 and 16 at 128, from N = 8192 takes
+  ``sdpa_vector_2pass_1_gqa``, another order: never served, see
+  exact_attention.py.)
+- Metal, a stream (both kernels): a simdgroup takes keys s, s + S, s + 2S, ...
+  below N (``sdpa_vector``: s its simdgroup of 32, S = 32; the 2-pass's first
+  kernel: s its block, S the block count); a lane takes head-dim values
+  lane * D/32 ..; q is read as ``float(scale) * q`` once; per key ``score +=
+  q[j] * k[j]`` over the lane's values in order, ``simd_sum``, then the online
+  softmax from max -FLT_MAX, sum 0: ``new_max = max(max, score)``, ``factor =
+  fast::exp(max - new_max)``, ``exp_score = fast::exp(score - new_max)``,
+  ``sum = sum * factor + exp_score``, ``o = o * factor + exp_score * v``.
+- Metal ``sdpa_vector``'s merge of its 32 streams: lane l holds stream l's
+  max; ``new_max = simd_max``, ``factor = fast::exp(max_l - new_max)``, ``sum
+  = simd_sum(sum_l * factor)``; each output element ``simd_sum(o_l * factor)``
+  over the 32 streams, divided by the sum unless it is 0, rounded once.
+- Metal ``sdpa_vector_2pass``: the first kernel writes each block's o
+  rounded to T, its max and sum in float; the second, lane l takes blocks l,
+  l + 32, ...: its max of their maxes from -FLT_MAX, ``simd_max``; its ``sum
+  += factor * sums[b]`` in order, ``simd_sum``; each element its ``o +=
+  factor * float(partial[b])`` in order, ``simd_sum`` over the lanes (the
+  transposition through threadgroup memory lands stream class l on lane l),
+  divided by the sum unless it is 0, rounded once.
+- CUDA (``sdpa_vector_1pass_fallback``, N <= 1024; MLX's 2-pass from 1025,
+  and cuDNN for 256 keys or more of a cache's buffer: neither is served):
+  the stream and merge of Metal's ``sdpa_vector`` with q scaled by ``float(scale
+  * M_LOG2E)`` (a double product), ``exp2f`` for the exponentials,
+  ``cg::reduce`` (xor butterfly) for the warp sums and max, and the merge's
+  sum applied as ``* __frcp_rn(sum)``.
+
+Whether a compiler contracts a multiply and an add in MLX's binary is the
+compiler's to say: FORM 0 writes each multiply-add as MLX does (the compiler's
+to contract), 1 contracts each as clang does (the first product fused into
+the add), 2 keeps every rounding apart; the self-check keeps the form that
+matches.
+"""
+
+from __future__ import annotations
+
+from .attention_source import HEADER as BASE_HEADER
+
+VERSION = 1  # of the bodies and headers: a change must bump it
+SIMD = 32
+PARTIAL_INPUTS = ["queries", "keys", "values", "q_offset", "params", "dims"]
+PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
+MERGE_INPUTS = ["o_part", "m_part", "l_part", "q_offset", "dims"]
+MERGE_OUTPUTS = ["out"]
+# The architecture a Metal device's name ends in (MLX's ``devc``), as the kernels' arch code.
+ARCH = {"s": 1, "d": 2}
+
+# MLX's one-row choice, per backend: the 2-pass block count a row of N keys
+# takes at GQA g, or 0 where the one-pass kernel (32 streams) takes it.
+RULES = {
+    "metal": """
+inline int ea_blocks(int arch, int n, int g) {
+  if (!(((arch == 1 || arch == 2) && n >= 1024) || (g > 1 && n >= 4096))) return 0;
+  if (arch == 1) {
+    if (n > 1024 && g > 4) return n <= 8192 ? 128 : n <= 32768 ? 256 : n <= 65536 ? 512 : 1024;
+    return 64;
+  }
+  if (arch == 2) {
+    if (g <= 2 && n > 8192) return 256;
+    if (g >= 6) return n >= 65536 ? 1024 : n >= 16384 ? 512 : 128;
+    return 128;
+  }
+  return g >= 4 ? 64 : 32;
+}
+""",
+    "cuda": """
+__device__ __forceinline__ int ea_blocks(int arch, int n, int g) { return 0; }
+""",
+}
+
+HEADER = {
+    "metal": BASE_HEADER["metal"]
+    + RULES["metal"]
+    + """
+#define EA_FINITE_MIN (-0x1.fffffep+127f)
+inline float ea_exp(float x) { return metal::fast::exp(x); }
+inline float ea_max(float a, float b) { return a < b ? b : a; }
+inline float ea_norm(float s, float sum) { return sum == 0 ? s : s / sum; }
+inline float ea_mul_add_apart(float a, float b, float c) {
+#pragma clang fp contract(off)
+  return a * b + c;
+}
+inline float ea_two_apart(float a, float b, float c, float d) {
+#pragma clang fp contract(off)
+  return a * b + c * d;
+}
+// acc + a * b (MLX: ``score += q * k``, ``sum += factor * s``, ``o += factor * p``)
+template <int FORM> inline float ea_madd(float acc, float a, float b) {
+  if (FORM == 1) return metal::fma(a, b, acc);
+  if (FORM == 2) return ea_mul_add_apart(a, b, acc);
+  acc += a * b;
+  return acc;
+}
+// a * b + c (MLX: ``sum * factor + exp_score``)
+template <int FORM> inline float ea_scale_add(float a, float b, float c) {
+  if (FORM == 1) return metal::fma(a, b, c);
+  if (FORM == 2) return ea_mul_add_apart(a, b, c);
+  return a * b + c;
+}
+// a * b + c * d (MLX: ``o * factor + exp_score * v``)
+template <int FORM> inline float ea_two(float a, float b, float c, float d) {
+  if (FORM == 1) return metal::fma(a, b, c * d);
+  if (FORM == 2) return ea_two_apart(a, b, c, d);
+  return a * b + c * d;
+}
+""",
+    "cuda": BASE_HEADER["cuda"]
+    + RULES["cuda"]
+    + """
+#define EA_FINITE_MIN (-0x1.fffffep+127f)
+__device__ __forceinline__ float ea_exp(float x) { return exp2f(x); }
+__device__ __forceinline__ float ea_max(float a, float b) { return a < b ? b : a; }
+__device__ __forceinline__ float ea_norm(float s, float sum) { return s * (sum == 0 ? 0.0f : __frcp_rn(sum)); }
+template <int FORM> __device__ __forceinline__ float ea_madd(float acc, float a, float b) {
+  if (FORM == 2) return __fadd_rn(acc, __fmul_rn(a, b));
+  acc += a * b;
+  return acc;
+}
+template <int FORM> __device__ __forceinline__ float ea_scale_add(float a, float b, float c) {
+  if (FORM == 2) return __fadd_rn(__fmul_rn(a, b), c);
+  return a * b + c;
+}
+template <int FORM> __device__ __forceinline__ float ea_two(float a, float b, float c, float d) {
+  if (FORM == 2) return __fadd_rn(__fmul_rn(a, b), __fmul_rn(c, d));
+  return a * b + c * d;
+}
+""",
+}
+
+PRELUDE = {
+    "metal": """
+  const int lane = int(thread_index_in_simdgroup);
+  const int warp = int(simdgroup_index_in_threadgroup);
+  const int tg_x = int(threadgroup_position_in_grid.x);
+  const int tg_y = int(threadgroup_position_in_grid.y);
+""",
+    "cuda": """
+  const int lane = int(threadIdx.x) & 31;
+  const int warp = int(threadIdx.x) >> 5;
+  const int tg_x = int(blockIdx.x);
+  const int tg_y = int(blockIdx.y);
+""",
+}
+
+# Template constants: T, D (head dim), FORM (the multiply-adds, above), NW
+# (rows a threadgroup: one simdgroup a row). dims: (L, G, S, arch: Metal's
+# ARCH code for the device's architecture, 0 for any other; CUDA 0); params:
+# the scale q is read with (Metal: the scale; CUDA: scale * log2(e)). The grid's x is (stream,
+# row tile), its y (batch x KV head): the rows of a tile read the same keys at
+# once. Row r of a KV head is query head hk * G + r / L, verify row r % L, at
+# position q_offset + r % L: its one-row call reads N = that + 1 keys. A
+# stream past the row's count is not written (the merge never reads it).
+# queries [B, HQ, L, D], keys and values [B, HKV, >= N, D], read through their
+# strides (the head dim contiguous); o_part [rows, S, D], m_part, l_part [rows, S].
+PARTIAL_BODY = """
+  constexpr int DL = D / 32;
+  const int L = queries_shape[2];
+  const int HQ = queries_shape[1];
+  const int HKV = keys_shape[1];
+  const int G = HQ / HKV;
+  const int R = G * L;
+  const int tiles = (R + NW - 1) / NW;
+  const int S = dims[2];
+  const int stream = tg_x / tiles;  // (the grid's x: S streams x tiles)
+  const int r = (tg_x % tiles) * NW + warp;
+  const int b = tg_y / HKV;
+  const int hk = tg_y % HKV;
+  if (r < R) {
+    const int h = hk * G + r / L;
+    const int i = r % L;
+    const int n = q_offset[0] + i + 1;
+    const int blocks = ea_blocks(dims[3], n, G);
+    const int step = blocks > 0 ? blocks : 32;
+    if (stream < step) {
+      const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
+      float q[DL];
+      float o[DL];
+      for (int j = 0; j < DL; ++j) {
+        q[j] = params[0] * to_float(qp[(lane * DL + j) * queries_strides[3]]);
+        o[j] = 0.0f;
+      }
+      float m = EA_FINITE_MIN;
+      float l = 0.0f;
+      const DEV T* kp = keys + b * keys_strides[0] + hk * keys_strides[1] + lane * DL;
+      const DEV T* vp = values + b * values_strides[0] + hk * values_strides[1] + lane * DL;
+      for (int k = stream; k < n; k += step) {
+        const DEV T* kk = kp + idx_t(k) * keys_strides[2];
+        const DEV T* vv = vp + idx_t(k) * values_strides[2];
+        float score = 0.0f;
+        for (int j = 0; j < DL; ++j) score = ea_madd<FORM>(score, q[j], to_float(kk[j]));
+        score = simd_sum(score);
+        const float new_m = ea_max(m, score);
+        const float factor = ea_exp(m - new_m);
+        const float e = ea_exp(score - new_m);
+        m = new_m;
+        l = ea_scale_add<FORM>(l, factor, e);
+        for (int j = 0; j < DL; ++j) o[j] = ea_two<FORM>(o[j], factor, e, to_float(vv[j]));
+      }
+      const idx_t at = idx_t((b * HQ + h) * L + i) * S + stream;
+      for (int j = 0; j < DL; ++j) {
+        o_part[at * D + lane * DL + j] = blocks > 0 ? to_float(from_float<T>(o[j])) : o[j];
+      }
+      if (lane == 0) {
+        m_part[at] = m;
+        l_part[at] = l;
+      }
+    }
+  }
+"""
+
+# One row a threadgroup of MW simdgroups, output element e taken by simdgroup
+# e % MW; lane l stands for MLX's stream l (one pass) or blocks l, l + 32, ...
+# (two passes). dims as the partial pass's. out [rows, D] in T, rows as o_part's.
+MERGE_BODY = """
+  const int L = dims[0];
+  const int G = dims[1];
+  const int S = dims[2];
+  const int row = tg_x;
+  const int n = q_offset[0] + row % L + 1;
+  const int blocks = ea_blocks(dims[3], n, G);
+  const idx_t base = idx_t(row) * S;
+  if (blocks == 0) {
+    const float m = m_part[base + lane];
+    const float new_m = simd_max(m);
+    const float factor = ea_exp(m - new_m);
+    const float sum = simd_sum(l_part[base + lane] * factor);
+    for (int e = warp; e < D; e += MW) {
+      const float s = simd_sum(o_part[(base + lane) * D + e] * factor);
+      if (lane == 0) out[idx_t(row) * D + e] = from_float<T>(ea_norm(s, sum));
+    }
+  } else {
+    float m = EA_FINITE_MIN;
+    for (int c = lane; c < blocks; c += 32) m = ea_max(m, m_part[base + c]);
+    m = simd_max(m);
+    float sum = 0.0f;
+    for (int c = lane; c < blocks; c += 32) sum = ea_madd<FORM>(sum, ea_exp(m_part[base + c] - m), l_part[base + c]);
+    sum = simd_sum(sum);
+    for (int e = warp; e < D; e += MW) {
+      float acc = 0.0f;
+      for (int c = lane; c < blocks; c += 32) acc = ea_madd<FORM>(acc, ea_exp(m_part[base + c] - m), o_part[(base + c) * D + e]);
+      const float s = simd_sum(acc);
+      if (lane == 0) out[idx_t(row) * D + e] = from_float<T>(ea_norm(s, sum));
+    }
+  }
+"""
+
+
+def partial_source(backend: str) -> str:
+    return PRELUDE[backend] + PARTIAL_BODY
+
+
+def merge_source(backend: str) -> str:
+    return PRELUDE[backend] + MERGE_BODY

@@ -1,0 +1,518 @@
+"""The exact verify attention (kernels/exact_attention.py): MLX's one-row choice
+of kernel and block count it follows, its launches, its self-check (bit for bit
+against MLX's one-row attention of each row alone) and where a verify takes it.
+Then the Metal source itself, compiled for this CPU and run over its grid,
+against a plain transcription of MLX's Metal ``sdpa_vector`` and
+``sdpa_vector_2pass`` (mlx/backend/metal/kernels/sdpa_vector.h) bit for bit."""
+
+import ctypes
+import warnings
+
+import metal_on_cpu
+import mlx.core as mx
+import numpy as np
+import pytest
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+
+from dflash_mlx.kernels import exact_attention as ea
+from dflash_mlx.kernels.exact_attention_source import MERGE_INPUTS, MERGE_OUTPUTS, PARTIAL_INPUTS, PARTIAL_OUTPUTS
+
+F32 = np.float32
+FINITE_MIN = F32(-np.finfo(np.float32).max)
+
+
+# --- MLX's one-row choice -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arch, n, g, want",
+    [
+        (0, 1023, 1, 0),  # any device: one pass ...
+        (0, 9000, 1, 0),  # ... without GQA, at any length
+        (0, 4095, 4, 0),
+        (0, 4096, 4, 64),  # GQA from 4096 keys: two passes, 64 blocks at 4 simdgroups or more
+        (0, 4096, 2, 32),
+        (1, 1023, 1, 0),  # 's' (Max): two passes from 1024 keys
+        (1, 1024, 1, 64),
+        (1, 1025, 8, 128),  # more than 4 simdgroups past 1024 keys: by length
+        (1, 8193, 8, 256),
+        (1, 32769, 6, 512),
+        (1, 65537, 6, 1024),
+        (1, 9000, 4, 64),
+        (2, 1024, 4, 128),  # 'd' (Ultra)
+        (2, 8193, 2, 256),
+        (2, 16384, 6, 512),
+        (2, 65536, 8, 1024),
+        (2, 16384, 4, 128),
+    ],
+)
+def test_metal_takes_the_kernel_and_blocks_mlxs_dispatch_picks(arch, n, g, want):
+    assert ea.blocks("metal", arch, n, g) == want
+    assert ea.blocks("cuda", arch, n, g) == 0  # (CUDA: MLX's one-pass kernel, all it serves)
+
+
+def test_more_keys_never_take_fewer_blocks():
+    """A launch sizes its streams for the buffer's width: every row's count must fit."""
+    for arch, g in ((0, 1), (0, 4), (1, 2), (1, 8), (2, 2), (2, 6)):
+        counts = [max(32, ea.blocks("metal", arch, n, g)) for n in range(1, 70000, 97)]
+        assert counts == sorted(counts)
+
+
+@pytest.mark.parametrize(
+    "where, g, d, limit",
+    [("metal", 4, 128, None), ("metal", 8, 128, 8191), ("metal", 8, 256, None), ("metal", 16, 128, 8191)]
+    + [("metal", 12, 64, None), ("cuda", 4, 128, 255)],
+)
+def test_it_serves_only_keys_within_the_order_it_follows(where, g, d, limit):
+    assert ea.most_keys(where, g, d) == limit
+
+
+def test_cuda_reads_q_scaled_into_base_2_as_mlx_rounds_it():
+    """MLX's CUDA kernel multiplies float scale by the double M_LOG2E, then rounds to float."""
+    scale = 128**-0.5
+    assert ea.q_scale("cuda", scale) == float(F32(np.float64(F32(scale)) * 1.4426950408889634))
+    assert ea.q_scale("metal", scale) == float(F32(scale))
+
+
+# --- Launches and serving -----------------------------------------------------------------------------------
+
+
+def record_launches(backend_name: str):
+    launches = []
+
+    def factory(**made):
+        def launch(**kw):
+            launches.append(kw)
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return launch
+
+    return ea.ExactAttentionKernel(backend_name, factory=factory), launches
+
+
+@pytest.mark.parametrize("rows, g, keys, arch", [(2, 1, 256, 0), (16, 4, 1280, 1), (7, 2, 9216, 2), (16, 8, 512, 0)])
+def test_each_launch_covers_every_row_and_the_buffers_blocks(rows, g, keys, arch):
+    kernel, launches = record_launches("metal")
+    q = mx.zeros((1, 2 * g, rows, 128), mx.float16)
+    kv = mx.zeros((1, 2, keys, 128), mx.float16)
+    out = kernel(q, kv, kv, scale=0.1, q_offset=mx.array(keys - rows), arch=arch)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    partial, merge = launches
+    streams = max(32, ea.blocks("metal", arch, keys, g))
+    tile = dict(partial["template"])["NW"]
+    assert tile == ea.row_tile(g * rows) and partial["threadgroup"] == (tile * 32, 1, 1)
+    tiles = partial["grid"][0] // (tile * 32)
+    assert tiles == streams * -(-g * rows // tile) and partial["grid"][1] == 2
+    assert partial["output_shapes"][0] == (2 * g * rows, streams, 128)
+    assert [int(x) for x in partial["inputs"][5]] == [rows, g, streams, arch]
+    assert merge["grid"][0] == 2 * g * rows * ea.MERGE_WARPS * 32
+
+
+class FakeKernel:
+    """The kernel as its callers see it: each row MLX's one-row attention (what
+    the real kernel must compute), ``nudge`` added to one output; counts calls."""
+
+    def __init__(self, nudge: float = 0.0):
+        self.nudge = nudge
+        self.calls = []
+
+    def __call__(self, queries, keys, values, *, scale, q_offset, arch=0, form=0):
+        self.calls.append((queries.shape[2], form))
+        start = int(q_offset.item()) if isinstance(q_offset, mx.array) else q_offset
+        out = ea.one_row_attention(queries, keys, values, scale=scale, q_offset=start)
+        if self.nudge:
+            out = out.at[0, 0, -1, 0].add(mx.array(self.nudge, out.dtype))
+        return out
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    ea.reset()
+    monkeypatch.setattr(ea, "backend", lambda: "metal")
+    monkeypatch.setitem(ea.CHECK_CASES, "metal", ((1, 3, 37, 256), (4, 5, 300, 512)))
+
+    def install(kernel):
+        monkeypatch.setitem(ea.BUILDERS, "metal", lambda where: kernel)
+        return kernel
+
+    yield install
+    ea.reset()
+
+
+def verify_case(rows=6, g=4, start=120, n=256, dtype=mx.float16, d=64):
+    q = mx.random.normal((1, 2 * g, rows, d), key=mx.random.key(rows)).astype(dtype)
+    k = mx.random.normal((1, 2, n, d), key=mx.random.key(n)).astype(dtype)
+    v = mx.random.normal((1, 2, n, d), key=mx.random.key(n + 1)).astype(dtype)
+    return q, k, v, start
+
+
+def test_on_the_cpu_it_never_serves():
+    ea.reset()
+    ea.prepare(mx.float16, 64)
+    q, k, v, start = verify_case()
+    assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None and not ea._checks
+
+
+def test_a_kernel_that_checks_out_serves_2_to_16_rows_as_the_one_row_calls(fake_gpu, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    from dflash_mlx.kernels import decisions
+
+    decisions.reset()
+    kernel = fake_gpu(FakeKernel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ea.prepare(mx.float16, 64)
+    (result,) = ea._checks.values()
+    assert result.ok and result.form == 0
+    for rows in (1, 2, 6, 16, 17):
+        kernel.calls.clear()
+        q, k, v, start = verify_case(rows=rows)
+        got = ea.attention(q, k, v, scale=0.125, q_offset=mx.array(start))
+        assert (got is not None) == (2 <= rows <= 16)
+        if got is not None:
+            assert mx.array_equal(got, ea.one_row_attention(q, k, v, scale=0.125, q_offset=start))
+    q, k, v, start = verify_case(dtype=mx.bfloat16)
+    assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None  # (never checked: MLX's)
+    decisions.reset()
+
+
+def test_a_kernel_one_rounding_off_fails_warns_once_and_is_never_used(fake_gpu, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    from dflash_mlx.kernels import decisions
+
+    decisions.reset()
+    fake_gpu(FakeKernel(nudge=1.0))
+    with pytest.warns(RuntimeWarning, match=r"metal float16 head_dim=64 exact verify attention failed"):
+        ea.prepare(mx.float16, 64)
+    (result,) = ea._checks.values()
+    assert not result.ok and "1 of" in result.detail
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ea.prepare(mx.float16, 64)  # (checked once: no second warning)
+    q, k, v, start = verify_case()
+    assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None
+    decisions.reset()
+
+
+def test_the_check_keeps_the_multiply_add_form_that_matches(fake_gpu, monkeypatch):
+    class OneWay(FakeKernel):
+        def __call__(self, *a, form=0, **kw):
+            self.nudge = 0.0 if form == 2 else 1.0
+            return super().__call__(*a, form=form, **kw)
+
+    fake_gpu(OneWay())
+    ea.checked("metal", mx.float16, 64)
+    (result,) = ea._checks.values()
+    assert result.ok and result.form == 2
+
+
+def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatch):
+    def broken(where):
+        raise RuntimeError("metal: error: use of undeclared identifier 'ea_exp'")
+
+    monkeypatch.setitem(ea.BUILDERS, "metal", broken)
+    with pytest.warns(RuntimeWarning, match=r"undeclared identifier 'ea_exp'"):
+        ea.prepare(mx.float16, 64)
+    q, k, v, start = verify_case()
+    assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None
+
+
+@pytest.mark.parametrize("kernel_s, serves", [(2.0, False), (0.5, True)])
+def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, monkeypatch, kernel_s, serves):
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    monkeypatch.setattr(decisions, "remembers", lambda: False)
+    monkeypatch.setattr(decisions, "seconds_per_call", lambda ours, theirs: (kernel_s, 1.0))
+    monkeypatch.setattr(ea, "KEY_CLASSES", (1024,))
+    decisions.reset()
+    fake_gpu(FakeKernel())
+    ea.prepare(mx.float16, 64)
+    (made,) = decisions.current().all()
+    assert made.kernel == ea.DECISION and made.faster == serves
+    q, k, v, start = verify_case()
+    assert (ea.attention(q, k, v, scale=0.125, q_offset=start) is not None) == serves
+    decisions.reset()
+
+
+def test_metal_gqa_8_past_8192_keys_is_left_to_mlx(fake_gpu, monkeypatch):
+    """There MLX's one-row call takes sdpa_vector_2pass_1_gqa, whose order is not followed."""
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    from dflash_mlx.kernels import decisions
+
+    decisions.reset()
+    fake_gpu(FakeKernel())
+    ea.checked("metal", mx.float16, 64)
+    q = mx.zeros((1, 8, 4, 64), mx.float16)
+    for keys, served in ((8191, True), (8192, False)):
+        assert ea.serves("metal", q, mx.zeros((1, 1, keys, 64), mx.float16)) == served
+    assert ea.serves("metal", mx.zeros((1, 4, 4, 64), mx.float16), mx.zeros((1, 1, 8192, 64), mx.float16))
+    decisions.reset()
+
+
+def test_every_variant_is_recorded_for_the_check_scripts():
+    for backend_name in ("metal", "cuda"):
+        recorded = set()
+
+        def factory(**made):
+            def launch(*, template, output_shapes, output_dtypes, **kw):
+                recorded.add((made["name"], tuple(v for _, v in template)))
+                return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+            return launch
+
+        ea.record_variants(factory, backend_name)
+        partial = {t for name, t in recorded if "partial" in name}
+        merge = {t for name, t in recorded if "merge" in name}
+        assert {t[0] for t in partial} == set(ea.DTYPES) and {t[1] for t in partial} == set(ea.HEAD_DIMS[backend_name])
+        assert {t[2] for t in partial} == set(ea.FORMS[backend_name]) and {t[3] for t in partial} == set(ea.ROW_TILES)
+        assert {t[:3] for t in merge} == {t[:3] for t in partial}
+
+
+# --- The Metal source itself, run on this CPU ---------------------------------------------------------------
+
+# The stand-in header declares metal::fast::exp; the run defines it through one C
+# function the transcription calls as well, so both take the same exponentials.
+EXP = r"""
+extern "C" float harness_exp(float x) { return __builtin_expf(x); }
+namespace metal { namespace fast {
+template <typename T, typename U> T exp(T x) { return T(harness_exp(float(x))); }
+} }
+"""
+
+
+class OnCpu:
+    """The two passes' sources, as MLX builds them, compiled for this CPU once each."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp = tmp_path_factory
+        self.libs = {}
+
+    def lib(self, script, source: str, buffers: list[str]):
+        if source not in self.libs:
+            self.libs[source] = build_on_cpu(script, source, buffers, self.tmp.mktemp("ea"))
+        return self.libs[source]
+
+
+@pytest.fixture(scope="module")
+def on_cpu(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setattr(metal_on_cpu, "BUILTINS", metal_on_cpu.BUILTINS + EXP)
+    yield OnCpu(tmp_path_factory)
+    patch.undo()
+
+
+def run_metal_source(on_cpu, q, k, v, start: int, arch: int, plant=None):
+    """The kernel's [B, HQ, L, D] for numpy q [1, HQ, L, D], k, v [1, HKV, N, D]
+    (float16 or float32), run on this CPU from its Metal source (``plant``: (old,
+    new) texts swapped into the passes first); and the exponential it used."""
+    script = check_metal_script()
+    recorder = script.Recorder()
+    kernel = ea.ExactAttentionKernel("metal", factory=recorder.factory)
+    kernel(mx.array(q), mx.array(k), mx.array(v), scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
+    variants = recorder.variants
+    (partial,) = [x for x in variants.values() if "partial" in x.kernel]
+    (merge,) = [x for x in variants.values() if "merge" in x.kernel]
+    sources = [partial.source, merge.source]
+    for old, new in plant or ():
+        assert any(old in text for text in sources), old
+        sources = [text.replace(old, new) for text in sources]
+    shape_names = ["queries_shape", "queries_strides", "keys_shape", "keys_strides", "values_strides"]
+    p_lib = on_cpu.lib(script, sources[0], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS)
+    m_lib = on_cpu.lib(script, sources[1], MERGE_INPUTS + MERGE_OUTPUTS)
+    B, HQ, L, D = q.shape
+    g = HQ // k.shape[1]
+    streams = max(32, ea.blocks("metal", arch, k.shape[2], g))
+    rows = B * HQ * L
+    o_part = np.zeros((rows, streams, D), F32)
+    m_part, l_part = np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)
+    offset = np.array([start], np.int32)
+    params = np.array([ea.q_scale("metal", D**-0.5)], F32)
+    dims = np.array([L, g, streams, arch], np.int32)
+
+    def shape(a):
+        return np.array(a.shape, np.int32)
+
+    def strides(a):
+        return np.array([s // a.itemsize for s in a.strides], np.int64)
+
+    arrays = [q, k, v, offset, params, dims, shape(q), strides(q), shape(k), strides(k), strides(v)]
+    arrays += [o_part, m_part, l_part]
+    ((grid, group),) = partial.launches
+    p_lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
+    out = np.zeros((rows, D), q.dtype)
+    arrays = [o_part, m_part, l_part, offset, dims, out]
+    ((grid, group),) = merge.launches
+    m_lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
+    exp = p_lib.harness_exp
+    exp.restype, exp.argtypes = ctypes.c_float, [ctypes.c_float]
+    return out.reshape(q.shape), np.vectorize(lambda x: F32(exp(float(x))), otypes=[F32])
+
+
+def _groups(grid, group):
+    return grid[0] // group[0], grid[1], group[0] // 32
+
+
+def seq_sum(values, axis=-1):
+    """A simdgroup's sum as the run adds its lanes: in lane order from zero."""
+    values = np.moveaxis(values, axis, -1)
+    total = np.zeros(values.shape[:-1], F32)
+    for i in range(values.shape[-1]):
+        total = total + values[..., i]
+    return total
+
+
+def streams_of(q, keys, values, scale, step: int, exp):
+    """MLX's per-simdgroup pass over keys s, s + step, ... (sdpa_vector's loop
+    and sdpa_vector_2pass_1's), for one row: each stream's max, sum and
+    per-lane outputs [step, 32, D/32], transcribed plainly."""
+    n, d = keys.shape
+    dl = d // 32
+    qs = (F32(scale) * q.astype(F32)).reshape(32, dl)
+    m = np.full(step, FINITE_MIN, F32)
+    s = np.zeros(step, F32)
+    o = np.zeros((step, 32, dl), F32)
+    for base in range(0, n, step):
+        live = np.arange(step) + base < n
+        at = base + np.arange(step)[live]
+        k = keys[at].astype(F32).reshape(-1, 32, dl)
+        v = values[at].astype(F32).reshape(-1, 32, dl)
+        score = np.zeros(k.shape[:2], F32)
+        for j in range(dl):
+            score = score + qs[None, :, j] * k[:, :, j]
+        score = seq_sum(score)
+        new_m = np.maximum(m[live], score)
+        factor, e = exp(m[live] - new_m), exp(score - new_m)
+        m[live] = new_m
+        s[live] = s[live] * factor + e
+        o[live] = o[live] * factor[:, None, None] + e[:, None, None] * v
+    return m, s, o
+
+
+def sdpa_vector(q, keys, values, scale, exp):
+    """MLX's Metal sdpa_vector for one row: 32 streams, then its merge."""
+    m, s, o = streams_of(q, keys, values, scale, 32, exp)
+    factor = exp(m - m.max())
+    total = seq_sum(s * factor)
+    # element (lane g, value i) is the simd_sum over streams l of o[l, g, i] * factor[l]
+    out = seq_sum(o * factor[:, None, None], axis=0).reshape(-1)
+    return out if total == 0 else out / total
+
+
+def sdpa_vector_2pass(q, keys, values, scale, exp, blocks: int, dtype):
+    """MLX's Metal sdpa_vector_2pass_1 (blocks streams, partials rounded to T) then _2."""
+    m, s, o = streams_of(q, keys, values, scale, blocks, exp)
+    partial = o.reshape(blocks, -1).astype(dtype).astype(F32)
+    lanes = np.arange(32)
+    top = np.full(32, FINITE_MIN, F32)
+    for b in range(blocks // 32):
+        top = np.maximum(top, m[lanes + 32 * b])
+    top = top.max()
+    total, acc = np.zeros(32, F32), np.zeros((32, partial.shape[1]), F32)
+    for b in range(blocks // 32):
+        factor = exp(m[lanes + 32 * b] - top)
+        total = total + factor * s[lanes + 32 * b]
+        acc = acc + factor[:, None] * partial[lanes + 32 * b]
+    total = seq_sum(total)
+    out = seq_sum(acc, axis=0)
+    return out if total == 0 else out / total
+
+
+def mlx_one_row_order(q, k, v, start: int, arch: int, exp):
+    """Each row of q [1, HQ, L, D] as MLX's one-row Metal call over keys 0..its position computes it."""
+    _, hq, rows, d = q.shape
+    g = hq // k.shape[1]
+    out = np.zeros(q.shape, q.dtype)
+    for h in range(hq):
+        for i in range(rows):
+            n = start + i + 1
+            keys, values = k[0, h // g, :n], v[0, h // g, :n]
+            blocks = ea.blocks("metal", arch, n, g)
+            if blocks:
+                row = sdpa_vector_2pass(q[0, h, i], keys, values, d**-0.5, exp, blocks, q.dtype)
+            else:
+                row = sdpa_vector(q[0, h, i], keys, values, d**-0.5, exp)
+            out[0, h, i] = row.astype(q.dtype)
+    return out
+
+
+def metal_case(rows: int, g: int, start: int, n: int, d: int, dtype):
+    rng = np.random.default_rng(rows * 1000 + n + d)
+    q = rng.standard_normal((1, g, rows, d)).astype(dtype)
+    k = rng.standard_normal((1, 1, n, d)).astype(dtype)
+    v = rng.standard_normal((1, 1, n, d)).astype(dtype)
+    return q, k, v
+
+
+def reference(q, k, v, start):
+    """Plain softmax attention in float64, each row over keys 0..its position."""
+    out = np.zeros(q.shape, np.float64)
+    g = q.shape[1] // k.shape[1]
+    for h in range(q.shape[1]):
+        for i in range(q.shape[2]):
+            n = start + i + 1
+            s = (k[0, h // g, :n].astype(np.float64) @ q[0, h, i].astype(np.float64)) * q.shape[-1] ** -0.5
+            p = np.exp(s - s.max())
+            out[0, h, i] = p @ v[0, h // g, :n].astype(np.float64) / p.sum()
+    return out
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "rows, g, start, n, d, dtype, arch",
+    [
+        (3, 1, 20, 256, 64, np.float16, 0),  # one pass, fewer keys than streams
+        (4, 2, 90, 256, 128, np.float16, 0),  # one pass, GQA
+        (5, 1, 1020, 1280, 64, np.float16, 1),  # across the switch to two passes (64 blocks) on 's'
+        (3, 2, 1021, 1280, 64, np.float32, 2),  # ... (128 blocks) on 'd'
+        (2, 2, 4094, 4352, 64, np.float16, 0),  # two passes under GQA from 4096 keys (32 blocks)
+        (2, 1, 300, 512, 256, np.float32, 0),  # head dim 256
+    ],
+)
+def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order(
+    on_cpu, rows, g, start, n, d, dtype, arch
+):
+    q, k, v = metal_case(rows, g, start, n, d, dtype)
+    got, exp = run_metal_source(on_cpu, q, k, v, start, arch)
+    want = mlx_one_row_order(q, k, v, start, arch, exp)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (got != want).sum()
+    # and attention itself, to a rounding
+    assert np.abs(got.astype(np.float64) - reference(q, k, v, start)).max() < 1e-2
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "plant, start, arch, dtype",
+    [
+        # the online softmax's update of the output, fused (one rounding fewer)
+        (
+            [
+                (
+                    "o[j] = ea_two<FORM>(o[j], factor, e, to_float(vv[j]));",
+                    "o[j] = metal::fma(e, to_float(vv[j]), o[j] * factor);",
+                )
+            ],
+            90,
+            0,
+            np.float32,
+        ),
+        # the scale applied to the score, not to q as MLX reads it
+        (
+            [
+                ("q[j] = params[0] * to_float(", "q[j] = 1.0f * to_float("),
+                ("score = simd_sum(score);", "score = simd_sum(score) * params[0];"),
+            ],
+            90,
+            0,
+            np.float32,
+        ),
+        # the two-pass partials kept in float, not rounded to T as MLX stores them
+        ([("blocks > 0 ? to_float(from_float<T>(o[j])) : o[j]", "o[j]")], 1100, 1, np.float16),
+    ],
+)
+def test_a_planted_order_change_fails_the_comparison(on_cpu, plant, start, arch, dtype):
+    q, k, v = metal_case(4, 2, start, 1280, 128, dtype)  # (a scale not a power of 2)
+    got, exp = run_metal_source(on_cpu, q, k, v, start, arch, plant=plant)
+    want = mlx_one_row_order(q, k, v, start, arch, exp)
+    assert not np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert np.abs(got.astype(np.float64) - reference(q, k, v, start)).max() < 1e-2
