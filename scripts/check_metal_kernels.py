@@ -343,7 +343,12 @@ class Compiler:
 
 # Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
 # through the recording factory: adding a kernel to the check is one line here.
-KERNEL_MODULES = ("dflash_mlx.kernels.quantized", "dflash_mlx.kernels.gated_delta", "dflash_mlx.kernels.exact_products")
+KERNEL_MODULES = (
+    "dflash_mlx.kernels.quantized",
+    "dflash_mlx.kernels.gated_delta",
+    "dflash_mlx.kernels.exact_products",
+    "dflash_mlx.kernels.exact_attention",
+)
 
 # The windows a variant is built for (WINDOW, a template constant): the self-check's own (45,
 # dispatch._check_cases) and one a model brings (gpt-oss's 128, the one with sinks).

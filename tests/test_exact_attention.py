@@ -516,3 +516,22 @@ def test_a_planted_order_change_fails_the_comparison(on_cpu, plant, start, arch,
     want = mlx_one_row_order(q, k, v, start, arch, exp)
     assert not np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert np.abs(got.astype(np.float64) - reference(q, k, v, start)).max() < 1e-2
+
+
+@pytest.mark.skipif(metal_on_cpu.shutil.which("clang++") is None and CLANG_F16 is None, reason="no clang++ here")
+def test_every_metal_variant_is_in_the_check_script_and_compiles():
+    """scripts/check_metal_kernels.py takes the kernel's variants from its
+    record_variants hook (KERNEL_MODULES): each compiles against the stand-in
+    Metal header (address spaces, builtins' arities) and fits Apple's limits."""
+    script = check_metal_script()
+    assert "dflash_mlx.kernels.exact_attention" in script.KERNEL_MODULES
+    recorder = script.Recorder()
+    script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_attention"])
+    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"]) * len(ea.FORMS["metal"]) * 5
+    compiler = script.Compiler(script.find_clang() or CLANG_F16)
+    lines = []
+    try:
+        failed = script.check_all(recorder, compiler, jobs=2, report=lines.append)
+    finally:
+        compiler.close()
+    assert not failed, "\n".join(lines)
