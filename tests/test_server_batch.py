@@ -188,17 +188,77 @@ def test_the_worker_serves_by_the_measured_choice(chat_pair):
     assert [path(r) for r in serve_waiting(chat_pair, requests[:1], batching="always")] == ["batched"]
 
 
-def test_a_lone_request_joins_the_batch_only_while_it_was_shared_recently(chat_pair):
+def test_the_choice_sizes_a_batch_by_the_clients_lately_together():
+    """A lone request of a busy server is one of many: its clients come back
+    as their replies end, so the batch is weighed at their number."""
+    rates = {1: 50.0, 2: 80.0, 4: 150.0, 8: 250.0}
+    choice = PathChoice(dflash_tps=100.0, batched_tps=dict(rates))
+    assert choice.clients() == 0 and choice.size(1) == 1
+    assert not choice.batch(1)  # a lone request on a quiet server: DFlash
+    assert not choice.batch(2)  # two waiting, nobody else: 80 against 100
+    choice.observe_clients(4)
+    assert choice.clients() == 4 and choice.size(1) == 4 and choice.size(6) == 6
+    assert choice.batch(1) and choice.batch(2)  # a batch of four: 150 against 100
+    choice.observe_clients(3)
+    assert choice.clients() == 4  # the most together within the window
+    choice.observe_clients(20)
+    assert choice.size(1) == 8  # at most max_batch
+    quiet = PathChoice(dflash_tps=100.0, batched_tps=dict(rates))
+    quiet.observe_clients(4, at=time.monotonic() - quiet.window_s - 30)
+    assert quiet.clients() == 0 and not quiet.batch(1)  # long ago: a lone request is DFlash's
+    slow = PathChoice(dflash_tps=100.0, batched_tps={1: 50.0, 2: 60.0, 4: 70.0, 8: 80.0})
+    slow.observe_clients(8)
+    assert not slow.batch(1) and not slow.batch(8)  # DFlash measured faster at every size
+
+
+def test_the_batch_wins_within_the_margin_and_is_retried_after_declines():
+    choice = PathChoice(dflash_tps=100.0, batched_tps={2: 95.0, 3: 80.0})
+    assert choice.batch(2)  # within 10% of DFlash: noise decides, and the batch starts both at once
+    assert not choice.batch_wins(3)  # 80: DFlash clearly faster
+    n = choice.retry_after
+    decisions = [choice.batch(3) for _ in range(2 * n)]
+    assert decisions == ([False] * (n - 1) + [True]) * 2  # measured again now and then
+    choice.batch(3)
+    assert choice.declined == 1 and choice.batch(2) and choice.declined == 0  # a batch resets the count
+    assert not any(choice.batch(1) for _ in range(3 * n))  # a lone request on a quiet server is never retried
+    assert not any(PathChoice(mode="off").batch(4) for _ in range(3 * n))
+    assert PathChoice(mode="always", dflash_tps=1e9).batch_wins(1)
+
+
+def test_a_running_batch_admits_more_only_while_the_batch_wins(chat_pair):
+    """Requests arriving while a batch runs join it while the measurements
+    favour the batch at the size it would grow to; else it runs down and
+    DFlash serves them."""
+    model, draft, tokenizer = chat_pair
+
+    async def admitted(dflash_tps: float, batched_tps: dict) -> tuple[int, int]:
+        service = Service(model, draft, tokenizer, ServerConfig(max_batch=4))
+        worker, choice = service.worker, service.choice
+        choice.dflash_tps, choice.batched_tps = dflash_tps, batched_tps
+        worker.submit(Job(chat_ids(tokenizer, "w5"), params(4)))
+        first = worker._take_batchable(4)  # a batch's first request: the choice was made
+        for i in range(3):
+            worker.submit(Job(chat_ids(tokenizer, f"w{6 + i}"), params(4)))
+        joined = worker._take_batchable(3)  # one running, room for three
+        return len(first), len(joined)
+
+    assert asyncio.run(admitted(100.0, {4: 200.0})) == (1, 3)
+    assert asyncio.run(admitted(100.0, {4: 50.0})) == (1, 0)
+
+
+def test_a_lone_request_joins_the_batch_only_while_several_clients_were_in_lately(chat_pair):
     model, draft, tokenizer = chat_pair
     ids = chat_ids(tokenizer, "w9 w10")
 
-    def lone(shared_ago_s: float, batched_alone: float | None = None) -> str:
+    def lone(together: int, ago_s: float, batched_alone: float | None = None) -> str:
         async def main():
             service = Service(model, draft, tokenizer, ServerConfig())
-            service.choice.dflash_tps, service.choice.batched_tps = 100.0, {2: 1000.0}
+            choice = service.choice
+            choice.window_s = 600.0  # no test timing: "lately" is what the test says
+            choice.dflash_tps, choice.batched_tps = 100.0, {2: 1000.0}
             if batched_alone is not None:
-                service.choice.batched_tps[1] = batched_alone
-            service.worker.batcher.shared_at = time.monotonic() - shared_ago_s
+                choice.batched_tps[1] = batched_alone
+            choice.observe_clients(together, at=time.monotonic() - ago_s)
             job = Job(ids, params(6))
             service.worker.submit(job)
             service.worker.start()
@@ -209,9 +269,10 @@ def test_a_lone_request_joins_the_batch_only_while_it_was_shared_recently(chat_p
 
         return asyncio.run(main())
 
-    assert lone(shared_ago_s=-1.0) == "batched"  # a batch of several is running down: clients come back
-    assert lone(shared_ago_s=5.0) == "dflash"  # long ago: a lone request is DFlash's
-    assert lone(shared_ago_s=5.0, batched_alone=1000.0) == "batched"  # plain measured faster alone
+    assert lone(together=3, ago_s=1.0) == "batched"  # several clients were in: they come back
+    assert lone(together=3, ago_s=3600.0) == "dflash"  # long ago: a lone request is DFlash's
+    assert lone(together=1, ago_s=1.0) == "dflash"  # one client at a time
+    assert lone(together=1, ago_s=1.0, batched_alone=1000.0) == "batched"  # plain measured faster alone
 
 
 def test_quantized_or_bounded_caches_turn_batching_off(kv_pair):

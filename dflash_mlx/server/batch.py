@@ -134,7 +134,6 @@ class BatchDecoder:
         self.model, self.tokenizer, self.choice = model, tokenizer, choice
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.metrics = metrics
-        self.shared_at = float("-inf")  # time.monotonic() of the last step that decoded several requests
         self.timed: dict[int, list[float]] = {}
 
     @staticmethod
@@ -208,15 +207,8 @@ class BatchDecoder:
 
     def _step(self, generator: BatchGenerator, streams: dict[int, _Stream]) -> None:
         start = time.perf_counter()
+        self.choice.observe_clients(len(streams))
         prompted, generated = generator.next()
-        seconds = time.perf_counter() - start
-        if generated and not prompted:  # a step of decoding only: the batch's speed at its size
-            timed = self.timed.setdefault(len(generated), [0, 0, 0.0])
-            timed[0] += 1
-            timed[1] += len(generated)
-            timed[2] += seconds
-        if len(generated) > 1:
-            self.shared_at = time.monotonic()
         for r in prompted:  # progress of prompts longer than a prefill step, as on the DFlash path
             job = streams[r.uid].job if r.uid in streams else None
             if job is not None and not r.end_of_prompt and len(job.prompt) > self.prefill_step_size:
@@ -234,6 +226,11 @@ class BatchDecoder:
             stream = streams.pop(uid)
             stream.job.post(stream.finish(reason or "stop"))
             self._record(stream)
+        if generated and not prompted:  # a step of decoding only: the batch's speed at its size, as served
+            timed = self.timed.setdefault(len(generated), [0, 0, 0.0])
+            timed[0] += 1
+            timed[1] += len(generated)
+            timed[2] += time.perf_counter() - start
 
     def _record(self, stream: _Stream) -> None:
         if self.metrics is None:

@@ -162,7 +162,7 @@ class Service:
         # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
         plain_caches = config.kv_bits is None and not bounded
         batching = config.batching if plain_caches and config.max_batch > 1 and can_batch(model) else "off"
-        self.choice = PathChoice(mode=batching)
+        self.choice = PathChoice(mode=batching, max_batch=config.max_batch)
         batcher = BatchDecoder(
             model,
             tokenizer,

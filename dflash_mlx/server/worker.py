@@ -1,13 +1,12 @@
 """Many clients, one device: jobs queue up and one thread serves them in
 arrival order (the decode loop owns the device): one at a time with DFlash,
-or, with several waiting and the measurements in favour, batched."""
+or, with several clients and the measurements in favour, batched."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from typing import Optional
 
@@ -20,9 +19,6 @@ log = logging.getLogger("dflash_mlx.server")
 
 # DFlash replies shorter than this say little about its speed
 MIN_MEASURED_TOKENS = 8
-# a lone request this soon after a batch decoded several goes to the batch: the clients of a busy
-# server come back within it, and a DFlash reply would keep them waiting its whole length
-SHARED_RECENTLY_S = 0.5
 
 
 class Worker:
@@ -52,6 +48,8 @@ class Worker:
         self.thread.join(timeout=30)
 
     def submit(self, job: Job) -> None:
+        # how many are in the server with it: a lone request of a busy server is served as one of many
+        self.choice.observe_clients(self.queued + 1 + min(len(self.running), 1))
         self.jobs.put(job)
 
     @property
@@ -81,12 +79,7 @@ class Worker:
 
     def _batch(self, ahead: int) -> bool:
         """Whether to serve the ``ahead`` batchable jobs batched."""
-        if self.batcher is None:
-            return False
-        if self.choice.batch(min(ahead, self.batcher.max_batch)):
-            return True
-        shared_recently = time.monotonic() - self.batcher.shared_at < SHARED_RECENTLY_S
-        return ahead == 1 and shared_recently and self.choice.batch(2)
+        return self.batcher is not None and self.choice.batch(min(ahead, self.batcher.max_batch))
 
     def _batchable_ahead(self) -> int:
         """How many jobs at the head of the backlog the batch may serve: the
@@ -99,8 +92,13 @@ class Worker:
         return n
 
     def _take_batchable(self, room: int) -> list[Job]:
-        """Up to ``room`` batchable jobs off the head of the backlog."""
+        """Up to ``room`` batchable jobs off the head of the backlog; none to a
+        running batch once the measurements favour DFlash at the size it would
+        grow to (it runs down, and DFlash serves the rest)."""
         self._drain(wait=False)
+        running = self.batcher.max_batch - room
+        if running and not self.choice.batch_wins(min(running + self._batchable_ahead(), self.batcher.max_batch)):
+            return []
         taken = []
         while self.backlog and len(taken) < room and self._batchable_ahead():
             job, _ = self.backlog.popleft()
