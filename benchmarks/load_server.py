@@ -15,7 +15,8 @@ batched plain decoding) and auto (the server's measured choice), each a fresh
 server warmed up alike (one request alone, then max(clients, 2) at once, so
 that auto has measured both paths, as a server that has been up a while); per
 run it reports total tokens/s, each client's mean time to first token, errors,
-and the /metrics path counters (the warm-up's requests included).
+the timed run's requests by path (from /metrics, the warm-up's left out) and
+the choice's estimates at the end.
 
 --prefix-reuse serves the pair with a prefix cache on disk (--prefix-cache-dir, a
 temporary one by default) and times three requests of --prompt-tokens token ids
@@ -197,6 +198,12 @@ def path_counters(url: str) -> dict:
     return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("dflash_path_")}
 
 
+def requests_by_path(before: dict, after: dict) -> dict:
+    """Requests each path served between two path_counters readings."""
+    counted = [k for k in after if k.startswith("dflash_path_requests_total")]
+    return {k.split('"')[1]: int(after[k] - before.get(k, 0)) for k in counted}
+
+
 def warm_up(url: str, args, concurrent: int) -> None:
     """One request alone, then ``concurrent`` at once: every path runs
     once, and the automatic choice has measured both, as on a server that
@@ -226,13 +233,16 @@ def compare(args) -> dict:
                 run_args.clients = clients
                 with local_server(args, batching) as url:
                     warm_up(url, args, max(clients, 2))
+                    warmed = path_counters(url)
                     report = drive(url, run_args)
-                    report["paths"] = path_counters(url)
+                    report["estimates"] = path_counters(url)
+                    report["requests_by_path"] = requests_by_path(warmed, report["estimates"])
                 report["batching"] = batching
                 runs.append(report)
                 print(
                     f"clients {clients} batching {batching:6s}: {report['tokens_per_s_total']:8.1f} tok/s total, "
-                    f"TTFT per client {report['ttft_s_per_client']}, errors {report['errors']}",
+                    f"TTFT per client {report['ttft_s_per_client']}, errors {report['errors']}, "
+                    f"requests by path {report['requests_by_path']}",
                     flush=True,
                 )
     medians, goals = {}, {}
@@ -246,6 +256,7 @@ def compare(args) -> dict:
                     round(statistics.median(r["ttft_s_per_client"][c] for r in mine), 3) for c in range(clients)
                 ],
                 "errors": sum(r["errors"] for r in mine),
+                "requests_by_path": [r["requests_by_path"] for r in mine],
             }
         medians[clients] = by
         best = max(by["off"]["tokens_per_s_total"], by["always"]["tokens_per_s_total"])
