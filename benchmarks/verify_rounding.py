@@ -477,7 +477,6 @@ def block_products():
 
 def product_path(module: nn.Module, rows: int, dtype) -> str:
     """Which product a verify's ``rows`` take through ``module``."""
-    from dflash_mlx.device import backend
     from dflash_mlx.kernels import exact_products, quantized
 
     k = module["weight"].shape[1]
@@ -486,7 +485,7 @@ def product_path(module: nn.Module, rows: int, dtype) -> str:
     if type(module) is nn.QuantizedLinear:
         variant = quantized.variant_of(module, dtype)
         n = module["weight"].shape[0]
-        serves = variant is not None and quantized.use_quantized_kernel(backend(), variant, n)
+        serves = variant is not None and quantized.use_quantized_kernel(quantized.backend(), variant, n)
         return "quantized kernel" if serves else "MLX quantized"
     products = block_products()
     bias = module["bias"] if "bias" in module else None
@@ -500,8 +499,8 @@ def product_path(module: nn.Module, rows: int, dtype) -> str:
 
 
 def served(target, rows: int, keys: int) -> dict[str, str]:
-    """What the verify's first layer and the head run on this machine."""
-    from dflash_mlx.device import backend
+    """What the verify's first layer and the head run on this machine (each
+    kernel module asked of its own backend)."""
     from dflash_mlx.kernels import dispatch, norm_rope
     from dflash_mlx.layers.fused import projections
     from dflash_mlx.layers.linear import linear_head, quantized_head
@@ -525,7 +524,7 @@ def served(target, rows: int, keys: int) -> dict[str, str]:
         found["norm+rope"] = "kernel" if norm_rope.passed(dtype, d) is not None else "MLX ops"
     window = target.windows()[i]
     group = attn.n_heads // attn.n_kv_heads * rows
-    kernel = dispatch.serving_kernel(backend(), dtype, d, window is not None, rows=group, keys=keys)
+    kernel = dispatch.serving_kernel(dispatch.backend(), dtype, d, window is not None, rows=group, keys=keys)
     found["attention"] = "kernel" if kernel is not None else "MLX"
     return found
 
@@ -564,10 +563,9 @@ def switches(target, uses: dict[str, str]) -> list[tuple[str, Callable[[], None]
 
 
 def any_attention_kernel(target) -> bool:
-    from dflash_mlx.device import backend
     from dflash_mlx.kernels import dispatch
 
-    where, windows = backend(), {w is not None for w in target.windows()}
+    where, windows = dispatch.backend(), {w is not None for w in target.windows()}
     return any(dispatch.passed_kernel(where, target.dtype, target.head_dim, w) is not None for w in windows)
 
 

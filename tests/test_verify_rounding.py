@@ -14,6 +14,9 @@ import mlx.core as mx
 import pytest
 from tiny import greedy_reference, make_target, target_config
 
+from dflash_mlx.kernels import dispatch, ops_attention
+from dflash_mlx.kernels import exact_products as ep
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [(7 * i) % 61 + 1 for i in range(40)]
 ROWS, COMMITTED = 6, 2
@@ -107,3 +110,61 @@ def test_bad_sizes_end_in_one_sentence(monkeypatch):
     assert str(e.value) == (
         "verify_rounding.py: pass --prompt-tokens of at least 1, --committed of 0 or more and --rows of at least 2."
     )
+
+
+class NudgedAttention:
+    """A stand-in GPU's attention kernel within its check's tolerance but not
+    bit for bit MLX's: what a verify's attention may be on a GPU."""
+
+    def __call__(self, q, k, v, tree=None, **kw):
+        return ops_attention(q, k, v, **kw) * (1 + 2**-12)
+
+
+class ExactProduct:
+    """A stand-in GPU's exact product: each row as MLX's one-row product."""
+
+    def __call__(self, x, weight, bias, *, form=0):
+        *lead, k = x.shape
+        return ep.one_row_products(x.reshape(-1, k), weight, bias).reshape(*lead, -1)
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """The attention kernel and the exact products as on a GPU backend named 'fake'."""
+    dispatch.reset()
+    ep.reset()
+    monkeypatch.setattr(dispatch, "backend", lambda: "fake")
+    monkeypatch.setitem(dispatch.BUILDERS, "fake", lambda where: NudgedAttention())
+    monkeypatch.setattr(dispatch, "KERNEL_WINS", ((64, 0),))
+    monkeypatch.setattr(ep, "backend", lambda: "fake")
+    monkeypatch.setitem(ep.BUILDERS, "fake", lambda where: ExactProduct())
+    yield
+    dispatch.reset()
+    ep.reset()
+
+
+def test_switching_each_kernel_off_in_turn_names_the_one_that_rounds_otherwise(pretend_gpu):
+    model = make_target(target_config("qwen3", vocab=64, layers=2, hidden=256), seed=8)  # head dim 64: a kernel's
+    report = vr.probe(model, PROMPT, committed=COMMITTED, rows=ROWS)
+    assert report["served"]["q/k/v"] == "fused exact" and report["served"]["attention"] == "kernel"
+    runs = {r.name: r for r in report["runs"]}
+    assert list(runs) == [
+        "verify",
+        "own history",
+        "compiled",
+        "mlx-lm's layers",
+        "attention kernel off",
+        "exact products off",
+        "all of ours off",
+    ]
+    # the products before it are exact; the attention is the first piece to part
+    assert runs["verify"].first == (0, "attention") and runs["verify"].replay == "2/2"
+    # (the attention kernel was put back after its own run)
+    assert runs["exact products off"].first == (0, "attention")
+    assert runs["compiled"].first == (0, "out")
+    for name in ("attention kernel off", "mlx-lm's layers", "all of ours off"):
+        assert runs[name].first is None, name
+    # our committed block went through the kernel too: layer 1's keys of it differ
+    history = report["history"]
+    assert history[(0, "k")].rows == 0 and history[(1, "k")].rows == COMMITTED
+    assert runs["own history"].first == (0, "attention")
