@@ -70,8 +70,6 @@ LAYER_PIECES = (
     "out",
 )
 MODEL_PIECES = ("final norm", "logits")
-# The verify's own outputs; every other piece of ours is replayed.
-OBSERVED = ("k rope", "v", "out")
 BITS = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}
 
 Pieces = dict[tuple, mx.array]  # (layer index or "model", piece) -> rows [R, width]
@@ -499,9 +497,9 @@ def product_path(module: nn.Module, rows: int, dtype) -> str:
 
 
 def served(target, rows: int, keys: int) -> dict[str, str]:
-    """What the verify's first layer and the head run on this machine (each
-    kernel module asked of its own backend)."""
-    from dflash_mlx.kernels import dispatch, norm_rope
+    """What the verify's first layer and the head run on this machine over
+    ``keys`` buffer positions (each kernel module asked of its own backend)."""
+    from dflash_mlx.kernels import dispatch, exact_attention, norm_rope
     from dflash_mlx.layers.fused import projections
     from dflash_mlx.layers.linear import linear_head, quantized_head
 
@@ -526,6 +524,10 @@ def served(target, rows: int, keys: int) -> dict[str, str]:
     group = attn.n_heads // attn.n_kv_heads * rows
     kernel = dispatch.serving_kernel(dispatch.backend(), dtype, d, window is not None, rows=group, keys=keys)
     found["attention"] = "kernel" if kernel is not None else "MLX"
+    # (shapes alone: never evaluated)
+    q, k = mx.zeros((1, attn.n_heads, rows, d), dtype), mx.zeros((1, attn.n_kv_heads, keys, d), dtype)
+    if window is None and exact_attention.serves(exact_attention.backend(), q, k):
+        found["attention"] = "exact kernel"
     return found
 
 
@@ -540,7 +542,7 @@ def head_path(target, rows: int, linear_head, quantized_head) -> str:
 def switches(target, uses: dict[str, str]) -> list[tuple[str, Callable[[], None]]]:
     """(name, switch it off) for each of our kernels and fusions serving here,
     then all of them together; ``restore`` switches them back."""
-    from dflash_mlx.kernels import dispatch, exact_products, norm_rope, quantized
+    from dflash_mlx.kernels import dispatch, exact_attention, exact_products, norm_rope, quantized
 
     paths = " ".join(uses.values())
     found = []
@@ -548,6 +550,8 @@ def switches(target, uses: dict[str, str]) -> list[tuple[str, Callable[[], None]
         found.append(("mlx-lm's layers", lambda: unfuse(target)))
     if uses.get("norm+rope") == "kernel":
         found.append(("norm+rope kernel off", norm_rope.reset))
+    if uses.get("attention") == "exact kernel":
+        found.append(("exact attention off", exact_attention.reset))
     if any_attention_kernel(target):
         found.append(("attention kernel off", dispatch.reset))
     if "exact" in paths:
@@ -603,6 +607,13 @@ def cycle_read(target) -> str:
     return "fixed" if compiled else "bound"
 
 
+def read_width(read: str, length: int) -> int:
+    """The keys a verify's attention spans once ``length`` positions are written."""
+    from dflash_mlx.kv.buffer import BufferKVCache
+
+    return BufferKVCache().room(length) if read == "fixed" else length
+
+
 @dataclass
 class Run:
     name: str
@@ -615,9 +626,10 @@ class Run:
         return first_difference(self.diffs)
 
 
-def run_of(name: str, got: Verified, reference: Reference, layers: range) -> Run:
-    diffs = compare(got.pieces, reference.pieces, layers)
-    ours, theirs = got.pieces[("model", "logits")], reference.pieces[("model", "logits")]
+def run_of(name: str, got: Verified, against: Pieces, layers: range) -> Run:
+    """``got`` compared with ``against`` (the one-row steps' pieces, or another run's)."""
+    diffs = compare(got.pieces, against, layers)
+    ours, theirs = got.pieces[("model", "logits")], against[("model", "logits")]
     agree = int((mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).sum().item())
     replay = f"{len(got.replay_exact)}/{len(got.replayed)}" if got.replayed else ""
     return Run(name, diffs, agree, replay)
@@ -656,29 +668,33 @@ def probe(
         "read": read,
         "start": start,
         "tokens": tokens,
-        "served": served(target, rows, start + rows),
+        "served": served(target, rows, read_width(read, start + rows)),
     }
-    runs = [
+
+    def seeded():
+        return seeded_cache(target, reference.history)
+
+    first = our_verify(target, seeded(), tokens, start, read, plant)
+    runs = [run_of("verify", first, reference.pieces, layers)]
+    # (a verify that is not deterministic cannot equal anything bit for bit)
+    runs.append(
         run_of(
-            "verify",
-            our_verify(target, seeded_cache(target, reference.history), tokens, start, read, plant),
-            reference,
-            layers,
+            "verify again, vs verify", our_verify(target, seeded(), tokens, start, read, plant), first.pieces, layers
         )
-    ]
+    )
     block = reference.tokens[: max(rows, committed)]
     own = own_history(target, prompt, block, committed, read)
     report["history"] = history_difference(target, own, reference.history)
-    runs.append(run_of("own history", our_verify(target, own, tokens, start, read, plant), reference, layers))
-    compiled = compiled_verify(target, seeded_cache(target, reference.history), tokens, start, plant)
-    runs.append(run_of("compiled", compiled, reference, layers))
+    runs.append(run_of("own history", our_verify(target, own, tokens, start, read, plant), reference.pieces, layers))
+    compiled = compiled_verify(target, seeded(), tokens, start, plant)
+    runs.append(run_of("compiled", compiled, reference.pieces, layers))
     if variants:
         fuse = target.fuse_projections
         for name, off in switches(target, report["served"]):
             off()
             try:
-                got = our_verify(target, seeded_cache(target, reference.history), tokens, start, read, plant)
-                runs.append(run_of(name, got, reference, layers))
+                got = our_verify(target, seeded(), tokens, start, read, plant)
+                runs.append(run_of(name, got, reference.pieces, layers))
             finally:
                 restore(target, fuse)
     report["runs"] = runs
@@ -734,6 +750,11 @@ def print_report(report: dict, rows: int) -> None:
         )
     model = "  ".join(f"{p} {main.diffs[('model', p)].cell()}" for p in MODEL_PIECES if ("model", p) in main.diffs)
     print(f"model {model}")
+    first = "none" if main.first is None else f"layer {main.first[0]}, {main.first[1]}"
+    if main.first is not None and main.first[0] == "model":
+        first = main.first[1]
+    replayed = f" (the replay reproduced {main.replay} layers' outputs)" if main.replay else ""
+    print(f"first difference: {first}{replayed}")
     print(
         f"\n{'run':<24} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
     )

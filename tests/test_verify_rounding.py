@@ -54,7 +54,14 @@ def test_every_piece_of_the_verify_equals_the_one_row_steps_on_the_cpu(model):
     report = vr.probe(model, PROMPT, committed=COMMITTED, rows=ROWS)
     runs = {r.name: r for r in report["runs"]}
     # the fused layers are switched to mlx-lm's own, and then everything of ours
-    assert list(runs) == ["verify", "own history", "compiled", "mlx-lm's layers", "all of ours off"]
+    assert list(runs) == [
+        "verify",
+        "verify again, vs verify",
+        "own history",
+        "compiled",
+        "mlx-lm's layers",
+        "all of ours off",
+    ]
     verify = runs["verify"]
     # every piece of every layer was seen, and the replay reproduced each layer's output
     assert set(verify.diffs) == {(i, p) for i in range(3) for p in vr.LAYER_PIECES} | {
@@ -86,6 +93,7 @@ def test_a_difference_planted_in_the_verify_is_found_where_it_is(model):
     assert all(d.rows == 0 for d in report["history"].values())
     assert runs["own history"].first == (1, "o_proj")
     assert runs["compiled"].first == (1, "out")  # what a compiled verify shows of it
+    assert runs["verify again, vs verify"].first is None  # the planted change is deterministic
 
 
 def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):
@@ -98,7 +106,7 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, cap
     table = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["7"])]
     assert len(table) == 2 and all(cells[1:] == ["0"] * len(vr.LAYER_PIECES) for cells in table)
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["runs"]] == ["verify", "own history", "compiled"]
+    assert [r["name"] for r in report["runs"]] == ["verify", "verify again, vs verify", "own history", "compiled"]
     assert all(r["first_difference"] is None for r in report["runs"])
     assert report["runs"][0]["pieces"]["7/down"] == {"rows": 0, "max_abs": 0.0}
 
@@ -150,6 +158,7 @@ def test_switching_each_kernel_off_in_turn_names_the_one_that_rounds_otherwise(p
     runs = {r.name: r for r in report["runs"]}
     assert list(runs) == [
         "verify",
+        "verify again, vs verify",
         "own history",
         "compiled",
         "mlx-lm's layers",
