@@ -535,3 +535,40 @@ def test_every_metal_variant_is_in_the_check_script_and_compiles():
     finally:
         compiler.close()
     assert not failed, "\n".join(lines)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu, monkeypatch, dtype):
+    """A verify's attention layers take the kernel (each row what the plain step
+    computes), so DFlash's output is the target's own greedy text, token for token."""
+    from tiny import (
+        draft_config,
+        greedy_reference,
+        make_draft,
+        make_target,
+        make_tokenizer,
+        random_draft_weights,
+        target_config,
+    )
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    decisions.reset()
+    kernel = fake_gpu(FakeKernel())
+    tcfg = target_config("qwen3", vocab=32, layers=2, hidden=256)  # (head dim 64)
+    model = make_target(tcfg, seed=81)
+    model.set_dtype(dtype)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 1])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=82))
+    draft.set_dtype(dtype)
+    prompt = [1, 2, 3, 4, 5]
+    want = greedy_reference(model, prompt, 12)
+    tokens = make_tokenizer(32)
+    got = [t for r in stream_generate(model, draft, tokens, prompt, max_tokens=12, block_size=6) for t in r.tokens]
+    assert got == want
+    assert ea._checks and all(r.ok for r in ea._checks.values())
+    verifies = [rows for rows, _ in kernel.calls if rows != 3 and rows != 5]  # (not the check's cases)
+    assert verifies and all(2 <= rows <= 16 for rows in verifies)
+    decisions.reset()

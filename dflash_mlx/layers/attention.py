@@ -1,15 +1,16 @@
-"""A layer's attention over its cache: the block-attention kernel for a
-``BufferKVCache`` (over a block, or a draft tree's nodes while the cache has
-one) where it passed its check and this machine measured it faster (both in
-``prepare``, never inside a compiled cycle), mlx-lm's attention everywhere
-else."""
+"""A layer's attention over its cache: for a ``BufferKVCache``, a verify's
+causal rows through the exact verify attention (each row as MLX's one-row
+call computes it), else the block-attention kernel (over a block, or a draft
+tree's nodes while the cache has one), each where it passed its check and
+this machine measured it faster (both in ``prepare``, never inside a compiled
+cycle); mlx-lm's attention everywhere else."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..kernels import dispatch, norm_rope
+from ..kernels import dispatch, exact_attention, norm_rope
 from ..kernels.attention_source import TREE_NODES
 from ..kv.buffer import BufferKVCache
 from . import linear
@@ -20,6 +21,8 @@ def prepare(dtype, head_dim: int, windows, trees: bool = False) -> None:
     (``trees``: the draft-tree variants too), outside compiled traces."""
     norm_rope.prepare(dtype, head_dim)
     linear.prepare(dtype)
+    if None in set(windows):
+        exact_attention.prepare(dtype, head_dim)
     where = dispatch.backend()
     if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
         return
@@ -59,6 +62,17 @@ def attention_output(
     valid length (default: the cache's offset). A draft tree on the cache
     (kv/tree.py) takes the tree kernel, its nodes the rows written at ``start``."""
     tree = getattr(cache, "tree", None)
+    if (
+        type(cache) is BufferKVCache
+        and start is not None
+        and tree is None
+        and causal
+        and window is None
+        and sinks is None
+    ):
+        out = exact_attention.attention(queries, keys, values, scale=scale, q_offset=start)
+        if out is not None:
+            return out, False
     if type(cache) is BufferKVCache and start is not None and (tree is None or takes_tree(tree, queries, causal)):
         where = dispatch.backend()
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
