@@ -93,8 +93,6 @@ def as_rows(a: mx.array) -> mx.array:
 
 
 def difference(ours: mx.array, theirs: mx.array) -> Difference:
-    if ours.shape != theirs.shape:
-        return Difference(ours.shape[0], float("inf"))
     if ours.dtype == theirs.dtype and ours.dtype in BITS:
         same = (ours.view(BITS[ours.dtype]) == theirs.view(BITS[ours.dtype])).all(axis=-1)
     else:
@@ -104,9 +102,11 @@ def difference(ours: mx.array, theirs: mx.array) -> Difference:
 
 
 def compare(ours: Pieces, theirs: Pieces, layers: range) -> dict[tuple, Difference]:
-    """Each piece both sides have, in the order a forward computes them."""
+    """Each piece both sides have alike, in the order a forward computes them
+    (a family caching other than rotated keys, e.g. MLA's latents, has no "k rope" to compare)."""
     order = [(i, p) for i in layers for p in LAYER_PIECES] + [("model", p) for p in MODEL_PIECES]
-    return {key: difference(ours[key], theirs[key]) for key in order if key in ours and key in theirs}
+    alike = [key for key in order if key in ours and key in theirs and ours[key].shape == theirs[key].shape]
+    return {key: difference(ours[key], theirs[key]) for key in alike}
 
 
 def first_difference(diffs: dict[tuple, Difference]) -> tuple | None:
@@ -128,6 +128,14 @@ class Probe(nn.Module):
         out = self.inner(*args, **kwargs)
         self.seen(args, out)
         return out
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # (a model reading a layer's settings, e.g. llama's use_sliding)
+            if "inner" not in self:
+                raise
+            return getattr(self["inner"], name)
 
 
 # (module path in a layer, what it shows: its input's or its output's piece)
@@ -500,13 +508,16 @@ def served(target, rows: int, keys: int) -> dict[str, str]:
     """What the verify's first layer and the head run on this machine over
     ``keys`` buffer positions (each kernel module asked of its own backend)."""
     from dflash_mlx.kernels import dispatch, exact_attention, norm_rope
-    from dflash_mlx.layers.fused import projections
+    from dflash_mlx.layers.fused import FUSABLE_BLOCKS, projections
     from dflash_mlx.layers.linear import linear_head, quantized_head
 
     i = target.here[0]
     layer, dtype, d = target.inner.layers[i], target.dtype, target.head_dim
+    head = head_path(target, rows, linear_head, quantized_head)
     if target.blocks[0] is layer:
-        return {"layers": "mlx-lm's own", "head": head_path(target, rows, linear_head, quantized_head)}
+        return {"layers": "mlx-lm's own", "head": head}
+    if type(layer) not in FUSABLE_BLOCKS:
+        return {"layers": f"the {target.family} adapter's", "head": head}
     attn, mlp = layer.self_attn, layer.mlp
     fused = projections(layer) if target.fuse_projections else None
     found = {
@@ -516,7 +527,7 @@ def served(target, rows: int, keys: int) -> dict[str, str]:
         "o_proj": product_path(attn.o_proj, rows, dtype),
         "gate/up": ("fused " if fused else "") + product_path(fused.gate_up if fused else mlp.gate_proj, rows, dtype),
         "down": product_path(mlp.down_proj, rows, dtype),
-        "head": head_path(target, rows, linear_head, quantized_head),
+        "head": head,
     }
     if getattr(attn, "q_norm", None) is not None and norm_rope.plain_rope(attn.rope, d):
         found["norm+rope"] = "kernel" if norm_rope.passed(dtype, d) is not None else "MLX ops"
@@ -647,6 +658,8 @@ def probe(
     ``prompt`` and ``committed`` tokens. ``plant``: a context manager factory
     ``plant(target)`` active around each of our compared verifies (a test's
     planted difference). Returns the report (``report_json``'s input)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
     from dflash_mlx.kernels import decisions
     from dflash_mlx.kv.buffer import BufferKVCache
     from dflash_mlx.targets import DenseTarget, adapt
@@ -658,6 +671,10 @@ def probe(
     ):
         raise ValueError(
             f"the probe reads dense-attention targets over plain buffers (qwen3, llama); {target.family} is not one."
+        )
+    if any(type(c) is not KVCache for c in make_prompt_cache(model)):
+        raise ValueError(
+            "the probe compares with mlx-lm's plain KV caches; this target's keeps rotating or other caches."
         )
     reference = one_row_reference(model, prompt, committed, rows)
     start = len(prompt) + committed
