@@ -50,8 +50,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 LAYER_PIECES = (
     "input norm",
     "q",
@@ -816,6 +814,7 @@ def load_model(args) -> tuple[nn.Module, str]:
 
 
 def main():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its neighbour cycle.py, run as a script or not)
     from cycle import SHAPES, synthetic_prompt
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
