@@ -30,7 +30,8 @@ pair's context is 2048 positions; for longer prompts its target is served from a
 copy whose config allows the length (the same weights).
 
 N clients each send M streamed chat requests one after another over loopback
-(the held-out chat prompts, greedy). Without ``--url`` the built-in pair is
+(the held-out chat prompts, greedy), each --think-s seconds after the last
+reply (0 by default; agents running tools pause so). Without ``--url`` the built-in pair is
 served from this process, and the same prompts decoded directly give the
 server / direct ratio. The server decodes one request at a time, so the time
 to first token includes the wait in the queue.
@@ -82,6 +83,8 @@ def run_client(index: int, url: str, args, prompts: list[str], results: list, er
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(timeout=args.timeout, headers=headers) as client:
         for r in range(args.requests):
+            if r and args.think_s:  # a client reading its reply, or an agent running a tool
+                time.sleep(args.think_s)
             if time.perf_counter() > deadline:
                 errors.append(f"client {index}: out of time before request {r}")
                 return
@@ -140,6 +143,7 @@ def summarize(results: list[dict], errors: list[str], wall: float, args) -> dict
         "clients": args.clients,
         "requests_per_client": args.requests,
         "max_tokens": args.max_tokens,
+        "think_s": args.think_s,
         "completed": len(results),
         "errors": len(errors),
         "wall_s": round(wall, 2),
@@ -415,6 +419,9 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="Serial DFlash, batched plain and auto side by side.")
     parser.add_argument("--repeat", type=int, default=1, help="--compare: rounds of the three, medians compared.")
     parser.add_argument("--requests", type=int, default=3, help="Requests per client, one after another.")
+    parser.add_argument(
+        "--think-s", type=float, default=0.0, help="Seconds a client waits after a reply before its next request."
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--timeout", type=float, default=600, help="Seconds for the whole run; requests left then count as errors."
