@@ -281,6 +281,38 @@ template <typename T, typename U> T exp(T x) { return T(harness_exp(float(x))); 
 """
 
 
+# For a bfloat16 run, the stand-in header's bfloat (a half's storage there)
+# becomes clang's __bf16: bfloat16's 16 bits, converted to float exactly and
+# from float rounding to nearest even (as MLX and Apple GPUs round; the
+# conversion's runtime function, defined here).
+BFLOAT = r"""typedef __bf16 bfloat;
+extern "C" __bf16 __truncsfbf2(float f) {
+  const unsigned u = __builtin_bit_cast(unsigned, f);
+  return __builtin_bit_cast(__bf16, (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16));
+}
+"""
+
+
+class Storage:
+    """A dtype's numpy storage (bfloat16: its bits in uint16) and its conversions."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.np = np.uint16 if name == "bfloat16" else np.dtype(name).type
+        self.mx = getattr(mx, name)
+
+    def f32(self, a):
+        a = np.asarray(a)
+        return (a.astype(np.uint32) << 16).view(F32) if self.name == "bfloat16" else a.astype(F32)
+
+    def round(self, x):
+        x = np.asarray(x, F32)
+        if self.name != "bfloat16":
+            return x.astype(self.np)
+        u = x.view(np.uint32)
+        return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+
+
 class OnCpu:
     """The two passes' sources, as MLX builds them, compiled for this CPU once each."""
 
@@ -288,8 +320,12 @@ class OnCpu:
         self.tmp = tmp_path_factory
         self.libs = {}
 
-    def lib(self, script, source: str, buffers: list[str]):
+    def lib(self, script, source: str, buffers: list[str], bfloat: bool = False):
         if source not in self.libs:
+            if bfloat:  # (the stand-in header with bfloat16's storage and arithmetic)
+                stub = self.tmp.mktemp("bf16") / "metal_stub.h"
+                stub.write_text(open(script.STUB).read().replace("typedef __fp16 bfloat;", BFLOAT))
+                script.STUB = str(stub)
             self.libs[source] = build_on_cpu(script, source, buffers, self.tmp.mktemp("ea"))
         return self.libs[source]
 
@@ -302,14 +338,15 @@ def on_cpu(tmp_path_factory):
     patch.undo()
 
 
-def run_metal_source(on_cpu, q, k, v, start: int, arch: int, plant=None):
-    """The kernel's [B, HQ, L, D] for numpy q [1, HQ, L, D], k, v [1, HKV, N, D]
-    (float16 or float32), run on this CPU from its Metal source (``plant``: (old,
-    new) texts swapped into the passes first); and the exponential it used."""
+def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, plant=None):
+    """The kernel's [B, HQ, L, D] for q [1, HQ, L, D], k, v [1, HKV, N, D] in
+    ``storage``, run on this CPU from its Metal source (``plant``: (old, new)
+    texts swapped into the passes first); and the exponential it used."""
     script = check_metal_script()
     recorder = script.Recorder()
     kernel = ea.ExactAttentionKernel("metal", factory=recorder.factory)
-    kernel(mx.array(q), mx.array(k), mx.array(v), scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
+    qm, km, vm = (mx.array(storage.f32(a)).astype(storage.mx) for a in (q, k, v))
+    kernel(qm, km, vm, scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
     variants = recorder.variants
     (partial,) = [x for x in variants.values() if "partial" in x.kernel]
     (merge,) = [x for x in variants.values() if "merge" in x.kernel]
@@ -318,8 +355,9 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, plant=None):
         assert any(old in text for text in sources), old
         sources = [text.replace(old, new) for text in sources]
     shape_names = ["queries_shape", "queries_strides", "keys_shape", "keys_strides", "values_strides"]
-    p_lib = on_cpu.lib(script, sources[0], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS)
-    m_lib = on_cpu.lib(script, sources[1], MERGE_INPUTS + MERGE_OUTPUTS)
+    bfloat = storage.name == "bfloat16"
+    p_lib = on_cpu.lib(script, sources[0], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS, bfloat)
+    m_lib = on_cpu.lib(script, sources[1], MERGE_INPUTS + MERGE_OUTPUTS, bfloat)
     B, HQ, L, D = q.shape
     g = HQ // k.shape[1]
     streams = max(32, ea.blocks("metal", arch, k.shape[2], g))
@@ -362,21 +400,21 @@ def seq_sum(values, axis=-1):
     return total
 
 
-def streams_of(q, keys, values, scale, step: int, exp):
+def streams_of(q, keys, values, scale, step: int, exp):  # (q, keys, values in float32)
     """MLX's per-simdgroup pass over keys s, s + step, ... (sdpa_vector's loop
     and sdpa_vector_2pass_1's), for one row: each stream's max, sum and
     per-lane outputs [step, 32, D/32], transcribed plainly."""
     n, d = keys.shape
     dl = d // 32
-    qs = (F32(scale) * q.astype(F32)).reshape(32, dl)
+    qs = (F32(scale) * q).reshape(32, dl)
     m = np.full(step, FINITE_MIN, F32)
     s = np.zeros(step, F32)
     o = np.zeros((step, 32, dl), F32)
     for base in range(0, n, step):
         live = np.arange(step) + base < n
         at = base + np.arange(step)[live]
-        k = keys[at].astype(F32).reshape(-1, 32, dl)
-        v = values[at].astype(F32).reshape(-1, 32, dl)
+        k = keys[at].reshape(-1, 32, dl)
+        v = values[at].reshape(-1, 32, dl)
         score = np.zeros(k.shape[:2], F32)
         for j in range(dl):
             score = score + qs[None, :, j] * k[:, :, j]
@@ -399,10 +437,10 @@ def sdpa_vector(q, keys, values, scale, exp):
     return out if total == 0 else out / total
 
 
-def sdpa_vector_2pass(q, keys, values, scale, exp, blocks: int, dtype):
+def sdpa_vector_2pass(q, keys, values, scale, exp, blocks: int, storage: Storage):
     """MLX's Metal sdpa_vector_2pass_1 (blocks streams, partials rounded to T) then _2."""
     m, s, o = streams_of(q, keys, values, scale, blocks, exp)
-    partial = o.reshape(blocks, -1).astype(dtype).astype(F32)
+    partial = storage.f32(storage.round(o.reshape(blocks, -1)))
     lanes = np.arange(32)
     top = np.full(32, FINITE_MIN, F32)
     for b in range(blocks // 32):
@@ -418,42 +456,41 @@ def sdpa_vector_2pass(q, keys, values, scale, exp, blocks: int, dtype):
     return out if total == 0 else out / total
 
 
-def mlx_one_row_order(q, k, v, start: int, arch: int, exp):
+def mlx_one_row_order(q, k, v, start: int, arch: int, exp, storage: Storage):
     """Each row of q [1, HQ, L, D] as MLX's one-row Metal call over keys 0..its position computes it."""
     _, hq, rows, d = q.shape
     g = hq // k.shape[1]
+    q32, k32, v32 = storage.f32(q), storage.f32(k), storage.f32(v)
     out = np.zeros(q.shape, q.dtype)
     for h in range(hq):
         for i in range(rows):
             n = start + i + 1
-            keys, values = k[0, h // g, :n], v[0, h // g, :n]
+            keys, values = k32[0, h // g, :n], v32[0, h // g, :n]
             blocks = ea.blocks("metal", arch, n, g)
             if blocks:
-                row = sdpa_vector_2pass(q[0, h, i], keys, values, d**-0.5, exp, blocks, q.dtype)
+                row = sdpa_vector_2pass(q32[0, h, i], keys, values, d**-0.5, exp, blocks, storage)
             else:
-                row = sdpa_vector(q[0, h, i], keys, values, d**-0.5, exp)
-            out[0, h, i] = row.astype(q.dtype)
+                row = sdpa_vector(q32[0, h, i], keys, values, d**-0.5, exp)
+            out[0, h, i] = storage.round(row)
     return out
 
 
-def metal_case(rows: int, g: int, start: int, n: int, d: int, dtype):
+def metal_case(rows: int, g: int, start: int, n: int, d: int, storage: Storage):
     rng = np.random.default_rng(rows * 1000 + n + d)
-    q = rng.standard_normal((1, g, rows, d)).astype(dtype)
-    k = rng.standard_normal((1, 1, n, d)).astype(dtype)
-    v = rng.standard_normal((1, 1, n, d)).astype(dtype)
-    return q, k, v
+    return tuple(storage.round(rng.standard_normal(shape)) for shape in ((1, g, rows, d), (1, 1, n, d), (1, 1, n, d)))
 
 
-def reference(q, k, v, start):
+def reference(q, k, v, start, storage: Storage):
     """Plain softmax attention in float64, each row over keys 0..its position."""
+    q, k, v = (storage.f32(a).astype(np.float64) for a in (q, k, v))
     out = np.zeros(q.shape, np.float64)
     g = q.shape[1] // k.shape[1]
     for h in range(q.shape[1]):
         for i in range(q.shape[2]):
             n = start + i + 1
-            s = (k[0, h // g, :n].astype(np.float64) @ q[0, h, i].astype(np.float64)) * q.shape[-1] ** -0.5
+            s = (k[0, h // g, :n] @ q[0, h, i]) * q.shape[-1] ** -0.5
             p = np.exp(s - s.max())
-            out[0, h, i] = p @ v[0, h // g, :n].astype(np.float64) / p.sum()
+            out[0, h, i] = p @ v[0, h // g, :n] / p.sum()
     return out
 
 
@@ -461,23 +498,25 @@ def reference(q, k, v, start):
 @pytest.mark.parametrize(
     "rows, g, start, n, d, dtype, arch",
     [
-        (3, 1, 20, 256, 64, np.float16, 0),  # one pass, fewer keys than streams
-        (4, 2, 90, 256, 128, np.float16, 0),  # one pass, GQA
-        (5, 1, 1020, 1280, 64, np.float16, 1),  # across the switch to two passes (64 blocks) on 's'
-        (3, 2, 1021, 1280, 64, np.float32, 2),  # ... (128 blocks) on 'd'
-        (2, 2, 4094, 4352, 64, np.float16, 0),  # two passes under GQA from 4096 keys (32 blocks)
-        (2, 1, 300, 512, 256, np.float32, 0),  # head dim 256
+        (3, 1, 20, 256, 64, "float16", 0),  # one pass, fewer keys than streams
+        (4, 2, 90, 256, 128, "bfloat16", 0),  # one pass, GQA
+        (5, 1, 1020, 1280, 64, "float16", 1),  # across the switch to two passes (64 blocks) on 's'
+        (3, 2, 1021, 1280, 128, "bfloat16", 1),
+        (3, 2, 1021, 1280, 64, "float32", 2),  # ... (128 blocks) on 'd'
+        (2, 2, 4094, 4352, 64, "float16", 0),  # two passes under GQA from 4096 keys (32 blocks)
+        (2, 1, 300, 512, 256, "float32", 0),  # head dim 256
     ],
 )
 def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order(
     on_cpu, rows, g, start, n, d, dtype, arch
 ):
-    q, k, v = metal_case(rows, g, start, n, d, dtype)
-    got, exp = run_metal_source(on_cpu, q, k, v, start, arch)
-    want = mlx_one_row_order(q, k, v, start, arch, exp)
+    storage = Storage(dtype)
+    q, k, v = metal_case(rows, g, start, n, d, storage)
+    got, exp = run_metal_source(on_cpu, q, k, v, start, arch, storage)
+    want = mlx_one_row_order(q, k, v, start, arch, exp, storage)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (got != want).sum()
     # and attention itself, to a rounding
-    assert np.abs(got.astype(np.float64) - reference(q, k, v, start)).max() < 1e-2
+    assert np.abs(storage.f32(got) - reference(q, k, v, start, storage)).max() < 3e-2
 
 
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
@@ -494,7 +533,7 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
             ],
             90,
             0,
-            np.float32,
+            "float32",
         ),
         # the scale applied to the score, not to q as MLX reads it
         (
@@ -504,18 +543,19 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
             ],
             90,
             0,
-            np.float32,
+            "float32",
         ),
         # the two-pass partials kept in float, not rounded to T as MLX stores them
-        ([("blocks > 0 ? to_float(from_float<T>(o[j])) : o[j]", "o[j]")], 1100, 1, np.float16),
+        ([("blocks > 0 ? to_float(from_float<T>(o[j])) : o[j]", "o[j]")], 1100, 1, "float16"),
     ],
 )
 def test_a_planted_order_change_fails_the_comparison(on_cpu, plant, start, arch, dtype):
-    q, k, v = metal_case(4, 2, start, 1280, 128, dtype)  # (a scale not a power of 2)
-    got, exp = run_metal_source(on_cpu, q, k, v, start, arch, plant=plant)
-    want = mlx_one_row_order(q, k, v, start, arch, exp)
+    storage = Storage(dtype)
+    q, k, v = metal_case(4, 2, start, 1280, 128, storage)  # (a scale not a power of 2)
+    got, exp = run_metal_source(on_cpu, q, k, v, start, arch, storage, plant=plant)
+    want = mlx_one_row_order(q, k, v, start, arch, exp, storage)
     assert not np.array_equal(got.view(np.uint8), want.view(np.uint8))
-    assert np.abs(got.astype(np.float64) - reference(q, k, v, start)).max() < 1e-2
+    assert np.abs(storage.f32(got) - reference(q, k, v, start, storage)).max() < 1e-2
 
 
 @pytest.mark.skipif(metal_on_cpu.shutil.which("clang++") is None and CLANG_F16 is None, reason="no clang++ here")
