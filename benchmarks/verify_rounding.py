@@ -23,7 +23,9 @@ captured input, cache and mask; the layer's output, the keys and values it
 wrote and the logits are the verify's own, and ``replay`` says whether the
 replay reproduced each layer's output bit for bit. A piece a kernel folds
 into a neighbour's launch (the CUDA block product's norm, SwiGLU, residual)
-is replayed without the fold.
+is replayed without the fold. A second table replays each piece of ours
+from mlx-lm's inputs to it: its own rounding, where the first shows what
+each piece inherits too, so one run names every piece that rounds otherwise.
 
 The verify runs over mlx-lm's own cache (its prompt and committed tokens), so
 its table is the verify's rounding alone; ``history`` compares that cache
@@ -68,6 +70,7 @@ LAYER_PIECES = (
     "out",
 )
 MODEL_PIECES = ("final norm", "logits")
+ISOLATED = "each from mlx-lm's input"
 BITS = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16, mx.float32: mx.uint32}
 
 Pieces = dict[tuple, mx.array]  # (layer index or "model", piece) -> rows [R, width]
@@ -138,7 +141,7 @@ class Probe(nn.Module):
 
 # (module path in a layer, what it shows: its input's or its output's piece)
 LAYER_PROBES = (
-    ("input_layernorm", None, "input norm"),
+    ("input_layernorm", "in", "input norm"),  # ("in": the layer's input, not compared)
     ("self_attn.q_proj", None, "q"),
     ("self_attn.k_proj", None, "k"),
     ("self_attn.v_proj", None, "v"),
@@ -278,9 +281,11 @@ class LayerCall:
     out: mx.array
 
 
-def replay_dense(target, i: int, call: LayerCall) -> Pieces:
+def replay_dense(target, i: int, call: LayerCall, given: Callable[[str, mx.array], mx.array] | None = None) -> Pieces:
     """A qwen3/llama layer's verify, step by step as layers/blocks.py's
-    ``dense_block`` (fused projections, or the layer's own) takes it."""
+    ``dense_block`` (fused projections, or the layer's own) takes it.
+    ``given(piece, ours)``: what the next step takes in place of our piece
+    (mlx-lm's, to see each piece's own rounding); by default ours."""
     from mlx_lm.models.activations import swiglu
 
     from dflash_mlx.kernels.norm_rope import norm_rope, rotate
@@ -288,46 +293,73 @@ def replay_dense(target, i: int, call: LayerCall) -> Pieces:
     from dflash_mlx.layers.fused import fused_rows, projections
     from dflash_mlx.layers.linear import apply_linear, apply_linear_output, apply_linear_swiglu
 
+    given = given or (lambda piece, ours: ours)
     layer = target.inner.layers[i]
     window = target.windows()[i]
     fused = projections(layer) if target.fuse_projections else None
     attn, mlp = layer.self_attn, layer.mlp
     norm, post = layer.input_layernorm, layer.post_attention_layernorm
-    h, mask, cache = call.h, call.mask, call.cache
+    h, mask, cache = given("in", call.h), call.mask, copied(call.cache)
     B, L, _ = h.shape
     got = {"input norm": norm(h)}
     q, k, v = fused.qkv(h, norm) if fused is not None else own_projections(attn)(h, norm)
     got.update({"q": q, "k": k, "v": v})
+    q, k, v = given("q", q), given("k", k), given("v", v)
     q = q.reshape(B, L, attn.n_heads, -1)
     k = k.reshape(B, L, attn.n_kv_heads, -1)
     v = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    rope = attn.rope
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:
-        q, k = norm_rope(q, k, q_norm, attn.k_norm, rope, rope_positions(cache))
-        rope = None
-        got["q rope"], got["k rope"] = q, k
-    else:
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        q, k = norm_rope(q, k, q_norm, attn.k_norm, attn.rope, rope_positions(cache))
+    else:  # (as attend_output rotates them)
         at = rope_positions(cache)
-        got["q rope"], got["k rope"] = rotate(rope, q, at), rotate(rope, k, at)
-    out, as_rows_ = attend_output(rope, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
+        q, k = rotate(attn.rope, q.transpose(0, 2, 1, 3), at), rotate(attn.rope, k.transpose(0, 2, 1, 3), at)
+    got["q rope"], got["k rope"] = q, k
+    q, k = given("q rope", q), given("k rope", k)
+    out, as_rows_ = attend_output(None, q, k, v, cache=cache, scale=attn.scale, mask=mask, window=window)
     got["attention"] = out if as_rows_ else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    out = given("attention", out)
     got["o_proj"] = apply_linear_output(attn.o_proj, out, as_rows_)
     h = got["h+attn"] = apply_linear_output(attn.o_proj, out, as_rows_, residual=h)
+    h = given("h+attn", h)
     got["post norm"] = post(h)
     if fused is not None and fused_rows(h):
         got["gate"], got["up"] = mx.split(apply_linear(fused.gate_up, h, norm=post), 2, axis=-1)
         got["swiglu"] = apply_linear_swiglu(fused.gate_up, h, post)
-        got["down"] = apply_linear(mlp.down_proj, got["swiglu"])
-        got["out"] = apply_linear(mlp.down_proj, got["swiglu"], h)
+        down = lambda x, residual=None: apply_linear(mlp.down_proj, x, residual)  # noqa: E731
     else:
         x = post(h)
         got["gate"], got["up"] = mlp.gate_proj(x), mlp.up_proj(x)
         got["swiglu"] = swiglu(got["gate"], got["up"])
-        got["down"] = mlp.down_proj(got["swiglu"])
-        got["out"] = h + got["down"]
+        down = lambda x, residual=None: mlp.down_proj(x) if residual is None else residual + mlp.down_proj(x)  # noqa: E731
+    sw = given("swiglu", got["swiglu"])
+    got["down"] = down(sw)
+    got["out"] = down(sw, h)
     return {(i, name): value for name, value in got.items()}
+
+
+def like(rows: mx.array, ours: mx.array) -> mx.array:
+    """Rows [L, width] laid out as ``ours`` ([1, L, width] or [1, heads, L, D])."""
+    if ours.ndim == 4:
+        B, H, L, D = ours.shape
+        return rows.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+    return rows.reshape(ours.shape)
+
+
+def isolated(target, calls: dict, reference: Pieces) -> Pieces:
+    """Each piece of ours computed from mlx-lm's inputs to it: its own rounding,
+    not what it inherits (qwen3/llama layers, and the head)."""
+    pieces = {}
+    for i, call in calls.items():
+
+        def given(piece, ours, i=i):
+            return like(reference[(i, piece)], ours) if (i, piece) in reference else ours
+
+        pieces.update({key: as_rows(value) for key, value in replay_dense(target, i, call, given).items()})
+    last = like(reference[(target.here[-1], "out")], calls[target.here[-1]].out)
+    pieces[("model", "final norm")] = as_rows(target.inner.norm(last))
+    pieces[("model", "logits")] = as_rows(target.logits(last, target.inner.norm))
+    return pieces
 
 
 @dataclass
@@ -335,10 +367,14 @@ class Verified:
     pieces: Pieces
     replay_exact: list[int]  # layers whose replayed output equals the verify's
     replayed: list[int]  # layers replayed at all
+    isolated: Pieces | None = None  # each piece from mlx-lm's inputs (``isolated``)
 
 
-def our_verify(target, cache: list, tokens: list[int], start: int, read: str, plant=None) -> Verified:
-    """Our adapter's verify of ``tokens`` at ``start`` over ``cache``, eager, its pieces captured."""
+def our_verify(
+    target, cache: list, tokens: list[int], start: int, read: str, plant=None, reference: Pieces | None = None
+) -> Verified:
+    """Our adapter's verify of ``tokens`` at ``start`` over ``cache``, eager,
+    its pieces captured (and, given mlx-lm's ``reference``, ``isolated``'s)."""
     from mlx_lm.generate import generation_stream
 
     from dflash_mlx.device import device_scalar
@@ -384,9 +420,13 @@ def our_verify(target, cache: list, tokens: list[int], start: int, read: str, pl
             pieces[("model", "final norm")] = as_rows(target.inner.norm(last))
             pieces[("model", "logits")] = as_rows(logits)
             mx.eval(pieces)
+            alone = None
+            if reference is not None and replayed == list(target.here):
+                alone = isolated(target, calls, reference)
+                mx.eval(alone)
     finally:
         target.blocks = saved
-    return Verified(pieces, exact, replayed)
+    return Verified(pieces, exact, replayed, alone)
 
 
 def written(cache, i: int, start: int, n: int) -> Pieces:
@@ -689,8 +729,10 @@ def probe(
     def seeded():
         return seeded_cache(target, reference.history)
 
-    first = our_verify(target, seeded(), tokens, start, read, plant)
+    first = our_verify(target, seeded(), tokens, start, read, plant, reference.pieces)
     runs = [run_of("verify", first, reference.pieces, layers)]
+    if first.isolated is not None:
+        runs.append(run_of(ISOLATED, Verified(first.isolated, [], []), reference.pieces, layers))
     # (a verify that is not deterministic cannot equal anything bit for bit)
     runs.append(
         run_of(
@@ -754,32 +796,39 @@ def print_report(report: dict, rows: int) -> None:
         cells = "  ".join(f"{i}: k {history[(i, 'k')].cell()} v {history[(i, 'v')].cell()}" for i in parted[:8])
         print(f"history: positions whose cached k/v differ from mlx-lm's (of {report['start']}), layers {cells}")
     main = report["runs"][0]
-    layers = sorted({k[0] for k in main.diffs if k[0] != "model"})
-    width = {p: max(len(p), 7) for p in LAYER_PIECES}
-    print(f"\nverify over mlx-lm's cache: rows (of {rows}) differing from the one-row step / max |diff|; . unseen")
-    print("layer " + " ".join(f"{p:>{width[p]}}" for p in LAYER_PIECES))
-    for i in layers:
-        cells = [main.diffs.get((i, p)) for p in LAYER_PIECES]
-        print(
-            f"{i:>5} " + " ".join(f"{'.' if c is None else c.cell():>{width[p]}}" for c, p in zip(cells, LAYER_PIECES))
-        )
-    model = "  ".join(f"{p} {main.diffs[('model', p)].cell()}" for p in MODEL_PIECES if ("model", p) in main.diffs)
-    print(f"model {model}")
-    first = "none" if main.first is None else f"layer {main.first[0]}, {main.first[1]}"
-    if main.first is not None and main.first[0] == "model":
-        first = main.first[1]
+    print_table(main, f"verify over mlx-lm's cache: rows (of {rows}) differing from the one-row step / max |diff|")
+    first = "none" if main.first is None else piece_name(main.first)
     replayed = f" (the replay reproduced {main.replay} layers' outputs)" if main.replay else ""
     print(f"first difference: {first}{replayed}")
+    alone = next((r for r in report["runs"] if r.name == ISOLATED), None)
+    if alone is not None:
+        print_table(alone, "each piece of ours from mlx-lm's inputs to it: its own rounding, not what it inherits")
     print(
-        f"\n{'run':<24} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
+        f"\n{'run':<26} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
     )
     for r in report["runs"]:
         first = "none" if r.first is None else piece_name(r.first)
         logits = r.diffs[("model", "logits")]
         print(
-            f"{r.name:<24} {first:<20} {logits.rows:>10} {logits.worst:>8.1e} {r.argmax_equal:>9}/{rows:<2} "
+            f"{r.name:<26} {first:<20} {logits.rows:>10} {logits.worst:>8.1e} {r.argmax_equal:>9}/{rows:<2} "
             f"{r.replay or '-':>12}"
         )
+
+
+def print_table(run: Run, title: str) -> None:
+    """A run's pieces, a line a layer: rows differing / max |diff| ("." unseen)."""
+    layers = sorted({k[0] for k in run.diffs if k[0] != "model"})
+    width = {p: max(len(p), 7) for p in LAYER_PIECES}
+    print(f"\n{title}")
+    print("layer " + " ".join(f"{p:>{width[p]}}" for p in LAYER_PIECES))
+    for i in layers:
+        cells = [run.diffs.get((i, p)) for p in LAYER_PIECES]
+        print(
+            f"{i:>5} " + " ".join(f"{'.' if c is None else c.cell():>{width[p]}}" for c, p in zip(cells, LAYER_PIECES))
+        )
+    print(
+        "model " + "  ".join(f"{p} {run.diffs[('model', p)].cell()}" for p in MODEL_PIECES if ("model", p) in run.diffs)
+    )
 
 
 # ---- the command --------------------------------------------------------------------

@@ -56,6 +56,7 @@ def test_every_piece_of_the_verify_equals_the_one_row_steps_on_the_cpu(model):
     # the fused layers are switched to mlx-lm's own, and then everything of ours
     assert list(runs) == [
         "verify",
+        "each from mlx-lm's input",
         "verify again, vs verify",
         "own history",
         "compiled",
@@ -89,6 +90,10 @@ def test_a_difference_planted_in_the_verify_is_found_where_it_is(model):
     assert verify.diffs[(1, "o_proj")].rows == ROWS and verify.diffs[(1, "o_proj")].worst > 0
     assert verify.diffs[(1, "out")].rows == ROWS and verify.diffs[("model", "logits")].rows == ROWS
     assert verify.replay == "3/3"  # the replay saw the planted weight too
+    # given mlx-lm's inputs, only the planted product (and the residual it feeds) parts
+    alone = runs["each from mlx-lm's input"]
+    assert {k for k, d in alone.diffs.items() if d.rows} == {(1, "o_proj"), (1, "h+attn")}
+    assert len(alone.diffs) == len(verify.diffs)
     # the prefill and the committed block are not the verify: untouched
     assert all(d.rows == 0 for d in report["history"].values())
     assert runs["own history"].first == (1, "o_proj")
@@ -102,11 +107,19 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", argv + ["--no-variants", "--json", str(out)])
     vr.main()
     text = capsys.readouterr().out
-    assert "verify over mlx-lm's cache" in text and "first difference" in text
-    table = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["7"])]
-    assert len(table) == 2 and all(cells[1:] == ["0"] * len(vr.LAYER_PIECES) for cells in table)
+    assert "verify over mlx-lm's cache" in text and "from mlx-lm's inputs" in text
+    assert "first difference: none (the replay reproduced 8/8 layers' outputs)" in text
+    # two tables (the verify, each piece alone) of 8 layers, every cell 0
+    table = [line.split() for line in text.splitlines() if line.split()[:1] in ([str(i)] for i in range(8))]
+    assert len(table) == 16 and all(cells[1:] == ["0"] * len(vr.LAYER_PIECES) for cells in table)
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["runs"]] == ["verify", "verify again, vs verify", "own history", "compiled"]
+    assert [r["name"] for r in report["runs"]] == [
+        "verify",
+        "each from mlx-lm's input",
+        "verify again, vs verify",
+        "own history",
+        "compiled",
+    ]
     assert all(r["first_difference"] is None for r in report["runs"])
     assert report["runs"][0]["pieces"]["7/down"] == {"rows": 0, "max_abs": 0.0}
 
@@ -158,6 +171,7 @@ def test_switching_each_kernel_off_in_turn_names_the_one_that_rounds_otherwise(p
     runs = {r.name: r for r in report["runs"]}
     assert list(runs) == [
         "verify",
+        "each from mlx-lm's input",
         "verify again, vs verify",
         "own history",
         "compiled",
@@ -171,6 +185,9 @@ def test_switching_each_kernel_off_in_turn_names_the_one_that_rounds_otherwise(p
     # (the attention kernel was put back after its own run)
     assert runs["exact products off"].first == (0, "attention")
     assert runs["compiled"].first == (0, "out")
+    # given mlx-lm's inputs, each layer's attention parts, and nothing else
+    alone = runs["each from mlx-lm's input"]
+    assert {k for k, d in alone.diffs.items() if d.rows} == {(0, "attention"), (1, "attention")}
     for name in ("attention kernel off", "mlx-lm's layers", "all of ours off"):
         assert runs[name].first is None, name
     # our committed block went through the kernel too: layer 1's keys of it differ
