@@ -340,9 +340,9 @@ def replay_dense(target, i: int, call: LayerCall, given: Callable[[str, mx.array
 
 def like(rows: mx.array, ours: mx.array) -> mx.array:
     """Rows [L, width] laid out as ``ours`` ([1, L, width] or [1, heads, L, D])."""
-    if ours.ndim == 4:
+    if ours.ndim == 4:  # (contiguous, as the rotated rows and attention outputs are)
         B, H, L, D = ours.shape
-        return rows.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+        return mx.contiguous(rows.reshape(B, L, H, D).transpose(0, 2, 1, 3))
     return rows.reshape(ours.shape)
 
 
