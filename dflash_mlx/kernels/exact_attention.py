@@ -24,6 +24,7 @@ there the check fails). The CPU never runs it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ KEY_CLASSES = (1024, 4096, 16384, 65536)
 MEASURED_ROWS, MEASURED_KV_HEADS, MEASURED_GQA = 16, 8, 4
 
 
+@functools.cache
 def arch_code(backend_name: str) -> int:
     """The Metal architecture's code for the kernels (its name's last letter, MLX's
     ``devc``: 's' 1, 'd' 2, any other 0); 0 on CUDA."""
@@ -135,6 +137,16 @@ class ExactAttentionKernel:
             source=merge_source(backend_name),
             header=header,
         )
+        self._constants: dict[tuple, tuple[mx.array, mx.array]] = {}  # (L, G, S, arch, scale) -> (dims, params)
+
+    def constants(self, rows: int, g: int, streams: int, arch: int, scale: float) -> tuple[mx.array, mx.array]:
+        """The launch's dims and q scale, made once per shape (a verify's layers share them)."""
+        key = (rows, g, streams, arch, scale)
+        if key not in self._constants:
+            dims = mx.array([rows, g, streams, arch], dtype=mx.int32)
+            params = mx.array([q_scale(self.backend, scale)], dtype=mx.float32)
+            self._constants[key] = dims, params
+        return self._constants[key]
 
     def __call__(self, queries, keys, values, *, scale: float, q_offset, arch: int = 0, form: int = 0) -> mx.array:
         """queries [B, HQ, L, D] at positions q_offset .. q_offset + L - 1 over
@@ -148,8 +160,7 @@ class ExactAttentionKernel:
         tiles = -(-rows // tile)
         offset = q_offset if isinstance(q_offset, mx.array) else mx.array(q_offset)
         offset = offset.reshape((1,)).astype(mx.int32)
-        dims = mx.array([L, g, streams, arch], dtype=mx.int32)
-        params = mx.array([q_scale(self.backend, scale)], dtype=mx.float32)
+        dims, params = self.constants(L, g, streams, arch, scale)
         o_part, m_part, l_part = self.partial(
             inputs=[queries, keys, values, offset, params, dims],
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("NW", tile)],
