@@ -612,3 +612,16 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu, monk
     verifies = [rows for rows, _ in kernel.calls if rows != 3 and rows != 5]  # (not the check's cases)
     assert verifies and all(2 <= rows <= 16 for rows in verifies)
     decisions.reset()
+
+
+def test_doctor_gets_every_variant_checked(fake_gpu):
+    fake_gpu(FakeKernel())
+    lines = []
+    results = ea.self_check_all(report=lines.append)
+    assert len(results) == len(lines) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"])
+    assert all(r.ok and r.case.startswith("metal ") for r in results)
+
+
+def test_doctor_on_the_cpu_checks_nothing():
+    ea.reset()
+    assert ea.self_check_all() == [] and not ea._checks

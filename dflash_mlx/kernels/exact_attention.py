@@ -351,8 +351,14 @@ def _check_once(where: str, dtype, head_dim: int, form: int) -> ExactAttentionCh
 
 
 def self_check_all(report=None) -> list[ExactAttentionCheck]:
-    """The variants checked here so far (for `dflash-mlx doctor`); [] where the kernel does not run."""
-    return checked_here(_checks, backend(), report)
+    """Check every variant this backend serves (for `dflash-mlx doctor`), each
+    told to ``report``; [] where the kernel does not run."""
+    where = backend()
+    if where not in BUILDERS:
+        return []
+    for dtype, d in itertools.product(DTYPES, HEAD_DIMS[where]):
+        checked(where, dtype, d)
+    return checked_here(_checks, where, report)
 
 
 def record_variants(factory, backend_name: str) -> None:
