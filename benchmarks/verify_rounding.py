@@ -371,7 +371,7 @@ class Verified:
 
 
 def our_verify(
-    target, cache: list, tokens: list[int], start: int, read: str, plant=None, reference: Pieces | None = None
+    target, cache: list, tokens: list[int], start: int, read: str, *, plant=None, reference: Pieces | None = None
 ) -> Verified:
     """Our adapter's verify of ``tokens`` at ``start`` over ``cache``, eager,
     its pieces captured (and, given mlx-lm's ``reference``, ``isolated``'s)."""
@@ -442,7 +442,7 @@ def planted(plant, target):
         yield
 
 
-def compiled_verify(target, cache: list, tokens: list[int], start: int, plant=None) -> Verified:
+def compiled_verify(target, cache: list, tokens: list[int], start: int, *, plant=None) -> Verified:
     """The verify through mx.compile at the buffers' fixed width, as a cycle
     runs on a GPU: every layer's output (as tapped states), the keys and
     values written, the logits."""
@@ -729,28 +729,33 @@ def probe(
     def seeded():
         return seeded_cache(target, reference.history)
 
-    first = our_verify(target, seeded(), tokens, start, read, plant, reference.pieces)
+    first = our_verify(target, seeded(), tokens, start, read, plant=plant, reference=reference.pieces)
     runs = [run_of("verify", first, reference.pieces, layers)]
     if first.isolated is not None:
         runs.append(run_of(ISOLATED, Verified(first.isolated, [], []), reference.pieces, layers))
     # (a verify that is not deterministic cannot equal anything bit for bit)
     runs.append(
         run_of(
-            "verify again, vs verify", our_verify(target, seeded(), tokens, start, read, plant), first.pieces, layers
+            "verify again, vs verify",
+            our_verify(target, seeded(), tokens, start, read, plant=plant),
+            first.pieces,
+            layers,
         )
     )
     block = reference.tokens[: max(rows, committed)]
     own = own_history(target, prompt, block, committed, read)
     report["history"] = history_difference(target, own, reference.history)
-    runs.append(run_of("own history", our_verify(target, own, tokens, start, read, plant), reference.pieces, layers))
-    compiled = compiled_verify(target, seeded(), tokens, start, plant)
+    runs.append(
+        run_of("own history", our_verify(target, own, tokens, start, read, plant=plant), reference.pieces, layers)
+    )
+    compiled = compiled_verify(target, seeded(), tokens, start, plant=plant)
     runs.append(run_of("compiled", compiled, reference.pieces, layers))
     if variants:
         fuse = target.fuse_projections
         for name, off in switches(target, report["served"]):
             off()
             try:
-                got = our_verify(target, seeded(), tokens, start, read, plant)
+                got = our_verify(target, seeded(), tokens, start, read, plant=plant)
                 runs.append(run_of(name, got, reference.pieces, layers))
             finally:
                 restore(target, fuse)
