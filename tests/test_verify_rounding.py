@@ -1,6 +1,7 @@
 """benchmarks/verify_rounding.py: the probe that compares a verify's pieces
 with mlx-lm's one-row steps finds nothing on the CPU, where both are the same
-arithmetic, and finds a difference planted in the verify alone, where it is."""
+arithmetic, finds a difference planted in the verify alone where it is, and
+on a stand-in GPU names the kernel that rounds otherwise by switching each off."""
 
 from __future__ import annotations
 
