@@ -8,6 +8,7 @@ README.md's Qwen3-8B rows.
     python benchmarks/cycle.py --shape qwen3-8b --quantize 4 --prompt-tokens 1024 --blocks 4,8,16 --cycles 32
     python benchmarks/cycle.py --shape builtin --prompt-tokens 256 --blocks 16 --cycles 64
     python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024 --blocks 16,t16,t32 --cycles 32
+    python benchmarks/cycle.py --shape tiny --prompt-tokens 256 --blocks 16,t24,t32 --cycles 64 --count-ops
     mlx.launch --backend nccl -n 2 python benchmarks/cycle.py --shape qwen3-8b --split pipeline --blocks 16
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
@@ -23,6 +24,12 @@ almost nothing, so every cycle commits about one token and shows a cycle's cost
 - cycle in plain steps, and the projected speedup tau x step / cycle at the
   acceptance ``--tau`` (Z Lab's Qwen3-8B figures: ~6.5 math, ~4.3 chat).
 
+``--count-ops`` adds the device operations one cycle's graph holds (on a Mac
+each is a Metal dispatch): as built eagerly (the CPU's path), and through
+mx.compile (the GPU's path, elementwise chains fused), views left out.
+``--shape tiny`` has Qwen3-8B's layer counts at tiny widths: a cycle's
+operations without its compute.
+
 Under ``mlx.launch`` the target is split across the ranks (``--split``
 pipeline or tensor, docs/distributed.md), the drafter whole on each, and only
 rank 0 prints. The plain step is then mlx-lm's sharded ``generate_step``
@@ -37,8 +44,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import re
+import tempfile
 import time
+from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +57,7 @@ from mlx_lm.generate import generate_step, generation_stream
 
 SHAPES = {
     # hidden, layers, heads, kv heads, head dim, ffn, vocab, drafter layers
+    "tiny": (64, 36, 2, 1, 32, 128, 1024, 5),
     "small": (256, 8, 4, 2, 64, 768, 4096, 2),
     "qwen3-1.7b": (2048, 28, 16, 8, 128, 6144, 151936, 3),
     "qwen3-4b": (2560, 36, 32, 8, 128, 9728, 151936, 5),
@@ -270,6 +282,49 @@ def synced_pieces(model, draft, prompt, block: int | str) -> dict:
     return out
 
 
+# Primitives that make a view or nothing: no kernel of their own.
+VIEWS = {"Broadcast", "Reshape", "Flatten", "Unflatten", "Squeeze", "ExpandDims", "Transpose", "Slice", "Split"}
+VIEWS |= {"AsStrided", "StopGradient", "Depends"}
+
+
+def graph_ops(outputs: list) -> Counter:
+    """The kernels that make ``outputs`` from evaluated arrays, by primitive
+    (mx.export_to_dot's boxes): views left out, a concatenation one copy per input."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "graph.dot")
+        mx.export_to_dot(path, *outputs)
+        with open(path) as f:
+            text = f.read()
+    names = dict(re.findall(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]', text))
+    inputs = Counter(re.findall(r"-> (\d+)$", text, flags=re.M))
+    ops = Counter()
+    for node, name in names.items():
+        if name not in VIEWS:
+            ops[name] += inputs[node] if name == "Concatenate" else 1
+    return ops
+
+
+def cycle_ops(model, draft, prompt, block: int | str, compiled: bool) -> Counter:
+    """The operations of one greedy cycle of ``block`` ("tN": a tree of N
+    rows) after ``prompt``, built and never evaluated: eagerly, or through
+    mx.compile (what a GPU runs)."""
+    from dflash_mlx.decode.cycle import Cycle
+    from dflash_mlx.decode.sampling import SamplingParams
+    from dflash_mlx.draft.tree import TreeParams
+
+    target, cache = prefilled(model, draft, prompt)
+    tree = TreeParams(draft.config.block_size) if isinstance(block, str) else None
+    size = int(str(block).lstrip("t"))
+    cycle = Cycle(target, draft, cache, SamplingParams(), 0, tree=tree)
+    last, length = mx.array([1], mx.int32), mx.array(len(prompt), mx.int32)
+    if compiled:
+        cycle.compiled = True
+        out = cycle._run_compiled(size, last, length, len(prompt))
+    else:
+        out = cycle._build(size, last, length, len(prompt), None, read="bound")
+    return graph_ops([a for a in out if isinstance(a, mx.array)] + cache.arrays())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -287,6 +342,7 @@ def main():
     ap.add_argument(
         "--split", choices=["pipeline", "tensor"], help="under mlx.launch: how the target is split (default pipeline)"
     )
+    ap.add_argument("--count-ops", action="store_true", help="also the device operations one cycle's graph holds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -315,6 +371,9 @@ def main():
             row = {"prompt_tokens": P, "block": block, "plain_step_ms": step}
             row.update(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block))
             row.update(synced_pieces(model, draft, prompt, block))
+            if args.count_ops:
+                row["eager_ops"] = sum(cycle_ops(model, draft, prompt, block, compiled=False).values())
+                row["compiled_ops"] = sum(cycle_ops(model, draft, prompt, block, compiled=True).values())
             row["cycle_in_plain_steps"] = row["cycle_ms"] / step
             row["projected_speedup"] = args.tau * step / row["cycle_ms"]
             if group is not None:
@@ -348,6 +407,8 @@ def main():
             f"{r['verify_synced_ms']:>10.2f} {r['draft_synced_ms']:>9.2f} "
             f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}"
         )
+        if "eager_ops" in r:
+            print(f"{'':>12} device operations a cycle: {r['eager_ops']} eager, {r['compiled_ops']} compiled")
         if "cycle_sent_bytes" in r:
             print(
                 f"{'':>12} sent per rank: {r['cycle_sent_bytes'] / 1024:.1f} KiB a cycle, "
