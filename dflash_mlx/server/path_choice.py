@@ -100,8 +100,10 @@ class PathChoice:
     def batch_wins(self, waiting: int) -> bool:
         """Whether the measurements favour batching ``waiting`` requests (or
         a batch of that many admitting more), with no retry."""
-        if self.mode != "auto" or waiting < 1:
-            return self.mode == "always" and waiting >= 1
+        if self.mode == "always":
+            return waiting >= 1
+        if self.mode == "off" or waiting < 1:
+            return False
         size = self.size(waiting)
         dflash = self.dflash_tps
         if size == 1:
