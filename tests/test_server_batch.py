@@ -250,7 +250,7 @@ def test_a_lone_request_joins_the_batch_only_while_several_clients_were_in_latel
     model, draft, tokenizer = chat_pair
     ids = chat_ids(tokenizer, "w9 w10")
 
-    def lone(together: int, ago_s: float, batched_alone: float | None = None) -> str:
+    def lone(together: int, ago_s: float, batched_alone: float | None = None, preparing: int = 0) -> str:
         async def main():
             service = Service(model, draft, tokenizer, ServerConfig())
             choice = service.choice
@@ -259,6 +259,7 @@ def test_a_lone_request_joins_the_batch_only_while_several_clients_were_in_latel
             if batched_alone is not None:
                 choice.batched_tps[1] = batched_alone
             choice.observe_clients(together, at=time.monotonic() - ago_s)
+            service.preparing = preparing  # requests whose prompts are being rendered
             job = Job(ids, params(6))
             service.worker.submit(job)
             service.worker.start()
@@ -272,6 +273,7 @@ def test_a_lone_request_joins_the_batch_only_while_several_clients_were_in_latel
     assert lone(together=3, ago_s=1.0) == "batched"  # several clients were in: they come back
     assert lone(together=3, ago_s=3600.0) == "dflash"  # long ago: a lone request is DFlash's
     assert lone(together=1, ago_s=1.0) == "dflash"  # one client at a time
+    assert lone(together=1, ago_s=3600.0, preparing=3) == "batched"  # the first of a burst on an idle server
     assert lone(together=1, ago_s=1.0, batched_alone=1000.0) == "batched"  # plain measured faster alone
 
 

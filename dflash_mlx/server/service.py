@@ -122,6 +122,7 @@ class Service:
         self.context_length = context_length(model)
         # templates render and prompts tokenize here, never on the event loop
         self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-prepare")
+        self.preparing = 0  # requests there now: on their way to the worker, company for the one it serves
 
         def new_cache():
             return make_prompt_cache(
@@ -171,7 +172,7 @@ class Service:
             prefill_step_size=config.prefill_step_size,
             metrics=self.metrics,
         )
-        self.worker = Worker(decoder, batcher if batching != "off" else None, self.choice)
+        self.worker = Worker(decoder, batcher if batching != "off" else None, self.choice, lambda: self.preparing)
 
     # -- checks --------------------------------------------------------------------
     async def accept(self, request: Request, schema: type[Sampling]) -> Sampling:
@@ -189,6 +190,7 @@ class Service:
         template never holds up the event loop; a request past
         prepare_timeout_s gets a 400 (the thread finishes on its own)."""
         future = asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+        self.preparing += 1
         try:
             return await asyncio.wait_for(future, self.config.prepare_timeout_s)
         except asyncio.TimeoutError:
@@ -197,6 +199,8 @@ class Service:
                 f"preparing this request's prompt took longer than {self.config.prepare_timeout_s:g} s; "
                 f"send a shorter one.",
             ) from None
+        finally:
+            self.preparing -= 1
 
     def authorize(self, request: Request) -> None:
         key = self.config.api_key

@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Optional
 
 from .batch import BatchDecoder
@@ -27,9 +28,11 @@ class Worker:
         decoder: Decoder,
         batcher: Optional[BatchDecoder] = None,
         choice: Optional[PathChoice] = None,
+        arriving: Callable[[], int] = lambda: 0,
     ):
         self.decoder, self.batcher = decoder, batcher
         self.choice = choice or PathChoice(mode="off")
+        self.arriving = arriving  # requests on their way, not yet submitted (their prompts being prepared)
         self.jobs: queue.Queue[Optional[Job]] = queue.Queue()
         # jobs taken off the queue and not yet served, with whether the batch may serve them
         self.backlog: deque[tuple[Job, bool]] = deque()
@@ -112,6 +115,8 @@ class Worker:
             self._drain(wait=True)
             if self.stopping:
                 return
+            # a burst's first request on an idle server has company on its way: not served alone
+            self.choice.observe_clients(self.queued + self.arriving())
             if self._batch(self._batchable_ahead()):
                 self._run_batched()
             else:
