@@ -15,7 +15,14 @@ import pytest
 from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 
 from dflash_mlx.kernels import exact_attention as ea
-from dflash_mlx.kernels.exact_attention_source import MERGE_INPUTS, MERGE_OUTPUTS, PARTIAL_INPUTS, PARTIAL_OUTPUTS
+from dflash_mlx.kernels.exact_attention_source import (
+    MERGE_INPUTS,
+    MERGE_OUTPUTS,
+    ONE_PASS_INPUTS,
+    ONE_PASS_OUTPUTS,
+    PARTIAL_INPUTS,
+    PARTIAL_OUTPUTS,
+)
 
 F32 = np.float32
 FINITE_MIN = F32(-np.finfo(np.float32).max)
@@ -92,20 +99,27 @@ def record_launches(backend_name: str):
 
 @pytest.mark.parametrize("rows, g, keys, arch", [(2, 1, 256, 0), (16, 4, 1280, 1), (7, 2, 9216, 2), (16, 8, 512, 0)])
 def test_each_launch_covers_every_row_and_the_buffers_blocks(rows, g, keys, arch):
+    """One launch where every row takes MLX's one-pass kernel; where a row of
+    the buffer's keys could take its two-pass kernel, its two launches too."""
     kernel, launches = record_launches("metal")
     q = mx.zeros((1, 2 * g, rows, 128), mx.float16)
     kv = mx.zeros((1, 2, keys, 128), mx.float16)
     out = kernel(q, kv, kv, scale=0.1, q_offset=mx.array(keys - rows), arch=arch)
     assert out.shape == q.shape and out.dtype == q.dtype
-    partial, merge = launches
-    streams = max(32, ea.blocks("metal", arch, keys, g))
-    tile = dict(partial["template"])["NW"]
-    assert tile == ea.row_tile(g * rows) and partial["threadgroup"] == (tile * 32, 1, 1)
-    tiles = partial["grid"][0] // (tile * 32)
-    assert tiles == streams * -(-g * rows // tile) and partial["grid"][1] == 2
-    assert partial["output_shapes"][0] == (2 * g * rows, streams, 128)
-    assert [int(x) for x in partial["inputs"][5]] == [rows, g, streams, arch]
-    assert merge["grid"][0] == 2 * g * rows * ea.MERGE_WARPS * 32
+    streams = ea.blocks("metal", arch, keys, g)
+    one_pass, *two_pass = launches
+    tile = dict(one_pass["template"])["RT"]
+    assert one_pass["threadgroup"] == (1024, 1, 1) and one_pass["grid"] == (-(-g * rows // tile) * 1024, 2, 1)
+    assert [int(x) for x in one_pass["inputs"][5]] == [rows, g, streams, arch]
+    assert len(two_pass) == (2 if streams else 0)
+    if streams:
+        partial, merge = two_pass
+        tile = dict(partial["template"])["NW"]
+        assert tile == ea.row_tile(g * rows) and partial["threadgroup"] == (tile * 32, 1, 1)
+        tiles = partial["grid"][0] // (tile * 32)
+        assert tiles == streams * -(-g * rows // tile) and partial["grid"][1] == 2
+        assert partial["output_shapes"][0] == (2 * g * rows, streams, 128)
+        assert merge["grid"][0] == 2 * g * rows * ea.MERGE_WARPS * 32
 
 
 class FakeKernel:
@@ -262,11 +276,18 @@ def test_every_variant_is_recorded_for_the_check_scripts():
             return launch
 
         ea.record_variants(factory, backend_name)
-        partial = {t for name, t in recorded if "partial" in name}
-        merge = {t for name, t in recorded if "merge" in name}
-        assert {t[0] for t in partial} == set(ea.DTYPES) and {t[1] for t in partial} == set(ea.HEAD_DIMS[backend_name])
-        assert {t[2] for t in partial} == set(ea.FORMS[backend_name]) and {t[3] for t in partial} == set(ea.ROW_TILES)
-        assert {t[:3] for t in merge} == {t[:3] for t in partial}
+        kinds = {kind: {t for name, t in recorded if kind in name} for kind in ("one_pass", "partial", "merge")}
+        one_pass = kinds["one_pass"]
+        assert {t[0] for t in one_pass} == set(ea.DTYPES) and {t[1] for t in one_pass} == set(
+            ea.HEAD_DIMS[backend_name]
+        )
+        assert {t[2] for t in one_pass} == set(ea.FORMS[backend_name])
+        assert {(t[1], t[3]) for t in one_pass} == {(d, ea.ONE_PASS_ROWS[d]) for d in ea.HEAD_DIMS[backend_name]}
+        if backend_name == "metal":
+            assert {t[:3] for t in kinds["partial"]} == {t[:3] for t in one_pass} == {t[:3] for t in kinds["merge"]}
+            assert {t[3] for t in kinds["partial"]} == set(ea.ROW_TILES)
+        else:  # (CUDA serves MLX's one-pass kernel's rows alone)
+            assert not kinds["partial"] and not kinds["merge"]
 
 
 # --- The Metal source itself, run on this CPU ---------------------------------------------------------------
@@ -348,22 +369,18 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
     qm, km, vm = (mx.array(storage.f32(a)).astype(storage.mx) for a in (q, k, v))
     kernel(qm, km, vm, scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
     variants = recorder.variants
-    (partial,) = [x for x in variants.values() if "partial" in x.kernel]
-    (merge,) = [x for x in variants.values() if "merge" in x.kernel]
-    sources = [partial.source, merge.source]
+    (one_pass,) = [x for x in variants.values() if "one_pass" in x.kernel]
+    two_pass = [x for x in variants.values() if "partial" in x.kernel or "merge" in x.kernel]
+    sources = [one_pass.source] + [x.source for x in two_pass]
     for old, new in plant or ():
         assert any(old in text for text in sources), old
         sources = [text.replace(old, new) for text in sources]
     shape_names = ["queries_shape", "queries_strides", "keys_shape", "keys_strides", "values_strides"]
     bfloat = storage.name == "bfloat16"
-    p_lib = on_cpu.lib(script, sources[0], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS, bfloat)
-    m_lib = on_cpu.lib(script, sources[1], MERGE_INPUTS + MERGE_OUTPUTS, bfloat)
     B, HQ, L, D = q.shape
     g = HQ // k.shape[1]
-    streams = max(32, ea.blocks("metal", arch, k.shape[2], g))
+    streams = ea.blocks("metal", arch, k.shape[2], g)
     rows = B * HQ * L
-    o_part = np.zeros((rows, streams, D), F32)
-    m_part, l_part = np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)
     offset = np.array([start], np.int32)
     params = np.array([ea.q_scale("metal", D**-0.5)], F32)
     dims = np.array([L, g, streams, arch], np.int32)
@@ -374,15 +391,25 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
     def strides(a):
         return np.array([s // a.itemsize for s in a.strides], np.int64)
 
-    arrays = [q, k, v, offset, params, dims, shape(q), strides(q), shape(k), strides(k), strides(v)]
-    arrays += [o_part, m_part, l_part]
-    ((grid, group),) = partial.launches
-    p_lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
-    out = np.zeros((rows, D), q.dtype)
-    arrays = [o_part, m_part, l_part, offset, dims, out]
-    ((grid, group),) = merge.launches
-    m_lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
-    exp = p_lib.harness_exp
+    def run(lib, variant, arrays):
+        ((grid, group),) = variant.launches
+        lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
+
+    inputs = [q, k, v, offset, params, dims, shape(q), strides(q), shape(k), strides(k), strides(v)]
+    lib = on_cpu.lib(script, sources[0], ONE_PASS_INPUTS + shape_names + ONE_PASS_OUTPUTS, bfloat)
+    first = np.zeros((rows, D), q.dtype)
+    run(lib, one_pass, inputs + [first])
+    out = first
+    if streams:
+        assert len(two_pass) == 2 and "partial" in two_pass[0].kernel
+        partial_lib = on_cpu.lib(script, sources[1], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS, bfloat)
+        merge_lib = on_cpu.lib(script, sources[2], MERGE_INPUTS + MERGE_OUTPUTS, bfloat)
+        o_part = np.zeros((rows, streams, D), F32)
+        m_part, l_part = np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)
+        run(partial_lib, two_pass[0], inputs + [o_part, m_part, l_part])
+        out = np.zeros((rows, D), q.dtype)
+        run(merge_lib, two_pass[1], [o_part, m_part, l_part, offset, dims, first, out])
+    exp = lib.harness_exp
     exp.restype, exp.argtypes = ctypes.c_float, [ctypes.c_float]
     return out.reshape(q.shape), np.vectorize(lambda x: F32(exp(float(x))), otypes=[F32])
 
@@ -527,8 +554,8 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
         (
             [
                 (
-                    "o[j] = ea_two<FORM>(o[j], factor, e, to_float(vv[j]));",
-                    "o[j] = metal::fma(e, to_float(vv[j]), o[j] * factor);",
+                    "o[rr][j] = ea_two<FORM>(o[rr][j], factor, e, vf[j]);",
+                    "o[rr][j] = metal::fma(e, vf[j], o[rr][j] * factor);",
                 )
             ],
             90,
@@ -538,7 +565,7 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
         # the scale applied to the score, not to q as MLX reads it
         (
             [
-                ("q[j] = params[0] * to_float(", "q[j] = 1.0f * to_float("),
+                ("= params[0] * to_float(", "= 1.0f * to_float("),
                 ("score = simd_sum(score);", "score = simd_sum(score) * params[0];"),
             ],
             90,
@@ -546,7 +573,7 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
             "float32",
         ),
         # the two-pass partials kept in float, not rounded to T as MLX stores them
-        ([("blocks > 0 ? to_float(from_float<T>(o[j])) : o[j]", "o[j]")], 1100, 1, "float16"),
+        ([("to_float(from_float<T>(o[j]))", "o[j]")], 1100, 1, "float16"),
     ],
 )
 def test_a_planted_order_change_fails_the_comparison(on_cpu, plant, start, arch, dtype):
@@ -567,7 +594,8 @@ def test_every_metal_variant_is_in_the_check_script_and_compiles():
     assert "dflash_mlx.kernels.exact_attention" in script.KERNEL_MODULES
     recorder = script.Recorder()
     script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_attention"])
-    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"]) * len(ea.FORMS["metal"]) * 5
+    kinds = 1 + len(ea.ROW_TILES) + 1  # (the one-pass kernel, the partial pass's tiles, the merge)
+    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"]) * len(ea.FORMS["metal"]) * kinds
     compiler = script.Compiler(script.find_clang() or CLANG_F16)
     lines = []
     try:

@@ -38,10 +38,13 @@ from .exact_attention_source import (
     ARCH,
     MERGE_INPUTS,
     MERGE_OUTPUTS,
+    ONE_PASS_INPUTS,
+    ONE_PASS_OUTPUTS,
     PARTIAL_INPUTS,
     PARTIAL_OUTPUTS,
     VERSION,
     merge_source,
+    one_pass_source,
     partial_source,
 )
 from .exact_attention_source import HEADER as HEADERS
@@ -51,9 +54,12 @@ from .serving import bit_difference, check_once, checked_here, failure, passed
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 HEAD_DIMS = {"metal": (64, 128, 256), "cuda": (64, 128)}
 FEWEST_ROWS, MOST_ROWS = 2, 16
-# Simdgroups a partial threadgroup holds (one a row; a KV head's rows in tiles of the least that fits).
+# Simdgroups a two-pass partial threadgroup holds (one a row; a KV head's rows in tiles of the least that fits).
 ROW_TILES = (4, 8, 16, 32)
 MERGE_WARPS = 4
+# Rows a one-pass threadgroup (MLX's 32 streams) takes at once, by head dim: a
+# lane keeps each row's query and output (2 x D/32 floats) in registers.
+ONE_PASS_ROWS = {64: 8, 128: 8, 256: 4}
 # The multiply-add forms a backend's check tries, in order (exact_attention_source: FORM).
 FORMS = {"metal": (0, 1, 2), "cuda": (0, 2)}
 # Keys past which MLX's one-row call leaves the order followed here.
@@ -115,13 +121,21 @@ def row_tile(rows: int) -> int:
 
 
 class ExactAttentionKernel:
-    """The two passes for one backend, compiled by MLX per (T, D, FORM, tile)."""
+    """The one-pass kernel and the two-pass pair for one backend, compiled by MLX per (T, D, FORM, tile)."""
 
     def __init__(self, backend_name: str, factory=None):
         self.backend = backend_name
         factory = compacting(factory or make_factory(backend_name), backend_name)
         header = HEADERS[backend_name]
         # (the version in the name: MLX caches built kernels on disk by name, not by source)
+        self.one_pass = factory(
+            name=f"dflash_exact_attn_one_pass_v{VERSION}",
+            input_names=ONE_PASS_INPUTS,
+            output_names=ONE_PASS_OUTPUTS,
+            source=one_pass_source(backend_name),
+            header=header,
+            ensure_row_contiguous=False,
+        )
         self.partial = factory(
             name=f"dflash_exact_attn_partial_v{VERSION}",
             input_names=PARTIAL_INPUTS,
@@ -150,19 +164,33 @@ class ExactAttentionKernel:
 
     def __call__(self, queries, keys, values, *, scale: float, q_offset, arch: int = 0, form: int = 0) -> mx.array:
         """queries [B, HQ, L, D] at positions q_offset .. q_offset + L - 1 over
-        keys, values [B, HKV, N, D] holding at least q_offset + L keys: [B, HQ, L, D]."""
+        keys, values [B, HKV, N, D] holding at least q_offset + L keys: [B, HQ, L, D].
+        The rows MLX's one-pass kernel takes run in one launch; where a row of
+        N keys could take its two-pass kernel, two more launches run those."""
         B, HQ, L, D = queries.shape
         HKV = keys.shape[1]
         g = HQ // HKV
-        streams = max(32, blocks(self.backend, arch, keys.shape[2], g))
+        streams = blocks(self.backend, arch, keys.shape[2], g)  # (the most any row takes)
         rows = g * L
-        tile = row_tile(rows)
-        tiles = -(-rows // tile)
         offset = q_offset if isinstance(q_offset, mx.array) else mx.array(q_offset)
         offset = offset.reshape((1,)).astype(mx.int32)
         dims, params = self.constants(L, g, streams, arch, scale)
+        inputs = [queries, keys, values, offset, params, dims]
+        tile = ONE_PASS_ROWS[D]
+        (first,) = self.one_pass(
+            inputs=inputs,
+            template=[("T", queries.dtype), ("D", D), ("FORM", form), ("RT", tile)],
+            grid=(-(-rows // tile) * 1024, B * HKV, 1),
+            threadgroup=(1024, 1, 1),
+            output_shapes=[(B * HQ * L, D)],
+            output_dtypes=[queries.dtype],
+        )
+        if streams == 0:
+            return first.reshape(B, HQ, L, D)
+        tile = row_tile(rows)
+        tiles = -(-rows // tile)
         o_part, m_part, l_part = self.partial(
-            inputs=[queries, keys, values, offset, params, dims],
+            inputs=inputs,
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("NW", tile)],
             grid=(streams * tiles * tile * 32, B * HKV, 1),
             threadgroup=(tile * 32, 1, 1),
@@ -170,7 +198,7 @@ class ExactAttentionKernel:
             output_dtypes=[mx.float32] * 3,
         )
         (out,) = self.merge(
-            inputs=[o_part, m_part, l_part, offset, dims],
+            inputs=[o_part, m_part, l_part, offset, dims, first],
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("MW", MERGE_WARPS)],
             grid=(B * HQ * L * MERGE_WARPS * 32, 1, 1),
             threadgroup=(MERGE_WARPS * 32, 1, 1),

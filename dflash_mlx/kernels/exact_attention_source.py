@@ -49,6 +49,12 @@ machine checks before use, see exact_attention.py):
   ``cg::reduce`` (xor butterfly) for the warp sums and max, and the merge's
   sum applied as ``* __frcp_rn(sum)``.
 
+The rows MLX's one-pass kernel takes run in one launch of its 32 simdgroups
+over a tile of rows (a key read once for the tile, the merge in threadgroup
+memory); where the buffer is long enough for a row to take the two-pass
+kernel, two more launches take those rows (the host cannot tell which: a
+row's position is on the device).
+
 Whether a compiler contracts a multiply and an add in MLX's binary is the
 compiler's to say: FORM 0 writes each multiply-add as MLX does (the compiler's
 to contract), 1 contracts each as clang does (the first product fused into
@@ -60,11 +66,13 @@ from __future__ import annotations
 
 from .attention_source import HEADER as BASE_HEADER
 
-VERSION = 1  # of the bodies and headers: a change must bump it
+VERSION = 2  # of the bodies and headers: a change must bump it
 SIMD = 32
-PARTIAL_INPUTS = ["queries", "keys", "values", "q_offset", "params", "dims"]
+ONE_PASS_INPUTS = ["queries", "keys", "values", "q_offset", "params", "dims"]
+ONE_PASS_OUTPUTS = ["out"]
+PARTIAL_INPUTS = ONE_PASS_INPUTS
 PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
-MERGE_INPUTS = ["o_part", "m_part", "l_part", "q_offset", "dims"]
+MERGE_INPUTS = ["o_part", "m_part", "l_part", "q_offset", "dims", "first"]
 MERGE_OUTPUTS = ["out"]
 # The architecture a Metal device's name ends in (MLX's ``devc``), as the kernels' arch code.
 ARCH = {"s": 1, "d": 2}
@@ -166,16 +174,106 @@ PRELUDE = {
 """,
 }
 
-# Template constants: T, D (head dim), FORM (the multiply-adds, above), NW
-# (rows a threadgroup: one simdgroup a row). dims: (L, G, S, arch: Metal's
-# ARCH code for the device's architecture, 0 for any other; CUDA 0); params:
-# the scale q is read with (Metal: the scale; CUDA: scale * log2(e)). The grid's x is (stream,
-# row tile), its y (batch x KV head): the rows of a tile read the same keys at
-# once. Row r of a KV head is query head hk * G + r / L, verify row r % L, at
-# position q_offset + r % L: its one-row call reads N = that + 1 keys. A
-# stream past the row's count is not written (the merge never reads it).
-# queries [B, HQ, L, D], keys and values [B, HKV, >= N, D], read through their
-# strides (the head dim contiguous); o_part [rows, S, D], m_part, l_part [rows, S].
+# The rows MLX's one-pass kernel takes (``sdpa_vector``; CUDA's ``sdpav``
+# one-pass): a threadgroup of its 32 simdgroups, simdgroup s MLX's stream s,
+# over a tile of RT rows of one KV head, so each key is read once for the tile;
+# then, row by row, MLX's merge through threadgroup memory. Template constants:
+# T, D, FORM, RT (rows a tile). The grid's x is the row tiles, its y (batch x
+# KV head). dims, params: as the two-pass kernels' below. Rows the one-pass
+# kernel does not take are not written (the two-pass merge writes them).
+ONE_PASS_BODY = """
+  constexpr int DL = D / 32;
+  const int L = queries_shape[2];
+  const int HQ = queries_shape[1];
+  const int HKV = keys_shape[1];
+  const int G = HQ / HKV;
+  const int R = G * L;
+  const int b = tg_y / HKV;
+  const int hk = tg_y % HKV;
+  TG_MEM float tg_m[32];
+  TG_MEM float tg_l[32];
+  TG_MEM float tg_o[32 * 32];
+  float q[RT][DL];
+  float o[RT][DL];
+  float m[RT];
+  float l[RT];
+  int n[RT];
+  int most = 0;
+  for (int rr = 0; rr < RT; ++rr) {
+    const int r = tg_x * RT + rr;
+    const int h = hk * G + (r < R ? r / L : 0);
+    const int i = r < R ? r % L : 0;
+    n[rr] = q_offset[0] + i + 1;
+    if (r >= R || ea_blocks(dims[3], n[rr], G) > 0) n[rr] = 0;
+    most = n[rr] > most ? n[rr] : most;
+    const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
+    for (int j = 0; j < DL; ++j) {
+      q[rr][j] = params[0] * to_float(qp[(lane * DL + j) * queries_strides[3]]);
+      o[rr][j] = 0.0f;
+    }
+    m[rr] = EA_FINITE_MIN;
+    l[rr] = 0.0f;
+  }
+  const DEV T* kp = keys + b * keys_strides[0] + hk * keys_strides[1] + lane * DL;
+  const DEV T* vp = values + b * values_strides[0] + hk * values_strides[1] + lane * DL;
+  for (int k = warp; k < most; k += 32) {
+    const DEV T* kk = kp + idx_t(k) * keys_strides[2];
+    const DEV T* vv = vp + idx_t(k) * values_strides[2];
+    float kf[DL];
+    float vf[DL];
+    for (int j = 0; j < DL; ++j) {
+      kf[j] = to_float(kk[j]);
+      vf[j] = to_float(vv[j]);
+    }
+    for (int rr = 0; rr < RT; ++rr) {
+      if (k < n[rr]) {
+        float score = 0.0f;
+        for (int j = 0; j < DL; ++j) score = ea_madd<FORM>(score, q[rr][j], kf[j]);
+        score = simd_sum(score);
+        const float new_m = ea_max(m[rr], score);
+        const float factor = ea_exp(m[rr] - new_m);
+        const float e = ea_exp(score - new_m);
+        m[rr] = new_m;
+        l[rr] = ea_scale_add<FORM>(l[rr], factor, e);
+        for (int j = 0; j < DL; ++j) o[rr][j] = ea_two<FORM>(o[rr][j], factor, e, vf[j]);
+      }
+    }
+  }
+  for (int rr = 0; rr < RT; ++rr) {
+    if (lane == 0) {
+      tg_m[warp] = m[rr];
+      tg_l[warp] = l[rr];
+    }
+    TG_BARRIER();
+    const float mm = tg_m[lane];
+    const float factor = ea_exp(mm - simd_max(mm));
+    const float sum = simd_sum(tg_l[lane] * factor);
+    const int r = tg_x * RT + rr;
+    for (int j = 0; j < DL; ++j) {
+      tg_o[lane * 32 + warp] = o[rr][j];
+      TG_BARRIER();
+      const float s = simd_sum(tg_o[warp * 32 + lane] * factor);
+      TG_BARRIER();
+      if (lane == 0 && n[rr] > 0) {
+        const int h = hk * G + r / L;
+        out[idx_t((b * HQ + h) * L + r % L) * D + warp * DL + j] = from_float<T>(ea_norm(s, sum));
+      }
+    }
+  }
+"""
+
+# The rows MLX's two-pass kernel takes, its first kernel: template constants
+# T, D, FORM, NW (rows a threadgroup: one simdgroup a row). dims: (L, G, S,
+# arch: Metal's ARCH code for the device's architecture, 0 for any other; CUDA
+# 0); params: the scale q is read with (Metal: the scale; CUDA: scale *
+# log2(e)). The grid's x is (block, row tile), its y (batch x KV head): the rows
+# of a tile read the same keys at once. Row r of a KV head is query head hk * G
+# + r / L, verify row r % L, at position q_offset + r % L: its one-row call reads
+# N = that + 1 keys. A block past the row's count is not written (the merge
+# never reads it), nor a row the one-pass kernel takes. queries [B, HQ, L, D],
+# keys and values [B, HKV, >= N, D], read through their strides (the head dim
+# contiguous); o_part [rows, S, D] (each rounded to T, as MLX stores it),
+# m_part, l_part [rows, S].
 PARTIAL_BODY = """
   constexpr int DL = D / 32;
   const int L = queries_shape[2];
@@ -194,8 +292,7 @@ PARTIAL_BODY = """
     const int i = r % L;
     const int n = q_offset[0] + i + 1;
     const int blocks = ea_blocks(dims[3], n, G);
-    const int step = blocks > 0 ? blocks : 32;
-    if (stream < step) {
+    if (stream < blocks) {
       const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
       float q[DL];
       float o[DL];
@@ -207,7 +304,7 @@ PARTIAL_BODY = """
       float l = 0.0f;
       const DEV T* kp = keys + b * keys_strides[0] + hk * keys_strides[1] + lane * DL;
       const DEV T* vp = values + b * values_strides[0] + hk * values_strides[1] + lane * DL;
-      for (int k = stream; k < n; k += step) {
+      for (int k = stream; k < n; k += blocks) {
         const DEV T* kk = kp + idx_t(k) * keys_strides[2];
         const DEV T* vv = vp + idx_t(k) * values_strides[2];
         float score = 0.0f;
@@ -222,7 +319,7 @@ PARTIAL_BODY = """
       }
       const idx_t at = idx_t((b * HQ + h) * L + i) * S + stream;
       for (int j = 0; j < DL; ++j) {
-        o_part[at * D + lane * DL + j] = blocks > 0 ? to_float(from_float<T>(o[j])) : o[j];
+        o_part[at * D + lane * DL + j] = to_float(from_float<T>(o[j]));
       }
       if (lane == 0) {
         m_part[at] = m;
@@ -232,9 +329,10 @@ PARTIAL_BODY = """
   }
 """
 
-# One row a threadgroup of MW simdgroups, output element e taken by simdgroup
-# e % MW; lane l stands for MLX's stream l (one pass) or blocks l, l + 32, ...
-# (two passes). dims as the partial pass's. out [rows, D] in T, rows as o_part's.
+# The two-pass kernel's second: one row a threadgroup of MW simdgroups,
+# output element e taken by simdgroup e % MW, lane l standing for MLX's blocks
+# l, l + 32, ...; a row the one-pass kernel took is copied from ``first`` (its
+# output). dims as above. out [rows, D] in T, rows as o_part's.
 MERGE_BODY = """
   const int L = dims[0];
   const int G = dims[1];
@@ -244,14 +342,7 @@ MERGE_BODY = """
   const int blocks = ea_blocks(dims[3], n, G);
   const idx_t base = idx_t(row) * S;
   if (blocks == 0) {
-    const float m = m_part[base + lane];
-    const float new_m = simd_max(m);
-    const float factor = ea_exp(m - new_m);
-    const float sum = simd_sum(l_part[base + lane] * factor);
-    for (int e = warp; e < D; e += MW) {
-      const float s = simd_sum(o_part[(base + lane) * D + e] * factor);
-      if (lane == 0) out[idx_t(row) * D + e] = from_float<T>(ea_norm(s, sum));
-    }
+    for (int e = warp * 32 + lane; e < D; e += MW * 32) out[idx_t(row) * D + e] = first[idx_t(row) * D + e];
   } else {
     float m = EA_FINITE_MIN;
     for (int c = lane; c < blocks; c += 32) m = ea_max(m, m_part[base + c]);
@@ -267,6 +358,10 @@ MERGE_BODY = """
     }
   }
 """
+
+
+def one_pass_source(backend: str) -> str:
+    return PRELUDE[backend] + ONE_PASS_BODY
 
 
 def partial_source(backend: str) -> str:
