@@ -7,7 +7,8 @@ candidates (a prefix's score: the sum of its tokens' log-probabilities), which
 is best-first by path probability. Every score is at most its parent's, so
 the most probable prefixes always include their parents: the kept set is a
 tree. It is built on the device, level by level: the best ``budget - 1``
-prefixes of each depth extend only the best of the depth before.
+prefixes of each depth extend only the best of the depth before, three
+kernels a depth (the candidates' table, its order, the kept slots).
 
 Two branches rank above every drafted prefix: a looked-up continuation
 (draft/lookup.py) first, then the drafter's first choice at every depth (the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..device import constant_arange
 from ..kv.tree import TreeLayout, from_parents
 
 # Ranks above every drafted prefix's score (those are <= 0): the looked-up
@@ -55,82 +57,141 @@ class TreeParams:
         return 1 + min(width, held)
 
 
-def build_tree(logits: mx.array, rows: int, top_k: int, looked_up: mx.array | None = None, hit=None):
+def build_tree(
+    logits: mx.array, rows: int, top_k: int, looked_up: mx.array | None = None, hit=None, root=0
+) -> tuple[mx.array, TreeLayout]:
     """The tree of ``rows`` nodes over the drafter's logits [D, V] for depths
     1..D, and a looked-up chain ``looked_up`` [D] where ``hit`` (a device bool).
-    Returns (tokens [rows], TreeLayout): node 0 is the root (its token 0, the
-    caller's to fill), parents before children."""
+    Returns (tokens [rows], TreeLayout): node 0 is the root, its token
+    ``root``; parents before children."""
     depth_count, vocab = logits.shape
     width = rows - 1
     k = min(top_k, vocab)
-    logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-    values = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)  # best first: rank 0 is the first choice
-    ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
-    values = mx.take_along_axis(values, order, axis=-1)  # [D, k]
+    logits = logits.astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    ranked = mx.argpartition(logits, vocab - k, axis=-1)  # [D, V]: each depth's k best last, in no order
+    if looked_up is None:
+        ids, offset, columns = ranked, vocab - k, k  # a slot's candidates: its drafted children
+    else:  # column 0: the looked-up token, then the drafted
+        if k == vocab:
+            ranked = mx.concatenate([ranked[:, :1], ranked], axis=1)
+        last = ranked[:, -(k + 1) :]
+        ids, offset, columns = (
+            mx.where(constant_arange(k + 1) == 0, looked_up[:, None].astype(last.dtype), last),
+            0,
+            k + 1,
+        )
+    values = mx.take_along_axis(logits, ids[:, offset:], axis=-1) - lse  # [D, columns]: log-probabilities
+    best = mx.argmax(values[:, columns - k :], axis=-1)[:, None, None]  # [D, 1, 1]: the first choice's column
+    if looked_up is not None:
+        best = best + 1
+    const = _constants(width, columns, depth_count)
 
-    # Each depth keeps ``width`` slots (the root's depth: the root and padding),
-    # each its path's log-probability and whether it is a first choice; the
-    # looked-up candidate, where there is one, is a depth's candidate 0.
-    extra = 1 if looked_up is not None else 0
-    slot = mx.arange(width, dtype=mx.int32)
-    score = mx.where(slot == 0, 0.0, -mx.inf).astype(mx.float32)
-    first, looked = slot == 0, slot == 0
-    first_rank = mx.arange(k) == 0
-    kept, ranks, chains = [], [], []
+    # Slots are kept in rank order, so the chains hold the first ones: the
+    # looked-up chain slot 0 where it was found, the first choices the next
+    # (the root, at depth 0, is both). Each depth's candidates cost their
+    # negated rank plus DEPTH_PENALTY a level (argsort's order, and across
+    # depths a child never ties its parent); the chains' ranks are fixed.
+    step = values[:, None, :]  # [D, 1, columns]: what each candidate adds to its slot's path
+    if looked_up is None:
+        chained = (const.slot == 0) & (const.column == best)
+        special = mx.where(chained, const.first_cost, mx.inf)
+    else:
+        looking = (const.slot == 0) & (const.column == 0) & hit  # [1, width, columns]
+        first = mx.where(const.deeper & hit, 1, 0)  # the first choices' slot: 1 below a found chain, the root's 0
+        chained = (const.slot == first) & (const.column == best)
+        special = mx.where(chained, const.first_cost, mx.where(looking, const.looked_cost, mx.inf))
+        step = mx.where((const.column == 0) & ~looking, -mx.inf, step)  # no looked-up child off its chain
+    lowered = const.penalty - step
+
+    # Each depth keeps ``width`` slots, a table [3, width]: cost, the path's
+    # log-probability, and the candidate it holds (parent slot * columns + column).
+    kept, history = const.kept, const.history
     for d in range(depth_count):
-        cand_score = (score[:, None] + values[d : d + 1]).reshape(-1)
-        cand_first = (first[:, None] & first_rank[None]).reshape(-1)
-        cand_rank = mx.where(cand_first, FIRST_CHOICES, cand_score)
-        if extra:
-            on_chain = mx.argmax(looked)  # the previous depth's looked-up slot
-            on = hit & looked[on_chain]
-            gain = logprobs[d][looked_up[d]]
-            chain_score = mx.where(on, score[on_chain] + gain, -mx.inf).astype(mx.float32)  # -inf: no children
-            cand_score = mx.concatenate([chain_score[None], cand_score])
-            cand_rank = mx.concatenate([mx.where(on, LOOKED_UP, -mx.inf).astype(mx.float32)[None], cand_rank])
-            cand_first = mx.concatenate([mx.array([False]), cand_first])
-            chains.append(on_chain)
-        keep = mx.argpartition(-cand_rank, width - 1)[:width].astype(mx.int32)
-        score, first = cand_score[keep], cand_first[keep]
-        if extra:
-            looked = keep == 0
-        kept.append(keep)
-        ranks.append(cand_rank[keep])
+        at = slice(d, d + 1)  # (an int index is a gather)
+        score = kept[1:2].T
+        cost = mx.minimum(lowered[at] - score, special[at])
+        table = mx.where(const.is_cost, cost, mx.where(const.is_score, score + step[at], const.candidate))
+        table = table.reshape(3, -1)
+        order = mx.argsort(table[:1])[:, :width].reshape(-1)
+        kept = mx.take(table, order, axis=1)
+        history = mx.where(const.level[at], kept[::2, None], history)
 
-    # each slot's parent slot and token, for every depth at once
-    kept = mx.stack(kept)  # [D, width]
-    drafted = kept - extra  # the index among the drafted candidates (-1: looked up)
-    parents = mx.maximum(drafted, 0) // k
-    tokens = mx.take_along_axis(ids, mx.maximum(drafted, 0) % k, axis=1)
-    if extra:
-        parents = mx.where(drafted < 0, mx.stack(chains)[:, None].astype(mx.int32), parents)
-        tokens = mx.where(drafted < 0, looked_up[:, None].astype(mx.int32), tokens)
+    # the ``width`` cheapest prefixes of all depths after the root, in depth order (parents first)
+    history = history.reshape(2, -1)
+    chosen = mx.sort(mx.argpartition(history[:1], width)[:, :rows]).reshape(-1)
+    picked = mx.take(history[1:], chosen, axis=1).reshape(-1)  # its candidate, as a float
+    depths = (chosen // width).astype(mx.int32)
+    parent_at = (depths - 1) * width + (picked // columns).astype(mx.int32)  # in ``history`` (the root's: < 0)
+    parents = (chosen[None] < parent_at[:, None]).astype(mx.int32).sum(axis=1)
+    at = mx.maximum(depths - 1, 0) * ids.shape[1] + offset + (picked % columns).astype(mx.int32)
+    tokens = mx.where(depths == 0, root, mx.take(ids.reshape(-1), at)).astype(mx.int32)
+    return tokens, from_parents(parents, depth_count, depths)
 
-    # the best ``width`` prefixes of all depths, in depth order (parents first)
-    depth_rank = mx.stack(ranks) - DEPTH_PENALTY * mx.arange(1, depth_count + 1)[:, None]
-    chosen = mx.sort(mx.argpartition(-depth_rank.reshape(-1), width - 1)[:width]).astype(mx.int32)
-    node_of = mx.zeros((depth_count * width,), mx.int32).at[chosen].add(mx.arange(1, rows, dtype=mx.int32))
-    level = chosen // width
-    parent_flat = (level - 1) * width + parents.reshape(-1)[chosen]
-    parent_node = mx.where(level == 0, 0, node_of[mx.maximum(parent_flat, 0)])
-    node_parents = mx.concatenate([mx.zeros((1,), mx.int32), parent_node.astype(mx.int32)])
-    node_tokens = mx.concatenate([mx.zeros((1,), mx.int32), tokens.reshape(-1)[chosen]])
-    return node_tokens, from_parents(node_parents, depth_count)
+
+@dataclass(frozen=True)
+class _Constants:
+    """What a tree's build reads that depends on its size alone."""
+
+    slot: mx.array  # [1, width, 1]
+    column: mx.array  # [1, 1, columns]
+    deeper: mx.array  # [D, 1, 1]: a depth past the first
+    penalty: mx.array  # [D, 1, 1]: DEPTH_PENALTY a level
+    first_cost: mx.array  # [D, 1, 1]: the first choices' costs
+    looked_cost: mx.array  # ... and the looked-up chain's
+    candidate: mx.array  # [width, columns] float32: each candidate's index
+    is_cost: mx.array  # [3, 1, 1]: a table's rows
+    is_score: mx.array
+    level: mx.array  # [D, D + 1, 1]: each depth's rows in ``history``
+    kept: mx.array  # [3, width]: the depth before the first, the root in slot 0
+    history: mx.array  # [2, D + 1, width]: costs and candidates, the root's alone
+
+
+_constants_made: dict[tuple[int, int, int], _Constants] = {}
+
+
+def _constants(width: int, columns: int, depth_count: int) -> _Constants:
+    """The size's constants, evaluated once (a compiled build captures them)."""
+    key = (width, columns, depth_count)
+    if key not in _constants_made:
+        depth = mx.arange(depth_count)[:, None, None]
+        row = mx.arange(3)[:, None, None]
+        root = mx.arange(width) == 0
+        penalty = DEPTH_PENALTY * (depth + 1).astype(mx.float32)
+        cost = mx.where(root, -ROOT, mx.inf)
+        made = _Constants(
+            slot=mx.arange(width)[None, :, None],
+            column=mx.arange(columns)[None, None],
+            deeper=depth > 0,
+            penalty=penalty,
+            first_cost=penalty - FIRST_CHOICES,
+            looked_cost=penalty - LOOKED_UP,
+            candidate=mx.arange(width * columns, dtype=mx.float32).reshape(width, columns),
+            is_cost=row == 0,
+            is_score=row == 1,
+            level=mx.arange(depth_count + 1)[None, :, None] == depth + 1,
+            kept=mx.stack([cost, mx.where(root, 0.0, -mx.inf), mx.zeros((width,))]).astype(mx.float32),
+            history=mx.stack([mx.broadcast_to(cost, (depth_count + 1, width)), mx.zeros((depth_count + 1, width))]),
+        )
+        mx.eval(*vars(made).values())
+        _constants_made[key] = made
+    return _constants_made[key]
+
+
+# The root's rank: it precedes every node.
+ROOT = 3.0
 
 
 def accepted_path(tokens: mx.array, layout: TreeLayout, target: mx.array, depth_count: int):
     """Walk the tree along the target: a node is kept when every node from
     the root to it holds the target's token at its parent (``target`` [N]:
     the target's token after each node). Returns (accepted depth a, path
-    [depth_count + 1]: the kept nodes by depth, root first; entries past a
-    are the root)."""
+    [depth_count + 1], uint32: the kept nodes by depth, root first; entries
+    past a are the root)."""
     nodes = tokens.shape[0]
-    agrees = (tokens == target[layout.parents]) | (mx.arange(nodes) == 0)
+    agrees = (tokens == target[layout.parents]) | (constant_arange(nodes) == 0)
     kept = ~mx.any(layout.ancestors & ~agrees[None], axis=1)
     deepest = mx.argmax(mx.where(kept, layout.depths, -1))
     accepted = layout.depths[deepest]
-    on_path = layout.ancestors[deepest][None] & (layout.depths[None] == mx.arange(depth_count + 1)[:, None])
-    return accepted, mx.argmax(on_path, axis=1).astype(mx.int32)
+    on_path = layout.ancestors[deepest][None] & (layout.depths[None] == constant_arange(depth_count + 1)[:, None])
+    return accepted, mx.argmax(on_path, axis=1)

@@ -55,33 +55,57 @@ def chain(n: int) -> TreeLayout:
     return TreeLayout(mx.maximum(nodes - 1, 0), nodes, nodes[None] <= nodes[:, None])
 
 
-def from_parents(parents: mx.array, max_depth: int) -> TreeLayout:
+def from_parents(parents: mx.array, max_depth: int, depths: mx.array | None = None) -> TreeLayout:
     """A layout from each node's parent [N] (parents before children, the
-    root its own parent), for trees at most ``max_depth`` deep: who reaches
-    whom in one hop, squared until every ancestor is in reach."""
+    root its own parent), for trees at most ``max_depth`` deep (``depths``
+    [N], where known): who reaches whom in one hop, squared until every
+    ancestor is in reach."""
     n = parents.shape[0]
-    nodes = mx.arange(n, dtype=mx.int32)
+    nodes = device.constant_arange(n)
     reach = ((parents[:, None] == nodes[None]) | (nodes[:, None] == nodes[None])).astype(mx.float32)
     hops = 1
     while hops < max_depth:
-        reach = mx.minimum(reach @ reach, 1.0)  # counts of at most n: exact in float32
+        # Walks of 2 * hops steps, each node with two ways on: their counts
+        # stay below 2 ** 64, far inside float32, and a zero stays exact.
+        reach = reach @ reach
         hops *= 2
+        if hops >= 32:
+            reach = mx.minimum(reach, 1.0)
     ancestors = reach > 0
-    depths = ancestors.astype(mx.int32).sum(axis=1) - 1
-    return TreeLayout(parents.astype(mx.int32), depths, ancestors)
+    if depths is None:
+        depths = ancestors.astype(mx.int32).sum(axis=1) - 1
+    return TreeLayout(parents.astype(mx.int32), depths.astype(mx.int32), ancestors)
 
 
 def keep_path(caches: list, start, path: mx.array) -> None:
-    """Move the rows the accepted path's nodes ``path`` [D] wrote at
-    ``start + path`` to ``start .. start + D - 1`` in every plain buffer
-    (rows past the accepted depth move too; they lie past the new length)."""
+    """Move the rows the accepted path's nodes ``path`` [D] (the root first;
+    past the accepted depth, the root) wrote at ``start + path`` to ``start ..
+    start + D - 1`` in every plain buffer: rows past the accepted depth lie
+    past the new length, whatever they hold.
+
+    A buffer that kept the rows a tree's verify wrote (``tree_rows``) takes
+    them back in one scatter: each path node's row at its depth, every other
+    node's just past the path. Others gather the path's rows, then scatter them."""
+    caches = [c for c in caches if c.keys is not None]
     n = path.shape[0]
-    to = start + device.constant_arange(n)
-    at = start + path
+    to, at, back = start + device.constant_arange(n), start + path, {}
     for c in caches:
-        if c.keys is None:
+        written = getattr(c, "tree_rows", None)
+        if written is None:
+            keys, values = mx.take(c.keys, at, axis=2), mx.take(c.values, at, axis=2)
+            c.keys, c.values = put_positions(c.keys, keys, to), put_positions(c.values, values, to)
             continue
-        keys = mx.take(c.keys, at, axis=2)
-        values = mx.take(c.values, at, axis=2)
-        c.keys = put_positions(c.keys, keys, to)
-        c.values = put_positions(c.values, values, to)
+        keys, values = written
+        nodes = keys.shape[2]
+        if nodes not in back:
+            back[nodes] = _destinations(start, path, nodes)
+        c.keys, c.values = put_positions(c.keys, keys, back[nodes]), put_positions(c.values, values, back[nodes])
+        c.tree_rows = None
+
+
+def _destinations(start, path: mx.array, nodes: int) -> mx.array:
+    """Where each of a tree's ``nodes`` goes once ``path`` is kept: a path
+    node to ``start`` plus its depth, any other just past the accepted depth."""
+    match = path[:, None] == device.constant_arange(nodes)[None]  # [D, N]: node n is the path's at depth d
+    accepted = (path != 0).astype(mx.int32).sum()  # past it the path holds the root
+    return start + mx.where(match.any(axis=0), mx.argmax(match, axis=0).astype(mx.int32), accepted + 1)
