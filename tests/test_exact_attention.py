@@ -187,6 +187,9 @@ def test_a_kernel_that_checks_out_serves_2_to_16_rows_as_the_one_row_calls(fake_
             assert mx.array_equal(got, ea.one_row_attention(q, k, v, scale=0.125, q_offset=start))
     q, k, v, start = verify_case(dtype=mx.bfloat16)
     assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None  # (never checked: MLX's)
+    q, k, v, start = verify_case()
+    two = [mx.concatenate([a, a]) for a in (q, k, v)]
+    assert ea.attention(*two, scale=0.125, q_offset=start) is None  # (a batch: MLX's)
     decisions.reset()
 
 

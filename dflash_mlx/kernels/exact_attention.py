@@ -288,11 +288,12 @@ def _timed_pair(where: str, dtype, head_dim: int, keys: int):
 
 
 def serves(where: str, queries, keys) -> bool:
-    """Whether the kernel takes this verify's attention here: a checked variant,
-    2-16 rows, keys within the order followed, and a key class measured faster;
-    never checks or measures (safe in a trace)."""
+    """Whether the kernel takes this verify's attention here: one sequence (a
+    plain step's is one), a checked variant, 2-16 rows, keys within the order
+    followed, and a key class measured faster; never checks or measures (safe
+    in a trace)."""
     B, HQ, L, D = queries.shape
-    if where not in BUILDERS or not FEWEST_ROWS <= L <= MOST_ROWS or HQ % keys.shape[1]:
+    if where not in BUILDERS or B != 1 or not FEWEST_ROWS <= L <= MOST_ROWS or HQ % keys.shape[1]:
         return False
     if queries.dtype != keys.dtype or not passed(_checks, (where, queries.dtype, D)):
         return False
