@@ -365,3 +365,135 @@ def test_the_tree_of_one_row_is_a_plain_step():
     got, responses = decoded(model, draft, [1, 2, 3], max_tokens=10, tree_budget=1)
     assert got == greedy_reference(model, [1, 2, 3], 10)
     assert {r.block_size for r in responses[1:]} == {1}
+
+
+def kernels(*outputs) -> int:
+    """The kernels MLX would run for ``outputs`` from evaluated arrays: the
+    graph's primitives but views (mx.export_to_dot)."""
+    import os
+    import re
+    import tempfile
+
+    views = {"Broadcast", "Reshape", "Flatten", "Unflatten", "Squeeze", "ExpandDims", "Transpose", "Slice", "Split"}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "graph.dot")
+        mx.export_to_dot(path, *outputs)
+        with open(path) as f:
+            names = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    return sum(n not in views for n in names)
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_compiled_tree_build_takes_three_kernels_a_depth(lookup):
+    """On a GPU each kernel is a dispatch a cycle: a depth's candidates are
+    one fused table, sorted, and its kept slots one gather."""
+
+    def built(depth_count: int) -> int:
+        logits = mx.random.normal((depth_count, 64), key=mx.random.key(depth_count))
+        chain_tokens, hit = mx.arange(depth_count), mx.array(True)
+        mx.eval(logits, chain_tokens, hit)
+
+        def build(logits, chain_tokens, hit):
+            extra = (chain_tokens, hit) if lookup else ()
+            tokens, layout = build_tree(logits, 24, 8, *extra)
+            return tokens, layout.parents, layout.depths, layout.ancestors
+
+        return kernels(*mx.compile(build)(logits, chain_tokens, hit))
+
+    shallow, deep = built(7), built(15)
+    assert deep - shallow <= 3 * 8 + 3  # (and a deeper layout: a squaring more)
+    assert deep <= 3 * 15 + 30
+
+
+def test_layouts_reach_every_ancestor_of_deep_trees():
+    for n in (2, 17, 33, 64):
+        chain_layout = from_parents(mx.maximum(mx.arange(n) - 1, 0), n - 1)
+        assert chain_layout.ancestors.tolist() == (mx.arange(n)[None] <= mx.arange(n)[:, None]).tolist()
+        assert chain_layout.depths.tolist() == list(range(n))
+        parents = mx.maximum(mx.arange(n) - 1, 0) // 2  # a binary tree
+        given = from_parents(parents, n - 1, from_parents(parents, n - 1).depths)
+        assert mx.array_equal(given.ancestors, from_parents(parents, n).ancestors).item()
+
+
+def written_tree(seed: int):
+    """Two buffers holding a context of 5 rows, then a tree's 9 rows as its
+    verify wrote them, and those rows; the tree's layout."""
+    from dflash_mlx.kv.buffer import BufferKVCache
+
+    rng = random.Random(seed)
+    parents = [0] + [rng.randrange(i) for i in range(1, 9)]
+    layout = from_parents(mx.array(parents, mx.int32), 8)
+    caches, rows = [], []
+    for i in range(2):
+        c = BufferKVCache()
+        context = mx.random.normal((1, 2, 5, 4), key=mx.random.key(10 * seed + i))
+        c.write(context, -context, 0)
+        c.set_length(mx.array(5, mx.int32), 5)
+        keys = mx.random.normal((1, 2, 9, 4), key=mx.random.key(10 * seed + i + 5))
+        c.tree = layout
+        c.write(keys, 2 * keys, mx.array(5, mx.int32))
+        c.tree = None
+        caches.append(c)
+        rows.append((keys, 2 * keys))
+    return caches, rows, layout, parents
+
+
+def test_keep_path_moves_the_same_rows_from_a_verifys_own_writes():
+    """A buffer that kept the rows a tree's verify wrote (``tree_rows``)
+    scatters them back once; every row up to the accepted depth, and the
+    context, equal the gather-and-scatter move's."""
+    from dflash_mlx.kv.tree import keep_path
+
+    for seed in range(12):
+        moved, _, layout, parents = written_tree(seed)
+        scattered, rows, _, _ = written_tree(seed)
+        for c, written in zip(scattered, rows):
+            c.tree_rows = written
+        deepest = random.Random(seed).randrange(9)
+        line = list(reversed(lineage(parents, deepest)))
+        path = mx.array(line + [0] * (layout.depths.max().item() + 1 - len(line)), mx.int32)
+        start = mx.array(5, mx.int32)
+        keep_path(moved, start, path)
+        keep_path(scattered, start, path)
+        kept = 5 + len(line)
+        for a, b in zip(moved, scattered):
+            assert b.tree_rows is None
+            assert mx.array_equal(a.keys[:, :, :kept], b.keys[:, :, :kept]).item(), seed
+            assert mx.array_equal(a.values[:, :, :kept], b.values[:, :, :kept]).item(), seed
+
+
+def test_keep_path_from_a_verifys_own_writes_is_one_scatter_a_buffer():
+    from dflash_mlx.kv.tree import keep_path
+
+    def moved(buffers: int) -> int:
+        caches = []
+        for seed in range(buffers // 2):
+            made, rows, _, _ = written_tree(seed)
+            for c, written in zip(made, rows):
+                c.tree_rows = written
+            caches += made
+        mx.eval([a for c in caches for a in (c.keys, c.values, *c.tree_rows)])
+        keep_path(caches, mx.array(5, mx.int32), mx.array([0, 2, 0, 0], mx.int32))
+        return kernels(*[a for c in caches for a in (c.keys, c.values)])
+
+    assert moved(4) - moved(2) == 2 * 2  # a scatter for the keys, one for the values
+
+
+def test_trees_turn_to_blocks_once_the_kv_cache_is_quantized():
+    """Decided once a size, yet anew when the caches are replaced: after
+    quantized_kv_start the cycles verify blocks, and the text stays mlx-lm's
+    with its own quantized cache."""
+    from test_kv_quantized import STEP, reference
+
+    cfg = target_config("qwen3", vocab=VOCAB, hidden=128)
+    model = make_target(cfg, seed=3)
+    dcfg = draft_config(cfg, layers=1, block_size=8)
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+    prompt = [5, 3, 8, 1, 9, 2, 7]
+    cache = make_prompt_cache(model, draft, kv_bits=8, kv_group_size=32, quantized_kv_start=30)
+    got, responses = decoded(
+        model, draft, prompt, max_tokens=40, tree_budget=16, prompt_cache=cache, prefill_step_size=STEP
+    )
+    assert got == reference(model, prompt, 40, 8, 32, 30)
+    rows = [b.rows_verified - a.rows_verified for a, b in zip(responses, responses[1:]) if b.block_size > 1]
+    assert rows[0] == 16 and rows[-1] == 8  # trees first, blocks once quantized

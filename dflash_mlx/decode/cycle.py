@@ -48,6 +48,16 @@ class Flight:
     lookup: mx.array | None = None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a cycle of one size verifies: the drafter's block, the target's
+    rows, and whether they are a tree's nodes."""
+
+    block: int
+    rows: int
+    tree: bool = False
+
+
 def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
     """The target's raw log-softmax [R, 1 + k] at ``tokens`` [R] then at the
     top ``k`` tokens (descending), and the top tokens' ids [R, k] (None for k 0)."""
@@ -114,6 +124,8 @@ class Cycle:
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
         self.deferred_bound = 0
+        self._plans: dict[int, Plan] = {}
+        self._planned_over = None  # the first target cache the plans were made over (quantizing replaces it)
 
     def start_lookup(self, committed: list[int]) -> None:
         """The history lookup reads: every committed token, the last one included."""
@@ -139,27 +151,31 @@ class Cycle:
         """Whether a cycle of ``size`` launched now would build new graphs."""
         return self._shape(size) not in self.traces.shapes
 
-    def verifies_tree(self, size: int) -> bool:
-        """Whether a cycle of ``size`` verifies a tree: one of more rows than
-        the tree's block (one of fewer keeps the block's first choices: a
-        block), while the caches take trees (not once they are quantized)."""
+    def plan(self, size: int) -> Plan:
+        """What a cycle of ``size`` verifies, decided once a size over the same caches."""
+        first = self.caches.target[0] if self.caches.target else None
+        if first is not self._planned_over:
+            self._plans, self._planned_over = {}, first
+        plan = self._plans.get(size)
+        if plan is None:
+            plan = self._plans[size] = self._plan(size)
+        return plan
+
+    def _plan(self, size: int) -> Plan:
+        """A tree where it has more rows than the tree's block (one of fewer
+        keeps the block's first choices: a block) while the caches take trees
+        (not once they are quantized); else a block of the size (at most the
+        tree's block: a tree's size may exceed it)."""
         tree = self.tree
-        return tree is not None and size > tree.block_size and self.target.takes_trees(self.caches.target)
-
-    def block_of(self, size: int) -> int:
-        """The drafter's block in a cycle of ``size``: the tree's, or the size
-        itself (at most the tree's block: a tree's size may exceed it)."""
-        if self.verifies_tree(size):
-            return self.tree.block_size
-        return size if self.tree is None else min(size, self.tree.block_size)
-
-    def rows(self, size: int) -> int:
-        """The target rows a cycle of ``size`` verifies: its tree's nodes, or its block."""
-        return self.tree.rows(size) if self.verifies_tree(size) else self.block_of(size)
+        if tree is not None and size > tree.block_size and self.target.takes_trees(self.caches.target):
+            return Plan(tree.block_size, tree.rows(size), tree=True)
+        block = size if tree is None else min(size, tree.block_size)
+        return Plan(block, block)
 
     def _shape(self, size: int) -> tuple[int, int, int]:
         """(size, rows, the drafter's buffer width after its block): what its graphs are built for."""
-        block, rows = self.block_of(size), self.rows(size)
+        plan = self.plan(size)
+        block, rows = plan.block, plan.rows
         if not self.caches.draft:
             return size, rows, self.history.room(self.history.bound + block + 1)
         first = self.caches.draft[0]
@@ -177,7 +193,7 @@ class Cycle:
         if size > 1 and self.deferred:
             self._feed(len(self.deferred))
         if self.history is not None:
-            block = self.block_of(size)
+            block = self.plan(size).block
             self.history.reserve(bound + block + 1)
             self.history.bound = bound + block
         exact_step = size == 1 and exact
@@ -193,7 +209,9 @@ class Cycle:
             if not self.deferred:
                 self.deferred_from, self.deferred_bound = length, bound
             self.deferred.append(taps)
-        flight = Flight(size, result, new_last, new_length, new_shape=new_shape, lookup=looked, rows=self.rows(size))
+        flight = Flight(
+            size, result, new_last, new_length, new_shape=new_shape, lookup=looked, rows=self.plan(size).rows
+        )
         if scores is not None:
             flight.logprobs, flight.top_ids = scores
         extra = [a for a in (flight.logprobs, flight.top_ids, flight.lookup) if a is not None]
@@ -235,16 +253,16 @@ class Cycle:
         defer = size == 1 and self.defers
         if not defer:
             set_lengths(draft_cache, length, bound, "fixed" if read == "fixed" else "bound")
-        block_size = self.block_of(size)
+        plan = self.plan(size)
+        block_size = plan.block
         drafts, q, key, k_draft = None, None, None, None
         looked_up, matched, hit = None, None, None
         tree = None
-        if self.verifies_tree(size):
+        if plan.tree:
             guesses = self.draft(self._masked(last, block_size), None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
                 looked_up, matched, hit = self._look_up(length, block_size - 1)
-            nodes, tree = build_tree(guesses, self.rows(size), self.tree.top_k, looked_up, hit)
-            verify = mx.where(constant_arange(nodes.shape[0]) == 0, last, nodes)
+            verify, tree = build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
         elif block_size > 1:
             if self.lookup_only:
                 drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)
@@ -329,8 +347,9 @@ class Cycle:
         trace reads this call's cycle, caches and bound from ``traces.now``, so
         a retrace in a later call builds that call's graph; the seed is an input."""
         layers = self.caches.target + self.caches.draft
+        plan = self.plan(size)
         for c in layers:
-            c.reserve(bound + max(self.rows(size), self.block_of(size)))  # grow outside: shapes are fixed inside
+            c.reserve(bound + max(plan.rows, plan.block))  # grow outside: shapes are fixed inside
         traces = self.traces
         now = traces.now
         defer = size == 1 and self.defers
@@ -348,8 +367,8 @@ class Cycle:
         history = self.history
         if history is not None:
             key += ("lookup", self.lookup, self.lookup_only)
-        if self.verifies_tree(size):
-            key += ("tree", self.rows(size), self.tree)
+        if plan.tree:
+            key += ("tree", plan.rows, self.tree)
 
         def make():
             def step(last, length, seed, enabled, tokens, *buffers):
