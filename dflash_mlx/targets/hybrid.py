@@ -18,7 +18,7 @@ from ..kv.tree import keep_path
 from ..layers.attention import prepare
 from ..layers.blocks import attend
 from .base import DenseTarget
-from .recurrent import DeltaCache, _value, measure_rollback
+from .recurrent import DeltaCache, PathRows, _value, measure_rollback
 
 
 class HybridCache(list):
@@ -110,9 +110,10 @@ class HybridTarget(DenseTarget):
         delta-net layer keeps the path's write for the cut, and the log holds
         the path's ids, so that a re-read sees the tokens kept."""
         keep_path([c for c in cache if isinstance(c, BufferKVCache)], start, path)
+        rows = PathRows(path)
         for c in cache:
             if isinstance(c, DeltaCache):
-                c.keep_path(path)
+                c.keep_path(rows)
         if isinstance(cache, HybridCache) and cache.log:
             at, ids = cache.log[-1]  # (the tree's nodes, written last)
             cache.log[-1] = (at, mx.take(ids, path))

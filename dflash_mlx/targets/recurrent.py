@@ -163,6 +163,24 @@ def tree_windows(conv_input: mx.array, tree: TreeLayout, width: int) -> mx.array
     return mx.take(conv_input[0], mx.stack(columns[::-1], axis=1), axis=0)
 
 
+class PathRows:
+    """A tree's accepted path (node indices from the root) as the rows every
+    delta-net layer's kept write reads, made once for all of them: of its
+    convolution input (the ``keep`` rows before the tree, then the path's)
+    and of its stacked states (the state before the tree, then after each
+    path node)."""
+
+    def __init__(self, path: mx.array):
+        self.path = path.astype(mx.int32)
+        self.states = mx.concatenate([constant_arange(1), self.path + 1])
+        self._conv: dict[int, mx.array] = {}
+
+    def conv(self, keep: int) -> mx.array:
+        if keep not in self._conv:
+            self._conv[keep] = mx.concatenate([constant_arange(keep), self.path + keep])
+        return self._conv[keep]
+
+
 @dataclass(kw_only=True)
 class Write:
     """One write of T steps starting at ``start`` (an int or an array)."""
@@ -190,20 +208,14 @@ class Write:
         """The most steps a cut may keep: a tree's root alone until its path is kept."""
         return 1 if self.parents is not None else self.steps
 
-    def kept(self, path: mx.array) -> Write:
-        """This tree's write as if only ``path`` (node indices from the root)
-        was written: each node's inputs were made from its ancestors', so the
-        path's, gathered, are a plain run's."""
-        keep = self.conv_input.shape[1] - self.steps
-        conv, q, k, v, g, beta = (
-            mx.take(a, path, axis=1) for a in (self.conv_input[:, keep:], self.q, self.k, self.v, self.g, self.beta)
-        )
-        rows = None
-        if self.states is not None:
-            rows = mx.concatenate([mx.zeros((1,), mx.int32), path.astype(mx.int32) + 1])
+    def kept(self, rows: PathRows) -> Write:
+        """This tree's write as if only the path ``rows`` keeps (node indices
+        from the root) was written: each node's inputs were made from its
+        ancestors', so the path's, gathered, are a plain run's."""
+        q, k, v, g, beta = (mx.take(a, rows.path, axis=1) for a in (self.q, self.k, self.v, self.g, self.beta))
         return Write(
             start=self.start,
-            conv_input=mx.concatenate([self.conv_input[:, :keep], conv], axis=1),
+            conv_input=mx.take(self.conv_input, rows.conv(self.conv_input.shape[1] - self.steps), axis=1),
             q=q,
             k=k,
             v=v,
@@ -213,7 +225,7 @@ class Write:
             state=None,
             use_kernel=self.use_kernel,
             states=self.states,
-            rows=rows,
+            rows=rows.states if self.states is not None else None,
         )
 
     def _state_row(self, s) -> mx.array:
@@ -352,12 +364,12 @@ class DeltaCache:
         out = layer.norm(out, z)
         return layer.out_proj(out.reshape(B, T, -1))
 
-    def keep_path(self, path: mx.array) -> None:
-        """After a tree's verify, make its write the accepted path's (``path``
-        [D+1] node indices, the root first), ready for the cut (set_length)."""
+    def keep_path(self, rows: PathRows) -> None:
+        """After a tree's verify, make its write the accepted path's (``rows``:
+        its [D+1] node indices, the root first), ready for the cut (set_length)."""
         if self.pending is None or self.pending.parents is None:
             raise RuntimeError("keep_path follows a draft tree's verify")
-        self.pending = self.pending.kept(path)
+        self.pending = self.pending.kept(rows)
 
     def _settle_pending(self) -> None:
         """Keep the pending write whole."""
