@@ -225,14 +225,16 @@ def warm_up(url: str, args, concurrent: int) -> None:
 
 def compare(args) -> dict:
     """Serial DFlash, batched plain and the automatic choice, per number of
-    clients; with --repeat R the three take turns R times (so a machine
-    that slows down slows all three), and the medians are compared."""
+    clients; with --repeat R the three take turns R times, each round in
+    another order (so a machine that slows down slows all three, none
+    always last), and the medians are compared."""
     import copy
 
     runs = []
     for clients in args.clients:
-        for _ in range(args.repeat):
-            for batching in ("off", "always", "auto"):
+        for round_ in range(args.repeat):
+            modes = ("off", "always", "auto")
+            for batching in modes[round_ % 3 :] + modes[: round_ % 3]:
                 run_args = copy.copy(args)
                 run_args.clients = clients
                 with local_server(args, batching) as url:
