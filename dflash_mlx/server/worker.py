@@ -99,8 +99,8 @@ class Worker:
         running batch once the measurements favour DFlash at the size it would
         grow to (it runs down, and DFlash serves the rest)."""
         self._drain(wait=False)
-        running = self.batcher.max_batch - room
-        if running and not self.choice.batch_wins(min(running + self._batchable_ahead(), self.batcher.max_batch)):
+        ahead, running = self._batchable_ahead(), self.batcher.max_batch - room
+        if not ahead or running and not self.choice.batch_wins(min(running + ahead, self.batcher.max_batch)):
             return []
         taken = []
         while self.backlog and len(taken) < room and self._batchable_ahead():
