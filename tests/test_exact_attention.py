@@ -16,6 +16,8 @@ from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 
 from dflash_mlx.kernels import exact_attention as ea
 from dflash_mlx.kernels.exact_attention_source import (
+    GQA_INPUTS,
+    GQA_OUTPUTS,
     MERGE_INPUTS,
     MERGE_OUTPUTS,
     ONE_PASS_INPUTS,
@@ -65,13 +67,18 @@ def test_more_keys_never_take_fewer_blocks():
         assert counts == sorted(counts)
 
 
+def test_cuda_serves_only_keys_under_cudnns_and_metal_any():
+    assert ea.most_keys("cuda") == 255 and ea.most_keys("metal") is None
+
+
 @pytest.mark.parametrize(
-    "where, g, d, limit",
-    [("metal", 4, 128, None), ("metal", 8, 128, 8191), ("metal", 8, 256, None), ("metal", 16, 128, 8191)]
-    + [("metal", 12, 64, None), ("cuda", 4, 128, 255)],
+    "n, g, d, takes",
+    [(8192, 8, 128, True), (8191, 8, 128, False), (8192, 8, 64, True), (8192, 8, 256, False)]
+    + [(8192, 12, 128, True), (8192, 16, 128, True), (8192, 12, 64, False), (9000, 4, 128, False)],
 )
-def test_it_serves_only_keys_within_the_order_it_follows(where, g, d, limit):
-    assert ea.most_keys(where, g, d) == limit
+def test_metal_sends_gqa_8_12_16_from_8192_keys_to_its_gqa_kernel(n, g, d, takes):
+    assert ea.gqa_kernel("metal", n, g, d) == takes
+    assert not ea.gqa_kernel("cuda", n, g, d)
 
 
 def test_cuda_reads_q_scaled_into_base_2_as_mlx_rounds_it():
@@ -252,19 +259,21 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
     decisions.reset()
 
 
-def test_metal_gqa_8_past_8192_keys_is_left_to_mlx(fake_gpu, monkeypatch):
-    """There MLX's one-row call takes sdpa_vector_2pass_1_gqa, whose order is not followed."""
-    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
-    from dflash_mlx.kernels import decisions
-
-    decisions.reset()
-    fake_gpu(FakeKernel())
-    ea.checked("metal", mx.float16, 64)
-    q = mx.zeros((1, 8, 4, 64), mx.float16)
-    for keys, served in ((8191, True), (8192, False)):
-        assert ea.serves("metal", q, mx.zeros((1, 1, keys, 64), mx.float16)) == served
-    assert ea.serves("metal", mx.zeros((1, 4, 4, 64), mx.float16), mx.zeros((1, 1, 8192, 64), mx.float16))
-    decisions.reset()
+def test_rows_mlx_sends_to_its_gqa_kernel_take_a_launch_of_its_shape():
+    """GQA 8 at head dim 128 from 8192 keys: a threadgroup of 8 simdgroups a
+    (block, row), 4 heads a simdgroup, beside the other two-pass launches."""
+    kernel, launches = record_launches("metal")
+    q = mx.zeros((1, 16, 3, 128), mx.float16)
+    for keys, launched in ((8191, False), (8448, True)):
+        launches.clear()
+        kv = mx.zeros((1, 2, keys, 128), mx.float16)
+        kernel(q, kv, kv, scale=0.1, q_offset=mx.array(keys - 3), arch=0)
+        gqa = [x for x in launches if ("GQ", 8) in x["template"]]
+        assert bool(gqa) == launched and len(launches) == 3 + launched
+        if launched:
+            (gqa,) = gqa
+            assert ("HPT", 4) in gqa["template"] and gqa["threadgroup"] == (256, 1, 1)
+            assert gqa["grid"] == (ea.blocks("metal", 0, keys, 8) * 3 * 256, 2, 1)
 
 
 def test_every_variant_is_recorded_for_the_check_scripts():
@@ -279,7 +288,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
             return launch
 
         ea.record_variants(factory, backend_name)
-        kinds = {kind: {t for name, t in recorded if kind in name} for kind in ("one_pass", "partial", "merge")}
+        kinds = {kind: {t for name, t in recorded if kind in name} for kind in ("one_pass", "partial", "merge", "gqa")}
         one_pass = kinds["one_pass"]
         assert {t[0] for t in one_pass} == set(ea.DTYPES) and {t[1] for t in one_pass} == set(
             ea.HEAD_DIMS[backend_name]
@@ -289,8 +298,9 @@ def test_every_variant_is_recorded_for_the_check_scripts():
         if backend_name == "metal":
             assert {t[:3] for t in kinds["partial"]} == {t[:3] for t in one_pass} == {t[:3] for t in kinds["merge"]}
             assert {t[3] for t in kinds["partial"]} == set(ea.ROW_TILES)
+            assert {(t[3], t[1], t[4]) for t in kinds["gqa"]} == {(g, d, h) for (g, d), h in ea.GQA_HEADS.items()}
         else:  # (CUDA serves MLX's one-pass kernel's rows alone)
-            assert not kinds["partial"] and not kinds["merge"]
+            assert not kinds["partial"] and not kinds["merge"] and not kinds["gqa"]
 
 
 # --- The Metal source itself, run on this CPU ---------------------------------------------------------------
@@ -373,7 +383,7 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
     kernel(qm, km, vm, scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
     variants = recorder.variants
     (one_pass,) = [x for x in variants.values() if "one_pass" in x.kernel]
-    two_pass = [x for x in variants.values() if "partial" in x.kernel or "merge" in x.kernel]
+    two_pass = [x for kind in ("partial", "merge", "gqa") for x in variants.values() if kind in x.kernel]
     sources = [one_pass.source] + [x.source for x in two_pass]
     for old, new in plant or ():
         assert any(old in text for text in sources), old
@@ -404,14 +414,18 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
     run(lib, one_pass, inputs + [first])
     out = first
     if streams:
-        assert len(two_pass) == 2 and "partial" in two_pass[0].kernel
+        assert len(two_pass) == 2 + ea.gqa_kernel("metal", k.shape[2], g, D)
         partial_lib = on_cpu.lib(script, sources[1], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS, bfloat)
         merge_lib = on_cpu.lib(script, sources[2], MERGE_INPUTS + MERGE_OUTPUTS, bfloat)
-        o_part = np.zeros((rows, streams, D), F32)
-        m_part, l_part = np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)
-        run(partial_lib, two_pass[0], inputs + [o_part, m_part, l_part])
+        parts = [np.zeros((rows, streams, D), F32), np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)]
+        run(partial_lib, two_pass[0], inputs + parts)
+        gqa_parts = parts
+        if len(two_pass) == 3:
+            gqa_lib = on_cpu.lib(script, sources[3], GQA_INPUTS + shape_names + GQA_OUTPUTS, bfloat)
+            gqa_parts = [np.zeros_like(a) for a in parts]
+            run(gqa_lib, two_pass[2], inputs + gqa_parts)
         out = np.zeros((rows, D), q.dtype)
-        run(merge_lib, two_pass[1], [o_part, m_part, l_part, offset, dims, first, out])
+        run(merge_lib, two_pass[1], parts + gqa_parts + [offset, dims, first, out])
     exp = lib.harness_exp
     exp.restype, exp.argtypes = ctypes.c_float, [ctypes.c_float]
     return out.reshape(q.shape), np.vectorize(lambda x: F32(exp(float(x))), otypes=[F32])
@@ -486,6 +500,62 @@ def sdpa_vector_2pass(q, keys, values, scale, exp, blocks: int, storage: Storage
     return out if total == 0 else out / total
 
 
+def sdpa_vector_2pass_gqa(q, keys, values, scale, exp, blocks: int, heads: int, storage: Storage):
+    """MLX's Metal sdpa_vector_2pass_1_gqa then sdpa_vector_2pass_2, for the
+    G query heads q [G, D] of one row at once (HPT = ``heads``): each block a
+    run of ceil(N / blocks) keys in HPT sub-runs; simdgroup g the sub-run g / NT
+    for heads (g % NT) * HPT ..; each sub-run's output normalised, then each
+    head's sub-runs weighted by sum x exp(max - their max) in order."""
+    g, d = q.shape
+    n = keys.shape[0]
+    nt = g // heads
+    chunk = -(-n // blocks)
+    sub = -(-chunk // heads)
+    partial = np.zeros((g, blocks, d), F32)
+    sums, maxs = np.zeros((g, blocks), F32), np.zeros((g, blocks), F32)
+    for b in range(blocks):
+        kstart, kend = b * chunk, min(n, b * chunk + chunk)
+        o_sh = np.zeros((g, heads, d), F32)  # [head, sub-run]
+        se_sh, mx_sh = np.zeros((g, heads), F32), np.zeros((g, heads), F32)
+        for sg in range(g):
+            cchunk, h0 = sg // nt, (sg % nt) * heads
+            s0 = kstart + cchunk * sub
+            s1 = min(kend, s0 + sub)
+            for j in range(heads):
+                at = slice(s0, max(s0, s1))
+                m, s, o = streams_of(q[h0 + j], keys[at], values[at], scale, 1, exp)
+                inv = F32(1) / s[0] if s[0] > 0 else F32(0)
+                o_sh[h0 + j, cchunk] = o[0].reshape(-1) * inv
+                se_sh[h0 + j, cchunk], mx_sh[h0 + j, cchunk] = s[0], m[0]
+        for h in range(g):
+            top = FINITE_MIN
+            for c in range(heads):
+                top = max(top, mx_sh[h, c])
+            denom, acc = F32(0), np.zeros(d, F32)
+            for c in range(heads):
+                w = se_sh[h, c] * exp(mx_sh[h, c] - top)
+                denom = F32(denom + w)
+                acc = acc + w * o_sh[h, c]
+            partial[h, b] = storage.f32(storage.round(acc))
+            sums[h, b], maxs[h, b] = denom, top
+    out = np.zeros((g, d), F32)
+    lanes = np.arange(32)
+    for h in range(g):
+        top = np.full(32, FINITE_MIN, F32)
+        for b in range(blocks // 32):
+            top = np.maximum(top, maxs[h, lanes + 32 * b])
+        top = top.max()
+        total, acc = np.zeros(32, F32), np.zeros((32, d), F32)
+        for b in range(blocks // 32):
+            factor = exp(maxs[h, lanes + 32 * b] - top)
+            total = total + factor * sums[h, lanes + 32 * b]
+            acc = acc + factor[:, None] * partial[h, lanes + 32 * b]
+        total = seq_sum(total)
+        row = seq_sum(acc, axis=0)
+        out[h] = row if total == 0 else row / total
+    return out
+
+
 def mlx_one_row_order(q, k, v, start: int, arch: int, exp, storage: Storage):
     """Each row of q [1, HQ, L, D] as MLX's one-row Metal call over keys 0..its position computes it."""
     _, hq, rows, d = q.shape
@@ -497,6 +567,14 @@ def mlx_one_row_order(q, k, v, start: int, arch: int, exp, storage: Storage):
             n = start + i + 1
             keys, values = k32[0, h // g, :n], v32[0, h // g, :n]
             blocks = ea.blocks("metal", arch, n, g)
+            if ea.gqa_kernel("metal", n, g, d):
+                if h % g == 0:  # (a KV head's query heads at once)
+                    heads = q32[0, h : h + g, i]
+                    rows_out = sdpa_vector_2pass_gqa(
+                        heads, keys, values, d**-0.5, exp, blocks, ea.GQA_HEADS[(g, d)], storage
+                    )
+                    out[0, h : h + g, i] = storage.round(rows_out)
+                continue
             if blocks:
                 row = sdpa_vector_2pass(q32[0, h, i], keys, values, d**-0.5, exp, blocks, storage)
             else:
@@ -549,6 +627,33 @@ def test_the_metal_source_run_on_the_cpu_computes_each_row_in_mlxs_one_row_order
     assert np.abs(storage.f32(got) - reference(q, k, v, start, storage)).max() < 3e-2
 
 
+# The key counts from which MLX's one-row call takes two passes under GQA and
+# its GQA kernel, lowered in the source and here alike (a run over 8192 keys is
+# minutes on this CPU): the orders run are the kernels' own.
+FEWER_KEYS = [("(g > 1 && n >= 4096)", "(g > 1 && n >= 256)"), ("return n >= 8192 &&", "return n >= 288 &&")]
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "rows, g, start, d, dtype",
+    [
+        (3, 8, 285, 64, "float16"),  # GQA 8 at head dim 64: 8 heads a simdgroup; across the switch
+        (2, 8, 300, 128, "bfloat16"),  # GQA 8 at 128: 4 heads a simdgroup
+        (2, 16, 300, 128, "float32"),  # GQA 16 at 128: 2 heads a simdgroup
+    ],
+)
+def test_the_metal_source_follows_mlxs_gqa_kernel_where_mlx_takes_it(on_cpu, monkeypatch, rows, g, start, d, dtype):
+    monkeypatch.setattr(ea, "GQA_TWO_PASS_KEYS", 256)
+    monkeypatch.setattr(ea, "GQA_KERNEL_KEYS", 288)
+    storage = Storage(dtype)
+    q, k, v = metal_case(rows, g, start, 512, d, storage)
+    got, exp = run_metal_source(on_cpu, q, k, v, start, 0, storage, plant=FEWER_KEYS)
+    want = mlx_one_row_order(q, k, v, start, 0, exp, storage)
+    assert ea.gqa_kernel("metal", start + rows, g, d)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (got != want).sum()
+    assert np.abs(storage.f32(got) - reference(q, k, v, start, storage)).max() < 3e-2
+
+
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
 @pytest.mark.parametrize(
     "plant, start, arch, dtype",
@@ -598,7 +703,8 @@ def test_every_metal_variant_is_in_the_check_script_and_compiles():
     recorder = script.Recorder()
     script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_attention"])
     kinds = 1 + len(ea.ROW_TILES) + 1  # (the one-pass kernel, the partial pass's tiles, the merge)
-    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"]) * len(ea.FORMS["metal"]) * kinds
+    per_dtype_form = len(ea.HEAD_DIMS["metal"]) * kinds + len(ea.GQA_HEADS)  # (and the GQA kernel's)
+    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.FORMS["metal"]) * per_dtype_form
     compiler = script.Compiler(script.find_clang() or CLANG_F16)
     lines = []
     try:

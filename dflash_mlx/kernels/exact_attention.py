@@ -17,9 +17,8 @@ two-pass switch; a failure keeps MLX's attention, with one warning. A checked
 variant serves only where this machine measured it faster than MLX's attention
 of the block (decisions.py). Not served: sinks, windows, draft trees (their
 keys are not one run), and keys where MLX's one-row call takes a kernel whose
-order is not followed (Metal's GQA-8/12/16 kernel from 8192 keys; on CUDA the
-2-pass kernel past 1024 keys and cuDNN from 256 keys of a cache's buffer,
-there the check fails). The CPU never runs it.
+order is not followed (on CUDA the 2-pass kernel past 1024 keys and cuDNN from
+256 keys of a cache's buffer, there the check fails). The CPU never runs it.
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ from . import decisions
 from .attention import make_factory
 from .exact_attention_source import (
     ARCH,
+    GQA_INPUTS,
+    GQA_OUTPUTS,
     MERGE_INPUTS,
     MERGE_OUTPUTS,
     ONE_PASS_INPUTS,
@@ -43,6 +44,7 @@ from .exact_attention_source import (
     PARTIAL_INPUTS,
     PARTIAL_OUTPUTS,
     VERSION,
+    gqa_source,
     merge_source,
     one_pass_source,
     partial_source,
@@ -66,7 +68,10 @@ FORMS = {"metal": (0, 1, 2), "cuda": (0, 2)}
 # CUDA: MLX's one-pass kernel; from 256 keys of a cache's buffer (steps of 256) a one-row call
 # takes cuDNN, past 1024 MLX's 2-pass kernel.
 CUDA_MOST_KEYS = 255
-GQA_KERNEL_KEYS = 8192  # Metal's sdpa_vector_2pass_1_gqa
+GQA_TWO_PASS_KEYS = 4096  # Metal: under GQA, two passes from this many keys on any device
+GQA_KERNEL_KEYS = 8192  # Metal's sdpa_vector_2pass_1_gqa, from this many keys
+# (GQA factor, head dim) -> heads a simdgroup of sdpa_vector_2pass_1_gqa takes (MLX's instantiations).
+GQA_HEADS = {(8, 64): 8, (8, 128): 4, (12, 128): 4, (16, 128): 2}
 DECISION = "exact verify attention"
 KEY_CLASSES = (1024, 4096, 16384, 65536)
 MEASURED_ROWS, MEASURED_KV_HEADS, MEASURED_GQA = 16, 8, 4
@@ -84,7 +89,7 @@ def arch_code(backend_name: str) -> int:
 def blocks(backend_name: str, arch: int, n: int, g: int) -> int:
     """The 2-pass block count of MLX's one-row call over ``n`` keys at GQA ``g``,
     or 0 where it takes the one-pass kernel (exact_attention_source: RULES)."""
-    if backend_name != "metal" or not ((arch in (1, 2) and n >= 1024) or (g > 1 and n >= 4096)):
+    if backend_name != "metal" or not ((arch in (1, 2) and n >= 1024) or (g > 1 and n >= GQA_TWO_PASS_KEYS)):
         return 0
     if arch == 1:
         if n > 1024 and g > 4:
@@ -99,13 +104,14 @@ def blocks(backend_name: str, arch: int, n: int, g: int) -> int:
     return 64 if g >= 4 else 32
 
 
-def most_keys(backend_name: str, g: int, d: int) -> int | None:
+def most_keys(backend_name: str) -> int | None:
     """The most keys a row may read and keep MLX's one-row order here (None: any)."""
-    if backend_name == "cuda":
-        return CUDA_MOST_KEYS
-    if (g == 8 and d in (64, 128)) or (g in (12, 16) and d == 128):
-        return GQA_KERNEL_KEYS - 1
-    return None
+    return CUDA_MOST_KEYS if backend_name == "cuda" else None
+
+
+def gqa_kernel(backend_name: str, n: int, g: int, d: int) -> bool:
+    """Whether MLX's one-row call over ``n`` keys takes Metal's ``sdpa_vector_2pass_1_gqa``."""
+    return backend_name == "metal" and n >= GQA_KERNEL_KEYS and (g, d) in GQA_HEADS
 
 
 def q_scale(backend_name: str, scale: float) -> float:
@@ -133,6 +139,14 @@ class ExactAttentionKernel:
             input_names=ONE_PASS_INPUTS,
             output_names=ONE_PASS_OUTPUTS,
             source=one_pass_source(backend_name),
+            header=header,
+            ensure_row_contiguous=False,
+        )
+        self.gqa = factory(
+            name=f"dflash_exact_attn_gqa_v{VERSION}",
+            input_names=GQA_INPUTS,
+            output_names=GQA_OUTPUTS,
+            source=gqa_source(backend_name),
             header=header,
             ensure_row_contiguous=False,
         )
@@ -166,7 +180,8 @@ class ExactAttentionKernel:
         """queries [B, HQ, L, D] at positions q_offset .. q_offset + L - 1 over
         keys, values [B, HKV, N, D] holding at least q_offset + L keys: [B, HQ, L, D].
         The rows MLX's one-pass kernel takes run in one launch; where a row of
-        N keys could take its two-pass kernel, two more launches run those."""
+        N keys could take its two-pass kernels, two more launches run those
+        (three where it could take the GQA one)."""
         B, HQ, L, D = queries.shape
         HKV = keys.shape[1]
         g = HQ // HKV
@@ -189,16 +204,27 @@ class ExactAttentionKernel:
             return first.reshape(B, HQ, L, D)
         tile = row_tile(rows)
         tiles = -(-rows // tile)
-        o_part, m_part, l_part = self.partial(
+        part_shapes = [(B * HQ * L, streams, D), (B * HQ * L, streams), (B * HQ * L, streams)]
+        parts = self.partial(
             inputs=inputs,
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("NW", tile)],
             grid=(streams * tiles * tile * 32, B * HKV, 1),
             threadgroup=(tile * 32, 1, 1),
-            output_shapes=[(B * HQ * L, streams, D), (B * HQ * L, streams), (B * HQ * L, streams)],
+            output_shapes=part_shapes,
             output_dtypes=[mx.float32] * 3,
         )
+        gqa_parts = parts  # (read only for rows the GQA kernel takes)
+        if gqa_kernel(self.backend, keys.shape[2], g, D):
+            gqa_parts = self.gqa(
+                inputs=inputs,
+                template=[("T", queries.dtype), ("D", D), ("FORM", form), ("GQ", g), ("HPT", GQA_HEADS[(g, D)])],
+                grid=(streams * L * g * 32, B * HKV, 1),
+                threadgroup=(g * 32, 1, 1),
+                output_shapes=part_shapes,
+                output_dtypes=[mx.float32] * 3,
+            )
         (out,) = self.merge(
-            inputs=[o_part, m_part, l_part, offset, dims, first],
+            inputs=[*parts, *gqa_parts, offset, dims, first],
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("MW", MERGE_WARPS)],
             grid=(B * HQ * L * MERGE_WARPS * 32, 1, 1),
             threadgroup=(MERGE_WARPS * 32, 1, 1),
@@ -260,7 +286,7 @@ def prepare(dtype, head_dim: int) -> None:
     if not checked(where, dtype, head_dim).ok:
         return
     store = decisions.current()
-    limit = most_keys(where, MEASURED_GQA, head_dim)
+    limit = most_keys(where)
     for keys in KEY_CLASSES:
         if limit is not None and keys > limit + 1:
             break
@@ -297,7 +323,7 @@ def serves(where: str, queries, keys) -> bool:
         return False
     if queries.dtype != keys.dtype or not passed(_checks, (where, queries.dtype, D)):
         return False
-    limit = most_keys(where, HQ // keys.shape[1], D)
+    limit = most_keys(where)
     if limit is not None and keys.shape[2] > limit:
         return False
     return decisions.current().uses(DECISION, decision_case(queries.dtype, D, keys.shape[2]))
@@ -330,10 +356,18 @@ def one_row_attention(queries, keys, values, *, scale: float, q_offset: int) -> 
 
 # (G, rows, q_offset, key buffer): one pass at a few keys and GQA 1; across MLX's
 # switch to two passes on 's' and 'd' devices (1024 keys), across its switch under
-# GQA (4096 keys), and two passes with more blocks (GQA 6 past 16384 keys, GQA 2
-# past 8192). Buffers are whole steps of 256, as a cache's. (CUDA: under 256 keys.)
+# GQA (4096 keys), two passes with more blocks (GQA 6 past 16384 keys, GQA 2
+# past 8192), and across the GQA kernel's 8192 keys at GQA 8. Buffers are whole
+# steps of 256, as a cache's. (CUDA: under 256 keys.)
 CHECK_CASES = {
-    "metal": ((1, 3, 37, 256), (4, 16, 1015, 1280), (4, 5, 4089, 4352), (6, 16, 16380, 16640), (2, 7, 9000, 9216)),
+    "metal": (
+        (1, 3, 37, 256),
+        (4, 16, 1015, 1280),
+        (4, 5, 4089, 4352),
+        (6, 16, 16380, 16640),
+        (2, 7, 9000, 9216),
+        (8, 3, 8190, 8448),
+    ),
     "cuda": ((1, 3, 37, 256), (4, 16, 200, 256), (8, 16, 239, 256)),
 }
 
@@ -391,8 +425,8 @@ def self_check_all(report=None) -> list[ExactAttentionCheck]:
 
 
 def record_variants(factory, backend_name: str) -> None:
-    """Launch every variant the kernel can (each dtype, head dim, form and row
-    tile) through ``factory``, a stand-in for MLX's kernel factory that records
+    """Launch every variant the kernel can (each dtype, head dim, form, row
+    tile and, on Metal, GQA kernel's factor) through ``factory``, a stand-in for MLX's kernel factory that records
     them (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
     kernel = ExactAttentionKernel(backend_name, factory=factory)
     for dtype, d, form in itertools.product(DTYPES, HEAD_DIMS[backend_name], FORMS[backend_name]):
@@ -400,3 +434,7 @@ def record_variants(factory, backend_name: str) -> None:
         for rows in ROW_TILES:
             q = mx.zeros((1, rows // 2, 2, d), dtype)
             kernel(q, kv, kv, scale=d**-0.5, q_offset=mx.array([100], mx.int32), arch=1, form=form)
+        for g in (g for g, hd in GQA_HEADS if hd == d and backend_name == "metal"):
+            kv = mx.zeros((1, 1, GQA_KERNEL_KEYS, d), dtype)
+            q = mx.zeros((1, g, 2, d), dtype)
+            kernel(q, kv, kv, scale=d**-0.5, q_offset=mx.array([100], mx.int32), arch=0, form=form)

@@ -19,10 +19,11 @@ machine checks before use, see exact_attention.py):
   the GQA factor for one row): 's': 64, or where N > 1024 and n_simds > 4,
   128 to N <= 8192, 256 to 32768, 512 to 65536, else 1024; 'd': 128, 256
   where n_simds <= 2 and N > 8192, or where n_simds >= 6 512 from N = 16384
-  and 1024 from 65536; any other: 64 where n_simds >= 4, else 32. (GQA 8 at
+  and 1024 from 65536; any other: 64 where n_simds >= 4, else 32. GQA 8 at
   head dim 64/128, or 12 and 16 at 128, from N = 8192 takes
-  ``sdpa_vector_2pass_1_gqa``, another order: never served, see
-  exact_attention.py.)
+  ``sdpa_vector_2pass_1_gqa`` for the first kernel (below, GQA_BODY; the
+  heads a simdgroup from MLX's instantiations: 8 at GQA 8 and head dim 64, 4
+  at GQA 8 and 12 at 128, 2 at GQA 16).
 - Metal, a stream (both kernels): a simdgroup takes keys s, s + S, s + 2S, ...
   below N (``sdpa_vector``: s its simdgroup of 32, S = 32; the 2-pass's first
   kernel: s its block, S the block count); a lane takes head-dim values
@@ -72,7 +73,9 @@ ONE_PASS_INPUTS = ["queries", "keys", "values", "q_offset", "params", "dims"]
 ONE_PASS_OUTPUTS = ["out"]
 PARTIAL_INPUTS = ONE_PASS_INPUTS
 PARTIAL_OUTPUTS = ["o_part", "m_part", "l_part"]
-MERGE_INPUTS = ["o_part", "m_part", "l_part", "q_offset", "dims", "first"]
+GQA_INPUTS = PARTIAL_INPUTS
+GQA_OUTPUTS = PARTIAL_OUTPUTS
+MERGE_INPUTS = ["o_part", "m_part", "l_part", "o_gqa", "m_gqa", "l_gqa", "q_offset", "dims", "first"]
 MERGE_OUTPUTS = ["out"]
 # The architecture a Metal device's name ends in (MLX's ``devc``), as the kernels' arch code.
 ARCH = {"s": 1, "d": 2}
@@ -94,9 +97,14 @@ inline int ea_blocks(int arch, int n, int g) {
   }
   return g >= 4 ? 64 : 32;
 }
+// Whether a row's two-pass call takes sdpa_vector_2pass_1_gqa (no mask, no sinks, one row).
+inline bool ea_gqa(int arch, int n, int g, int d) {
+  return n >= 8192 && ((g == 8 && (d == 64 || d == 128)) || ((g == 12 || g == 16) && d == 128));
+}
 """,
     "cuda": """
 __device__ __forceinline__ int ea_blocks(int arch, int n, int g) { return 0; }
+__device__ __forceinline__ bool ea_gqa(int arch, int n, int g, int d) { return false; }
 """,
 }
 
@@ -270,7 +278,7 @@ ONE_PASS_BODY = """
 # of a tile read the same keys at once. Row r of a KV head is query head hk * G
 # + r / L, verify row r % L, at position q_offset + r % L: its one-row call reads
 # N = that + 1 keys. A block past the row's count is not written (the merge
-# never reads it), nor a row the one-pass kernel takes. queries [B, HQ, L, D],
+# never reads it), nor a row the one-pass or the GQA kernel takes. queries [B, HQ, L, D],
 # keys and values [B, HKV, >= N, D], read through their strides (the head dim
 # contiguous); o_part [rows, S, D] (each rounded to T, as MLX stores it),
 # m_part, l_part [rows, S].
@@ -292,7 +300,7 @@ PARTIAL_BODY = """
     const int i = r % L;
     const int n = q_offset[0] + i + 1;
     const int blocks = ea_blocks(dims[3], n, G);
-    if (stream < blocks) {
+    if (stream < blocks && !ea_gqa(dims[3], n, G, D)) {
       const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
       float q[DL];
       float o[DL];
@@ -329,10 +337,111 @@ PARTIAL_BODY = """
   }
 """
 
+# The rows MLX's two-pass call sends to ``sdpa_vector_2pass_1_gqa`` (Metal,
+# GQA 8 at head dim 64/128 or 12/16 at 128, from 8192 keys), its first kernel:
+# a threadgroup per (block, verify row) and (batch x KV head) of GQ simdgroups;
+# the block's keys are one run of ceil(N / blocks), cut into HPT sub-runs;
+# simdgroup g takes sub-run g / (GQ / HPT) for HPT heads from (g % (GQ / HPT))
+# x HPT, each head's online softmax as the other kernels'; then each head's
+# sub-runs meet in threadgroup memory (outputs normalised, weighted back by
+# sum x exp(max - their max) in order) and its block's output (rounded to T),
+# sum and max are written as the two-pass first kernel writes them.
+GQA_BODY = """
+  constexpr int DL = D / 32;
+  constexpr int NT = GQ / HPT;
+  const int L = queries_shape[2];
+  const int HQ = queries_shape[1];
+  const int HKV = keys_shape[1];
+  const int S = dims[2];
+  const int blk = tg_x / L;
+  const int i = tg_x % L;
+  const int b = tg_y / HKV;
+  const int hk = tg_y % HKV;
+  const int n = q_offset[0] + i + 1;
+  const int blocks = ea_blocks(dims[3], n, GQ);
+  TG_MEM float o_sh[GQ * HPT * D];
+  TG_MEM float se_sh[GQ * HPT];
+  TG_MEM float mx_sh[GQ * HPT];
+  if (ea_gqa(dims[3], n, GQ, D) && blk < blocks) {
+    const int cchunk = warp / NT;
+    const int h0 = (warp % NT) * HPT;
+    const int chunk = (n + blocks - 1) / blocks;
+    const int kstart = blk * chunk;
+    const int kend = kstart + chunk < n ? kstart + chunk : n;
+    const int sub = (chunk + HPT - 1) / HPT;
+    const int s0 = kstart + cchunk * sub;
+    const int s1 = s0 + sub < kend ? s0 + sub : kend;
+    float q[HPT][DL];
+    float o[HPT][DL];
+    float m[HPT];
+    float l[HPT];
+    for (int j = 0; j < HPT; ++j) {
+      const DEV T* qp = queries + b * queries_strides[0] + (hk * GQ + h0 + j) * queries_strides[1] + i * queries_strides[2];
+      for (int x = 0; x < DL; ++x) {
+        q[j][x] = params[0] * to_float(qp[(lane * DL + x) * queries_strides[3]]);
+        o[j][x] = 0.0f;
+      }
+      m[j] = EA_FINITE_MIN;
+      l[j] = 0.0f;
+    }
+    const DEV T* kp = keys + b * keys_strides[0] + hk * keys_strides[1] + lane * DL;
+    const DEV T* vp = values + b * values_strides[0] + hk * values_strides[1] + lane * DL;
+    for (int t = s0; t < s1; ++t) {
+      float kf[DL];
+      float vf[DL];
+      for (int x = 0; x < DL; ++x) {
+        kf[x] = to_float(kp[idx_t(t) * keys_strides[2] + x]);
+        vf[x] = to_float(vp[idx_t(t) * values_strides[2] + x]);
+      }
+      for (int j = 0; j < HPT; ++j) {
+        float score = 0.0f;
+        for (int x = 0; x < DL; ++x) score = ea_madd<FORM>(score, q[j][x], kf[x]);
+        score = simd_sum(score);
+        const float new_m = ea_max(m[j], score);
+        const float factor = ea_exp(m[j] - new_m);
+        const float e = ea_exp(score - new_m);
+        m[j] = new_m;
+        l[j] = ea_scale_add<FORM>(l[j], factor, e);
+        for (int x = 0; x < DL; ++x) o[j][x] = ea_two<FORM>(o[j][x], factor, e, vf[x]);
+      }
+    }
+    for (int j = 0; j < HPT; ++j) {
+      const int slot = (h0 + j) * HPT + cchunk;
+      const float inv = l[j] > 0 ? 1 / l[j] : 0;
+      for (int x = 0; x < DL; ++x) o_sh[slot * D + lane * DL + x] = o[j][x] * inv;
+      if (lane == 0) {
+        se_sh[slot] = l[j];
+        mx_sh[slot] = m[j];
+      }
+    }
+  }
+  TG_BARRIER();
+  if (ea_gqa(dims[3], n, GQ, D) && blk < blocks) {
+    float gmax = EA_FINITE_MIN;
+    for (int s = 0; s < HPT; ++s) gmax = ea_max(gmax, mx_sh[warp * HPT + s]);
+    float denom = 0.0f;
+    float acc[DL];
+    for (int x = 0; x < DL; ++x) acc[x] = 0.0f;
+    for (int s = 0; s < HPT; ++s) {
+      const float w = se_sh[warp * HPT + s] * ea_exp(mx_sh[warp * HPT + s] - gmax);
+      denom += w;
+      for (int x = 0; x < DL; ++x) acc[x] = ea_madd<FORM>(acc[x], w, o_sh[(warp * HPT + s) * D + lane * DL + x]);
+    }
+    const idx_t at = idx_t((b * HQ + hk * GQ + warp) * L + i) * S + blk;
+    for (int x = 0; x < DL; ++x) o_part[at * D + lane * DL + x] = to_float(from_float<T>(acc[x]));
+    if (lane == 0) {
+      l_part[at] = denom;
+      m_part[at] = gmax;
+    }
+  }
+"""
+
 # The two-pass kernel's second: one row a threadgroup of MW simdgroups,
 # output element e taken by simdgroup e % MW, lane l standing for MLX's blocks
-# l, l + 32, ...; a row the one-pass kernel took is copied from ``first`` (its
-# output). dims as above. out [rows, D] in T, rows as o_part's.
+# l, l + 32, ...; a row's blocks from the GQA kernel's outputs (*_gqa) where it
+# took the row, else the two-pass first kernel's; a row the one-pass kernel
+# took is copied from ``first`` (its output). dims as above. out [rows, D] in
+# T, rows as o_part's.
 MERGE_BODY = """
   const int L = dims[0];
   const int G = dims[1];
@@ -341,18 +450,22 @@ MERGE_BODY = """
   const int n = q_offset[0] + row % L + 1;
   const int blocks = ea_blocks(dims[3], n, G);
   const idx_t base = idx_t(row) * S;
+  const bool gqa = ea_gqa(dims[3], n, G, D);
+  const DEV float* parts = gqa ? o_gqa : o_part;
+  const DEV float* maxes = gqa ? m_gqa : m_part;
+  const DEV float* sums = gqa ? l_gqa : l_part;
   if (blocks == 0) {
     for (int e = warp * 32 + lane; e < D; e += MW * 32) out[idx_t(row) * D + e] = first[idx_t(row) * D + e];
   } else {
     float m = EA_FINITE_MIN;
-    for (int c = lane; c < blocks; c += 32) m = ea_max(m, m_part[base + c]);
+    for (int c = lane; c < blocks; c += 32) m = ea_max(m, maxes[base + c]);
     m = simd_max(m);
     float sum = 0.0f;
-    for (int c = lane; c < blocks; c += 32) sum = ea_madd<FORM>(sum, ea_exp(m_part[base + c] - m), l_part[base + c]);
+    for (int c = lane; c < blocks; c += 32) sum = ea_madd<FORM>(sum, ea_exp(maxes[base + c] - m), sums[base + c]);
     sum = simd_sum(sum);
     for (int e = warp; e < D; e += MW) {
       float acc = 0.0f;
-      for (int c = lane; c < blocks; c += 32) acc = ea_madd<FORM>(acc, ea_exp(m_part[base + c] - m), o_part[(base + c) * D + e]);
+      for (int c = lane; c < blocks; c += 32) acc = ea_madd<FORM>(acc, ea_exp(maxes[base + c] - m), parts[(base + c) * D + e]);
       const float s = simd_sum(acc);
       if (lane == 0) out[idx_t(row) * D + e] = from_float<T>(ea_norm(s, sum));
     }
@@ -362,6 +475,10 @@ MERGE_BODY = """
 
 def one_pass_source(backend: str) -> str:
     return PRELUDE[backend] + ONE_PASS_BODY
+
+
+def gqa_source(backend: str) -> str:
+    return PRELUDE[backend] + GQA_BODY
 
 
 def partial_source(backend: str) -> str:
