@@ -127,7 +127,8 @@ def row_tile(rows: int) -> int:
 
 
 class ExactAttentionKernel:
-    """The one-pass kernel and the two-pass pair for one backend, compiled by MLX per (T, D, FORM, tile)."""
+    """The one-pass kernel and the two-pass kernels (MLX's GQA one too) for one
+    backend, compiled by MLX per (T, D, FORM, tile)."""
 
     def __init__(self, backend_name: str, factory=None):
         self.backend = backend_name
@@ -211,7 +212,7 @@ class ExactAttentionKernel:
             grid=(streams * tiles * tile * 32, B * HKV, 1),
             threadgroup=(tile * 32, 1, 1),
             output_shapes=part_shapes,
-            output_dtypes=[mx.float32] * 3,
+            output_dtypes=[queries.dtype, mx.float32, mx.float32],
         )
         gqa_parts = parts  # (read only for rows the GQA kernel takes)
         if gqa_kernel(self.backend, keys.shape[2], g, D):
@@ -221,7 +222,7 @@ class ExactAttentionKernel:
                 grid=(streams * L * g * 32, B * HKV, 1),
                 threadgroup=(g * 32, 1, 1),
                 output_shapes=part_shapes,
-                output_dtypes=[mx.float32] * 3,
+                output_dtypes=[queries.dtype, mx.float32, mx.float32],
             )
         (out,) = self.merge(
             inputs=[*parts, *gqa_parts, offset, dims, first],

@@ -280,7 +280,7 @@ ONE_PASS_BODY = """
 # N = that + 1 keys. A block past the row's count is not written (the merge
 # never reads it), nor a row the one-pass or the GQA kernel takes. queries [B, HQ, L, D],
 # keys and values [B, HKV, >= N, D], read through their strides (the head dim
-# contiguous); o_part [rows, S, D] (each rounded to T, as MLX stores it),
+# contiguous); o_part [rows, S, D] in T (as MLX stores it),
 # m_part, l_part [rows, S].
 PARTIAL_BODY = """
   constexpr int DL = D / 32;
@@ -327,7 +327,7 @@ PARTIAL_BODY = """
       }
       const idx_t at = idx_t((b * HQ + h) * L + i) * S + stream;
       for (int j = 0; j < DL; ++j) {
-        o_part[at * D + lane * DL + j] = to_float(from_float<T>(o[j]));
+        o_part[at * D + lane * DL + j] = from_float<T>(o[j]);
       }
       if (lane == 0) {
         m_part[at] = m;
@@ -428,7 +428,7 @@ GQA_BODY = """
       for (int x = 0; x < DL; ++x) acc[x] = ea_madd<FORM>(acc[x], w, o_sh[(warp * HPT + s) * D + lane * DL + x]);
     }
     const idx_t at = idx_t((b * HQ + hk * GQ + warp) * L + i) * S + blk;
-    for (int x = 0; x < DL; ++x) o_part[at * D + lane * DL + x] = to_float(from_float<T>(acc[x]));
+    for (int x = 0; x < DL; ++x) o_part[at * D + lane * DL + x] = from_float<T>(acc[x]);
     if (lane == 0) {
       l_part[at] = denom;
       m_part[at] = gmax;
@@ -451,7 +451,7 @@ MERGE_BODY = """
   const int blocks = ea_blocks(dims[3], n, G);
   const idx_t base = idx_t(row) * S;
   const bool gqa = ea_gqa(dims[3], n, G, D);
-  const DEV float* parts = gqa ? o_gqa : o_part;
+  const DEV T* parts = gqa ? o_gqa : o_part;
   const DEV float* maxes = gqa ? m_gqa : m_part;
   const DEV float* sums = gqa ? l_gqa : l_part;
   if (blocks == 0) {
@@ -465,7 +465,7 @@ MERGE_BODY = """
     sum = simd_sum(sum);
     for (int e = warp; e < D; e += MW) {
       float acc = 0.0f;
-      for (int c = lane; c < blocks; c += 32) acc = ea_madd<FORM>(acc, ea_exp(maxes[base + c] - m), parts[(base + c) * D + e]);
+      for (int c = lane; c < blocks; c += 32) acc = ea_madd<FORM>(acc, ea_exp(maxes[base + c] - m), to_float(parts[(base + c) * D + e]));
       const float s = simd_sum(acc);
       if (lane == 0) out[idx_t(row) * D + e] = from_float<T>(ea_norm(s, sum));
     }
