@@ -772,3 +772,27 @@ def test_doctor_gets_every_variant_checked(fake_gpu):
 def test_doctor_on_the_cpu_checks_nothing():
     ea.reset()
     assert ea.self_check_all() == [] and not ea._checks
+
+
+def test_a_verify_takes_the_kernel_and_a_prompts_chunk_does_not(fake_gpu, monkeypatch):
+    """A cycle's verify (its offset on the device) is computed as the plain
+    step computes each row; a prompt's chunk (a host offset) as mlx-lm's prefill."""
+    from dflash_mlx.kernels import decisions
+    from dflash_mlx.kv.buffer import BufferKVCache
+    from dflash_mlx.layers.attention import attention_output
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    decisions.reset()
+    kernel = fake_gpu(FakeKernel())
+    ea.checked("metal", mx.float16, 64)
+    q, k, v, start = verify_case(rows=6, n=256)
+    for offset, served in ((start, False), (mx.array(start), True)):
+        cache = BufferKVCache()
+        cache.update_and_fetch(k[:, :, :start], v[:, :, :start])
+        keys, values = cache.update_and_fetch(k[:, :, start : start + 6], v[:, :, start : start + 6])
+        kernel.calls.clear()
+        out, as_rows = attention_output(q, keys, values, cache=cache, scale=0.125, mask="causal", start=offset)
+        assert bool(kernel.calls) == served and not as_rows
+        want = ea.one_row_attention(q, keys, values, scale=0.125, q_offset=start)
+        assert mx.allclose(out, want, atol=1e-2) and (mx.array_equal(out, want) or not served)
+    decisions.reset()

@@ -62,9 +62,11 @@ def attention_output(
     valid length (default: the cache's offset). A draft tree on the cache
     (kv/tree.py) takes the tree kernel, its nodes the rows written at ``start``."""
     tree = getattr(cache, "tree", None)
+    # A verify's rows (their offset on the device, a cycle's) as the plain step
+    # computes each; a prompt's chunk (a host offset) as mlx-lm's prefill does.
     if (
         type(cache) is BufferKVCache
-        and start is not None
+        and isinstance(start, mx.array)
         and tree is None
         and causal
         and window is None
