@@ -3,6 +3,7 @@ search's, and decoding with it, beside a DFlash drafter or alone, is the
 target's own: greedy token for token on every kind of family, seeded
 samples the plain sampler's, prompt caches exact across turns and stops."""
 
+import math
 import random
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ from tiny import (
 
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.decode.cycle import Cycle
-from dflash_mlx.draft.lookup import LookupGate, LookupParams, TokenHistory, find, lookup_drafter
+from dflash_mlx.draft.lookup import LookupGate, LookupParams, TokenHistory, find, find_believed, lookup_drafter
 
 VOCAB = 48
 
@@ -60,6 +61,72 @@ def test_device_lookup_is_the_plain_search():
         assert n.item() == want_n, trial
         if want_n:
             assert drafts.tolist() == want, trial
+
+
+def python_believed(history: list[int], logits: list[list[float]], params: LookupParams):
+    """The plain choice beside a drafter: the longest match's continuation
+    where n >= min_ngram; else, of the places where the last token occurred
+    before, the first whose continuation the drafter expects most accepted,
+    drafted where that is at least ``belief`` times what it expects of its own
+    first choices. Returns (drafts or None, drafted, the margin of each choice)."""
+    k, last = len(logits), len(history) - 1
+    logprobs = [[x - math.log(sum(math.exp(y) for y in row)) for x in row] for row in logits]
+
+    def continuation(end):
+        extended = list(history[: last + 1])
+        while len(extended) < end + 1 + k:
+            extended.append(extended[len(extended) - (last - end)])
+        return extended[end + 1 : end + 1 + k]
+
+    def expected(tokens):
+        total, product = 0.0, 1.0
+        for row, t in zip(logprobs, tokens):
+            product *= math.exp(row[t])
+            total += product
+        return total
+
+    drafts, n = python_lookup(history, k, params.max_ngram)
+    if n >= params.min_ngram:
+        return drafts, True, math.inf
+    scored = sorted(
+        ((expected(continuation(end)), continuation(end)) for end in range(last) if history[end] == history[last]),
+        key=lambda pair: -pair[0],
+    )
+    if not scored:
+        return None, False, math.inf
+    own = expected([max(range(len(row)), key=row.__getitem__) for row in logprobs])
+    best, drafts = scored[0]
+    rival = next((e for e, c in scored[1:] if c != drafts), -math.inf)
+    return drafts, best >= params.belief * own, min(abs(best - params.belief * own), best - rival)
+
+
+def test_drafts_beside_a_drafter_are_the_plain_choice():
+    rng = random.Random(1)
+    by_match = by_belief = declined = 0
+    for trial in range(300):
+        vocab = rng.choice([3, 5, 12])
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(2, 300))]
+        buffer = TokenHistory(history)
+        scratch = buffer.capacity - len(history)
+        buffer.tokens[len(history) :] = mx.array([rng.randrange(vocab) for _ in range(scratch)], mx.int32)
+        k = rng.randrange(1, 12)
+        params = LookupParams(rng.randrange(2, 5), rng.randrange(5, 9), rng.choice([0.0, 0.2, 0.6, 1.0]))
+        scale = rng.choice([0.5, 2.0, 6.0])
+        logits = [[rng.gauss(0, scale) for _ in range(vocab)] for _ in range(k)]
+        length = mx.array(len(history) - 1, mx.int32)
+        drafts, drafted = find_believed(buffer.tokens, length, mx.array(logits), params)
+        want, want_drafted, margin = python_believed(history, logits, params)
+        if margin < 1e-4:  # a tie in float32 that float64 breaks
+            continue
+        assert drafted.item() == want_drafted, trial
+        if want_drafted:
+            assert drafts.tolist() == want, trial
+            n = find(buffer.tokens, length, k, params)[1].item()
+            by_match += n >= params.min_ngram
+            by_belief += n < params.min_ngram
+        else:
+            declined += 1
+    assert by_match > 30 and by_belief > 30 and declined > 30  # every branch is exercised
 
 
 def test_history_writes_at_a_device_offset_and_grows():

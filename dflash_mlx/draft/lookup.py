@@ -24,11 +24,16 @@ from ..device import constant_arange
 
 @dataclass(frozen=True)
 class LookupParams:
-    """Matches of the last n committed tokens, n from ``max_ngram`` down to 1;
-    beside a DFlash drafter a cycle drafts from one of at least ``min_ngram``."""
+    """Matches of the last n committed tokens, n from ``max_ngram`` down to 1.
+    Beside a DFlash drafter a cycle drafts the longest match's continuation
+    where n >= ``min_ngram``; else, with the drafter's logits at hand, the
+    continuation of a shorter match that the drafter believes most, where it
+    expects at least ``belief`` times the drafts accepted that it expects of
+    its own first choices (``find_believed``)."""
 
     min_ngram: int = 3
     max_ngram: int = 8
+    belief: float = 0.2
 
 
 class TokenHistory:
@@ -61,28 +66,70 @@ class TokenHistory:
         self.tokens = mx.put_along_axis(self.tokens, positions, tokens.astype(mx.int32), axis=0)
 
 
-def find(history: mx.array, length, k: int, params: LookupParams) -> tuple[mx.array, mx.array]:
-    """The ``k`` tokens that followed the most recent earlier occurrence of
-    the longest n-gram ending at ``length`` (n <= max_ngram), and that n (0:
-    no match). A continuation that runs past ``length`` repeats the span it
-    copied, as a repeating sequence would go on."""
+def match_lengths(history: mx.array, length, max_ngram: int) -> mx.array:
+    """[capacity]: how many tokens (up to ``max_ngram``) ending at each
+    earlier place match those ending at ``length``; 0 at ``length`` and past."""
     capacity = history.shape[0]
-    levels = constant_arange(params.max_ngram)  # j: the token j back from the last
+    levels = constant_arange(max_ngram)  # j: the token j back from the last
     ends = constant_arange(capacity)
     earlier = ends[None] - levels[:, None]  # [n, capacity]: q - j for a match ending at q
     back = length - levels
     same = mx.take(history, mx.maximum(earlier, 0)) == mx.take(history, mx.maximum(back, 0))[:, None]
     # a match ends before the last token (its next token is committed) and starts at 0 or later
     same = same & (earlier >= 0) & (back >= 0)[:, None] & (ends < length)[None]
-    matched = mx.cumprod(same.astype(mx.int32), axis=0)  # row j: the last j + 1 tokens all match
-    latest = mx.max(mx.where(matched > 0, ends[None], -1), axis=1)  # [n]: the most recent end per length
-    best_n = mx.max(mx.where(latest >= 0, levels + 1, 0))
-    best_end = mx.where(best_n > 0, mx.take(latest, mx.maximum(best_n - 1, 0)), -1)
-    at = best_end + 1 + constant_arange(k)
-    period = mx.maximum(length - best_end, 1)
+    return mx.sum(mx.cumprod(same.astype(mx.int32), axis=0), axis=0)
+
+
+def continuations(history: mx.array, length, ends: mx.array, k: int) -> mx.array:
+    """[*ends.shape, k]: the ``k`` tokens after each place in ``ends``. One
+    that runs past ``length`` repeats the span it copied, as a repeating
+    sequence would go on."""
+    at = ends[..., None] + 1 + constant_arange(k)
+    period = mx.maximum(length - ends, 1)[..., None]
     past = at - length
     at = mx.where(past > 0, at - period * ((past + period - 1) // period), at)
-    return mx.take(history, mx.clip(at, 0, capacity - 1)), best_n
+    return mx.take(history, mx.clip(at, 0, history.shape[0] - 1))
+
+
+def _longest(n: mx.array) -> tuple[mx.array, mx.array]:
+    """(the most recent place of the longest match, its length; -1 and 0: none)."""
+    best_n = mx.max(n)
+    latest = mx.max(mx.where(n == best_n, constant_arange(n.shape[0]), -1))
+    return mx.where(best_n > 0, latest, -1), best_n
+
+
+def find(history: mx.array, length, k: int, params: LookupParams) -> tuple[mx.array, mx.array]:
+    """The ``k`` tokens that followed the most recent earlier occurrence of
+    the longest n-gram ending at ``length`` (n <= max_ngram), and that n (0:
+    no match)."""
+    end, n = _longest(match_lengths(history, length, params.max_ngram))
+    return continuations(history, length, end, k), n
+
+
+def find_believed(history: mx.array, length, logits: mx.array, params: LookupParams) -> tuple[mx.array, mx.array]:
+    """Beside a drafter whose block gave ``logits`` [k, V]: (k drafts, whether
+    the cycle drafts them). The longest match's continuation where n >=
+    min_ngram; else, of every earlier place where the last token occurred,
+    the continuation the drafter believes most: the drafts it expects
+    accepted (the sum over depths of the product of its probabilities up to
+    each), where that is at least ``belief`` times what it expects of its
+    own first choices. Its probabilities undercount copies, which a match
+    makes likely, so a copy it believes less than its own choices still wins."""
+    k = logits.shape[0]
+    n = match_lengths(history, length, params.max_ngram)
+    end, longest = _longest(n)
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    copies = continuations(history, length, constant_arange(history.shape[0]), k)  # [capacity, k]
+    flat = constant_arange(k) * logprobs.shape[-1] + copies
+    expected = mx.sum(mx.cumprod(mx.exp(mx.take(logprobs.reshape(-1), flat)), axis=1), axis=1)
+    expected = mx.where(n > 0, expected, -1.0)
+    believed = mx.argmax(expected)
+    own = mx.sum(mx.cumprod(mx.exp(mx.max(logprobs, axis=-1))))
+    by_match = longest >= params.min_ngram
+    by_belief = expected[believed] >= params.belief * own
+    drafts = mx.where(by_match, continuations(history, length, end, k), copies[believed])
+    return drafts, by_match | by_belief
 
 
 def agreeing(drafts: mx.array, tokens: mx.array) -> mx.array:
