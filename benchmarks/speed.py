@@ -102,7 +102,7 @@ def ours(model, draft, tok, prompt, n, bs, stats, lookup=False, tree=None):
 
 def copy_edits(n: int, seed: int) -> list[str]:
     """``n`` prompts asking for an edit of a documented function from a
-    held-out stdlib file: the function, then its start with a local name
+    held-out stdlib file: the function, then its first half with a local name
     renamed, for the model to finish (a reply that copies its context)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from builtin_corpus import functions, stdlib_files
@@ -127,7 +127,11 @@ def copy_edits(n: int, seed: int) -> list[str]:
         new = f"new_{old}"
         lines = re.sub(rf"\b{re.escape(old)}\b", new, src).splitlines(keepends=True)
         cut = next(i for i in range(len(lines) // 2, len(lines)) if lines[i].strip())
-        prompts.append(f"# {rel}\n{src}\n\n# {rel}, with {old} renamed to {new}\n{''.join(lines[:cut])}")
+        # The prompt ends at a line's end, its newlines left to the model: the
+        # tokenizer joins a newline to the next line's indent, so a prompt
+        # ending in a bare newline reads as a function's end.
+        start = "".join(lines[:cut]).rstrip("\n")
+        prompts.append(f"# {rel}\n{src}\n\n# {rel}, with {old} renamed to {new}\n{start}")
     return prompts
 
 
