@@ -45,7 +45,12 @@ CUDA_TYPES = {
 
 # Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
 # through the recording factory: adding a kernel to the check is one line here.
-KERNEL_MODULES = ("dflash_mlx.kernels.quantized", "dflash_mlx.kernels.gated_delta", "dflash_mlx.kernels.exact_products")
+KERNEL_MODULES = (
+    "dflash_mlx.kernels.quantized",
+    "dflash_mlx.kernels.gated_delta",
+    "dflash_mlx.kernels.exact_products",
+    "dflash_mlx.kernels.exact_attention",
+)
 
 # In place of MLX's "mlx/backend/cuda/device/utils.cuh": the types the
 # generated parameters use.

@@ -178,3 +178,15 @@ def test_a_kernel_measured_faster_serves_its_class(measuring_gpu, measured):
     assert dispatch.serving_kernel("fake", mx.float32, 64, False, rows=9, keys=100) is kernel
     assert dispatch.serving_kernel("fake", mx.float32, 64, True, rows=9, keys=100) is None  # the window: unmeasured
     assert dispatch.serving_kernel("fake", mx.float32, 128, False, rows=9, keys=100) is None  # another variant
+
+
+def test_an_exact_kernel_serves_on_metal_whatever_it_measured(tmp_path):
+    """Exactness first where the exact kernels follow MLX's one-row order (Metal);
+    elsewhere they are speed kernels like any other; ``off`` turns them off everywhere."""
+    here = store(tmp_path / "d.json")
+    assert not here.decide("exact verify attention", "bf16 d128", ours=slow(0.002), theirs=fast)
+    assert here.serves_exact("exact verify attention", "bf16 d128", "metal")
+    assert not here.serves_exact("exact verify attention", "bf16 d128", "cuda")
+    assert not here.serves_exact("exact verify attention", "never measured", "cuda")
+    assert not store(None, "off").serves_exact("exact verify attention", "bf16 d128", "metal")
+    assert store(None, "on").serves_exact("exact verify attention", "bf16 d128", "cuda")

@@ -241,10 +241,15 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
     assert ea.attention(q, k, v, scale=0.125, q_offset=start) is None
 
 
-@pytest.mark.parametrize("kernel_s, serves", [(2.0, False), (0.5, True)])
-def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, monkeypatch, kernel_s, serves):
+@pytest.mark.parametrize("kernel_s, exact_first, serves", [(2.0, (), False), (0.5, (), True), (2.0, ("metal",), True)])
+def test_a_checked_variant_serves_where_exact_first_or_measured_faster(
+    fake_gpu, monkeypatch, kernel_s, exact_first, serves
+):
+    """Where exactness comes first (decisions.EXACT_FIRST) a checked variant serves
+    whatever it measured; elsewhere only where this machine measured it faster."""
     from dflash_mlx.kernels import decisions
 
+    monkeypatch.setattr(decisions, "EXACT_FIRST", exact_first)
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
     monkeypatch.setattr(decisions, "remembers", lambda: False)
     monkeypatch.setattr(decisions, "seconds_per_call", lambda ours, theirs: (kernel_s, 1.0))
@@ -253,7 +258,7 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
     fake_gpu(FakeKernel())
     ea.prepare(mx.float16, 64)
     (made,) = decisions.current().all()
-    assert made.kernel == ea.DECISION and made.faster == serves
+    assert made.kernel == ea.DECISION and made.faster == (kernel_s < 1.0)
     q, k, v, start = verify_case()
     assert (ea.attention(q, k, v, scale=0.125, q_offset=start) is not None) == serves
     decisions.reset()

@@ -194,10 +194,11 @@ def check_line(line, name: str, result, fallback: str) -> None:
 
 def small_kernel_checks(line) -> list:
     """The q/k norm + RoPE kernel's checks (Metal, CUDA), the block-product
-    kernel's (CUDA) and the gated delta-net recurrence's, a line each; their results."""
+    kernel's (CUDA), the gated delta-net recurrence's and the exact verify
+    attention's, a line each; their results."""
     import warnings
 
-    from dflash_mlx.kernels import gated_delta, norm_rope
+    from dflash_mlx.kernels import exact_attention, gated_delta, norm_rope
     from dflash_mlx.kernels.cuda import products as block_products
 
     results = []
@@ -208,6 +209,7 @@ def small_kernel_checks(line) -> list:
                 ("norm+rope", norm_rope, "MLX's rms_norm and rope used"),
                 ("products", block_products, "MLX's products used"),
                 ("gated delta", gated_delta, "mlx-lm's recurrence used"),
+                ("exact attention", exact_attention, "MLX's attention used"),
             ):
 
                 def small_line(r, label=label, fallback=fallback) -> None:

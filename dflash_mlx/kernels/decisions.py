@@ -8,6 +8,11 @@ so a machine measures each case once. ``DFLASH_MLX_KERNELS`` overrides the
 policy: ``measure`` (the default), ``on`` (every checked kernel, unmeasured)
 or ``off`` (MLX's own ops only).
 
+An exact verify kernel (a verify row bit for bit the one-row step's, so that
+greedy DFlash equals plain decoding) is the exception: on Metal, where it
+follows MLX's own one-row kernels, exactness comes first and it serves
+wherever it passed its checks, measured or not (``serves_exact``).
+
 A strategy whose default is not MLX's own path (the delta-net layers'
 rollback, targets/recurrent.py) is kept here alike, ours against the
 other; it reads ``measured`` and keeps its default where nothing was
@@ -34,6 +39,9 @@ from ..home import home, remembers, write_json
 FORMAT = "dflash-mlx kernel decisions"
 VERSION = 1
 POLICIES = ("measure", "on", "off")
+# Backends where an exact verify kernel serves wherever it is exact: on CUDA MLX's
+# one-row step often runs a library (cuBLAS, cuDNN) whose order no kernel can follow.
+EXACT_FIRST = ("metal",)
 # Ours must beat MLX's by this fraction: a tie keeps MLX's own path.
 MARGIN = 0.03
 ROUNDS, CALLS = 7, 8
@@ -88,6 +96,13 @@ class Decisions:
             return self.policy == "on"
         found = self.known.get((kernel, case))
         return found is not None and found.faster
+
+    def serves_exact(self, kernel: str, case: str, where: str) -> bool:
+        """``uses`` for an exact verify kernel on backend ``where``: exactness
+        first where ``where`` is in EXACT_FIRST, unless the policy is ``off``."""
+        if self.policy == "measure" and where in EXACT_FIRST:
+            return True
+        return self.uses(kernel, case)
 
     def measured(self, kernel: str, case: str) -> Decision | None:
         """This case's measurement under ``measure``; None where never measured

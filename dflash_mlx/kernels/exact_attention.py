@@ -14,8 +14,9 @@ Which (dtype, head dim) a machine serves with it is decided once, outside
 compiled traces (``prepare``): the rows must equal MLX's one-row attention of
 each row alone, bit for bit, on random cases either side of MLX's one-pass /
 two-pass switch; a failure keeps MLX's attention, with one warning. A checked
-variant serves only where this machine measured it faster than MLX's attention
-of the block (decisions.py). Not served: sinks, windows, draft trees (their
+variant serves on Metal wherever it passed, exactness first, and elsewhere only
+where this machine measured it faster than MLX's attention of the block
+(decisions.serves_exact). Not served: sinks, windows, draft trees (their
 keys are not one run), and keys where MLX's one-row call takes a kernel whose
 order is not followed (on CUDA the 2-pass kernel past 1024 keys and cuDNN from
 256 keys of a cache's buffer, there the check fails). The CPU never runs it.
@@ -327,7 +328,7 @@ def serves(where: str, queries, keys) -> bool:
     limit = most_keys(where)
     if limit is not None and keys.shape[2] > limit:
         return False
-    return decisions.current().uses(DECISION, decision_case(queries.dtype, D, keys.shape[2]))
+    return decisions.current().serves_exact(DECISION, decision_case(queries.dtype, D, keys.shape[2]), where)
 
 
 def attention(queries, keys, values, *, scale: float, q_offset) -> mx.array | None:

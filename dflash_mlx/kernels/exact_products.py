@@ -17,8 +17,9 @@ bit, on random cases of every row tile; a failure keeps MLX's product for that
 variant, with one warning. Where MLX sends the one-row product to a library
 (CUDA's cuBLASLt for a layer with a bias) no order can be known: the check
 fails there and MLX's product stays. A checked variant serves a layer's
-shape only where this machine measured it faster than MLX's product at a
-verify's rows (decisions.py). The CPU never runs it.
+shape on Metal wherever it checked out (exactness first), elsewhere only
+where this machine measured it faster than MLX's product at a verify's rows
+(decisions.serves_exact). The CPU never runs it.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ decided once, outside compiled traces (``prepare``): its rows must equal
 ``mx.quantized_matmul`` of each row alone, bit for bit, on random cases of
 that K and N class and of every row tile; a failure keeps MLX's product for
 that variant, with one warning. A variant that checked out serves a layer's
-shape only where this machine measured it faster than MLX's product at a
-verify's rows (decisions.py); elsewhere MLX's few-row product runs, which
+shape on Metal wherever it checked out (exactness first), elsewhere only
+where this machine measured it faster than MLX's product at a verify's rows
+(decisions.serves_exact); elsewhere MLX's few-row product runs, which
 may round otherwise. Affine weights of 4 or 8 bits in groups of
 32/64/128 and mxfp4 (gpt-oss), bf16 or fp16 activations, N a multiple of 8
 and K whole groups (not 64 or 128, where Metal's one row takes ``qmv_quad``).

@@ -1,7 +1,8 @@
 """The rules every custom kernel follows before it serves: its self-check runs
 once per variant (a failure warns once and keeps MLX's path), and a verify
 product serves a layer's shape only where its rows through that layer's own
-weight equal the one-row products bit for bit and it measured faster here."""
+weight equal the one-row products bit for bit, and (but on Metal, where
+exactness comes first: decisions.serves_exact) it measured faster here."""
 
 from __future__ import annotations
 
@@ -91,8 +92,10 @@ class LayerShapes:
             decisions.current().decide(self.decision, case, lambda: ours(x), lambda: module(x))
 
     def serves(self, key: tuple) -> bool:
-        """Whether the shape checked out exact and measured faster; never measures."""
-        return self.exact.get(key, False) and decisions.current().uses(self.decision, self.case(key[1], key[2]))
+        """Whether the shape checked out exact and serves here (decisions.serves_exact); never measures."""
+        return self.exact.get(key, False) and decisions.current().serves_exact(
+            self.decision, self.case(key[1], key[2]), key[0]
+        )
 
 
 def bit_difference(got: mx.array, want: mx.array) -> str | None:
