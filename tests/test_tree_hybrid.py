@@ -328,3 +328,29 @@ def test_seeded_samples_with_trees_are_the_plain_samplers():
             )
             assert [t for r in responses for t in r.tokens] == want, (seed, budget)
             assert any(r.accepted for r in responses[1:])
+
+
+def test_a_cycle_that_cannot_compile_builds_its_trees_compiled(monkeypatch):
+    """Where launches dominate, a hybrid target's cycle runs uncompiled (its
+    delta-net caches are not plain buffers) yet builds its trees through
+    mx.compile, and its text is still mlx-lm's."""
+    from dflash_mlx.decode import loop
+    from dflash_mlx.decode.cycle import Cycle
+    from dflash_mlx.draft.tree import build_tree_compiled
+
+    made = []
+
+    class Recorded(Cycle):
+        compile_graphs = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(loop, "Cycle", Recorded)
+    model, draft = scripted_pair("qwen3_5")
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8]
+    want = greedy_reference(model, prompt, 24)
+    got, responses = run(model, draft, prompt, want, vocab=VOCAB, max_tokens=24, tree_budget=20)
+    assert got == want and any(r.accepted for r in responses[1:])
+    assert not made[0].compiled and made[0].build_tree is build_tree_compiled

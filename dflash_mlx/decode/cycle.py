@@ -22,7 +22,7 @@ from .. import compute_dtype
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find
-from ..draft.tree import TreeParams, accepted_path, build_tree
+from ..draft.tree import TreeParams, accepted_path, build_tree, build_tree_compiled
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..targets import DenseTarget
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
@@ -109,6 +109,8 @@ class Cycle:
         # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and buffers
+        # A cycle that cannot be compiled still builds its tree compiled where launches dominate.
+        self.build_tree = build_tree_compiled if compiled and not self.compiled else build_tree
         self.sampling = sampling
         self.temperature = sampling.temperature
         self.seed = seed_words(seed) if self.temperature > 0 else None
@@ -262,7 +264,7 @@ class Cycle:
             guesses = self.draft(self._masked(last, block_size), None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
                 looked_up, matched, hit = self._look_up(length, block_size - 1)
-            verify, tree = build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
+            verify, tree = self.build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
         elif block_size > 1:
             if self.lookup_only:
                 drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)

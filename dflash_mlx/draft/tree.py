@@ -25,9 +25,9 @@ import mlx.core as mx
 from ..device import constant_arange
 from ..kv.tree import TreeLayout, from_parents
 
-# Ranks above every drafted prefix's score (those are <= 0): the looked-up
-# chain, then the drafter's first choices (the block a chain would verify).
-LOOKED_UP, FIRST_CHOICES = 2.0, 1.0
+# Ranks above every drafted prefix's score (those are <= 0): the root, the
+# looked-up chain, then the drafter's first choices (the block a chain would verify).
+ROOT, LOOKED_UP, FIRST_CHOICES = 3.0, 2.0, 1.0
 # A prefix's rank falls this much a level, so that a child never ties its
 # parent (a drafted token of probability 1 adds 0).
 DEPTH_PENALTY = 1e-3
@@ -69,18 +69,16 @@ def build_tree(
     k = min(top_k, vocab)
     logits = logits.astype(mx.float32)
     lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-    ranked = mx.argpartition(logits, vocab - k, axis=-1)  # [D, V]: each depth's k best last, in no order
-    if looked_up is None:
-        ids, offset, columns = ranked, vocab - k, k  # a slot's candidates: its drafted children
-    else:  # column 0: the looked-up token, then the drafted
+    # A slot's candidates (``columns``): its drafted children, after the
+    # looked-up one where there is a chain; ``ids[:, offset:]`` their tokens.
+    ids = mx.argpartition(logits, vocab - k, axis=-1)  # [D, V]: each depth's k best last, in no order
+    offset, columns = vocab - k, k
+    if looked_up is not None:
         if k == vocab:
-            ranked = mx.concatenate([ranked[:, :1], ranked], axis=1)
-        last = ranked[:, -(k + 1) :]
-        ids, offset, columns = (
-            mx.where(constant_arange(k + 1) == 0, looked_up[:, None].astype(last.dtype), last),
-            0,
-            k + 1,
-        )
+            ids = mx.concatenate([ids[:, :1], ids], axis=1)
+        drafted = ids[:, -(k + 1) :]
+        ids = mx.where(constant_arange(k + 1) == 0, looked_up[:, None].astype(drafted.dtype), drafted)
+        offset, columns = 0, k + 1
     values = mx.take_along_axis(logits, ids[:, offset:], axis=-1) - lse  # [D, columns]: log-probabilities
     best = mx.argmax(values[:, columns - k :], axis=-1)[:, None, None]  # [D, 1, 1]: the first choice's column
     if looked_up is not None:
@@ -102,7 +100,7 @@ def build_tree(
         chained = (const.slot == first) & (const.column == best)
         special = mx.where(chained, const.first_cost, mx.where(looking, const.looked_cost, mx.inf))
         step = mx.where((const.column == 0) & ~looking, -mx.inf, step)  # no looked-up child off its chain
-    lowered = const.penalty - step
+    lowered = const.penalty - step  # a candidate's cost but its slot's score
 
     # Each depth keeps ``width`` slots, a table [3, width]: cost, the path's
     # log-probability, and the candidate it holds (parent slot * columns + column).
@@ -127,6 +125,24 @@ def build_tree(
     at = mx.maximum(depths - 1, 0) * ids.shape[1] + offset + (picked % columns).astype(mx.int32)
     tokens = mx.where(depths == 0, root, mx.take(ids.reshape(-1), at)).astype(mx.int32)
     return tokens, from_parents(parents, depth_count, depths)
+
+
+def _tree_arrays(logits, rows, top_k, looked_up, hit, root):
+    tokens, layout = build_tree(logits, rows, top_k, looked_up, hit, root)
+    return tokens, layout.parents, layout.depths, layout.ancestors
+
+
+_compiled_tree_arrays = mx.compile(_tree_arrays)
+
+
+def build_tree_compiled(
+    logits: mx.array, rows: int, top_k: int, looked_up: mx.array | None = None, hit=None, root=0
+) -> tuple[mx.array, TreeLayout]:
+    """``build_tree`` through mx.compile (traced once a size), its
+    elementwise steps fused: for a cycle built uncompiled where launches
+    still dominate (a hybrid target's on a GPU)."""
+    tokens, parents, depths, ancestors = _compiled_tree_arrays(logits, rows, top_k, looked_up, hit, root)
+    return tokens, TreeLayout(parents, depths, ancestors)
 
 
 @dataclass(frozen=True)
@@ -176,10 +192,6 @@ def _constants(width: int, columns: int, depth_count: int) -> _Constants:
         mx.eval(*vars(made).values())
         _constants_made[key] = made
     return _constants_made[key]
-
-
-# The root's rank: it precedes every node.
-ROOT = 3.0
 
 
 def accepted_path(tokens: mx.array, layout: TreeLayout, target: mx.array, depth_count: int):
