@@ -65,8 +65,9 @@ def from_parents(parents: mx.array, max_depth: int, depths: mx.array | None = No
     reach = ((parents[:, None] == nodes[None]) | (nodes[:, None] == nodes[None])).astype(mx.float32)
     hops = 1
     while hops < max_depth:
-        # Walks of 2 * hops steps, each node with two ways on: their counts
-        # stay below 2 ** 64, far inside float32, and a zero stays exact.
+        # Counts of walks of 2 * hops steps (each step stays or goes up: at
+        # most 2 ** 32 before the clamp below) stay far inside float32; a
+        # zero stays exact, and only whether one is zero is read.
         reach = reach @ reach
         hops *= 2
         if hops >= 32:
