@@ -246,6 +246,28 @@ def test_a_running_batch_admits_more_only_while_the_batch_wins(chat_pair):
     assert asyncio.run(admitted(100.0, {4: 50.0})) == (1, 0)
 
 
+def test_a_clients_next_request_does_not_count_its_last_as_company(chat_pair):
+    """One client, one request after another, each served batched: its
+    finished request is not in the server with its next one."""
+    model, draft, tokenizer = chat_pair
+
+    async def main():
+        service = Service(model, draft, tokenizer, ServerConfig(batching="always"))
+        service.choice.window_s = 600.0  # every observation still counts
+        service.worker.start()
+        try:
+            paths = []
+            for i in range(3):
+                job = Job(chat_ids(tokenizer, f"w{5 + i}"), params(4))
+                service.worker.submit(job)
+                paths.append([e async for e in job.events()][-1].usage.dflash["path"])
+            return paths, service.choice.clients()
+        finally:
+            await asyncio.to_thread(service.worker.stop)
+
+    assert asyncio.run(main()) == (["batched"] * 3, 1)
+
+
 def test_a_lone_request_joins_the_batch_only_while_several_clients_were_in_lately(chat_pair):
     model, draft, tokenizer = chat_pair
     ids = chat_ids(tokenizer, "w9 w10")

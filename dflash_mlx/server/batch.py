@@ -134,6 +134,7 @@ class BatchDecoder:
         self.model, self.tokenizer, self.choice = model, tokenizer, choice
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.metrics = metrics
+        self.live = 0  # jobs the running batch has not finished
         self.timed: dict[int, list[float]] = {}
 
     @staticmethod
@@ -177,6 +178,7 @@ class BatchDecoder:
             for stream in streams.values():
                 stream.job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
         finally:
+            self.live = 0
             generator.close()
             for size, (steps, tokens, seconds) in self.timed.items():
                 if steps >= MIN_TIMED_STEPS:
@@ -194,6 +196,7 @@ class BatchDecoder:
         )
         for uid, job in zip(uids, jobs):
             streams[uid] = _Stream(job, self.tokenizer)
+            self.live = len(streams)
             if len(job.prompt) > self.prefill_step_size:
                 job.post(Progress(0, len(job.prompt)))
         return len(jobs)
@@ -204,6 +207,7 @@ class BatchDecoder:
             generator.remove(gone)
             for uid in gone:
                 self._record(streams.pop(uid))
+            self.live = len(streams)
 
     def _step(self, generator: BatchGenerator, streams: dict[int, _Stream]) -> None:
         start = time.perf_counter()
@@ -222,8 +226,9 @@ class BatchDecoder:
         still_running = [uid for uid, reason in finished if reason is None]
         if still_running:  # stopped by a stop string: the batch no longer decodes it
             generator.remove(still_running)
-        for uid, reason in finished:
-            stream = streams.pop(uid)
+        done = [(streams.pop(uid), reason) for uid, reason in finished]
+        self.live = len(streams)  # before their clients hear: a client's next request is not company
+        for stream, reason in done:
             stream.job.post(stream.finish(reason or "stop"))
             self._record(stream)
         if generated and not prompted:  # a step of decoding only: the batch's speed at its size, as served

@@ -37,6 +37,7 @@ class Worker:
         # jobs taken off the queue and not yet served, with whether the batch may serve them
         self.backlog: deque[tuple[Job, bool]] = deque()
         self.running: list[Job] = []
+        self.batching = False  # whether the running jobs are a batch's
         self.served = 0
         self.stopping = False
         self.thread = threading.Thread(target=self._serve, name="dflash-decode", daemon=True)
@@ -52,12 +53,18 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         # how many are in the server with it: a lone request of a busy server is served as one of many
-        self.choice.observe_clients(self.queued + 1 + min(len(self.running), 1))
+        self.choice.observe_clients(self.together + 1)
         self.jobs.put(job)
 
     @property
     def queued(self) -> int:
         return self.jobs.qsize() + len(self.backlog)
+
+    @property
+    def together(self) -> int:
+        """Requests in the server: waiting, or being decoded (not a batch's
+        finished ones, so a client's next request does not count its last)."""
+        return self.queued + (self.batcher.live if self.batching else len(self.running))
 
     def _batchable(self, job: Job) -> bool:
         """Whether the batch may serve ``job``: one it serves as DFlash would,
@@ -124,13 +131,14 @@ class Worker:
                 self._run_dflash(job)
 
     def _run_batched(self) -> None:
+        self.batching = True
         try:
             first = self._take_batchable(self.batcher.max_batch)
             self.served += self.batcher.run(first, self._take_batchable)
         except BaseException:  # BatchDecoder.run answers its own failures; this is a last guard
             log.exception("the decode worker caught an unexpected error")
         finally:
-            self.running = []
+            self.running, self.batching = [], False
 
     def _run_dflash(self, job: Job) -> None:
         self.running = [job]
