@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import compute_dtype, distributed
-from .draft import formats
+from .draft import formats, precision
 from .draft.dflash import DFlashDraft, DraftConfig, check_config
 from .draft.dflash2 import check_draft_weights, draft_model, parse_draft_config, quantize_like
 from .targets import adapt
@@ -467,6 +467,7 @@ def load(
     flags: bool = False,
     group=None,
     split: str = "auto",
+    draft_bits: int | str | None = "auto",
 ):
     """Load a target with mlx-lm and its DFlash drafter (by default the one
     the registry knows; ``"builtin"`` names the packaged pair).
@@ -476,7 +477,11 @@ def load(
     errors name the command line's flags instead of the Python arguments.
     ``group``: an ``mx.distributed`` group of more than one rank splits the
     target over its ranks by mlx-lm's sharding, ``split`` saying how
-    (distributed.py); every rank must call this alike."""
+    (distributed.py); every rank must call this alike. ``draft_bits``: the
+    drafter's linear layers quantized to 4 or 8 bits, None as stored, or
+    ``"auto"``: beside a quantized target, quantized where this machine
+    measured it faster (draft/precision.py; not when split over ranks)."""
+    precision.check(draft_bits, flags)
     if str(path_or_repo) == "builtin":
         from . import builtin
 
@@ -501,6 +506,7 @@ def load(
     if not local:
         check_target(path_or_repo, tqdm_class=tqdm_class, flags=flags)
     drafter = load_draft(draft, tqdm_class=tqdm_class)
+    precision.refuse_conflict(drafter, draft_bits, flags)
     sharded = group is not None and group.size() > 1
     if sharded:
         model, tokenizer = load_sharded_target(path_or_repo, group, split, adapter_path, trust_remote_code)
@@ -518,6 +524,8 @@ def load(
     if sharded:
         distributed.check_ranks_agree(group, target, drafter)
     drafter.bind(target)
+    # Every rank must draft alike: a split target keeps what the ranks loaded.
+    precision.apply(drafter, model, None if sharded and draft_bits == "auto" else draft_bits)
     return model, drafter, tokenizer
 
 

@@ -171,5 +171,6 @@ def load_split(pair: Pair, group, split: str, adapter_path, trust_remote_code: b
         dtype=pair.dtype,
         flags=True,
         group=group,
+        draft_bits=pair.bits(),
         split=split,
     )

@@ -62,15 +62,28 @@ def takes_groups(command):
 
 @dataclass(frozen=True)
 class Pair:
-    """--model, --draft-model, --dtype: the pair a command runs."""
+    """--model, --draft-model, --dtype, --draft-bits: the pair a command runs."""
 
     model: options.Model = None
     draft_model: options.DraftModel = None
     dtype: options.Dtype = "auto"
+    draft_bits: options.DraftBits = "auto"
+
+    def bits(self) -> int | str | None:
+        """--draft-bits as dflash_mlx.load takes it (None: as stored)."""
+        from dflash_mlx.draft.precision import from_flag
+
+        try:
+            return from_flag(self.draft_bits)
+        except ValueError as e:
+            raise UserError(str(e)) from None
 
     def load(self, name: Optional[str] = None, **loading):
         """(target, drafter, tokenizer): ``name`` (the target as resolved
         already) or --model, and ``loading``, load_pair's other arguments."""
+        bits = self.bits()
+        if bits != "auto":  # dflash_mlx.load's default
+            loading["draft_bits"] = bits
         return load_pair(name or self.model, self.draft_model, dtype=self.dtype, **loading)
 
 

@@ -46,6 +46,16 @@ Dtype = Annotated[
         "except float32 on a CPU whose products run on OpenBLAS (faster there; see `dflash-mlx doctor`).",
     ),
 ]
+DraftBits = Annotated[
+    str,
+    typer.Option(
+        "--draft-bits",
+        help="The drafter's linear layers quantized at load to 4 or 8 bits (fewer bytes read a cycle), 16: as "
+        "stored, or auto: beside a quantized target, quantized where this machine measured it faster "
+        "(see `dflash-mlx doctor`). Output is the target's whatever the drafter's precision.",
+        metavar="4|8|16|auto",
+    ),
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-m", help="Most tokens to generate per reply.")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 is greedy.")]
 TopP = Annotated[
