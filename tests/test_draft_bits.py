@@ -4,6 +4,7 @@ output is the target's own greedy decoding whatever the drafter's precision."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import mlx.core as mx
@@ -190,3 +191,15 @@ def test_a_drafter_quantized_on_disk_is_kept(tmp_path):
         ValueError, match=r"stored quantized to 8 bits .* pass draft_bits=None or 8, or its unquantized"
     ):
         load(target, draft=converted, draft_bits=4)
+
+
+@pytest.mark.parametrize("target_bits, want", [(None, 16), (4, 4)])
+def test_bench_reports_the_width_auto_took(tmp_path, target_bits, want):
+    # conftest's DFLASH_MLX_KERNELS=on: auto takes the narrowest width beside a quantized target
+    target, drafter = pair_dirs(tmp_path, target_bits)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2"}\n')
+    args = ["bench", "--model", str(target), "--draft-model", str(drafter), "--prompts", str(prompts)]
+    result = CliRunner().invoke(app, [*args, "-m", "4", "--block-size", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["draft_bits"] == want

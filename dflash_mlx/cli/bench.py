@@ -106,6 +106,7 @@ def bench_command(
         from mlx_lm.sample_utils import make_sampler
 
         from dflash_mlx import stream_generate
+        from dflash_mlx.draft.precision import bits_of
 
         target_name = model_or_builtin(pair.model, pair.draft_model)
         target, draft, tokenizer = pair.load(target_name)
@@ -184,6 +185,7 @@ def bench_command(
             out = {
                 "model": target_name,
                 "draft_model": draft_name,
+                "draft_bits": None if draft is None else (bits_of(draft) or 16),
                 "device": str(mx.default_device()),
                 "max_tokens": max_tokens,
                 "repeat": repeat,
