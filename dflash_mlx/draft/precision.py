@@ -156,7 +156,8 @@ def choose(drafter: nn.Module, target: nn.Module, store: decisions.Decisions) ->
         shape = case(drafter, bits)
         ours = theirs = None
         if store.needs(DECISION, shape):
-            stored = stored or forward(copy(drafter))
+            # (the drafter itself: fusing its projections, as decoding will, costs no memory)
+            stored = stored or forward(drafter)
             ours, theirs = forward(copy(drafter, bits)), stored
         if store.decide(DECISION, shape, ours, theirs):
             found = store.measured(DECISION, shape)
