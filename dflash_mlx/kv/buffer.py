@@ -72,6 +72,7 @@ class DeviceLengthCache:
     step = 256
     shared: SharedPositions | None = None  # set by set_lengths
     tree = None  # a draft tree's TreeLayout (kv/tree.py) while a verify of one is built
+    tree_rows = None  # (keys, values) a tree's verify wrote, until keep_path (kv/tree.py) takes them back
 
     def __init__(self):
         self.keys = None
@@ -221,6 +222,7 @@ class BufferKVCache(DeviceLengthCache):
             at = self.positions(start, n)
             self.keys = put_positions(self.keys, keys, at)
             self.values = put_positions(self.values, values, at)
+        self.tree_rows = (keys, values) if self.tree is not None else None
         width = self.read_width(n)
         if width == self.capacity:
             return self.keys, self.values
