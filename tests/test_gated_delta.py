@@ -13,11 +13,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from family_models import family_config, greedy_over_blocks, make_family_target, scripted
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
+from gated_delta_stand_in import OpsKernel, checked_kernel  # noqa: F401 (a fixture)
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from tiny import draft_config, make_draft, random_draft_weights
 
 from dflash_mlx.kernels import gated_delta
-from dflash_mlx.kernels.dispatch import CheckResult
 from dflash_mlx.kernels.gated_delta import GatedDeltaKernel, check_cases, fits, recurrence
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
@@ -169,32 +169,6 @@ def test_the_metal_variants_compile():
         compiler.close()
 
 
-class OpsKernel:
-    """In place of a checked kernel on this backend: mlx-lm's ops, limited by
-    ``steps`` as the kernel is, each launch recorded (T, limited)."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, q, k, v, g, beta, state, steps=None):
-        self.launches.append((q.shape[1], steps is not None))
-        mask = None if steps is None else mx.broadcast_to(mx.arange(q.shape[1]) < steps, q.shape[:2])
-        return gated_delta_ops(q, k, v, g, beta, state, mask)
-
-
-@pytest.fixture
-def checked_kernel(monkeypatch):
-    """A kernel that passed its check here (as on CUDA: it runs every write), for Dk 32 in float32."""
-    kernel = OpsKernel()
-    gated_delta.reset()
-    monkeypatch.setitem(gated_delta._kernels, "cpu", kernel)
-    monkeypatch.setitem(
-        gated_delta._checks, ("cpu", mx.float32, 32), CheckResult("cpu", "float32", 32, False, True, "stand-in")
-    )
-    yield kernel
-    gated_delta.reset()
-
-
 def kernel_sized_hybrid(seed: int = 1):
     cfg = family_config("qwen3_5", vocab=VOCAB, linear_key_head_dim=32, linear_value_head_dim=32)
     model = make_family_target(cfg, seed)
@@ -215,7 +189,7 @@ def test_with_a_checked_kernel_every_write_is_one_launch_and_the_cut_one_more(ch
     target(mx.array(block)[None], cache, [0])
     assert all(c.pending.states is None for c in cache if isinstance(c, DeltaCache))  # the default: replay
     target.set_length(cache, mx.array(len(prompt) + 5, mx.int32), len(prompt) + len(block))
-    assert checked_kernel.launches == [(16, False)] * layers + [(16, True)] * layers
+    assert checked_kernel.launches == [("write", 16)] * layers + [("limited", 16)] * layers
     want = model.make_cache()
     model(mx.array(prompt + block[:5])[None], cache=want)
     for c, w in zip(cache, want):
@@ -227,7 +201,7 @@ def test_with_a_checked_kernel_greedy_equals_mlx_lm(checked_kernel):
     model, draft = kernel_sized_hybrid(seed=3)
     accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 90), (2, 5, 16), prefill_step_size=40)
     assert set(range(4)) <= accepted and max(accepted) >= 7
-    assert {limited for _, limited in checked_kernel.launches} == {False, True}
+    assert {kind for kind, _ in checked_kernel.launches} == {"write", "limited"}
 
 
 def path_to(parents: list[int], node: int) -> list[int]:
@@ -255,33 +229,14 @@ def test_a_trees_nodes_are_plain_runs_over_their_paths(dtype):
     assert none is None and same(y_read, y)
 
 
-class TreeStandIn(OpsKernel):
-    """A kernel whose writes are mlx-lm's ops and whose tree runs each node
-    from the state ``parent_of`` names."""
-
-    def __init__(self, parent_of):
-        super().__init__()
-        self.parent_of = parent_of
-
-    def tree(self, q, k, v, g, beta, state, parents, keep_all=True):
-        states, ys = [state], []
-        for t, parent in enumerate(parents.tolist()):
-            one = slice(t, t + 1)
-            before = states[self.parent_of(t, parent) + 1 if t else 0]
-            y, s = gated_delta_ops(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], before)
-            ys.append(y)
-            states.append(s)
-        return mx.concatenate(ys, axis=1), mx.stack(states)
-
-
 def test_the_self_check_runs_a_tree_node_by_node():
     """A kernel whose trees run each node from its parent passes; one that
     runs them as a chain (ignoring the parents) fails with the node named."""
     gated_delta.reset()
     try:
-        gated_delta._kernels["cpu"] = TreeStandIn(lambda t, parent: parent)
+        gated_delta._kernels["cpu"] = OpsKernel(lambda t, parent: parent)
         assert gated_delta.self_check("cpu", mx.float32, 32, 32).ok
-        gated_delta._kernels["cpu"] = TreeStandIn(lambda t, parent: t - 1)
+        gated_delta._kernels["cpu"] = OpsKernel(lambda t, parent: t - 1)
         result = gated_delta.self_check("cpu", mx.float32, 32, 32)
         assert not result.ok and result.detail == "tree node 2 differs from a plain step from its parent's state"
     finally:

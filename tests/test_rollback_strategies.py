@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from family_models import family_config, greedy_over_blocks, make_family_target, scripted
-from test_tree_hybrid import checked_kernel  # noqa: F401 (a fixture)
+from gated_delta_stand_in import checked_kernel  # noqa: F401 (a fixture)
 from tiny import draft_config, make_draft, random_draft_weights
 
 import dflash_mlx.targets.recurrent as recurrent

@@ -14,13 +14,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from family_models import family_config, make_family_target, run, scripted
-from mlx_lm.models.gated_delta import gated_delta_ops
+from gated_delta_stand_in import checked_kernel  # noqa: F401 (a fixture)
 from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.kernels import gated_delta
-from dflash_mlx.kernels.dispatch import CheckResult
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.kv.quantized import QuantizedBufferKVCache
 from dflash_mlx.kv.tree import chain, from_parents
@@ -209,43 +207,6 @@ def test_takes_trees_over_its_own_caches_only(model):
     assert target.takes_trees(cache)
     quantized = [QuantizedBufferKVCache(64, 8) if isinstance(c, BufferKVCache) else c for c in cache]
     assert not target.takes_trees(quantized)
-
-
-class OpsKernel:
-    """In place of a checked kernel on this backend: mlx-lm's ops, a write's
-    limited by ``steps`` and a tree's node by node from its parent's state as
-    the kernel runs them; each launch recorded (kind, T)."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, q, k, v, g, beta, state, steps=None):
-        self.launches.append(("limited" if steps is not None else "write", q.shape[1]))
-        mask = None if steps is None else mx.broadcast_to(mx.arange(q.shape[1]) < steps, q.shape[:2])
-        return gated_delta_ops(q, k, v, g, beta, state, mask)
-
-    def tree(self, q, k, v, g, beta, state, parents, keep_all=True):
-        self.launches.append(("tree", q.shape[1]))
-        states, ys = [state], []
-        for t, parent in enumerate(parents.tolist()):
-            one = slice(t, t + 1)
-            y, s = gated_delta_ops(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], states[parent + bool(t)])
-            ys.append(y)
-            states.append(s)
-        return mx.concatenate(ys, axis=1), mx.stack(states)
-
-
-@pytest.fixture
-def checked_kernel(monkeypatch):
-    """A kernel that passed its check here, for Dk 32 in float32."""
-    kernel = OpsKernel()
-    gated_delta.reset()
-    monkeypatch.setitem(gated_delta._kernels, "cpu", kernel)
-    monkeypatch.setitem(
-        gated_delta._checks, ("cpu", mx.float32, 32), CheckResult("cpu", "float32", 32, False, True, "stand-in")
-    )
-    yield kernel
-    gated_delta.reset()
 
 
 @pytest.mark.parametrize("rollback", [None, "per-step"])  # None: replay, where a kernel passed
