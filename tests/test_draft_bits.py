@@ -203,3 +203,21 @@ def test_bench_reports_the_width_auto_took(tmp_path, target_bits, want):
     result = CliRunner().invoke(app, [*args, "-m", "4", "--block-size", "4", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["draft_bits"] == want
+
+
+def test_a_dflash2_drafter_quantizes_and_stays_lossless(tmp_path):
+    from test_dflash2 import TCFG as TCFG2
+    from test_dflash2 import dflash2_config, random_dflash2_weights
+    from tiny import write_zlab_draft
+
+    model = make_target(TCFG2, seed=11)
+    target = write_target(tmp_path / "t", TCFG2, model, make_tokenizer(TCFG2["vocab_size"]))
+    cfg = dflash2_config(TCFG2)
+    drafter = write_zlab_draft(tmp_path / "d", cfg, random_dflash2_weights(cfg))
+    prompt = [random.Random(3).randrange(TCFG2["vocab_size"] - 1) for _ in range(20)]
+    for draft_bits in (8, 4):
+        model, draft, tokenizer = load(target, draft=drafter, draft_bits=draft_bits)
+        assert precision.bits_of(draft) == draft_bits
+        assert type(draft.candidate_selector.successor_codebook) is nn.Embedding
+        responses = stream_generate(model, draft, tokenizer, prompt, max_tokens=24, block_size=6)
+        assert [t for r in responses for t in r.tokens] == greedy_reference(model, prompt, 24)
