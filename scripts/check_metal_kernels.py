@@ -345,6 +345,7 @@ class Compiler:
 # through the recording factory: adding a kernel to the check is one line here.
 KERNEL_MODULES = (
     "dflash_mlx.kernels.quantized",
+    "dflash_mlx.kernels.quantized_gather",
     "dflash_mlx.kernels.gated_delta",
     "dflash_mlx.kernels.exact_products",
     "dflash_mlx.kernels.exact_attention",

@@ -284,6 +284,61 @@ BODY = """
   }
 """
 
+# The gather variant (a MoE layer's experts, quantized_gather.py): output row p
+# is x row ``lhs[p]`` times expert ``rhs[p]``'s weight, w [E, N, K * BITS / 32],
+# scales and biases [E, N, K / GROUP]: MLX's one-row gather_qmv(_fast), which
+# moves its pointers to the expert and runs qmv(_fast)_impl, so each row is
+# reduced as BODY reduces it. A step's weights are read again only where the
+# tile's next row has another expert (rows sorted by expert share them).
+GATHER_INPUTS = ["x", "lhs", "rhs", "w", "scales", "biases"]
+GATHER_BODY = """
+  constexpr int VPT = PACKS * (BITS == 8 ? 4 : 8);
+  constexpr int BLOCK = 32 * VPT;
+  const int M = rhs_shape[0];
+  const int K = x_shape[1];
+  const int N = w_shape[1];
+  const int KW = K * BITS / 32;
+  const int KG = K / GROUP;
+  const int m0 = tg_y * MR;
+  const int n0 = (tg_x * 2 + warp) * RS;
+  QV_ACC acc[MR][RS];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < RS; ++r) qv_zero(acc[m][r]);
+  }
+  for (int k = lane * VPT; k < K; k += BLOCK) {
+    uint32_t wq[RS][PACKS];
+    S sc[RS];
+    T bi[RS];
+    int loaded = -1;
+    for (int m = 0; m < MR; ++m) {
+      if (m0 + m < M) {
+        const int e = rhs[m0 + m];
+        if (e != loaded) {
+          loaded = e;
+          for (int r = 0; r < RS; ++r) {
+            const size_t row = size_t(e) * N + n0 + r;
+            const size_t at = row * KW + k * BITS / 32;
+            for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
+            sc[r] = scales[row * KG + k / GROUP];
+            bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[row * KG + k / GROUP];
+          }
+        }
+        QV_X xs;
+        qv_load<T, BITS, MXFP4, VPT>(xs, x + size_t(lhs[m0 + m]) * K + k);
+        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT, FUSED>(acc[m][r], xs, wq[r], sc[r], bi[r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (m0 + m < M) {
+      for (int r = 0; r < RS; ++r) {
+        const float v = simd_sum(qv_total(acc[m][r]));
+        if (lane == 0) y[(m0 + m) * N + n0 + r] = from_float<T>(v);
+      }
+    }
+  }
+"""
 
-def source(backend: str) -> str:
-    return PRELUDE[backend] + BODY
+
+def source(backend: str, gather: bool = False) -> str:
+    return PRELUDE[backend] + (GATHER_BODY if gather else BODY)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.norm_rope import norm_rope, rotate
+from . import experts
 from .attention import attention_output
 from .linear import apply_linear_output
 
@@ -93,4 +94,5 @@ def dense_block(layer: nn.Module, qkv: Callable, mlp: Callable, window: int | No
 def own_block(layer: nn.Module, window: int | None = None) -> Callable:
     """``dense_block`` of a qwen3/llama-shaped layer through its own modules:
     its three projections and its MLP."""
-    return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + layer.mlp(norm(h)), window)
+    mlp = experts.mlp(layer.mlp)  # (a MoE block's experts through the expert verify product)
+    return dense_block(layer, own_projections(layer.self_attn), lambda h, norm: h + mlp(norm(h)), window)

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from ..device import backend
-from ..kernels import exact_products, quantized
+from ..kernels import exact_products, quantized, quantized_gather
 
 # Largest weight the kernel takes a norm into: each block reads the rows twice.
 NORM_MOST = 1 << 24
@@ -166,6 +166,7 @@ def prepare_quantized(model: nn.Module, dtype) -> None:
     ``model`` (and a quantized embedding, for a tied head) at ``dtype`` rows;
     call it outside compiled traces (unchecked layers keep MLX's product)."""
     quantized.prepare(model, dtype)
+    quantized_gather.prepare(model, dtype)  # (a MoE layer's quantized experts)
     for _, module in model.named_modules():
         if type(module) is nn.QuantizedEmbedding:  # (a tied output head's)
             quantized.prepare(quantized_head(module), dtype)

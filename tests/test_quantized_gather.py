@@ -1,0 +1,294 @@
+"""The quantized expert verify product (kernels/quantized_gather.py) and the
+experts' routing (layers/experts.py). Its Metal source, run on this CPU, gives
+each (row, expert) pair bit for bit what MLX's one-row gather product (qmv on
+that expert's weight) computes; on a pretend GPU a kernel that checks out
+takes a verify's expert products (and not a prompt's or a plain step's), and
+greedy DFlash through it on a 4-bit qwen3_moe target is mlx-lm's greedy."""
+
+import ctypes
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from family_models import family_config, make_family_target, run, scripted
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+from test_quantized_products import metal_one_row_order
+from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
+
+from dflash_mlx.kernels import quantized_gather as qg
+from dflash_mlx.kernels.quantized_source import GATHER_INPUTS, OUTPUTS
+from dflash_mlx.layers import experts, linear
+
+
+def quantized_experts(experts_n: int, k: int, n: int, bits=4, group=64, mode="affine", dtype=mx.float16):
+    mx.random.seed(experts_n + k + n + bits)
+    w = (k**-0.5 * mx.random.normal((experts_n, n, k))).astype(dtype)
+    layer = QuantizedSwitchLinear(k, n, experts_n, bias=False, group_size=group, bits=bits, mode=mode)
+    layer._quantize(w)
+    return layer
+
+
+def pairs_of(rows: int, top_k: int, experts_n: int, seed: int):
+    lhs, rhs = qg.verify_pairs(rows, experts_n, top_k, seed)
+    return lhs, rhs
+
+
+# --- The Metal source itself, run on this CPU --------------------------------------------------------------
+
+
+def metal_one_row_gather_order(x, lhs, rhs, w, scales, biases, bits, group, mode, words):
+    """MLX's Metal gather_qmv(_fast), transcribed: adjust_matrix_offsets moves
+    x, w, scales and biases to the pair's row and expert, then qmv(_fast)_impl."""
+    return np.concatenate(
+        [
+            metal_one_row_order(
+                x[lhs[p] : lhs[p] + 1],
+                w[e],
+                scales[e],
+                biases[e] if biases.ndim == 3 else biases,
+                bits,
+                group,
+                mode,
+                words,
+            )
+            for p, e in enumerate(rhs)
+        ]
+    )
+
+
+def run_on_cpu(tmp_path, layer, x, lhs, rhs, plant=None):
+    script = check_metal_script()
+    recorder = script.Recorder()
+    kernel = qg.QuantizedGatherKernel("metal", factory=recorder.factory)
+    biases = layer.get("biases")
+    kernel(x, lhs, rhs, layer.weight, layer.scales, biases, bits=layer.bits, group=layer.group_size, mode=layer.mode)
+    ((name, variant),) = recorder.variants.items()
+    ((grid, group_size),) = variant.launches
+    source = variant.source if plant is None else plant(variant.source)
+    assert plant is None or source != variant.source
+    names = GATHER_INPUTS + ["x_shape", "w_shape", "rhs_shape"] + OUTPUTS
+    lib = build_on_cpu(script, source, names, tmp_path)
+    xs, ws, sc = np.array(x), np.array(layer.weight), np.array(layer.scales)
+    ls, rs = np.array(lhs, np.int32), np.array(rhs, np.int32)
+    bi = np.array(biases) if biases is not None else np.zeros(8, np.float16)
+    y = np.zeros((rs.size, ws.shape[1]), np.float16)
+    shapes = [np.array(a.shape, np.int32) for a in (xs, ws, rs)]
+    arrays = {"x": xs, "lhs": ls, "rhs": rs, "w": ws, "scales": sc, "biases": bi, "y": y}
+    arrays.update(zip(("x_shape", "w_shape", "rhs_shape"), shapes))
+    buffers = (ctypes.c_void_p * len(names))(*[arrays[n].ctypes.data for n in names])
+    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
+    return y, (xs, ls, rs, ws, sc, bi)
+
+
+CPU_CASES = [
+    # rows, top k, experts, N, K, bits, group, mode
+    (3, 2, 4, 16, 512, 4, 64, "affine"),  # qmv_fast, 8 outputs a simdgroup
+    (5, 3, 6, 8, 768, 4, 32, "affine"),  # qmv (one word a lane a step)
+    (4, 4, 5, 8, 384, 8, 32, "affine"),
+    (9, 4, 8, 8, 256, 8, 128, "affine"),  # 36 pairs: two tiles of 32
+    (2, 2, 3, 8, 2880, 4, 32, "mxfp4"),  # gpt-oss's K
+]
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize("rows, top_k, experts_n, n, k, bits, group, mode", CPU_CASES)
+def test_the_metal_source_reduces_each_pair_in_mlxs_one_row_gather_order(
+    tmp_path, rows, top_k, experts_n, n, k, bits, group, mode
+):
+    layer = quantized_experts(experts_n, k, n, bits, group, mode)
+    lhs, rhs = pairs_of(rows, top_k, experts_n, seed=rows + k)
+    order = mx.argsort(rhs)  # (as the routing sends them: sorted by expert, rows sharing reads)
+    lhs, rhs = lhs[order], rhs[order]
+    x = mx.random.normal((rows, k), key=mx.random.key(rows)).astype(mx.float16)
+    y, (xs, ls, rs, ws, sc, bi) = run_on_cpu(tmp_path, layer, x, lhs, rhs)
+    words = qg.packs(k, bits, "metal")
+    want = metal_one_row_gather_order(xs, ls, rs, ws, sc, bi, bits, group, mode, words)
+    assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (y != want).sum()
+    # and MLX's own gather product (this CPU's), to the rounding of a float16 sum
+    mlx = np.array(qg.one_row_products(x, ls.tolist(), rhs, layer.weight, layer.scales, layer.get("biases"),
+                                       bits=bits, group=group, mode=mode).astype(mx.float32))  # fmt: skip
+    assert np.abs(y.astype(np.float32) - mlx).max() <= 2e-2 * np.abs(mlx).max()
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize(
+    "plant",
+    [
+        # qmv's four x added in float, not in the activations' type, before the float sum
+        lambda s: s.replace("sum += x[i] + x[i + 1]", "sum += float(x[i]) + x[i + 1]"),
+        # a tile's later pairs reusing its first expert's weights
+        lambda s: s.replace("if (e != loaded)", "if (loaded < 0)"),
+    ],
+    ids=["x sums in float", "expert reuse"],
+)
+def test_a_planted_change_fails_the_transcription(tmp_path, plant):
+    rows, top_k, experts_n, n, k = 6, 3, 4, 16, 512
+    layer = quantized_experts(experts_n, k, n)
+    lhs, rhs = pairs_of(rows, top_k, experts_n, seed=3)
+    x = mx.random.normal((rows, k), key=mx.random.key(4)).astype(mx.float16)
+    y, (xs, ls, rs, ws, sc, bi) = run_on_cpu(tmp_path, layer, x, lhs, rhs, plant)
+    want = metal_one_row_gather_order(xs, ls, rs, ws, sc, bi, 4, 64, "affine", qg.packs(k, 4, "metal"))
+    assert not np.array_equal(y.view(np.uint16), want.view(np.uint16))
+
+
+# --- Routing, on a pretend GPU ---------------------------------------------------------------------------------
+
+
+class FakeGather:
+    """The kernel as its callers see it: each pair as MLX's one-row gather
+    product computes it (what the real kernel must), its calls counted."""
+
+    def __init__(self, nudge: float = 0.0):
+        self.nudge = nudge
+        self.pairs = []
+
+    def __call__(self, x, lhs, rhs, weight, scales, biases, *, bits, group, mode, fused=False):
+        self.pairs.append(rhs.size)
+        y = qg.one_row_products(x, lhs.tolist(), rhs, weight, scales, biases, bits=bits, group=group, mode=mode)
+        return y.at[-1, 0].add(mx.array(self.nudge, y.dtype)) if self.nudge else y
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    qg.reset()
+    monkeypatch.setattr(qg, "backend", lambda: "fake")
+
+    def install(kernel):
+        monkeypatch.setitem(qg.BUILDERS, "fake", lambda where: kernel)
+        return kernel
+
+    yield install
+    qg.reset()
+
+
+def quantized_glu(k=256, hidden=128, experts_n=6, bits=4, group=64, mode="affine"):
+    mx.random.seed(k + hidden)
+    glu = SwitchGLU(k, hidden, experts_n)
+    glu.set_dtype(mx.bfloat16)
+    nn.quantize(glu, group_size=group, bits=bits, mode=mode, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    return glu
+
+
+def routed(rows: int, k: int, experts_n: int, top_k: int = 2):
+    x = mx.random.normal((1, rows, k), key=mx.random.key(rows)).astype(mx.bfloat16)
+    scores = mx.random.uniform(shape=(1, rows, experts_n), key=mx.random.key(rows + 1))
+    return x, mx.argpartition(scores, kth=-top_k, axis=-1)[..., -top_k:]
+
+
+def test_on_the_cpu_the_experts_are_mlx_lms_own():
+    glu = quantized_glu()
+    for rows in (1, 5, 40):
+        x, inds = routed(rows, 256, 6)
+        assert mx.array_equal(experts.switch_glu(glu, x, inds), glu(x, inds))
+
+
+@pytest.mark.parametrize("quant", [(4, 64, "affine"), (8, 32, "affine"), (4, 32, "mxfp4")])
+def test_a_verifys_expert_products_take_the_kernel_and_a_prompts_do_not(fake_gpu, quant):
+    glu = quantized_glu(bits=quant[0], group=quant[1], mode=quant[2])
+    kernel = fake_gpu(FakeGather())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_quantized(glu, mx.bfloat16)
+    assert qg._checks and all(r.ok for r in qg._checks.values())
+    for rows in (1, 2, 7, 16, 32, 33, 64):
+        kernel.pairs.clear()
+        x, inds = routed(rows, 256, 6)
+        got = experts.switch_glu(glu, x, inds)
+        # gate, up and down, each over every (row, expert) pair; one row and a prompt: mlx-lm's
+        assert kernel.pairs == ([2 * rows] * 3 if 2 <= rows <= 32 else [])
+        # each row what a plain step computes for it alone
+        for i in range(rows):
+            assert mx.array_equal(got[:, i], glu(x[:, i : i + 1], inds[:, i : i + 1])[:, 0]), (rows, i)
+
+
+def test_an_expert_kernel_one_rounding_off_is_never_used(fake_gpu):
+    glu = quantized_glu()
+    kernel = fake_gpu(FakeGather(nudge=1.0))
+    with pytest.warns(RuntimeWarning, match=r"quantized expert verify product failed its self-check"):
+        linear.prepare_quantized(glu, mx.bfloat16)
+    assert not any(r.ok for r in qg._checks.values())
+    kernel.pairs.clear()
+    x, inds = routed(5, 256, 6)
+    assert mx.array_equal(experts.switch_glu(glu, x, inds), glu(x, inds)) and kernel.pairs == []
+
+
+def test_a_layer_that_rounds_otherwise_at_its_own_shape_is_not_served(fake_gpu):
+    """Exact on the check's experts, off at the layer's own: that layer keeps MLX's."""
+
+    class OffPastCheck(FakeGather):
+        def __call__(self, x, lhs, rhs, weight, *rest, **kw):
+            y = super().__call__(x, lhs, rhs, weight, *rest, **kw)
+            return y.at[0, 0].add(mx.array(1.0, y.dtype)) if weight.shape[0] == 6 else y
+
+    glu = quantized_glu()
+    kernel = fake_gpu(OffPastCheck())
+    linear.prepare_quantized(glu, mx.bfloat16)
+    assert all(r.ok for r in qg._checks.values())
+    assert not experts.takes(glu, routed(5, 256, 6)[0])
+    kernel.pairs.clear()
+    x, inds = routed(5, 256, 6)
+    assert mx.array_equal(experts.switch_glu(glu, x, inds), glu(x, inds)) and kernel.pairs == []
+
+
+def test_the_check_covers_every_pair_tile_and_shared_experts():
+    variant = qg.variant_of(quantized_experts(4, 512, 16, dtype=mx.bfloat16), mx.bfloat16)
+    cases = list(qg.check_cases(variant))
+    sizes = {c[2].size for c in cases}
+    assert {qg.tile(p, "metal") for p in sizes} == {qg.tile(r, "metal") for r in range(2, 33)}
+    # a row to several distinct experts, an expert to several rows
+    lhs, rhs = cases[-1][1], cases[-1][2]
+    assert len(set(rhs.tolist())) < rhs.size and len(set(lhs.tolist())) < lhs.size
+
+
+def test_the_variants_served_are_mlx_lms_quantized_experts():
+    dtype = mx.bfloat16
+    assert qg.variant_of(quantized_experts(4, 512, 16, dtype=dtype), dtype).k == 512
+    assert qg.variant_of(quantized_experts(4, 512, 16, 4, 32, "mxfp4", dtype=dtype), dtype).mode == "mxfp4"
+    assert qg.variant_of(quantized_experts(4, 128, 16, dtype=dtype), dtype) is not None  # (no qmv_quad in a gather)
+    assert qg.variant_of(quantized_experts(4, 512, 12, dtype=dtype), dtype) is None  # N not whole simdgroups
+    assert qg.variant_of(quantized_experts(4, 512, 16, 2, dtype=dtype), dtype) is None
+    assert qg.variant_of(quantized_experts(4, 512, 16, dtype=dtype), mx.float32) is None
+    assert qg.variant_of(nn.QuantizedLinear(512, 16), dtype) is None
+
+
+def test_every_variant_is_recorded_for_the_check_scripts():
+    recorded = set()
+
+    def factory(*, name, **made):
+        def launch(*, template, output_shapes, output_dtypes, **kw):
+            recorded.add(tuple(v for _, v in template))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    qg.record_variants(factory, "metal")
+    assert len({values[:5] for values in recorded}) == 2 * (len(qg.AFFINE_BITS) * len(qg.GROUPS) + 1)
+    assert {values[7:] for values in recorded} == {(4, 8), (4, 4), (8, 4), (16, 4), (32, 2)}
+
+
+# --- Decoding ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", [(4, 64, "affine"), (4, 32, "mxfp4")])
+def test_greedy_dflash_through_the_kernel_on_a_quantized_moe_target_is_mlx_lms(fake_gpu, quant):
+    bits, group, mode = quant
+    cfg = family_config("qwen3_moe", vocab=48, layers=2, hidden=256)
+    model = make_family_target(cfg, seed=7)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=group, bits=bits, mode=mode, class_predicate=lambda _, m: hasattr(m, "to_quantized"))
+    mx.eval(model.parameters())
+    dcfg = draft_config(cfg, layers=1, block_size=8)
+    draft = scripted(make_draft(dcfg, random_draft_weights(dcfg, seed=8)))
+    draft.set_dtype(mx.bfloat16)
+    kernel = fake_gpu(FakeGather())
+    prompt = list(range(1, 12))
+    want = greedy_reference(model, prompt, 16)
+    tokens, _ = run(model, draft, prompt, vocab=48, max_tokens=16, block_size=6)
+    assert tokens == want
+    # the adapter checked every expert layer's variant, and the verifies' experts went through it
+    assert qg._checks and all(r.ok for r in qg._checks.values())
+    # (a verify of 2-6 rows, two experts a row; the checks' pairs are of other counts)
+    assert {4, 6, 10, 12} & set(kernel.pairs)
