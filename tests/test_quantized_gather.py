@@ -292,3 +292,24 @@ def test_greedy_dflash_through_the_kernel_on_a_quantized_moe_target_is_mlx_lms(f
     assert qg._checks and all(r.ok for r in qg._checks.values())
     # (a verify of 2-6 rows, two experts a row; the checks' pairs are of other counts)
     assert {4, 6, 10, 12} & set(kernel.pairs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_moe_blocks_verify_rows_are_its_plain_steps(fake_gpu, family):
+    """experts.mlp runs mlx-lm's sparse block op for op: on the CPU it is the
+    block; through a checked kernel each verify row is what a plain step gives."""
+    cfg = family_config(family, vocab=48, layers=2, hidden=256)
+    model = make_family_target(cfg, seed=3)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4" if family == "gpt_oss" else "affine")
+    block = model.model.layers[0].mlp
+    x = mx.random.normal((1, 6, 256), key=mx.random.key(9)).astype(mx.bfloat16)
+    forward = experts.mlp(block)
+    assert forward is not block and mx.array_equal(forward(x), block(x))
+    kernel = fake_gpu(FakeGather())
+    linear.prepare_quantized(model, mx.bfloat16)
+    kernel.pairs.clear()
+    got = forward(x)
+    assert len(kernel.pairs) == 3  # gate, up and down
+    for i in range(6):
+        assert mx.array_equal(got[:, i], block(x[:, i : i + 1])[:, 0]), i

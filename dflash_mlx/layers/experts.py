@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.gpt_oss import MLPBlock, mlx_topk
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -65,7 +66,18 @@ def qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
     return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
 
-FORWARDS = {Qwen3MoeSparseMoeBlock: qwen3_moe}
+def gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's gpt-oss ``MLPBlock`` forward, op for op, its router and
+    experts through the verify products."""
+    g = apply_linear(block.router, x)
+    experts, indices = mlx_topk(g, k=block.num_experts_per_tok, axis=-1)
+    expert_weights = mx.softmax(experts, axis=-1, precise=True)
+    x = switch_glu(block.experts, x, indices)
+    x = x * mx.expand_dims(expert_weights, axis=-1)
+    return x.sum(axis=-2)
+
+
+FORWARDS = {Qwen3MoeSparseMoeBlock: qwen3_moe, MLPBlock: gpt_oss}
 
 
 def mlp(module: nn.Module) -> Callable[[mx.array], mx.array]:
