@@ -24,6 +24,7 @@ from dflash_mlx.kernels.exact_attention_source import (
     ONE_PASS_OUTPUTS,
     PARTIAL_INPUTS,
     PARTIAL_OUTPUTS,
+    TREE_INPUTS,
 )
 
 F32 = np.float32
@@ -129,18 +130,32 @@ def test_each_launch_covers_every_row_and_the_buffers_blocks(rows, g, keys, arch
         assert merge["grid"][0] == 2 * g * rows * ea.MERGE_WARPS * 32
 
 
+def table_parents(tree) -> list[int]:
+    """Each node's parent, read back from the tree variants' (depths, ancestors) table."""
+    depths, ancestors = (np.array(a) for a in tree)
+    return [int(ancestors[i, max(0, d - 1)]) for i, d in enumerate(depths)]
+
+
 class FakeKernel:
     """The kernel as its callers see it: each row MLX's one-row attention (what
-    the real kernel must compute), ``nudge`` added to one output; counts calls."""
+    the real kernel must compute; a tree's node over its gathered keys),
+    ``nudge`` added to one output; counts calls (rows, form, a tree's or not)."""
 
     def __init__(self, nudge: float = 0.0):
         self.nudge = nudge
         self.calls = []
 
-    def __call__(self, queries, keys, values, *, scale, q_offset, arch=0, form=0):
-        self.calls.append((queries.shape[2], form))
+    def tree_inputs(self, tree):
+        return ea.ancestor_table(tree)
+
+    def __call__(self, queries, keys, values, *, scale, q_offset, arch=0, form=0, tree=None):
+        self.calls.append((queries.shape[2], form, tree is not None))
         start = int(q_offset.item()) if isinstance(q_offset, mx.array) else q_offset
-        out = ea.one_row_attention(queries, keys, values, scale=scale, q_offset=start)
+        if tree is None:
+            out = ea.one_row_attention(queries, keys, values, scale=scale, q_offset=start)
+        else:
+            parents = table_parents(tree)
+            out = ea.one_row_tree_attention(queries, keys, values, scale=scale, q_offset=start, parents=parents)
         if self.nudge:
             out = out.at[0, 0, -1, 0].add(mx.array(self.nudge, out.dtype))
         return out
@@ -293,6 +308,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
             return launch
 
         ea.record_variants(factory, backend_name)
+        assert {t for name, t in recorded if "_tree_" in name} == {t for name, t in recorded if "_tree_" not in name}
         kinds = {kind: {t for name, t in recorded if kind in name} for kind in ("one_pass", "partial", "merge", "gqa")}
         one_pass = kinds["one_pass"]
         assert {t[0] for t in one_pass} == set(ea.DTYPES) and {t[1] for t in one_pass} == set(
@@ -377,15 +393,17 @@ def on_cpu(tmp_path_factory):
     patch.undo()
 
 
-def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, plant=None):
+def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, plant=None, parents=None):
     """The kernel's [B, HQ, L, D] for q [1, HQ, L, D], k, v [1, HKV, N, D] in
     ``storage``, run on this CPU from its Metal source (``plant``: (old, new)
-    texts swapped into the passes first); and the exponential it used."""
+    texts swapped into the passes first; ``parents``: the rows are a draft
+    tree's nodes, the tree variants run); and the exponential it used."""
     script = check_metal_script()
     recorder = script.Recorder()
     kernel = ea.ExactAttentionKernel("metal", factory=recorder.factory)
     qm, km, vm = (mx.array(storage.f32(a)).astype(storage.mx) for a in (q, k, v))
-    kernel(qm, km, vm, scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch)
+    tree = None if parents is None else ea.ancestor_table(ea.from_parents(mx.array(parents), len(parents)))
+    kernel(qm, km, vm, scale=q.shape[-1] ** -0.5, q_offset=mx.array(start), arch=arch, tree=tree)
     variants = recorder.variants
     (one_pass,) = [x for x in variants.values() if "one_pass" in x.kernel]
     two_pass = [x for kind in ("partial", "merge", "gqa") for x in variants.values() if kind in x.kernel]
@@ -401,7 +419,8 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
     rows = B * HQ * L
     offset = np.array([start], np.int32)
     params = np.array([ea.q_scale("metal", D**-0.5)], F32)
-    dims = np.array([L, g, streams, arch], np.int32)
+    dims = np.array([L, g, streams, arch] + ([] if tree is None else [L]), np.int32)
+    extra = [] if tree is None else [np.array(a, np.int32) for a in tree]
 
     def shape(a):
         return np.array(a.shape, np.int32)
@@ -413,24 +432,25 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
         ((grid, group),) = variant.launches
         lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
 
-    inputs = [q, k, v, offset, params, dims, shape(q), strides(q), shape(k), strides(k), strides(v)]
-    lib = on_cpu.lib(script, sources[0], ONE_PASS_INPUTS + shape_names + ONE_PASS_OUTPUTS, bfloat)
+    inputs = [q, k, v, offset, params, dims, *extra, shape(q), strides(q), shape(k), strides(k), strides(v)]
+    names = TREE_INPUTS if tree is not None else []
+    lib = on_cpu.lib(script, sources[0], ONE_PASS_INPUTS + names + shape_names + ONE_PASS_OUTPUTS, bfloat)
     first = np.zeros((rows, D), q.dtype)
     run(lib, one_pass, inputs + [first])
     out = first
     if streams:
         assert len(two_pass) == 2 + ea.gqa_kernel("metal", k.shape[2], g, D)
-        partial_lib = on_cpu.lib(script, sources[1], PARTIAL_INPUTS + shape_names + PARTIAL_OUTPUTS, bfloat)
-        merge_lib = on_cpu.lib(script, sources[2], MERGE_INPUTS + MERGE_OUTPUTS, bfloat)
+        partial_lib = on_cpu.lib(script, sources[1], PARTIAL_INPUTS + names + shape_names + PARTIAL_OUTPUTS, bfloat)
+        merge_lib = on_cpu.lib(script, sources[2], MERGE_INPUTS + names[:1] + MERGE_OUTPUTS, bfloat)
         parts = [np.zeros((rows, streams, D), q.dtype), np.zeros((rows, streams), F32), np.zeros((rows, streams), F32)]
         run(partial_lib, two_pass[0], inputs + parts)
         gqa_parts = parts
         if len(two_pass) == 3:
-            gqa_lib = on_cpu.lib(script, sources[3], GQA_INPUTS + shape_names + GQA_OUTPUTS, bfloat)
+            gqa_lib = on_cpu.lib(script, sources[3], GQA_INPUTS + names + shape_names + GQA_OUTPUTS, bfloat)
             gqa_parts = [np.zeros_like(a) for a in parts]
             run(gqa_lib, two_pass[2], inputs + gqa_parts)
         out = np.zeros((rows, D), q.dtype)
-        run(merge_lib, two_pass[1], parts + gqa_parts + [offset, dims, first, out])
+        run(merge_lib, two_pass[1], parts + gqa_parts + [offset, dims, first, *extra[:1], out])
     exp = lib.harness_exp
     exp.restype, exp.argtypes = ctypes.c_float, [ctypes.c_float]
     return out.reshape(q.shape), np.vectorize(lambda x: F32(exp(float(x))), otypes=[F32])
@@ -561,16 +581,26 @@ def sdpa_vector_2pass_gqa(q, keys, values, scale, exp, blocks: int, heads: int, 
     return out
 
 
-def mlx_one_row_order(q, k, v, start: int, arch: int, exp, storage: Storage):
-    """Each row of q [1, HQ, L, D] as MLX's one-row Metal call over keys 0..its position computes it."""
+def key_rows(start: int, i: int, parents=None) -> list[int]:
+    """The buffer rows row i's one-row call reads, in order: keys 0..start + i,
+    or, for a tree's node i, the context and then its path's rows."""
+    if parents is None:
+        return list(range(start + i + 1))
+    return list(range(start)) + [start + p for p in ea.tree_paths(parents)[i]]
+
+
+def mlx_one_row_order(q, k, v, start: int, arch: int, exp, storage: Storage, parents=None):
+    """Each row of q [1, HQ, L, D] as MLX's one-row Metal call over keys 0..its
+    position computes it (a tree's node: over its gathered keys, key_rows)."""
     _, hq, rows, d = q.shape
     g = hq // k.shape[1]
     q32, k32, v32 = storage.f32(q), storage.f32(k), storage.f32(v)
     out = np.zeros(q.shape, q.dtype)
     for h in range(hq):
         for i in range(rows):
-            n = start + i + 1
-            keys, values = k32[0, h // g, :n], v32[0, h // g, :n]
+            at = key_rows(start, i, parents)
+            n = len(at)
+            keys, values = k32[0, h // g, at], v32[0, h // g, at]
             blocks = ea.blocks("metal", arch, n, g)
             if ea.gqa_kernel("metal", n, g, d):
                 if h % g == 0:  # (a KV head's query heads at once)
@@ -593,17 +623,17 @@ def metal_case(rows: int, g: int, start: int, n: int, d: int, storage: Storage):
     return tuple(storage.round(rng.standard_normal(shape)) for shape in ((1, g, rows, d), (1, 1, n, d), (1, 1, n, d)))
 
 
-def reference(q, k, v, start, storage: Storage):
-    """Plain softmax attention in float64, each row over keys 0..its position."""
+def reference(q, k, v, start, storage: Storage, parents=None):
+    """Plain softmax attention in float64, each row over keys 0..its position (key_rows)."""
     q, k, v = (storage.f32(a).astype(np.float64) for a in (q, k, v))
     out = np.zeros(q.shape, np.float64)
     g = q.shape[1] // k.shape[1]
     for h in range(q.shape[1]):
         for i in range(q.shape[2]):
-            n = start + i + 1
-            s = (k[0, h // g, :n] @ q[0, h, i]) * q.shape[-1] ** -0.5
+            at = key_rows(start, i, parents)
+            s = (k[0, h // g, at] @ q[0, h, i]) * q.shape[-1] ** -0.5
             p = np.exp(s - s.max())
-            out[0, h, i] = p @ v[0, h // g, :n] / p.sum()
+            out[0, h, i] = p @ v[0, h // g, at] / p.sum()
     return out
 
 
@@ -719,7 +749,9 @@ def test_every_metal_variant_is_in_the_check_script_and_compiles():
     script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_attention"])
     kinds = 1 + len(ea.ROW_TILES) + 1  # (the one-pass kernel, the partial pass's tiles, the merge)
     per_dtype_form = len(ea.HEAD_DIMS["metal"]) * kinds + len(ea.GQA_HEADS)  # (and the GQA kernel's)
-    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.FORMS["metal"]) * per_dtype_form
+    # (a block's and a draft tree's)
+    assert len(recorder.variants) == len(ea.DTYPES) * len(ea.FORMS["metal"]) * per_dtype_form * 2
+    assert sum("_tree_" in x.kernel for x in recorder.variants.values()) == len(recorder.variants) // 2
     compiler = script.Compiler(script.find_clang() or CLANG_F16)
     lines = []
     try:
@@ -761,7 +793,7 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu, monk
     got = [t for r in stream_generate(model, draft, tokens, prompt, max_tokens=12, block_size=6) for t in r.tokens]
     assert got == want
     assert ea._checks and all(r.ok for r in ea._checks.values())
-    verifies = [rows for rows, _ in kernel.calls if rows != 3 and rows != 5]  # (not the check's cases)
+    verifies = [rows for rows, _, _ in kernel.calls if rows != 3 and rows != 5]  # (not the check's cases)
     assert verifies and all(2 <= rows <= 16 for rows in verifies)
     decisions.reset()
 
@@ -770,8 +802,9 @@ def test_doctor_gets_every_variant_checked(fake_gpu):
     fake_gpu(FakeKernel())
     lines = []
     results = ea.self_check_all(report=lines.append)
-    assert len(results) == len(lines) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"])
+    assert len(results) == len(lines) == len(ea.DTYPES) * len(ea.HEAD_DIMS["metal"]) * 2  # (a block's, a tree's)
     assert all(r.ok and r.case.startswith("metal ") for r in results)
+    assert sum(r.case.endswith(" tree") for r in results) == len(results) // 2
 
 
 def test_doctor_on_the_cpu_checks_nothing():

@@ -4,6 +4,9 @@ A plain step attends one query row over the filled keys, with no mask, through
 ``mx.fast.scaled_dot_product_attention``; a verify attends its block of rows.
 This kernel computes each verify row at position p as that one-row call over
 keys 0..p computes it, so the row comes out bit for bit as the plain step's.
+A draft tree's node at depth d likewise, over the keys the plain step
+producing its token reads: the context, then its ancestors at depths 0..d in
+order (ROWS: a row's keys, the one difference between the two variants).
 
 The orders replicated, read from MLX's sources (github.com/ml-explore/mlx;
 the Metal kernels from the installed 0.32.4's
@@ -67,7 +70,7 @@ from __future__ import annotations
 
 from .attention_source import HEADER as BASE_HEADER
 
-VERSION = 2  # of the bodies and headers: a change must bump it
+VERSION = 3  # of the bodies and headers: a change must bump it
 SIMD = 32
 ONE_PASS_INPUTS = ["queries", "keys", "values", "q_offset", "params", "dims"]
 ONE_PASS_OUTPUTS = ["out"]
@@ -77,6 +80,9 @@ GQA_INPUTS = PARTIAL_INPUTS
 GQA_OUTPUTS = PARTIAL_OUTPUTS
 MERGE_INPUTS = ["o_part", "m_part", "l_part", "o_gqa", "m_gqa", "l_gqa", "q_offset", "dims", "first"]
 MERGE_OUTPUTS = ["out"]
+# A draft tree's variants (exact_attention: tree): each node's depth [N] and its
+# ancestors' node indices [N, W] (column j: the ancestor at depth j), dims' W at dims[4].
+TREE_INPUTS = ["depths", "ancestors"]
 # The architecture a Metal device's name ends in (MLX's ``devc``), as the kernels' arch code.
 ARCH = {"s": 1, "d": 2}
 
@@ -167,6 +173,23 @@ template <int FORM> __device__ __forceinline__ float ea_two(float a, float b, fl
 """,
 }
 
+# A row's keys: EA_COUNT(i) the keys row i's one-row call reads, EA_KEY(i, k)
+# the buffer row holding its key k. A block's row i sits at q_offset + i over
+# keys 0..that; a tree's node at depth d reads the context, then its ancestors
+# at depths 0..d (itself last), written at q_offset + their node index.
+ROWS = {
+    False: """
+#define EA_TREE 0
+#define EA_COUNT(i) (q_offset[0] + (i) + 1)
+#define EA_KEY(i, k) (k)
+""",
+    True: """
+#define EA_TREE 1
+#define EA_COUNT(i) (q_offset[0] + depths[i] + 1)
+#define EA_KEY(i, k) ((k) < q_offset[0] ? (k) : q_offset[0] + ancestors[(i) * dims[4] + (k) - q_offset[0]])
+""",
+}
+
 PRELUDE = {
     "metal": """
   const int lane = int(thread_index_in_simdgroup);
@@ -206,12 +229,14 @@ ONE_PASS_BODY = """
   float m[RT];
   float l[RT];
   int n[RT];
+  int node[RT];
   int most = 0;
   for (int rr = 0; rr < RT; ++rr) {
     const int r = tg_x * RT + rr;
     const int h = hk * G + (r < R ? r / L : 0);
     const int i = r < R ? r % L : 0;
-    n[rr] = q_offset[0] + i + 1;
+    node[rr] = i;
+    n[rr] = EA_COUNT(i);
     if (r >= R || ea_blocks(dims[3], n[rr], G) > 0) n[rr] = 0;
     most = n[rr] > most ? n[rr] : most;
     const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
@@ -235,6 +260,13 @@ ONE_PASS_BODY = """
     }
     for (int rr = 0; rr < RT; ++rr) {
       if (k < n[rr]) {
+        if (EA_TREE && k >= q_offset[0]) {  // (a tree's node reads its own ancestor there)
+          const idx_t at = idx_t(EA_KEY(node[rr], k));
+          for (int j = 0; j < DL; ++j) {
+            kf[j] = to_float(kp[at * keys_strides[2] + j]);
+            vf[j] = to_float(vp[at * values_strides[2] + j]);
+          }
+        }
         float score = 0.0f;
         for (int j = 0; j < DL; ++j) score = ea_madd<FORM>(score, q[rr][j], kf[j]);
         score = simd_sum(score);
@@ -298,7 +330,7 @@ PARTIAL_BODY = """
   if (r < R) {
     const int h = hk * G + r / L;
     const int i = r % L;
-    const int n = q_offset[0] + i + 1;
+    const int n = EA_COUNT(i);
     const int blocks = ea_blocks(dims[3], n, G);
     if (stream < blocks && !ea_gqa(dims[3], n, G, D)) {
       const DEV T* qp = queries + b * queries_strides[0] + h * queries_strides[1] + i * queries_strides[2];
@@ -313,8 +345,8 @@ PARTIAL_BODY = """
       const DEV T* kp = keys + b * keys_strides[0] + hk * keys_strides[1] + lane * DL;
       const DEV T* vp = values + b * values_strides[0] + hk * values_strides[1] + lane * DL;
       for (int k = stream; k < n; k += blocks) {
-        const DEV T* kk = kp + idx_t(k) * keys_strides[2];
-        const DEV T* vv = vp + idx_t(k) * values_strides[2];
+        const DEV T* kk = kp + idx_t(EA_KEY(i, k)) * keys_strides[2];
+        const DEV T* vv = vp + idx_t(EA_KEY(i, k)) * values_strides[2];
         float score = 0.0f;
         for (int j = 0; j < DL; ++j) score = ea_madd<FORM>(score, q[j], to_float(kk[j]));
         score = simd_sum(score);
@@ -357,7 +389,7 @@ GQA_BODY = """
   const int i = tg_x % L;
   const int b = tg_y / HKV;
   const int hk = tg_y % HKV;
-  const int n = q_offset[0] + i + 1;
+  const int n = EA_COUNT(i);
   const int blocks = ea_blocks(dims[3], n, GQ);
   TG_MEM float o_sh[GQ * HPT * D];
   TG_MEM float se_sh[GQ * HPT];
@@ -389,9 +421,10 @@ GQA_BODY = """
     for (int t = s0; t < s1; ++t) {
       float kf[DL];
       float vf[DL];
+      const idx_t at = idx_t(EA_KEY(i, t));
       for (int x = 0; x < DL; ++x) {
-        kf[x] = to_float(kp[idx_t(t) * keys_strides[2] + x]);
-        vf[x] = to_float(vp[idx_t(t) * values_strides[2] + x]);
+        kf[x] = to_float(kp[at * keys_strides[2] + x]);
+        vf[x] = to_float(vp[at * values_strides[2] + x]);
       }
       for (int j = 0; j < HPT; ++j) {
         float score = 0.0f;
@@ -447,7 +480,7 @@ MERGE_BODY = """
   const int G = dims[1];
   const int S = dims[2];
   const int row = tg_x;
-  const int n = q_offset[0] + row % L + 1;
+  const int n = EA_COUNT(row % L);
   const int blocks = ea_blocks(dims[3], n, G);
   const idx_t base = idx_t(row) * S;
   const bool gqa = ea_gqa(dims[3], n, G, D);
@@ -473,17 +506,17 @@ MERGE_BODY = """
 """
 
 
-def one_pass_source(backend: str) -> str:
-    return PRELUDE[backend] + ONE_PASS_BODY
+def one_pass_source(backend: str, tree: bool = False) -> str:
+    return PRELUDE[backend] + ROWS[tree] + ONE_PASS_BODY
 
 
-def gqa_source(backend: str) -> str:
-    return PRELUDE[backend] + GQA_BODY
+def gqa_source(backend: str, tree: bool = False) -> str:
+    return PRELUDE[backend] + ROWS[tree] + GQA_BODY
 
 
-def partial_source(backend: str) -> str:
-    return PRELUDE[backend] + PARTIAL_BODY
+def partial_source(backend: str, tree: bool = False) -> str:
+    return PRELUDE[backend] + ROWS[tree] + PARTIAL_BODY
 
 
-def merge_source(backend: str) -> str:
-    return PRELUDE[backend] + MERGE_BODY
+def merge_source(backend: str, tree: bool = False) -> str:
+    return PRELUDE[backend] + ROWS[tree] + MERGE_BODY

@@ -1,7 +1,8 @@
 """A layer's attention over its cache: for a ``BufferKVCache``, a verify's
-causal rows through the exact verify attention (each row as MLX's one-row
-call computes it), else the block-attention kernel (over a block, or a draft
-tree's nodes while the cache has one), each where it passed its check and
+causal rows (a block's, or a draft tree's nodes) through the exact verify
+attention (each row as MLX's one-row call computes it), else the
+block-attention kernel (over a block, or a draft tree's nodes while the
+cache has one), each where it passed its check and
 this machine measured it faster (both in ``prepare``, never inside a compiled
 cycle); mlx-lm's attention everywhere else."""
 
@@ -22,7 +23,7 @@ def prepare(dtype, head_dim: int, windows, trees: bool = False) -> None:
     norm_rope.prepare(dtype, head_dim)
     linear.prepare(dtype)
     if None in set(windows):
-        exact_attention.prepare(dtype, head_dim)
+        exact_attention.prepare(dtype, head_dim, trees=trees)
     where = dispatch.backend()
     if where == "cpu" or dtype not in dispatch.TOLERANCE or head_dim not in dispatch.HEAD_DIMS:
         return
@@ -64,15 +65,11 @@ def attention_output(
     tree = getattr(cache, "tree", None)
     # A verify's rows (their offset on the device, a cycle's) as the plain step
     # computes each; a prompt's chunk (a host offset) as mlx-lm's prefill does.
-    if (
-        type(cache) is BufferKVCache
-        and isinstance(start, mx.array)
-        and tree is None
-        and causal
-        and window is None
-        and sinks is None
-    ):
-        out = exact_attention.attention(queries, keys, values, scale=scale, q_offset=start)
+    if type(cache) is BufferKVCache and isinstance(start, mx.array) and causal and window is None and sinks is None:
+        if tree is None:
+            out = exact_attention.attention(queries, keys, values, scale=scale, q_offset=start)
+        else:
+            out = exact_attention.tree_attention(queries, keys, values, scale=scale, q_offset=start, tree=tree)
         if out is not None:
             return out, False
     if type(cache) is BufferKVCache and start is not None and (tree is None or takes_tree(tree, queries, causal)):
