@@ -313,3 +313,31 @@ def test_a_moe_blocks_verify_rows_are_its_plain_steps(fake_gpu, family):
     assert len(kernel.pairs) == 3  # gate, up and down
     for i in range(6):
         assert mx.array_equal(got[:, i], block(x[:, i : i + 1])[:, 0]), i
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ here")
+def test_the_metal_check_compiles_the_gather_variants_and_catches_a_device_weight(monkeypatch):
+    """scripts/check_metal_kernels.py compiles the recorded variants; the lanes'
+    arithmetic handed the device weights instead of its registers is caught."""
+    from dflash_mlx.kernels import quantized_source
+
+    def check(most=2):
+        script = check_metal_script()
+        recorder = script.Recorder()
+        qg.record_variants(recorder.factory, "metal")
+        recorder.variants = {n: recorder.variants[n] for n in sorted(recorder.variants)[:most]}
+        compiler = script.Compiler(script.find_clang())
+        lines = []
+        try:
+            failed = script.check_all(recorder, compiler, report=lines.append)
+        finally:
+            compiler.close()
+        return failed, "\n".join(lines)
+
+    failed, log = check()
+    assert not failed, log
+    body = quantized_source.GATHER_BODY.replace("(acc[m][r], xs, wq[r],", "(acc[m][r], xs, w,")
+    assert body != quantized_source.GATHER_BODY
+    monkeypatch.setattr(quantized_source, "GATHER_BODY", body)
+    failed, log = check()
+    assert len(failed) == 2 and "no matching function for call to 'qv_add'" in log, log
