@@ -144,13 +144,47 @@ def decode_rows(args, prompts: list[list[int]]) -> list[dict]:
     return rows
 
 
+def qwen3_8b_drafter():
+    """A bf16 drafter at z-lab/Qwen3-8B-DFlash-b16's shapes, random weights,
+    bound to a stand-in target of Qwen3-8B's hidden size and vocabulary (its
+    layers' sizes do not enter the drafter's forward)."""
+    import mlx.core as mx
+
+    from dflash_mlx.targets import adapt
+    from dflash_mlx.tiny import draft_config, make_target, target_config
+
+    d = QWEN3_8B_DRAFTER
+    tcfg = target_config("qwen3", vocab=QWEN3_8B.vocab, layers=d.taps + 1, hidden=d.hidden)
+    target = make_target(dict(tcfg, intermediate_size=128))
+    target.set_dtype(mx.bfloat16)
+    cfg = draft_config(
+        tcfg,
+        layers=d.layers,
+        block_size=16,
+        taps=list(range(d.taps)),
+        intermediate_size=d.intermediate,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        head_dim=d.head_dim,
+    )
+    from dflash_mlx.draft.dflash import DFlashDraft, DraftConfig
+
+    draft = DFlashDraft(DraftConfig.from_dict(cfg))
+    draft.set_dtype(mx.bfloat16)
+    mx.eval(draft.parameters())
+    return draft.bind(adapt(target))
+
+
 def forward_rows(args) -> list[dict]:
     """The drafter's forward at 8 and 4 bits against its stored precision, as auto times it."""
     from dflash_mlx import load
     from dflash_mlx.draft import precision
     from dflash_mlx.kernels import decisions
 
-    _, draft, _ = load(args.model, args.draft_model, draft_bits=None)
+    if args.shape == "qwen3-8b":
+        draft = qwen3_8b_drafter()
+    else:
+        _, draft, _ = load(args.model, args.draft_model, draft_bits=None)
     stored = precision.forward(precision.copy(draft))
     rows = []
     for bits in (8, 4):
@@ -172,6 +206,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prompt-length", type=int, default=1024, help="context positions the bytes count KV for")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument(
+        "--shape",
+        choices=("pair", "qwen3-8b"),
+        default="pair",
+        help="the drafter (c) times: the pair's, or Z Lab's Qwen3-8B one's shapes",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
