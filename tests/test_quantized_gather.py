@@ -294,7 +294,7 @@ def test_greedy_dflash_through_the_kernel_on_a_quantized_moe_target_is_mlx_lms(f
     assert {4, 6, 10, 12} & set(kernel.pairs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_next"])
 def test_a_moe_blocks_verify_rows_are_its_plain_steps(fake_gpu, family):
     """experts.mlp runs mlx-lm's sparse block op for op: on the CPU it is the
     block; through a checked kernel each verify row is what a plain step gives."""
@@ -302,7 +302,7 @@ def test_a_moe_blocks_verify_rows_are_its_plain_steps(fake_gpu, family):
     model = make_family_target(cfg, seed=3)
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4, mode="mxfp4" if family == "gpt_oss" else "affine")
-    block = model.model.layers[0].mlp
+    block = next(layer.mlp for layer in model.model.layers if type(layer.mlp) in experts.FORWARDS)
     x = mx.random.normal((1, 6, 256), key=mx.random.key(9)).astype(mx.bfloat16)
     forward = experts.mlp(block)
     assert forward is not block and mx.array_equal(forward(x), block(x))

@@ -11,8 +11,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.gpt_oss import MLPBlock, mlx_topk
 from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..kernels import quantized_gather
@@ -77,7 +79,28 @@ def gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
     return x.sum(axis=-2)
 
 
-FORWARDS = {Qwen3MoeSparseMoeBlock: qwen3_moe, MLPBlock: gpt_oss}
+def qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's ``Qwen3NextSparseMoeBlock`` forward (Qwen3-Next, Qwen3.5/3.6
+    MoE), op for op, its router, experts and shared expert through the verify products."""
+    gates = apply_linear(block.gate, x)
+    gates = mx.softmax(gates, axis=-1, precise=True)
+    k = block.top_k
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    inds = mx.stop_gradient(inds)
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if block.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    y = switch_glu(block.switch_mlp, x, inds)
+    y = (y * scores[..., None]).sum(axis=-2)
+    shared = block.shared_expert
+    shared_y = apply_linear(
+        shared.down_proj, swiglu(apply_linear(shared.gate_proj, x), apply_linear(shared.up_proj, x))
+    )
+    shared_y = mx.sigmoid(apply_linear(block.shared_expert_gate, x)) * shared_y
+    return y + shared_y
+
+
+FORWARDS = {Qwen3MoeSparseMoeBlock: qwen3_moe, MLPBlock: gpt_oss, Qwen3NextSparseMoeBlock: qwen3_next}
 
 
 def mlp(module: nn.Module) -> Callable[[mx.array], mx.array]:
