@@ -5,7 +5,8 @@ writes as it writes the KV buffers: positions 0..length hold the committed
 tokens (``length``: the last one, not in the caches yet), positions past it are
 scratch that a later cycle overwrites. ``find`` matches the last n tokens
 against every earlier place with array ops, inside the cycle's graph, so the
-next cycle is still queued before the host reads this one's tokens.
+next cycle is still queued before the host reads this one's tokens;
+``find_believed`` also lets a drafter's logits choose among shorter matches.
 
 ``LookupDraft`` is the drafter of a target with no DFlash drafter: it has no
 module, and every block's drafts are looked up.
