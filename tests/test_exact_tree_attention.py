@@ -181,19 +181,19 @@ LOWER = [("GQA_TWO_PASS_KEYS", 256), ("GQA_KERNEL_KEYS", 288)]
 
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
 @pytest.mark.parametrize(
-    "nodes, g, start, n, seed",
+    "parents, g, start",
     [
-        (20, 1, 30, 256, 1),  # one pass, 16 deep
-        (20, 2, 244, 512, 2),  # GQA 2 across the (lowered) switch to two passes
-        (18, 8, 280, 512, 3),  # GQA 8 across the (lowered) switch to MLX's GQA kernel
+        (deep_tree(20, 16, 1), 1, 30),  # one pass, 16 deep
+        (deep_tree(20, 16, 2), 2, 244),  # GQA 2 across the (lowered) switch to two passes
+        (np.array([0, 0, 0, 2], np.int32), 8, 285),  # GQA 8 across the (lowered) switch to MLX's GQA kernel
     ],
+    ids=["one-pass", "two-pass", "gqa-kernel"],
 )
-def test_the_metal_tree_source_computes_each_node_in_mlxs_one_row_order(on_cpu, monkeypatch, nodes, g, start, n, seed):
+def test_the_metal_tree_source_computes_each_node_in_mlxs_one_row_order(on_cpu, monkeypatch, parents, g, start):
     for name, keys in LOWER:
         monkeypatch.setattr(ea, name, keys)
     storage = Storage("float16")
-    parents = deep_tree(nodes, 16, seed)
-    q, k, v = metal_case(nodes, g, start, n, 64, storage)
+    q, k, v = metal_case(len(parents), g, start, 512, 64, storage)
     got, exp = run_metal_source(on_cpu, q, k, v, start, 0, storage, plant=FEWER_KEYS, parents=parents)
     want = mlx_one_row_order(q, k, v, start, 0, exp, storage, parents=parents)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (got != want).sum()
