@@ -147,10 +147,13 @@ def decided(line) -> None:
         dispatch.measure(dispatch.backend(), mx.bfloat16, 128, None)
     except Exception as e:  # doctor reports, it does not crash
         line("measuring", f"failed: {type(e).__name__}: {e}", "red")
+    from dflash_mlx.draft.precision import DECISION as DRAFT_PRECISION
     from dflash_mlx.targets.recurrent import ROLLBACK_DECISION
 
+    # the strategies' two sides; a kernel's other side is MLX's own path
+    sides = {ROLLBACK_DECISION: ("replay", "per-step"), DRAFT_PRECISION: ("quantized", "as stored")}
     for d in store.all():
-        ours, theirs = ("replay", "per-step") if d.kernel == ROLLBACK_DECISION else ("kernel", "MLX")
+        ours, theirs = sides.get(d.kernel, ("kernel", "MLX"))
         verdict = ours if d.faster else ("MLX's own" if theirs == "MLX" else theirs)
         line(
             f"{d.kernel} {d.case}",

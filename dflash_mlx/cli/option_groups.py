@@ -81,10 +81,7 @@ class Pair:
     def load(self, name: Optional[str] = None, **loading):
         """(target, drafter, tokenizer): ``name`` (the target as resolved
         already) or --model, and ``loading``, load_pair's other arguments."""
-        bits = self.bits()
-        if bits != "auto":  # dflash_mlx.load's default
-            loading["draft_bits"] = bits
-        return load_pair(name or self.model, self.draft_model, dtype=self.dtype, **loading)
+        return load_pair(name or self.model, self.draft_model, dtype=self.dtype, draft_bits=self.bits(), **loading)
 
 
 SAMPLER = ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold", "min_tokens_to_keep")

@@ -38,6 +38,7 @@ def load_pair(
     adapter_path: Optional[str] = None,
     trust_remote_code: bool = False,
     dtype: str = "auto",
+    draft_bits: int | str | None = "auto",
 ):
     """(model, drafter, tokenizer) for --model (see ``model_or_builtin``) and
     --draft-model. dflash_mlx.load fetches the drafter and the target's config
@@ -65,6 +66,7 @@ def load_pair(
             trust_remote_code=trust_remote_code,
             dtype=dtype,
             flags=True,
+            draft_bits=draft_bits,
         )
     from dflash_mlx import compute_dtype
 

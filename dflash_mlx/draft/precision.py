@@ -146,9 +146,9 @@ def choose(drafter: nn.Module, target: nn.Module, store: decisions.Decisions) ->
     """The width ``auto`` takes for ``drafter`` (bound, as stored) beside
     ``target`` on this machine: the fastest width measured faster than the
     stored one, measuring each candidate once a machine and shape class
-    (outside compiled traces); None keeps it as stored. Policy ``on`` takes
-    the narrowest candidate unmeasured, ``off`` keeps it as stored."""
-    if bits_of(drafter) is not None:
+    (outside compiled traces); None keeps it as stored. A strategy, not a
+    kernel: the policies ``on`` and ``off`` keep it as stored (decisions.py)."""
+    if bits_of(drafter) is not None or store.policy != "measure":
         return None
     stored = None
     taken = []
