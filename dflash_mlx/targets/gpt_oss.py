@@ -7,6 +7,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..layers import experts
 from ..layers.blocks import attend, own_projections
 from .base import DenseTarget
 
@@ -23,6 +24,7 @@ class GptOssTarget(DenseTarget):
         """mlx-lm's gpt_oss TransformerBlock forward (h, mask, cache) -> h."""
         attn = layer.self_attn
         qkv = own_projections(attn)
+        mlp = experts.mlp(layer.mlp)
 
         def forward(h: mx.array, mask, cache) -> mx.array:
             B, L, _ = h.shape
@@ -31,6 +33,6 @@ class GptOssTarget(DenseTarget):
                 attn.rope, q, k, v, cache=cache, scale=attn.sm_scale, mask=mask, window=window, sinks=attn.sinks
             )
             h = h + attn.o_proj(out)
-            return h + layer.mlp(layer.post_attention_layernorm(h))
+            return h + mlp(layer.post_attention_layernorm(h))
 
         return forward

@@ -15,6 +15,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..kernels import gated_delta
 from ..kv.buffer import BufferKVCache, positions_mask, set_lengths
 from ..kv.tree import keep_path
+from ..layers import experts
 from ..layers.attention import prepare
 from ..layers.blocks import attend
 from .base import DenseTarget
@@ -83,7 +84,7 @@ class HybridTarget(DenseTarget):
         if not layer.is_linear:
             return self.blocks[i](h, mask, c)
         h = h + c.forward(layer.linear_attn, layer.input_layernorm(h))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + experts.mlp(layer.mlp)(layer.post_attention_layernorm(h))
 
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):
         if isinstance(cache, HybridCache):
@@ -157,6 +158,7 @@ class HybridTarget(DenseTarget):
 def attention_block(layer: nn.Module) -> Callable:
     """mlx-lm's Qwen3NextAttention layer forward (h, mask, cache) -> h."""
     attn = layer.self_attn
+    mlp = experts.mlp(layer.mlp)
 
     def forward(h: mx.array, mask, cache) -> mx.array:
         x = layer.input_layernorm(h)
@@ -169,7 +171,7 @@ def attention_block(layer: nn.Module) -> Callable:
         v = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
         out = attend(attn.rope, q, k, v, cache=cache, scale=attn.scale, mask=mask)
         h = h + attn.o_proj(out * mx.sigmoid(gate))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + mlp(layer.post_attention_layernorm(h))
 
     return forward
 
