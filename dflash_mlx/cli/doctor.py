@@ -163,14 +163,16 @@ def decided(line) -> None:
 
 
 def quantized_checks(line) -> list:
-    """The quantized verify product's checks (Metal, CUDA) at a Qwen3-8B
-    4-bit layer's K, affine 4 and 8 bits and mxfp4, a line each; their results."""
+    """The quantized verify products' checks (Metal, CUDA), dense at a Qwen3-8B
+    4-bit layer's K and experts at a Qwen3-30B-A3B expert's, affine 4 and 8
+    bits and mxfp4, a line each; their results."""
     import warnings
 
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    from dflash_mlx.kernels import quantized
+    from dflash_mlx.kernels import quantized, quantized_gather
 
     if quantized.backend() not in quantized.BUILDERS:
         return []
@@ -181,13 +183,18 @@ def quantized_checks(line) -> list:
                 layer = nn.QuantizedLinear(4096, 4096, bias=False, group_size=group, bits=bits, mode=mode)
                 layer.set_dtype(mx.bfloat16)
                 quantized.prepare(layer, mx.bfloat16)
-        results = quantized.self_check_all()
+                experts = QuantizedSwitchLinear(2048, 768, 8, bias=False, group_size=group, bits=bits, mode=mode)
+                experts.set_dtype(mx.bfloat16)
+                quantized_gather.prepare(experts, mx.bfloat16)
+        dense, gathered = quantized.self_check_all(), quantized_gather.self_check_all()
     except Exception as e:  # doctor reports, it does not crash
         line("self-check", f"could not run: {type(e).__name__}: {e}", "red")
         return []
-    for r in results:
+    for r in dense:
         check_line(line, f"check quantized {r.variant.case}", r, "MLX's quantized_matmul used")
-    return results
+    for r in gathered:
+        check_line(line, f"check quantized experts {r.variant.case}", r, "MLX's gather_qmm used")
+    return dense + gathered
 
 
 def check_line(line, name: str, result, fallback: str) -> None:
