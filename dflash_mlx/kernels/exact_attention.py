@@ -144,7 +144,8 @@ def ancestor_table(tree: TreeLayout) -> tuple[mx.array, mx.array]:
     n = tree.size
     nodes = mx.arange(n, dtype=mx.int32)
     at_depth = tree.ancestors[:, None, :] & (tree.depths[None, None, :] == nodes[None, :, None])  # [i, j, node]
-    return tree.depths.astype(mx.int32), mx.argmax(at_depth, axis=-1).astype(mx.int32)
+    # (at most one node a depth: the sum is its index; plain integer ops every backend has)
+    return tree.depths.astype(mx.int32), (at_depth * nodes).sum(axis=-1).astype(mx.int32)
 
 
 class ExactAttentionKernel:
