@@ -21,7 +21,7 @@ import mlx.core as mx
 from .. import compute_dtype
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
-from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find
+from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find, find_believed
 from ..draft.tree import TreeParams, accepted_path, build_tree, build_tree_compiled
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..targets import DenseTarget
@@ -263,7 +263,7 @@ class Cycle:
         if plan.tree:
             guesses = self.draft(self._masked(last, block_size), None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
-                looked_up, matched, hit = self._look_up(length, block_size - 1)
+                looked_up, matched, hit = self._look_up(length, block_size - 1, guesses)
             verify, tree = self.build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
         elif block_size > 1:
             if self.lookup_only:
@@ -278,11 +278,10 @@ class Cycle:
                         block, None, draft_cache, self.temperature, k_draft, self.draft_fused
                     )
                 else:
-                    drafts = mx.argmax(
-                        self.draft(block, None, draft_cache, self.draft_fused).squeeze(0), axis=-1
-                    ).astype(mx.int32)
+                    guesses = self.draft(block, None, draft_cache, self.draft_fused).squeeze(0)
+                    drafts = mx.argmax(guesses, axis=-1).astype(mx.int32)
                 if self.lookup is not None:
-                    looked_up, matched, hit = self._look_up(length, block_size - 1)
+                    looked_up, matched, hit = self._look_up(length, block_size - 1, None if self.selects else guesses)
                     drafted = drafts
                     drafts = mx.where(hit, looked_up, drafts)
                     if q is not None:  # a looked-up draft is a one-hot proposal
@@ -337,11 +336,15 @@ class Cycle:
         """The drafter's block [1, block_size]: the last committed token, then masks."""
         return mx.where(constant_arange(block_size) == 0, last, self.mask_id)[None]
 
-    def _look_up(self, length: mx.array, n: int):
-        """(the looked-up continuation [n], whether a long enough match was
-        found, whether the cycle drafts from it): beside a drafter."""
-        looked_up, matched = find(self.history.tokens, length, n, self.lookup)
-        matched = matched >= self.lookup.min_ngram
+    def _look_up(self, length: mx.array, n: int, logits: mx.array | None = None):
+        """(the looked-up continuation [n], whether it is worth drafting,
+        whether the cycle drafts from it): beside a drafter, whose block's
+        logits [n, V] (where given) choose among shorter matches."""
+        if logits is not None:
+            looked_up, matched = find_believed(self.history.tokens, length, logits, self.lookup)
+        else:
+            looked_up, matched = find(self.history.tokens, length, n, self.lookup)
+            matched = matched >= self.lookup.min_ngram
         return looked_up, matched, matched & self.lookup_enabled
 
     def _run_compiled(self, size: int, last: mx.array, length: mx.array, bound: int):
