@@ -18,6 +18,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from test_quantized_products import metal_one_row_order
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
+from dflash_mlx.kernels import quantized as qp
 from dflash_mlx.kernels import quantized_gather as qg
 from dflash_mlx.kernels.quantized_source import GATHER_INPUTS, OUTPUTS
 from dflash_mlx.layers import experts, linear
@@ -265,7 +266,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
         return launch
 
     qg.record_variants(factory, "metal")
-    assert len({values[:5] for values in recorded}) == 2 * (len(qg.AFFINE_BITS) * len(qg.GROUPS) + 1)
+    assert len({values[:5] for values in recorded}) == 2 * (len(qp.AFFINE_BITS) * len(qp.GROUPS) + 1)
     assert {values[7:] for values in recorded} == {(4, 8), (4, 4), (8, 4), (16, 4), (32, 2)}
 
 

@@ -172,14 +172,16 @@ class QuantizedProductKernel:
         return y.reshape(*lead, n)
 
 
-def variant_of(module: nn.Module, dtype) -> Variant | None:
-    """The variant serving ``module``'s products of ``dtype`` rows, or None where the kernel never does."""
-    if type(module) is not nn.QuantizedLinear or dtype not in DTYPES:
+def weight_format(module: nn.Module, dtype, ndim: int) -> Variant | None:
+    """The variant a quantized module's weight (``ndim`` dims: [N, K] packed,
+    or [experts, N, K]) takes for ``dtype`` rows, or None where its format,
+    dtypes or sizes are none the kernel reads."""
+    if dtype not in DTYPES or module.get("global_scale") is not None:
         return None
     weight, scales = module["weight"], module["scales"]
     biases = module.get("biases")
     mode, bits, group = module.mode, module.bits, module.group_size
-    if weight.ndim != 2 or weight.dtype != mx.uint32 or scales.ndim != 2:
+    if weight.ndim != ndim or weight.dtype != mx.uint32 or scales.ndim != ndim:
         return None
     if mode == "affine":
         if bits not in AFFINE_BITS or group not in GROUPS or biases is None:
@@ -191,10 +193,19 @@ def variant_of(module: nn.Module, dtype) -> Variant | None:
             return None
     else:
         return None
-    n, k = weight.shape[0], weight.shape[1] * 32 // bits
-    if n % 8 or k in (64, 128) or k % group or scales.shape != (n, k // group):
+    n, k = weight.shape[-2], weight.shape[-1] * 32 // bits
+    if n % 8 or k % group or scales.shape != (*weight.shape[:-1], k // group):
         return None
     return Variant(dtype, mode, bits, group, k, n > WIDE or k > WIDE)
+
+
+def variant_of(module: nn.Module, dtype) -> Variant | None:
+    """The variant serving ``module``'s products of ``dtype`` rows, or None where the kernel never does."""
+    if type(module) is not nn.QuantizedLinear:
+        return None
+    variant = weight_format(module, dtype, ndim=2)
+    # Metal's one row takes qmv_quad at K 64 and 128, an order the kernel does not follow
+    return None if variant is None or variant.k in (64, 128) else variant
 
 
 BUILDERS = {"metal": QuantizedProductKernel, "cuda": QuantizedProductKernel}

@@ -29,13 +29,11 @@ from ..device import backend
 from .attention import make_factory
 from .launch_source import compacting
 from .quantized import (
-    AFFINE_BITS,
     CHECK_N,
     CHECK_ROWS,
     DEQUANTIZATIONS,
     DTYPES,
     FEWEST_ROWS,
-    GROUPS,
     MOST_ROWS,
     WIDE,
     QuantizedCheck,
@@ -44,6 +42,7 @@ from .quantized import (
     block_k,
     packs,
     tile,
+    weight_format,
 )
 from .quantized_source import GATHER_INPUTS, HEADER, OUTPUTS, SIMD, VERSION, WARPS, source
 from .serving import MEASURED_ROWS, CheckedVariants, bit_difference, checked_here, failure
@@ -116,27 +115,9 @@ class QuantizedGatherKernel:
 
 def variant_of(module: nn.Module, dtype) -> Variant | None:
     """The variant serving ``module``'s expert products of ``dtype`` rows, or None where the kernel never does."""
-    if type(module) is not QuantizedSwitchLinear or dtype not in DTYPES or module.get("global_scale") is not None:
+    if type(module) is not QuantizedSwitchLinear:
         return None
-    weight, scales = module["weight"], module["scales"]
-    biases = module.get("biases")
-    mode, bits, group = module.mode, module.bits, module.group_size
-    if weight.ndim != 3 or weight.dtype != mx.uint32 or scales.ndim != 3:
-        return None
-    if mode == "affine":
-        if bits not in AFFINE_BITS or group not in GROUPS or biases is None:
-            return None
-        if scales.dtype != dtype or biases.dtype != dtype or biases.shape != scales.shape:
-            return None
-    elif mode == "mxfp4":
-        if bits != 4 or group != 32 or biases is not None or scales.dtype != mx.uint8:
-            return None
-    else:
-        return None
-    e, n, k = weight.shape[0], weight.shape[1], weight.shape[2] * 32 // bits
-    if n % 8 or k % group or scales.shape != (e, n, k // group):
-        return None
-    return Variant(dtype, mode, bits, group, k, n > WIDE or k > WIDE)
+    return weight_format(module, dtype, ndim=3)
 
 
 BUILDERS = {"metal": QuantizedGatherKernel, "cuda": QuantizedGatherKernel}
