@@ -53,9 +53,10 @@ def switch_glu(glu: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
     return y[mx.argsort(order)].reshape(*lead, top_k, -1)
 
 
-def qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
-    """mlx-lm's ``Qwen3MoeSparseMoeBlock`` forward, op for op, its router and
-    experts through the verify products."""
+def top_k_softmax(block: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    """The experts a Qwen3-MoE / Qwen3-Next router picks for each row and their
+    weights, op for op as mlx-lm's blocks compute them, the router's product
+    through the verify products."""
     gates = apply_linear(block.gate, x)
     gates = mx.softmax(gates, axis=-1, precise=True)
     k = block.top_k
@@ -63,7 +64,14 @@ def qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
     inds = mx.stop_gradient(inds)
     scores = mx.take_along_axis(gates, inds, axis=-1)
     if block.norm_topk_prob:
-        scores /= mx.sum(scores, axis=-1, keepdims=True)
+        scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+    return inds, scores
+
+
+def qwen3_moe(block: nn.Module, x: mx.array) -> mx.array:
+    """mlx-lm's ``Qwen3MoeSparseMoeBlock`` forward, op for op, its router and
+    experts through the verify products."""
+    inds, scores = top_k_softmax(block, x)
     y = switch_glu(block.switch_mlp, x, inds)
     return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
@@ -82,14 +90,7 @@ def gpt_oss(block: nn.Module, x: mx.array) -> mx.array:
 def qwen3_next(block: nn.Module, x: mx.array) -> mx.array:
     """mlx-lm's ``Qwen3NextSparseMoeBlock`` forward (Qwen3-Next, Qwen3.5/3.6
     MoE), op for op, its router, experts and shared expert through the verify products."""
-    gates = apply_linear(block.gate, x)
-    gates = mx.softmax(gates, axis=-1, precise=True)
-    k = block.top_k
-    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
-    inds = mx.stop_gradient(inds)
-    scores = mx.take_along_axis(gates, inds, axis=-1)
-    if block.norm_topk_prob:
-        scores = scores / scores.sum(axis=-1, keepdims=True)
+    inds, scores = top_k_softmax(block, x)
     y = switch_glu(block.switch_mlp, x, inds)
     y = (y * scores[..., None]).sum(axis=-2)
     shared = block.shared_expert
