@@ -478,3 +478,17 @@ def test_batched_greedy_equals_mlx_lm_across_families(family):
         text, tokens, finish = mlx_lm_greedy(model, tokenizer, prompt, 14)
         assert reply.merge(done.delta).content == text
         assert (done.usage.completion_tokens, done.finish_reason) == (tokens, finish)
+
+
+def test_metrics_show_the_batch_size_the_choice_weighs():
+    from dflash_mlx.server.cache_pool import PromptCachePool
+    from dflash_mlx.server.metrics import Metrics
+
+    choice = PathChoice()
+    choice.observe_clients(3)
+    choice.observe_clients(5)
+    choice.observe_clients(2)
+    text = Metrics().render(0, PromptCachePool(lambda: None), choice)
+    assert "\ndflash_path_clients 5\n" in text
+    choice.observe_clients(7, at=0.0)  # long before the window: forgotten
+    assert "\ndflash_path_clients 5\n" in Metrics().render(0, PromptCachePool(lambda: None), choice)

@@ -155,6 +155,12 @@ class Metrics:
                 "The running estimate of generated tokens/s in total the path gives at that batch size.",
                 [(labels, v) for labels, v in estimates if v is not None],
             )
+            family(
+                "dflash_path_clients",
+                "gauge",
+                "The batch size the path choice weighs: the most requests in the server together lately.",
+                [({}, choice.clients())],
+            )
         family(
             "dflash_prompt_cache_hits_total",
             "counter",
