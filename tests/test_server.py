@@ -8,7 +8,7 @@ import json
 import anthropic
 import httpx
 import openai
-from test_server_fixtures import chat_pair, chat_server, scripted_pair, scripted_server  # noqa: F401
+from test_server_fixtures import chat_pair, chat_server, scripted_pair, scripted_server, serving  # noqa: F401
 
 from dflash_mlx import generate, stream_generate
 
@@ -92,12 +92,15 @@ def test_seeded_sampling_is_repeatable(chat_server):
     assert first != sample(8) or first != sample(9)
 
 
-def test_second_turn_is_served_from_the_prompt_cache(chat_pair, chat_server):
-    client = openai_client(chat_server)
-    turn = [{"role": "user", "content": "w30 w31 w32 w33"}]
-    first = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8)
-    turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "w40"}]
-    second = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8)
+def test_second_turn_is_served_from_the_prompt_cache(chat_pair):
+    # DFlash's path keeps prompt caches; a batch keeps its own (test_server_batch.py), and the
+    # module's shared server may still count other tests' clients as company for a batch
+    with serving(*chat_pair, batching="off") as url:
+        client = openai_client(url)
+        turn = [{"role": "user", "content": "w30 w31 w32 w33"}]
+        first = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8)
+        turn += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "w40"}]
+        second = client.chat.completions.create(model="tiny", messages=turn, max_tokens=8)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
     assert second.choices[0].message.content == reference(chat_pair, turn, 8)
 
