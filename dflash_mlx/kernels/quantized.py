@@ -317,31 +317,39 @@ def check_cases(variant: Variant):
 
 
 def self_check(where: str, variant: Variant) -> QuantizedCheck:
-    """The kernel's rows against MLX's one-row products of the same rows, bit
-    for bit; on CUDA (affine) with each dequantization in turn, keeping the first that matches."""
-    tries = DEQUANTIZATIONS.get(where, (False,)) if variant.mode == "affine" else (False,)
-    for fused in tries:
-        result = _check_once(where, variant, fused)
-        if result.ok:
-            break
-    return result
+    """The kernel's rows against MLX's one-row products of the same rows, bit for bit."""
 
-
-def _check_once(where: str, variant: Variant, fused: bool) -> QuantizedCheck:
-    try:
-        kernel = _kernels.get(where)
-        if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
+    def outputs(kernel, fused: bool):
         quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
         for x, weight, scales, biases in check_cases(variant):
             got = kernel(x, weight, scales, biases, **quant, fused=fused)
-            want = one_row_products(x, weight, scales, biases, **quant)
-            detail = bit_difference(got, want)
-            if detail is not None:
-                return QuantizedCheck(where, variant, False, detail, fused)
-        return QuantizedCheck(where, variant, True, "every row equal to MLX's one-row product", fused)
-    except Exception as e:  # a build or launch error: the kernel is not used
-        return QuantizedCheck(where, variant, False, failure(e))
+            yield got, one_row_products(x, weight, scales, biases, **quant)
+
+    return compare_outputs(where, variant, (_kernels, BUILDERS), outputs, "every row equal to MLX's one-row product")
+
+
+def compare_outputs(where: str, variant: Variant, kernels: tuple, outputs, passed: str) -> QuantizedCheck:
+    """A quantized kernel's check: ``outputs(kernel, fused)`` yields (the
+    kernel's, MLX's one-row) pairs that must be equal bit for bit, the kernel
+    built once a backend from ``kernels`` (made, builders); on CUDA (affine)
+    each dequantization in turn, keeping the first that matches; a build or
+    launch error fails it."""
+    made, builders = kernels
+    tries = DEQUANTIZATIONS.get(where, (False,)) if variant.mode == "affine" else (False,)
+    for fused in tries:
+        try:
+            if where not in made:
+                made[where] = builders[where](where)
+            for got, want in outputs(made[where], fused):
+                detail = bit_difference(got, want)
+                if detail is not None:
+                    break
+            else:
+                return QuantizedCheck(where, variant, True, passed, fused)
+            result = QuantizedCheck(where, variant, False, detail, fused)
+        except Exception as e:  # a build or launch error: the kernel is not used
+            result = QuantizedCheck(where, variant, False, failure(e))
+    return result
 
 
 def self_check_all(report=None) -> list[QuantizedCheck]:

@@ -40,12 +40,13 @@ from .quantized import (
     Variant,
     all_variants,
     block_k,
+    compare_outputs,
     packs,
     tile,
     weight_format,
 )
 from .quantized_source import GATHER_INPUTS, HEADER, OUTPUTS, SIMD, VERSION, WARPS, source
-from .serving import MEASURED_ROWS, CheckedVariants, bit_difference, checked_here, failure
+from .serving import MEASURED_ROWS, CheckedVariants, checked_here
 
 CHECK_EXPERTS = 5
 CHECK_TOP_K = 3  # experts a row in the self-check (some pairs share one, some rows repeat one)
@@ -222,31 +223,16 @@ def check_cases(variant: Variant):
 
 
 def self_check(where: str, variant: Variant) -> QuantizedCheck:
-    """The kernel's pairs against MLX's one-row gather products, bit for bit;
-    on CUDA (affine) each dequantization in turn, keeping the first that matches."""
-    tries = DEQUANTIZATIONS.get(where, (False,)) if variant.mode == "affine" else (False,)
-    for fused in tries:
-        result = _check_once(where, variant, fused)
-        if result.ok:
-            break
-    return result
+    """The kernel's pairs against MLX's one-row gather products, bit for bit."""
 
-
-def _check_once(where: str, variant: Variant, fused: bool) -> QuantizedCheck:
-    try:
-        kernel = _kernels.get(where)
-        if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
+    def outputs(kernel, fused: bool):
         quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
         for x, lhs, rhs, weight, scales, biases in check_cases(variant):
             got = kernel(x, lhs, rhs, weight, scales, biases, **quant, fused=fused)
-            want = one_row_products(x, lhs.tolist(), rhs, weight, scales, biases, **quant)
-            detail = bit_difference(got, want)
-            if detail is not None:
-                return QuantizedCheck(where, variant, False, detail, fused)
-        return QuantizedCheck(where, variant, True, "every pair equal to MLX's one-row gather product", fused)
-    except Exception as e:  # a build or launch error: the kernel is not used
-        return QuantizedCheck(where, variant, False, failure(e))
+            yield got, one_row_products(x, lhs.tolist(), rhs, weight, scales, biases, **quant)
+
+    passed = "every pair equal to MLX's one-row gather product"
+    return compare_outputs(where, variant, (_kernels, BUILDERS), outputs, passed)
 
 
 def prepare(model: nn.Module, dtype) -> None:
