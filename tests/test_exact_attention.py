@@ -12,6 +12,7 @@ import metal_on_cpu
 import mlx.core as mx
 import numpy as np
 import pytest
+from launch_recorder import recording_factory
 from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 
 from dflash_mlx.kernels import exact_attention as ea
@@ -93,15 +94,7 @@ def test_cuda_reads_q_scaled_into_base_2_as_mlx_rounds_it():
 
 
 def record_launches(backend_name: str):
-    launches = []
-
-    def factory(**made):
-        def launch(**kw):
-            launches.append(kw)
-            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-        return launch
-
+    factory, launches = recording_factory()
     return ea.ExactAttentionKernel(backend_name, factory=factory), launches
 
 

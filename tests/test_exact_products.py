@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from launch_recorder import recording_factory
 from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 from tiny import (
     draft_config,
@@ -127,15 +128,7 @@ def test_the_variants_served(module, dtype, served):
 
 
 def record_launches(backend_name: str):
-    launches = []
-
-    def factory(**made):
-        def launch(**kw):
-            launches.append(kw)
-            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-        return launch
-
+    factory, launches = recording_factory()
     return ep.ExactProductKernel(backend_name, factory=factory), launches
 
 

@@ -12,6 +12,7 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from launch_recorder import recording_factory
 from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 from tiny import (
     draft_config,
@@ -137,15 +138,7 @@ def test_a_weight_past_wide_is_its_own_variant():
 
 
 def record_launches(backend_name: str):
-    launches = []
-
-    def factory(**made):
-        def launch(**kw):
-            launches.append(kw)
-            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-        return launch
-
+    factory, launches = recording_factory()
     return qp.QuantizedProductKernel(backend_name, factory=factory), launches
 
 
