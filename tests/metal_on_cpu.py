@@ -126,6 +126,21 @@ def check_metal_script():
     return script
 
 
+def with_thread_entry(text: str, buffers: list[str], attributes: dict[str, str], thread: str) -> str:
+    """A lowered kernel source plus ``harness_thread(void** bufs, <thread>)``,
+    which calls the kernel's instance with its buffer arguments read from
+    ``bufs`` (in the order of ``buffers``) and its thread-position arguments
+    as ``attributes`` writes them in terms of ``thread``'s parameters."""
+    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
+    args = []
+    for param in text[start.end() : text.index(") {", start.end())].split(","):
+        name = re.search(r"(\w+)\s*$", param).group(1)
+        kind = param[: param.rindex(name)].strip()
+        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else attributes[name])
+    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
+    return text + f'\nextern "C" void harness_thread(void** bufs, {thread}) {{\n  {instance}({", ".join(args)});\n}}\n'
+
+
 def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
     """The variant's source compiled for this CPU: ``harness_run(buffers, groups x,
     groups y, simdgroups)`` runs its grid, ``buffers`` naming the kernel's buffer
@@ -134,18 +149,8 @@ def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
     assert not problems, problems
     shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
     (tmp_path / "metal_stub.h").write_text(BUILTINS)
-    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
-    args = []
-    for param in text[start.end() : text.index(") {", start.end())].split(","):
-        name = re.search(r"(\w+)\s*$", param).group(1)
-        kind = param[: param.rindex(name)].strip()
-        args.append(f"({kind})bufs[{buffers.index(name)}]" if name in buffers else ATTRIBUTE_VALUES[name])
-    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
-    text += (
-        '\nextern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, '
-        f"unsigned gx, unsigned gy) {{\n  {instance}({', '.join(args)});\n}}\n"
-    )
-    (tmp_path / "kernel.cpp").write_text(text)
+    thread = "unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy"
+    (tmp_path / "kernel.cpp").write_text(with_thread_entry(text, buffers, ATTRIBUTE_VALUES, thread))
     (tmp_path / "driver.cpp").write_text(DRIVER)
     flags = ["-O1", "-fPIC", "-c"]
     kernel_flags = ["-Xclang", "-ffloat16-excess-precision=none", "-nostdinc", "-nostdinc++", "-fno-exceptions"]

@@ -9,6 +9,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from metal_on_cpu import with_thread_entry
 
 from dflash_mlx.kernels import attention_source as source
 from dflash_mlx.kernels import attention_tiles as source_tiles
@@ -774,18 +775,8 @@ def build_tree_pass(script, source: str, names: list[str], tmp_path):
     (tmp_path / "metal_stub.h").write_text(TREE_STUB)
     for header in script.METAL_HEADERS:
         (tmp_path / header).write_text('#include "metal_stub.h"\n')
-    start = re.search(r"void (custom_kernel_\w+)\(\n", text)
-    args = []
-    for param in text[start.end() : text.index(") {", start.end())].split(","):
-        name = re.search(r"(\w+)\s*$", param).group(1)
-        kind = param[: param.rindex(name)].strip()
-        args.append(f"({kind})bufs[{names.index(name)}]" if name in names else TREE_ATTRIBUTES[name])
-    instance = re.search(r"decltype\((\w+<[^()]*>)\)", text).group(1)
-    text += (
-        '\nextern "C" void harness_thread(void** bufs, unsigned tid, unsigned x, unsigned y, unsigned z, '
-        f"unsigned gx, unsigned gy, unsigned gz) {{\n  {instance}({', '.join(args)});\n}}\n"
-    )
-    (tmp_path / "kernel.cpp").write_text(text)
+    thread = "unsigned tid, unsigned x, unsigned y, unsigned z, unsigned gx, unsigned gy, unsigned gz"
+    (tmp_path / "kernel.cpp").write_text(with_thread_entry(text, names, TREE_ATTRIBUTES, thread))
     (tmp_path / "driver.cpp").write_text(TREE_DRIVER)
     clang = script.find_clang()
     flags = ["-O1", "-fPIC", "-c"]
