@@ -66,7 +66,7 @@ class HybridTarget(DenseTarget):
         self.first_attention = self.linear.index(False)
 
     def make_blocks(self) -> None:
-        self.blocks = [None if layer.is_linear else attention_block(layer) for layer in self.inner.layers]
+        self.blocks = [delta_block(layer) if layer.is_linear else attention_block(layer) for layer in self.inner.layers]
         prepare(self.dtype, self.head_dim, [None])
         delta = next(layer.linear_attn for layer in self.inner.layers if layer.is_linear)
         gated_delta.prepare(self.dtype, delta.head_k_dim, delta.head_v_dim)
@@ -79,13 +79,6 @@ class HybridTarget(DenseTarget):
         mask = create_attention_mask(h, cache[self.first_attention], return_array=False)
         return [None if linear else mask for linear in self.linear]
 
-    def _layer(self, i, h, mask, c):
-        layer = self.inner.layers[i]
-        if not layer.is_linear:
-            return self.blocks[i](h, mask, c)
-        h = h + c.forward(layer.linear_attn, layer.input_layernorm(h))
-        return h + experts.mlp(layer.mlp)(layer.post_attention_layernorm(h))
-
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):
         if isinstance(cache, HybridCache):
             cache.log.append((cache[self.first_attention].offset, tokens[0]))
@@ -93,7 +86,7 @@ class HybridTarget(DenseTarget):
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
         for i, (c, mask) in enumerate(zip(cache, self.masks(h, cache))):
-            h = self._layer(i, h, mask, c)
+            h = self.blocks[i](h, mask, c)
             if i in order:
                 tapped[order[i]] = h
         if last_only:
@@ -149,10 +142,22 @@ class HybridTarget(DenseTarget):
         reading = [c if isinstance(c, DeltaCache) else _Reading(c, m) for c in cache]
         h = self.embed(mx.array(ids[m:], mx.int32)[None])
         for i, (c, mask) in enumerate(zip(reading, self.masks(h, reading))):
-            h = self._layer(i, h, mask, c)
+            h = self.blocks[i](h, mask, c)
         for c in delta:
             c.restore(n)
         mx.eval([a for c in delta for a in c.state if a is not None])
+
+
+def delta_block(layer: nn.Module) -> Callable:
+    """A gated delta-net layer's forward (h, mask, cache) -> h, its recurrence
+    through the layer's DeltaCache (the mask unused)."""
+    mlp = experts.mlp(layer.mlp)
+
+    def forward(h: mx.array, mask, cache) -> mx.array:
+        h = h + cache.forward(layer.linear_attn, layer.input_layernorm(h))
+        return h + mlp(layer.post_attention_layernorm(h))
+
+    return forward
 
 
 def attention_block(layer: nn.Module) -> Callable:
