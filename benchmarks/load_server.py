@@ -7,6 +7,7 @@ Reported in BENCHMARKS.md, "`dflash-mlx serve` under load", and docs/server.md.
     python benchmarks/load_server.py --clients 8 --requests 4 --max-tokens 64
     python benchmarks/load_server.py --url http://127.0.0.1:8080 --model-name builtin   # a server already running
     python benchmarks/load_server.py --prefix-reuse --prompt-tokens 4096
+    python benchmarks/load_server.py --prefix-reuse --shape qwen3-8b --prompt-tokens 16384   # a GPU
     python benchmarks/load_server.py --compare --clients 1,4,8 --requests 3 --max-tokens 64 --repeat 3
 
 --compare serves the pair three times per number of clients: --batching off
@@ -27,7 +28,9 @@ Each process first answers a short unrelated request, so no figure pays for
 warming up. A request's time is a one-token completion's, measured by the
 client: queue, cache lookup and load, prefill and the first token. The built-in
 pair's context is 2048 positions; for longer prompts its target is served from a
-copy whose config allows the length (the same weights).
+copy whose config allows the length (the same weights). With --shape the pair is
+random weights at a model's shapes (benchmarks/cycle.py's), written to a
+temporary directory once and loaded by both processes.
 
 N clients each send M streamed chat requests one after another over loopback
 (the held-out chat prompts, greedy), each --think-s seconds after the last
@@ -339,7 +342,12 @@ def serve_phase(args, prompts: list[list[int]]) -> tuple[list[dict], dict]:
 
     from dflash_mlx.server import ServerConfig, create_app, running_in_thread
 
-    model, draft, tokenizer = long_context_pair(args)
+    if args.model in (None, "builtin"):
+        model, draft, tokenizer = long_context_pair(args)
+    else:
+        from dflash_mlx import load
+
+        model, draft, tokenizer = load(args.model, draft=args.draft_model)
     config = ServerConfig(
         model_name=args.model_name,
         max_tokens=1,
@@ -383,9 +391,13 @@ def prefix_reuse(args) -> dict:
 
     from dflash_mlx import builtin
 
-    if args.model not in (None, "builtin"):
-        raise SystemExit("--prefix-reuse runs the built-in pair; leave out --model.")
-    vocab = load_config(Path(builtin.TARGET))["vocab_size"]
+    if args.model not in (None, "builtin") and args.phase == "first":
+        raise SystemExit("--prefix-reuse runs the built-in pair or --shape's; leave out --model.")
+    if args.shape:
+        from speed import random_pair
+
+        args.model, args.draft_model = random_pair(args.shape, Path(tempfile.mkdtemp(prefix="dflash-pair-")))
+    vocab = load_config(Path(args.model if args.model not in (None, "builtin") else builtin.TARGET))["vocab_size"]
     warm, first, second, third = prefix_prompts(vocab, args.prompt_tokens)
     if args.phase == "restart":
         times, counters = serve_phase(args, [warm, third])
@@ -397,6 +409,8 @@ def prefix_reuse(args) -> dict:
     command = [sys.executable, __file__, "--prefix-reuse", "--phase", "restart"]
     command += ["--prompt-tokens", str(args.prompt_tokens), "--prefix-cache-dir", args.prefix_cache_dir]
     command += ["--prefix-cache-gb", str(args.prefix_cache_gb), "--model-name", args.model_name]
+    if args.shape:
+        command += ["--model", args.model, "--draft-model", args.draft_model]
     if args.block_size is not None:
         command += ["--block-size", str(args.block_size)]
     restart = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
@@ -404,6 +418,7 @@ def prefix_reuse(args) -> dict:
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
         "prompt_tokens": args.prompt_tokens,
+        "pair": args.shape or "builtin",
         "first": times[0],
         "same_process": times[1],
         "restart": restart["restart"],
@@ -444,6 +459,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="--prefix-reuse: the prompts' length.")
     parser.add_argument("--prefix-cache-dir", help="--prefix-reuse: the directory (default: a temporary one).")
     parser.add_argument("--prefix-cache-gb", type=float, default=20.0)
+    parser.add_argument("--shape", help="--prefix-reuse: random weights at these shapes (cycle.py's) for the pair.")
     parser.add_argument("--phase", choices=["first", "restart"], default="first", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
