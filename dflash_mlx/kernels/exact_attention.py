@@ -69,9 +69,10 @@ MOST_TREE_NODES = 64
 # Simdgroups a two-pass partial threadgroup holds (one a row; a KV head's rows in tiles of the least that fits).
 ROW_TILES = (4, 8, 16, 32)
 MERGE_WARPS = 4
-# Rows a one-pass threadgroup (MLX's 32 streams) takes at once, by head dim: a
-# lane keeps each row's query and output (2 x D/32 floats) in registers.
-ONE_PASS_ROWS = {64: 8, 128: 8, 256: 4}
+# Rows a one-pass threadgroup of 1024 threads (MLX's 32 streams) takes at once, by
+# backend and head dim: a lane keeps each row's query and output (2 x D/32 floats)
+# in registers, and 1024 threads leave a CUDA thread 64 registers (MLX's kernel: one row).
+ONE_PASS_ROWS = {"metal": {64: 4, 128: 2, 256: 1}, "cuda": {64: 1, 128: 1}}
 # The multiply-add forms a backend's check tries, in order (exact_attention_source: FORM).
 FORMS = {"metal": (0, 1, 2), "cuda": (0, 2)}
 # Keys past which MLX's one-row call leaves the order followed here.
@@ -221,7 +222,7 @@ class ExactAttentionKernel:
         extra = [] if tree is None else list(tree)
         inputs = [queries, keys, values, offset, params, dims, *extra]
         kernels = self.launches[tree is not None]
-        tile = ONE_PASS_ROWS[D]
+        tile = ONE_PASS_ROWS[self.backend][D]
         (first,) = kernels["one_pass"](
             inputs=inputs,
             template=[("T", queries.dtype), ("D", D), ("FORM", form), ("RT", tile)],
