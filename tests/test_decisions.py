@@ -106,8 +106,18 @@ def test_policies_override_the_measurement(tmp_path):
     assert store(None, "on").uses("k", "never measured")
     off = store(None, "off")
     assert not off.decide("k", "c", ours=never, theirs=never)
-    with pytest.raises(ValueError, match="DFLASH_MLX_KERNELS='fastest' is not a policy; use one of: measure, on, off"):
+    with pytest.raises(
+        ValueError, match="DFLASH_MLX_KERNELS='fastest' is not a policy; use one of: measure, exact, on, off"
+    ):
         store(None, "fastest")
+
+
+def test_exact_is_measure_with_exactness_first_on_every_backend():
+    exact, measure = store(None, "exact"), store(None, "measure")
+    assert exact.policy == "measure" and not exact.uses("k", "never measured")
+    assert exact.exact_first("cuda") and exact.serves_exact("k", "never measured", "cuda")
+    assert not measure.exact_first("cuda") and not measure.serves_exact("k", "never measured", "cuda")
+    assert measure.exact_first("metal") and not store(None, "on").exact_first("metal")
 
 
 def test_the_process_store_lives_under_dflash_mlx_home(tmp_path, monkeypatch):

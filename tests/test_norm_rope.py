@@ -140,6 +140,48 @@ def test_a_kernel_that_checks_out_is_what_a_qwen3_layer_runs(fake_gpu):
     assert result.ok
 
 
+def as_the_ops(q, k, qw, kw, *, eps, scale, base, offset):
+    """A kernel computing exactly what MLX's norm and rope ops do."""
+    qn, kn = nn.RMSNorm(q.shape[-1], eps=eps), nn.RMSNorm(k.shape[-1], eps=eps)
+    qn.weight, kn.weight = qw, kw
+    return nr.ops_norm_rope(q, k, qn, kn, nn.RoPE(q.shape[-1], base=base, scale=scale), offset)
+
+
+def nudged(q, k, qw, kw, **kwargs):
+    """The ops' result with q's first element one unit in the last place off:
+    within the check's tolerance, not bit for bit."""
+    qo, ko = as_the_ops(q, k, qw, kw, **kwargs)
+    first = qo.reshape(-1)[:1]
+    step = mx.abs(first.astype(mx.float32)) * 2.0**-20 + 1e-30
+    return mx.concatenate([(first.astype(mx.float32) + step).astype(qo.dtype), qo.reshape(-1)[1:]]).reshape(
+        qo.shape
+    ), ko
+
+
+@pytest.mark.parametrize("exact_first", [True, False])
+def test_where_exactness_comes_first_only_a_bit_equal_kernel_serves(fake_gpu, monkeypatch, exact_first):
+    """On a Mac (decisions.EXACT_FIRST) a kernel that rounds one element
+    otherwise than MLX's norm and rope passes its check but never serves, so a
+    verify row rounds as the one-row step's; elsewhere it serves."""
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setattr(decisions, "EXACT_FIRST", ("fake",) if exact_first else ())
+    monkeypatch.setattr(decisions, "_current", decisions.Decisions(None, "measure", on={}), raising=False)
+    layer = tiny_qwen3_layer()
+    h = mx.random.normal((1, 5, 128), key=mx.random.key(1))
+    for fn, bit_equal in ((nudged, False), (as_the_ops, True)):
+        nr.reset()
+        kernel = Recorder(fn)
+        fake_gpu(kernel)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            nr.prepare(mx.float32, 64)
+        assert nr._checks[("fake", mx.float32, 64)].ok
+        checked = kernel.calls
+        run_layer(layer, h, 40)
+        assert kernel.calls == checked + (1 if bit_equal or not exact_first else 0)
+
+
 def test_a_kernel_that_does_not_check_out_warns_once_and_is_never_used(fake_gpu):
     def swapped(q, k, qw, kw, **kwargs):  # the pairs rotated the wrong way
         qo, ko = kernel_arithmetic(q, k, qw, kw, **kwargs)

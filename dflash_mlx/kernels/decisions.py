@@ -5,13 +5,15 @@ only where a first-use measurement on this machine found it faster than
 MLX's own path; a case never measured runs MLX's. Decisions are kept per
 machine (backend, device, MLX version) in ``$DFLASH_MLX_HOME/decisions/``,
 so a machine measures each case once. ``DFLASH_MLX_KERNELS`` overrides the
-policy: ``measure`` (the default), ``on`` (every checked kernel, unmeasured)
-or ``off`` (MLX's own ops only).
+policy: ``measure`` (the default), ``exact`` (``measure``, with exactness
+first on every backend), ``on`` (every checked kernel, unmeasured) or ``off``
+(MLX's own ops only).
 
 An exact verify kernel (a verify row bit for bit the one-row step's, so that
 greedy DFlash equals plain decoding) is the exception: on Metal, where it
 follows MLX's own one-row kernels, exactness comes first and it serves
-wherever it passed its checks, measured or not (``serves_exact``).
+wherever it passed its checks, measured or not (``serves_exact``), and a
+fused kernel that rounds otherwise than MLX's ops does not serve a verify.
 
 A strategy whose default is not MLX's own path (the delta-net layers'
 rollback, targets/recurrent.py) is kept here alike, ours against the
@@ -38,9 +40,10 @@ from ..home import home, remembers, write_json
 
 FORMAT = "dflash-mlx kernel decisions"
 VERSION = 1
-POLICIES = ("measure", "on", "off")
+POLICIES = ("measure", "exact", "on", "off")
 # Backends where an exact verify kernel serves wherever it is exact: on CUDA MLX's
 # one-row step often runs a library (cuBLAS, cuDNN) whose order no kernel can follow.
+# Policy ``exact`` is ``measure`` with every backend among them.
 EXACT_FIRST = ("metal",)
 # Ours must beat MLX's by this fraction: a tie keeps MLX's own path.
 MARGIN = 0.03
@@ -84,7 +87,8 @@ class Decisions:
     def __init__(self, path: Path | None, policy: str = "measure", on: dict[str, str] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"DFLASH_MLX_KERNELS={policy!r} is not a policy; use one of: {', '.join(POLICIES)}.")
-        self.path, self.policy = path, policy
+        self.exact_everywhere = policy == "exact"
+        self.path, self.policy = path, "measure" if policy == "exact" else policy
         self.machine = on if on is not None else machine()
         self.known: dict[tuple[str, str], Decision] = {}
         if path is not None:
@@ -97,12 +101,15 @@ class Decisions:
         found = self.known.get((kernel, case))
         return found is not None and found.faster
 
+    def exact_first(self, where: str) -> bool:
+        """Whether on backend ``where`` a verify's rounding must be the one-row
+        step's wherever a kernel can make it so (EXACT_FIRST, policy ``measure``)."""
+        return self.policy == "measure" and (self.exact_everywhere or where in EXACT_FIRST)
+
     def serves_exact(self, kernel: str, case: str, where: str) -> bool:
         """``uses`` for an exact verify kernel on backend ``where``: exactness
         first where ``where`` is in EXACT_FIRST, unless the policy is ``off``."""
-        if self.policy == "measure" and where in EXACT_FIRST:
-            return True
-        return self.uses(kernel, case)
+        return self.exact_first(where) or self.uses(kernel, case)
 
     def measured(self, kernel: str, case: str) -> Decision | None:
         """This case's measurement under ``measure``; None where never measured

@@ -21,9 +21,11 @@ kernel, a near-tie between two greedy tokens can fall the other way from
 mlx-lm's own decoding. Like the block-attention kernel (dispatch.py), a
 variant (backend, dtype, head dim) is used only after matching the ops path on
 random cases in this process, checked outside any compiled trace
-(``prepare``); on the CPU, for a rotation other than nn.RoPE's own (scaled
-variants, partial or traditional) and for variants that failed, the ops path
-runs.
+(``prepare``); where exactness comes first (a Mac: decisions.exact_first) only
+if it matched them bit for bit, since MLX's row-wise norm and rope give a row
+of a verify what they give it alone. On the CPU, for a rotation other than
+nn.RoPE's own (scaled variants, partial or traditional) and for variants that
+failed, the ops path runs.
 
     q, k = norm_rope(q, k, q_norm, k_norm, rope, offset)     # q, k: [B, L, heads, D]
     q, k = norm_rope(q, k, q_norm, k_norm, rope, positions)  # positions: int32 [L]
@@ -36,6 +38,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import decisions
 from .attention import _int1, make_factory
 from .attention_source import HEADER
 from .dispatch import CheckResult, backend, compare_with_ops
@@ -203,11 +206,13 @@ def plain_rope(rope, head_dim: int) -> bool:
 BUILDERS = {"metal": NormRopeKernel, "cuda": NormRopeKernel}
 _kernels: dict[str, NormRopeKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
+_bit_equal: set[tuple] = set()  # variants whose check matched the ops bit for bit
 
 
 def reset() -> None:
     _kernels.clear()
     _checks.clear()
+    _bit_equal.clear()
 
 
 def prepare(dtype, head_dim: int) -> None:
@@ -230,7 +235,10 @@ def prepare(dtype, head_dim: int) -> None:
 def passed(dtype, head_dim: int) -> NormRopeKernel | None:
     """This backend's kernel if the variant passed its check; never checks."""
     where = backend()
-    return _kernels.get(where) if check_passed(_checks, (where, dtype, head_dim)) else None
+    key = (where, dtype, head_dim)
+    if not check_passed(_checks, key) or (key not in _bit_equal and decisions.current().exact_first(where)):
+        return None
+    return _kernels.get(where)
 
 
 def norm_rope(q, k, q_norm: nn.Module, k_norm: nn.Module, rope, offset):
@@ -257,14 +265,20 @@ def norm_rope_keys(k, k_norm: nn.Module, rope, offset):
 def self_check(where: str, dtype, head_dim: int) -> CheckResult:
     """The kernel against the ops path on verify-like views (rows of a fused
     q/k/v product, an array offset), a draft tree's per-row positions and a
-    drafter-like int offset."""
+    drafter-like int offset; notes whether every output matched bit for bit."""
+    equal = []
 
     def outputs(kernel):
         for q, k, qn, kn, rope, offset in _check_cases(dtype, head_dim):
             got = kernel(q, k, qn.weight, kn.weight, eps=qn.eps, scale=rope.scale, base=rope.base, offset=offset)
-            yield from zip(got, ops_norm_rope(q, k, qn, kn, rope, offset))
+            for pair in zip(got, ops_norm_rope(q, k, qn, kn, rope, offset)):
+                equal.append(mx.array_equal(*pair).item())
+                yield pair
 
-    return compare_with_ops(where, dtype, head_dim, False, kernels=_kernels, builders=BUILDERS, outputs=outputs)
+    result = compare_with_ops(where, dtype, head_dim, False, kernels=_kernels, builders=BUILDERS, outputs=outputs)
+    if result.ok and all(equal):
+        _bit_equal.add((where, dtype, head_dim))
+    return result
 
 
 # A draft tree's depths (parents 0 0 0 1 1 2 3 3 4 6 9 10): siblings share a position.
