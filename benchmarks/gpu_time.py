@@ -32,7 +32,8 @@ kernels' device time per case and per kernel name.
 - ``verify``: one verify of a target at a model's shapes (random weights)
   after a prompt of each length.
 - ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``)
-  after a prompt of each length, and one plain mlx-lm step beside it.
+  after a prompt of each length, our plain step (a block of 1, as ``auto``
+  runs it) and one plain mlx-lm step beside them.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def cycle_cases(shape: str, prompts: list[int], block: int, quantize: int | None
     model, draft = random_pair(shape, quantize)
     for P in prompts:
         cycle_at(model, draft, P, block)
+        cycle_at(model, draft, P, 1)
         plain_at(model, draft, P)
 
 
@@ -185,11 +187,12 @@ def cycle_at(model, draft, P: int, block: int) -> None:
     last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
 
     def one_cycle():
-        # the same length each time: the cycle writes the same positions again
-        flight = cycle.launch(block, last, length, P)
+        # the same length each time: the cycle writes the same positions again;
+        # a block of 1 is the plain step `auto` runs, the length known (exact)
+        flight = cycle.launch(block, last, length, P, exact=block == 1)
         return [flight.result, flight.last, flight.length, *cache.arrays()]
 
-    profiled(f"cycle block {block} after {P}", one_cycle)
+    profiled(f"cycle block {block} after {P}" if block > 1 else f"our plain step after {P}", one_cycle)
 
 
 def plain_at(model, draft, P: int) -> None:
