@@ -210,3 +210,28 @@ def test_a_tree_variant_that_fails_its_check_is_never_called(fake_gpu):
     kernel.calls.clear()
     verify_tree(target)
     assert kernel.calls and not tree_calls(kernel)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_plain_steps_one_row_takes_mlxs_one_row_attention(fake_gpu, exact):
+    """A plain step (a block of 1, as ``auto`` runs it) reads the buffer as
+    mlx-lm's step does, never through the block kernel, which would copy a
+    buffer's filled part every step; its token is mlx-lm's."""
+    from dflash_mlx.decode.cycle import Cycle
+    from dflash_mlx.decode.sampling import SamplingParams
+    from dflash_mlx.decode.loop import prefill
+
+    kernel = fake_gpu(RecordingKernel())
+    model, draft = pair("qwen3", seed=13)
+    prompt = list(range(1, 41))
+    target = adapt(model)
+    cache = make_prompt_cache(model, draft)
+    last_logits = prefill(target, draft, cache, prompt, 16, None)
+    cycle = Cycle(target, draft, cache, SamplingParams(), 0)
+    last = cycle.first_token(last_logits, len(prompt))
+    kernel.calls.clear()
+    flight = cycle.launch(1, last, mx.array(len(prompt), mx.int32), len(prompt), exact=exact)
+    mx.eval(flight.result)
+    assert not [c for c in kernel.calls if c["causal"]]
+    want = greedy_reference(model, prompt, 2)
+    assert [last.item(), flight.result.tolist()[1]] == want

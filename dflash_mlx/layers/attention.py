@@ -4,7 +4,7 @@ attention (each row as MLX's one-row call computes it), else the
 block-attention kernel (over a block, or a draft tree's nodes while the
 cache has one), each where it passed its check and
 this machine measured it faster (both in ``prepare``, never inside a compiled
-cycle); mlx-lm's attention everywhere else."""
+cycle); mlx-lm's attention everywhere else, a plain step's one row included."""
 
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def attention_output(
             out = exact_attention.tree_attention(queries, keys, values, scale=scale, q_offset=start, tree=tree)
         if out is not None:
             return out, False
-    if type(cache) is BufferKVCache and start is not None and (tree is None or takes_tree(tree, queries, causal)):
-        where = dispatch.backend()
+    where = dispatch.backend()
+    takes_kernel = tree is None or takes_tree(tree, queries, causal)
+    if type(cache) is BufferKVCache and start is not None and takes_kernel and not one_row_step(queries, mask, where):
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         kernel = dispatch.serving_kernel(
             where,
@@ -100,6 +101,14 @@ def attention_output(
             B, _, L, _ = out.shape
             return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
+
+
+def one_row_step(queries, mask, where: str) -> bool:
+    """Whether a plain step's one row takes MLX's one-row attention, as
+    mlx-lm's step does: it reads a buffer's filled part through its strides
+    (the block kernel would copy the view) and rounds as that step. Not on
+    CUDA behind a mask, where MLX's attention is not one fused kernel."""
+    return queries.shape[2] == 1 and (mask is None or where != "cuda")
 
 
 def takes_tree(tree, queries, causal: bool) -> bool:
