@@ -218,8 +218,8 @@ def test_a_plain_steps_one_row_takes_mlxs_one_row_attention(fake_gpu, exact):
     mlx-lm's step does, never through the block kernel, which would copy a
     buffer's filled part every step; its token is mlx-lm's."""
     from dflash_mlx.decode.cycle import Cycle
-    from dflash_mlx.decode.sampling import SamplingParams
     from dflash_mlx.decode.loop import prefill
+    from dflash_mlx.decode.sampling import SamplingParams
 
     kernel = fake_gpu(RecordingKernel())
     model, draft = pair("qwen3", seed=13)
