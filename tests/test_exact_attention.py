@@ -208,6 +208,23 @@ def test_a_kernel_that_checks_out_serves_2_to_16_rows_as_the_one_row_calls(fake_
     decisions.reset()
 
 
+def test_a_key_limit_counts_the_keys_rows_read_not_the_buffers_width(fake_gpu, monkeypatch):
+    """CUDA follows MLX's one-row order up to 255 keys, and reads a cache's
+    buffer whole (steps of 256): a verify whose rows read fewer keys is served."""
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
+    monkeypatch.setattr(ea, "most_keys", lambda where: 255)
+    from dflash_mlx.kernels import decisions
+
+    decisions.reset()
+    fake_gpu(FakeKernel())
+    ea.prepare(mx.float16, 64)
+    q, k, v, start = verify_case(rows=6, start=120, n=256)
+    for filled, serves in ((126, True), (None, False), (300, False)):
+        got = ea.attention(q, k, v, scale=0.125, q_offset=mx.array(start), filled=filled)
+        assert (got is not None) == serves
+    decisions.reset()
+
+
 def test_a_kernel_one_rounding_off_fails_warns_once_and_is_never_used(fake_gpu, monkeypatch):
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
     from dflash_mlx.kernels import decisions

@@ -351,11 +351,12 @@ def _timed_pair(where: str, dtype, head_dim: int, keys: int, tree: bool):
     )
 
 
-def serves(where: str, queries, keys, tree: bool = False) -> bool:
+def serves(where: str, queries, keys, tree: bool = False, filled: int | None = None) -> bool:
     """Whether the kernel takes this verify's attention here: one sequence (a
     plain step's is one), a checked variant, 2-16 rows (a tree: 2-64 nodes),
-    keys within the order followed, and a key class measured faster; never
-    checks or measures (safe in a trace)."""
+    keys within the order followed (``filled``: a host bound on the keys any
+    row reads, where the buffer is wider), and a key class measured faster;
+    never checks or measures (safe in a trace)."""
     B, HQ, L, D = queries.shape
     most = MOST_TREE_NODES if tree else MOST_ROWS
     if where not in BUILDERS or B != 1 or not FEWEST_ROWS <= L <= most or HQ % keys.shape[1]:
@@ -363,30 +364,33 @@ def serves(where: str, queries, keys, tree: bool = False) -> bool:
     if queries.dtype != keys.dtype or not passed(_checks, (where, queries.dtype, D, tree)):
         return False
     limit = most_keys(where)
-    if limit is not None and keys.shape[2] > limit:
+    if limit is not None and min(keys.shape[2], filled or keys.shape[2]) > limit:
         return False
     case = decision_case(queries.dtype, D, keys.shape[2])
     return decisions.current().serves_exact(TREE_DECISION if tree else DECISION, case, where)
 
 
-def attention(queries, keys, values, *, scale: float, q_offset) -> mx.array | None:
+def attention(queries, keys, values, *, scale: float, q_offset, filled: int | None = None) -> mx.array | None:
     """The causal attention of a verify's rows written at ``q_offset`` over the
-    cache's buffers (``keys`` holding at least q_offset + L): [B, HQ, L, D]
-    through the kernel where it serves here, else None (MLX's attention runs)."""
+    cache's buffers (``keys`` holding at least q_offset + L; ``filled``: a host
+    bound on q_offset + L): [B, HQ, L, D] through the kernel where it serves
+    here, else None (MLX's attention runs)."""
     where = backend()
-    if not serves(where, queries, keys):
+    if not serves(where, queries, keys, filled=filled):
         return None
     form = _checks[(where, queries.dtype, queries.shape[3], False)].form
     return _kernels[where](queries, keys, values, scale=scale, q_offset=q_offset, arch=arch_code(where), form=form)
 
 
-def tree_attention(queries, keys, values, *, scale: float, q_offset, tree: TreeLayout) -> mx.array | None:
+def tree_attention(
+    queries, keys, values, *, scale: float, q_offset, tree: TreeLayout, filled: int | None = None
+) -> mx.array | None:
     """The attention of a draft tree's nodes (its L nodes written at
     ``q_offset``, in node order) over the cache's buffers, each node as the
     plain step producing its token computes its row: [B, HQ, L, D] through the
     kernel where it serves here, else None (MLX's attention runs)."""
     where = backend()
-    if tree.size != queries.shape[2] or not serves(where, queries, keys, tree=True):
+    if tree.size != queries.shape[2] or not serves(where, queries, keys, tree=True, filled=filled):
         return None
     kernel = _kernels[where]
     form = _checks[(where, queries.dtype, queries.shape[3], True)].form

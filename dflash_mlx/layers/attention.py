@@ -66,10 +66,12 @@ def attention_output(
     # A verify's rows (their offset on the device, a cycle's) as the plain step
     # computes each; a prompt's chunk (a host offset) as mlx-lm's prefill does.
     if type(cache) is BufferKVCache and isinstance(start, mx.array) and causal and window is None and sinks is None:
+        # (the host's bound on the keys a row reads: on CUDA a buffer is read whole)
+        at = dict(scale=scale, q_offset=start, filled=cache.bound)
         if tree is None:
-            out = exact_attention.attention(queries, keys, values, scale=scale, q_offset=start)
+            out = exact_attention.attention(queries, keys, values, **at)
         else:
-            out = exact_attention.tree_attention(queries, keys, values, scale=scale, q_offset=start, tree=tree)
+            out = exact_attention.tree_attention(queries, keys, values, tree=tree, **at)
         if out is not None:
             return out, False
     where = dispatch.backend()
