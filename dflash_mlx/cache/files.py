@@ -73,10 +73,12 @@ class ForeignCacheFile(ValueError):
 
 @dataclasses.dataclass
 class Snapshot:
-    """A cache's tensors on the host, as (safetensors dtype, bytes as numpy
-    holds them), and its metadata; what ``write_snapshot`` writes."""
+    """A cache's tensors as (safetensors dtype, evaluated contiguous array of
+    their bits), and its metadata; what ``write_snapshot`` writes. Taking one
+    copies on the device only: the bytes reach the host as they are written,
+    on the writer's thread, not the caller's."""
 
-    tensors: dict[str, tuple[str, np.ndarray]]
+    tensors: dict[str, tuple[str, mx.array]]
     meta: dict[str, str]
 
     @property
@@ -84,13 +86,18 @@ class Snapshot:
         return sum(a.nbytes for _, a in self.tensors.values())
 
 
-def _host(a: mx.array) -> tuple[str, np.ndarray]:
-    """An evaluated array as (dtype name, numpy view of its bytes): numpy has
-    no bfloat16, so its bits as uint16."""
+def _bits(a: mx.array) -> tuple[str, mx.array]:
+    """(dtype name, the array as numpy can hold its bytes): numpy has no
+    bfloat16, so its bits as uint16."""
     if a.dtype not in DTYPES:
         raise ValueError(f"a prompt cache cannot hold {a.dtype} tensors.")
-    bits = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    return DTYPES[a.dtype], np.ascontiguousarray(bits)
+    return DTYPES[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+
+
+def _host(a: mx.array) -> tuple[str, np.ndarray]:
+    """An array as (dtype name, numpy view of its bytes)."""
+    dtype, bits = _bits(a)
+    return dtype, np.ascontiguousarray(bits)
 
 
 def _checksum(tensors: dict[str, tuple[str, np.ndarray]]) -> str:
@@ -229,8 +236,9 @@ def snapshot(
     n = len(cache.tokens)
     if n == 0:
         raise ValueError("this prompt cache is empty; read a prompt into it first.")
-    arrays = {k: mx.contiguous(a) for k, a in cache_arrays(cache).items()}
-    mx.eval(list(arrays.values()))
+    arrays = {k: _bits(a) for k, a in cache_arrays(cache).items()}
+    arrays = {k: (dtype, mx.contiguous(a)) for k, (dtype, a) in arrays.items()}
+    mx.eval([a for _, a in arrays.values()])
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(
         format=FORMAT,
@@ -241,19 +249,20 @@ def snapshot(
     )
     if cache.reply_from is not None and cache.reply_from <= n:
         meta["reply_from"] = str(cache.reply_from)
-    return Snapshot({k: _host(a) for k, a in arrays.items()}, meta)
+    return Snapshot(arrays, meta)
 
 
 def write_snapshot(path: str | Path, snap: Snapshot) -> int:
     """Write ``snap`` to ``path`` as safetensors with its checksums; the file
     appears whole or not at all. Returns its size in bytes."""
     path = Path(path)
-    meta = {**snap.meta, TENSORS_SUM: _checksum(snap.tensors)}
+    tensors = {k: (dtype, np.asarray(a)) for k, (dtype, a) in snap.tensors.items()}
+    meta = {**snap.meta, TENSORS_SUM: _checksum(tensors)}
     meta[META_SUM] = metadata_checksum(meta)
     header, offset = {}, 0
-    names = sorted(snap.tensors)
+    names = sorted(tensors)
     for name in names:
-        dtype, a = snap.tensors[name]
+        dtype, a = tensors[name]
         header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     header["__metadata__"] = meta
@@ -265,7 +274,7 @@ def write_snapshot(path: str | Path, snap: Snapshot) -> int:
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
             for name in names:
-                f.write(memoryview(snap.tensors[name][1]).cast("B"))
+                f.write(memoryview(tensors[name][1]).cast("B"))
         os.replace(tmp, path)  # never a half-written file under the real name
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

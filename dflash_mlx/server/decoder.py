@@ -99,9 +99,9 @@ class Decoder:
             log.exception("request failed")
             job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
             return
-        self.pool.give_back(cache, len(job.prompt))
-        if done is not None:
+        if done is not None:  # (the reply does not wait for its cache to be kept)
             job.post(done)
+        self.pool.give_back(cache, len(job.prompt))
 
     def _generate(self, job: Job, cache, cached: int):
         p = job.params
