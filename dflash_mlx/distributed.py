@@ -26,6 +26,8 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as sharded_layers
 from mlx.utils import tree_flatten
 
+from .device import backend
+
 SPLITS = ("auto", "pipeline", "tensor")
 
 _SHARDED = (
@@ -71,12 +73,23 @@ def can_pipeline(model: nn.Module) -> bool:
     )
 
 
+def sends_between_ranks() -> bool:
+    """Whether this backend runs mx.distributed's send and recv, which a
+    pipelined split passes its hidden state with (MLX's CUDA backend has none)."""
+    return backend() != "cuda"
+
+
 def choose_split(model: nn.Module, split: str, pipelines: bool) -> str:
     """The split to use for ``model`` (loaded lazily, unsplit); ``pipelines``:
     whether its family's adapter runs a slice of the layers."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}.")
     has_pipeline, has_tensor = pipelines, hasattr(model, "shard")
+    if has_pipeline and not sends_between_ranks():
+        if split == "pipeline":
+            how = "use split='tensor' (--split tensor)" if has_tensor else "run it on one machine"
+            raise ValueError(f"MLX's CUDA backend cannot send between ranks, which a pipelined split needs; {how}.")
+        has_pipeline = False
     if split == "auto":
         split = "pipeline" if has_pipeline and (can_pipeline(model) or not has_tensor) else "tensor"
     if split == "pipeline" and not has_pipeline:

@@ -419,6 +419,23 @@ def test_auto_split_prefers_mlx_lm_pipeline_then_tensor():
         choose_split(model("gemma3_text"), "tensor", True)
 
 
+def test_on_cuda_no_split_sends_between_ranks(monkeypatch):
+    """MLX's CUDA backend has no send or recv: ``auto`` takes the tensor split
+    there, and a pipelined one is refused in one sentence naming the way out."""
+    from dflash_mlx import distributed
+
+    monkeypatch.setattr(distributed, "backend", lambda: "cuda")
+
+    def model(family):
+        return make_family_target(family_config(family, vocab=VOCAB, layers=2))
+
+    assert distributed.choose_split(model("qwen3_moe"), "auto", True) == "tensor"
+    with pytest.raises(ValueError, match="cannot send between ranks.*use split='tensor'"):
+        distributed.choose_split(model("qwen3_moe"), "pipeline", True)
+    with pytest.raises(ValueError, match="run it on one machine"):
+        distributed.choose_split(model("gemma3_text"), "auto", True)
+
+
 def test_stages_keep_reused_keys_with_their_source():
     from dflash_mlx.distributed import stage_sizes
 
