@@ -603,3 +603,27 @@ def test_a_build_charged_ahead_is_not_charged_again_once_paid():
     c.record(b, 0, None, built=0.025)  # the run's first cycle builds: 5 ms more than expected
     assert c.exploring_loss[b] - before[b] == pytest.approx(charged + 0.005)
     assert c.prepaid == 0.0
+
+
+def test_before_a_change_of_size_the_cycle_is_waited_for_before_the_next_launch(agreeing_pair, monkeypatch):
+    """``auto`` times a cycle by its launch and the wait for its result. Where
+    the next cycle has another size its launch (a plain step's, uncompiled, far
+    slower than a block's) must not run inside that wait: the cycle is settled
+    first. Runs of one size stay pipelined."""
+    from dflash_mlx.decode import loop
+    from dflash_mlx.decode.cycle import Cycle
+
+    model, draft = agreeing_pair
+    events = []
+    real_launch, real_settle = Cycle.launch, loop.settle
+    monkeypatch.setattr(
+        Cycle, "launch", lambda self, bs, *a: events.append(("launch", bs)) or real_launch(self, bs, *a)
+    )
+    monkeypatch.setattr(loop, "settle", lambda f: events.append(("settle", f.block_size)) or real_settle(f))
+    chooser_for(fresh(draft), 4, 16)
+    list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=60, block_size="auto"))
+    at = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
+    assert len({events[i][1] for i in at}) > 1  # (the probes change size)
+    for before, now in zip(at, at[1:]):
+        previous, size = events[before][1], events[now][1]
+        assert (events[now - 1] == ("settle", previous)) == (size != previous), events[: now + 1]

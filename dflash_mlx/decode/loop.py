@@ -149,6 +149,16 @@ def _settled(cycle: Cycle, ids: list[int], **loop):
                 cycle.feed_deferred(len(cache.tokens))
 
 
+def settle(flight: Flight) -> float:
+    """Wait for ``flight``'s result; the seconds waited. Before a change of
+    size ``auto`` waits so: the next cycle's launch, queued ahead of the read,
+    would otherwise hide in this one's wait (a block before a plain step's
+    slower, uncompiled launch looked cheaper by that launch)."""
+    tic = time.perf_counter()
+    mx.eval(flight.result)
+    return time.perf_counter() - tic
+
+
 def _cycles(
     cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress, gate, agreed
 ):
@@ -188,10 +198,13 @@ def _cycles(
         # Queue the next cycle before reading this one. Blocks are not cut
         # near the end (another graph to build): what passes max_tokens is dropped.
         following = None
+        waited = 0.0
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size
             bs = choose()
             if cache.may_queue(bound, bs):  # not across the start of KV quantization
+                if chooser is not None and bs != flight.block_size:
+                    waited = settle(flight)
                 following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
         tic = time.perf_counter()
         if flag is not None:
@@ -200,7 +213,7 @@ def _cycles(
         if chooser is not None:
             # A cycle's cost is its launch plus the wait for its result, not
             # the time between reads, which holds the next cycle's launch.
-            took = flight.launch_seconds + time.perf_counter() - tic
+            took = flight.launch_seconds + waited + time.perf_counter() - tic
             chooser.record(
                 flight.block_size,
                 values[0],
