@@ -40,7 +40,7 @@ class RecordingKernel:
         self.error, self.tree_error, self.calls = error, tree_error, []
 
     def __call__(self, q, k, v, tree=None, **kw):
-        self.calls.append(dict(kw, rows=q.shape[2], tree=tree))
+        self.calls.append(dict(kw, rows=q.shape[2], tree=tree, keys=k.shape[2]))
         if tree is not None:
             assert kw.pop("causal")
             return ops_tree_attention(q, k, v, tree=tree, **kw) + self.tree_error
@@ -88,6 +88,7 @@ def test_attention_goes_through_the_kernel_and_stays_exact(fake_gpu, family):
         for c in kernel.calls:
             start, length = (x.item() if isinstance(x, mx.array) else x for x in (c["q_offset"], c["kv_length"]))
             assert c["window"] is None and length == start + c["rows"]
+            assert c["keys"] % 256 == 0  # a cache's whole buffer (steps of 256), never a view to copy
             (starts if c["causal"] else drafts).append((start, c["rows"]))
         # the target's: the prompt's 16-token chunks from position 0 (32 rows per kv head at
         # GQA 2, within the table), then the verifies past the prompt

@@ -88,10 +88,12 @@ def attention_output(
             tree=tree is not None,
         )
         if kernel is not None:
+            # The whole buffers, not ``keys``' view of their filled part: the
+            # kernel reads up to kv_length, and a view would be copied.
             out = kernel(
                 queries,
-                keys,
-                values,
+                cache.keys,
+                cache.values,
                 scale=scale,
                 q_offset=start,
                 kv_length=cache.offset if length is None else length,
