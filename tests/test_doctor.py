@@ -82,6 +82,24 @@ def test_doctor_without_probe_lists_every_kernel_check(monkeypatch):
     assert "probe                  skipped (--seconds 0)" in out
 
 
+def test_doctor_names_the_exact_policy_and_where_exactness_comes_first(monkeypatch):
+    from dflash_mlx.kernels import decisions
+
+    on_fake_gpu(monkeypatch, lambda q, k, v, **kw: mx.zeros(q.shape, q.dtype))
+    try:
+        monkeypatch.setenv("DFLASH_MLX_KERNELS", "exact")
+        decisions.reset()
+        exact = run("--seconds", "0")
+        monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+        decisions.reset()
+        measure = run("--seconds", "0")
+    finally:
+        dispatch.reset()
+        decisions.reset()
+    assert "policy exact (DFLASH_MLX_KERNELS), exactness first here, kept " in exact
+    assert "policy measure (DFLASH_MLX_KERNELS), kept " in measure  # ('fake' is no Mac)
+
+
 def test_doctor_says_when_row_costs_rule_dflash_out(monkeypatch):
     """A CPU whose 16-row products cost many 1-row ones gets a hint naming
     the cause and the fix; one that amortizes rows gets none."""

@@ -142,7 +142,9 @@ def decided(line) -> None:
 
     store = decisions.current()
     where = f"in {store.path}" if store.path is not None else "in memory only (DFLASH_MLX_AUTO_MEMORY=off)"
-    line("decisions", f"policy {store.policy} (DFLASH_MLX_KERNELS), kept {where}")
+    policy = "exact" if store.exact_everywhere else store.policy
+    first = ", exactness first here" if store.exact_first(dispatch.backend()) else ""
+    line("decisions", f"policy {policy} (DFLASH_MLX_KERNELS){first}, kept {where}")
     try:
         dispatch.measure(dispatch.backend(), mx.bfloat16, 128, None)
     except Exception as e:  # doctor reports, it does not crash
