@@ -105,7 +105,7 @@ def test_the_metal_source_reduces_each_pair_in_mlxs_one_row_gather_order(
     lhs, rhs = lhs[order], rhs[order]
     x = mx.random.normal((rows, k), key=mx.random.key(rows)).astype(mx.float16)
     y, (xs, ls, rs, ws, sc, bi) = run_on_cpu(tmp_path, layer, x, lhs, rhs)
-    words = qg.packs(k, bits, "metal")
+    words = qp.packs(k, bits, "metal")
     want = metal_one_row_gather_order(xs, ls, rs, ws, sc, bi, bits, group, mode, words)
     assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (y != want).sum()
     # and MLX's own gather product (this CPU's), to the rounding of a float16 sum
@@ -131,7 +131,7 @@ def test_a_planted_change_fails_the_transcription(tmp_path, plant):
     lhs, rhs = pairs_of(rows, top_k, experts_n, seed=3)
     x = mx.random.normal((rows, k), key=mx.random.key(4)).astype(mx.float16)
     y, (xs, ls, rs, ws, sc, bi) = run_on_cpu(tmp_path, layer, x, lhs, rhs, plant)
-    want = metal_one_row_gather_order(xs, ls, rs, ws, sc, bi, 4, 64, "affine", qg.packs(k, 4, "metal"))
+    want = metal_one_row_gather_order(xs, ls, rs, ws, sc, bi, 4, 64, "affine", qp.packs(k, 4, "metal"))
     assert not np.array_equal(y.view(np.uint16), want.view(np.uint16))
 
 
@@ -238,7 +238,7 @@ def test_the_check_covers_every_pair_tile_and_shared_experts():
     variant = qg.variant_of(quantized_experts(4, 512, 16, dtype=mx.bfloat16), mx.bfloat16)
     cases = list(qg.check_cases(variant))
     sizes = {c[2].size for c in cases}
-    assert {qg.tile(p, "metal") for p in sizes} == {qg.tile(r, "metal") for r in range(2, 33)}
+    assert {qp.tile(p, "metal") for p in sizes} == {qp.tile(r, "metal") for r in range(2, 33)}
     # a row to several distinct experts, an expert to several rows
     lhs, rhs = cases[-1][1], cases[-1][2]
     assert len(set(rhs.tolist())) < rhs.size and len(set(lhs.tolist())) < lhs.size

@@ -119,15 +119,17 @@ def tile(rows: int, backend_name: str, n: int = 0) -> tuple[int, int]:
 class QuantizedProductKernel:
     """The kernel for one backend, compiled by MLX per (T, S, bits, group, mode, tile)."""
 
+    NAME, INPUT_NAMES, GATHER = "dflash_quantized_product", INPUTS, False
+
     def __init__(self, backend_name: str, factory=None):
         self.backend = backend_name
         factory = compacting(factory or make_factory(backend_name), backend_name)
         # (the version in the name: MLX caches built kernels on disk by name, not by source)
         self.kernel = factory(
-            name=f"dflash_quantized_product_v{VERSION}",
-            input_names=INPUTS,
+            name=f"{self.NAME}_v{VERSION}",
+            input_names=self.INPUT_NAMES,
             output_names=OUTPUTS,
-            source=source(backend_name),
+            source=source(backend_name, gather=self.GATHER),
             header=HEADER[backend_name],
         )
         self._no_biases = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (mxfp4: never read)
@@ -149,17 +151,26 @@ class QuantizedProductKernel:
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
-        mr, rs = tile(rows, self.backend, n)
-        words = packs(k, bits, self.backend)
+        inputs = [x.reshape(rows, k), weight, scales, self.biases(x.dtype, biases)]
+        at = dict(rows=rows, tile_rows=rows, n=n, k=k, bits=bits, group=group, mode=mode, fused=fused)
+        return self.launch(inputs, x.dtype, scales.dtype, **at).reshape(*lead, n)
+
+    def biases(self, dtype, biases: mx.array | None) -> mx.array:
+        return self._no_biases[dtype] if biases is None else biases
+
+    def launch(self, inputs: list, dtype, scales_dtype, *, rows, tile_rows, n, k, bits, group, mode, fused) -> mx.array:
+        """The kernel over ``inputs`` for a [rows, n] result in ``dtype``, its
+        row tile chosen for ``tile_rows`` rows."""
+        mr, rs = tile(tile_rows, self.backend, n)
         (y,) = self.kernel(
-            inputs=[x.reshape(rows, k), weight, scales, self._no_biases[x.dtype] if biases is None else biases],
+            inputs=inputs,
             template=[
-                ("T", x.dtype),
-                ("S", scales.dtype),
+                ("T", dtype),
+                ("S", scales_dtype),
                 ("BITS", bits),
                 ("GROUP", group),
                 ("MXFP4", mode == "mxfp4"),
-                ("PACKS", words),
+                ("PACKS", packs(k, bits, self.backend)),
                 ("FUSED", fused and self.backend == "cuda" and mode == "affine"),
                 ("MR", mr),
                 ("RS", rs),
@@ -167,9 +178,9 @@ class QuantizedProductKernel:
             grid=(n // (WARPS * rs) * WARPS * SIMD, -(-rows // mr), 1),
             threadgroup=(WARPS * SIMD, 1, 1),
             output_shapes=[(rows, n)],
-            output_dtypes=[x.dtype],
+            output_dtypes=[dtype],
         )
-        return y.reshape(*lead, n)
+        return y
 
 
 def weight_format(module: nn.Module, dtype, ndim: int) -> Variant | None:

@@ -26,46 +26,32 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..device import backend
-from .attention import make_factory
-from .launch_source import compacting
 from .quantized import (
     CHECK_N,
     CHECK_ROWS,
     DEQUANTIZATIONS,
-    DTYPES,
     FEWEST_ROWS,
     MOST_ROWS,
     WIDE,
     QuantizedCheck,
+    QuantizedProductKernel,
     Variant,
     all_variants,
     block_k,
     compare_outputs,
-    packs,
-    tile,
     weight_format,
 )
-from .quantized_source import GATHER_INPUTS, HEADER, OUTPUTS, SIMD, VERSION, WARPS, source
+from .quantized_source import GATHER_INPUTS
 from .serving import MEASURED_ROWS, CheckedVariants, checked_here
 
 CHECK_EXPERTS = 5
 CHECK_TOP_K = 3  # experts a row in the self-check (some pairs share one, some rows repeat one)
 
 
-class QuantizedGatherKernel:
+class QuantizedGatherKernel(QuantizedProductKernel):
     """The gather kernel for one backend, compiled by MLX per (T, S, bits, group, mode, tile)."""
 
-    def __init__(self, backend_name: str, factory=None):
-        self.backend = backend_name
-        factory = compacting(factory or make_factory(backend_name), backend_name)
-        self.kernel = factory(
-            name=f"dflash_quantized_gather_v{VERSION}",
-            input_names=GATHER_INPUTS,
-            output_names=OUTPUTS,
-            source=source(backend_name, gather=True),
-            header=HEADER[backend_name],
-        )
-        self._no_biases = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (mxfp4: never read)
+    NAME, INPUT_NAMES, GATHER = "dflash_quantized_gather", GATHER_INPUTS, True
 
     def __call__(
         self,
@@ -85,33 +71,10 @@ class QuantizedGatherKernel:
         ``rhs[p]``'s [N, K] weight of the quantized [E, N, K] weights."""
         k = x.shape[-1]
         pairs, n = rhs.size, weight.shape[1]
-        mr, rs = tile(min(pairs, MOST_ROWS), self.backend, n)
-        (y,) = self.kernel(
-            inputs=[
-                x.reshape(-1, k),
-                lhs.astype(mx.int32),
-                rhs.astype(mx.int32),
-                weight,
-                scales,
-                self._no_biases[x.dtype] if biases is None else biases,
-            ],
-            template=[
-                ("T", x.dtype),
-                ("S", scales.dtype),
-                ("BITS", bits),
-                ("GROUP", group),
-                ("MXFP4", mode == "mxfp4"),
-                ("PACKS", packs(k, bits, self.backend)),
-                ("FUSED", fused and self.backend == "cuda" and mode == "affine"),
-                ("MR", mr),
-                ("RS", rs),
-            ],
-            grid=(n // (WARPS * rs) * WARPS * SIMD, -(-pairs // mr), 1),
-            threadgroup=(WARPS * SIMD, 1, 1),
-            output_shapes=[(pairs, n)],
-            output_dtypes=[x.dtype],
-        )
-        return y
+        indices = [lhs.astype(mx.int32), rhs.astype(mx.int32)]
+        inputs = [x.reshape(-1, k), *indices, weight, scales, self.biases(x.dtype, biases)]
+        at = dict(rows=pairs, tile_rows=min(pairs, MOST_ROWS), n=n, k=k, bits=bits, group=group, mode=mode)
+        return self.launch(inputs, x.dtype, scales.dtype, fused=fused, **at)
 
 
 def variant_of(module: nn.Module, dtype) -> Variant | None:
