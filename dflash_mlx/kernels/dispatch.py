@@ -46,6 +46,7 @@ class CheckResult:
     ok: bool
     detail: str
     tree: bool = False
+    bit_equal: bool = False  # every output equal to the ops path's, bit for bit
 
     @property
     def case(self) -> str:
@@ -283,18 +284,19 @@ def compare_with_ops(
         kernel = kernels.get(where)
         if kernel is None:
             kernel = kernels[where] = builders[where](where)
-        worst = 0.0
+        worst, bit_equal = 0.0, True
         for got, want in outputs(kernel):
             got, want = got.astype(mx.float32), want.astype(mx.float32)
             if got.shape != want.shape:
                 return CheckResult(where, name, head_dim, windowed, False, f"output shape {got.shape} != {want.shape}")
+            bit_equal = bit_equal and mx.array_equal(got, want).item()
             err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
             if not err == err:  # NaN
                 err = float("inf")
             worst = max(worst, err)
         ok = worst <= TOLERANCE[dtype]
         detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
-        return CheckResult(where, name, head_dim, windowed, ok, detail)
+        return CheckResult(where, name, head_dim, windowed, ok, detail, bit_equal=ok and bit_equal)
     except Exception as e:  # a build or launch error: the kernel is not used
         return CheckResult(where, name, head_dim, windowed, False, failure(e))
 
