@@ -32,6 +32,9 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+# Modules whose record_variants launches every variant of their kernel.
+from dflash_mlx.kernels import RECORDED_MODULES as KERNEL_MODULES  # noqa: E402
+
 CUDA_TYPES = {
     mx.bfloat16: "__nv_bfloat16",
     mx.float16: "__half",
@@ -43,15 +46,6 @@ CUDA_TYPES = {
     mx.uint8: "uint8_t",
 }
 
-# Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
-# through the recording factory: adding a kernel to the check is one line here.
-KERNEL_MODULES = (
-    "dflash_mlx.kernels.quantized",
-    "dflash_mlx.kernels.quantized_gather",
-    "dflash_mlx.kernels.gated_delta",
-    "dflash_mlx.kernels.exact_products",
-    "dflash_mlx.kernels.exact_attention",
-)
 
 # In place of MLX's "mlx/backend/cuda/device/utils.cuh": the types the
 # generated parameters use.

@@ -42,6 +42,9 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+# Modules whose record_variants launches every variant of their kernel.
+from dflash_mlx.kernels import RECORDED_MODULES as KERNEL_MODULES  # noqa: E402
+
 STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metal_stub.h")
 
 # mlx/backend/common/compiled.cpp's get_type_string
@@ -341,15 +344,6 @@ class Compiler:
 
 # --- What decoding launches ------------------------------------------------------------------------------
 
-# Modules whose `record_variants(factory, backend)` launches every variant the module's kernel can,
-# through the recording factory: adding a kernel to the check is one line here.
-KERNEL_MODULES = (
-    "dflash_mlx.kernels.quantized",
-    "dflash_mlx.kernels.quantized_gather",
-    "dflash_mlx.kernels.gated_delta",
-    "dflash_mlx.kernels.exact_products",
-    "dflash_mlx.kernels.exact_attention",
-)
 
 # The windows a variant is built for (WINDOW, a template constant): the self-check's own (45,
 # dispatch._check_cases) and one a model brings (gpt-oss's 128, the one with sinks).
