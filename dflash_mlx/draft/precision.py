@@ -166,13 +166,13 @@ def choose(drafter: nn.Module, target: nn.Module, store: decisions.Decisions) ->
 
 
 def apply(drafter: nn.Module, target: nn.Module, draft_bits, store: decisions.Decisions | None = None) -> int | None:
-    """Set the bound ``drafter``'s precision as ``draft_bits`` says (CHOICES;
-    ``auto`` by ``choose`` with ``store``, this machine's decisions by
-    default); returns the width it now has (None: as stored, dense)."""
-    check(draft_bits)
-    refuse_conflict(drafter, draft_bits)
-    if bits_of(drafter) is not None:
-        return bits_of(drafter)
+    """Set the bound ``drafter``'s precision as ``draft_bits`` says (passed
+    ``check`` and ``refuse_conflict``; ``auto`` by ``choose`` with ``store``,
+    this machine's decisions by default); returns the width it now has (None:
+    as stored, dense). A drafter stored quantized keeps its width."""
+    stored = bits_of(drafter)
+    if stored is not None:
+        return stored
     bits = choose(drafter, target, store or decisions.current()) if draft_bits == "auto" else draft_bits
     if bits is not None:
         quantize(drafter, bits)
