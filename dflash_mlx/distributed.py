@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import signal
 import threading
 from collections.abc import Iterator
@@ -49,6 +50,19 @@ def world() -> mx.distributed.Group | None:
 def is_first_rank(group: mx.distributed.Group | None) -> bool:
     """Whether this process speaks for the group (prints, writes files)."""
     return group is None or group.rank() == 0
+
+
+def share_from_first_rank(obj, group: mx.distributed.Group):
+    """Rank 0's ``obj`` on every rank of ``group`` (the others pass None):
+    what rank 0 alone learns (a request, a line typed) that every rank must
+    act on alike. Every rank blocks here until rank 0 calls it."""
+    first = group.rank() == 0
+    data = pickle.dumps(obj) if first else b""
+    size = mx.distributed.all_sum(mx.array(len(data), mx.int64), group=group).item()
+    payload = mx.array(memoryview(data), mx.uint8) if first else mx.zeros((size,), mx.uint8)
+    received = mx.distributed.all_sum(payload, group=group)
+    mx.eval(received)  # rank 0 too: every rank must take part in the exchange
+    return obj if first else pickle.loads(bytes(memoryview(received)))
 
 
 def pipeline_place(inner: nn.Module) -> tuple[int, int]:
