@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from typing import Annotated
 
 import typer
 from rich.text import Text
@@ -14,7 +13,7 @@ from . import options
 from .cache_prompt import open_cache, read_cache_file
 from .console import UserError, err, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
-from .pair import room_for_reply
+from .pair import load_split, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import prompt_ids, read_prompt
 from .status import stats_line
@@ -38,15 +37,6 @@ Without --model the built-in pair runs; without --draft-model the drafter comes 
 Under mlx.launch the target is split across the ranks (docs/distributed.md) and only rank 0 prints.
 """
 
-Split = Annotated[
-    str,
-    typer.Option(
-        "--split",
-        help="Under mlx.launch, how the target is split across the ranks: pipeline, tensor or auto "
-        "(pipeline where the family has it).",
-    ),
-]
-
 
 @takes_groups
 def generate_command(
@@ -62,7 +52,7 @@ def generate_command(
     prompt_cache_file: options.PromptCacheFile = None,
     prefill_step_size: options.PrefillStepSize = 2048,
     kv: Kv = flags(Kv),
-    split: Split = "auto",
+    split: options.Split = "auto",
     verbose: options.Verbose = False,
 ):
     """Generate a reply to one prompt with DFlash speculative decoding.
@@ -153,24 +143,3 @@ def generate_command(
                 sys.stderr.flush()
             if last.finish_reason == "length" and reply_tokens < sampling.max_tokens:
                 note(f"stopped at {limit}: the reply cannot be longer than the context the target was trained for.")
-
-
-def load_split(pair: Pair, group, split: str, adapter_path, trust_remote_code: bool):
-    """(target, drafter, tokenizer), the target split across ``group``'s ranks."""
-    from dflash_mlx import loading
-
-    from .pair import model_or_builtin
-
-    if pair.draft_model == "none":
-        raise UserError("--draft-model none cannot run across ranks yet; name a drafter under mlx.launch.")
-    return loading.load(
-        model_or_builtin(pair.model, pair.draft_model),
-        pair.draft_model,
-        adapter_path=adapter_path,
-        trust_remote_code=trust_remote_code,
-        dtype=pair.dtype,
-        flags=True,
-        group=group,
-        draft_bits=pair.bits(),
-        split=split,
-    )

@@ -218,6 +218,14 @@ PromptCacheFile = Annotated[
         show_default=False,
     ),
 ]
+Split = Annotated[
+    str,
+    typer.Option(
+        "--split",
+        help="Under mlx.launch, how the target is split across the ranks: pipeline, tensor or auto "
+        "(pipeline where the family has it).",
+    ),
+]
 PrefillStepSize = Annotated[
     int, typer.Option("--prefill-step-size", help="Prompt tokens per prefill step (lower: less peak memory).")
 ]

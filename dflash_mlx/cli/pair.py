@@ -4,12 +4,15 @@ downloads drawn as bars under a spinner."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn
 
 from .console import UserError, err, note
 from .progress import hub_progress_class
+
+if TYPE_CHECKING:
+    from .option_groups import Pair
 
 
 def model_or_builtin(model: Optional[str], draft: Optional[str] = None) -> str:
@@ -76,6 +79,25 @@ def load_pair(
             "dtype, e.g. bfloat16, computes in that instead)"
         )
     return pair
+
+
+def load_split(pair: Pair, group, split: str, adapter_path, trust_remote_code: bool):
+    """(target, drafter, tokenizer), the target split across ``group``'s ranks."""
+    from dflash_mlx import loading
+
+    if pair.draft_model == "none":
+        raise UserError("--draft-model none cannot run across ranks yet; name a drafter under mlx.launch.")
+    return loading.load(
+        model_or_builtin(pair.model, pair.draft_model),
+        pair.draft_model,
+        adapter_path=adapter_path,
+        trust_remote_code=trust_remote_code,
+        dtype=pair.dtype,
+        flags=True,
+        group=group,
+        draft_bits=pair.bits(),
+        split=split,
+    )
 
 
 def context_length(model) -> Optional[int]:
