@@ -54,3 +54,26 @@ def test_a_byte_bound_keeps_no_cache_larger_than_it(chat_pair):
         prompt, reused = interleave(url)
         assert reused == 0
         assert httpx.get(f"{url}/health").json()["prompt_caches"] == 0
+
+
+class Held:
+    """A stand-in prompt cache: its tokens, and the bytes this rank's share holds."""
+
+    def __init__(self, tokens: list[int], nbytes: int):
+        self.tokens, self.nbytes = tokens, nbytes
+
+
+def test_a_follower_rank_keeps_the_caches_rank_zero_keeps():
+    """Across ranks each rank's share of a cache differs in bytes: the
+    followers keep as many caches as rank 0, whose pool alone weighs them."""
+    from dflash_mlx.server.cache_pool import PromptCachePool
+
+    first = PromptCachePool(lambda: None, max_count=3, max_bytes=250)
+    other = PromptCachePool(lambda: None, max_count=3)  # a follower's: max_bytes None
+    for n, size in enumerate([100, 100, 100, 40, 200, 30]):
+        other.keep_newest(len(first))  # as a job arrives from rank 0
+        first.give_back(Held([n, n], size), 2)
+        other.give_back(Held([n, n], 2 * size), 2)  # a larger share of the same cache
+        assert len(other) >= len(first)
+    other.keep_newest(len(first))
+    assert [c.tokens for c, _ in other.entries] == [c.tokens for c, _ in first.entries] == [[4, 4], [5, 5]]

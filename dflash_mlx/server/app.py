@@ -18,6 +18,7 @@ from .errors import EXCEPTION_HANDLERS
 from .hosts import AllowedHosts, HostCheck
 from .metrics import CONTENT_TYPE, RequestCounter
 from .openai_api import chat_completions, completions, models
+from .ranks import Leader
 from .responses_api import responses, retrieve
 from .service import ServerConfig, Service
 
@@ -33,10 +34,13 @@ async def metrics(request: Request) -> Response:
     return Response(text, media_type=CONTENT_TYPE)
 
 
-def create_app(model, draft, tokenizer, config: ServerConfig | None = None) -> Starlette:
+def create_app(model, draft, tokenizer, config: ServerConfig | None = None, group=None) -> Starlette:
     """The HTTP API over one loaded (model, draft, tokenizer) pair; its
-    decode worker runs while the app is being served."""
-    service = Service(model, draft, tokenizer, config or ServerConfig())
+    decode worker runs while the app is being served. ``group``: the ranks
+    the target is split across, this one rank 0, the others in
+    ``ranks.Follower`` (None: one machine)."""
+    leader = Leader(group) if group is not None else None
+    service = Service(model, draft, tokenizer, config or ServerConfig(), leader)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -127,6 +127,12 @@ class PromptCachePool:
         while self.entries and (len(self.entries) > self.max_count or self._over_bytes()):
             self.entries.pop(0)
 
+    def keep_newest(self, count: int) -> None:
+        """Drop the least recently used caches past ``count``: a follower rank
+        keeps as many as rank 0's pool (server/ranks.py), whose byte bound
+        weighs rank 0's share of the caches, not this rank's."""
+        del self.entries[: max(len(self.entries) - count, 0)]
+
     def _over_bytes(self) -> bool:
         return self.max_bytes is not None and sum(cache_bytes(c) for c, _ in self.entries) > self.max_bytes
 

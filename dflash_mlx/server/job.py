@@ -107,3 +107,14 @@ class Job:
             yield event
             if isinstance(event, (Done, Failed)):
                 return
+
+
+class QuietJob(Job):
+    """A job with no handler: its events go nowhere and nothing cancels it.
+    A follower rank runs rank 0's jobs so (server/ranks.py), off any event loop."""
+
+    def __post_init__(self):
+        pass
+
+    def post(self, event: Event) -> None:
+        pass

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -31,6 +31,9 @@ from .path_choice import PathChoice, check_mode
 from .reply import Delta
 from .schemas import Sampling, TemplateKwargs, parse_json
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from .ranks import Leader
 
 
 @dataclass
@@ -72,6 +75,20 @@ class ServerConfig:
     batching: str = "auto"
     max_batch: int = 8
 
+    def check_across_ranks(self) -> None:
+        """Refuse what a target split across ranks cannot serve: each rank would
+        decide batches, and the disk tier's writes, alone (docs/distributed.md)."""
+        if self.batching == "always":
+            raise ValueError(
+                "--batching always cannot run across ranks (only DFlash's jobs reach every rank); "
+                "use --batching auto or off under mlx.launch."
+            )
+        if self.prefix_cache_dir is not None:
+            raise ValueError(
+                "--prefix-cache-dir cannot be used across ranks (each rank would write and read it on its own); "
+                "leave it out under mlx.launch."
+            )
+
 
 RETRY_AFTER_S = 5
 
@@ -110,59 +127,75 @@ def _presented_key(request: Request) -> Optional[str]:
     return request.headers.get("x-api-key")
 
 
+def make_decoder(model, draft, tokenizer, config: ServerConfig, metrics: Optional[Metrics] = None) -> Decoder:
+    """The decode loop ``config`` sets up: its settings checked, over a pool
+    of prompt caches made its way (and its prefix store on disk, if any).
+    Every rank of a split server makes its own alike (server/ranks.py)."""
+    check_lookup(config.lookup, draft is not None)
+    check_tree_budget(config.tree_budget, draft is not None)
+
+    def new_cache():
+        return make_prompt_cache(
+            model,
+            draft,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
+            quantized_kv_start=config.quantized_kv_start,
+            max_kv_size=config.max_kv_size,
+        )
+
+    # settings this pair cannot use: a ValueError now, not on every request
+    tree_budget = served_tree_budget(model, new_cache(), config.tree_budget)
+    store = None
+    if config.prefix_cache_dir is not None:
+        store = PrefixStore(
+            config.prefix_cache_dir,
+            int(config.prefix_cache_gb * 1e9),
+            new_cache,
+            min_tokens=config.prefix_cache_min_tokens,
+        )
+    pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes, store)
+    bounded = config.max_kv_size is not None
+    return Decoder(
+        model,
+        draft,
+        tokenizer,
+        pool,
+        block_size=config.block_size,
+        prefill_step_size=config.prefill_step_size,
+        read_limit=context_length(model) if bounded else None,
+        metrics=metrics,
+        lookup=config.lookup,
+        tree_budget=tree_budget,
+    )
+
+
 class Service:
-    def __init__(self, model, draft, tokenizer, config: ServerConfig):
+    """``leader``: with a target split across ranks, what hands each job to
+    the other ranks (server/ranks.py); None on one machine."""
+
+    def __init__(self, model, draft, tokenizer, config: ServerConfig, leader: Optional[Leader] = None):
         check_mode(config.batching)
-        check_lookup(config.lookup, draft is not None)
-        check_tree_budget(config.tree_budget, draft is not None)
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be 1 or more; got {config.max_batch}.")
+        if leader is not None:
+            config.check_across_ranks()
+        self.metrics = Metrics()
+        decoder = make_decoder(model, draft, tokenizer, config, self.metrics)
+        self.store = decoder.pool.store
         self.tokenizer, self.config = tokenizer, config
+        self.ranks = 1 if leader is None else leader.group.size()
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
         self.context_length = context_length(model)
         # templates render and prompts tokenize here, never on the event loop
         self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-prepare")
         self.preparing = 0  # requests there now: on their way to the worker, company for the one it serves
-
-        def new_cache():
-            return make_prompt_cache(
-                model,
-                draft,
-                kv_bits=config.kv_bits,
-                kv_group_size=config.kv_group_size,
-                quantized_kv_start=config.quantized_kv_start,
-                max_kv_size=config.max_kv_size,
-            )
-
-        # settings this pair cannot use: a ValueError now, not on every request
-        tree_budget = served_tree_budget(model, new_cache(), config.tree_budget)
-        self.store = None
-        if config.prefix_cache_dir is not None:
-            self.store = PrefixStore(
-                config.prefix_cache_dir,
-                int(config.prefix_cache_gb * 1e9),
-                new_cache,
-                min_tokens=config.prefix_cache_min_tokens,
-            )
-        pool = PromptCachePool(new_cache, config.prompt_cache_size, config.prompt_cache_bytes, self.store)
-        bounded = config.max_kv_size is not None
-        self.metrics = Metrics()
         self.responses = StoredResponses(config.stored_responses)
-        decoder = Decoder(
-            model,
-            draft,
-            tokenizer,
-            pool,
-            block_size=config.block_size,
-            prefill_step_size=config.prefill_step_size,
-            read_limit=self.context_length if bounded else None,
-            metrics=self.metrics,
-            lookup=config.lookup,
-            tree_budget=tree_budget,
-        )
-        # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches
-        plain_caches = config.kv_bits is None and not bounded
-        batching = config.batching if plain_caches and config.max_batch > 1 and can_batch(model) else "off"
+        # the batch's caches are mlx-lm's plain ones: not with quantized or bounded caches;
+        # and not across ranks, where only DFlash's jobs reach every rank
+        plain_caches = config.kv_bits is None and config.max_kv_size is None
+        batches = plain_caches and config.max_batch > 1 and can_batch(model) and leader is None
+        batching = config.batching if batches else "off"
         self.choice = PathChoice(mode=batching, max_batch=config.max_batch)
         batcher = BatchDecoder(
             model,
@@ -172,7 +205,8 @@ class Service:
             prefill_step_size=config.prefill_step_size,
             metrics=self.metrics,
         )
-        self.worker = Worker(decoder, batcher if batching != "off" else None, self.choice, lambda: self.preparing)
+        batcher = batcher if batching != "off" else None
+        self.worker = Worker(decoder, batcher, self.choice, lambda: self.preparing, leader)
 
     # -- checks --------------------------------------------------------------------
     async def accept(self, request: Request, schema: type[Sampling]) -> Sampling:
@@ -308,6 +342,7 @@ class Service:
         return {
             "status": "ok" if self.worker.thread.is_alive() else "worker stopped",
             "model": self.config.model_name,
+            "ranks": self.ranks,
             "busy": bool(self.worker.running),
             "queued": self.worker.queued,
             "served": self.worker.served,

@@ -9,12 +9,15 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .batch import BatchDecoder
 from .decoder import Decoder
 from .job import Job, Progress
 from .path_choice import PathChoice
+
+if TYPE_CHECKING:
+    from .ranks import Leader
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -29,8 +32,10 @@ class Worker:
         batcher: Optional[BatchDecoder] = None,
         choice: Optional[PathChoice] = None,
         arriving: Callable[[], int] = lambda: 0,
+        leader: Optional[Leader] = None,
     ):
         self.decoder, self.batcher = decoder, batcher
+        self.leader = leader  # across ranks: each DFlash job, then the stop, to the other ranks
         self.choice = choice or PathChoice(mode="off")
         self.arriving = arriving  # requests on their way, not yet submitted (their prompts being prepared)
         self.jobs: queue.Queue[Optional[Job]] = queue.Queue()
@@ -121,6 +126,8 @@ class Worker:
         while True:
             self._drain(wait=True)
             if self.stopping:
+                if self.leader is not None:
+                    self.leader.stop()
                 return
             # a burst's first request on an idle server has company on its way: not served alone
             self.choice.observe_clients(self.queued + self.arriving())
@@ -148,6 +155,8 @@ class Worker:
                 job.post(Progress(0, new))
             metrics = self.decoder.metrics
             before = metrics.last if metrics is not None else None
+            if self.leader is not None:
+                self.leader.send(job, len(self.decoder.pool))
             self.decoder.run(job)
             measured = metrics.last if metrics is not None else None
             if measured is not before and measured.generated_tokens >= MIN_MEASURED_TOKENS:
