@@ -176,9 +176,9 @@ def test_serve_sets_the_servers_tree_budget(pair, monkeypatch):
     made = []
     real = dflash_mlx.server.create_app
 
-    def create_app(model, draft, tokenizer, config):
+    def create_app(model, draft, tokenizer, config, group=None):
         made.append(config)
-        return real(model, draft, tokenizer, config)
+        return real(model, draft, tokenizer, config, group)
 
     def serve_forever(app, **kwargs):  # the server would wait, then end the process
         raise SystemExit(7)

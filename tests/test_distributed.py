@@ -217,8 +217,24 @@ def interrupts_main(target: str, draft: str, split: str, out: str) -> None:
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 
+def share_main(out: str) -> None:
+    """Rank 0's objects, in order, on every rank: None too (serve's stop)."""
+    from dflash_mlx.distributed import share_from_first_rank
+
+    group = mx.distributed.init()
+    sent = [{"prompt": PROMPT, "stops": ["w5"], "tools": None}, None, "\u00e9" * 5000, list(range(300))]
+    got = [share_from_first_rank(obj if group.rank() == 0 else None, group) for obj in sent]
+    (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps({"sent": sent, "got": got}))
+
+
 if __name__ == "__main__":
-    modes = {"runs": rank_main, "files": files_main, "chooser": chooser_main, "interrupts": interrupts_main}
+    modes = {
+        "runs": rank_main,
+        "files": files_main,
+        "chooser": chooser_main,
+        "interrupts": interrupts_main,
+        "share": share_main,
+    }
     modes[sys.argv[1]](*sys.argv[2:])
     sys.exit(0)
 
@@ -534,4 +550,184 @@ def test_prompt_cache_file_refused_across_ranks(tmp_path):
     # whichever rank refuses first ends the launch; the other may be stopped before it refuses
     assert re.search(r"rank [01] exited with code 1 ", done.stderr), done.stderr  # (mlx.launch exits 0)
     assert done.stderr.count("--prompt-cache-file cannot be used across ranks yet") == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_share_from_first_rank(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    script = Path(__file__).resolve()
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    done = subprocess.run(
+        [*launcher(2), sys.executable, str(script), "share", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in range(2):
+        result = json.loads((out / f"rank{r}.json").read_text())
+        assert result["got"] == result["sent"], r
+
+
+# -- dflash-mlx serve across ranks ----------------------------------------------------------
+DFLASH = shutil.which("dflash-mlx") or str(Path(sys.executable).parent / "dflash-mlx")
+SERVE_BLOCK = 4
+
+
+class Served:
+    """`dflash-mlx serve` under mlx.launch on a free port: each rank's pid,
+    the launcher's output in files; ``stop`` is Ctrl-C on every rank."""
+
+    def __init__(self, tmp_path: Path, ranks: int, *args: str):
+        import time
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dir = tmp_path
+        wrapper = tmp_path / "rank.sh"
+        quoted = " ".join(f'"{a}"' for a in args)
+        wrapper.write_text(f'echo $$ > "{tmp_path}/pid$MLX_RANK"\nexec "{DFLASH}" serve {quoted} --port {self.port}\n')
+        self.out, self.err = (tmp_path / "stdout").open("w"), (tmp_path / "stderr").open("w")
+        self.ranks = ranks
+        self.launch = subprocess.Popen([*launcher(ranks), "bash", str(wrapper)], stdout=self.out, stderr=self.err)
+        deadline = time.monotonic() + 120
+        while not self._up():
+            assert self.launch.poll() is None and time.monotonic() < deadline, self.stderr()[-3000:]
+            time.sleep(0.2)
+
+    def _up(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stderr(self) -> str:
+        return (self.dir / "stderr").read_text()
+
+    def complete(self, prompt: list[int], max_tokens: int) -> str:
+        import httpx
+
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    def stop(self) -> int:
+        """Ctrl-C as a terminal sends it, to every rank; mlx.launch's exit status."""
+        import signal
+
+        for r in range(self.ranks):
+            os.kill(int((self.dir / f"pid{r}").read_text()), signal.SIGINT)
+        try:
+            return self.launch.wait(timeout=60)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.launch.poll() is None:
+            self.launch.kill()
+            self.launch.wait()
+        self.out.close()
+        self.err.close()
+
+
+def one_process_text(target: Path, draft: Path, prompts: list[tuple[list[int], int]]) -> list[str]:
+    """One process's greedy text for each (prompt, max_tokens), each from scratch."""
+    from dflash_mlx import generate
+    from dflash_mlx.loading import load
+
+    model, drafter, tokenizer = load(target, draft, dtype="float32")
+    return [generate(model, drafter, tokenizer, p, max_tokens=m, block_size=SERVE_BLOCK) for p, m in prompts]
+
+
+def serve_args(target: Path, draft: Path, split: str) -> list[str]:
+    return ["--model", str(target), "--draft-model", str(draft), "--dtype", "float32", "--split", split] + [
+        "--block-size",
+        str(SERVE_BLOCK),
+        "--log-level",
+        "warning",
+    ]
+
+
+def assert_clean_exit(served: Served, status: int) -> None:
+    stderr = served.stderr()
+    assert status == 0, stderr[-3000:]
+    assert "exited with code" not in stderr and "was killed" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.count("serving ") == 1, stderr[-3000:]  # rank 0 alone speaks
+
+
+@pytest.mark.parametrize("family, split", [("qwen3", "tensor"), ("qwen3_moe", "pipeline")])
+def test_serve_across_ranks_equals_one_process(tmp_path, family, split):
+    """Rank 0 serves, rank 1 follows: a reply, then one continuing its
+    conversation through the kept prompt cache, each one process's greedy
+    text; Ctrl-C ends every rank cleanly."""
+    import httpx
+
+    target, draft, _ = write_pair(tmp_path, family, 4)
+    served = Served(tmp_path, 2, *serve_args(target, draft, split))
+    try:
+        first = served.complete(PROMPT, MAX_TOKENS)
+        follow_up = PROMPT + [int(w[1:]) for w in first.split()] + [5, 9]
+        second = served.complete(follow_up, MAX_TOKENS)
+        health = httpx.get(f"{served.url}/health").json()
+        metrics = httpx.get(f"{served.url}/metrics").text
+    finally:
+        status = served.stop()
+    assert [first, second] == one_process_text(target, draft, [(PROMPT, MAX_TOKENS), (follow_up, MAX_TOKENS)])
+    assert len(first.split()) == MAX_TOKENS
+    assert health["ranks"] == 2 and health["served"] == 2
+    assert "dflash_prompt_cache_hits_total 1" in metrics  # the second continued the first's cache
+    assert_clean_exit(served, status)
+
+
+def test_serve_across_ranks_after_a_client_leaves_mid_stream(tmp_path):
+    """A streaming client leaves after a few tokens: every rank stops after
+    the same cycle and keeps the same tokens, so the next request, through
+    that cache, is still one process's reply."""
+    import httpx
+
+    target, draft, _ = write_pair(tmp_path, "qwen3", 4)
+    served = Served(tmp_path, 2, *serve_args(target, draft, "tensor"))
+    long = 3000
+    try:
+        body = {"prompt": PROMPT, "max_tokens": long, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as reply:
+            chunks = 0
+            for line in reply.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break  # the client goes away
+        again = served.complete(PROMPT, MAX_TOKENS)
+        metrics = httpx.get(f"{served.url}/metrics").text
+    finally:
+        status = served.stop()
+    assert [again] == one_process_text(target, draft, [(PROMPT, MAX_TOKENS)])
+    generated = re.search(r"^dflash_generated_tokens_total (\d+)", metrics, re.M)
+    assert generated and int(generated.group(1)) < long, metrics  # the first reply stopped early
+    assert "dflash_prompt_cache_hits_total 1" in metrics  # the next one continued the left reply's cache
+    assert_clean_exit(served, status)
+
+
+@pytest.mark.parametrize(
+    "flags, sentence",
+    [
+        (["--batching", "always"], "--batching always cannot run across ranks"),
+        (["--prefix-cache-dir", "cache"], "--prefix-cache-dir cannot be used across ranks"),
+    ],
+)
+def test_serve_across_ranks_refuses(tmp_path, flags, sentence):
+    args = ["--model", "builtin", *flags, "--port", "1"]
+    done = subprocess.run(
+        [*launcher(2), DFLASH, "serve", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    # whichever rank refuses first ends the launch; the other may be stopped before it refuses
+    assert re.search(r"rank [01] exited with code 1 ", done.stderr), done.stderr  # (mlx.launch exits 0)
+    assert done.stderr.count(sentence) == 1, done.stderr
     assert "Traceback" not in done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -12,9 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from . import options
-from .console import UserError, note, user_errors
+from .console import UserError, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
-from .pair import model_or_builtin
+from .pair import load_split, model_or_builtin
 
 EXAMPLES = """\
 Examples:
@@ -27,7 +28,10 @@ $ dflash-mlx serve --model ./qwen3-8b --draft-model ./qwen3-8b-dflash --host 0.0
 
 $ dflash-mlx serve --model Qwen/Qwen3-8B --kv-bits 8 --quantized-kv-start 0
 
+$ mlx.launch --hostfile hosts.json dflash-mlx serve --model ./kimi-k2.5-4bit --split auto
+
 Then point any OpenAI or Anthropic client at http://127.0.0.1:8080/v1 (see docs/server.md).
+Under mlx.launch the target is split across the ranks and rank 0 listens (docs/distributed.md).
 """
 
 # The server's sampling flags: no XTC or --num-draft-tokens here.
@@ -138,6 +142,7 @@ def serve_command(
             show_default=False,
         ),
     ] = None,
+    split: options.Split = "auto",
     verbose: options.Verbose = False,
 ):
     """Serve the pair over HTTP: OpenAI chat completions and completions, Anthropic messages.
@@ -147,12 +152,11 @@ def serve_command(
     across requests that share a prefix, every one made with the --kv-* and
     --max-kv-size settings. Binds to 127.0.0.1 unless --host says otherwise.
     """
+    from dflash_mlx import distributed
+
+    group = distributed.world()
+    speak_on_first_rank_only(group)
     with user_errors(verbose):
-        from dflash_mlx import distributed
-
-        from .console import refuse_under_launch
-
-        refuse_under_launch("serve", distributed.world())
         generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
         if not 0 < port < 65536:
             raise UserError(f"--port must be between 1 and 65535, got {port}.")
@@ -171,6 +175,7 @@ def serve_command(
         check_prefix_cache(prefix_cache_dir, prefix_cache_gb)
         try:
             from dflash_mlx.server import ServerConfig, create_app, run
+            from dflash_mlx.server.ranks import Follower
         except ImportError as e:
             raise UserError(
                 f"the server needs its extra ({e.name} is missing): pip install 'dflash-mlx[server]'."
@@ -195,15 +200,27 @@ def serve_command(
             batching=batching,
             max_batch=max_batch,
         )
-        target, draft, tokenizer = pair.load(model_or_builtin(pair.model, pair.draft_model))
+        if group is None:
+            target, draft, tokenizer = pair.load(model_or_builtin(pair.model, pair.draft_model))
+        else:
+            config.check_across_ranks()
+            target, draft, tokenizer = load_split(pair, group, split, None, False)
         check_drafter_block(generation["block_size"], draft)
         template.prepare(tokenizer)
-        try:
-            app = create_app(target, draft, tokenizer, config)
+        first = distributed.is_first_rank(group)
+        try:  # rank 0 serves HTTP, every other rank follows it
+            app = create_app(target, draft, tokenizer, config, group) if first else None
+            follower = None if first else Follower(target, draft, tokenizer, config, group)
         except ValueError as e:  # KV settings this target cannot use (make_prompt_cache's sentence)
             raise UserError(options.flag_names(str(e))) from None
-        note(f"serving {config.model_name} on http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic)")
-        run(app, host=host, port=port, log_level=log_level)
+        if follower is not None:
+            # Ctrl-C reaches every rank that mlx.launch started from a terminal: rank 0 alone
+            # ends the serving, and its stop ends this loop once the job every rank runs is done
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            follower.run()
+        else:
+            note(f"serving {config.model_name} on http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic)")
+            run(app, host=host, port=port, log_level=log_level)
     # The server has shut down (worker joined, sockets closed). Decoding ran in
     # a worker thread, and MLX's per-thread streams can abort the interpreter's
     # teardown ("terminate called without an active exception"), so skip it.
