@@ -60,7 +60,7 @@ from .exact_attention_source import (
 )
 from .exact_attention_source import HEADER as HEADERS
 from .launch_source import compacting
-from .serving import bit_difference, check_once, checked_here, failure, passed
+from .serving import check_once, checked_here, first_exact, passed
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 HEAD_DIMS = {"metal": (64, 128, 256), "cuda": (64, 128)}
@@ -480,19 +480,9 @@ def self_check(where: str, dtype, head_dim: int, tree: bool = False) -> ExactAtt
     """The kernel's rows against MLX's one-row attention of the same rows (a
     tree's: of each node over its gathered keys), bit for bit, with each
     multiply-add form in turn, keeping the first that matches."""
-    for form in FORMS.get(where, (0,)):
-        result = _check_once(where, dtype, head_dim, form, tree)
-        if result.ok:
-            break
-    return result
-
-
-def _check_once(where: str, dtype, head_dim: int, form: int, tree: bool) -> ExactAttentionCheck:
     name = str(dtype).split(".")[-1]
-    try:
-        kernel = _kernels.get(where)
-        if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
+
+    def pairs(kernel, form: int):
         arch = arch_code(where)
         for q, k, v, start in check_cases(where, dtype, head_dim):
             scale = head_dim**-0.5
@@ -504,14 +494,16 @@ def _check_once(where: str, dtype, head_dim: int, form: int, tree: bool) -> Exac
             else:
                 got = kernel(q, k, v, **kw)
                 want = one_row_attention(q, k, v, scale=scale, q_offset=start)
-            detail = bit_difference(got.reshape(-1, head_dim), want.reshape(-1, head_dim))
-            if detail is not None:
-                return ExactAttentionCheck(where, name, head_dim, False, f"at {start} keys: {detail}", form, tree)
-        return ExactAttentionCheck(
-            where, name, head_dim, True, "every row equal to MLX's one-row attention", form, tree
-        )
-    except Exception as e:  # a build or launch error: the kernel is not used
-        return ExactAttentionCheck(where, name, head_dim, False, failure(e), form, tree)
+            yield got.reshape(-1, head_dim), want.reshape(-1, head_dim), f"at {start} keys: "
+
+    return first_exact(
+        where,
+        FORMS.get(where, (0,)),
+        (_kernels, BUILDERS),
+        pairs,
+        lambda ok, detail, form=0: ExactAttentionCheck(where, name, head_dim, ok, detail, form, tree),
+        passed="every row equal to MLX's one-row attention",
+    )
 
 
 def self_check_all(report=None) -> list[ExactAttentionCheck]:

@@ -34,7 +34,7 @@ from ..device import backend
 from .attention import make_factory
 from .exact_products_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .launch_source import compacting
-from .serving import CheckedVariants, bit_difference, checked_here, failure, passed
+from .serving import CheckedVariants, checked_here, first_exact, passed
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 FEWEST_ROWS, MOST_ROWS = 2, 32
@@ -294,27 +294,19 @@ def check_cases(where: str, variant: Variant):
 def self_check(where: str, variant: Variant) -> ExactCheck:
     """The kernel's rows against MLX's one-row products of the same rows, bit
     for bit, with each multiply-add form in turn, keeping the first that matches."""
-    for form in FORMS.get(where, (0,)):
-        result = _check_once(where, variant, form)
-        if result.ok:
-            break
-    return result
 
-
-def _check_once(where: str, variant: Variant, form: int) -> ExactCheck:
-    try:
-        kernel = _kernels.get(where)
-        if kernel is None:
-            kernel = _kernels[where] = BUILDERS[where](where)
+    def pairs(kernel, form: int):
         for x, w, bias in check_cases(where, variant):
-            got = kernel(x, w, bias, form=form)
-            want = one_row_products(x, w, bias)
-            detail = bit_difference(got, want)
-            if detail is not None:
-                return ExactCheck(where, variant, False, detail, form)
-        return ExactCheck(where, variant, True, "every row equal to MLX's one-row product", form)
-    except Exception as e:  # a build or launch error: the kernel is not used
-        return ExactCheck(where, variant, False, failure(e))
+            yield kernel(x, w, bias, form=form), one_row_products(x, w, bias), ""
+
+    return first_exact(
+        where,
+        FORMS.get(where, (0,)),
+        (_kernels, BUILDERS),
+        pairs,
+        lambda ok, detail, form=0: ExactCheck(where, variant, ok, detail, form),
+        passed="every row equal to MLX's one-row product",
+    )
 
 
 def self_check_all(report=None) -> list[ExactCheck]:

@@ -34,7 +34,7 @@ from ..device import backend
 from .attention import make_factory
 from .launch_source import compacting
 from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
-from .serving import CheckedVariants, bit_difference, checked_here, failure
+from .serving import CheckedVariants, checked_here, first_exact
 
 DTYPES = (mx.bfloat16, mx.float16)
 AFFINE_BITS = (4, 8)
@@ -334,33 +334,25 @@ def self_check(where: str, variant: Variant) -> QuantizedCheck:
         quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
         for x, weight, scales, biases in check_cases(variant):
             got = kernel(x, weight, scales, biases, **quant, fused=fused)
-            yield got, one_row_products(x, weight, scales, biases, **quant)
+            yield got, one_row_products(x, weight, scales, biases, **quant), ""
 
     return compare_outputs(where, variant, (_kernels, BUILDERS), outputs, "every row equal to MLX's one-row product")
 
 
 def compare_outputs(where: str, variant: Variant, kernels: tuple, outputs, passed: str) -> QuantizedCheck:
-    """A quantized kernel's check: ``outputs(kernel, fused)`` yields (the
-    kernel's, MLX's one-row) pairs that must be equal bit for bit, the kernel
+    """A quantized kernel's check (serving.first_exact): ``outputs(kernel,
+    fused)`` yields (the kernel's, MLX's one-row, "") outputs, the kernel
     built once a backend from ``kernels`` (made, builders); on CUDA (affine)
-    each dequantization in turn, keeping the first that matches; a build or
-    launch error fails it."""
-    made, builders = kernels
+    each dequantization in turn, keeping the first that matches."""
     tries = DEQUANTIZATIONS.get(where, (False,)) if variant.mode == "affine" else (False,)
-    for fused in tries:
-        try:
-            if where not in made:
-                made[where] = builders[where](where)
-            for got, want in outputs(made[where], fused):
-                detail = bit_difference(got, want)
-                if detail is not None:
-                    break
-            else:
-                return QuantizedCheck(where, variant, True, passed, fused)
-            result = QuantizedCheck(where, variant, False, detail, fused)
-        except Exception as e:  # a build or launch error: the kernel is not used
-            result = QuantizedCheck(where, variant, False, failure(e))
-    return result
+    return first_exact(
+        where,
+        tries,
+        kernels,
+        outputs,
+        lambda ok, detail, fused=False: QuantizedCheck(where, variant, ok, detail, fused),
+        passed=passed,
+    )
 
 
 def self_check_all(report=None) -> list[QuantizedCheck]:

@@ -192,7 +192,7 @@ def self_check(where: str, variant: Variant) -> QuantizedCheck:
         quant = dict(bits=variant.bits, group=variant.group, mode=variant.mode)
         for x, lhs, rhs, weight, scales, biases in check_cases(variant):
             got = kernel(x, lhs, rhs, weight, scales, biases, **quant, fused=fused)
-            yield got, one_row_products(x, lhs.tolist(), rhs, weight, scales, biases, **quant)
+            yield got, one_row_products(x, lhs.tolist(), rhs, weight, scales, biases, **quant), ""
 
     passed = "every pair equal to MLX's one-row gather product"
     return compare_outputs(where, variant, (_kernels, BUILDERS), outputs, passed)

@@ -115,6 +115,33 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {msg[:200]}"
 
 
+def first_exact(where: str, tries, kernels: tuple, pairs: Callable, result: Callable, *, passed: str):
+    """A kernel's self-check on backend ``where``: for each of ``tries`` in turn
+    (the roundings its backend may take, e.g. multiply-add forms), the kernel
+    built once from ``kernels`` (made, builders: a dict of built ones and the
+    backend's builder), and ``pairs(kernel, tried)`` yields (got, want, at):
+    the kernel's output and MLX's one-row output, equal bit for bit, ``at``
+    put before a difference. The first try that matches gives
+    ``result(True, passed, tried)``; else the last try's failure,
+    ``result(False, detail, tried)``, or ``result(False, error)`` where the
+    build or a launch failed (no try compared)."""
+    made, builders = kernels
+    for tried in tries:
+        try:
+            if where not in made:
+                made[where] = builders[where](where)
+            for got, want, at in pairs(made[where], tried):
+                detail = bit_difference(got, want)
+                if detail is not None:
+                    break
+            else:
+                return result(True, passed, tried)
+            outcome = result(False, at + detail, tried)
+        except Exception as e:  # a build or launch error: the kernel is not used
+            outcome = result(False, failure(e))
+    return outcome
+
+
 def checked_here(checks: dict, where: str, report=None) -> list:
     """The results checked on backend ``where`` so far (keys lead with it), each told to ``report``."""
     results = [r for (w, *_), r in checks.items() if w == where]
