@@ -60,6 +60,8 @@ with -fno-fast-math, custom kernels in the default safe math; ptxas may fuse
 
 from __future__ import annotations
 
+import textwrap
+
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
@@ -242,12 +244,15 @@ __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
 # (biases: any T array for mxfp4, never read). N is whole threadgroups of
 # WARPS * RS outputs and K whole groups (quantized.variant_of); the x rows past
 # the last are skipped whole, so every lane of a simdgroup reaches the reduction.
-BODY = """
+# The dense and gather bodies share these steps and differ only in the holes:
+# ROWS_M and OUTPUTS_N (M and N), X_ROW (a tile row's x row), and where a
+# step's weights are loaded (BEFORE_ROWS, once a step; IN_ROW, before a row).
+_STEPS = """
   constexpr int VPT = PACKS * (BITS == 8 ? 4 : 8);
   constexpr int BLOCK = 32 * VPT;
-  const int M = x_shape[0];
+  const int M = ROWS_M;
   const int K = x_shape[1];
-  const int N = w_shape[0];
+  const int N = OUTPUTS_N;
   const int KW = K * BITS / 32;
   const int KG = K / GROUP;
   const int m0 = tg_y * MR;
@@ -260,16 +265,12 @@ BODY = """
     uint32_t wq[RS][PACKS];
     S sc[RS];
     T bi[RS];
-    for (int r = 0; r < RS; ++r) {
-      const int at = (n0 + r) * KW + k * BITS / 32;
-      for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
-      sc[r] = scales[(n0 + r) * KG + k / GROUP];
-      bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[(n0 + r) * KG + k / GROUP];
-    }
+BEFORE_ROWS
     for (int m = 0; m < MR; ++m) {
       if (m0 + m < M) {
+IN_ROW
         QV_X xs;
-        qv_load<T, BITS, MXFP4, VPT>(xs, x + (m0 + m) * K + k);
+        qv_load<T, BITS, MXFP4, VPT>(xs, x + X_ROW * K + k);
         for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT, FUSED>(acc[m][r], xs, wq[r], sc[r], bi[r]);
       }
     }
@@ -284,6 +285,32 @@ BODY = """
   }
 """
 
+
+def _load_weights(index: str, row: str, indent: int) -> str:
+    """A step's weights, scales and biases of a lane's RS outputs into wq, sc
+    and bi: output r's from weight row ``row``, indexed in type ``index``."""
+    return textwrap.indent(
+        f"""for (int r = 0; r < RS; ++r) {{
+  const {index} row = {row};
+  const {index} at = row * KW + k * BITS / 32;
+  for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
+  sc[r] = scales[row * KG + k / GROUP];
+  bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[row * KG + k / GROUP];
+}}""",
+        " " * indent,
+    )
+
+
+def _body(rows: str, outputs: str, x_row: str, before_rows: str = "", in_row: str = "") -> str:
+    """_STEPS with its holes filled (an empty piece leaves no line)."""
+    text = _STEPS
+    for hole, piece in (("BEFORE_ROWS", before_rows), ("IN_ROW", in_row)):
+        text = text.replace(f"\n{hole}\n", f"\n{piece}\n" if piece else "\n")
+    return text.replace("ROWS_M", rows).replace("OUTPUTS_N", outputs).replace("X_ROW", x_row)
+
+
+BODY = _body("x_shape[0]", "w_shape[0]", "(m0 + m)", before_rows=_load_weights("int", "n0 + r", 4))
+
 # The gather variant (a MoE layer's experts, quantized_gather.py): output row p
 # is x row ``lhs[p]`` times expert ``rhs[p]``'s weight, w [E, N, K * BITS / 32],
 # scales and biases [E, N, K / GROUP]: MLX's one-row gather_qmv(_fast), which
@@ -291,53 +318,19 @@ BODY = """
 # reduced as BODY reduces it. A step's weights are read again only where the
 # tile's next row has another expert (rows sorted by expert share them).
 GATHER_INPUTS = ["x", "lhs", "rhs", "w", "scales", "biases"]
-GATHER_BODY = """
-  constexpr int VPT = PACKS * (BITS == 8 ? 4 : 8);
-  constexpr int BLOCK = 32 * VPT;
-  const int M = rhs_shape[0];
-  const int K = x_shape[1];
-  const int N = w_shape[1];
-  const int KW = K * BITS / 32;
-  const int KG = K / GROUP;
-  const int m0 = tg_y * MR;
-  const int n0 = (tg_x * 2 + warp) * RS;
-  QV_ACC acc[MR][RS];
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < RS; ++r) qv_zero(acc[m][r]);
-  }
-  for (int k = lane * VPT; k < K; k += BLOCK) {
-    uint32_t wq[RS][PACKS];
-    S sc[RS];
-    T bi[RS];
-    int loaded = -1;
-    for (int m = 0; m < MR; ++m) {
-      if (m0 + m < M) {
-        const int e = rhs[m0 + m];
+GATHER_BODY = _body(
+    "rhs_shape[0]",
+    "w_shape[1]",
+    "size_t(lhs[m0 + m])",
+    before_rows="    int loaded = -1;",
+    in_row="""        const int e = rhs[m0 + m];
         if (e != loaded) {
           loaded = e;
-          for (int r = 0; r < RS; ++r) {
-            const size_t row = size_t(e) * N + n0 + r;
-            const size_t at = row * KW + k * BITS / 32;
-            for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
-            sc[r] = scales[row * KG + k / GROUP];
-            bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[row * KG + k / GROUP];
-          }
-        }
-        QV_X xs;
-        qv_load<T, BITS, MXFP4, VPT>(xs, x + size_t(lhs[m0 + m]) * K + k);
-        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT, FUSED>(acc[m][r], xs, wq[r], sc[r], bi[r]);
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    if (m0 + m < M) {
-      for (int r = 0; r < RS; ++r) {
-        const float v = simd_sum(qv_total(acc[m][r]));
-        if (lane == 0) y[(m0 + m) * N + n0 + r] = from_float<T>(v);
-      }
-    }
-  }
 """
+    + _load_weights("size_t", "size_t(e) * N + n0 + r", 10)
+    + """
+        }""",
+)
 
 
 def source(backend: str, gather: bool = False) -> str:
