@@ -239,3 +239,27 @@ def test_a_plain_steps_one_row_takes_mlxs_one_row_attention(fake_gpu, monkeypatc
     assert bool([c for c in kernel.calls if c["causal"]]) == (backend == "cuda" and not exact)
     want = greedy_reference(model, prompt, 2)
     assert [last.item(), flight.result.tolist()[1]] == want
+
+
+def test_where_exactness_comes_first_a_prompts_chunks_take_mlxs_attention(fake_gpu, monkeypatch):
+    """On an exact-first backend the target's prompt chunks are read as
+    mlx-lm's prefill reads them (its attention), so the cache holds mlx-lm's
+    bits; the drafter's block still takes the kernel, and decoding stays exact."""
+    from dflash_mlx.kernels import decisions
+
+    kernel = fake_gpu(RecordingKernel())
+    monkeypatch.setattr(decisions, "EXACT_FIRST", ("fake",))
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    try:
+        store = decisions.current()
+        monkeypatch.setattr(store, "needs", lambda kernel, case: False)  # nothing to time: every kernel serves
+        monkeypatch.setattr(store, "uses", lambda kernel, case: True)
+        model, draft = pair("qwen3", seed=17)
+        prompt = [random.Random(5).randrange(VOCAB - 1) for _ in range(40)]
+        assert decode(model, draft, prompt, block_size=4, prefill_step_size=16) == greedy_reference(model, prompt, 24)
+        chunks = [c for c in kernel.calls if c["causal"] and not isinstance(c["q_offset"], mx.array)]
+        drafts = [c for c in kernel.calls if not c["causal"]]
+        assert not chunks and drafts
+    finally:
+        decisions.reset()

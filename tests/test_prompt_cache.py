@@ -245,3 +245,19 @@ def test_bad_drafter_configs_are_refused_at_load(change, message):
     cfg.update(change)
     with pytest.raises(ValueError, match=message):
         DraftConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize("new, step", [(10, 4), (9, 4), (1, 4), (5, 2048)])
+def test_a_prompt_is_read_as_mlx_lms_generate_step_reads_it(agreeing_pair, new, step):
+    """Its ids but the last in chunks of ``step`` from the first, then the
+    last alone (a one-row product rounds unlike a row of many, so the cache
+    then holds mlx-lm's bits); after a reply, its uncached last token alone first."""
+    model, draft = agreeing_pair
+    cache = make_prompt_cache(model, draft)
+    ids = list(range(1, new + 1))
+    body = ids[:-1]
+    assert cache.chunks(ids, step) == [body[i : i + step] for i in range(0, len(body), step)] + [ids[-1:]]
+    reply = run(agreeing_pair, [1, 2, 3], cache, max_tokens=3)
+    follow = [1, 2, 3, *reply, 4, 5]
+    held = cache.keep_prefix(follow)
+    assert cache.chunks(follow[held:], step)[0] == [reply[-1]]

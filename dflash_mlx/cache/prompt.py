@@ -7,10 +7,11 @@ exception anywhere leaves garbage only past the end; lengths are settled from
 it whenever a generation takes or releases the cache. One generation owns the
 cache at a time; a newer call takes it over and the older one goes stale.
 
-Quantized or bounded caches depend on how positions were read, so ``chunks``
-reads a prompt as mlx-lm's generate_step does (the last id alone), and the
-previous reply's uncached last token is read alone first, as mlx-lm decoded
-it. A bounded cache that wrapped cannot be cut back: it is read afresh.
+A cache's bits depend on how its positions were read (a product of one row
+rounds unlike a row of many), so ``chunks`` reads a prompt as mlx-lm's
+generate_step does (the last id alone), and the previous reply's uncached
+last token is read alone first, as mlx-lm decoded it. A bounded cache that
+wrapped cannot be cut back: it is read afresh.
 """
 
 from __future__ import annotations
@@ -133,15 +134,10 @@ class PromptCache:
         """Split ``new`` into forwards of at most ``step`` ids (see the module docstring)."""
         self.reply_from = len(self.tokens) + len(new)
         first = []
-        if self.reply_next and (self.max_kv_size is not None or self.quantization_pending):
+        if self.reply_next:
             first, new = [new[:1]], new[1:]
-
-        def pieces(ids: list[int]) -> list[list[int]]:
-            return [ids[i : i + step] for i in range(0, len(ids), step)]
-
-        if self.max_kv_size is None and not self.quantization_pending:
-            return first + pieces(new)
-        return first + pieces(new[:-1]) + ([new[-1:]] if new else [])
+        body = new[:-1]
+        return first + [body[i : i + step] for i in range(0, len(body), step)] + ([new[-1:]] if new else [])
 
     # No verify block may straddle quantized_kv_start.
     @property

@@ -658,7 +658,13 @@ class DFlashDraft(nn.Module):
             if length not in ends:
                 ends[length] = c.after(L)
             attend = partial(
-                cache_attention, cache=c, start=c.offset, length=ends[length], causal=attn.causal, window=attn.window
+                cache_attention,
+                cache=c,
+                start=c.offset,
+                length=ends[length],
+                causal=attn.causal,
+                window=attn.window,
+                exact=False,
             )
             x = layer(x, None, None, self.rope, c.offset, masks[kind], cache=c, fused=layer_fused, attend=attend)
         return self.norm(x[:, 1:]) if normed else x[:, 1:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from ..kernels import dispatch, exact_attention, norm_rope
+from ..kernels import decisions, dispatch, exact_attention, norm_rope
 from ..kernels.attention_source import TREE_NODES
 from ..kv.buffer import BufferKVCache
 from . import linear
@@ -56,16 +56,20 @@ def attention_output(
     causal: bool = True,
     window: int | None = None,
     sinks: mx.array | None = None,
+    exact: bool = True,
 ) -> tuple[mx.array, bool]:
     """Attention in its stored layout, which the output product reads without
     a copy: (rows [B, L, heads * D], True) where the kernel ran, else (heads
     [B, heads, L, D], False). ``mask`` is mlx-lm's path's, ``length`` the
     valid length (default: the cache's offset). A draft tree on the cache
-    (kv/tree.py) takes the tree kernel, its nodes the rows written at ``start``."""
+    (kv/tree.py) takes the tree kernel, its nodes the rows written at ``start``.
+    ``exact``: the target's rows, which round as mlx-lm's where exactness comes
+    first (the drafter's need not)."""
     tree = getattr(cache, "tree", None)
     # A verify's rows (their offset on the device, a cycle's) as the plain step
     # computes each; a prompt's chunk (a host offset) as mlx-lm's prefill does.
-    if type(cache) is BufferKVCache and isinstance(start, mx.array) and causal and window is None and sinks is None:
+    verify = exact and isinstance(start, mx.array)
+    if type(cache) is BufferKVCache and verify and causal and window is None and sinks is None:
         # (the host's bound on the keys a row reads: on CUDA a buffer is read whole)
         at = dict(scale=scale, q_offset=start, filled=cache.bound)
         if tree is None:
@@ -76,6 +80,8 @@ def attention_output(
             return out, False
     where = dispatch.backend()
     takes_kernel = tree is None or takes_tree(tree, queries, causal)
+    if exact and prompt_chunk(start) and decisions.current().exact_first(where):
+        takes_kernel = False  # the target's cache then holds what mlx-lm's prefill writes
     if type(cache) is BufferKVCache and start is not None and takes_kernel and not one_row_step(queries, mask, where):
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         kernel = dispatch.serving_kernel(
@@ -105,6 +111,12 @@ def attention_output(
             B, _, L, _ = out.shape
             return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
+
+
+def prompt_chunk(start) -> bool:
+    """Whether the rows are a prompt's chunk, read at a host offset (a
+    cycle's verify has its offset on the device)."""
+    return start is not None and not isinstance(start, mx.array)
 
 
 def one_row_step(queries, mask, where: str) -> bool:
