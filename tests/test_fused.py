@@ -148,3 +148,33 @@ def test_new_weights_or_a_quantization_are_fused_again():
     target.blocks = list(target.inner.layers)
     want = target(tokens, target.make_cache(), [0, 1])
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("exact_first", [True, False])
+def test_a_lone_row_runs_the_layers_own_projections_where_exactness_comes_first(monkeypatch, exact_first):
+    """A plain step's row (or a prompt's last id) through a fused product of
+    another width would round unlike mlx-lm's step where MLX picks the
+    one-row order by width; where exactness comes first it runs the layer's
+    own modules. The drafter's one-row context stays fused."""
+    from dflash_mlx.kernels import decisions
+
+    monkeypatch.setattr(decisions.Decisions, "exact_first", lambda self, where: exact_first)
+    model = make_target(target_config("qwen3", vocab=VOCAB, layers=2, hidden=128), seed=4)
+    target = adapt(model)
+    fused_rows = []
+    real = fused_layers.apply_linear
+
+    def spy(module, x, *args, **kw):
+        fused_rows.append(x.size // x.shape[-1])
+        return real(module, x, *args, **kw)
+
+    monkeypatch.setattr(fused_layers, "apply_linear", spy)
+    tokens = mx.array([[(5 * i) % VOCAB for i in range(9)]])
+    cache = target.make_cache()
+    target(tokens[:, :8], cache, [0, 1])
+    fused_rows.clear()
+    target(tokens[:, 8:], cache, [0, 1])
+    assert (1 in fused_rows) is not exact_first
+    fused_rows.clear()
+    projections(model.model.layers[0]).keys_values(mx.ones((1, 1, 128)))
+    assert fused_rows == [1]

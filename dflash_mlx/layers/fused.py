@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
 
+from ..kernels import decisions, dispatch
 from .blocks import dense_block, own_block
 from .linear import apply_linear, apply_linear_swiglu, prepare_products
 
@@ -45,8 +46,9 @@ class FusedProjections:
         return q, k, v
 
     def keys_values(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array]:
-        """The k and v projections of ``norm(x)`` alone, from one product up to MOST_FUSED_ROWS rows."""
-        if not fused_rows(x):
+        """The k and v projections of ``norm(x)`` alone (the drafter's context),
+        from one product up to MOST_FUSED_ROWS rows."""
+        if not fused_rows(x, exact=False):
             x = x if norm is None else norm(x)
             return self.own[1](x), self.own[2](x)
         k, v = mx.split(apply_linear(self.kv, x, norm=norm), self.kvq_splits[:1], axis=-1)
@@ -63,9 +65,14 @@ class FusedProjections:
         return apply_linear(mlp.down_proj, apply_linear_swiglu(self.gate_up, x, norm), residual)
 
 
-def fused_rows(x: mx.array) -> bool:
-    """Whether ``x``'s rows go through the fused products."""
-    return x.size // x.shape[-1] <= MOST_FUSED_ROWS
+def fused_rows(x: mx.array, exact: bool = True) -> bool:
+    """Whether ``x``'s rows go through the fused products. Not a target's
+    (``exact``) lone row where exactness comes first: MLX picks a one-row
+    product's order by its width, so a fused one rounds unlike mlx-lm's step."""
+    rows = x.size // x.shape[-1]
+    if rows == 1 and exact:
+        return not decisions.current().exact_first(dispatch.backend())
+    return rows <= MOST_FUSED_ROWS
 
 
 # id(layer) -> (the layer, what was made, what it was made from)
