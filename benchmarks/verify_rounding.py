@@ -6,6 +6,7 @@ Reported in BENCHMARKS.md, "Greedy output against mlx-lm's".
     DFLASH_MLX_KERNELS=on python benchmarks/verify_rounding.py --shape qwen3-8b --prompt-tokens 1024
     python benchmarks/verify_rounding.py --shape qwen3-8b --quantize 4 --json rounding.json
     python benchmarks/verify_rounding.py --model PATH --rows 16 --committed 3
+    DFLASH_MLX_KERNELS=exact python benchmarks/verify_rounding.py --shape qwen3-8b --prompt-tokens 200 --prefill
 
 After a prompt of P synthetic tokens and C committed ones, mlx-lm's own
 ``generate_step`` decodes R tokens a row at a time (greedy), and our adapter
@@ -34,6 +35,16 @@ verifies over ours, as DFlash runs. ``compiled`` runs the verify through
 mx.compile, as the cycle does on a GPU (layer outputs, cache, logits). Then
 each of our kernels and fusions that serves here is switched off in turn
 (and all at once): the run where the differences go names the culprit.
+
+``--prefill`` compares our prefill instead (decode/loop.py's: chunks of
+``--prefill-step`` ids, then the last id alone, PromptCache.chunks' rule)
+with generate_step's reading of the same prompt: the last id's one-row
+forward over mlx-lm's cache and over our own chunks' (``history``: the
+chunks' keys and values), the same row read at a plain step's exact length
+(no mask), and a plain step (a block of 1) at P+C, its length on the host,
+on the device, and compiled; each table as the verify's, and the first
+layer's mask on each side. ``--chunks`` compares the chunks' rows too (they
+hold every piece of every row: mind the memory at long prompts).
 """
 
 from __future__ import annotations
@@ -196,11 +207,15 @@ def probed(model: nn.Module, layers: list[int], record: Callable[[tuple, mx.arra
 
 
 class OneRowSteps:
-    """mlx-lm's model as ``generate_step`` calls it, keeping each one-row call's pieces."""
+    """mlx-lm's model as ``generate_step`` calls it, keeping each one-row call's
+    pieces (``chunks``: each prompt chunk's too, less its logits) and the
+    mask its model makes, by the position the call starts at."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, chunks: bool = False):
         self.model = model
+        self.chunks = chunks
         self.steps: dict[int, Pieces] = {}  # position -> pieces
+        self.masks: dict[int, str] = {}  # position -> the first layer's mask (``mask_kind``)
         self.current: Pieces | None = None
 
     def record(self, key: tuple, value: mx.array) -> None:
@@ -208,14 +223,64 @@ class OneRowSteps:
             self.current[key] = value
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs):
+        from mlx_lm.models.base import create_attention_mask
+
         one_row = inputs.shape[1] == 1
-        self.current = {} if one_row else None
-        if one_row:
-            self.steps[cache[0].offset] = self.current
+        self.current = {} if one_row or self.chunks else None
+        if self.current is not None:
+            at = cache[0].offset
+            self.steps[at] = self.current
+            # (what qwen3/llama's model makes from its first cache before the call)
+            self.masks[at] = mask_kind(create_attention_mask(mx.zeros((1, inputs.shape[1], 1)), cache[0]))
         out = self.model(inputs, cache=cache, **kwargs)
-        self.record(("model", "logits"), out)
+        if one_row:  # (a chunk's logits, every row's, are not ours to compare: ours are its last row's)
+            self.record(("model", "logits"), out)
         self.current = None
         return out
+
+
+def mask_kind(mask) -> str:
+    """How an attention mask reads: none, causal, or an array (all visible or not)."""
+    if mask is None or isinstance(mask, str):
+        return mask or "none"
+    seen = "all visible" if mask.dtype == mx.bool_ and mask.all().item() else "some hidden"
+    return f"array {'x'.join(map(str, mask.shape))} ({seen})"
+
+
+@dataclass
+class Steps:
+    tokens: list[int]  # mlx-lm's greedy tokens after the prompt
+    calls: dict[int, Pieces]  # the recorded calls' pieces, by the position each starts at
+    masks: dict[int, str]  # their first layer's masks
+    cache: list  # mlx-lm's caches after the run
+
+
+def mlx_lm_steps(model: nn.Module, prompt: list[int], max_tokens: int, *, step: int = 2048, chunks: bool = False):
+    """mlx-lm's greedy ``generate_step`` of ``max_tokens`` after ``prompt``,
+    read in chunks of ``step`` ids and then its last id alone; its one-row
+    calls captured (``chunks``: its chunks too)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    steps = OneRowSteps(model, chunks)
+    layers = list(range(len(getattr(model, "language_model", model).model.layers)))
+    with probed(model, layers, steps.record):
+        run = generate_step(
+            mx.array(prompt), steps, prompt_cache=cache, max_tokens=max_tokens, sampler=greedy, prefill_step_size=step
+        )
+        tokens = [int(t) for t, _ in run]
+    return Steps(tokens, steps.steps, steps.masks, cache)
+
+
+def stacked(calls: list[Pieces]) -> Pieces:
+    """The pieces every one of ``calls`` has, their rows stacked in order."""
+    return {key: mx.concatenate([as_rows(c[key]) for c in calls]) for key in calls[0] if all(key in c for c in calls)}
+
+
+def before(cache: list, n: int) -> list[tuple[mx.array, mx.array]]:
+    """Each layer's cached keys and values at the positions below ``n``."""
+    return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
 
 
 @dataclass
@@ -227,23 +292,12 @@ class Reference:
 
 def one_row_reference(model: nn.Module, prompt: list[int], committed: int, rows: int) -> Reference:
     """mlx-lm's greedy ``generate_step``: the steps at positions P+C .. P+C+R-1, captured."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    steps = OneRowSteps(model)
-    layers = list(range(len(getattr(model, "language_model", model).model.layers)))
-    with probed(model, layers, steps.record):
-        run = generate_step(
-            mx.array(prompt), steps, prompt_cache=cache, max_tokens=committed + rows + 1, sampler=greedy
-        )
-        tokens = [int(t) for t, _ in run]
+    steps = mlx_lm_steps(model, prompt, committed + rows + 1)
     start = len(prompt) + committed
-    wanted = [steps.steps[p] for p in range(start, start + rows)]
-    pieces = {key: mx.concatenate([as_rows(s[key]) for s in wanted]) for key in wanted[0]}
-    history = [(c.keys[..., :start, :], c.values[..., :start, :]) for c in cache]
+    pieces = stacked([steps.calls[p] for p in range(start, start + rows)])
+    history = before(steps.cache, start)
     mx.eval(pieces, history)
-    return Reference(tokens, pieces, history)
+    return Reference(steps.tokens, pieces, history)
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -368,6 +422,7 @@ class Verified:
     replay_exact: list[int]  # layers whose replayed output equals the verify's
     replayed: list[int]  # layers replayed at all
     isolated: Pieces | None = None  # each piece from mlx-lm's inputs (``isolated``)
+    mask: str = ""  # the first layer's mask (``mask_kind``), where seen
 
 
 def our_verify(
@@ -375,9 +430,31 @@ def our_verify(
 ) -> Verified:
     """Our adapter's verify of ``tokens`` at ``start`` over ``cache``, eager,
     its pieces captured (and, given mlx-lm's ``reference``, ``isolated``'s)."""
+    from dflash_mlx.device import device_scalar
+
+    def at(cache):  # (a cycle's length: on the device)
+        target.set_length(cache, device_scalar(mx.array(start, mx.int32)), start, read)
+
+    return our_forward(target, cache, tokens, start, length=at, plant=plant, reference=reference)
+
+
+def our_forward(
+    target,
+    cache: list,
+    tokens: list[int],
+    start: int,
+    *,
+    length: Callable[[list], None] | None = None,
+    last_only: bool = False,
+    plant=None,
+    reference: Pieces | None = None,
+) -> Verified:
+    """Our adapter's forward of ``tokens`` written at ``start`` over ``cache``,
+    eager, its pieces captured (and, given mlx-lm's ``reference``,
+    ``isolated``'s). ``length(cache)`` sets the cache's length first, as the
+    caller's path does (None: as the cache stands, as a prefill reads it)."""
     from mlx_lm.generate import generation_stream
 
-    from dflash_mlx.device import device_scalar
     from dflash_mlx.layers.fused import FUSABLE_BLOCKS
 
     layers = target.inner.layers
@@ -402,8 +479,9 @@ def our_verify(
             mx.stream(generation_stream),
             probed(target.model, plain, lambda key, value: seen.__setitem__(key, value), whole=False),
         ):
-            target.set_length(cache, device_scalar(mx.array(start, mx.int32)), start, read)
-            logits, _ = target(mx.array(tokens)[None], cache, [target.here[0]])
+            if length is not None:
+                length(cache)
+            logits, _ = target(mx.array(tokens)[None], cache, [target.here[0]], last_only=last_only)
             pieces: Pieces = {key: as_rows(value) for key, value in seen.items() if key[0] != "model"}
             replayed, exact = [], []
             for n, i in enumerate(target.here):
@@ -424,9 +502,10 @@ def our_verify(
             if reference is not None and replayed == list(target.here):
                 alone = isolated(target, calls, reference)
                 mx.eval(alone)
+            mask = mask_kind(calls[target.here[0]].mask)
     finally:
         target.blocks = saved
-    return Verified(pieces, exact, replayed, alone)
+    return Verified(pieces, exact, replayed, alone, mask)
 
 
 def written(cache, i: int, start: int, n: int) -> Pieces:
@@ -475,24 +554,74 @@ def compiled_verify(target, cache: list, tokens: list[int], start: int, *, plant
     return Verified(pieces, [], [])
 
 
+def prompt_reads(prompt: list[int], step: int) -> list[list[int]]:
+    """The forwards decode/loop.py's ``prefill`` reads ``prompt`` in from an
+    empty cache: PromptCache.chunks' own rule (chunks of ``step``, the last id alone)."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.cache.prompt import PromptCache
+
+    empty = SimpleNamespace(tokens=[], reply_next=False, reply_from=None)  # (a fresh cache: nothing read yet)
+    return PromptCache.chunks(empty, prompt, step)
+
+
+def read_plainly(target, cache: list, ids: list[int]) -> None:
+    """One of the prefill's forwards, as decode/loop.py's ``prefill`` runs it."""
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        logits, hidden = target(mx.array(ids)[None], cache, [target.here[0]], last_only=True)
+        mx.eval(logits, hidden, [a for c in cache for a in c.state if a is not None])
+
+
 def own_history(target, prompt: list[int], block: list[int], committed: int, read: str, step: int = 2048) -> list:
-    """Our cache as DFlash leaves it: the prompt prefilled in chunks (decode/loop.py's
-    ``prefill``), then a verify of ``block`` of which ``committed`` rows are kept."""
+    """Our cache as DFlash leaves it: the prompt prefilled as decode/loop.py's
+    ``prefill`` reads it, then a verify of ``block`` of which ``committed`` rows are kept."""
     from mlx_lm.generate import generation_stream
 
     from dflash_mlx.device import device_scalar
 
     cache, taps = target.make_cache(), [target.here[0]]
+    for ids in prompt_reads(prompt, step):
+        read_plainly(target, cache, ids)
     with mx.stream(generation_stream):
-        for i in range(0, len(prompt), step):
-            logits, hidden = target(mx.array(prompt[i : i + step])[None], cache, taps, last_only=True)
-            mx.eval(logits, hidden, [a for c in cache for a in c.state if a is not None])
         if committed:
             start = len(prompt)
             target.set_length(cache, device_scalar(mx.array(start, mx.int32)), start, read)
             mx.eval(target(mx.array(block)[None], cache, taps))
             target.set_length(cache, start + committed)
     return cache
+
+
+@dataclass
+class OwnPrefill:
+    cache: list  # ours after the prompt
+    last: Verified  # the prompt's last id's forward, alone
+    chunks: Verified | None  # the chunks' rows, stacked (with ``chunks``)
+    starts: list[int]  # where each chunk starts
+
+
+def own_prefill(target, prompt: list[int], step: int, *, chunks: bool = False, plant=None) -> OwnPrefill:
+    """Our prefill of ``prompt`` as decode/loop.py's reads it, the last id's
+    forward captured (``chunks``: each chunk's too)."""
+    cache = target.make_cache()
+    *body, lone = prompt_reads(prompt, step)
+    at, seen, starts = 0, [], []
+    for ids in body:
+        starts.append(at)
+        if chunks:
+            seen.append(our_forward(target, cache, ids, at, last_only=True, plant=plant))
+        else:
+            with planted(plant, target):
+                read_plainly(target, cache, ids)
+        at += len(ids)
+    last = our_forward(target, cache, lone, at, last_only=True, plant=plant)
+    rows = None
+    if seen:
+        replayed = [i for i in seen[0].replayed if all(i in v.replayed for v in seen)]
+        exact = [i for i in replayed if all(i in v.replay_exact for v in seen)]
+        rows = Verified(stacked([v.pieces for v in seen]), exact, replayed, mask=seen[0].mask)
+    return OwnPrefill(cache, last, rows, starts)
 
 
 def history_difference(target, ours: list, theirs: list[tuple[mx.array, mx.array]]) -> dict[tuple, Difference]:
@@ -523,6 +652,8 @@ def product_path(module: nn.Module, rows: int, dtype) -> str:
     """Which product a verify's ``rows`` take through ``module``."""
     from dflash_mlx.kernels import exact_products, quantized
 
+    if rows < 2:  # (a lone row: apply_linear runs MLX's own product)
+        return "MLX quantized" if type(module) is nn.QuantizedLinear else "MLX"
     k = module["weight"].shape[1]
     if exact_products.serves(module, rows, k, dtype):
         return "exact"
@@ -667,8 +798,10 @@ def read_width(read: str, length: int) -> int:
 class Run:
     name: str
     diffs: dict[tuple, Difference]
-    argmax_equal: int
+    argmax_equal: int | None  # None: no logits to compare (a prompt chunk's)
     replay: str = ""
+    rows: int = 0  # the rows compared
+    mask: str = ""  # the first layer's mask in ours, where seen
 
     @property
     def first(self) -> tuple | None:
@@ -678,10 +811,14 @@ class Run:
 def run_of(name: str, got: Verified, against: Pieces, layers: range) -> Run:
     """``got`` compared with ``against`` (the one-row steps' pieces, or another run's)."""
     diffs = compare(got.pieces, against, layers)
-    ours, theirs = got.pieces[("model", "logits")], against[("model", "logits")]
-    agree = int((mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).sum().item())
+    key = ("model", "logits")
+    agree = None
+    if key in diffs:
+        ours, theirs = got.pieces[key], against[key]
+        agree = int((mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).sum().item())
     replay = f"{len(got.replay_exact)}/{len(got.replayed)}" if got.replayed else ""
-    return Run(name, diffs, agree, replay)
+    rows = against[next(iter(diffs))].shape[0] if diffs else 0
+    return Run(name, diffs, agree, replay, rows, got.mask)
 
 
 def check_sizes(prompt_tokens: int, committed: int, rows: int) -> None:
@@ -689,20 +826,14 @@ def check_sizes(prompt_tokens: int, committed: int, rows: int) -> None:
         raise ValueError("pass --prompt-tokens of at least 1, --committed of 0 or more and --rows of at least 2.")
 
 
-def probe(
-    model: nn.Module, prompt: list[int], *, committed: int = 3, rows: int = 16, variants: bool = True, plant=None
-):
-    """Compare our verify of ``rows`` tokens with mlx-lm's one-row steps after
-    ``prompt`` and ``committed`` tokens. ``plant``: a context manager factory
-    ``plant(target)`` active around each of our compared verifies (a test's
-    planted difference). Returns the report (``report_json``'s input)."""
+def dense_target(model: nn.Module):
+    """Our adapter of ``model``, if the probe can read it: dense attention
+    over plain buffers on our side, mlx-lm's plain KV caches on its."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from dflash_mlx.kernels import decisions
     from dflash_mlx.kv.buffer import BufferKVCache
     from dflash_mlx.targets import DenseTarget, adapt
 
-    check_sizes(len(prompt), committed, rows)
     target = adapt(model)  # (fuses projections, as load does before any decoding)
     if type(target).__call__ is not DenseTarget.__call__ or any(
         type(c) is not BufferKVCache for c in target.make_cache()
@@ -714,6 +845,20 @@ def probe(
         raise ValueError(
             "the probe compares with mlx-lm's plain KV caches; this target's keeps rotating or other caches."
         )
+    return target
+
+
+def probe(
+    model: nn.Module, prompt: list[int], *, committed: int = 3, rows: int = 16, variants: bool = True, plant=None
+):
+    """Compare our verify of ``rows`` tokens with mlx-lm's one-row steps after
+    ``prompt`` and ``committed`` tokens. ``plant``: a context manager factory
+    ``plant(target)`` active around each of our compared verifies (a test's
+    planted difference). Returns the report (``report_json``'s input)."""
+    from dflash_mlx.kernels import decisions
+
+    check_sizes(len(prompt), committed, rows)
+    target = dense_target(model)
     reference = one_row_reference(model, prompt, committed, rows)
     start = len(prompt) + committed
     tokens = reference.tokens[committed : committed + rows]
@@ -763,6 +908,135 @@ def probe(
     return report
 
 
+LAST_ID = "last id"
+PLAIN = "plain step"
+PLAIN_ISOLATED = "plain step, each alone"
+CHUNKS = "chunks' rows"
+EXACT_READ = "last id, read as a plain step"
+
+
+def check_prefill_sizes(prompt_tokens: int, committed: int) -> None:
+    if prompt_tokens < 2 or committed < 0:
+        raise ValueError("pass --prompt-tokens of at least 2 and --committed of 0 or more with --prefill.")
+
+
+def probe_prefill(
+    model: nn.Module,
+    prompt: list[int],
+    *,
+    committed: int = 3,
+    step: int = 2048,
+    chunks: bool = False,
+    variants: bool = True,
+    plant=None,
+):
+    """Compare our prefill of ``prompt`` (decode/loop.py's ``prefill``: chunks
+    of ``step`` ids, then the last id alone) with mlx-lm's ``generate_step``
+    reading it, piece by piece at the last id (``chunks``: at the chunks' rows
+    too), and a plain step (a block of 1) at P+C with mlx-lm's step there.
+    ``plant`` as ``probe``'s, around each of our forwards. Returns the report."""
+    from dflash_mlx.kernels import decisions
+
+    check_prefill_sizes(len(prompt), committed)
+    target = dense_target(model)
+    steps = mlx_lm_steps(model, prompt, committed + 2, step=step, chunks=chunks)
+    last, at = len(prompt) - 1, len(prompt) + committed
+    lone, step_pieces = stacked([steps.calls[last]]), stacked([steps.calls[at]])
+    history, step_history = before(steps.cache, last), before(steps.cache, at)
+    mx.eval(lone, step_pieces, history, step_history)
+    token = steps.tokens[committed]  # (the plain step's input: the token at P+C)
+    read, layers = cycle_read(target), target.here
+    report = {
+        "mode": "prefill",
+        "policy": decisions.current().policy,
+        "read": read,
+        "last": last,
+        "step_at": at,
+        "token": token,
+    }
+
+    def over(history):
+        """Our buffers holding mlx-lm's keys and values, at a host length (as a prefill leaves them)."""
+        return seeded_cache(target, history)
+
+    def lone_row(cache, reference=None, length=None):
+        return our_forward(
+            target, cache, prompt[-1:], last, length=length, last_only=True, plant=plant, reference=reference
+        )
+
+    def exact_length(n):  # (a plain step's after a plain step, decode/cycle.py's: no mask where it reads every key)
+        return lambda cache: target.set_length(cache, n, n, "exact")
+
+    first = lone_row(over(history), lone)
+    report["served"] = lone_row_served(target, last + 1, first.mask)
+    runs = [run_of(LAST_ID, first, lone, layers)]
+    if first.isolated is not None:
+        runs.append(run_of(ISOLATED, Verified(first.isolated, [], []), lone, layers))
+    runs.append(run_of("last id again, vs last id", lone_row(over(history)), first.pieces, layers))
+    # the last id read as a plain step reads its row: where this run agrees and the first does not, the mask parts them
+    exact_read = lone_row(over(history), length=exact_length(last))
+    runs.append(run_of(EXACT_READ, exact_read, lone, layers))
+    own = own_prefill(target, prompt, step, chunks=chunks, plant=plant)
+    report["history"] = history_difference(target, own.cache, history)
+    runs.append(run_of("own chunks, last id", own.last, lone, layers))
+    if own.chunks is not None:
+        theirs = stacked([steps.calls[s] for s in own.starts])
+        runs.append(run_of(CHUNKS, own.chunks, theirs, layers))
+
+    plain = our_forward(
+        target, over(step_history), [token], at, length=exact_length(at), plant=plant, reference=step_pieces
+    )
+    runs.append(run_of(PLAIN, plain, step_pieces, layers))
+    if plain.isolated is not None:
+        runs.append(run_of(PLAIN_ISOLATED, Verified(plain.isolated, [], []), step_pieces, layers))
+    # a plain step after a block: its length on the device, eager here, compiled where the cycle is
+    after_block = our_verify(target, over(step_history), [token], at, read, plant=plant)
+    runs.append(run_of("plain step, device length", after_block, step_pieces, layers))
+    compiled = compiled_verify(target, over(step_history), [token], at, plant=plant)
+    runs.append(run_of("plain step, compiled", compiled, step_pieces, layers))
+    if variants:
+        fuse = target.fuse_projections
+        for name, off in switches(target, report["served"]):
+            off()
+            try:
+                runs.append(run_of(f"last id, {name}", lone_row(over(history)), lone, layers))
+            finally:
+                restore(target, fuse)
+    report["masks"] = {
+        LAST_ID: {"ours": first.mask, "mlx-lm": steps.masks[last]},
+        EXACT_READ: {"ours": exact_read.mask, "mlx-lm": steps.masks[last]},
+        PLAIN: {"ours": plain.mask, "mlx-lm": steps.masks[at]},
+    }
+    report["runs"] = runs
+    return report
+
+
+def lone_row_served(target, keys: int, mask: str) -> dict[str, str]:
+    """``served`` for one row at a host length over ``keys`` positions behind
+    ``mask`` (``mask_kind``'s): a target's lone row takes the layer's own
+    projections where exactness comes first (layers/fused.py's ``fused_rows``),
+    and its attention follows layers/attention.py's rule for rows at a host offset."""
+    from dflash_mlx.kernels import decisions, dispatch
+    from dflash_mlx.layers.attention import one_row_step
+    from dflash_mlx.layers.fused import fused_rows
+
+    found = served(target, 1, keys)
+    layer = target.inner.layers[target.here[0]]
+    one_row = mx.zeros((1, 1, target.hidden_size), target.dtype)  # (only shapes are read)
+    if found.get("q/k/v", "").startswith("fused ") and not fused_rows(one_row):
+        found["q/k/v"] = "own " + product_path(layer.self_attn.q_proj, 1, target.dtype)
+        found["gate/up"] = "own " + product_path(layer.mlp.gate_proj, 1, target.dtype)
+    if "attention" in found:
+        attn, where = layer.self_attn, dispatch.backend()
+        q = mx.zeros((1, attn.n_heads, 1, target.head_dim), target.dtype)
+        kernel = None
+        if not decisions.current().exact_first(where) and not one_row_step(q, None if mask == "none" else mask, where):
+            group = attn.n_heads // attn.n_kv_heads
+            kernel = dispatch.serving_kernel(where, target.dtype, target.head_dim, False, rows=group, keys=keys)
+        found["attention"] = ("kernel" if kernel is not None else "MLX") + f", mask {mask}"
+    return found
+
+
 # ---- output ----------------------------------------------------------------------
 
 
@@ -782,8 +1056,10 @@ def report_json(report: dict) -> dict:
         {
             "name": r.name,
             "first_difference": None if r.first is None else list(r.first),
+            "rows": r.rows,
             "argmax_equal": r.argmax_equal,
             "replay_exact": r.replay,
+            "mask": r.mask,
             "pieces": table(r.diffs),
         }
         for r in report["runs"]
@@ -793,31 +1069,75 @@ def report_json(report: dict) -> dict:
 
 def print_report(report: dict, rows: int) -> None:
     print("served (layer 0): " + ", ".join(f"{k} {v}" for k, v in report["served"].items()))
-    history = report["history"]
-    parted = sorted({k[0] for k, d in history.items() if d.rows})
-    if not parted:
-        print("history: our prefill and committed block cache every position as mlx-lm does")
-    else:
-        cells = "  ".join(f"{i}: k {history[(i, 'k')].cell()} v {history[(i, 'v')].cell()}" for i in parted[:8])
-        print(f"history: positions whose cached k/v differ from mlx-lm's (of {report['start']}), layers {cells}")
+    print_history(report["history"], "our prefill and committed block", report["start"])
     main = report["runs"][0]
     print_table(main, f"verify over mlx-lm's cache: rows (of {rows}) differing from the one-row step / max |diff|")
-    first = "none" if main.first is None else piece_name(main.first)
-    replayed = f" (the replay reproduced {main.replay} layers' outputs)" if main.replay else ""
-    print(f"first difference: {first}{replayed}")
+    print_first(main)
     alone = next((r for r in report["runs"] if r.name == ISOLATED), None)
     if alone is not None:
         print_table(alone, "each piece of ours from mlx-lm's inputs to it: its own rounding, not what it inherits")
+    print_runs(report["runs"])
+
+
+def print_prefill_report(report: dict) -> None:
+    """The prompt's last id (then a plain step, and the chunks' rows if read) against mlx-lm's."""
+    last, at = report["last"], report["step_at"]
+    print("served (layer 0, the last id): " + ", ".join(f"{k} {v}" for k, v in report["served"].items()))
+    masks = report["masks"]
     print(
-        f"\n{'run':<26} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
+        "masks (layer 0): "
+        + "; ".join(f"{name}: ours {m['ours']}, mlx-lm's {m['mlx-lm']}" for name, m in masks.items())
     )
-    for r in report["runs"]:
+    print_history(report["history"], "our prompt chunks", last)
+    runs = {r.name: r for r in report["runs"]}
+    print_table(
+        runs[LAST_ID],
+        f"the prompt's last id (position {last}) read alone over mlx-lm's cache, as our prefill reads it: "
+        "differing from mlx-lm's one-row step / max |diff|",
+    )
+    print_first(runs[LAST_ID])
+    if ISOLATED in runs:
+        print_table(runs[ISOLATED], "each piece of ours from mlx-lm's inputs to it: its own rounding")
+    if CHUNKS in runs:
+        chunks = runs[CHUNKS]
+        print_table(chunks, f"the prompt chunks' rows (of {chunks.rows}), each call over our own cache")
+        print_first(chunks)
+    print_table(
+        runs[PLAIN], f"a plain step (a block of 1, its length on the host) at position {at} over mlx-lm's cache"
+    )
+    print_first(runs[PLAIN])
+    if PLAIN_ISOLATED in runs:
+        print_table(runs[PLAIN_ISOLATED], "each piece of ours from mlx-lm's inputs to it: its own rounding")
+    print_runs(report["runs"])
+
+
+def print_history(history: dict[tuple, Difference], what: str, positions: int) -> None:
+    parted = sorted({k[0] for k, d in history.items() if d.rows})
+    if not parted:
+        print(f"history: {what} cache every position as mlx-lm does")
+    else:
+        cells = "  ".join(f"{i}: k {history[(i, 'k')].cell()} v {history[(i, 'v')].cell()}" for i in parted[:8])
+        print(f"history: positions whose cached k/v differ from mlx-lm's (of {positions}), layers {cells}")
+
+
+def print_first(run: Run) -> None:
+    first = "none" if run.first is None else piece_name(run.first)
+    replayed = f" (the replay reproduced {run.replay} layers' outputs)" if run.replay else ""
+    print(f"first difference: {first}{replayed}")
+
+
+def print_runs(runs: list[Run]) -> None:
+    """A line a run: its first difference, its logits' rows differing, and argmax agreement."""
+    w = max(26, *(len(r.name) for r in runs))
+    print(
+        f"\n{'run':<{w}} {'first difference':<20} {'logit rows':>10} {'max':>8} {'argmax equal':>12} {'replay exact':>12}"
+    )
+    for r in runs:
         first = "none" if r.first is None else piece_name(r.first)
-        logits = r.diffs[("model", "logits")]
-        print(
-            f"{r.name:<26} {first:<20} {logits.rows:>10} {logits.worst:>8.1e} {r.argmax_equal:>9}/{rows:<2} "
-            f"{r.replay or '-':>12}"
-        )
+        logits = r.diffs.get(("model", "logits"))
+        rows, worst = ("-", "-") if logits is None else (logits.rows, f"{logits.worst:.1e}")
+        agree = "-" if r.argmax_equal is None else f"{r.argmax_equal}/{r.rows}"
+        print(f"{r.name:<{w}} {first:<20} {rows:>10} {worst:>8} {agree:>12} {r.replay or '-':>12}")
 
 
 def print_table(run: Run, title: str) -> None:
@@ -883,6 +1203,13 @@ def main():
     ap.add_argument("--rows", type=int, default=16, help="the verify's block")
     ap.add_argument("--kernels", choices=["measure", "on", "off"], help="DFLASH_MLX_KERNELS for this run")
     ap.add_argument("--no-variants", action="store_true", help="skip the runs with our kernels switched off")
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="compare our prefill's last id (read alone) and a plain step at P+C with mlx-lm's, not a verify",
+    )
+    ap.add_argument("--prefill-step", type=int, default=2048, help="the prompt's chunk size, both sides (--prefill)")
+    ap.add_argument("--chunks", action="store_true", help="with --prefill, compare the chunks' rows too (memory)")
     ap.add_argument("--json", metavar="PATH", help="also write the report here")
     args = ap.parse_args()
     if args.kernels:
@@ -891,21 +1218,41 @@ def main():
         os.environ["DFLASH_MLX_KERNELS"] = args.kernels
         decisions.reset()
     try:
-        check_sizes(args.prompt_tokens, args.committed, args.rows)
+        if args.prefill:
+            check_prefill_sizes(args.prompt_tokens, args.committed)
+        else:
+            check_sizes(args.prompt_tokens, args.committed, args.rows)
         model, name = load_model(args)
         vocab = int(getattr(model, "language_model", model).args.vocab_size)
         prompt = synthetic_prompt(vocab, args.prompt_tokens)
-        report = probe(model, prompt, committed=args.committed, rows=args.rows, variants=not args.no_variants)
+        if args.prefill:
+            report = probe_prefill(
+                model,
+                prompt,
+                committed=args.committed,
+                step=args.prefill_step,
+                chunks=args.chunks,
+                variants=not args.no_variants,
+            )
+        else:
+            report = probe(model, prompt, committed=args.committed, rows=args.rows, variants=not args.no_variants)
     except ValueError as e:
         sys.exit(f"verify_rounding.py: {e}")
     machine = f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}"
     report = {"machine": machine, "target": name, "args": vars(args), **report}
     print(machine)
-    print(
-        f"{name}: prompt {args.prompt_tokens} tokens, {args.committed} committed, verify of {args.rows} rows; "
-        f"DFLASH_MLX_KERNELS={report['policy']}, buffers read {report['read']}"
-    )
-    print_report(report, args.rows)
+    if args.prefill:
+        print(
+            f"{name}: prompt {args.prompt_tokens} tokens in chunks of {args.prefill_step}, the last id alone; "
+            f"a plain step after {args.committed} committed; DFLASH_MLX_KERNELS={report['policy']}"
+        )
+        print_prefill_report(report)
+    else:
+        print(
+            f"{name}: prompt {args.prompt_tokens} tokens, {args.committed} committed, verify of {args.rows} rows; "
+            f"DFLASH_MLX_KERNELS={report['policy']}, buffers read {report['read']}"
+        )
+        print_report(report, args.rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report_json(report), indent=1))
 

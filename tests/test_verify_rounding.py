@@ -1,7 +1,9 @@
 """benchmarks/verify_rounding.py: the probe that compares a verify's pieces
 with mlx-lm's one-row steps finds nothing on the CPU, where both are the same
 arithmetic, finds a difference planted in the verify alone where it is, and
-on a stand-in GPU names the kernel that rounds otherwise by switching each off."""
+on a stand-in GPU names the kernel that rounds otherwise by switching each off.
+Its ``--prefill`` mode does the same for our prefill's last id, read alone,
+and a plain step."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from tiny import greedy_reference, make_target, target_config
 
@@ -123,6 +126,142 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, cap
     ]
     assert all(r["first_difference"] is None for r in report["runs"])
     assert report["runs"][0]["pieces"]["7/down"] == {"rows": 0, "max_abs": 0.0}
+
+
+class LoneRowNudge(nn.Module):
+    """``inner``, its output moved a little for a one-row input alone: a piece
+    of a prefill's last id (and a plain step) that rounds otherwise, its chunks not."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x):
+        y = self.inner(x)
+        return y * (1 + 2**-6) if x.size // x.shape[-1] == 1 else y
+
+
+@contextlib.contextmanager
+def nudged_lone_row_o_proj(target, layer: int = 1):
+    attn = target.inner.layers[layer].self_attn
+    own = attn.o_proj
+    attn.o_proj = LoneRowNudge(own)
+    try:
+        yield
+    finally:
+        attn.o_proj = own
+
+
+def test_every_piece_of_our_prefill_and_plain_step_equals_mlx_lm_on_the_cpu(model):
+    report = vr.probe_prefill(model, PROMPT, committed=COMMITTED, step=16, chunks=True)
+    runs = {r.name: r for r in report["runs"]}
+    assert list(runs) == [
+        vr.LAST_ID,
+        vr.ISOLATED,
+        "last id again, vs last id",
+        vr.EXACT_READ,
+        "own chunks, last id",
+        vr.CHUNKS,
+        vr.PLAIN,
+        vr.PLAIN_ISOLATED,
+        "plain step, device length",
+        "plain step, compiled",
+        "last id, mlx-lm's layers",
+        "last id, all of ours off",
+    ]
+    every = {(i, p) for i in range(3) for p in vr.LAYER_PIECES}
+    assert set(runs[vr.LAST_ID].diffs) == every | {("model", p) for p in vr.MODEL_PIECES}
+    # a chunk's logits are its last row's on our side: not compared
+    assert set(runs[vr.CHUNKS].diffs) == every | {("model", "final norm")}
+    assert runs[vr.CHUNKS].rows == len(PROMPT) - 1 and runs[vr.CHUNKS].argmax_equal is None
+    assert runs[vr.LAST_ID].rows == runs[vr.PLAIN].rows == 1
+    for run in runs.values():
+        assert run.first is None, (run.name, run.first)
+        assert all(d.rows == 0 for d in run.diffs.values())
+    assert all(d.rows == 0 for d in report["history"].values())
+    assert runs[vr.LAST_ID].replay == runs[vr.PLAIN].replay == runs[vr.CHUNKS].replay == "3/3"
+    # mlx-lm's one-row calls read without a mask; so do ours at a length a plain step's
+    masks = report["masks"]
+    assert {m["mlx-lm"] for m in masks.values()} == {"none"}
+    assert masks[vr.EXACT_READ]["ours"] == masks[vr.PLAIN]["ours"] == "none"
+    assert report["last"] == len(PROMPT) - 1 and report["step_at"] == len(PROMPT) + COMMITTED
+    assert report["token"] == greedy_reference(model, PROMPT, COMMITTED + 1)[COMMITTED]
+
+
+def test_a_difference_planted_in_the_prefills_lone_row_is_found_where_it_is(model):
+    report = vr.probe_prefill(
+        model, PROMPT, committed=COMMITTED, step=16, chunks=True, variants=False, plant=nudged_lone_row_o_proj
+    )
+    runs = {r.name: r for r in report["runs"]}
+    last = runs[vr.LAST_ID]
+    assert last.first == (1, "o_proj")
+    keys = list(last.diffs)
+    before = keys[: keys.index((1, "o_proj"))]
+    assert before and all(last.diffs[k].rows == 0 for k in before)
+    assert last.diffs[(1, "o_proj")].rows == 1 and last.diffs[(1, "o_proj")].worst > 0
+    assert last.diffs[(2, "out")].rows == 1 and last.diffs[("model", "logits")].rows == 1
+    assert last.replay == "3/3"  # the replay saw the planted module too
+    # given mlx-lm's inputs, only the planted product (and the residual it feeds) parts
+    assert {k for k, d in runs[vr.ISOLATED].diffs.items() if d.rows} == {(1, "o_proj"), (1, "h+attn")}
+    for name in (vr.EXACT_READ, "own chunks, last id", vr.PLAIN, "plain step, device length"):
+        assert runs[name].first == (1, "o_proj"), name
+    assert runs["plain step, compiled"].first == (1, "out")  # what a compiled step shows of it
+    assert runs["last id again, vs last id"].first is None  # the planted change is deterministic
+    # the chunks' rows are not one row: untouched, and so is the cache they wrote
+    assert runs[vr.CHUNKS].first is None
+    assert all(d.rows == 0 for d in report["history"].values())
+
+
+def test_a_lone_row_parting_behind_a_mask_is_told_from_one_read_as_a_plain_step(model, monkeypatch):
+    """A stand-in for a GPU whose MLX attention rounds a row otherwise behind
+    an array mask than without one (CUDA's is then not one fused kernel): the
+    mode names layer 0's attention wherever our last id's mask is an array,
+    and the same row read as a plain step (no mask) agrees."""
+    from dflash_mlx.layers import attention
+
+    plain = attention.scaled_dot_product_attention
+
+    def behind_a_mask(q, k, v, *, mask=None, **kw):
+        out = plain(q, k, v, mask=mask, **kw)
+        return out * (1 + 2**-6) if isinstance(mask, mx.array) and q.shape[2] == 1 else out
+
+    monkeypatch.setattr(attention, "scaled_dot_product_attention", behind_a_mask)
+    report = vr.probe_prefill(model, PROMPT, committed=COMMITTED, step=16, variants=False)
+    runs = {r.name: r for r in report["runs"]}
+    masked = report["masks"][vr.LAST_ID]["ours"].startswith("array")
+    assert runs[vr.LAST_ID].first == ((0, "attention") if masked else None)
+    assert runs["own chunks, last id"].first == runs[vr.LAST_ID].first
+    alone = {k for k, d in runs[vr.ISOLATED].diffs.items() if d.rows}
+    assert alone == ({(i, "attention") for i in range(3)} if masked else set())
+    assert runs[vr.EXACT_READ].first is None and runs[vr.PLAIN].first is None
+
+
+def test_the_prefill_command_prints_its_tables_and_writes_json(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "prefill.json"
+    argv = ["verify_rounding.py", "--shape", "small", "--prompt-tokens", "24", "--committed", "1", "--prefill"]
+    monkeypatch.setattr(sys, "argv", argv + ["--prefill-step", "8", "--no-variants", "--json", str(out)])
+    vr.main()
+    text = capsys.readouterr().out
+    assert "the prompt's last id (position 23) read alone" in text and "a plain step" in text
+    assert "first difference: none (the replay reproduced 8/8 layers' outputs)" in text
+    # four tables (the last id, its pieces alone, the plain step, its pieces alone) of 8 layers, every cell 0
+    table = [line.split() for line in text.splitlines() if line.split()[:1] in ([str(i)] for i in range(8))]
+    assert len(table) == 32 and all(cells[1:] == ["0"] * len(vr.LAYER_PIECES) for cells in table)
+    report = json.loads(out.read_text())
+    assert report["mode"] == "prefill" and report["masks"][vr.PLAIN]["mlx-lm"] == "none"
+    assert [r["name"] for r in report["runs"]][:2] == [vr.LAST_ID, vr.ISOLATED]
+    assert all(r["first_difference"] is None for r in report["runs"])
+    assert report["runs"][0]["pieces"]["7/down"] == {"rows": 0, "max_abs": 0.0}
+
+
+def test_bad_prefill_sizes_end_in_one_sentence(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["verify_rounding.py", "--prefill", "--prompt-tokens", "1"])
+    with pytest.raises(SystemExit) as e:
+        vr.main()
+    assert (
+        str(e.value)
+        == "verify_rounding.py: pass --prompt-tokens of at least 2 and --committed of 0 or more with --prefill."
+    )
 
 
 def test_bad_sizes_end_in_one_sentence(monkeypatch):
