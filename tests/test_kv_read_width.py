@@ -75,6 +75,21 @@ def test_an_exact_one_row_step_reads_the_filled_keys_with_no_mask(monkeypatch):
     assert cache.read == "bound"
 
 
+def test_a_prompts_last_id_alone_reads_the_filled_keys_with_no_mask(monkeypatch):
+    """The prompt's last id, read alone at a host length as mlx-lm's
+    generate_step reads it, takes no mask either (a masked one-row attention
+    is another kernel on CUDA, which rounds unlike mlx-lm's step)."""
+    for where in ("cpu", "cuda"):
+        monkeypatch.setattr(device, "backend", lambda: where)
+        cache = BufferKVCache()
+        written(cache, 40)
+        mask, keys, _ = written(cache, 1)
+        assert mask is None and keys.shape[2] == 41, where
+    cache = BufferKVCache()
+    written(cache, 40)
+    assert sum(cache.make_mask(1, window_size=16).tolist()[0]) == 16  # a passed window keeps its mask
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_plain_steps_after_plain_steps_run_exact_and_stay_the_targets(monkeypatch, agreeing_pair, compiled):
     model, draft = agreeing_pair

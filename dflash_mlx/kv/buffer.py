@@ -144,12 +144,10 @@ class DeviceLengthCache:
         if self.tree is not None:
             return self.tree.mask(self.offset, self.read_width(N), window_size)
         width = self.read_width(N)
-        if (
-            N == 1
-            and self.read == "exact"
-            and width == self.bound + 1
-            and (window_size is None or self.bound < window_size)
-        ):
+        # One row reading exactly the filled keys (its length exact, or on the
+        # host): no mask, as mlx-lm's step; a mask takes another attention kernel.
+        filled = self.read == "exact" or isinstance(self.offset, int)
+        if N == 1 and filled and width == self.bound + 1 and (window_size is None or self.bound < window_size):
             return None
         # A prompt chunk at a host length reading only the filled keys: MLX's
         # own causal mask, which its fused attention takes without an array.
