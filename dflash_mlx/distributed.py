@@ -56,12 +56,17 @@ def share_from_first_rank(obj, group: mx.distributed.Group):
     """Rank 0's ``obj`` on every rank of ``group`` (the others pass None):
     what rank 0 alone learns (a request, a line typed) that every rank must
     act on alike. Every rank blocks here until rank 0 calls it."""
+    from mlx_lm.generate import generation_stream
+
     first = group.rank() == 0
     data = pickle.dumps(obj) if first else b""
-    size = mx.distributed.all_sum(mx.array(len(data), mx.int64), group=group).item()
-    payload = mx.array(memoryview(data), mx.uint8) if first else mx.zeros((size,), mx.uint8)
-    received = mx.distributed.all_sum(payload, group=group)
-    mx.eval(received)  # rank 0 too: every rank must take part in the exchange
+    # On the decode loop's stream: after the last generation's exchanges,
+    # which share the connection, on every rank alike.
+    with mx.stream(generation_stream):
+        size = mx.distributed.all_sum(mx.array(len(data), mx.int64), group=group).item()
+        payload = mx.array(memoryview(data), mx.uint8) if first else mx.zeros((size,), mx.uint8)
+        received = mx.distributed.all_sum(payload, group=group)
+        mx.eval(received)  # rank 0 too: every rank must take part in the exchange
     return obj if first else pickle.loads(bytes(memoryview(received)))
 
 

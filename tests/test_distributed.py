@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -256,17 +257,20 @@ LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.la
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).is_file(), reason="mlx.launch (MLX's launcher) is not installed")
 
 
-def write_pair(root: Path, family: str, layers: int, draft_seed: int = 22) -> tuple[Path, Path, object]:
+def write_pair(
+    root: Path, family: str, layers: int, draft_seed: int = 22, lean: bool = True
+) -> tuple[Path, Path, object]:
     """A tiny target of ``family`` (its weights indexed, as a pipelined load
-    reads them) and a drafter tapping two of its layers; returns the
-    directories and the target."""
+    reads them; ``lean``: towards one token, so drafts are accepted) and a
+    drafter tapping two of its layers; returns the directories and the target."""
     if family == "qwen3":
         cfg = target_config("qwen3", vocab=VOCAB, layers=layers, hidden=64)
         model = make_target(cfg, seed=TARGET_SEED)
     else:
         cfg = family_config(family, vocab=VOCAB, layers=layers, hidden=64)
         model = make_family_target(cfg, seed=TARGET_SEED)
-    lean_towards_one_token(getattr(model, "language_model", model), LEAN[family])
+    if lean:
+        lean_towards_one_token(getattr(model, "language_model", model), LEAN[family])
     target = write_target(root / f"{family}-target", cfg, model, make_tokenizer(VOCAB))
     names = mx.load(str(target / "model.safetensors"))
     (target / "model.safetensors.index.json").write_text(
@@ -487,7 +491,6 @@ def test_interrupt_on_rank_zero_ends_every_rank(tmp_path):
     """Ctrl-C on rank 0 of `generate`: every rank stops after the same cycle,
     rank 0 says so with its statistics and exits 130, nothing hangs."""
     import signal
-    import time
 
     target, draft, _ = write_pair(tmp_path, "qwen3_moe", 4)
     command = shutil.which("dflash-mlx") or str(Path(sys.executable).parent / "dflash-mlx")
@@ -581,7 +584,6 @@ class Served:
     the launcher's output in files; ``stop`` is Ctrl-C on every rank."""
 
     def __init__(self, tmp_path: Path, ranks: int, *args: str):
-        import time
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -731,3 +733,100 @@ def test_serve_across_ranks_refuses(tmp_path, flags, sentence):
     assert re.search(r"rank [01] exited with code 1 ", done.stderr), done.stderr  # (mlx.launch exits 0)
     assert done.stderr.count(sentence) == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def chat_turns(command: list[str], lines: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """``dflash-mlx chat`` fed ``lines`` then /quit (mlx.launch never closes a
+    rank's stdin, so the session must be left by a command)."""
+    done = subprocess.run(
+        command,
+        input="".join(f"{line}\n" for line in [*lines, "/quit"]),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exited with code" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("family, split", [("qwen3_moe", "pipeline"), ("qwen3", "tensor")])
+def test_chat_across_ranks_equals_one_process(tmp_path, family, split):
+    """Rank 0 reads the turns and every rank runs them: the conversation
+    /save writes (its messages and token ids) is one process's, and the
+    session is shown once."""
+    target, draft, _ = write_pair(tmp_path, family, 4)
+    args = ["chat", "--model", str(target), "--draft-model", str(draft), "--dtype", "float32"]
+    args += ["--block-size", "6", "-m", "10"]
+    saved = {}
+    for name, command in (("alone", [DFLASH, *args]), ("split", [*launcher(2), DFLASH, *args, "--split", split])):
+        path = tmp_path / f"{name}.json"
+        done = chat_turns(command, ["w3 w17 w5", "w9 w2", f"/save {path}"])
+        assert done.stdout.count("dflash-mlx chat ·") == 1  # rank 0 alone speaks
+        saved[name] = json.loads(path.read_text())
+    assert saved["split"]["messages"] == saved["alone"]["messages"]
+    assert saved["split"]["tokens"] == saved["alone"]["tokens"] and len(saved["alone"]["messages"]) == 4
+
+
+def test_chat_across_ranks_refuses_one_machine_options(tmp_path):
+    command = [*launcher(2), DFLASH, "chat", "--model", "builtin", "--prefix-cache-dir", str(tmp_path / "p")]
+    done = subprocess.run(command, input="/quit\n", capture_output=True, text=True, timeout=120)
+    # whichever rank refuses first ends the launch; the other may be stopped before it refuses
+    assert re.search(r"rank [01] exited with code 1 ", done.stderr), done.stderr
+    assert done.stderr.count("--prefix-cache-dir cannot be used across ranks yet") == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_chat_across_ranks_keeps_rank_zeros_turn_after_ctrl_c(tmp_path):
+    """Ctrl-C on rank 0 stops a reply on every rank after the same cycle;
+    rank 0 has shown fewer tokens than that cycle holds, and every rank goes
+    on from what it showed, so the next reply is still one process's."""
+    import signal
+
+    from dflash_mlx import generate
+    from dflash_mlx.loading import load
+
+    # (not leaning towards one token: a reply then shows any difference in what the ranks hold)
+    target, draft, _ = write_pair(tmp_path, "qwen3", 4, lean=False)
+    args = ["--model", str(target), "--draft-model", str(draft), "--dtype", "float32", "--block-size", "4"]
+    wrapper = tmp_path / "rank.sh"
+    quoted = " ".join(f'"{a}"' for a in [*args, "-m", "100000", "--split", "tensor"])
+    wrapper.write_text(f'echo $$ > "{tmp_path}/pid$MLX_RANK"\nexec "{DFLASH}" chat {quoted}\n')
+    out = tmp_path / "stdout"
+    with out.open("w") as sink, (tmp_path / "stderr").open("w") as errors:
+        run = subprocess.Popen(
+            [*launcher(2), "bash", str(wrapper)], stdin=subprocess.PIPE, stdout=sink, stderr=errors, text=True
+        )
+
+        def send(line: str) -> None:
+            run.stdin.write(line + "\n")
+            run.stdin.flush()
+
+        def until(text: str, count: int = 1) -> None:
+            deadline = time.monotonic() + 120
+            while out.read_text().count(text) < count:
+                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+                time.sleep(0.1)
+
+        try:
+            until("dflash-mlx chat ·")
+            for turn, (line, saved) in enumerate((("w3 w17 w5", "a.json"), ("w9 w2", "b.json")), 1):
+                send(line)
+                time.sleep(3)  # well into a reply that would run to the context's end
+                os.kill(int((tmp_path / "pid0").read_text()), signal.SIGINT)
+                until("reply stopped", turn)
+                send(f"/save {tmp_path / saved}")
+                until("saved ", turn)
+            send("/quit")
+            assert run.wait(timeout=60) == 0
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert "exited with code" not in (tmp_path / "stderr").read_text()
+    first, second = (json.loads((tmp_path / name).read_text())["tokens"] for name in ("a.json", "b.json"))
+    model, drafter, tokenizer = load(target, draft, dtype="float32")
+    prompt = first + tokenizer.encode("w9 w2", add_special_tokens=False)
+    reply = second[len(prompt) :]
+    assert second[: len(first)] == first and 0 < len(reply) < 50000
+    want = generate(model, drafter, tokenizer, prompt, max_tokens=len(reply), block_size=4)
+    assert tokenizer.decode(reply) == want

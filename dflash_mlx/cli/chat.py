@@ -26,9 +26,9 @@ from dflash_mlx.prompts import apply_chat_template, encode
 
 from . import options
 from .cache_prompt import open_cache, read_cache_file
-from .console import UserError, console, user_errors
+from .console import UserError, console, refuse_across_ranks, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
-from .pair import room_for_reply
+from .pair import load_split, room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, uses_template
 from .serve import PrefixCacheDir, PrefixCacheGB, check_prefix_cache
@@ -320,10 +320,12 @@ class ChatSession:
         kv: Kv = Kv(),
         prefix_cache_dir: Optional[Path] = None,
         prefix_cache_gb: float = 20.0,
+        group=None,
         **sampling,
     ):
         """``sampling``: Sampling's flags (max_tokens, temp, ..., block_size
-        checked already), their defaults where left out."""
+        checked already), their defaults where left out. ``group``: the ranks
+        (distributed.world()) the target is split across, None alone."""
         from dflash_mlx import make_prompt_cache
 
         flags = Sampling(**sampling)
@@ -339,7 +341,11 @@ class ChatSession:
         self.prefix = prefix
         self.cache_file = cache_file
         self.kv = kv
+        from dflash_mlx.distributed import is_first_rank
+
         self.interrupts = Interrupts()
+        self.group = group
+        self.first = is_first_rank(group)  # reads the user's lines and writes files
         self._make_cache = lambda: kv.cache(model, draft) or make_prompt_cache(model, draft)
         self.prefix_store = None
         if prefix_cache_dir is not None:
@@ -482,6 +488,7 @@ class ChatSession:
             self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
             if not self.template:
                 self.history = ids + tokens
+        self._keep_first_ranks_turn()
         if last is not None:
             self.stats.add(last)
         if interrupted:
@@ -497,6 +504,16 @@ class ChatSession:
                         style="yellow",
                     )
                 )
+
+    def _keep_first_ranks_turn(self) -> None:
+        """Across ranks, rank 0's record of the turn on every rank: an
+        interrupted reply ends on every rank after the same cycle, but only
+        rank 0 stops showing tokens before it, and the next prompt is built
+        from what was shown."""
+        if self.group is not None:
+            from dflash_mlx.distributed import share_from_first_rank
+
+            self.messages, self.history = share_from_first_rank((self.messages, self.history), self.group)
 
     def _unshown(self, tokens: list[int], shown: str) -> str:
         eos = set(getattr(self.tokenizer, "eos_token_ids", ()))
@@ -529,7 +546,8 @@ class ChatSession:
                 console.print(Text("/save needs a file name, e.g. /save talk.json", style="yellow"))
                 return True
             try:
-                self.save(Path(where).expanduser())
+                if self.first:  # (every rank holds the same conversation)
+                    self.save(Path(where).expanduser())
             except OSError as e:
                 console.print(Text(f"cannot write {where}: {e.strerror}; check the path.", style="yellow"))
                 return True
@@ -556,8 +574,10 @@ class ChatSession:
         tty = sys.stdout.isatty()
         prompt = "\001\033[1;32m\002>>> \001\033[0m\002" if tty else ">>> "
         self.banner()
+        # Across ranks rank 0 alone reads and takes Ctrl-C; a stop reaches the others through the cycle.
+        handler = self.interrupts if self.first else signal.SIG_IGN
         try:
-            with sigint_handled(self.interrupts):
+            with sigint_handled(handler):
                 self._loop(prompt, tty)
         finally:
             if self.prefix_store is not None:
@@ -565,18 +585,9 @@ class ChatSession:
 
     def _loop(self, prompt: str, tty: bool) -> None:
         while True:
-            try:
-                self.interrupts.at_prompt()
-                line = read_message(prompt, tty).strip()
-                self.interrupts.reply()  # from here a press stops at most a reply
-            except EOFError:
-                console.print()
+            line = self._next_line(prompt, tty)
+            if line is None:
                 return
-            except KeyboardInterrupt:
-                self.interrupts.reply()  # a press while the reminder prints is absorbed
-                console.print()
-                console.print(Text("(Ctrl-D or /quit to leave)", style="dim"))
-                continue
             if not line:
                 continue
             if line.startswith("/") and "\n" not in line:
@@ -584,6 +595,31 @@ class ChatSession:
                     return
                 continue
             self.reply(line)
+
+    def _next_line(self, prompt: str, tty: bool) -> Optional[str]:
+        """The next message or command, None once the user leaves; across
+        ranks rank 0's, on every rank."""
+        line = self._read_line(prompt, tty) if self.first else None
+        if self.group is None:
+            return line
+        from dflash_mlx.distributed import share_from_first_rank
+
+        return share_from_first_rank(line, self.group)
+
+    def _read_line(self, prompt: str, tty: bool) -> Optional[str]:
+        while True:
+            try:
+                self.interrupts.at_prompt()
+                line = read_message(prompt, tty).strip()
+                self.interrupts.reply()  # from here a press stops at most a reply
+                return line
+            except EOFError:
+                console.print()
+                return None
+            except KeyboardInterrupt:
+                self.interrupts.reply()  # a press while the reminder prints is absorbed
+                console.print()
+                console.print(Text("(Ctrl-D or /quit to leave)", style="dim"))
 
 
 @takes_groups
@@ -604,6 +640,7 @@ def chat_command(
     kv: Kv = flags(Kv),
     prefix_cache_dir: PrefixCacheDir = None,
     prefix_cache_gb: PrefixCacheGB = 20.0,
+    split: options.Split = "auto",
     verbose: options.Verbose = False,
 ):
     """Chat with a model in the terminal, with live DFlash stats.
@@ -613,24 +650,29 @@ def chat_command(
     so a follow-up does not re-read the conversation. Leaving out --model
     uses the built-in pair.
     """
+    from dflash_mlx import distributed
+
+    group = distributed.world()
+    speak_on_first_rank_only(group)
     with user_errors(verbose):
-        from dflash_mlx import distributed
-
-        from .console import refuse_under_launch
-
-        refuse_under_launch("chat", distributed.world())
+        refuse_across_ranks(group, **{"--prompt-cache-file": prompt_cache_file, "--prefix-cache-dir": prefix_cache_dir})
         generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
         block_size = generation["block_size"]
         kwargs = template.kwargs()
         kv.check(prompt_cache_file)
         check_prefix_cache(prefix_cache_dir, prefix_cache_gb)
-        conversation = None if resume is None else load_conversation(resume)
+        conversation = None if resume is None or group is not None and group.rank() else load_conversation(resume)
+        if group is not None:  # the file is on rank 0's machine
+            conversation = distributed.share_from_first_rank(conversation, group)
         prefix = ""
         if prompt_cache_file is not None:
             cached = read_cache_file(prompt_cache_file)
             prefix, system_prompt = cached["prompt"], system_prompt or cached["system_prompt"]
             kwargs = kwargs or cached["template_kwargs"]
-        target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        if group is None:
+            target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        else:
+            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
         check_drafter_block(block_size, draft)
         template.prepare(tokenizer)
         if not template.ignore_chat_template and not uses_template(tokenizer, False):
@@ -648,6 +690,7 @@ def chat_command(
             kv=kv,
             prefix_cache_dir=prefix_cache_dir,
             prefix_cache_gb=prefix_cache_gb,
+            group=group,
             **asdict(replace(sampling, block_size=block_size, num_draft_tokens=None)),
         )
         if conversation is not None:

@@ -77,13 +77,15 @@ def speak_on_first_rank_only(group) -> None:
     silence_stdout()
 
 
-def refuse_under_launch(command: str, group) -> None:
-    """A command that runs on one machine, started by ``mlx.launch``
-    (``group``: distributed.world())."""
-    if group is not None:
-        raise UserError(
-            f"`dflash-mlx {command}` runs on one machine; across ranks use `dflash-mlx generate` under mlx.launch."
-        )
+def refuse_across_ranks(group, **given) -> None:
+    """Under ``mlx.launch`` (``group``: distributed.world()), refuse each
+    option that runs on one machine only; ``given``: its flag -> its value
+    (None: left out)."""
+    if group is None:
+        return
+    for flag, value in given.items():
+        if value is not None:
+            raise UserError(f"{flag} cannot be used across ranks yet; leave it out under mlx.launch.")
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from . import options
 from .cache_prompt import open_cache, read_cache_file
-from .console import UserError, err, note, speak_on_first_rank_only, user_errors
+from .console import err, note, refuse_across_ranks, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import load_split, room_for_reply
 from .progress import PrefillProgress
@@ -66,8 +66,7 @@ def generate_command(
     group = distributed.world()
     speak_on_first_rank_only(group)
     with user_errors(verbose):
-        if group is not None and prompt_cache_file is not None:
-            raise UserError("--prompt-cache-file cannot be used across ranks yet; leave it out under mlx.launch.")
+        refuse_across_ranks(group, **{"--prompt-cache-file": prompt_cache_file})
         text = read_prompt(prompt)
         if prompt_cache_file is not None:  # the file's prefix, then the prompt
             cached = read_cache_file(prompt_cache_file)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
 
 from ..distributed import share_from_first_rank
 from .job import Job, QuietJob
@@ -30,12 +29,6 @@ class JobMessage:
     kept: int
 
 
-def _share(message, group: mx.distributed.Group):
-    # on the decode loop's stream, so it follows the last generation's exchanges on every rank alike
-    with mx.stream(generation_stream):
-        return share_from_first_rank(message, group)
-
-
 class Leader:
     """Rank 0's side: each DFlash job to the other ranks before it runs, then
     the stop (None) as the server shuts down. Called on the decode worker."""
@@ -44,10 +37,10 @@ class Leader:
         self.group = group
 
     def send(self, job: Job, kept: int) -> None:
-        _share(JobMessage({name: getattr(job, name) for name in SHARED}, kept), self.group)
+        share_from_first_rank(JobMessage({name: getattr(job, name) for name in SHARED}, kept), self.group)
 
     def stop(self) -> None:
-        _share(None, self.group)
+        share_from_first_rank(None, self.group)
 
 
 class Follower:
@@ -62,6 +55,6 @@ class Follower:
         self.group = group
 
     def run(self) -> None:
-        while (message := _share(None, self.group)) is not None:
+        while (message := share_from_first_rank(None, self.group)) is not None:
             self.decoder.pool.keep_newest(message.kept)
             self.decoder.run(QuietJob(**message.job))
