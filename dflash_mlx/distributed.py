@@ -70,6 +70,15 @@ def share_from_first_rank(obj, group: mx.distributed.Group):
     return obj if first else pickle.loads(bytes(memoryview(received)))
 
 
+def sum_across_ranks(value: int, group: mx.distributed.Group) -> int:
+    """The sum of every rank's ``value`` (a count of ranks that found
+    something wrong, say), on every rank of ``group``."""
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):  # (after any cycle's exchanges, as share_from_first_rank)
+        return int(mx.distributed.all_sum(mx.array(value, mx.int32), group=group).item())
+
+
 def pipeline_place(inner: nn.Module) -> tuple[int, int]:
     """(rank, size) of mlx-lm's pipeline split of ``inner`` (1 stage: (0, 1))."""
     return int(getattr(inner, "pipeline_rank", 0)), int(getattr(inner, "pipeline_size", 1))

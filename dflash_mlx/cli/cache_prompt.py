@@ -12,9 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from . import options
-from .console import UserError, console, note, user_errors
+from .console import UserError, console, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Template, flags, takes_groups
-from .pair import context_length, model_or_builtin
+from .pair import context_length, load_split, model_or_builtin
 from .progress import PrefillProgress
 from .prompt_input import read_prompt, uses_template
 
@@ -47,6 +47,30 @@ def prefix_ids(tokenizer, prefix: str, system_prompt: Optional[str], template: b
         messages, tokenize=False, add_generation_prompt=False, continue_final_message=True, **kwargs
     )
     return encode(tokenizer, text)
+
+
+def rank_file(path: Optional[Path], group) -> Optional[Path]:
+    """This rank's prompt-cache file under ``mlx.launch`` (``group``:
+    distributed.world()): each rank holds its own share of the caches; rank 0
+    keeps ``path``, rank r writes and reads NAME.rank<r>.SUFFIX beside it."""
+    if path is None or group is None or group.rank() == 0:
+        return path
+    return path.with_name(f"{path.stem}.rank{group.rank()}{path.suffix}")
+
+
+def check_rank_files(path: Optional[Path], group) -> None:
+    """Under ``mlx.launch``, that every rank has its file (``rank_file``'s):
+    one rank without it would leave the others waiting in the split load."""
+    if path is None or group is None:
+        return
+    from dflash_mlx.distributed import sum_across_ranks
+
+    missing = sum_across_ranks(int(not rank_file(path, group).is_file()), group)
+    if missing:
+        raise UserError(
+            f"{missing} of the {group.size()} ranks have no file of --prompt-cache-file {path} (rank r reads "
+            f"{path.stem}.rank<r>{path.suffix}); make it under mlx.launch with the same ranks and --split."
+        )
 
 
 def read_cache_file(path: Path) -> dict:
@@ -101,6 +125,7 @@ def cache_prompt_command(
     trust_remote_code: options.TrustRemoteCode = False,
     prefill_step_size: options.PrefillStepSize = 2048,
     kv: Kv = flags(Kv, "kv_bits", "kv_group_size", "quantized_kv_start"),
+    split: options.Split = "auto",
     verbose: options.Verbose = False,
 ):
     """Cache a prompt prefix (a long system prompt or document) in a file.
@@ -108,8 +133,13 @@ def cache_prompt_command(
     The target's and the drafter's caches for the prefix are written with the
     token ids and a fingerprint of the model pair; generate and chat load the
     file with --prompt-cache-file and read only what follows. Leaving out
-    --model uses the built-in pair.
+    --model uses the built-in pair. Under mlx.launch each rank writes its own
+    share, rank r beside the file as NAME.rank<r>.SUFFIX.
     """
+    from dflash_mlx import distributed
+
+    group = distributed.world()
+    speak_on_first_rank_only(group)
     with user_errors(verbose):
         if prompt_cache_file is None:
             raise UserError(
@@ -124,7 +154,10 @@ def cache_prompt_command(
         from dflash_mlx.cache.files import save_prompt_cache
 
         name = model_or_builtin(pair.model, pair.draft_model)
-        target, draft, tokenizer = pair.load(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        if group is None:
+            target, draft, tokenizer = pair.load(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
+        else:
+            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
         chat = uses_template(tokenizer, template.ignore_chat_template)
         ids = prefix_ids(tokenizer, text, system_prompt, chat, kwargs)
         limit = context_length(target)
@@ -156,9 +189,9 @@ def cache_prompt_command(
             "template_kwargs": json.dumps(kwargs),
             "chat_template": str(chat).lower(),
         }
-        prompt_cache_file.parent.mkdir(parents=True, exist_ok=True)
-        save_prompt_cache(prompt_cache_file, cache, meta)
-        size = prompt_cache_file.stat().st_size / 1e6
-        console.print(
-            f"[green]cached {len(cache.tokens)} prompt tokens in {prompt_cache_file}[/] [dim]({size:.1f} MB)[/]"
-        )
+        written = rank_file(prompt_cache_file, group)
+        written.parent.mkdir(parents=True, exist_ok=True)
+        save_prompt_cache(written, cache, meta)
+        size = written.stat().st_size / 1e6
+        ranks = "" if group is None else f", one file a rank beside it for {group.size() - 1} more"
+        console.print(f"[green]cached {len(cache.tokens)} prompt tokens in {written}[/] [dim]({size:.1f} MB{ranks})[/]")

@@ -25,7 +25,7 @@ from rich.text import Text
 from dflash_mlx.prompts import apply_chat_template, encode
 
 from . import options
-from .cache_prompt import open_cache, read_cache_file
+from .cache_prompt import check_rank_files, open_cache, rank_file, read_cache_file
 from .console import UserError, console, refuse_across_ranks, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import load_split, room_for_reply
@@ -655,7 +655,9 @@ def chat_command(
     group = distributed.world()
     speak_on_first_rank_only(group)
     with user_errors(verbose):
-        refuse_across_ranks(group, **{"--prompt-cache-file": prompt_cache_file, "--prefix-cache-dir": prefix_cache_dir})
+        refuse_across_ranks(group, **{"--prefix-cache-dir": prefix_cache_dir})
+        check_rank_files(prompt_cache_file, group)
+        prompt_cache_file = rank_file(prompt_cache_file, group)
         generation = sampling.check(prefill_step_size, drafter=pair.draft_model != "none")
         block_size = generation["block_size"]
         kwargs = template.kwargs()

@@ -10,8 +10,8 @@ import typer
 from rich.text import Text
 
 from . import options
-from .cache_prompt import open_cache, read_cache_file
-from .console import err, note, refuse_across_ranks, speak_on_first_rank_only, user_errors
+from .cache_prompt import check_rank_files, open_cache, rank_file, read_cache_file
+from .console import err, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import load_split, room_for_reply
 from .progress import PrefillProgress
@@ -66,7 +66,8 @@ def generate_command(
     group = distributed.world()
     speak_on_first_rank_only(group)
     with user_errors(verbose):
-        refuse_across_ranks(group, **{"--prompt-cache-file": prompt_cache_file})
+        check_rank_files(prompt_cache_file, group)
+        prompt_cache_file = rank_file(prompt_cache_file, group)
         text = read_prompt(prompt)
         if prompt_cache_file is not None:  # the file's prefix, then the prompt
             cached = read_cache_file(prompt_cache_file)
