@@ -70,7 +70,7 @@ class DenseTarget:
     def pipelines(cls) -> bool:
         if cls.runs_a_stage is not None:
             return cls.runs_a_stage
-        own = ("make_blocks", "make_cache", "masks", "windows", "__call__", "set_length")
+        own = ("make_blocks", "make_cache", "masks", "windows", "__call__", "run_stage", "set_length")
         return all(getattr(cls, name) is getattr(DenseTarget, name) for name in own)
 
     def make_blocks(self) -> None:
@@ -157,7 +157,17 @@ class DenseTarget:
     ) -> tuple[mx.array, mx.array]:
         """tokens [1, L] -> (logits [1, L or 1, V], hidden [1, L, len(taps)*H]):
         the outputs of layers ``taps`` before the final norm, in that order."""
-        h = self.first_input(tokens)
+        h, tapped = self.run_stage(self.first_input(tokens), cache, taps)
+        if self.pipeline_size > 1:
+            h, tapped = self.share(h, tapped, last_only)
+        elif last_only:
+            h = h[:, -1:]
+        return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
+
+    def run_stage(self, h: mx.array, cache: list, taps: Sequence[int]) -> tuple[mx.array, list]:
+        """This rank's layers over ``h`` (under a pipeline, over the hidden
+        state received from the stage before instead): their output, and
+        the outputs of those of layers ``taps`` run here (None for the rest)."""
         rank, stages = self.pipeline_rank, self.pipeline_size
         if rank < stages - 1:  # mlx-lm's order: the last rank runs the first layers
             h = mx.distributed.recv_like(h, rank + 1)
@@ -167,11 +177,12 @@ class DenseTarget:
             h = layer(h, mask, c)
             if i in order:
                 tapped[order[i]] = h
-        if stages > 1:
-            h, tapped = self.share(h, tapped, last_only)
-        elif last_only:
-            h = h[:, -1:]
-        return self.logits(h, self.inner.norm), mx.concatenate(tapped, axis=-1)
+        return h, tapped
+
+    def pass_on(self, h: mx.array) -> mx.array | None:
+        """Send this stage's output to the next stage (rank - 1); None on
+        rank 0, which runs the last layers."""
+        return mx.distributed.send(h, self.pipeline_rank - 1) if self.pipeline_rank != 0 else None
 
     def share(self, h: mx.array, tapped: list, last_only: bool) -> tuple[mx.array, list]:
         """Pass ``h`` on to the next stage, and bring every tap and the last
@@ -182,8 +193,9 @@ class DenseTarget:
         zero = mx.zeros_like(h)
         parts = [zero if t is None else t for t in tapped] + [last if rank == 0 else mx.zeros_like(last)]
         flat = mx.concatenate([p.reshape(-1) for p in parts])
-        if rank != 0:
-            flat = mx.depends(flat, mx.distributed.send(h, rank - 1))
+        sent = self.pass_on(h)
+        if sent is not None:
+            flat = mx.depends(flat, sent)
         flat = mx.distributed.all_sum(flat)
         rows = [p.size for p in parts]
         pieces = mx.split(flat, [sum(rows[: k + 1]) for k in range(len(rows) - 1)])
