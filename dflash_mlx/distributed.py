@@ -158,18 +158,23 @@ def sharded_target(path: Path, group: mx.distributed.Group, split: str, pipeline
         ) from e
 
 
+def even_stages(count: int, ranks: int) -> list[int]:
+    """Layers per rank of mlx-lm's ``pipeline()`` by default (rank 0 the
+    last ones; the low ranks one more where they do not divide evenly)."""
+    base, extra = divmod(count, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
 def stage_sizes(inner: nn.Module, ranks: int) -> list[int]:
     """Layers per rank (rank 0 the last ones), as mlx-lm's ``pipeline()``
     splits them, except that the layers reusing an earlier layer's keys and
     values (Gemma 4's ``previous_kvs``) stay on that layer's stage, rank 0's."""
     count = len(inner.layers)
-    base, extra = divmod(count, ranks)
-    sizes = [base + (1 if r < extra else 0) for r in range(ranks)]
+    sizes = even_stages(count, ranks)
     reused = [source for i, source in enumerate(getattr(inner, "previous_kvs", [])) if source != i]
     first = min(reused, default=count)
     if count - sizes[0] > first:  # rank 0 starts at the first reused layer; the rest split the layers before it
-        base, extra = divmod(first, ranks - 1)
-        sizes = [count - first] + [base + (1 if r < extra else 0) for r in range(ranks - 1)]
+        sizes = [count - first] + even_stages(first, ranks - 1)
     if min(sizes) < 1:
         why = " (layers reusing another's keys and values stay with it)" if reused else ""
         raise ValueError(
