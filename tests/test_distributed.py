@@ -57,9 +57,11 @@ def tokens(model, draft, tokenizer, **settings) -> list[int]:
     return [t for r in responses for t in r.tokens]
 
 
-def runs(model, draft, tokenizer) -> dict:
+def runs(model, draft, tokenizer, hybrid: bool = False) -> dict:
     """Greedy tokens at each block size, a seeded sampled run, and two turns
-    through one prompt cache."""
+    through one prompt cache; ``hybrid``: also greedy draft trees, and a
+    third turn editing the prompt early, whose delta-net states no write
+    kept: every stage re-reads them from a checkpoint."""
     from dflash_mlx import make_prompt_cache, stream_generate
 
     out = {str(b): tokens(model, draft, tokenizer, block_size=b) for b in BLOCKS}
@@ -71,16 +73,21 @@ def runs(model, draft, tokenizer) -> dict:
         turns.append([t for r in responses for t in r.tokens])
         prompt = prompt + turns[-1] + [5, 9]
     out["turns"] = turns
+    if hybrid:
+        out["trees"] = tokens(model, draft, tokenizer, tree_budget=6)
+        edited = PROMPT[:3] + [8] + PROMPT[4:]
+        responses = stream_generate(model, draft, tokenizer, edited, max_tokens=6, block_size=3, prompt_cache=cache)
+        out["edited"] = [[t for r in responses for t in r.tokens], cache.consistent()]
     return out
 
 
-def rank_main(target: str, draft: str, split: str, out: str) -> None:
+def rank_main(target: str, draft: str, split: str, out: str, hybrid: bool = False) -> None:
     from dflash_mlx.loading import load
 
     group = mx.distributed.init()
     try:
         model, drafter, tokenizer = load(target, draft, group=group, split=split, dtype="float32")
-        result = {**runs(model, drafter, tokenizer), "here": list(drafter.target.here)}
+        result = {**runs(model, drafter, tokenizer, hybrid), "here": list(drafter.target.here)}
     except ValueError as e:
         result = {"error": str(e)}
     (Path(out) / f"rank{group.rank()}.json").write_text(json.dumps(result))
@@ -237,6 +244,7 @@ def share_main(out: str) -> None:
 if __name__ == "__main__":
     modes = {
         "runs": rank_main,
+        "hybrid": lambda *args: rank_main(*args, hybrid=True),
         "files": files_main,
         "chooser": chooser_main,
         "interrupts": interrupts_main,
@@ -327,11 +335,14 @@ def launch(ranks: int, target: Path, drafts: list[Path], split: str, out: Path, 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def one_process(target: Path, draft: Path) -> dict:
+def one_process(target: Path, draft: Path, hybrid: bool = False) -> dict:
     from dflash_mlx.loading import load
 
     model, drafter, tokenizer = load(target, draft, dtype="float32")
-    return runs(model, drafter, tokenizer)
+    return runs(model, drafter, tokenizer, hybrid)
+
+
+HYBRIDS = ("qwen3_5", "qwen3_next")
 
 
 @pytest.mark.parametrize(
@@ -361,12 +372,16 @@ def one_process(target: Path, draft: Path) -> dict:
 )
 def test_ranks_equal_one_process(tmp_path, family, layers, split, ranks):
     target, draft, model = write_pair(tmp_path, family, layers)
-    alone = one_process(target, draft)
+    hybrid = family in HYBRIDS
+    alone = one_process(target, draft, hybrid)
     expected = greedy_reference(model, PROMPT, MAX_TOKENS)
-    for b in [*BLOCKS, "auto"]:
+    for b in [*BLOCKS, "auto"] + (["trees"] if hybrid else []):
         assert alone[str(b)] == expected, b
     assert alone["sampled"] != expected  # a sampled reply, not the greedy one again
-    results = launch(ranks, target, [draft], split, tmp_path / "out")
+    if hybrid:
+        edited = PROMPT[:3] + [8] + PROMPT[4:]
+        assert alone["edited"] == [greedy_reference(model, edited, 6), True]
+    results = launch(ranks, target, [draft], split, tmp_path / "out", mode="hybrid" if hybrid else "runs")
     for rank, result in enumerate(results):
         assert "error" not in result, result
         assert result.pop("here") == (list(range(layers)) if split == "tensor" else stages(family, layers, ranks)[rank])
@@ -439,6 +454,7 @@ def test_auto_chooses_one_block_on_every_rank(tmp_path):
 
 def test_auto_split_prefers_mlx_lm_pipeline_then_tensor():
     from dflash_mlx.distributed import choose_split
+    from dflash_mlx.targets import ADAPTERS
 
     def model(family):
         return make_family_target(family_config(family, vocab=VOCAB, layers=2))
@@ -446,6 +462,8 @@ def test_auto_split_prefers_mlx_lm_pipeline_then_tensor():
     assert choose_split(model("qwen3_moe"), "auto", True) == "pipeline"  # mlx-lm's own pipeline()
     assert choose_split(model("gpt_oss"), "auto", True) == "tensor"  # its shard() over our stage split
     assert choose_split(model("gemma3_text"), "auto", True) == "pipeline"  # no shard(): our stage split
+    for family in HYBRIDS:  # mlx-lm's pipeline(), over the hybrid adapters' stages
+        assert choose_split(model(family), "auto", ADAPTERS[family].pipelines()) == "pipeline", family
     with pytest.raises(ValueError, match="use split='pipeline'"):
         choose_split(model("gemma3_text"), "tensor", True)
 
@@ -465,6 +483,21 @@ def test_on_cuda_no_split_sends_between_ranks(monkeypatch):
         distributed.choose_split(model("qwen3_moe"), "pipeline", True)
     with pytest.raises(ValueError, match="run it on one machine"):
         distributed.choose_split(model("gemma3_text"), "auto", True)
+
+
+def test_hybrid_stages_each_hold_a_delta_net_layer():
+    """A stage without a delta-net layer could not tell when the others
+    re-read theirs: refused, on every rank alike, from the config alone."""
+    from dflash_mlx.targets.hybrid import check_stages
+
+    args = make_family_target(family_config("qwen3_5", vocab=VOCAB, layers=4)).language_model.args
+    check_stages(args, 2)  # layers 0-1 and 2-3: a delta-net layer and an attention layer each
+    with pytest.raises(ValueError, match=r"4 layers cannot be pipelined over 3 ranks .* run it on 2 ranks or with"):
+        check_stages(args, 3)  # layer 1 alone: attention
+    args.full_attention_interval = 4  # layers 0-2 delta-net, 3 attention
+    check_stages(args, 3)  # a stage of delta-net layers alone runs
+    with pytest.raises(ValueError, match="run it on 3 ranks"):
+        check_stages(args, 4)  # layer 3 alone
 
 
 def test_stages_keep_reused_keys_with_their_source():

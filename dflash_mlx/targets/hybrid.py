@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
 
+from .. import distributed
 from ..kernels import gated_delta
 from ..kv.buffer import BufferKVCache, positions_mask, set_lengths
 from ..kv.tree import keep_path
@@ -58,40 +60,47 @@ class _Reading:
 
 
 class HybridTarget(DenseTarget):
+    """Under a pipeline, each rank's caches, masks and re-reads are its
+    stage's (``here``); every stage must hold a delta-net layer."""
+
     family = "qwen3_5"
+    runs_a_stage = True
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self.linear = [layer.is_linear for layer in self.inner.layers]
-        self.first_attention = self.linear.index(False)
+        self.linear = [self.inner.layers[i].is_linear for i in self.here]
+        # mlx-lm's fa_idx: the stage's first attention layer, whose cache makes the mask
+        self.first_attention = next((e for e, linear in enumerate(self.linear) if not linear), None)
+        if self.pipeline_size > 1:
+            check_stages(self.text.args, self.pipeline_size)
 
     def make_blocks(self) -> None:
-        self.blocks = [delta_block(layer) if layer.is_linear else attention_block(layer) for layer in self.inner.layers]
+        layers = [self.inner.layers[i] for i in self.here]
+        self.blocks = [delta_block(layer) if layer.is_linear else attention_block(layer) for layer in layers]
         prepare(self.dtype, self.head_dim, [None])
-        delta = next(layer.linear_attn for layer in self.inner.layers if layer.is_linear)
-        gated_delta.prepare(self.dtype, delta.head_k_dim, delta.head_v_dim)
-        measure_rollback(delta, self.dtype)
+        delta = next((layer.linear_attn for layer in layers if layer.is_linear), None)
+        if delta is not None:  # (None: a stage check_stages refuses)
+            gated_delta.prepare(self.dtype, delta.head_k_dim, delta.head_v_dim)
+            measure_rollback(delta, self.dtype)
 
     def make_cache(self) -> HybridCache:
         return HybridCache(DeltaCache() if linear else BufferKVCache() for linear in self.linear)
 
     def masks(self, h, cache):
-        mask = create_attention_mask(h, cache[self.first_attention], return_array=False)
+        """The attention layers' one mask (none on a stage without them); a
+        delta-net layer takes none, its cache holding its whole past."""
+        at = self.first_attention
+        mask = None if at is None else create_attention_mask(h, cache[at], return_array=False)
         return [None if linear else mask for linear in self.linear]
 
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):
         if isinstance(cache, HybridCache):
-            cache.log.append((cache[self.first_attention].offset, tokens[0]))
-        h = self.embed(tokens)
-        order = {layer: i for i, layer in enumerate(taps)}
-        tapped: list = [None] * len(taps)
-        for i, (c, mask) in enumerate(zip(cache, self.masks(h, cache))):
-            h = self.blocks[i](h, mask, c)
-            if i in order:
-                tapped[order[i]] = h
-        if last_only:
-            h = h[:, -1:]
-        return self.lm_head(self.inner.norm(h)), mx.concatenate(tapped, axis=-1)
+            cache.log.append((cache[0].offset, tokens[0]))  # (every layer's cache holds one length)
+        return super().__call__(tokens, cache, taps, last_only)
+
+    def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
+        # the final norm on its own, then the head, as this adapter has always run them
+        return self.lm_head(h if norm is None else norm(h))
 
     def takes_trees(self, cache: list) -> bool:
         """Every layer runs our forwards: attention rotating each row at its
@@ -140,12 +149,36 @@ class HybridTarget(DenseTarget):
         for c in delta:
             c.restore(m)
         reading = [c if isinstance(c, DeltaCache) else _Reading(c, m) for c in cache]
-        h = self.embed(mx.array(ids[m:], mx.int32)[None])
-        for i, (c, mask) in enumerate(zip(reading, self.masks(h, reading))):
-            h = self.blocks[i](h, mask, c)
+        # Under a pipeline every rank re-reads from the same m (checkpoints at the same
+        # lengths); on the decode loop's stream, after its exchanges, which share the connection.
+        with mx.stream(generation_stream):
+            h, _ = self.run_stage(self.embed(mx.array(ids[m:], mx.int32)[None]), reading, ())
+            sent = self.pass_on(h)
         for c in delta:
             c.restore(n)
-        mx.eval([a for c in delta for a in c.state if a is not None])
+        mx.eval([a for c in delta for a in c.state if a is not None] + ([] if sent is None else [sent]))
+
+
+def check_stages(args, ranks: int) -> None:
+    """Refuse, on every rank alike, a pipeline of mlx-lm's even split over
+    ``ranks`` where a stage holds no delta-net layer: a re-read (``set_length``)
+    runs on every stage when a delta-net layer's cut-back state was not kept,
+    which only a stage holding one can tell."""
+    count = args.num_hidden_layers
+
+    def delta_everywhere(n: int) -> bool:
+        sizes = distributed.even_stages(count, n)
+        ends = [count - sum(sizes[:r]) for r in range(n)]
+        # mlx-lm's layer types: attention every full_attention_interval-th layer
+        stages = [range(end - size, end) for end, size in zip(ends, sizes)]
+        return all(any((i + 1) % args.full_attention_interval for i in stage) for stage in stages)
+
+    if not delta_everywhere(ranks):
+        most = max(n for n in range(1, ranks) if delta_everywhere(n))
+        raise ValueError(
+            f"this target's {count} layers cannot be pipelined over {ranks} ranks so that "
+            f"every rank holds a gated delta-net layer; run it on {most} ranks or with split='tensor'."
+        )
 
 
 def delta_block(layer: nn.Module) -> Callable:
