@@ -434,20 +434,19 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
         assert "same model and drafter" in result["error"]
 
 
-def test_auto_chooses_one_block_on_every_rank(tmp_path):
-    out = tmp_path / "out"
+def ranks_run(mode: str, out: Path) -> list[dict]:
+    """This file run as ``mode`` (no pair) on 2 ranks; each rank's results."""
     out.mkdir()
     script = Path(__file__).resolve()
     env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
-    done = subprocess.run(
-        [*launcher(2), sys.executable, str(script), "chooser", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [*launcher(2), sys.executable, str(script), mode, str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_auto_chooses_one_block_on_every_rank(tmp_path):
+    first, second = ranks_run("chooser", tmp_path / "out")
     assert first["own"] != second["own"]  # alone, the ranks' timings would part them
     assert first["agreed"] == second["agreed"] == first["own"]
 
@@ -591,20 +590,7 @@ def test_interrupt_on_one_rank_stops_every_rank_after_one_cycle(tmp_path, family
 
 
 def test_share_from_first_rank(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    script = Path(__file__).resolve()
-    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
-    done = subprocess.run(
-        [*launcher(2), sys.executable, str(script), "share", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    for r in range(2):
-        result = json.loads((out / f"rank{r}.json").read_text())
+    for r, result in enumerate(ranks_run("share", tmp_path / "out")):
         assert result["got"] == result["sent"], r
 
 
