@@ -7,6 +7,7 @@ and greedy output equal to mlx-lm's whichever tier served a request."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import httpx
@@ -252,11 +253,14 @@ def test_the_server_reuses_a_prefix_across_a_restart_and_counts_it(chat_pair, tm
     with serving(*chat_pair, **config) as url:
         first = ask(url, prefix + " a")
         second = ask(url, prefix + " b")
-        text = httpx.get(f"{url}/metrics").text
+        deadline = time.monotonic() + 10
+        # the writer starts once the server has not decoded for a moment (store.py)
+        while metric(text := httpx.get(f"{url}/metrics").text, "dflash_prefix_cache_disk_bytes") == 0:
+            assert time.monotonic() < deadline, "no prefix-cache file was written"
+            time.sleep(0.05)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 190
     assert metric(text, 'dflash_prefix_cache_hits_total{tier="memory"}') == 1
     assert metric(text, "dflash_prefix_cache_misses_total") == 1
-    assert metric(text, "dflash_prefix_cache_disk_bytes") > 0
     with serving(*chat_pair, **config) as url:
         again = ask(url, prefix + " b")
         text = httpx.get(f"{url}/metrics").text

@@ -13,8 +13,10 @@ quantized cache is saved packed with its settings and loads only under
 them; a bounded cache (``max_kv_size``) is not saved.
 
 Saving is two steps, so a server can write after its reply: ``snapshot``
-copies the arrays to the host (the caller's thread, MLX's), ``write_snapshot``
-checksums and writes them with no MLX call (any thread).
+copies the arrays on the device (the caller's thread, MLX's), ``write_snapshot``
+brings them to the host, checksums and writes them one tensor at a time (any
+thread; it can pause before each, as the prefix store's writer does while a
+generation decodes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import tempfile
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -100,12 +103,15 @@ def _host(a: mx.array) -> tuple[str, np.ndarray]:
     return dtype, np.ascontiguousarray(bits)
 
 
+def _sum_tensor(h, name: str, dtype: str, a: np.ndarray) -> None:
+    h.update(f"{name}:{dtype}:{list(a.shape)};".encode())
+    h.update(memoryview(a).cast("B"))
+
+
 def _checksum(tensors: dict[str, tuple[str, np.ndarray]]) -> str:
     h = xxhash.xxh3_64()
     for name in sorted(tensors):
-        dtype, a = tensors[name]
-        h.update(f"{name}:{dtype}:{list(a.shape)};".encode())
-        h.update(memoryview(a).cast("B"))
+        _sum_tensor(h, name, *tensors[name])
     return h.hexdigest()
 
 
@@ -252,34 +258,55 @@ def snapshot(
     return Snapshot(arrays, meta)
 
 
-def write_snapshot(path: str | Path, snap: Snapshot) -> int:
-    """Write ``snap`` to ``path`` as safetensors with its checksums; the file
-    appears whole or not at all. Returns its size in bytes."""
-    path = Path(path)
-    tensors = {k: (dtype, np.asarray(a)) for k, (dtype, a) in snap.tensors.items()}
-    meta = {**snap.meta, TENSORS_SUM: _checksum(tensors)}
-    meta[META_SUM] = metadata_checksum(meta)
+def _header(snap: Snapshot, names: list[str], tensors_sum: str) -> bytes:
+    """The safetensors header of ``snap``'s tensors in the order of
+    ``names``, with ``tensors_sum`` and the metadata's checksum, padded to 8."""
     header, offset = {}, 0
-    names = sorted(tensors)
     for name in names:
-        dtype, a = tensors[name]
+        dtype, a = snap.tensors[name]
         header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
+    meta = {**snap.meta, TENSORS_SUM: tensors_sum}
+    meta[META_SUM] = metadata_checksum(meta)
     header["__metadata__"] = meta
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    return text + b" " * (-len(text) % 8)
+
+
+def write_snapshot(path: str | Path, snap: Snapshot, pause: Callable[[], None] | None = None) -> int:
+    """Write ``snap`` to ``path`` as safetensors with its checksums; the file
+    appears whole or not at all. Returns its size in bytes. ``pause``, when
+    given, is called before each tensor is brought to the host."""
+    path = Path(path)
+    if pause is not None:  # nothing of the file is made before the first pause either
+        pause()
+    names = sorted(snap.tensors)
+    # The sum heads the file but is known only after the last tensor: a
+    # placeholder of its length (hex digits) first, the header rewritten in place.
+    text = _header(snap, names, "0" * 16)
+    summed = xxhash.xxh3_64()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.partial-{os.getpid()}-", suffix=".safetensors", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
             for name in names:
-                f.write(memoryview(tensors[name][1]).cast("B"))
+                if pause is not None:
+                    pause()
+                dtype, a = snap.tensors[name]
+                host = np.asarray(a)  # (on a GPU, where its bytes reach the host)
+                _sum_tensor(summed, name, dtype, host)
+                f.write(memoryview(host).cast("B"))
+            final = _header(snap, names, summed.hexdigest())
+            if len(final) != len(text):
+                raise RuntimeError("a prompt-cache file's header changed length when its checksums were written.")
+            f.seek(8)
+            f.write(final)
         os.replace(tmp, path)  # never a half-written file under the real name
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return 8 + len(text) + offset
+    return 8 + len(text) + snap.nbytes
 
 
 def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:

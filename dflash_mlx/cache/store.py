@@ -10,7 +10,13 @@ one extends is removed when the newer one is written. A damaged or cut
 file is skipped with a warning and removed; one made for another pair or
 other settings is skipped with a warning and left alone. Writes run on a
 thread of their own from arrays copied when the cache is handed in, and
-a file appears under its name only once whole.
+a file appears under its name only once whole. The writer yields to
+decoding: before each tensor it waits until no generation in this process
+has decoded for ``quiet`` seconds (prompt.decoding; the quiet period spans
+the gap between a reply and the next request), so a request shares the
+device, the host's cores and the GIL with at most the tensor under way when
+it began; a file waits ``patience`` seconds at most, so a server that is
+never idle still writes.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +38,7 @@ from ..atomic_dir import remove_dead_leftovers
 from ..kv.quantized import QuantizedBufferKVCache
 from ..targets.recurrent import DeltaCache
 from . import files
-from .prompt import PromptCache
+from .prompt import PromptCache, decoding
 
 log = logging.getLogger("dflash_mlx.cache")
 
@@ -77,7 +84,9 @@ class PrefixStore:
     it into a fresh cache, ``save`` a cache once a generation is over.
     ``new_cache`` makes the empty caches the pair and settings call for;
     entries shorter than ``min_tokens`` are not written, nor used; at most
-    ``pending`` copies wait for the writer besides the one being written."""
+    ``pending`` copies wait for the writer besides the one being written;
+    one being written waits for decoding to pause (``quiet`` seconds)
+    ``patience`` seconds at most, then goes on regardless."""
 
     def __init__(
         self,
@@ -87,6 +96,8 @@ class PrefixStore:
         *,
         min_tokens: int = 256,
         pending: int = 1,
+        patience: float = 20.0,
+        quiet: float = 0.25,
     ):
         sample = new_cache()
         if sample.max_kv_size is not None:
@@ -96,6 +107,8 @@ class PrefixStore:
         if max_bytes <= 0:
             raise ValueError(f"the prefix cache's size must be more than 0 (--prefix-cache-gb), not {max_bytes} bytes.")
         self.new_cache, self.max_bytes, self.min_tokens = new_cache, max_bytes, max(1, min_tokens)
+        self.patience, self.quiet = patience, quiet  # patience bounded: a server never idle still writes
+        self.hurry = 0  # flush or close waiting: the writer stops yielding to decoding
         self.identity = files.pair_identity(sample.model, sample.draft_model)
         self.kv = files.kv_settings(sample)
         # a recurrent state cut back must be re-read from the start: only entries a prompt extends help
@@ -229,7 +242,8 @@ class PrefixStore:
 
     def _write(self, name: str, tokens: np.ndarray, snap: files.Snapshot) -> None:
         path = self.dir / name
-        size = files.write_snapshot(path, snap)
+        size = files.write_snapshot(path, snap, self._pause(time.monotonic() + self.patience))
+        older = []
         with self.lock:
             self.entries[name] = Entry(path, tokens, size)
             self.writes += 1
@@ -239,8 +253,21 @@ class PrefixStore:
                 ]
                 for e in older:
                     del self.entries[e.path.name]
-                    e.path.unlink(missing_ok=True)
+        for e in older:  # outside the lock: find, on the decode thread, takes it
+            e.path.unlink(missing_ok=True)
         self._evict()
+
+    def _pause(self, deadline: float) -> Callable[[], None]:
+        """What the writer calls before each tensor of a file: wait until no
+        generation has decoded for ``quiet`` seconds, ``deadline`` (then no
+        more waits) or a flush."""
+
+        def pause() -> None:
+            left = deadline - time.monotonic()
+            if left > 0:
+                decoding.wait_idle(left, lambda: self.hurry > 0, self.quiet)
+
+        return pause
 
     def _evict(self) -> None:
         """Remove the least recently used files of the whole directory (other
@@ -259,13 +286,23 @@ class PrefixStore:
         self.disk_bytes = total
 
     def flush(self) -> None:
-        """Wait until every queued write is on disk."""
-        self.jobs.join()
+        """Wait until every queued write is on disk, decoding or not."""
+        self._hasten(1)
+        try:
+            self.jobs.join()
+        finally:
+            self._hasten(-1)
 
     def close(self) -> None:
+        self._hasten(1)  # for good: what is queued is written at once
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join(timeout=60)
+
+    def _hasten(self, change: int) -> None:
+        with self.lock:
+            self.hurry += change
+        decoding.wake()
 
     def __len__(self) -> int:
         return len(self.entries)
