@@ -492,3 +492,27 @@ def test_metrics_show_the_batch_size_the_choice_weighs():
     assert "\ndflash_path_clients 5\n" in text
     choice.observe_clients(7, at=0.0)  # long before the window: forgotten
     assert "\ndflash_path_clients 5\n" in Metrics().render(0, PromptCachePool(lambda: None), choice)
+
+
+def test_a_batch_counts_as_decoding_for_the_prefix_caches_writer(chat_pair):
+    """The prefix cache's writer waits while anything decodes (cache/prompt.py's
+    gate): a batch enters the gate for its run and leaves it after, failed or not."""
+    from dflash_mlx.cache.prompt import decoding
+
+    model, draft, tokenizer = chat_pair
+    seen = []
+
+    async def main() -> int:
+        service = Service(model, draft, tokenizer, ServerConfig(max_batch=2, batching="always"))
+        before = decoding.running
+
+        def more(room: int) -> list:
+            seen.append(decoding.running - before)
+            return []
+
+        served = service.worker.batcher.run([Job(chat_ids(tokenizer, "w5"), params(4))], more)
+        seen.append(decoding.running - before)
+        return served
+
+    assert asyncio.run(main()) == 1
+    assert seen[:-1] and set(seen[:-1]) == {1} and seen[-1] == 0

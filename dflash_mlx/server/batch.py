@@ -15,6 +15,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from dflash_mlx.cache.prompt import decoding
+
 from .errors import APIError
 from .job import Done, Failed, Job, Progress, Usage
 from .metrics import Generation, Metrics
@@ -165,6 +167,7 @@ class BatchDecoder:
         streams: dict[int, _Stream] = {}
         self.timed: dict[int, list[float]] = {}  # batch size -> [steps, tokens, seconds] of this run
         served = 0
+        decoding.enter()  # the prefix cache's writer waits for a batch as for DFlash
         try:
             served += self._admit(generator, streams, jobs)
             while streams:
@@ -178,6 +181,7 @@ class BatchDecoder:
             for stream in streams.values():
                 stream.job.post(Failed(APIError(500, f"generation failed ({type(e).__name__}: {e}).")))
         finally:
+            decoding.leave()
             self.live = 0
             generator.close()
             for size, (steps, tokens, seconds) in self.timed.items():
