@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +32,15 @@ def note(message: str) -> None:
     err.print(Text(message, style="dim"), soft_wrap=True)
 
 
+# A silenced rank's error is said after this long, if it still runs: mlx.launch
+# stops every rank once one fails, so rank 0's own error, said at once, comes first.
+SILENCED_ERROR_DELAY_S = 3.0
+
+
 def print_error(message: str) -> None:
+    if err.quiet:  # a rank other than the first (speak_on_first_rank_only)
+        time.sleep(SILENCED_ERROR_DELAY_S)
+        err.quiet = False
     err.print(Text(f"error: {message}", style="bold red"), soft_wrap=True)
 
 
