@@ -1,4 +1,4 @@
-"""The prefix store's writer yields to decoding (cache/store.py, prompt.py's
+"""The prefix store's writer yields to decoding (cache/store.py, decoding.py's
 gate): nothing of a file is made while a generation in the process decodes,
 nor within ``quiet`` seconds of one's end; it is written after, or once
 ``patience`` runs out when decoding never stops; flush writes at once; the
@@ -14,7 +14,7 @@ from test_prefix_store import DCFG, SHARED, TCFG, VOCAB, run
 from tiny import greedy_reference, make_draft, make_target, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.prompt import decoding
+from dflash_mlx.cache.decoding import decoding
 from dflash_mlx.cache.store import PrefixStore
 
 

@@ -495,9 +495,9 @@ def test_metrics_show_the_batch_size_the_choice_weighs():
 
 
 def test_a_batch_counts_as_decoding_for_the_prefix_caches_writer(chat_pair):
-    """The prefix cache's writer waits while anything decodes (cache/prompt.py's
+    """The prefix cache's writer waits while anything decodes (cache/decoding.py's
     gate): a batch enters the gate for its run and leaves it after, failed or not."""
-    from dflash_mlx.cache.prompt import decoding
+    from dflash_mlx.cache.decoding import decoding
 
     model, draft, tokenizer = chat_pair
     seen = []

@@ -12,7 +12,7 @@ other settings is skipped with a warning and left alone. Writes run on a
 thread of their own from arrays copied when the cache is handed in, and
 a file appears under its name only once whole. The writer yields to
 decoding: before each tensor it waits until no generation in this process
-has decoded for ``quiet`` seconds (prompt.decoding; the quiet period spans
+has decoded for ``quiet`` seconds (decoding.py's gate; the quiet period spans
 the gap between a reply and the next request), so a request shares the
 device, the host's cores and the GIL with at most the tensor under way when
 it began; a file waits ``patience`` seconds at most, so a server that is
@@ -38,7 +38,8 @@ from ..atomic_dir import remove_dead_leftovers
 from ..kv.quantized import QuantizedBufferKVCache
 from ..targets.recurrent import DeltaCache
 from . import files
-from .prompt import PromptCache, decoding
+from .decoding import decoding
+from .prompt import PromptCache
 
 log = logging.getLogger("dflash_mlx.cache")
 

@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from dflash_mlx.cache.prompt import decoding
+from dflash_mlx.cache.decoding import decoding
 
 from .errors import APIError
 from .job import Done, Failed, Job, Progress, Usage
