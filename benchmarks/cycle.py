@@ -126,11 +126,13 @@ def random_target(shape: str, quantize: int | None = None, group=None, split: st
     return model
 
 
-def random_pair(shape: str, quantize: int | None, group=None, split: str | None = None):
+def random_pair(shape: str, quantize: int | None, group=None, split: str | None = None, draft_bits: int | None = None):
     """The target and drafter at ``shape``'s sizes, random weights; "builtin":
     the shipped pair itself, bf16 (its drafter has four layers, where "small"
-    has the same target sizes and two). Every rank makes the same weights."""
+    has the same target sizes and two). Every rank makes the same weights.
+    ``draft_bits``: the drafter's layers quantized as ``--draft-bits`` does."""
     from dflash_mlx import DFlashDraft, DraftConfig, load
+    from dflash_mlx.draft import precision
     from dflash_mlx.targets import adapt
 
     if shape == "builtin":
@@ -139,14 +141,16 @@ def random_pair(shape: str, quantize: int | None, group=None, split: str | None 
         model, draft, _ = load("builtin", dtype="bfloat16", group=group, split=split or "auto")
         if quantize:
             nn.quantize(model, group_size=64, bits=quantize)
-            draft.bind(adapt(model))
-        return model, draft
-    mx.random.seed(0)
-    model = random_target(shape, quantize, group, split)
-    draft = DFlashDraft(DraftConfig.from_dict(configs(shape)[1]))
-    draft.set_dtype(mx.bfloat16)
-    mx.eval(draft.parameters())
-    draft.bind(adapt(model))
+    else:
+        mx.random.seed(0)
+        model = random_target(shape, quantize, group, split)
+        draft = DFlashDraft(DraftConfig.from_dict(configs(shape)[1]))
+        draft.set_dtype(mx.bfloat16)
+        mx.eval(draft.parameters())
+    if draft_bits:
+        precision.quantize(draft, draft_bits)
+    if shape != "builtin" or quantize or draft_bits:
+        draft.bind(adapt(model))
     return model, draft
 
 
@@ -341,6 +345,7 @@ def main():
         help="a model's sizes with random weights, or builtin: the shipped pair",
     )
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="mlx-lm quantization of the target (bits)")
+    ap.add_argument("--draft-bits", type=int, choices=[4, 8], help="the drafter's layers quantized (--draft-bits)")
     ap.add_argument("--prompt-tokens", default="1024", help="comma-separated prompt lengths")
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes; tN: draft trees of N rows")
     ap.add_argument("--cycles", type=int, default=64, help="cycles timed per measurement")
@@ -362,7 +367,7 @@ def main():
     if args.split and group is None:
         ap.error("--split splits the target across ranks; run under mlx.launch (e.g. mlx.launch -n 2 python ...).")
     split = (args.split or "pipeline") if group is not None else None
-    model, draft = random_pair(args.shape, args.quantize, group, split)
+    model, draft = random_pair(args.shape, args.quantize, group, split, args.draft_bits)
     target = adapt(model)
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
@@ -396,7 +401,9 @@ def main():
     record = {
         "machine": f"{platform.platform()} {platform.processor() or platform.machine()}, mlx {mx.__version__}, "
         f"device {mx.default_device()}",
-        "shape": args.shape + (f" {args.quantize}-bit" if args.quantize else " bf16"),
+        "shape": args.shape
+        + (f" {args.quantize}-bit" if args.quantize else " bf16")
+        + (f", drafter {args.draft_bits}-bit" if args.draft_bits else ""),
         "mode": "cold (first request)" if args.cold else "warm",
         "split": f"{split} over {group.size()} ranks" if group is not None else "one process",
         "tau": args.tau,

@@ -168,10 +168,13 @@ def verify_at(model, draft, P: int, block: int) -> None:
     profiled(f"verify {block} rows after {P}", verify)
 
 
-def cycle_cases(shape: str, prompts: list[int], block: int, quantize: int | None = None) -> None:
+def cycle_cases(
+    shape: str, prompts: list[int], block: int, quantize: int | None = None, draft_bits: int | None = None
+) -> None:
     """A DFlash cycle and, beside it, one plain mlx-lm decoding step
-    (``shape`` "builtin": the shipped pair, bf16; ``quantize``: the target's bits)."""
-    model, draft = random_pair(shape, quantize)
+    (``shape`` "builtin": the shipped pair, bf16; ``quantize``: the target's
+    bits; ``draft_bits``: the drafter's)."""
+    model, draft = random_pair(shape, quantize, draft_bits=draft_bits)
     for P in prompts:
         cycle_at(model, draft, P, block)
         cycle_at(model, draft, P, 1)
@@ -333,6 +336,7 @@ def main():
     ap.add_argument(
         "--quantize", type=int, default=None, help="verify, cycle: the target's bits (mlx-lm affine, group 64)"
     )
+    ap.add_argument("--draft-bits", type=int, default=None, help="cycle: the drafter's bits (--draft-bits)")
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
     ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")
@@ -354,7 +358,8 @@ def main():
             ints(args.keys), ints(args.rows), [c or None for c in ints(args.chunks)], args.query_heads, stagings
         )
     elif args.what == "cycle":
-        cycle_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
+        prompts = [int(p) for p in args.prompt_tokens.split(",")]
+        cycle_cases(args.shape, prompts, args.block, args.quantize, args.draft_bits)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
 
