@@ -87,28 +87,37 @@ def test_a_file_waits_for_a_quiet_spell_after_a_generation_ends(pair, tmp_path):
     store.close()
 
 
-def test_a_file_kept_waiting_past_its_patience_is_written_while_decoding_goes_on(pair, tmp_path):
-    store = store_over(pair, tmp_path, 0.5)
-    cache = decoded(pair)
-    steps = decoding_now(pair)
-    assert store.save(cache)
+@pytest.fixture
+def saved_while_decoding(pair, tmp_path):
+    """``(patience) -> store``: a store of that patience handed a decoded
+    cache while another generation decodes; both end after the test."""
+    opened = []
+
+    def save(patience: float) -> PrefixStore:
+        store = store_over(pair, tmp_path, patience)
+        cache = decoded(pair)
+        opened.append((decoding_now(pair), store))
+        assert store.save(cache)
+        return store
+
+    yield save
+    for steps, store in opened:
+        steps.close()
+        store.close()
+
+
+def test_a_file_kept_waiting_past_its_patience_is_written_while_decoding_goes_on(saved_while_decoding):
+    store = saved_while_decoding(patience=0.5)
     waited = written(store, within=10)
     assert waited >= 0.45 and decoding.running == 1
     assert len(store) == 1
-    steps.close()
-    store.close()
 
 
-def test_flush_writes_at_once_while_a_generation_decodes(pair, tmp_path):
-    store = store_over(pair, tmp_path, 60)
-    cache = decoded(pair)
-    steps = decoding_now(pair)
-    assert store.save(cache)
+def test_flush_writes_at_once_while_a_generation_decodes(saved_while_decoding):
+    store = saved_while_decoding(patience=60)
     tic = time.monotonic()
     store.flush()
     assert time.monotonic() - tic < 10 and store.writes == 1 and decoding.running == 1
-    steps.close()
-    store.close()
 
 
 def test_the_gate_counts_generations_through_takeovers_and_ends(pair):
