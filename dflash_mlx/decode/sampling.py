@@ -118,7 +118,10 @@ def position_key(seed: mx.array, position: mx.array) -> mx.array:
 def pick(logits: mx.array, positions: mx.array, params: SamplingParams, seed: mx.array | None) -> mx.array:
     """The target's token for each logits row: argmax, or the seeded sample."""
     if params.temperature == 0:
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        # mlx-lm's greedy step takes the argmax of log-probabilities in the logits'
+        # dtype: rounding there ties tokens a fraction of a logit apart, the lowest id wins
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.argmax(logprobs, axis=-1).astype(mx.int32)
     coins = xtc_coins(seed, positions) if params.xtc_probability > 0 else None
     scores = target_logprobs(logits, params, coins) + gumbel_noise(seed, positions, logits.shape[-1])
     return mx.argmax(scores, axis=-1).astype(mx.int32)
