@@ -5,13 +5,17 @@ Reported in BENCHMARKS.md, "Greedy output against mlx-lm's", and README.md's
 
     python benchmarks/greedy_equality.py --prompts 8 --max-tokens 128
     python benchmarks/greedy_equality.py --prompts 8 --blocks 8,16,auto
+    python benchmarks/greedy_equality.py --shape qwen3-8b --quantize 4 --prompts 4 --blocks 4,16,auto
 
 The built-in pair (or ``--model``/``--draft``) on the held-out prompts. On a
 CPU both are the same arithmetic and every prompt must match (the tests assert
 it). On a GPU a 16-row verify and a one-row step are different kernels, so
 their results can differ in the last bits, and where two tokens' logits tie
 that closely greedy can take either: this counts how often that happens and
-where the first difference falls.
+where the first difference falls. ``--shape`` runs a pair of random weights at
+a model's shapes instead (cycle.py's; ``--quantize``: the target's bits): no
+text to speak of, but every product, attention and cache path a target of that
+size and width takes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin")
     ap.add_argument("--draft")
+    ap.add_argument("--shape", help="a pair of random weights at a model's shapes (cycle.py's SHAPES)")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="with --shape: the target's bits")
     ap.add_argument("--prompts", type=int, default=8, help="per set (code, chat)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes or 'auto'")
@@ -37,7 +43,14 @@ def main():
     from dflash_mlx import load, stream_generate
     from dflash_mlx.tiny import greedy_reference
 
-    model, draft, tok = load(args.model, draft=args.draft)
+    if args.shape:
+        from cycle import random_pair
+
+        model, draft = random_pair(args.shape, args.quantize)
+        tok = load("builtin")[2]  # the prompts' text through the built-in pair's template and tokenizer
+        args.model = args.shape + (f" {args.quantize}-bit" if args.quantize else "")
+    else:
+        model, draft, tok = load(args.model, draft=args.draft)
     texts = json.loads(PROMPTS.read_text())
     sets = prompt_sets(tok, {k: texts[k] for k in ("code", "chat")}, args.prompts)
     eos = set(tok.eos_token_ids)
