@@ -159,6 +159,19 @@ def settle(flight: Flight) -> float:
     return time.perf_counter() - tic
 
 
+def cost_in_run(launch: float, settled: float, read: float) -> float:
+    """A cycle's seconds as a run of its size pays them, from its launch (the
+    graph built and queued), the wait to settle it before a change of size
+    (0: none) and the wait when its result was read. In a run the next launch
+    overlaps this cycle's device time, so launch plus the read's wait is its
+    cost, not the time between reads, which holds the next cycle's launch. A
+    settled cycle ran alone, the device idle while its graph was built: a run
+    pays the longer of the two."""
+    if settled > 0:
+        return max(launch, settled + read)
+    return launch + read
+
+
 def _cycles(
     cycle: Cycle, ids: list[int], *, owner, max_tokens: int, block, eos: set[int], step: int, progress, gate, agreed
 ):
@@ -211,9 +224,7 @@ def _cycles(
             mx.eval(flight.result, flag)
         values = flight.result.tolist()
         if chooser is not None:
-            # A cycle's cost is its launch plus the wait for its result, not
-            # the time between reads, which holds the next cycle's launch.
-            took = flight.launch_seconds + waited + time.perf_counter() - tic
+            took = cost_in_run(flight.launch_seconds, waited, time.perf_counter() - tic)
             chooser.record(
                 flight.block_size,
                 values[0],
