@@ -629,6 +629,29 @@ def test_before_a_change_of_size_the_cycle_is_waited_for_before_the_next_launch(
         assert (events[now - 1] == ("settle", previous)) == (size != previous), events[: now + 1]
 
 
+def test_every_plain_step_under_auto_reads_its_length_from_the_host(agreeing_pair, monkeypatch):
+    """A plain step rounds as mlx-lm's only where its length is known on the
+    host (cycle.py's exact step); after a block auto settles that block before
+    the plain step, so its length is known then too."""
+    from dflash_mlx.decode.cycle import Cycle
+
+    model, draft = agreeing_pair
+    launches = []
+    real_launch = Cycle.launch
+
+    def launch(self, size, last, length, bound, exact=False):
+        flight = real_launch(self, size, last, length, bound, exact)
+        launches.append((size, exact, bound, length))
+        return flight
+
+    monkeypatch.setattr(Cycle, "launch", launch)
+    chooser_for(fresh(draft), 4, 16)
+    list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=60, block_size="auto"))
+    plain = [(exact, bound, length.item()) for size, exact, bound, length in launches if size == 1]
+    assert plain and any(size > 1 for size, *_ in launches)
+    assert all(exact and bound == length for exact, bound, length in plain), plain
+
+
 def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, monkeypatch):
     """A cycle settled before a change of size ran alone: its launch, then its
     device time. In a run the next launch overlaps the device time, so the

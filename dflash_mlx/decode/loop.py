@@ -215,10 +215,13 @@ def _cycles(
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size
             bs = choose()
+            exact = flight.block_size == 1
             if cache.may_queue(bound, bs):  # not across the start of KV quantization
                 if chooser is not None and bs != flight.block_size:
                     waited = settle(flight)
-                following = launch(bs, flight.last, flight.length, bound, exact=flight.block_size == 1)
+                    if bs == 1:  # the length is known now: a plain step reads it as mlx-lm's does
+                        bound, exact = len(cache.tokens) + flight.result[0].item() + 1, True
+                following = launch(bs, flight.last, flight.length, bound, exact=exact)
         tic = time.perf_counter()
         if flag is not None:
             mx.eval(flight.result, flag)
