@@ -656,30 +656,33 @@ def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, 
     """A cycle settled before a change of size ran alone: its launch, then its
     device time. In a run the next launch overlaps the device time, so the
     chooser is told the longer of the two, not their sum; an unsettled cycle
-    its launch plus the wait for its result."""
-    import time
+    its launch plus the wait for its result. (The loop's clock is a stand-in
+    that only launches and settles move.)"""
+    from types import SimpleNamespace
 
     from dflash_mlx.decode import loop
     from dflash_mlx.decode.cycle import Cycle
 
     model, draft = agreeing_pair
     launch_s, settle_s = 0.15, 0.10
+    clock = [0.0]
     real_launch, real_settle, real_record = Cycle.launch, loop.settle, BlockChooser.record
     settled, recorded = [], []
 
     def slow_launch(self, *a):
-        time.sleep(launch_s)
+        clock[0] += launch_s
         return real_launch(self, *a)
 
     def slow_settle(flight):
         settled.append(flight)
-        time.sleep(settle_s)
-        return real_settle(flight) + settle_s
+        clock[0] += settle_s
+        return real_settle(flight) * 0 + settle_s
 
     def record(self, block, accepted, seconds, built=None):
         recorded.append(seconds)
         return real_record(self, block, accepted, seconds, built)
 
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(Cycle, "launch", slow_launch)
     monkeypatch.setattr(loop, "settle", slow_settle)
     monkeypatch.setattr(BlockChooser, "record", record)
@@ -687,5 +690,4 @@ def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, 
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=24, block_size="auto"))
     timed = [t for t in recorded if t is not None]
     assert settled and timed
-    # every cycle is launched slowly; none is charged the launch and the settle together
-    assert all(launch_s <= t < launch_s + settle_s - 0.04 for t in timed), timed
+    assert timed == pytest.approx([launch_s] * len(timed))
