@@ -1,6 +1,7 @@
 """The prompt cache a conversation reuses (prompt.py), its files (files.py)
 and a store of them on disk found by the longest common prefix (store.py),
-over the KV buffers of dflash_mlx/kv/."""
+whose writer waits while any generation decodes (decoding.py), over the KV
+buffers of dflash_mlx/kv/."""
 
 from importlib import import_module
 
