@@ -336,7 +336,7 @@ def main():
     ap.add_argument(
         "--quantize", type=int, default=None, help="verify, cycle: the target's bits (mlx-lm affine, group 64)"
     )
-    ap.add_argument("--draft-bits", type=int, default=None, help="cycle: the drafter's bits (--draft-bits)")
+    ap.add_argument("--draft-bits", type=int, choices=[4, 8], help="cycle: the drafter's bits (--draft-bits)")
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
     ap.add_argument("--rows", default="16", help="attention: comma-separated query rows (block sizes)")
     ap.add_argument("--query-heads", type=int, default=32, help="attention: query heads over 8 kv heads")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from pathlib import Path
 
 import mlx.core as mx
 from bench_builtin import PROMPTS, prompt_sets
@@ -39,15 +40,27 @@ def main():
     ap.add_argument("--blocks", default="16", help="comma-separated block sizes or 'auto'")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.quantize and not args.shape:
+        ap.error("--quantize quantizes a --shape pair; name a --shape.")
+    if args.shape and (args.model != "builtin" or args.draft):
+        ap.error("--shape makes its own pair; leave out --model and --draft.")
 
     from dflash_mlx import load, stream_generate
     from dflash_mlx.tiny import greedy_reference
 
     if args.shape:
         from cycle import random_pair
+        from mlx_lm.utils import load_tokenizer
 
+        from dflash_mlx import builtin
+
+        # the prompts' text through the built-in pair's template and tokenizer
+        tok = load_tokenizer(Path(builtin.TARGET))
         model, draft = random_pair(args.shape, args.quantize)
-        tok = load("builtin")[2]  # the prompts' text through the built-in pair's template and tokenizer
+        if draft.config.vocab_size < tok.vocab_size:
+            ap.error(
+                f"--shape {args.shape}'s vocabulary is smaller than the built-in tokenizer's; take a larger shape."
+            )
         args.model = args.shape + (f" {args.quantize}-bit" if args.quantize else "")
     else:
         model, draft, tok = load(args.model, draft=args.draft)

@@ -63,6 +63,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_mlx.decode.sampling import greedy as greedy_token
+
 LAYER_PIECES = (
     "input norm",
     "q",
@@ -815,7 +817,7 @@ def run_of(name: str, got: Verified, against: Pieces, layers: range) -> Run:
     agree = None
     if key in diffs:
         ours, theirs = got.pieces[key], against[key]
-        agree = int((mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1)).sum().item())
+        agree = int((greedy_token(ours) == greedy_token(theirs)).sum().item())
     replay = f"{len(got.replay_exact)}/{len(got.replayed)}" if got.replayed else ""
     rows = against[next(iter(diffs))].shape[0] if diffs else 0
     return Run(name, diffs, agree, replay, rows, got.mask)

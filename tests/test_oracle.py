@@ -1,6 +1,8 @@
 """Conformance with the official Z Lab MLX code (`dflash.model_mlx`): the same
 checkpoint gives the same drafter logits, and the same decode gives the same
-tokens and accepted counts cycle by cycle."""
+tokens and accepted counts cycle by cycle. The official loop's greedy token is
+the logits' argmax, ours mlx-lm's (the log-probabilities' argmax): they part
+only at ties of rounding, which these float32 targets do not reach."""
 
 import random
 

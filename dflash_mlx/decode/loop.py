@@ -165,8 +165,8 @@ def cost_in_run(launch: float, settled: float, read: float) -> float:
     (0: none) and the wait when its result was read. In a run the next launch
     overlaps this cycle's device time, so launch plus the read's wait is its
     cost, not the time between reads, which holds the next cycle's launch. A
-    settled cycle ran alone, the device idle while its graph was built: a run
-    pays the longer of the two."""
+    settled cycle's wait was not overlapped by a next launch, so its launch
+    and wait add up to more than a run pays: the longer of the two."""
     if settled > 0:
         return max(launch, settled + read)
     return launch + read

@@ -115,13 +115,18 @@ def position_key(seed: mx.array, position: mx.array) -> mx.array:
     return mx.stack([_mix(_word(seed, 0) ^ _mix(pos)), _mix(_word(seed, 1) + pos * mx.array(0x9E3779B9, mx.uint32))])
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """The greedy token of each logits row as mlx-lm's step picks it: the
+    argmax of the log-probabilities in the logits' dtype, where rounding ties
+    tokens a fraction of a logit apart and the lowest id wins."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+
 def pick(logits: mx.array, positions: mx.array, params: SamplingParams, seed: mx.array | None) -> mx.array:
     """The target's token for each logits row: argmax, or the seeded sample."""
     if params.temperature == 0:
-        # mlx-lm's greedy step takes the argmax of log-probabilities in the logits'
-        # dtype: rounding there ties tokens a fraction of a logit apart, the lowest id wins
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        return greedy(logits)
     coins = xtc_coins(seed, positions) if params.xtc_probability > 0 else None
     scores = target_logprobs(logits, params, coins) + gumbel_noise(seed, positions, logits.shape[-1])
     return mx.argmax(scores, axis=-1).astype(mx.int32)

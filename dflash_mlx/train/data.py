@@ -134,6 +134,8 @@ def greedy_batch(
     token in ``eos`` (kept). Tokens are read every ``check_every`` steps."""
     import mlx.core as mx
 
+    from ..decode.sampling import greedy
+
     eos = set(eos)
     n = len(prompts)
     budget = [max_new] * n if isinstance(max_new, int) else list(max_new)
@@ -156,7 +158,7 @@ def greedy_batch(
         mx.eval(h, [(c.keys, c.values) for c in cache])
 
     def step(x):
-        return mx.argmax(model(x[:, None], cache=cache)[:, -1, :], axis=-1)
+        return greedy(model(x[:, None], cache=cache)[:, -1, :])
 
     y = step(tokens[:, -1])
     mx.async_eval(y)
