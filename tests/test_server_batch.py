@@ -516,3 +516,31 @@ def test_a_batch_counts_as_decoding_for_the_prefix_caches_writer(chat_pair):
 
     assert asyncio.run(main()) == 1
     assert seen[:-1] and set(seen[:-1]) == {1} and seen[-1] == 0
+
+
+def test_a_request_holds_the_prefix_caches_writer_from_its_preparing_on(chat_pair, monkeypatch):
+    """The writer waits for a request's whole stay, not only its decoding: while
+    its prompt is prepared, and while the worker copies a kept prefix and
+    prefills it, the gate is held; after, it is free again."""
+    from dflash_mlx.cache.decoding import decoding
+    from dflash_mlx.server.decoder import Decoder
+
+    model, draft, tokenizer = chat_pair
+    seen = {}
+    real_run = Decoder.run
+
+    def run(self, job):
+        seen["serving"] = decoding.running - seen["before"]
+        return real_run(self, job)
+
+    monkeypatch.setattr(Decoder, "run", run)
+
+    async def main() -> None:
+        service = Service(model, draft, tokenizer, ServerConfig())
+        seen["before"] = decoding.running
+        seen["preparing"] = await service.off_loop(lambda: decoding.running) - seen["before"]
+        service.worker._run_dflash(Job(chat_ids(tokenizer, "w5"), params(4)))
+        seen["after"] = decoding.running - seen["before"]
+
+    asyncio.run(main())
+    assert (seen["preparing"], seen["serving"], seen["after"]) == (1, 1, 0)

@@ -1,6 +1,7 @@
 """Whether any generation in this process is decoding right now: a
-process-wide gate that generations enter and leave, so that background work
-such as the prefix store's disk writer can wait until decoding pauses.
+process-wide gate that generations enter and leave (a server's requests from
+their preparing on), so that background work such as the prefix store's disk
+writer can wait until decoding pauses.
 """
 
 from __future__ import annotations

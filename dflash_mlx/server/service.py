@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 
 from dflash_mlx import make_prompt_cache
 from dflash_mlx.arguments import check_lookup, check_tree_budget
+from dflash_mlx.cache.decoding import decoding
 from dflash_mlx.cache.store import PrefixStore
 from dflash_mlx.generation import served_tree_budget
 
@@ -223,9 +224,10 @@ class Service:
         """``fn(*args)`` on a preparing thread, so that a long prompt or a slow
         template never holds up the event loop; a request past
         prepare_timeout_s gets a 400 (the thread finishes on its own)."""
-        future = asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
+        decoding.enter()  # a prompt being prepared is a request on its way: the prefix writer waits
         self.preparing += 1
         try:
+            future = asyncio.get_running_loop().run_in_executor(self.prepare_pool, fn, *args)
             return await asyncio.wait_for(future, self.config.prepare_timeout_s)
         except asyncio.TimeoutError:
             raise APIError(
@@ -234,6 +236,7 @@ class Service:
                 f"send a shorter one.",
             ) from None
         finally:
+            decoding.leave()
             self.preparing -= 1
 
     def authorize(self, request: Request) -> None:

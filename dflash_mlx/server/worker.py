@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
 
+from dflash_mlx.cache.decoding import decoding
+
 from .batch import BatchDecoder
 from .decoder import Decoder
 from .job import Job, Progress
@@ -149,6 +151,7 @@ class Worker:
 
     def _run_dflash(self, job: Job) -> None:
         self.running = [job]
+        decoding.enter()  # the prefix cache's writer waits for the prefix's copy and prefill too
         try:
             new = len(job.prompt) - self.decoder.pool.held(job.prompt)
             if new > self.decoder.prefill_step_size:  # a keep-alive before a long prefill
@@ -164,5 +167,6 @@ class Worker:
         except BaseException:  # Decoder.run answers its own failures; this is a last guard
             log.exception("the decode worker caught an unexpected error")
         finally:
+            decoding.leave()
             self.running = []
             self.served += 1
