@@ -131,8 +131,17 @@ def test_function_call_item_and_its_output(scripted_server):
     assert followed.status == "completed" and followed.usage.input_tokens > reply.usage.input_tokens
 
 
-def test_previous_response_id_continues_the_conversation(scripted_pair, scripted_server):
-    client = openai_client(scripted_server)
+@pytest.fixture
+def dflash_only_server(scripted_pair):
+    """Its own server, batching off: a request submitted while the last one's
+    cache is being kept counts two clients together, and a batch (no prompt
+    cache) could serve it, whichever way the machine's timing fell."""
+    with serving(*scripted_pair, batching="off") as url:
+        yield url
+
+
+def test_previous_response_id_continues_the_conversation(scripted_pair, dflash_only_server):
+    client = openai_client(dflash_only_server)
     first = client.responses.create(model="tiny", input="w30", max_output_tokens=50)
     second = client.responses.create(model="tiny", input="w31", previous_response_id=first.id, max_output_tokens=50)
     tokenizer = scripted_pair[2]
