@@ -4,6 +4,7 @@ Reported in BENCHMARKS.md, "Target families at real shapes" (and docs/families.m
 
     python benchmarks/families.py --models qwen3.5-9b-like --bits 16,4 --blocks 4,16 --rollbacks default,replay,per-step
     python benchmarks/families.py --models gpt-oss-20b-like --official
+    python benchmarks/families.py --models gpt-oss-20b-like --bits 4,mxfp4 --blocks 4,16
     python benchmarks/families.py --small          # tiny shapes: a CPU smoke test, numbers meaningless
 
 Shapes, random weights, bf16 and/or 4-bit: a Qwen3.5-9B-like hybrid (gated
@@ -101,12 +102,24 @@ def gpt_oss_20b(small: bool) -> dict:
     }
 
 
-def target(cfg: dict, bits: int | None, dtype=mx.bfloat16):
+# --bits: mlx-lm's affine quantization, or mxfp4 as mlx-community's gpt-oss conversions hold it
+QUANTIZATIONS = {
+    "4": {"bits": 4, "group_size": 64},
+    "8": {"bits": 8, "group_size": 64},
+    "mxfp4": {"bits": 4, "group_size": 32, "mode": "mxfp4"},
+}
+
+
+def quantize(module: nn.Module, bits: str | None) -> None:
+    if bits:
+        nn.quantize(module, **QUANTIZATIONS[bits])
+
+
+def target(cfg: dict, bits: str | None, dtype=mx.bfloat16):
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(dict(cfg)))
     model.set_dtype(dtype)
-    if bits:
-        nn.quantize(model, group_size=64, bits=bits)
+    quantize(model, bits)
     model.eval()  # as mlx-lm's load leaves it: its recurrence kernels run only outside training
     mx.eval(model.parameters())
     return model
@@ -119,18 +132,17 @@ def drafter_config(cfg: dict) -> dict:
     )
 
 
-def build(cfg: dict, bits: int | None, dtype=mx.bfloat16):
+def build(cfg: dict, bits: str | None, dtype=mx.bfloat16):
     model = target(cfg, bits, dtype)
     dcfg = drafter_config(cfg)
     draft = make_draft(dcfg, random_draft_weights(dcfg))
     draft.set_dtype(dtype)
-    if bits:
-        nn.quantize(draft, group_size=64, bits=bits)
+    quantize(draft, bits)
     mx.eval(draft.parameters())
     return model, draft
 
 
-def official_cycle_ms(cfg: dict, bits: int | None, dtype, tok, prompt, bs: int, n: int) -> float | None:
+def official_cycle_ms(cfg: dict, bits: str | None, dtype, tok, prompt, bs: int, n: int) -> float | None:
     """The official Z Lab MLX loop's cycle (``dflash.model_mlx``) on a target
     of its own (it wraps the layers, and patches the delta-net class), with a
     random drafter of the same shape written in Z Lab's layout; None where the
@@ -148,8 +160,7 @@ def official_cycle_ms(cfg: dict, bits: int | None, dtype, tok, prompt, bs: int, 
         except Exception as e:
             print(f"official loop: its drafter did not load ({type(e).__name__}: {e})", file=sys.stderr)
             return None
-    if bits:
-        nn.quantize(draft, group_size=64, bits=bits)
+    quantize(draft, bits)
     model = target(cfg, bits, dtype)
     stamps = []
     try:
@@ -252,7 +263,9 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--blocks", default="4,8,16")
     parser.add_argument("--models", default="qwen3.5-9b-like,gpt-oss-20b-like", help="which shapes, comma-separated")
-    parser.add_argument("--bits", default="16,4", help="weights: 16 (bf16) and/or 4 (mlx-lm 4-bit), comma-separated")
+    parser.add_argument(
+        "--bits", default="16,4", help="weights: 16 (bf16), 4 or 8 (mlx-lm affine), mxfp4; comma-separated"
+    )
     parser.add_argument(
         "--official",
         action="store_true",
@@ -280,7 +293,9 @@ def main() -> None:
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
     if not chosen or any(m not in shapes for m in chosen):
         parser.error(f"--models takes {', '.join(shapes)} (comma-separated), not {args.models!r}.")
-    weights = [None if b.strip() == "16" else int(b) for b in args.bits.split(",") if b.strip()]
+    weights = [None if b.strip() == "16" else b.strip() for b in args.bits.split(",") if b.strip()]
+    if not weights or any(b is not None and b not in QUANTIZATIONS for b in weights):
+        parser.error(f"--bits takes 16, {', '.join(QUANTIZATIONS)} (comma-separated), not {args.bits!r}.")
     dtype = mx.float32 if args.small else mx.bfloat16  # MLX's CPU backend gathers MoE experts in float32 only
     for name in chosen:
         cfg = shapes[name](args.small)
@@ -293,7 +308,9 @@ def main() -> None:
             hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
             row = {
                 "model": name,
-                "weights": f"{bits}-bit" if bits else ("float32" if args.small else "bf16"),
+                "weights": (bits if bits == "mxfp4" else f"{bits}-bit")
+                if bits
+                else ("float32" if args.small else "bf16"),
                 "plain_ms": plain,
                 "adapter_plain_ms": ours,
                 "blocks": {},
