@@ -233,6 +233,28 @@ def test_prefill_progress_bar_only_for_several_steps(monkeypatch):
     assert bar.bar is None
 
 
+def test_a_ctrl_c_while_the_prefill_bar_starts_leaves_it_whole(monkeypatch):
+    """A press while rich starts the bar is raised once the start is done:
+    raised halfway, the console's stacks broke and the bar's stop failed."""
+    import os
+    import signal
+
+    from rich.console import Console
+
+    push = Console.push_render_hook
+
+    def press_then_push(self, hook):
+        os.kill(os.getpid(), signal.SIGINT)
+        return push(self, hook)
+
+    monkeypatch.setattr(Console, "push_render_hook", press_then_push)
+    bar = PrefillProgress()
+    with pytest.raises(KeyboardInterrupt):
+        bar(4, 12)
+    bar.close()
+    assert bar.bar is None
+
+
 def test_generate_verbose_shows_the_prompt(pair):
     result = run("generate", "--model", pair.target, "--draft-model", pair.draft, "--prompt", "w1", "-m", 2, "-v")
     assert result.exit_code == 0

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from contextlib import contextmanager
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .console import err
@@ -36,6 +40,20 @@ def hub_progress_class(progress: Progress) -> type:
     return HubBar
 
 
+@contextmanager
+def interrupts_deferred():
+    """Ctrl-C held back until the block ends: a rich live display stopped
+    halfway through starting or stopping leaves its console's stacks broken."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class PrefillProgress:
     """prompt_progress callback: a transient rich bar on stderr, shown only
     when the new part of the prompt takes more than one prefill step."""
@@ -45,6 +63,10 @@ class PrefillProgress:
         self.task = None
 
     def __call__(self, done: int, total: int) -> None:
+        with interrupts_deferred():
+            self._show(done, total)
+
+    def _show(self, done: int, total: int) -> None:
         if self.bar is None:
             if done >= total:
                 return
@@ -63,6 +85,7 @@ class PrefillProgress:
             self.close()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
+        with interrupts_deferred():
+            if self.bar is not None:
+                self.bar.stop()
+                self.bar = None
