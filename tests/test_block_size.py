@@ -619,7 +619,7 @@ def test_before_a_change_of_size_the_cycle_is_waited_for_before_the_next_launch(
     monkeypatch.setattr(
         Cycle, "launch", lambda self, bs, *a: events.append(("launch", bs)) or real_launch(self, bs, *a)
     )
-    monkeypatch.setattr(loop, "settle", lambda f: events.append(("settle", f.block_size)) or real_settle(f))
+    monkeypatch.setattr(loop, "settle", lambda c, f: events.append(("settle", f.block_size)) or real_settle(c, f))
     chooser_for(fresh(draft), 4, 16)
     list(stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=60, block_size="auto"))
     at = [i for i, (kind, _) in enumerate(events) if kind == "launch"]
@@ -652,6 +652,21 @@ def test_every_plain_step_under_auto_reads_its_length_from_the_host(agreeing_pai
     assert all(exact and bound == length for exact, bound, length in plain), plain
 
 
+def stand_in_clock(monkeypatch, clock):
+    """The cycle clock's time: ``clock[0]``, moved by the test; a wait
+    after ``clock[1:]`` is given lasts the seconds given (the device's)."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.decode import clock as clock_module
+
+    def perf_counter():
+        t = clock[0]
+        clock[0] += clock.pop() if len(clock) > 1 else 0.0
+        return t
+
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=perf_counter))
+
+
 @pytest.mark.parametrize("launch_s, settle_s", [(0.15, 0.10), (0.05, 0.20)])
 def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, monkeypatch, launch_s, settle_s):
     """A cycle settled before a change of size ran alone: its launch, then its
@@ -659,8 +674,6 @@ def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, 
     chooser is told the longer of the two, not their sum; an unsettled cycle
     its launch plus the wait for its result. (The loop's clock is a stand-in
     that only launches and settles move.)"""
-    from types import SimpleNamespace
-
     from dflash_mlx.decode import loop
     from dflash_mlx.decode.cycle import Cycle
 
@@ -673,16 +686,16 @@ def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, 
         clock[0] += launch_s
         return real_launch(self, *a)
 
-    def slow_settle(flight):
+    def slow_settle(cycle_clock, flight):
         settled.append(flight)
-        clock[0] += settle_s
-        return real_settle(flight) * 0 + settle_s
+        clock.append(settle_s)
+        real_settle(cycle_clock, flight)
 
     def record(self, block, accepted, seconds, built=None):
         recorded.append(seconds)
         return real_record(self, block, accepted, seconds, built)
 
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    stand_in_clock(monkeypatch, clock)
     monkeypatch.setattr(Cycle, "launch", slow_launch)
     monkeypatch.setattr(loop, "settle", slow_settle)
     monkeypatch.setattr(BlockChooser, "record", record)
@@ -693,3 +706,56 @@ def test_a_settled_cycle_is_timed_as_a_run_of_its_size_would_pay(agreeing_pair, 
     # an unsettled cycle: its launch (the reads wait no time on this clock); a settled one: the longer
     rounded = {round(t, 9) for t in timed}
     assert rounded <= {launch_s, max(launch_s, settle_s)} and max(launch_s, settle_s) in rounded, timed
+
+
+@pytest.mark.parametrize("device_s", [0.0, 0.2])
+def test_the_loops_own_work_is_charged_and_the_callers_only_where_the_device_was_busy(
+    agreeing_pair, monkeypatch, device_s
+):
+    """Between two reads the loop does its own work (here, choosing the next
+    size) besides launching. Where the host outruns the device a run pays
+    the launch and that work, not the caller's time; where the read then
+    waits, the device was busy with the cycle from one read to the next,
+    the caller's time included. (Stand-in clock; cycles within runs.)"""
+    from dflash_mlx.decode.clock import CycleClock
+    from dflash_mlx.decode.cycle import Cycle
+
+    model, draft = agreeing_pair
+    clock = [0.0]
+    launch_s, choose_s, caller_s = 0.01, 0.003, 0.05
+    real_launch, real_choose, real_record = Cycle.launch, BlockChooser.choose, BlockChooser.record
+    real_wait = CycleClock.wait
+    recorded = []
+
+    def slow_launch(self, *a):
+        clock[0] += launch_s
+        return real_launch(self, *a)
+
+    def slow_choose(self, *a):
+        clock[0] += choose_s
+        return real_choose(self, *a)
+
+    def wait(self, *arrays):
+        if self.done_at is None:  # the first wait for a cycle waits for the device
+            clock.append(device_s)
+        real_wait(self, *arrays)
+
+    def record(self, block, accepted, seconds, built=None):
+        recorded.append((block, seconds, self.previous))
+        return real_record(self, block, accepted, seconds, built)
+
+    stand_in_clock(monkeypatch, clock)
+    monkeypatch.setattr(CycleClock, "wait", wait)
+    monkeypatch.setattr(Cycle, "launch", slow_launch)
+    monkeypatch.setattr(BlockChooser, "choose", slow_choose)
+    monkeypatch.setattr(BlockChooser, "record", record)
+    chooser_for(fresh(draft), 4, 16)
+    for _ in stream_generate(model, draft, make_tokenizer(24), [7, 8], max_tokens=40, block_size="auto"):
+        clock[0] += caller_s
+    in_runs = {round(s, 9) for block, s, previous in recorded[1:-1] if block == previous and s is not None}
+    own = launch_s + choose_s
+    # a run's cycle; one settled before a change of size (no launch between its reads); the
+    # first and last cycles have no choice before them
+    run = own if not device_s else choose_s + caller_s + launch_s + device_s
+    settled = own if not device_s else choose_s + caller_s + device_s
+    assert round(run, 9) in in_runs and in_runs <= {round(run, 9), round(settled, 9)}, in_runs

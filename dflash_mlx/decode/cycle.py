@@ -37,7 +37,8 @@ class Flight:
     result: mx.array  # [1 + bs]: accepted drafts a, then tokens whose first a + 1 are committed
     last: mx.array
     length: mx.array
-    launch_seconds: float = 0.0
+    launch_seconds: float = 0.0  # the host's, to build and queue it
+    launched_at: float = 0.0  # time.perf_counter() once queued
     new_shape: bool = False  # it built new graphs: not a measure of its size's cost
     rows: int = 0  # the target rows it verifies (a tree's nodes, or the block)
     # With log-probs asked for: [bs, 1 + k] the picked token's then the top k's, and [bs, k] their ids.

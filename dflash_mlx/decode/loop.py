@@ -9,7 +9,6 @@ ranks ends every rank's loop after the same cycle.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupGate, LookupParams
 from ..draft.tree import TreeParams
 from ..targets import DenseTarget
+from .clock import CycleClock
 from .cycle import Cycle, Flight
 from .sampling import SamplingParams
 
@@ -149,27 +149,12 @@ def _settled(cycle: Cycle, ids: list[int], **loop):
                 cycle.feed_deferred(len(cache.tokens))
 
 
-def settle(flight: Flight) -> float:
-    """Wait for ``flight``'s result; the seconds waited. Before a change of
-    size ``auto`` waits so: the next cycle's launch, queued ahead of the read,
-    would otherwise hide in this one's wait (a block before a plain step's
-    slower, uncompiled launch looked cheaper by that launch)."""
-    tic = time.perf_counter()
-    mx.eval(flight.result)
-    return time.perf_counter() - tic
-
-
-def cost_in_run(launch: float, settled: float, read: float) -> float:
-    """A cycle's seconds as a run of its size pays them, from its launch (the
-    graph built and queued), the wait to settle it before a change of size
-    (0: none) and the wait when its result was read. In a run the next launch
-    overlaps this cycle's device time, so launch plus the read's wait is its
-    cost, not the time between reads, which holds the next cycle's launch. A
-    settled cycle's wait was not overlapped by a next launch, so its launch
-    and wait add up to more than a run pays: the longer of the two."""
-    if settled > 0:
-        return max(launch, settled + read)
-    return launch + read
+def settle(clock: CycleClock, flight: Flight) -> None:
+    """Wait for ``flight``'s result. Before a change of size ``auto`` waits
+    so: the next cycle's launch, queued ahead of the read, would otherwise
+    hide in this one's wait (a block before a plain step's slower,
+    uncompiled launch looked cheaper by that launch)."""
+    clock.wait(flight.result)
 
 
 def _cycles(
@@ -180,10 +165,8 @@ def _cycles(
 
     def launch(bs: int, last, length, bound: int, exact: bool) -> tuple[Flight, mx.array | None]:
         """The cycle queued, and with a group, the ranks' flag to stop after it."""
-        tic = time.perf_counter()
         with mx.stream(generation_stream):
-            flight = cycle.launch(bs, last, length, bound, exact)
-            flight.launch_seconds = time.perf_counter() - tic
+            flight = clock.launch(lambda: cycle.launch(bs, last, length, bound, exact))
             return flight, None if agreed is None else agreed.flag()
 
     def choose() -> int:
@@ -198,36 +181,35 @@ def _cycles(
         first_scores = cycle.first_logprobs(last_logits, last)
     first = last.item()
     first_scores = _scores(*first_scores, 1)
+    clock = CycleClock()
     n = 1
     if first in eos or max_tokens == 1:
         yield Step([first], None, 1, "stop" if first in eos else "length", *first_scores)
         return
     cycle.start_lookup(ids + [first])
     flight, flag = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
-    yield Step([first], None, 1, None, *first_scores)
+    with clock.caller():
+        yield Step([first], None, 1, None, *first_scores)
     cache.check_owner(owner)
     last_host = first
     while True:
         # Queue the next cycle before reading this one. Blocks are not cut
         # near the end (another graph to build): what passes max_tokens is dropped.
         following = None
-        waited = 0.0
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size
             bs = choose()
             exact = flight.block_size == 1
             if cache.may_queue(bound, bs):  # not across the start of KV quantization
                 if chooser is not None and bs != flight.block_size:
-                    waited = settle(flight)
+                    settle(clock, flight)
                     if bs == 1:  # the length is known now: a plain step reads it as mlx-lm's does
                         bound, exact = len(cache.tokens) + flight.result[0].item() + 1, True
                 following = launch(bs, flight.last, flight.length, bound, exact=exact)
-        tic = time.perf_counter()
-        if flag is not None:
-            mx.eval(flight.result, flag)
+        clock.wait(flight.result, *([] if flag is None else [flag]))
         values = flight.result.tolist()
+        took = clock.cost(flight)
         if chooser is not None:
-            took = cost_in_run(flight.launch_seconds, waited, time.perf_counter() - tic)
             chooser.record(
                 flight.block_size,
                 values[0],
@@ -253,9 +235,16 @@ def _cycles(
             return  # on every rank alike; the cycle queued after it is dropped
         finish = "stop" if stop is not None else ("length" if n >= max_tokens else None)
         scores = _scores(flight.logprobs, flight.top_ids, len(new))
-        yield Step(
-            new, min(accepted, len(new) - 1), flight.block_size, finish, *scores, lookup_hit=bool(hit), rows=flight.rows
-        )
+        with clock.caller():
+            yield Step(
+                new,
+                min(accepted, len(new) - 1),
+                flight.block_size,
+                finish,
+                *scores,
+                lookup_hit=bool(hit),
+                rows=flight.rows,
+            )
         if finish is not None:
             return
         cache.check_owner(owner)
