@@ -1,9 +1,9 @@
 """Draft trees (draft/tree.py, kv/tree.py): the tree is the best-first
-prefixes over the drafter's candidates with its first choices kept; a tree's
-verify gives every node the logits of a plain run over its path, on every
-family that takes trees; decoding with trees is the target's own, greedy
-token for token and seeded samples the plain sampler's, at every budget and
-auto, with lookup, across prompt-cache turns and stopped generators."""
+prefixes over the drafter's candidates; a tree's verify gives every node
+the logits of a plain run over its path, on every family that takes trees;
+decoding with trees is the target's own, greedy token for token and seeded
+samples the plain sampler's, at every budget and auto, with lookup, across
+prompt-cache turns and stopped generators."""
 
 import itertools
 import math
@@ -57,7 +57,7 @@ def paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def test_a_tree_keeps_the_first_choices_then_the_most_probable_prefixes():
+def test_a_tree_keeps_the_most_probable_prefixes():
     rng = random.Random(0)
     for trial in range(40):
         depth, vocab, k = rng.randrange(1, 5), rng.randrange(3, 9), rng.randrange(1, 4)
@@ -73,12 +73,10 @@ def test_a_tree_keeps_the_first_choices_then_the_most_probable_prefixes():
             got = paths(tokens.tolist(), parents)
             assert len(set(got)) == rows  # no prefix twice
             assert layout.depths.tolist() == [len(p) for p in got]
-            # every prefix over each depth's top k, by log-probability; the first choices first
+            # every prefix over each depth's top k, by log-probability
             every = [p for d in range(1, depth + 1) for p in itertools.product(*ranked[:d])]
-            first = [tuple(r[0] for r in ranked[:d]) for d in range(1, depth + 1)]
             score = {p: sum(logp[i][t] for i, t in enumerate(p)) for p in every}
-            rest = sorted((p for p in every if p not in first), key=lambda p: -score[p])
-            want = {(), *first[: rows - 1], *rest[: max(0, rows - 1 - depth)]}
+            want = {(), *sorted(every, key=lambda p: -score[p])[: rows - 1]}
             assert set(got) == want, (trial, budget)
             assert rows == min(budget, 1 + len(every))
 
@@ -256,8 +254,8 @@ def test_trees_commit_more_per_cycle_than_blocks_where_second_guesses_are_right(
         got, responses = decoded(model, draft, prompt, max_tokens=48, block_size=8, tree_budget=budget)
         assert got == want, budget
         per_cycle[budget] = responses[-1].acceptance_length
-    assert per_cycle[8] == per_cycle[None]  # a tree of a block's rows verifies the block
-    assert per_cycle[24] > 1.3 * per_cycle[None]
+    assert per_cycle[8] > 1.3 * per_cycle[None]  # as many rows as the block, spent on second guesses
+    assert per_cycle[24] > per_cycle[8]
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(0.8, 1.0, 0), (1.0, 0.9, 5)])

@@ -165,12 +165,11 @@ class Cycle:
         return plan
 
     def _plan(self, size: int) -> Plan:
-        """A tree where it has more rows than the tree's block (one of fewer
-        keeps the block's first choices: a block) while the caches take trees
-        (not once they are quantized); else a block of the size (at most the
-        tree's block: a tree's size may exceed it)."""
+        """A tree of ``size`` rows over the tree's block while the caches take
+        trees (not once they are quantized); else a block of the size (at
+        most the tree's block: a tree's size may exceed it)."""
         tree = self.tree
-        if tree is not None and size > tree.block_size and self.target.takes_trees(self.caches.target):
+        if tree is not None and size > 2 and self.target.takes_trees(self.caches.target):
             return Plan(tree.block_size, tree.rows(size), tree=True)
         block = size if tree is None else min(size, tree.block_size)
         return Plan(block, block)

@@ -10,10 +10,10 @@ tree. It is built on the device, level by level: the best ``budget - 1``
 prefixes of each depth extend only the best of the depth before, three
 kernels a depth (the candidates' table, its order, the kept slots).
 
-Two branches rank above every drafted prefix: a looked-up continuation
-(draft/lookup.py) first, then the drafter's first choice at every depth (the
-block a chain verifies). So a tree of a block's rows verifies that block, and
-a larger one accepts at least what the block would.
+A looked-up continuation (draft/lookup.py) ranks above every drafted prefix.
+The drafter's first choices get no such place: kept by their probability
+alone, a tree accepts more on the whole than one that keeps the block they
+make (benchmarks/tree_oracle.py), though not at every cycle.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import mlx.core as mx
 from ..device import constant_arange
 from ..kv.tree import TreeLayout, from_parents
 
-# Ranks above every drafted prefix's score (those are <= 0): the root, the
-# looked-up chain, then the drafter's first choices (the block a chain would verify).
-ROOT, LOOKED_UP, FIRST_CHOICES = 3.0, 2.0, 1.0
+# Ranks above every drafted prefix's score (those are <= 0): the root, then the looked-up chain.
+ROOT, LOOKED_UP = 3.0, 2.0
 # A prefix's rank falls this much a level, so that a child never ties its
 # parent (a drafted token of probability 1 adds 0).
 DEPTH_PENALTY = 1e-3
@@ -80,25 +79,17 @@ def build_tree(
         ids = mx.where(constant_arange(k + 1) == 0, looked_up[:, None].astype(drafted.dtype), drafted)
         offset, columns = 0, k + 1
     values = mx.take_along_axis(logits, ids[:, offset:], axis=-1) - lse  # [D, columns]: log-probabilities
-    best = mx.argmax(values[:, columns - k :], axis=-1)[:, None, None]  # [D, 1, 1]: the first choice's column
-    if looked_up is not None:
-        best = best + 1
     const = _constants(width, columns, depth_count)
 
-    # Slots are kept in rank order, so the chains hold the first ones: the
-    # looked-up chain slot 0 where it was found, the first choices the next
-    # (the root, at depth 0, is both). Each depth's candidates cost their
-    # negated rank plus DEPTH_PENALTY a level (argsort's order, and across
-    # depths a child never ties its parent); the chains' ranks are fixed.
+    # Slots are kept in rank order, so a looked-up chain, where found, holds
+    # slot 0 (as the root does at depth 0). Each depth's candidates cost
+    # their negated rank plus DEPTH_PENALTY a level (argsort's order, and
+    # across depths a child never ties its parent); the chain's is fixed.
     step = values[:, None, :]  # [D, 1, columns]: what each candidate adds to its slot's path
-    if looked_up is None:
-        chained = (const.slot == 0) & (const.column == best)
-        special = mx.where(chained, const.first_cost, mx.inf)
-    else:
+    special = None
+    if looked_up is not None:
         looking = (const.slot == 0) & (const.column == 0) & hit  # [1, width, columns]
-        first = mx.where(const.deeper & hit, 1, 0)  # the first choices' slot: 1 below a found chain, the root's 0
-        chained = (const.slot == first) & (const.column == best)
-        special = mx.where(chained, const.first_cost, mx.where(looking, const.looked_cost, mx.inf))
+        special = mx.where(looking, const.looked_cost, mx.inf)
         step = mx.where((const.column == 0) & ~looking, -mx.inf, step)  # no looked-up child off its chain
     lowered = const.penalty - step  # a candidate's cost but its slot's score
 
@@ -108,7 +99,7 @@ def build_tree(
     for d in range(depth_count):
         at = slice(d, d + 1)  # (an int index is a gather)
         score = kept[1:2].T
-        cost = mx.minimum(lowered[at] - score, special[at])
+        cost = lowered[at] - score if special is None else mx.minimum(lowered[at] - score, special[at])
         table = mx.where(const.is_cost, cost, mx.where(const.is_score, score + step[at], const.candidate))
         table = table.reshape(3, -1)
         order = mx.argsort(table[:1])[:, :width].reshape(-1)
@@ -151,10 +142,8 @@ class _Constants:
 
     slot: mx.array  # [1, width, 1]
     column: mx.array  # [1, 1, columns]
-    deeper: mx.array  # [D, 1, 1]: a depth past the first
     penalty: mx.array  # [D, 1, 1]: DEPTH_PENALTY a level
-    first_cost: mx.array  # [D, 1, 1]: the first choices' costs
-    looked_cost: mx.array  # ... and the looked-up chain's
+    looked_cost: mx.array  # [D, 1, 1]: the looked-up chain's costs
     candidate: mx.array  # [width, columns] float32: each candidate's index
     is_cost: mx.array  # [3, 1, 1]: a table's rows
     is_score: mx.array
@@ -178,9 +167,7 @@ def _constants(width: int, columns: int, depth_count: int) -> _Constants:
         made = _Constants(
             slot=mx.arange(width)[None, :, None],
             column=mx.arange(columns)[None, None],
-            deeper=depth > 0,
             penalty=penalty,
-            first_cost=penalty - FIRST_CHOICES,
             looked_cost=penalty - LOOKED_UP,
             candidate=mx.arange(width * columns, dtype=mx.float32).reshape(width, columns),
             is_cost=row == 0,
