@@ -217,7 +217,7 @@ def stream_generate(
     auto = args.block_size == "auto" if tree is None else tree_budget == "auto"
     if tree is not None:
         hi = tree.block_size  # the deepest node is a block deep
-        block = block_memory.chooser(target, draft, *tree_range(tree.block_size)) if auto else tree_budget
+        block = block_memory.chooser(target, draft, *tree_range(tree.block_size), trees=True) if auto else tree_budget
     else:
         block = block_memory.chooser(target, draft, *auto_range(target, draft)) if auto else args.block_size
     if auto and getattr(target, "group", None) is not None:  # every rank runs rank 0's choice

@@ -183,6 +183,7 @@ def test_keys_tell_pairs_ranges_and_weights_apart(agreeing_pair):
     key = block_memory.fingerprint(target, draft, 4, 16)
     assert key == block_memory.fingerprint(target, draft, 4, 16)
     assert key != block_memory.fingerprint(target, draft, 2, 5)
+    assert key != block_memory.fingerprint(target, draft, 4, 16, trees=True)  # rows, not blocks
     dcfg = draft_config(target_config("qwen3", vocab=24, layers=5), layers=2, block_size=16, taps=[0, 3])
     other = make_draft(dcfg, random_draft_weights(dcfg, seed=23))  # same shapes, other weights
     assert key != block_memory.fingerprint(target, other, 4, 16)

@@ -44,11 +44,17 @@ class BlockChooser:
     MAX_REPLY_GAP = 15  # the most replies started plainly between two drafting tries
     CLEAR_LOSS = 0.9  # a reply's drafting run below this share of plain steps' rate failed
     STEP = 4
+    OWN_PRIOR = 2.0  # cycles' weight of the counts' estimate in a tree size's expected tokens
 
-    def __init__(self, lo: int, hi: int, explore: int = 32):
+    def __init__(self, lo: int, hi: int, explore: int = 32, trees: bool = False):
         if not 2 <= lo <= hi:
             raise ValueError(f"block sizes must satisfy 2 <= lo <= hi, got {lo}..{hi}.")
         self.lo, self.hi, self.explore = lo, hi, explore
+        # Sizes are draft trees' rows: a tree's depth-by-depth acceptance
+        # grows with its rows, so counts pooled over sizes misjudge each;
+        # each size's own committed tokens (faded) weigh in.
+        self.trees = trees
+        self.own: dict[int, tuple[float, float]] = {}  # size -> (faded cycles, faded tokens)
         self.sizes = sorted({lo, hi, *range(-(-lo // self.STEP) * self.STEP, hi, self.STEP)}, reverse=True)
         self.reached = [0] * hi  # [i]: cycles that proposed draft i with drafts 1..i-1 accepted
         self.hit = [0] * hi  # [i]: ... of which draft i was accepted too
@@ -165,6 +171,9 @@ class BlockChooser:
             self.reply_plain += 1
         else:
             self.reply_drafting += 1
+            if self.trees:
+                cycles, tokens = self.own.get(block, (0.0, 0.0))
+                self.own[block] = (cycles * keep + 1, tokens * keep + accepted + 1)
             self.drafted += 1
             self.reached = [r * keep for r in self.reached]
             self.hit = [h * keep for h in self.hit]
@@ -193,7 +202,22 @@ class BlockChooser:
         self._stats.pop(block, None)
 
     def expected_tokens(self, block: int) -> float:
-        return self._expected()[block - 1]
+        counted = self._expected()[block - 1]
+        if not self.own:
+            return counted
+        cycles, tokens = self.own.get(block, (0.0, 0.0))
+        return (tokens + self.OWN_PRIOR * counted * self._own_gain(block)) / (cycles + self.OWN_PRIOR)
+
+    def _own_gain(self, block: int) -> float:
+        """What tree sizes near ``block`` committed over the counts' estimate
+        for them: linear between the nearest sizes with tokens of their own."""
+        gains = sorted((b, tokens / cycles / self._expected()[b - 1]) for b, (cycles, tokens) in self.own.items())
+        below = [g for g in gains if g[0] <= block]
+        above = [g for g in gains if g[0] >= block]
+        if not below or not above:
+            return (below or above)[-1 if below else 0][1]
+        (b0, g0), (b1, g1) = below[-1], above[0]
+        return g0 if b1 == b0 else g0 + (g1 - g0) * (block - b0) / (b1 - b0)
 
     def _expected(self) -> list[float]:
         if "expected" not in self._memo:
@@ -401,18 +425,18 @@ class BlockChooser:
 _choosers: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def chooser_for(draft, lo: int, hi: int) -> BlockChooser:
-    """The chooser kept for ``draft`` and this range, so one call learns from
-    the last; forgotten with the drafter or by ``forget``."""
+def chooser_for(draft, lo: int, hi: int, trees: bool = False) -> BlockChooser:
+    """The chooser kept for ``draft`` and this range of block sizes (or tree
+    rows), so one call learns from the last; forgotten with the drafter or by ``forget``."""
     key = id(draft)
     entry = _choosers.get(key)
     if entry is None or entry[0]() is not draft:
         entry = (weakref.ref(draft, lambda _, key=key: _choosers.pop(key, None)), {})
         _choosers[key] = entry
     kept = entry[1]
-    if (lo, hi) not in kept:
-        kept[(lo, hi)] = BlockChooser(lo, hi)
-    return kept[(lo, hi)]
+    if (lo, hi, trees) not in kept:
+        kept[(lo, hi, trees)] = BlockChooser(lo, hi, trees=trees)
+    return kept[(lo, hi, trees)]
 
 
 def forget(draft) -> None:

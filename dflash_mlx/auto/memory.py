@@ -23,11 +23,11 @@ PRIOR_CYCLES = 64  # the most cycles of acceptance a remembered chooser starts w
 VERSION = 1  # of the file's layout; another one is ignored
 
 
-def chooser(target, draft, lo: int, hi: int) -> BlockChooser:
+def chooser(target, draft, lo: int, hi: int, trees: bool = False) -> BlockChooser:
     """The process's chooser, started from an earlier process's when new."""
-    found = chooser_for(draft, lo, hi)
+    found = chooser_for(draft, lo, hi, trees)
     if found.memory_path is None and remembers():
-        found.memory_path = home() / "auto" / f"{fingerprint(target, draft, lo, hi)}.json"
+        found.memory_path = home() / "auto" / f"{fingerprint(target, draft, lo, hi, trees)}.json"
         if found.cycles == 0:
             state = _read(found.memory_path)
             if state is not None:
@@ -44,7 +44,7 @@ def remembered(steps: Iterator, chooser: BlockChooser) -> Iterator:
             _write(chooser.memory_path, chooser.state())
 
 
-def fingerprint(target, draft, lo: int, hi: int) -> str:
+def fingerprint(target, draft, lo: int, hi: int, trees: bool = False) -> str:
     device = mx.default_device()
     name = device_name()
     parts = {
@@ -55,6 +55,8 @@ def fingerprint(target, draft, lo: int, hi: int) -> str:
         "machine": [mx.__version__, str(device), name, platform.machine(), fast_blas.active()],
         "dtype": str(compute_dtype.computing(target.model)),
     }
+    if trees:  # a tree chooser's sizes are rows (blocks' files keep their names)
+        parts["trees"] = True
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
