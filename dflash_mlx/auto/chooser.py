@@ -211,7 +211,10 @@ class BlockChooser:
     def _own_gain(self, block: int) -> float:
         """What tree sizes near ``block`` committed over the counts' estimate
         for them: linear between the nearest sizes with tokens of their own."""
-        gains = sorted((b, tokens / cycles / self._expected()[b - 1]) for b, (cycles, tokens) in self.own.items())
+        if "gains" not in self._memo:
+            expected = self._expected()
+            self._memo["gains"] = sorted((b, t / n / expected[b - 1]) for b, (n, t) in self.own.items())
+        gains = self._memo["gains"]
         below = [g for g in gains if g[0] <= block]
         above = [g for g in gains if g[0] >= block]
         if not below or not above:
