@@ -238,6 +238,7 @@ def test_a_ctrl_c_while_the_prefill_bar_starts_leaves_it_whole(monkeypatch):
     raised halfway, the console's stacks broke and the bar's stop failed."""
     import os
     import signal
+    import threading
 
     from rich.console import Console
 
@@ -248,11 +249,18 @@ def test_a_ctrl_c_while_the_prefill_bar_starts_leaves_it_whole(monkeypatch):
         return push(self, hook)
 
     monkeypatch.setattr(Console, "push_render_hook", press_then_push)
-    bar = PrefillProgress()
-    with pytest.raises(KeyboardInterrupt):
-        bar(4, 12)
-    bar.close()
-    assert bar.bar is None
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait)  # as chat's prefix writer: the signal may reach it
+    other.start()
+    try:
+        bar = PrefillProgress()
+        with pytest.raises(KeyboardInterrupt):
+            bar(4, 12)
+        bar.close()
+        assert bar.bar is None
+    finally:
+        idle.set()
+        other.join()
 
 
 def test_generate_verbose_shows_the_prompt(pair):

@@ -42,16 +42,25 @@ def hub_progress_class(progress: Progress) -> type:
 
 @contextmanager
 def interrupts_deferred():
-    """Ctrl-C held back until the block ends: a rich live display stopped
-    halfway through starting or stopping leaves its console's stacks broken."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+    """Ctrl-C held back until the block ends, then handled as it would have
+    been: a rich live display stopped halfway through starting or stopping
+    leaves its console's stacks broken. (Python runs signal handlers on the
+    main thread, whichever thread the signal reached, so the handler is swapped.)"""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.getsignal(signal.SIGINT)
+    if not callable(old):
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda *args: pressed.append(args))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGINT, old)
+        if pressed:
+            old(*pressed[0])
 
 
 class PrefillProgress:
