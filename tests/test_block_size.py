@@ -382,6 +382,17 @@ def test_a_tree_chooser_finds_the_rows_that_pay():
         assert made / spent > 0.88 * best, (seed, made / spent / best)
 
 
+def test_one_unlucky_cycle_does_not_rule_a_tree_size_out():
+    c = BlockChooser(4, 32, trees=True)
+    for _ in range(60):
+        c.record(16, 9, 0.02)
+        c.record(4, 2, 0.012)
+    c.record(32, 0, 0.03)  # its only cycle committed one token
+    assert c.expected_tokens(32) > 5  # the line through every size's tokens weighs in
+    assert c.expected_tokens(16) == pytest.approx(10, abs=0.3)
+    assert c.expected_tokens(1) == 1.0  # a plain step commits one token, trees or not
+
+
 def test_expected_tokens_follow_the_counts():
     c = BlockChooser(2, 4)
     assert c.expected_tokens(1) == 1.0

@@ -44,15 +44,16 @@ class BlockChooser:
     MAX_REPLY_GAP = 15  # the most replies started plainly between two drafting tries
     CLEAR_LOSS = 0.9  # a reply's drafting run below this share of plain steps' rate failed
     STEP = 4
-    OWN_PRIOR = 2.0  # cycles' weight of the counts' estimate in a tree size's expected tokens
+    OWN_PRIOR = 2.0  # cycles' weight of the line through all tree sizes in one size's expected tokens
 
     def __init__(self, lo: int, hi: int, explore: int = 32, trees: bool = False):
         if not 2 <= lo <= hi:
             raise ValueError(f"block sizes must satisfy 2 <= lo <= hi, got {lo}..{hi}.")
         self.lo, self.hi, self.explore = lo, hi, explore
         # Sizes are draft trees' rows: a tree's depth-by-depth acceptance
-        # grows with its rows, so counts pooled over sizes misjudge each;
-        # each size's own committed tokens (faded) weigh in.
+        # grows with its rows, so counts pooled over sizes misjudge each. A
+        # size is judged by its own committed tokens (faded) and a line
+        # through every size's.
         self.trees = trees
         self.own: dict[int, tuple[float, float]] = {}  # size -> (faded cycles, faded tokens)
         self.sizes = sorted({lo, hi, *range(-(-lo // self.STEP) * self.STEP, hi, self.STEP)}, reverse=True)
@@ -203,24 +204,24 @@ class BlockChooser:
 
     def expected_tokens(self, block: int) -> float:
         counted = self._expected()[block - 1]
-        if not self.own:
+        if block == 1 or not self.own:
             return counted
         cycles, tokens = self.own.get(block, (0.0, 0.0))
-        return (tokens + self.OWN_PRIOR * counted * self._own_gain(block)) / (cycles + self.OWN_PRIOR)
+        return (tokens + self.OWN_PRIOR * self._fitted(block)) / (cycles + self.OWN_PRIOR)
 
-    def _own_gain(self, block: int) -> float:
-        """What tree sizes near ``block`` committed over the counts' estimate
-        for them: linear between the nearest sizes with tokens of their own."""
-        if "gains" not in self._memo:
-            expected = self._expected()
-            self._memo["gains"] = sorted((b, t / n / expected[b - 1]) for b, (n, t) in self.own.items())
-        gains = self._memo["gains"]
-        below = [g for g in gains if g[0] <= block]
-        above = [g for g in gains if g[0] >= block]
-        if not below or not above:
-            return (below or above)[-1 if below else 0][1]
-        (b0, g0), (b1, g1) = below[-1], above[0]
-        return g0 if b1 == b0 else g0 + (g1 - g0) * (block - b0) / (b1 - b0)
+    def _fitted(self, block: int) -> float:
+        """Tokens a cycle of ``block`` rows on the line a + b ln(rows) through
+        what the tree sizes committed, each weighed by its (faded) cycles."""
+        if "fit" not in self._memo:
+            points = [(math.log(b), t / n, n) for b, (n, t) in self.own.items()]
+            w = sum(n for *_, n in points)
+            mx_ = sum(n * x for x, _, n in points) / w
+            my = sum(n * y for _, y, n in points) / w
+            var = sum(n * (x - mx_) ** 2 for x, _, n in points)
+            slope = sum(n * (x - mx_) * (y - my) for x, y, n in points) / var if var else 0.0
+            self._memo["fit"] = (my - slope * mx_, slope)
+        a, slope = self._memo["fit"]
+        return min(max(a + slope * math.log(block), 1.0), float(block))
 
     def _expected(self) -> list[float]:
         if "expected" not in self._memo:
