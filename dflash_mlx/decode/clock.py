@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import mlx.core as mx
 
 from .cycle import Flight
+
+T = TypeVar("T")
 
 
 class CycleClock:
@@ -35,14 +38,19 @@ class CycleClock:
         return flight
 
     def wait(self, *arrays: mx.array) -> None:
-        """Wait for ``arrays``; the first wait since the last read found the
-        cycle being read finished when it ended."""
+        """Wait for ``arrays``."""
+        self.wait_for(lambda: mx.eval(*arrays))
+
+    def wait_for(self, read: Callable[[], T]) -> T:
+        """``read()``, which waits for the device; the first wait since the
+        last read found the cycle being read finished when it ended."""
         tic = time.perf_counter()
-        mx.eval(*arrays)
+        out = read()
         now = time.perf_counter()
         self.waiting += now - tic
         if self.done_at is None:
             self.done_at = now
+        return out
 
     @contextmanager
     def caller(self):

@@ -170,7 +170,12 @@ def _cycles(
             return flight, None if agreed is None else agreed.flag()
 
     def choose() -> int:
-        return chooser.choose(cycle.would_build) if chooser is not None else block
+        if chooser is None:
+            return block
+        if agreed is None:
+            return chooser.choose(cycle.would_build)
+        # across ranks rank 0's choice comes through an exchange queued behind the cycle in flight
+        return clock.wait_for(lambda: chooser.choose(cycle.would_build))
 
     if chooser is not None:
         chooser.new_reply(len(ids))
