@@ -15,9 +15,10 @@ measures them. Halves: the calibrated ways are fitted on the even prompts and
 scored on the odd ones (and the other way round), never on what they score.
 
 - block: the drafter's first choices only (a chain, ``block`` rows);
-- library: draft/tree.py's build_tree (the first choices' chain, then the
-  most probable prefixes over each depth's top candidates);
-- probable: the most probable prefixes alone (DDTree's rule, no chain);
+- chain first: the first choices' chain, then the most probable prefixes
+  (draft/tree.py's rule before it kept the most probable alone);
+- library: draft/tree.py's build_tree as it stands;
+- probable: the most probable prefixes alone (DDTree's rule);
 - calibrated: the most probable prefixes where a candidate's probability is
   what candidates of its rank at its depth turned out to be worth, apart
   for paths on the first choices' chain and off it (fitted on the other half).
@@ -48,22 +49,26 @@ def walk(nodes: dict[tuple[int, int], int], future: np.ndarray) -> int:
     return depth
 
 
-def best_first(worth: np.ndarray, ids: np.ndarray, budget: int) -> dict[tuple[int, int], int]:
+def best_first(worth: np.ndarray, ids: np.ndarray, budget: int, chain_first: bool = False) -> dict:
     """The ``budget - 1`` prefixes of highest summed worth, the root's children
-    up; ``worth`` [D, K, 2]: a candidate's log-worth, on the first choices'
-    chain (0) and off it (1); ``ids`` [D, K] the candidates, the first choice first."""
+    up (after the first choices' chain where ``chain_first``), as (parent,
+    token) -> node; ``worth`` [D, K, 2]: a candidate's log-worth, on the first
+    choices' chain (0) and off it (1); ``ids`` [D, K] the candidates, the first choice first."""
     depth_count, k = ids.shape
     nodes: dict[tuple[int, int], int] = {}
-    heap = [(-worth[0, j, 0], 0, 0, j, j == 0) for j in range(k)]  # (-score, depth, parent node, column, on chain)
+    # (chain first, -score, depth, parent node, column, on chain)
+    heap = [(-(chain_first and j == 0), -worth[0, j, 0], 0, 0, j, j == 0) for j in range(k)]
     heapq.heapify(heap)
     while heap and len(nodes) < budget - 1:
-        score, d, parent, j, chain = heapq.heappop(heap)
+        _, score, d, parent, j, chain = heapq.heappop(heap)
         node = len(nodes) + 1
         nodes[(parent, int(ids[d, j]))] = node
         if d + 1 < depth_count:
             for c in range(k):
                 on = chain and c == 0
-                heapq.heappush(heap, (score - worth[d + 1, c, 0 if on else 1], d + 1, node, c, on))
+                heapq.heappush(
+                    heap, (-(chain_first and on), score - worth[d + 1, c, 0 if on else 1], d + 1, node, c, on)
+                )
     return nodes
 
 
@@ -147,10 +152,14 @@ def main():
         def probable(ids, lp, full, i):
             return best_first(np.repeat(lp[..., None], 2, axis=-1), ids, budget)
 
+        def chain_first(ids, lp, full, i):
+            return best_first(np.repeat(lp[..., None], 2, axis=-1), ids, budget, chain_first=True)
+
         def calibrated(ids, lp, full, i):
             return best_first(fitted[i % 2], ids, budget)
 
         return {
+            "chain first": chain_first,
             "library": lambda ids, lp, full, i: library_tree(full, budget, args.top_k),
             "probable": probable,
             "calibrated": calibrated,
