@@ -29,6 +29,18 @@ def median(values) -> float:
     return ordered[len(ordered) // 2]
 
 
+def weighted_line(points: list[tuple[float, float, float]]) -> tuple[float, float, float, float]:
+    """The least-squares line through ``points`` (x, y, weight): (the mean x,
+    the mean y, the weighted spread of x about its mean, the slope; 0 where
+    every x is alike)."""
+    total = sum(w for *_, w in points)
+    mean_x = sum(w * x for x, _, w in points) / total
+    mean_y = sum(w * y for _, y, w in points) / total
+    spread = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / spread if spread else 0.0
+    return mean_x, mean_y, spread, slope
+
+
 class BlockChooser:
     MEMORY = 32  # drafting cycles over which acceptance counts fade by 1/e
     RECENT = 256  # cycles whose times the cost fit uses
@@ -213,13 +225,8 @@ class BlockChooser:
         """Tokens a cycle of ``block`` rows on the line a + b ln(rows) through
         what the tree sizes committed, each weighed by its (faded) cycles."""
         if "fit" not in self._memo:
-            points = [(math.log(b), t / n, n) for b, (n, t) in self.own.items()]
-            w = sum(n for *_, n in points)
-            mx_ = sum(n * x for x, _, n in points) / w
-            my = sum(n * y for _, y, n in points) / w
-            var = sum(n * (x - mx_) ** 2 for x, _, n in points)
-            slope = sum(n * (x - mx_) * (y - my) for x, y, n in points) / var if var else 0.0
-            self._memo["fit"] = (my - slope * mx_, slope)
+            mean_x, mean_y, _, slope = weighted_line([(math.log(b), t / n, n) for b, (n, t) in self.own.items()])
+            self._memo["fit"] = (mean_y - slope * mean_x, slope)
         a, slope = self._memo["fit"]
         return min(max(a + slope * math.log(block), 1.0), float(block))
 
@@ -276,11 +283,7 @@ class BlockChooser:
             return pts[0][1], 0.0
         # each size weighed by its times: a size probed once does not move
         # the line as much as one timed every cycle
-        n = sum(w for *_, w in pts)
-        mb = sum(w * b for b, _, _, w in pts) / n
-        mt = sum(w * t for _, t, _, w in pts) / n
-        var = sum(w * (b - mb) ** 2 for b, _, _, w in pts)
-        c = sum(w * (b - mb) * (t - mt) for b, t, _, w in pts) / var if var else 0.0
+        mb, mt, var, c = weighted_line([(b, t, w) for b, t, _, w in pts])
         error = math.sqrt(sum((w * (b - mb) * se) ** 2 for b, _, se, w in pts)) / var if var else 0.0
         c = max(0.0, c - self.SLOPE_DOUBT * error)
         a = max(mt - c * mb, 1e-9)
