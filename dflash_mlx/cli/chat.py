@@ -26,7 +26,7 @@ from dflash_mlx.prompts import apply_chat_template, encode
 
 from . import options
 from .cache_prompt import check_rank_files, open_cache, rank_file, read_cache_file
-from .console import UserError, console, refuse_across_ranks, speak_on_first_rank_only, user_errors
+from .console import UserError, console, refuse_across_ranks, sigint_handled, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
 from .pair import load_split, room_for_reply
 from .progress import PrefillProgress
@@ -140,21 +140,6 @@ def load_conversation(path: Path) -> dict:
     if tokens is not None and not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
         raise UserError(f"{path} has token ids that are not integers; {how}")
     return {"messages": messages, "tokens": tokens}
-
-
-@contextmanager
-def sigint_handled(handler):
-    """Ctrl-C goes to ``handler`` until the block ends (off the main thread,
-    where no handler can be set, it stays as it was)."""
-    try:
-        old = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 class Interrupts:

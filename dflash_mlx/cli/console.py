@@ -8,6 +8,7 @@ turns Typer's usage errors into the same sentence (``print_error``).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -95,6 +96,21 @@ def refuse_across_ranks(group, **given) -> None:
     for flag, value in given.items():
         if value is not None:
             raise UserError(f"{flag} cannot be used across ranks yet; leave it out under mlx.launch.")
+
+
+@contextmanager
+def sigint_handled(handler):
+    """Ctrl-C goes to ``handler`` until the block ends (off the main thread,
+    where no handler can be set, it stays as it was)."""
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @contextmanager

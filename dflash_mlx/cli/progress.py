@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import signal
-import threading
 from contextlib import contextmanager
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .console import err
+from .console import err, sigint_handled
 
 
 def hub_progress_class(progress: Progress) -> type:
@@ -44,21 +43,18 @@ def hub_progress_class(progress: Progress) -> type:
 def interrupts_deferred():
     """Ctrl-C held back until the block ends, then handled as it would have
     been: a rich live display stopped halfway through starting or stopping
-    leaves its console's stacks broken. (Python runs signal handlers on the
-    main thread, whichever thread the signal reached, so the handler is swapped.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    leaves its console's stacks broken. (The handler is swapped, not the
+    thread's signal mask: Python runs handlers on the main thread whichever
+    thread the signal reached.)"""
     old = signal.getsignal(signal.SIGINT)
     if not callable(old):
         yield
         return
     pressed = []
-    signal.signal(signal.SIGINT, lambda *args: pressed.append(args))
     try:
-        yield
+        with sigint_handled(lambda *args: pressed.append(args)):
+            yield
     finally:
-        signal.signal(signal.SIGINT, old)
         if pressed:
             old(*pressed[0])
 
