@@ -32,8 +32,8 @@ kernels' device time per case and per kernel name.
 - ``verify``: one verify of a target at a model's shapes (random weights)
   after a prompt of each length.
 - ``cycle``: one whole DFlash cycle as the loop queues it (``Cycle.launch``)
-  after a prompt of each length, our plain step (a block of 1, as ``auto``
-  runs it) and one plain mlx-lm step beside them.
+  after a prompt of each length, draft trees of ``--trees`` rows, our plain
+  step (a block of 1, as ``auto`` runs it) and one plain mlx-lm step beside them.
 """
 
 from __future__ import annotations
@@ -169,24 +169,33 @@ def verify_at(model, draft, P: int, block: int) -> None:
 
 
 def cycle_cases(
-    shape: str, prompts: list[int], block: int, quantize: int | None = None, draft_bits: int | None = None
+    shape: str,
+    prompts: list[int],
+    block: int,
+    quantize: int | None = None,
+    draft_bits: int | None = None,
+    trees: tuple[int, ...] = (),
 ) -> None:
-    """A DFlash cycle and, beside it, one plain mlx-lm decoding step
-    (``shape`` "builtin": the shipped pair, bf16; ``quantize``: the target's
-    bits; ``draft_bits``: the drafter's)."""
+    """A DFlash cycle, draft trees of each of ``trees`` rows and, beside
+    them, one plain mlx-lm decoding step (``shape`` "builtin": the shipped
+    pair, bf16; ``quantize``: the target's bits; ``draft_bits``: the drafter's)."""
     model, draft = random_pair(shape, quantize, draft_bits=draft_bits)
     for P in prompts:
         cycle_at(model, draft, P, block)
+        for rows in trees:
+            cycle_at(model, draft, P, rows, tree=True)
         cycle_at(model, draft, P, 1)
         plain_at(model, draft, P)
 
 
-def cycle_at(model, draft, P: int, block: int) -> None:
+def cycle_at(model, draft, P: int, block: int, tree: bool = False) -> None:
     from dflash_mlx.decode.cycle import Cycle
     from dflash_mlx.decode.sampling import SamplingParams
+    from dflash_mlx.draft.tree import TreeParams
 
     target, cache = prefilled(model, draft, synthetic_prompt(draft.config.vocab_size, P))
-    cycle = Cycle(target, draft, cache, SamplingParams(), 0)
+    trees = TreeParams(draft.config.block_size) if tree else None
+    cycle = Cycle(target, draft, cache, SamplingParams(), 0, tree=trees)
     last, length = mx.array([1], mx.int32), mx.array(P, mx.int32)
 
     def one_cycle():
@@ -195,7 +204,8 @@ def cycle_at(model, draft, P: int, block: int) -> None:
         flight = cycle.launch(block, last, length, P, exact=block == 1)
         return [flight.result, flight.last, flight.length, *cache.arrays()]
 
-    profiled(f"cycle block {block} after {P}" if block > 1 else f"our plain step after {P}", one_cycle)
+    name = f"cycle tree {block} rows" if tree else f"cycle block {block}" if block > 1 else "our plain step"
+    profiled(f"{name} after {P}", one_cycle)
 
 
 def plain_at(model, draft, P: int) -> None:
@@ -333,6 +343,7 @@ def main():
     ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--trees", default="", help="cycle: also draft trees of these comma-separated row counts")
     ap.add_argument(
         "--quantize", type=int, default=None, help="verify, cycle: the target's bits (mlx-lm affine, group 64)"
     )
@@ -359,7 +370,8 @@ def main():
         )
     elif args.what == "cycle":
         prompts = [int(p) for p in args.prompt_tokens.split(",")]
-        cycle_cases(args.shape, prompts, args.block, args.quantize, args.draft_bits)
+        trees = tuple(int(t) for t in args.trees.split(",") if t)
+        cycle_cases(args.shape, prompts, args.block, args.quantize, args.draft_bits, trees)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
 
