@@ -12,6 +12,7 @@ At each prompt length, random weights (the drafter accepts nothing, so a
 cycle commits one token: what ``auto`` must see and leave for plain steps),
 greedy, ``--max-tokens`` new tokens a reply, a warm-up round then the median
 of ``--repeat``: decode tok/s after the first token of mlx-lm's own decoding,
+of our own loop held at plain steps (what ``auto`` runs once it chose plain),
 of block 16 and of ``auto``, ``auto``'s share of plain decoding's rate, and
 what ``auto`` did in its last reply (plain steps, drafting cycles, why).
 ``auto``'s chooser is new at each length, as a new process's is: it starts
@@ -160,6 +161,22 @@ def dflash_tokens(model, draft, tokenizer, cache, prompt: list[int], n: int, blo
         yield k
 
 
+def our_plain_tokens(model, draft, cache, prompt: list[int], n: int):
+    """Our loop held at plain steps (a block of 1): what ``auto`` runs once it chose plain."""
+    from dflash_mlx.decode.loop import decode
+    from dflash_mlx.decode.sampling import SamplingParams
+    from dflash_mlx.targets import adapt
+
+    target = adapt(model)
+    draft.bind(target)
+    k = 0
+    for step in decode(
+        target, draft, cache, prompt, max_tokens=n, sampling=SamplingParams(), seed=0, block=1, eos=set()
+    ):
+        k += len(step.tokens)
+        yield k
+
+
 def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
     """Plain mlx-lm, block 16 and auto after a ``P``-token prompt (see the module docstring)."""
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
@@ -177,10 +194,11 @@ def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
     ours = make_prompt_cache(model, draft)
     forget(draft)
     block = min(16, draft.config.block_size)
-    rates: dict[str, list[float]] = {"plain": [], "block": [], "auto": []}
+    rates: dict[str, list[float]] = {"plain": [], "our plain": [], "block": [], "auto": []}
     for round_ in range(repeat + 1):  # the first round warms up
         got = {
             "plain": decode_tps(plain_tokens(model, lm, prompt, max_tokens)),
+            "our plain": decode_tps(our_plain_tokens(model, draft, ours, prompt, max_tokens)),
             "block": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, block)),
             "auto": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, "auto")),
         }
@@ -291,14 +309,15 @@ def main():
     if args.memory:
         return print_memory(model, draft, lengths, args.max_tokens, args.block)
     print(f"greedy, {args.max_tokens} new tokens a reply, median of {args.repeat} rounds after a warm-up one")
-    head = f"{'prompt':>8} {'plain tok/s':>12} {'block tok/s':>12} {'auto tok/s':>11} {'block/plain':>12} {'auto/plain':>11}"
+    head = f"{'prompt':>8} {'plain tok/s':>12} {'ours plain':>11} {'block tok/s':>12} {'auto tok/s':>11} "
+    head += f"{'block/plain':>12} {'auto/plain':>11}"
     print(head + "  auto's last reply")
     for P in lengths:
         r = side_by_side(model, draft, P, args.max_tokens, args.repeat)
         did = f"{r['auto_plain_steps']} plain steps, {r['auto_drafting_cycles']} drafting cycles; {r['auto_reason']}"
         did += f"; its times ms {r['auto_times_ms']}"
         print(
-            f"{P:>8} {r['plain']:>12.1f} {r['block']:>12.1f} {r['auto']:>11.1f} "
+            f"{P:>8} {r['plain']:>12.1f} {r['our plain']:>11.1f} {r['block']:>12.1f} {r['auto']:>11.1f} "
             f"{r['block'] / r['plain']:>11.2f}x {r['auto'] / r['plain']:>10.2f}x  {did}",
             flush=True,
         )

@@ -264,6 +264,8 @@ def main():
             round_rows.append(timed("official dflash", runs))
         if measured:
             rows.extend(round_rows)
+            for r in round_rows:  # as it goes, so that a run cut short keeps what it measured
+                print(f"round {rep}: {r['mode']} {r['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
 
     def median(mode, key):
         vals = sorted(r[key] for r in rows if r["mode"] == mode and key in r)
