@@ -662,7 +662,7 @@ def product_path(module: nn.Module, rows: int, dtype) -> str:
     if type(module) is nn.QuantizedLinear:
         variant = quantized.variant_of(module, dtype)
         n = module["weight"].shape[0]
-        serves = variant is not None and quantized.use_quantized_kernel(quantized.backend(), variant, n)
+        serves = variant is not None and quantized.use_quantized_kernel(quantized.backend(), variant, n, rows)
         return "quantized kernel" if serves else "MLX quantized"
     products = block_products()
     bias = module["bias"] if "bias" in module else None

@@ -527,10 +527,38 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
     module = dense(512, 64)
     linear.prepare_exact(module, mx.bfloat16)
     linear.prepare_exact(module, mx.bfloat16)  # measured once
-    assert len(timed) == 1
-    (made,) = decisions.current().all()
-    assert made.case.startswith("bfloat16 K=512") and made.case.endswith("N=64 rows=16") and made.faster == serves
+    assert len(timed) == 2  # at a block's rows and at a tree's
+    made = decisions.current().all()
+    assert [d.case.rsplit(" ", 2)[-2:] for d in made] == [["N=64", "rows=16"], ["N=64", "rows=32"]]
+    assert all(d.case.startswith("bfloat16 K=512") and d.faster == serves for d in made)
     kernel.rows.clear()
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x))  # exact either way
     assert bool(kernel.rows) == serves
+
+
+def test_a_kernel_serves_only_the_rows_at_which_it_measured_faster(fake_gpu, monkeypatch):
+    """Faster than MLX's product at a block's 16 rows, slower at a draft tree's
+    32: a verify of up to 16 rows takes the kernel, one of more MLX's product."""
+    from dflash_mlx.kernels import decisions
+
+    kernel = fake_gpu(FakeKernel())
+
+    def seconds_per_call(ours, theirs):
+        ours()
+        return (0.5e-3, 1e-3) if kernel.rows[-1] <= 16 else (2e-3, 1e-3)
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    module = dense(512, 64)
+    linear.prepare_exact(module, mx.bfloat16)
+    assert {d.case.rsplit(" ", 1)[-1]: d.faster for d in decisions.current().all()} == {
+        "rows=16": True,
+        "rows=32": False,
+    }
+    for rows, served in ((5, True), (16, True), (17, False), (32, False)):
+        kernel.rows.clear()
+        x = rows_of(rows, 512)
+        assert mx.array_equal(linear.apply_linear(module, x), module(x))
+        assert bool(kernel.rows) == served, rows

@@ -262,7 +262,7 @@ def test_a_kernel_that_does_not_build_is_named_and_not_used(fake_gpu, monkeypatc
     module = quantized_linear(512, 64)
     with pytest.warns(RuntimeWarning, match=r"RuntimeError: metal: error: use of undeclared identifier 'qv_load'"):
         linear.prepare_quantized(module, mx.bfloat16)
-    assert not qp.use_quantized_kernel("fake", qp.variant_of(module, mx.bfloat16), 64)
+    assert not qp.use_quantized_kernel("fake", qp.variant_of(module, mx.bfloat16), 64, 16)
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x))
 
@@ -481,7 +481,7 @@ def test_a_tied_quantized_heads_product_is_its_embeddings_and_takes_the_kernel(f
 @pytest.mark.parametrize("kernel_ms, serves", [(2.0, False), (0.5, True)])
 def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fake_gpu, measured, kernel_ms, serves):
     """Exact but slower (as CUDA's qmv order is at a verify's rows) keeps MLX's
-    product; each layer's shape is measured once, against MLX's 16 rows."""
+    product; each layer's shape is measured once, against MLX's 16 and 32 rows."""
     from dflash_mlx.kernels import decisions
 
     timed = measured(kernel_ms, 1.0)
@@ -489,9 +489,10 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
     module = quantized_linear(512, 64)
     linear.prepare_quantized(module, mx.bfloat16)
     linear.prepare_quantized(module, mx.bfloat16)  # measured once
-    assert len(timed) == 1
-    (made,) = decisions.current().all()
-    assert made.case == "bfloat16 affine 4-bit group 64 K=512 N=64 rows=16" and made.faster == serves
+    assert len(timed) == 2
+    made = decisions.current().all()
+    assert [d.case for d in made] == [f"bfloat16 affine 4-bit group 64 K=512 N=64 rows={r}" for r in (16, 32)]
+    assert all(d.faster == serves for d in made)
     kernel.rows.clear()
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(module, x), module(x)) or serves
@@ -514,7 +515,7 @@ def test_a_variant_that_checks_out_but_rounds_otherwise_at_a_layers_own_n_is_not
     linear.prepare_quantized(wide, mx.bfloat16)
     variant = qp.variant_of(wide, mx.bfloat16)
     assert qp._checks[("fake", variant)].ok
-    assert qp.use_quantized_kernel("fake", variant, 64) and not qp.use_quantized_kernel("fake", variant, 128)
+    assert qp.use_quantized_kernel("fake", variant, 64, 16) and not qp.use_quantized_kernel("fake", variant, 128, 16)
     kernel.rows.clear()
     x = rows_of(5, 512)
     assert mx.array_equal(linear.apply_linear(wide, x), wide(x)) and kernel.rows == []

@@ -213,10 +213,10 @@ def checked(where: str, variant: Variant) -> ExactCheck:
     return _variants.checked(where, variant, lambda: self_check(where, variant))
 
 
-def use_exact_kernel(where: str, variant: Variant, n: int) -> bool:
-    """Whether products of ``variant`` with ``n`` outputs take the kernel on
+def use_exact_kernel(where: str, variant: Variant, n: int, rows: int) -> bool:
+    """Whether ``rows`` rows of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and serves that shape here."""
-    return _variants.serves(where, variant, n)
+    return _variants.serves(where, variant, n, rows)
 
 
 def takes(module: nn.Module, x: mx.array, measuring: bool = False) -> bool:
@@ -237,7 +237,7 @@ def serves(module: nn.Module, rows: int, k: int, dtype, measuring: bool = False)
         return False
     if measuring:
         return passed(_checks, (where, variant))
-    return use_exact_kernel(where, variant, module.weight.shape[0])
+    return use_exact_kernel(where, variant, module.weight.shape[0], rows)
 
 
 # The multiply-add forms a backend's check tries, in order (exact_products_source: FORM):

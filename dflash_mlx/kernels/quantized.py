@@ -264,10 +264,10 @@ def checked(where: str, variant: Variant) -> QuantizedCheck:
     return _variants.checked(where, variant, lambda: self_check(where, variant))
 
 
-def use_quantized_kernel(where: str, variant: Variant, n: int) -> bool:
-    """Whether products of ``variant`` with ``n`` outputs take the kernel on
+def use_quantized_kernel(where: str, variant: Variant, n: int, rows: int) -> bool:
+    """Whether ``rows`` rows of ``variant`` with ``n`` outputs take the kernel on
     backend ``where``: where it passed its self-check and serves that shape here."""
-    return _variants.serves(where, variant, n)
+    return _variants.serves(where, variant, n, rows)
 
 
 # The dequantizations a backend's check tries, in order (quantized_source: FUSED).
@@ -286,7 +286,7 @@ def product(module: nn.Module, x: mx.array, measuring: bool = False) -> mx.array
     variant = variant_of(module, x.dtype)
     if variant is None or x.shape[-1] != variant.k:
         return None
-    if not (measuring or use_quantized_kernel(where, variant, module["weight"].shape[0])):
+    if not (measuring or use_quantized_kernel(where, variant, module["weight"].shape[0], x.size // x.shape[-1])):
         return None
     y = _kernels[where](
         x,

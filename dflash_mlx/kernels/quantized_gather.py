@@ -19,6 +19,7 @@ runs it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import mlx.core as mx
@@ -42,7 +43,7 @@ from .quantized import (
     weight_format,
 )
 from .quantized_source import GATHER_INPUTS
-from .serving import MEASURED_ROWS, CheckedVariants, checked_here
+from .serving import CheckedVariants, checked_here
 
 CHECK_EXPERTS = 5
 CHECK_TOP_K = 3  # experts a row in the self-check (some pairs share one, some rows repeat one)
@@ -109,7 +110,7 @@ def serves(module: nn.Module, rows: int, k: int, dtype) -> bool:
     if where not in BUILDERS:
         return False
     variant = variant_of(module, dtype)
-    return variant is not None and k == variant.k and _variants.serves(where, variant, module.output_dims)
+    return variant is not None and k == variant.k and _variants.serves(where, variant, module.output_dims, rows)
 
 
 def product(module: nn.Module, x: mx.array, lhs: mx.array, rhs: mx.array) -> mx.array:
@@ -215,12 +216,16 @@ def prepare(model: nn.Module, dtype) -> None:
 def _prepare_layer(where: str, variant: Variant, module: nn.Module, dtype) -> None:
     """The layer's own weight through the checked kernel at a verify's rows (each
     to up to 8 experts): exact here, then timed against MLX's product once a machine."""
-    lhs, rhs = verify_pairs(MEASURED_ROWS, module.num_experts, min(8, module.num_experts), variant.k)
+
+    @functools.cache
+    def pairs(rows: int) -> tuple[mx.array, mx.array]:
+        return verify_pairs(rows, module.num_experts, min(8, module.num_experts), variant.k)
+
     _variants.shapes.prepare(
         (where, variant, module.output_dims),
-        lambda x: mlx_verify(module, x, lhs, rhs),
-        lambda x: product(module, x, lhs, rhs),
-        lambda x: one_row_layer(module, variant, x, lhs, rhs),
+        lambda x: mlx_verify(module, x, *pairs(x.shape[0])),
+        lambda x: product(module, x, *pairs(x.shape[0])),
+        lambda x: one_row_layer(module, variant, x, *pairs(x.shape[0])),
         dtype,
     )
 

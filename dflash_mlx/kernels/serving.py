@@ -2,7 +2,8 @@
 once per variant (a failure warns once and keeps MLX's path), and a verify
 product serves a layer's shape only where its rows through that layer's own
 weight equal the one-row products bit for bit, and (but on Metal, where
-exactness comes first: decisions.serves_exact) it measured faster here."""
+exactness comes first: decisions.serves_exact) it measured faster here at
+the rows it serves."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import mlx.core as mx
 from . import decisions
 
 MEASURED_ROWS = 16  # a verify of a block of 16
+# A verify product is timed at a block's most rows and at a draft tree's: a
+# verify of r rows takes the decision of the first class of at least r rows.
+ROW_CLASSES = (MEASURED_ROWS, 32)
+
+
+def row_class(rows: int) -> int:
+    return next((r for r in ROW_CLASSES if rows <= r), ROW_CLASSES[-1])
 
 
 def check_once(checks: dict, key, check: Callable[[], object], warning: Callable[[object], str]):
@@ -59,9 +67,9 @@ class CheckedVariants:
             ),
         )
 
-    def serves(self, where: str, variant, n: int) -> bool:
-        """Whether the variant passed its check and serves layers of ``n`` outputs here."""
-        return passed(self.checks, (where, variant)) and self.shapes.serves((where, variant, n))
+    def serves(self, where: str, variant, n: int, rows: int = MEASURED_ROWS) -> bool:
+        """Whether the variant passed its check and serves ``rows`` rows through layers of ``n`` outputs here."""
+        return passed(self.checks, (where, variant)) and self.shapes.serves((where, variant, n), rows)
 
 
 class LayerShapes:
@@ -75,26 +83,29 @@ class LayerShapes:
     def clear(self) -> None:
         self.exact.clear()
 
-    def case(self, variant, n: int) -> str:
-        return f"{variant.case} N={n} rows={MEASURED_ROWS}"
+    def case(self, variant, n: int, rows: int) -> str:
+        return f"{variant.case} N={n} rows={rows}"
 
     def prepare(self, key: tuple, module, ours: Callable, one_row: Callable, dtype) -> None:
         """Check ``ours`` (the kernel through ``module``) against ``one_row`` at
-        the layer's own shape, then time it against MLX's product once a machine."""
+        the layer's own shape, then time it against MLX's product at each of
+        ROW_CLASSES once a machine."""
         variant, n = key[1], key[2]
         if key not in self.exact:
             x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
             got = ours(x)
             self.exact[key] = got is not None and bool(mx.array_equal(got, one_row(x)))
-        case = self.case(variant, n)
-        if self.exact[key] and decisions.current().needs(self.decision, case):
-            x = mx.random.normal((MEASURED_ROWS, variant.k)).astype(dtype)
-            decisions.current().decide(self.decision, case, lambda: ours(x), lambda: module(x))
+        for rows in ROW_CLASSES:
+            case = self.case(variant, n, rows)
+            if self.exact[key] and decisions.current().needs(self.decision, case):
+                x = mx.random.normal((rows, variant.k)).astype(dtype)
+                decisions.current().decide(self.decision, case, lambda x=x: ours(x), lambda x=x: module(x))
 
-    def serves(self, key: tuple) -> bool:
-        """Whether the shape checked out exact and serves here (decisions.serves_exact); never measures."""
+    def serves(self, key: tuple, rows: int = MEASURED_ROWS) -> bool:
+        """Whether the shape checked out exact and serves ``rows`` rows here
+        (decisions.serves_exact, at their row class); never measures."""
         return self.exact.get(key, False) and decisions.current().serves_exact(
-            self.decision, self.case(key[1], key[2]), key[0]
+            self.decision, self.case(key[1], key[2], row_class(rows)), key[0]
         )
 
 
