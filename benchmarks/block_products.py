@@ -83,10 +83,16 @@ def measure(make, repeat: int, runs: int) -> dict:
     return {"build_us": med(0), "launch_us": med(1), "total_us": med(2)}
 
 
-def timed_rows(sides: dict, args, repeat: int, **fields) -> list[dict]:
-    """A row per side and round (``args.repeat_rounds``): ``fields``, then the side's times."""
+def timed_rows(sides: dict, args, distinct: int, **fields) -> list[dict]:
+    """A row per side and round (``args.repeat_rounds``) over ``distinct``
+    weights: ``fields``, then the side's times."""
     return [
-        {**fields, "side": side, "round": rnd, **{k: round(v, 1) for k, v in measure(make, repeat, args.runs).items()}}
+        {
+            **fields,
+            "side": side,
+            "round": rnd,
+            **{k: round(v, 1) for k, v in measure(make, distinct, args.runs).items()},
+        }
         for rnd in range(args.repeat_rounds)
         for side, make in sides.items()
     ]
@@ -261,7 +267,7 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--rows", default="16,8,4", help="rows of the block, comma-separated (2-16)")
+    ap.add_argument("--rows", default="16,8,4", help="rows of the block or tree, comma-separated (2-32)")
     ap.add_argument("--repeat", type=int, default=36, help="distinct weights per product (one per layer)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--repeat-rounds", type=int, default=2, help="rounds of the two sides, alternating")

@@ -653,3 +653,37 @@ def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, ca
     assert len(lines) == 6, lines  # two products, three sides each
     assert all(line.rstrip().endswith("True   passed") for line in lines), lines
     assert {line.split()[3] for line in lines} == {"kernel", "mlx"}
+
+
+def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
+    """benchmarks/block_products.py --exact on a pretend GPU, at a block's and a
+    draft tree's rows: each product's three sides are timed and reported exact."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from dflash_mlx.kernels import exact_products as ep
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_products.py"
+    spec = importlib.util.spec_from_file_location("block_products_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Exact:
+        def __init__(self, where):
+            pass
+
+        def __call__(self, x, weight, bias, *, form=0):
+            return ep.one_row_products(x, weight, bias)
+
+    monkeypatch.setattr(ep, "backend", lambda: "fake")
+    monkeypatch.setitem(ep.BUILDERS, "fake", Exact)
+    monkeypatch.setitem(ep.FORMS, "fake", (1,))
+    monkeypatch.setattr(ep, "ExactProductKernel", Exact)
+    monkeypatch.setattr(bench, "DENSE", [("o", 64, 512)])
+    argv = ["block_products.py", "--exact", "--skip-check", "--rows", "16,32", "--repeat", "2", "--runs", "1"]
+    monkeypatch.setattr(sys, "argv", argv + ["--repeat-rounds", "1"])
+    bench.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("o ")]
+    assert len(lines) == 6, lines  # two row counts, three sides each
+    assert all(" True " in line for line in lines), lines
