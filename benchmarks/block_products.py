@@ -215,8 +215,10 @@ def exact_main(args) -> None:
         raise SystemExit(f"the exact verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
     dtype = getattr(mx, args.dtype)
     kernel = ep.ExactProductKernel(where)
+    launches = [tuple(int(v) for v in s.split(",")) for s in args.launches.split(":") if s]
+    products = [p for p in DENSE if not args.products or p[0] in args.products.split(",")]
     rows = []
-    for name, n, k in DENSE:
+    for name, n, k in products:
         variant = ep.Variant(dtype, k, ep.one_row_order(where, k, n), False)
         if args.skip_check:  # (the backend's first form: what its check tries first)
             check = ep.ExactCheck(where, variant, True, "check skipped", ep.FORMS[where][0])
@@ -236,6 +238,10 @@ def exact_main(args) -> None:
                 f"mlx {m} rows": lambda i: (x + i) @ weights[i].T,
                 "mlx 1 row": lambda i: (one + i) @ weights[i].T,
             }
+            for rs, ahead in launches:  # the same order, other launch shapes
+                sides[f"kernel {rs} out {ahead} ahead"] = lambda i, at=(rs, ahead): kernel(
+                    x + i, weights[i], None, form=check.form, launch=at
+                )
             rows += timed_rows(
                 sides,
                 args,
@@ -252,10 +258,10 @@ def exact_main(args) -> None:
     if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})", rows):
         return
     print(f"{args.dtype} rows; microseconds per product (median of {args.runs}) over distinct weights")
-    print(f"{'product':<8} {'N x K':>12} {'weights':>7} {'side':>15} {'total':>8} {'launch':>7}  exact  check")
+    print(f"{'product':<8} {'N x K':>12} {'weights':>7} {'side':>22} {'total':>8} {'launch':>7}  exact  check")
     for r in rows:
         print(
-            f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['repeat']:>7} {r['side']:>15} "
+            f"{r['product']:<8} {str(r['n']) + 'x' + str(r['k']):>12} {r['repeat']:>7} {r['side']:>22} "
             f"{r['total_us']:>8.1f} {r['launch_us']:>7.1f}  {str(r['exact']):<5}  {r['check']}"
         )
 
@@ -282,6 +288,13 @@ def main():
     ap.add_argument("--quantized", action="store_true", help="time the quantized verify product (Metal or CUDA)")
     ap.add_argument("--models", default="qwen3-8b,gpt-oss-20b", help="with --quantized: " + ", ".join(QUANTIZED))
     ap.add_argument("--exact", action="store_true", help="time the exact dense verify product (Metal or CUDA)")
+    ap.add_argument(
+        "--launches",
+        default="",
+        help="with --exact: launch shapes to add beside the shipped one, outputs a lane group,ahead "
+        "separated by ':' (e.g. 2,1:4,2)",
+    )
+    ap.add_argument("--products", default="", help="with --exact: comma-separated products to time (default: all)")
     ap.add_argument(
         "--skip-check",
         action="store_true",

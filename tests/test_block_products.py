@@ -673,7 +673,7 @@ def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
         def __init__(self, where):
             pass
 
-        def __call__(self, x, weight, bias, *, form=0):
+        def __call__(self, x, weight, bias, *, form=0, launch=None):
             return ep.one_row_products(x, weight, bias)
 
     monkeypatch.setattr(ep, "backend", lambda: "fake")
@@ -682,8 +682,8 @@ def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
     monkeypatch.setattr(ep, "ExactProductKernel", Exact)
     monkeypatch.setattr(bench, "DENSE", [("o", 64, 512)])
     argv = ["block_products.py", "--exact", "--skip-check", "--rows", "16,32", "--repeat", "2", "--runs", "1"]
-    monkeypatch.setattr(sys, "argv", argv + ["--repeat-rounds", "1"])
+    monkeypatch.setattr(sys, "argv", argv + ["--repeat-rounds", "1", "--launches", "2,1"])
     bench.main()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("o ")]
-    assert len(lines) == 6, lines  # two row counts, three sides each
+    assert len(lines) == 8, lines  # two row counts, three sides each and the added launch shape
     assert all(" True " in line for line in lines), lines

@@ -119,13 +119,20 @@ class ExactProductKernel:
         )
         self._no_bias = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (never read)
 
-    def __call__(self, x: mx.array, weight: mx.array, bias: mx.array | None, *, form: int = 0) -> mx.array:
-        """x [..., K] of 2-32 rows times the [N, K] weight (plus ``bias``): [..., N]."""
+    def __call__(
+        self, x: mx.array, weight: mx.array, bias: mx.array | None, *, form: int = 0, launch: tuple | None = None
+    ) -> mx.array:
+        """x [..., K] of 2-32 rows times the [N, K] weight (plus ``bias``): [..., N].
+        ``launch``: (outputs a lane group, AHEAD) instead of the tile's and the
+        backend's (benchmarks/block_products.py compares them; the order is the same)."""
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
         order = one_row_order(self.backend, k, n)
         mr, rs = tile(rows)
+        ahead = AHEAD[self.backend]
+        if launch is not None:
+            rs, ahead = launch
         per_group = SIMD // order.lanes * rs
         (y,) = self.kernel(
             inputs=[x.reshape(rows, k), weight, self._no_bias[x.dtype] if bias is None else bias],
@@ -140,7 +147,7 @@ class ExactProductKernel:
                 ("RS", rs),
                 ("GROUPS", GROUPS),
                 ("HAS_BIAS", bias is not None),
-                ("AHEAD", AHEAD[self.backend]),
+                ("AHEAD", ahead),
             ],
             grid=(-(-n // (GROUPS * per_group)) * GROUPS * order.split * SIMD, -(-rows // mr), 1),
             threadgroup=(GROUPS * order.split * SIMD, 1, 1),
