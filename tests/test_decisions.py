@@ -200,3 +200,38 @@ def test_an_exact_kernel_serves_on_metal_whatever_it_measured(tmp_path):
     assert not here.serves_exact("exact verify attention", "never measured", "cuda")
     assert not store(None, "off").serves_exact("exact verify attention", "bf16 d128", "metal")
     assert store(None, "on").serves_exact("exact verify attention", "bf16 d128", "cuda")
+
+
+def test_attention_is_timed_over_copies_of_the_keys_and_values(measuring_gpu, monkeypatch):
+    """Each timed call reads other keys and values (equal to the first), enough
+    copies to take serving.TIMED_BYTES together, as a verify's layers each
+    read their own from memory: one buffer timed again would stay in a cache."""
+    from dflash_mlx.kernels import serving
+
+    class KeysSeen(Kernel):
+        def __call__(self, q, k, v, **kw):
+            self.keys.append(k)
+            return super().__call__(q, k, v, **kw)
+
+    kernel = measuring_gpu(KeysSeen(extra=0.0))
+    kernel.keys = []
+    monkeypatch.setattr(serving, "TIMED_BYTES", 1)
+    seen = []
+
+    def seconds_per_call(ours, theirs):
+        kernel.keys.clear()
+        mx.eval([ours() for _ in range(6)])
+        seen.append(list(kernel.keys))
+        return 1.0, 1.0
+
+    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    dispatch.measure("fake", mx.float32, 64, None)
+    assert seen and all(len({id(k) for k in keys}) == 1 for keys in seen)  # 1 byte: no copies needed
+    decisions.reset()
+    first = seen[0][0]
+    monkeypatch.setattr(serving, "TIMED_BYTES", 3 * 2 * first.nbytes)
+    seen.clear()
+    dispatch.measure("fake", mx.float32, 64, None)
+    for keys in seen:
+        assert len({id(k) for k in keys}) == 3  # in turn: 6 calls over 3 copies
+        assert all(mx.array_equal(k, keys[0]) for k in keys)

@@ -562,3 +562,39 @@ def test_a_kernel_serves_only_the_rows_at_which_it_measured_faster(fake_gpu, mon
         x = rows_of(rows, 512)
         assert mx.array_equal(linear.apply_linear(module, x), module(x))
         assert bool(kernel.rows) == served, rows
+
+
+def test_a_product_is_timed_over_copies_of_its_weight_that_outgrow_a_cache(fake_gpu, monkeypatch):
+    """Each timed call of the kernel reads another copy of the layer's weight
+    (equal to it), enough copies to take serving.TIMED_BYTES together: one
+    weight timed again and again would stay in a GPU's cache, where a
+    forward's layers read theirs from memory."""
+    from dflash_mlx.kernels import decisions, serving
+
+    class WeightsSeen(FakeKernel):
+        def __call__(self, x, weight, bias, *, form=0):
+            self.weights.append(weight)
+            return super().__call__(x, weight, bias, form=form)
+
+    kernel = fake_gpu(WeightsSeen())
+    kernel.weights = []
+    module = dense(512, 64)
+    monkeypatch.setattr(serving, "TIMED_BYTES", 4 * module.weight.nbytes)
+    timed = []
+
+    def seconds_per_call(ours, theirs):
+        kernel.weights.clear()
+        mx.eval([ours() for _ in range(8)])
+        timed.append(list(kernel.weights))
+        return 0.5e-3, 1e-3
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "measure")
+    decisions.reset()
+    monkeypatch.setattr(decisions, "seconds_per_call", seconds_per_call)
+    original = mx.array(module.weight)
+    linear.prepare_exact(module, mx.bfloat16)
+    assert len(timed) == 2  # a block's rows and a tree's
+    for weights in timed:
+        assert len({id(w) for w in weights}) == 4  # in turn: 8 calls over 4 copies
+        assert all(mx.array_equal(w, original) for w in weights)
+    assert mx.array_equal(module.weight, original)

@@ -19,7 +19,7 @@ from . import decisions
 from .attention import BlockAttentionKernel
 from .attention_source import TREE_NODES
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
-from .serving import check_once, failure, passed
+from .serving import array_copies, check_once, failure, in_turn, passed
 
 # Where the kernel may serve, by query rows per key-value head: (most rows,
 # fewest keys; None: never). The first entry whose rows cover the call
@@ -209,9 +209,10 @@ def _timed_pair(kernel, dtype, head_dim: int, window: int | None, *, rows: int, 
         seen = seen & (position - mx.arange(keys)[None] < window)
     mx.eval(q, k, v, seen)
     kw = dict(scale=scale, q_offset=mx.array(keys - length), kv_length=mx.array(keys), causal=True, window=window)
+    kv = array_copies(k, v)
     return (
-        lambda: kernel(q, k, v, **kw),
-        lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen),
+        in_turn(lambda kv: kernel(q, *kv, **kw), kv),
+        in_turn(lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen), kv),
     )
 
 
@@ -225,9 +226,10 @@ def _timed_tree_pair(kernel, dtype, head_dim: int, window: int | None, *, rows: 
     seen = tree.mask(start, keys, window)
     mx.eval(q, k, v, seen, tree.ancestors, tree.depths)
     kw = dict(scale=scale, q_offset=mx.array(start), kv_length=mx.array(keys), causal=True, window=window, tree=tree)
+    kv = array_copies(k, v)
     return (
-        lambda: kernel(q, k, v, **kw),
-        lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen),
+        in_turn(lambda kv: kernel(q, *kv, **kw), kv),
+        in_turn(lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen), kv),
     )
 
 

@@ -191,6 +191,14 @@ def orders_at(backend_name: str, k: int) -> list[Order]:
     return sorted({one_row_order(backend_name, k, n) for n in (1, max(1, k // 16), k // 16 + 1)}, key=repr)
 
 
+# (MLX's product, the kernel's, the one-row products) of a layer, as LayerShapes.prepare runs them
+RUNS = (
+    lambda m, x: m(x),
+    lambda m, x: product(m, x, measuring=True),
+    lambda m, x: one_row_products(x, m["weight"], m["bias"] if "bias" in m else None),
+)
+
+
 def prepare(model: nn.Module, dtype) -> None:
     """Check every variant ``model``'s linear layers can reach (each K, at each
     order N can give it: fused projections change N) once, and time each
@@ -206,13 +214,7 @@ def prepare(model: nn.Module, dtype) -> None:
             checked(where, Variant(dtype, k, order, bias))
         variant = variant_of(module, dtype, where)
         if _checks[(where, variant)].ok:
-            _shapes.prepare(
-                (where, variant, module.weight.shape[0]),
-                module,
-                lambda x, m=module: product(m, x, measuring=True),
-                lambda x, m=module: one_row_products(x, m["weight"], m["bias"] if "bias" in m else None),
-                dtype,
-            )
+            _shapes.prepare((where, variant, module.weight.shape[0]), module, RUNS, dtype)
 
 
 def checked(where: str, variant: Variant) -> ExactCheck:

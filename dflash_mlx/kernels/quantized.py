@@ -241,13 +241,12 @@ def prepare(model: nn.Module, dtype) -> None:
         variant = variant_of(module, dtype)
         if variant is None or not checked(where, variant).ok:
             continue
-        _shapes.prepare(
-            (where, variant, module["weight"].shape[0]),
-            module,
-            lambda x, m=module: product(m, x, measuring=True),
-            lambda x, m=module, v=variant: one_row_layer(m, v, x),
-            dtype,
+        runs = (
+            lambda m, x: m(x),
+            lambda m, x: product(m, x, measuring=True),
+            lambda m, x, v=variant: one_row_layer(m, v, x),
         )
+        _shapes.prepare((where, variant, module["weight"].shape[0]), module, runs, dtype)
 
 
 def one_row_layer(module: nn.Module, variant: Variant, x: mx.array) -> mx.array:

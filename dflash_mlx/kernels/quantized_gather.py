@@ -221,13 +221,12 @@ def _prepare_layer(where: str, variant: Variant, module: nn.Module, dtype) -> No
     def pairs(rows: int) -> tuple[mx.array, mx.array]:
         return verify_pairs(rows, module.num_experts, min(8, module.num_experts), variant.k)
 
-    _variants.shapes.prepare(
-        (where, variant, module.output_dims),
-        lambda x: mlx_verify(module, x, *pairs(x.shape[0])),
-        lambda x: product(module, x, *pairs(x.shape[0])),
-        lambda x: one_row_layer(module, variant, x, *pairs(x.shape[0])),
-        dtype,
+    runs = (
+        lambda m, x: mlx_verify(m, x, *pairs(x.shape[0])),
+        lambda m, x: product(m, x, *pairs(x.shape[0])),
+        lambda m, x: one_row_layer(m, variant, x, *pairs(x.shape[0])),
     )
+    _variants.shapes.prepare((where, variant, module.output_dims), module, runs, dtype)
 
 
 def mlx_verify(module: nn.Module, x: mx.array, lhs: mx.array, rhs: mx.array) -> mx.array:

@@ -7,10 +7,14 @@ the rows it serves."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
 
 from . import decisions
 
@@ -20,8 +24,49 @@ MEASURED_ROWS = 16  # a verify of a block of 16
 ROW_CLASSES = (MEASURED_ROWS, 32)
 
 
+# A kernel is timed over copies of what it reads (a layer's weights, a
+# verify's keys and values) that together outgrow a GPU's last-level cache (an
+# H100's L2 is 50 MB): each call then reads them from memory, as a forward's
+# layers do, not from a cache that one repeated input would stay in.
+TIMED_BYTES = 256 << 20
+MOST_COPIES = 64
+
+
 def row_class(rows: int) -> int:
     return next((r for r in ROW_CLASSES if rows <= r), ROW_CLASSES[-1])
+
+
+def copies_to_time(nbytes: int) -> int:
+    """How many copies of inputs of ``nbytes`` together take TIMED_BYTES (at most MOST_COPIES)."""
+    return min(MOST_COPIES, -(-TIMED_BYTES // max(1, nbytes)))
+
+
+def _copy(a: mx.array) -> mx.array:
+    return a + mx.zeros((), a.dtype)
+
+
+def weight_copies(layer: nn.Module) -> list[nn.Module]:
+    """``layer`` and copies of it, each holding its own arrays (copies_to_time)."""
+    layers = [layer]
+    for _ in range(copies_to_time(sum(a.nbytes for _, a in tree_flatten(layer.parameters()))) - 1):
+        clone = copy.copy(layer)  # (a module is a dict: a new one holding the same arrays, then its own)
+        clone.update(tree_map(_copy, layer.parameters()))
+        mx.eval(clone.parameters())
+        layers.append(clone)
+    return layers
+
+
+def array_copies(*arrays: mx.array) -> list[tuple[mx.array, ...]]:
+    """``arrays`` and copies of them (copies_to_time)."""
+    sets = [arrays] + [tuple(map(_copy, arrays)) for _ in range(copies_to_time(sum(a.nbytes for a in arrays)) - 1)]
+    mx.eval(sets)
+    return sets
+
+
+def in_turn(run: Callable, inputs: list) -> Callable[[], mx.array]:
+    """``run(item)`` for each of ``inputs`` in turn, a call each."""
+    turns = itertools.cycle(inputs)
+    return lambda: run(next(turns))
 
 
 def check_once(checks: dict, key, check: Callable[[], object], warning: Callable[[object], str]):
@@ -86,20 +131,30 @@ class LayerShapes:
     def case(self, variant, n: int, rows: int) -> str:
         return f"{variant.case} N={n} rows={rows}"
 
-    def prepare(self, key: tuple, module, ours: Callable, one_row: Callable, dtype) -> None:
-        """Check ``ours`` (the kernel through ``module``) against ``one_row`` at
+    def prepare(self, key: tuple, layer: nn.Module, runs: tuple[Callable, Callable, Callable], dtype) -> None:
+        """Check the kernel through ``layer`` against MLX's one-row products at
         the layer's own shape, then time it against MLX's product at each of
-        ROW_CLASSES once a machine."""
+        ROW_CLASSES once a machine. ``runs``: (MLX's product, the kernel's, the
+        one-row products), each ``run(layer, x)``."""
         variant, n = key[1], key[2]
+        theirs, ours, one_row = runs
         if key not in self.exact:
             x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
-            got = ours(x)
-            self.exact[key] = got is not None and bool(mx.array_equal(got, one_row(x)))
-        for rows in ROW_CLASSES:
-            case = self.case(variant, n, rows)
-            if self.exact[key] and decisions.current().needs(self.decision, case):
+            got = ours(layer, x)
+            self.exact[key] = got is not None and bool(mx.array_equal(got, one_row(layer, x)))
+        cases = [self.case(variant, n, rows) for rows in ROW_CLASSES]
+        if not self.exact[key] or not any(decisions.current().needs(self.decision, c) for c in cases):
+            return
+        layers = weight_copies(layer)
+        for rows, case in zip(ROW_CLASSES, cases):
+            if decisions.current().needs(self.decision, case):
                 x = mx.random.normal((rows, variant.k)).astype(dtype)
-                decisions.current().decide(self.decision, case, lambda x=x: ours(x), lambda x=x: module(x))
+                decisions.current().decide(
+                    self.decision,
+                    case,
+                    in_turn(lambda m, x=x: ours(m, x), layers),
+                    in_turn(lambda m, x=x: theirs(m, x), layers),
+                )
 
     def serves(self, key: tuple, rows: int = MEASURED_ROWS) -> bool:
         """Whether the shape checked out exact and serves ``rows`` rows here
