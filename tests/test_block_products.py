@@ -617,20 +617,27 @@ def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_tra
     nr.reset()
 
 
-def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, capsys):
-    """benchmarks/block_products.py --quantized on a pretend GPU (a kernel
-    computing each row as MLX's one-row product): every product's three sides
-    are timed, its check passes and its rows are reported exact."""
+def block_products_benchmark():
+    """benchmarks/block_products.py as a module."""
     import importlib.util
-    import sys
     from pathlib import Path
-
-    from dflash_mlx.kernels import quantized as qp
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_products.py"
     spec = importlib.util.spec_from_file_location("block_products_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, capsys):
+    """benchmarks/block_products.py --quantized on a pretend GPU (a kernel
+    computing each row as MLX's one-row product): every product's three sides
+    are timed, its check passes and its rows are reported exact."""
+    import sys
+
+    from dflash_mlx.kernels import quantized as qp
+
+    bench = block_products_benchmark()
 
     class Exact:
         def __init__(self, where):
@@ -658,16 +665,11 @@ def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, ca
 def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
     """benchmarks/block_products.py --exact on a pretend GPU, at a block's and a
     draft tree's rows: each product's three sides are timed and reported exact."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
     from dflash_mlx.kernels import exact_products as ep
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_products.py"
-    spec = importlib.util.spec_from_file_location("block_products_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = block_products_benchmark()
 
     class Exact:
         def __init__(self, where):
