@@ -24,8 +24,10 @@ cost here; device time from Nsight Compute through gpu_time.py).
 head), as ``--quantized`` below: each product's self-check (``check``), then
 the kernel's ``--rows`` rows, MLX's product of the same rows and MLX's
 one-row product (``x[:1] @ w.T``, a plain step's), over ``--repeat``
-distinct weights (fewer for the head: at most 8 GB of them), and whether the
-kernel's rows equal the one-row products here (``exact``).
+distinct weights (fewer for the head: at most 8 GB of them), and whether each
+side's rows equal the one-row products here (``exact``); ``--launches`` adds the
+kernel at other launch shapes (outputs a lane group, loads ahead), ``--products``
+picks products.
 
 ``--quantized``: Qwen3-8B 4-bit products (affine, groups of 64: q/k/v, o,
 gate/up, down, the output head) and gpt-oss-20b mxfp4 ones (q/k/v, o, the
@@ -231,29 +233,19 @@ def exact_main(args) -> None:
             x = mx.random.normal((m, k)).astype(dtype)
             one = x[:1]
             mx.eval(x, one)
-            got = kernel(x, weights[0], None, form=check.form)
-            exact = mx.array_equal(got, ep.one_row_products(x, weights[0], None)).item()
-            sides = {
-                f"kernel {m} rows": lambda i: kernel(x + i, weights[i], None, form=check.form),
-                f"mlx {m} rows": lambda i: (x + i) @ weights[i].T,
-                "mlx 1 row": lambda i: (one + i) @ weights[i].T,
-            }
-            for rs, ahead in launches:  # the same order, other launch shapes
-                sides[f"kernel {rs} out {ahead} ahead"] = lambda i, at=(rs, ahead): kernel(
-                    x + i, weights[i], None, form=check.form, launch=at
-                )
+            want = ep.one_row_products(x, weights[0], None)
+            fields = dict(product=name, n=n, k=k, rows=m, repeat=repeat)
+            fields["check"] = check.detail if check.ok else f"FAILED: {check.detail}"
+            mlx_exact = mx.array_equal(x @ weights[0].T, want).item()
             rows += timed_rows(
-                sides,
-                args,
-                repeat,
-                product=name,
-                n=n,
-                k=k,
-                rows=m,
-                repeat=repeat,
-                check=check.detail if check.ok else f"FAILED: {check.detail}",
-                exact=exact,
+                {f"mlx {m} rows": lambda i: (x + i) @ weights[i].T}, args, repeat, **fields, exact=mlx_exact
             )
+            rows += timed_rows({"mlx 1 row": lambda i: (one + i) @ weights[i].T}, args, repeat, **fields, exact=True)
+            for launch in [None, *launches]:  # the same order, other launch shapes: each row's exactness its own
+                side = f"kernel {m} rows" if launch is None else f"kernel {launch[0]} out {launch[1]} ahead"
+                exact = mx.array_equal(kernel(x, weights[0], None, form=check.form, launch=launch), want).item()
+                product = lambda i, at=launch: kernel(x + i, weights[i], None, form=check.form, launch=at)  # noqa: E731
+                rows += timed_rows({side: product}, args, repeat, **fields, exact=exact)
         weights.clear()
     if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})", rows):
         return

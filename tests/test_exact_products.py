@@ -184,8 +184,8 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         warnings.simplefilter("error")
         linear.prepare_exact(module, dtype)
     (result,) = ep._checks.values()
-    # the variant's cases, then the layer's own weight at a verify's rows
-    assert result.ok and sorted(set(kernel.rows)) == sorted({*ep.CHECK_ROWS, serving.MEASURED_ROWS})
+    # the variant's cases, then the layer's own weight at each row class's rows
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*ep.CHECK_ROWS, *serving.ROW_CLASSES})
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()
         x = rows_of(rows, 256, dtype)
@@ -598,3 +598,47 @@ def test_a_product_is_timed_over_copies_of_its_weight_that_outgrow_a_cache(fake_
         assert len({id(w) for w in weights}) == 4  # in turn: 8 calls over 4 copies
         assert all(mx.array_equal(w, original) for w in weights)
     assert mx.array_equal(module.weight, original)
+
+
+def test_both_sides_are_timed_in_one_turn_over_the_copies():
+    """The kernel's calls and MLX's take the copies in one shared turn: in a
+    round neither side reads a copy the other has just left in a cache."""
+    from dflash_mlx.kernels import serving
+
+    used = []
+    ours, theirs = serving.timed_in_turn(lambda c: used.append(("ours", c)), lambda c: used.append(("mlx", c)), "abcd")
+    ours(), ours(), theirs(), theirs(), ours()
+    assert used == [("ours", "a"), ("ours", "b"), ("mlx", "c"), ("mlx", "d"), ("ours", "a")]
+
+
+def test_copies_are_of_a_layer_of_arrays_alone():
+    from dflash_mlx.kernels import serving
+
+    with pytest.raises(ValueError, match="holds modules"):
+        serving.weight_copies(nn.Sequential(dense(64, 8)))
+    copies = serving.weight_copies(dense(512, 64))
+    assert len(copies) > 1 and all(type(c) is nn.Linear for c in copies)
+
+
+class OffPastSixteen(FakeKernel):
+    """A kernel exact on the self-check's weights, and on a layer of 64 outputs
+    exact at up to 16 rows only (its 32-row tile one rounding off there)."""
+
+    def __call__(self, x, weight, bias, *, form=0):
+        self.nudge = 1.0 if x.size // x.shape[-1] > 16 and weight.shape[0] == 64 else 0.0
+        return super().__call__(x, weight, bias, form=form)
+
+
+def test_a_layer_exact_only_at_a_blocks_rows_serves_only_those(fake_gpu, measured):
+    """The layer's own weight is checked at each row class: a kernel whose
+    32-row tile rounds otherwise serves 2-16 rows and leaves 17-32 to MLX."""
+    measured(0.5, 1.0)
+    kernel = fake_gpu(OffPastSixteen())
+    module = dense(512, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear.prepare_exact(module, mx.bfloat16)
+    for rows, served in ((8, True), (16, True), (17, False), (32, False)):
+        kernel.rows.clear()
+        linear.apply_linear(module, rows_of(rows, 512))
+        assert bool(kernel.rows) == served, rows

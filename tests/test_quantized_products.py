@@ -210,8 +210,8 @@ def test_a_kernel_that_checks_out_takes_2_to_32_rows_and_only_those(fake_gpu, na
         warnings.simplefilter("error")
         linear.prepare_quantized(module, mx.bfloat16)
     (result,) = qp._checks.values()
-    # the variant's cases, then the layer's own weight at a verify's rows
-    assert result.ok and sorted(set(kernel.rows)) == sorted({*qp.CHECK_ROWS, serving.MEASURED_ROWS})
+    # the variant's cases, then the layer's own weight at each row class's rows
+    assert result.ok and sorted(set(kernel.rows)) == sorted({*qp.CHECK_ROWS, *serving.ROW_CLASSES})
     k = module.weight.shape[1] * 32 // module.bits
     for rows in (1, 2, 9, 16, 32, 33):
         kernel.rows.clear()

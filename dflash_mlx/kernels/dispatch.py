@@ -19,7 +19,7 @@ from . import decisions
 from .attention import BlockAttentionKernel
 from .attention_source import TREE_NODES
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
-from .serving import array_copies, check_once, failure, in_turn, passed
+from .serving import array_copies, check_once, failure, passed, timed_in_turn
 
 # Where the kernel may serve, by query rows per key-value head: (most rows,
 # fewest keys; None: never). The first entry whose rows cover the call
@@ -184,6 +184,7 @@ def measure(where: str, dtype, head_dim: int, window: int | None, tree: bool = F
             if store.needs(name, case):  # (the pair's buffers are made only to be timed)
                 timed = _timed_tree_pair if tree else _timed_pair
                 store.decide(name, case, *timed(kernel, dtype, head_dim, window, rows=rows, keys=keys))
+                mx.clear_cache()  # (the copies' memory back, not kept in MLX's buffer cache)
             made.append(store.known.get((name, case)))
     return [d for d in made if d is not None]
 
@@ -209,10 +210,10 @@ def _timed_pair(kernel, dtype, head_dim: int, window: int | None, *, rows: int, 
         seen = seen & (position - mx.arange(keys)[None] < window)
     mx.eval(q, k, v, seen)
     kw = dict(scale=scale, q_offset=mx.array(keys - length), kv_length=mx.array(keys), causal=True, window=window)
-    kv = array_copies(k, v)
-    return (
-        in_turn(lambda kv: kernel(q, *kv, **kw), kv),
-        in_turn(lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen), kv),
+    return timed_in_turn(
+        lambda kv: kernel(q, *kv, **kw),
+        lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen),
+        array_copies(k, v),
     )
 
 
@@ -226,10 +227,10 @@ def _timed_tree_pair(kernel, dtype, head_dim: int, window: int | None, *, rows: 
     seen = tree.mask(start, keys, window)
     mx.eval(q, k, v, seen, tree.ancestors, tree.depths)
     kw = dict(scale=scale, q_offset=mx.array(start), kv_length=mx.array(keys), causal=True, window=window, tree=tree)
-    kv = array_copies(k, v)
-    return (
-        in_turn(lambda kv: kernel(q, *kv, **kw), kv),
-        in_turn(lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen), kv),
+    return timed_in_turn(
+        lambda kv: kernel(q, *kv, **kw),
+        lambda kv: mx.fast.scaled_dot_product_attention(q, *kv, scale=scale, mask=seen),
+        array_copies(k, v),
     )
 
 

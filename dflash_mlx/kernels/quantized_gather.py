@@ -219,7 +219,10 @@ def _prepare_layer(where: str, variant: Variant, module: nn.Module, dtype) -> No
 
     @functools.cache
     def pairs(rows: int) -> tuple[mx.array, mx.array]:
-        return verify_pairs(rows, module.num_experts, min(8, module.num_experts), variant.k)
+        """A verify's pairs, sorted by expert as layers/experts.py hands them to the kernel."""
+        lhs, rhs = verify_pairs(rows, module.num_experts, min(8, module.num_experts), variant.k)
+        order = mx.argsort(rhs)
+        return lhs[order], rhs[order]
 
     runs = (
         lambda m, x: mlx_verify(m, x, *pairs(x.shape[0])),

@@ -24,12 +24,13 @@ MEASURED_ROWS = 16  # a verify of a block of 16
 ROW_CLASSES = (MEASURED_ROWS, 32)
 
 
-# A kernel is timed over copies of what it reads (a layer's weights, a
-# verify's keys and values) that together outgrow a GPU's last-level cache (an
-# H100's L2 is 50 MB): each call then reads them from memory, as a forward's
-# layers do, not from a cache that one repeated input would stay in.
+# A kernel and MLX's path are timed over copies of what they read (a layer's
+# weights, a verify's keys and values), up to TIMED_BYTES together, every call
+# the next copy: a copy comes round again only after the others have pushed it
+# out of a GPU's last-level cache (an H100's L2 is 50 MB), so each call reads
+# from memory, as a forward's layers do.
 TIMED_BYTES = 256 << 20
-MOST_COPIES = 64
+MOST_COPIES = 256
 
 
 def row_class(rows: int) -> int:
@@ -46,7 +47,10 @@ def _copy(a: mx.array) -> mx.array:
 
 
 def weight_copies(layer: nn.Module) -> list[nn.Module]:
-    """``layer`` and copies of it, each holding its own arrays (copies_to_time)."""
+    """``layer`` and copies of it, each holding its own arrays (copies_to_time);
+    a layer of arrays alone (a copy's sub-modules would be the layer's own)."""
+    if layer.children():
+        raise ValueError(f"weight_copies copies a layer of arrays alone; {type(layer).__name__} holds modules.")
     layers = [layer]
     for _ in range(copies_to_time(sum(a.nbytes for _, a in tree_flatten(layer.parameters()))) - 1):
         clone = copy.copy(layer)  # (a module is a dict: a new one holding the same arrays, then its own)
@@ -63,10 +67,12 @@ def array_copies(*arrays: mx.array) -> list[tuple[mx.array, ...]]:
     return sets
 
 
-def in_turn(run: Callable, inputs: list) -> Callable[[], mx.array]:
-    """``run(item)`` for each of ``inputs`` in turn, a call each."""
+def timed_in_turn(ours: Callable, theirs: Callable, inputs: list) -> tuple[Callable, Callable]:
+    """(ours, theirs) as decisions.decide times them: ``ours(item)`` and
+    ``theirs(item)`` over ``inputs`` in one turn shared by both, a call the next
+    item, so that neither side reads what the other just left in a cache."""
     turns = itertools.cycle(inputs)
-    return lambda: run(next(turns))
+    return lambda: ours(next(turns)), lambda: theirs(next(turns))
 
 
 def check_once(checks: dict, key, check: Callable[[], object], warning: Callable[[object], str]):
@@ -138,29 +144,29 @@ class LayerShapes:
         one-row products), each ``run(layer, x)``."""
         variant, n = key[1], key[2]
         theirs, ours, one_row = runs
-        if key not in self.exact:
-            x = mx.random.normal((MEASURED_ROWS, variant.k), key=mx.random.key(variant.k)).astype(dtype)
-            got = ours(layer, x)
-            self.exact[key] = got is not None and bool(mx.array_equal(got, one_row(layer, x)))
-        cases = [self.case(variant, n, rows) for rows in ROW_CLASSES]
-        if not self.exact[key] or not any(decisions.current().needs(self.decision, c) for c in cases):
+        for rows in ROW_CLASSES:  # each class's own tile, through the layer's own weight
+            if (key, rows) not in self.exact:
+                x = mx.random.normal((rows, variant.k), key=mx.random.key(variant.k + rows)).astype(dtype)
+                got = ours(layer, x)
+                self.exact[(key, rows)] = got is not None and bool(mx.array_equal(got, one_row(layer, x)))
+        cases = {rows: self.case(variant, n, rows) for rows in ROW_CLASSES if self.exact[(key, rows)]}
+        needed = [rows for rows, case in cases.items() if decisions.current().needs(self.decision, case)]
+        if not needed:
             return
         layers = weight_copies(layer)
-        for rows, case in zip(ROW_CLASSES, cases):
-            if decisions.current().needs(self.decision, case):
-                x = mx.random.normal((rows, variant.k)).astype(dtype)
-                decisions.current().decide(
-                    self.decision,
-                    case,
-                    in_turn(lambda m, x=x: ours(m, x), layers),
-                    in_turn(lambda m, x=x: theirs(m, x), layers),
-                )
+        for rows in needed:
+            x = mx.random.normal((rows, variant.k)).astype(dtype)
+            timed = timed_in_turn(lambda m, x=x: ours(m, x), lambda m, x=x: theirs(m, x), layers)
+            decisions.current().decide(self.decision, cases[rows], *timed)
+        del layers
+        mx.clear_cache()  # (the copies' memory back, not kept in MLX's buffer cache)
 
     def serves(self, key: tuple, rows: int = MEASURED_ROWS) -> bool:
-        """Whether the shape checked out exact and serves ``rows`` rows here
-        (decisions.serves_exact, at their row class); never measures."""
-        return self.exact.get(key, False) and decisions.current().serves_exact(
-            self.decision, self.case(key[1], key[2], row_class(rows)), key[0]
+        """Whether the shape checked out exact at ``rows``' row class and
+        serves it here (decisions.serves_exact); never measures."""
+        rows = row_class(rows)
+        return self.exact.get((key, rows), False) and decisions.current().serves_exact(
+            self.decision, self.case(key[1], key[2], rows), key[0]
         )
 
 
