@@ -100,6 +100,27 @@ def test_doctor_names_the_exact_policy_and_where_exactness_comes_first(monkeypat
     assert "policy measure (DFLASH_MLX_KERNELS), kept " in measure  # ('fake' is no Mac)
 
 
+def test_doctor_says_an_exact_kernel_serves_whatever_its_time_where_exactness_comes_first(monkeypatch):
+    """An exact verify kernel measured slower than MLX's product still serves
+    where exactness comes first: doctor says so, with what it costs."""
+    from dflash_mlx.kernels import decisions
+
+    on_fake_gpu(monkeypatch, lambda q, k, v, **kw: mx.zeros(q.shape, q.dtype))
+    case = "bfloat16 K=4096 lanes 32 x 4 N=4096 rows=16"
+    lines = {}
+    try:
+        for policy in ("exact", "measure"):
+            monkeypatch.setenv("DFLASH_MLX_KERNELS", policy)
+            decisions.reset()
+            decisions.current().record(decisions.Decision("dense verify", case, 0.002, 0.001))
+            lines[policy] = re.findall(rf"^  dense verify {case} +(.*)$", run("--seconds", "0"), re.M)
+    finally:
+        dispatch.reset()
+        decisions.reset()
+    assert lines["exact"] == ["kernel 2.000 ms, MLX 1.000 ms: kernel, exactness first (2.0x MLX's time)"]
+    assert lines["measure"] == ["kernel 2.000 ms, MLX 1.000 ms: MLX's own"]  # ('fake' is no Mac)
+
+
 def test_doctor_says_when_row_costs_rule_dflash_out(monkeypatch):
     """A CPU whose 16-row products cost many 1-row ones gets a hint naming
     the cause and the fix; one that amortizes rows gets none."""

@@ -138,7 +138,7 @@ def decided(line) -> None:
     measured first where it never was."""
     import mlx.core as mx
 
-    from dflash_mlx.kernels import decisions, dispatch
+    from dflash_mlx.kernels import decisions, dispatch, exact_attention, exact_products, quantized_gather  # noqa: F401
 
     store = decisions.current()
     where = f"in {store.path}" if store.path is not None else "in memory only (DFLASH_MLX_AUTO_MEMORY=off)"
@@ -154,9 +154,12 @@ def decided(line) -> None:
 
     # the strategies' two sides; a kernel's other side is MLX's own path
     sides = {ROLLBACK_DECISION: ("replay", "per-step"), DRAFT_PRECISION: ("quantized", "as stored")}
+    exact_first = store.exact_first(dispatch.backend())
     for d in store.all():
         ours, theirs = sides.get(d.kernel, ("kernel", "MLX"))
         verdict = ours if d.faster else ("MLX's own" if theirs == "MLX" else theirs)
+        if exact_first and d.kernel in decisions.EXACT_KERNELS:  # it serves whatever its time
+            verdict = f"kernel, exactness first ({d.ours / max(d.mlx, 1e-12):.1f}x MLX's time)"
         line(
             f"{d.kernel} {d.case}",
             f"{ours} {d.ours * 1e3:.3f} ms, {theirs} {d.mlx * 1e3:.3f} ms: {verdict}",

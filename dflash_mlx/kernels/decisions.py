@@ -45,6 +45,9 @@ POLICIES = ("measure", "exact", "on", "off")
 # one-row step often runs a library (cuBLAS, cuDNN) whose order no kernel can follow.
 # Policy ``exact`` is ``measure`` with every backend among them.
 EXACT_FIRST = ("metal",)
+# The exact verify kernels' decisions, each kernel module adding its own: where
+# exactness comes first they serve whatever their time (serves_exact).
+EXACT_KERNELS: set[str] = set()
 # Ours must beat MLX's by this fraction: a tie keeps MLX's own path.
 MARGIN = 0.03
 ROUNDS, CALLS = 7, 8

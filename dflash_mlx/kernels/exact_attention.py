@@ -85,6 +85,7 @@ GQA_KERNEL_KEYS = 8192  # Metal's sdpa_vector_2pass_1_gqa, from this many keys
 GQA_HEADS = {(8, 64): 8, (8, 128): 4, (12, 128): 4, (16, 128): 2}
 DECISION = "exact verify attention"
 TREE_DECISION = "exact tree verify attention"
+decisions.EXACT_KERNELS.update((DECISION, TREE_DECISION))
 KEY_CLASSES = (1024, 4096, 16384, 65536)
 MEASURED_ROWS, MEASURED_KV_HEADS, MEASURED_GQA = 16, 8, 4
 

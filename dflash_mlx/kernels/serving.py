@@ -130,6 +130,7 @@ class LayerShapes:
     def __init__(self, decision: str):
         self.decision = decision
         self.exact: dict[tuple, bool] = {}
+        decisions.EXACT_KERNELS.add(decision)
 
     def clear(self) -> None:
         self.exact.clear()
