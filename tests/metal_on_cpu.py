@@ -13,11 +13,11 @@ then holds the kernel's outputs to a plain transcription of the order it claims.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 import shutil
 import subprocess
-from pathlib import Path
+
+from repo_files import repo_module
 
 DRIVER = r"""
 #include <barrier>
@@ -119,11 +119,7 @@ CLANG_F16 = clang_with_float16()
 
 def check_metal_script():
     """scripts/check_metal_kernels.py as a module (its ``lower``, ``STUB``, ``Recorder``)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return repo_module("scripts/check_metal_kernels.py")
 
 
 def with_thread_entry(text: str, buffers: list[str], attributes: dict[str, str], thread: str) -> str:

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from repo_files import repo_module
 from test_norm_rope import run_layer as run_qwen3_layer
 from test_norm_rope import tiny_qwen3_layer
 from tiny import (
@@ -619,14 +620,7 @@ def test_the_drafters_context_feed_takes_both_kernels_when_decoding_not_when_tra
 
 def block_products_benchmark():
     """benchmarks/block_products.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_products.py"
-    spec = importlib.util.spec_from_file_location("block_products_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return repo_module("benchmarks/block_products.py", "block_products_bench")
 
 
 def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, capsys):

@@ -2,20 +2,14 @@
 captures every variant the kernels' self-checks launch, each wrapped as MLX
 wraps a custom kernel."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import mlx.core as mx
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_cuda_kernels.py"
+from repo_files import repo_module
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("check_cuda_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module("scripts/check_cuda_kernels.py")
 
 
 def test_every_kernel_family_and_launch_shape_is_recorded_and_wrapped():

@@ -4,22 +4,19 @@ and three planted errors (an undeclared name, a threadgroup pointer where a
 device one is expected, a builtin given the wrong number of arguments) that
 it must catch."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repo_files import repo_module
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("check_metal_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module("scripts/check_metal_kernels.py")
 
 
 script = load_script()

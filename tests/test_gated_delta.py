@@ -7,14 +7,12 @@ passed its check (mlx-lm's ops standing in for it, as CUDA routes): every
 delta-net write one launch, the cut one limited launch, replay the default,
 states and greedy output mlx-lm's."""
 
-import importlib.util
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from family_models import family_config, greedy_over_blocks, make_family_target, scripted
 from gated_delta_stand_in import OpsKernel, checked_kernel  # noqa: F401 (a fixture)
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
+from repo_files import repo_module
 from tiny import draft_config, make_draft, random_draft_weights
 
 from dflash_mlx.kernels import gated_delta
@@ -22,15 +20,11 @@ from dflash_mlx.kernels.gated_delta import GatedDeltaKernel, check_cases, fits, 
 from dflash_mlx.targets import adapt
 from dflash_mlx.targets.recurrent import DeltaCache
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 VOCAB = 48
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module(f"scripts/{name}.py")
 
 
 def layer_inputs(dtype, B=1, T=9, Hk=2, Hv=4, Dk=32, Dv=16, seed=0):

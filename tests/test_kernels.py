@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from metal_on_cpu import with_thread_entry
+from repo_files import repo_module
 
 from dflash_mlx.kernels import attention_source as source
 from dflash_mlx.kernels import attention_tiles as source_tiles
@@ -749,14 +750,7 @@ TREE_ATTRIBUTES = {
 
 
 def metal_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "check_metal_kernels.py"
-    spec = importlib.util.spec_from_file_location("check_metal_kernels", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return repo_module("scripts/check_metal_kernels.py")
 
 
 def build_tree_pass(script, source: str, names: list[str], tmp_path):

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import test_kernels
+from repo_files import repo_module
 
 from dflash_mlx.kernels import launch_source
 from dflash_mlx.kernels import norm_rope as nr
@@ -509,14 +510,7 @@ def test_a_metal_body_that_misreads_the_positions_differs_from_the_ops_path(tmp_
 
 
 def load_script(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return repo_module(f"scripts/{name}.py")
 
 
 def test_the_kernel_checks_record_every_per_row_variant():

@@ -8,30 +8,24 @@ and a plain step."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from repo_files import repo_module
 from tiny import greedy_reference, make_target, target_config
 
 from dflash_mlx.kernels import dispatch, ops_attention
 from dflash_mlx.kernels import exact_products as ep
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [(7 * i) % 61 + 1 for i in range(40)]
 ROWS, COMMITTED = 6, 2
 
 
 def load_probe():
-    spec = importlib.util.spec_from_file_location("verify_rounding", ROOT / "benchmarks" / "verify_rounding.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return repo_module("benchmarks/verify_rounding.py", register=True)  # (its dataclasses look their module up)
 
 
 vr = load_probe()
