@@ -25,10 +25,9 @@ ROW_CLASSES = (MEASURED_ROWS, 32)
 
 
 # A kernel and MLX's path are timed over copies of what they read (a layer's
-# weights, a verify's keys and values), up to TIMED_BYTES together, every call
-# the next copy: a copy comes round again only after the others have pushed it
-# out of a GPU's last-level cache (an H100's L2 is 50 MB), so each call reads
-# from memory, as a forward's layers do.
+# weights, a verify's keys and values), up to TIMED_BYTES together (more than
+# a GPU's last-level cache holds), every call the next copy: each call reads
+# from memory, as a forward's layers do, not what an earlier call left cached.
 TIMED_BYTES = 256 << 20
 MOST_COPIES = 256
 
