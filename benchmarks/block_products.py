@@ -26,7 +26,7 @@ the kernel's ``--rows`` rows, MLX's product of the same rows and MLX's
 one-row product (``x[:1] @ w.T``, a plain step's), over ``--repeat``
 distinct weights (fewer for the head: at most 8 GB of them), and whether each
 side's rows equal the one-row products here (``exact``); ``--launches`` adds the
-kernel at other launch shapes (outputs a lane group, loads ahead), ``--products``
+kernel at other launch shapes (outputs a lane group, steps a chunk, simdgroups), ``--products``
 picks products.
 
 ``--quantized``: Qwen3-8B 4-bit products (affine, groups of 64: q/k/v, o,
@@ -209,6 +209,11 @@ DENSE = [
 WEIGHT_BYTES = 8 << 30  # the most a product's distinct weights take
 
 
+def launch_name(launch: tuple) -> str:
+    """A --launches shape for the table: outputs a lane group, steps a chunk, simdgroups."""
+    return f"{launch[0]} out {launch[1]} ahead" + (f" {launch[2]} sg" if len(launch) > 2 else "")
+
+
 def exact_main(args) -> None:
     from dflash_mlx.kernels import exact_products as ep
 
@@ -242,7 +247,7 @@ def exact_main(args) -> None:
             )
             rows += timed_rows({"mlx 1 row": lambda i: (one + i) @ weights[i].T}, args, repeat, **fields, exact=True)
             for launch in [None, *launches]:  # the same order, other launch shapes: each row's exactness its own
-                side = f"kernel {m} rows" if launch is None else f"kernel {launch[0]} out {launch[1]} ahead"
+                side = f"kernel {m} rows" if launch is None else "kernel " + launch_name(launch)
                 exact = mx.array_equal(kernel(x, weights[0], None, form=check.form, launch=launch), want).item()
                 product = lambda i, at=launch: kernel(x + i, weights[i], None, form=check.form, launch=at)  # noqa: E731
                 rows += timed_rows({side: product}, args, repeat, **fields, exact=exact)
@@ -283,8 +288,8 @@ def main():
     ap.add_argument(
         "--launches",
         default="",
-        help="with --exact: launch shapes to add beside the shipped one, outputs a lane group,ahead "
-        "separated by ':' (e.g. 2,1:4,2)",
+        help="with --exact: launch shapes to add beside the shipped one, outputs a lane group,steps a "
+        "chunk[,simdgroups a threadgroup] separated by ':' (e.g. 2,1:4,2,8)",
     )
     ap.add_argument("--products", default="", help="with --exact: comma-separated products to time (default: all)")
     ap.add_argument(

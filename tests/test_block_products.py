@@ -678,8 +678,9 @@ def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
     monkeypatch.setattr(ep, "ExactProductKernel", Exact)
     monkeypatch.setattr(bench, "DENSE", [("o", 64, 512)])
     argv = ["block_products.py", "--exact", "--skip-check", "--rows", "16,32", "--repeat", "2", "--runs", "1"]
-    monkeypatch.setattr(sys, "argv", argv + ["--repeat-rounds", "1", "--launches", "2,1"])
+    monkeypatch.setattr(sys, "argv", argv + ["--repeat-rounds", "1", "--launches", "2,1:4,2,8"])
     bench.main()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("o ")]
-    assert len(lines) == 8, lines  # two row counts, three sides each and the added launch shape
+    assert len(lines) == 10, lines  # two row counts, three sides each and the two added launch shapes
+    assert sum("4 out 2 ahead 8 sg" in line for line in lines) == 2, lines
     assert all(" True " in line for line in lines), lines

@@ -9,6 +9,7 @@ source itself, compiled for this CPU and run, against a transcription of MLX's
 Metal gemv order."""
 
 import warnings
+from dataclasses import astuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -149,12 +150,16 @@ def test_each_launch_covers_every_row_and_output(backend_name, k, n, rows):
         order.split,
         order.every_lane,
     )
-    assert (t["MR"], t["RS"]) == ep.tile(rows) and t["MR"] * t["RS"] <= 64  # accumulators a lane
-    threads = ep.GROUPS * order.split * 32
+    mr, rs = ep.tile(rows)
+    assert t["RS"] == rs and t["MR"] * t["RS"] <= 64  # accumulators a lane
+    staged = t["MR"] * t["AHEAD"] * order.split * order.lanes * order.vpt * 4  # bytes of x a chunk
+    assert staged <= ep.STAGED_BYTES[backend_name] <= 16384 + 16384 * (backend_name == "cuda")
+    assert t["MR"] == mr or staged * 2 > ep.STAGED_BYTES[backend_name]  # (cut only to fit)
+    threads = t["GROUPS"] * order.split * 32
     assert launch["threadgroup"] == (threads, 1, 1)
     gx, gy, gz = launch["grid"]
     assert gx % threads == 0 and gz == 1
-    per_threadgroup = ep.GROUPS * (32 // order.lanes) * t["RS"]
+    per_threadgroup = t["GROUPS"] * (32 // order.lanes) * t["RS"]
     assert (gx // threads - 1) * per_threadgroup < n <= gx // threads * per_threadgroup
     assert (gy - 1) * t["MR"] < rows <= gy * t["MR"]
     assert not t["HAS_BIAS"] and launch["inputs"][2].shape == (8,)  # (a stand-in in device memory)
@@ -393,7 +398,11 @@ def test_every_variant_is_recorded_for_the_check_scripts():
             assert orders == {(32, 4, 1, False), (32, 2, 1, False), (32, 1, 1, False)}
         assert {values[0] for values in recorded} == set(ep.DTYPES)
         assert {values[5] for values in recorded} == set(ep.FORMS[backend_name])  # each multiply-add form
-        assert {values[6:8] for values in recorded} == {(mr, rs) for _, mr, rs in ep.TILES}
+        # each order's launches: every row tile's, where a chunk of x fits (else cut)
+        for order in orders:
+            got = {(v[6], v[7], v[10]) for v in recorded if v[1:5] == order}
+            want = {astuple(ep.launch_for(backend_name, ep.Order(*order), most))[:3] for most, _, _ in ep.TILES}
+            assert got == want
         assert {values[9] for values in recorded} == {False, True}  # with and without a bias
 
 

@@ -44,8 +44,11 @@ CHECK_ROWS = (3, 8, 13, 27)
 # accumulators (rows x outputs, one float each) stay at most 64.
 TILES = ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2))
 GROUPS = 2  # simdgroups a threadgroup per K part
-# Steps of weights a lane loads before adding them (registers: AHEAD x 4 x outputs a lane group).
-AHEAD = {"metal": 2, "cuda": 4}
+# Steps a chunk: a lane's weights loaded a chunk ahead (registers: twice AHEAD x
+# values a step x outputs a lane group), x staged a chunk at a time.
+AHEAD = {"metal": 2, "cuda": 2}
+# Bytes of float x a threadgroup stages at a time (a threadgroup's memory is 32 KiB on Metal).
+STAGED_BYTES = {"metal": 16384, "cuda": 32768}
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,31 @@ def tile(rows: int) -> tuple[int, int]:
     return next((mr, rs) for most, mr, rs in TILES if rows <= most)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched for some rows in one order (the order of each sum is the same whatever it is)."""
+
+    rows: int  # x rows a threadgroup
+    outputs: int  # outputs a lane group
+    ahead: int  # steps a chunk
+    groups: int = GROUPS  # simdgroups a threadgroup per K part
+
+
+def launch_for(backend_name: str, order: Order, rows: int, override: tuple | None = None) -> Launch:
+    """The launch for ``rows`` rows: the row tile's, with the x rows and the steps
+    of a chunk cut until a chunk of staged x fits the backend's bytes.
+    ``override``: (outputs a lane group, steps a chunk[, simdgroups]) instead of
+    the shipped ones (benchmarks/block_products.py --launches)."""
+    mr, rs = tile(rows)
+    ahead, groups = AHEAD[backend_name], GROUPS
+    if override is not None:
+        rs, ahead, groups = (*override, GROUPS)[:3]
+    step_bytes = order.split * order.lanes * order.vpt * 4
+    budget = STAGED_BYTES[backend_name]
+    mr = min(mr, max(1, budget // step_bytes))
+    return Launch(mr, rs, max(1, min(ahead, budget // (mr * step_bytes))), groups)
+
+
 class ExactProductKernel:
     """The kernel for one backend, compiled by MLX per (T, order, form, tile, bias)."""
 
@@ -123,17 +151,13 @@ class ExactProductKernel:
         self, x: mx.array, weight: mx.array, bias: mx.array | None, *, form: int = 0, launch: tuple | None = None
     ) -> mx.array:
         """x [..., K] of 2-32 rows times the [N, K] weight (plus ``bias``): [..., N].
-        ``launch``: (outputs a lane group, AHEAD) instead of the tile's and the
-        backend's (benchmarks/block_products.py compares them; the order is the same)."""
+        ``launch``: another launch shape (``launch_for``'s override)."""
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
         order = one_row_order(self.backend, k, n)
-        mr, rs = tile(rows)
-        ahead = AHEAD[self.backend]
-        if launch is not None:
-            rs, ahead = launch
-        per_group = SIMD // order.lanes * rs
+        at = launch_for(self.backend, order, rows, launch)
+        per_group = SIMD // order.lanes * at.outputs
         (y,) = self.kernel(
             inputs=[x.reshape(rows, k), weight, self._no_bias[x.dtype] if bias is None else bias],
             template=[
@@ -143,14 +167,14 @@ class ExactProductKernel:
                 ("SPLIT", order.split),
                 ("EVERY_LANE", order.every_lane),
                 ("FORM", form),
-                ("MR", mr),
-                ("RS", rs),
-                ("GROUPS", GROUPS),
+                ("MR", at.rows),
+                ("RS", at.outputs),
+                ("GROUPS", at.groups),
                 ("HAS_BIAS", bias is not None),
-                ("AHEAD", ahead),
+                ("AHEAD", at.ahead),
             ],
-            grid=(-(-n // (GROUPS * per_group)) * GROUPS * order.split * SIMD, -(-rows // mr), 1),
-            threadgroup=(GROUPS * order.split * SIMD, 1, 1),
+            grid=(-(-n // (at.groups * per_group)) * at.groups * order.split * SIMD, -(-rows // at.rows), 1),
+            threadgroup=(at.groups * order.split * SIMD, 1, 1),
             output_shapes=[(rows, n)],
             output_dtypes=[x.dtype],
         )

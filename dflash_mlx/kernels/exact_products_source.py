@@ -51,7 +51,7 @@ from __future__ import annotations
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
-VERSION = 3  # of BODY and the headers: a change must bump it
+VERSION = 4  # of BODY and the headers: a change must bump it
 SIMD = 32
 INPUTS = ["x", "w", "bias"]
 OUTPUTS = ["y"]
@@ -98,58 +98,93 @@ template <typename T> __device__ __forceinline__ T ep_with_bias(float v, T b) {
 # n_per_thread), SPLIT (simdgroups sharing an output's K: BN), EVERY_LANE
 # (Metal: a lane past K in the last step still adds its zero products);
 # FORM (the multiply-add: 0 as MLX writes it, the compiler's to contract; 1
-# one fma; 2 two roundings, never contracted); the launch: MR (x rows a threadgroup),
-# RS (outputs a lane group), GROUPS (simdgroups a threadgroup per K part),
-# AHEAD (steps whose weights a lane loads before adding any: more loads in
-# flight; the steps are still added in order);
-# HAS_BIAS (else ``bias`` is a stand-in never read). x [M, K] and w [N, K]
-# row-contiguous. Outputs past N load the last row and are not stored, and the
-# rows past M are skipped whole, so every lane reaches the shuffles. (The
-# loops over the accumulators unroll, so that they stay in registers.)
+# one fma; 2 two roundings, never contracted); the launch: MR (x rows a
+# threadgroup), RS (outputs a lane group), GROUPS (simdgroups a threadgroup
+# per K part), AHEAD (steps a chunk); HAS_BIAS (else ``bias`` is a stand-in
+# never read). x [M, K] and w [N, K] row-contiguous.
+#
+# The loop runs over chunks of AHEAD steps. A lane loads the next chunk's
+# weights before adding the current one's, so their loads are in flight while
+# it adds; the threadgroup stages the chunk's x rows in threadgroup memory as
+# float (zeros past K and past M), laid out so that the lanes of a step read
+# consecutive words. Each accumulator still takes its products step by step,
+# value by value, as the one-row kernel does. Outputs past N load the last row
+# and are not stored; rows past M are added (zeros) and not stored, so every
+# lane reaches the shuffles. (The loops over registers unroll, keeping them there.)
 BODY = """
   constexpr int PER_SG = (32 / LANES) * RS;
   constexpr int STEP = SPLIT * LANES * VPT;
+  constexpr int SPAN = SPLIT * LANES;  // a step's lanes, VPT values each
+  constexpr int CHUNK = AHEAD * STEP;  // values of a row staged at a time
+  constexpr int THREADS = SPLIT * GROUPS * 32;
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int N = w_shape[0];
   const int part = warp % SPLIT;
   const int group = warp / SPLIT;
   const int at = lane % LANES;
+  const int pos = part * LANES + at;  // the lane's place in a step
   const int n0 = (tg_x * GROUPS + group) * PER_SG + (lane / LANES) * RS;
   const int m0 = tg_y * MR;
+  TG_MEM TG_ALIGN float xs[MR * CHUNK];
   TG_MEM float parts[SPLIT > 1 ? SPLIT * GROUPS * MR * PER_SG : 1];
   float acc[MR][RS];
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < RS; ++r) acc[m][r] = 0.0f;
   }
   const int steps = (K + STEP - 1) / STEP;
-  for (int s0 = 0; s0 < steps; s0 += AHEAD) {
-    T wv[AHEAD][RS][VPT];
+  T wv[AHEAD][RS][VPT];
+  T wn[AHEAD][RS][VPT];
+  for (int s0 = 0; s0 < steps + AHEAD; s0 += AHEAD) {
+    const int c0 = s0 - AHEAD;  // the chunk added in this pass; s0's weights load meanwhile
+    if (c0 >= 0) {
 #pragma unroll
-    for (int u = 0; u < AHEAD; ++u) {
-      const int k = (s0 + u) * STEP + (part * LANES + at) * VPT;
+      for (int u = 0; u < AHEAD; ++u) {
 #pragma unroll
-      for (int r = 0; r < RS; ++r) {
-        const idx_t row = idx_t(n0 + r < N ? n0 + r : N - 1) * K;
+        for (int r = 0; r < RS; ++r) {
 #pragma unroll
-        for (int t = 0; t < VPT; ++t) wv[u][r][t] = k + t < K ? w[row + k + t] : ep_zero<T>();
+          for (int t = 0; t < VPT; ++t) wv[u][r][t] = wn[u][r][t];
+        }
       }
     }
+    if (s0 < steps) {
+#pragma unroll
+      for (int u = 0; u < AHEAD; ++u) {
+        const int k = (s0 + u) * STEP + pos * VPT;
+#pragma unroll
+        for (int r = 0; r < RS; ++r) {
+          const idx_t row = idx_t(n0 + r < N ? n0 + r : N - 1) * K;
+#pragma unroll
+          for (int t = 0; t < VPT; ++t) wn[u][r][t] = k + t < K ? w[row + k + t] : ep_zero<T>();
+        }
+      }
+    }
+    if (c0 < 0) continue;
+    TG_BARRIER();
+    for (int i = tid; i < MR * AHEAD * SPAN; i += THREADS) {
+      const int p = i % SPAN;
+      const int u = (i / SPAN) % AHEAD;
+      const int m = i / (SPAN * AHEAD);
+      const int k = (c0 + u) * STEP + p * VPT;
+      for (int t = 0; t < VPT; ++t) {
+        const bool inside = m0 + m < M && k + t < K;
+        xs[((m * AHEAD + u) * VPT + t) * SPAN + p] = inside ? to_float(x[idx_t(m0 + m) * K + k + t]) : 0.0f;
+      }
+    }
+    TG_BARRIER();
 #pragma unroll
     for (int u = 0; u < AHEAD; ++u) {
-      const int k = (s0 + u) * STEP + (part * LANES + at) * VPT;
-      if (s0 + u < steps && (EVERY_LANE || k < K)) {
+      const int k = (c0 + u) * STEP + pos * VPT;
+      if (c0 + u < steps && (EVERY_LANE || k < K)) {
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-          if (m0 + m < M) {
-            float xv[VPT];
+          float xv[VPT];
 #pragma unroll
-            for (int t = 0; t < VPT; ++t) xv[t] = k + t < K ? to_float(x[idx_t(m0 + m) * K + k + t]) : 0.0f;
+          for (int t = 0; t < VPT; ++t) xv[t] = xs[((m * AHEAD + u) * VPT + t) * SPAN + pos];
 #pragma unroll
-            for (int r = 0; r < RS; ++r) {
+          for (int r = 0; r < RS; ++r) {
 #pragma unroll
-              for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FORM>(wv[u][r][t], xv[t], acc[m][r]);
-            }
+            for (int t = 0; t < VPT; ++t) acc[m][r] = ep_madd<FORM>(wv[u][r][t], xv[t], acc[m][r]);
           }
         }
       }
@@ -157,11 +192,9 @@ BODY = """
   }
 #pragma unroll
   for (int m = 0; m < MR; ++m) {
-    if (m0 + m < M) {
 #pragma unroll
-      for (int r = 0; r < RS; ++r) {
-        for (int o = LANES / 2; o >= 1; o >>= 1) acc[m][r] += ep_shuffle_down(acc[m][r], o);
-      }
+    for (int r = 0; r < RS; ++r) {
+      for (int o = LANES / 2; o >= 1; o >>= 1) acc[m][r] += ep_shuffle_down(acc[m][r], o);
     }
   }
   if (SPLIT > 1) {
