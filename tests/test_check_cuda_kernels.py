@@ -129,9 +129,9 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
     names = [n for n in recorder.variants if n.startswith("dflash_exact_product")]
     tiles = len(exact_products.TILES)
     assert len(names) == len(exact_products.DTYPES) * 3 * len(exact_products.FORMS["cuda"]) * tiles * 2
-    ahead = exact_products.AHEAD["cuda"]
+    at = exact_products.launch_for("cuda", exact_products.Order(32, 2, 1, False), 16)
     src = recorder.variants[
-        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_1_16_4_2_True_{ahead}"
+        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_1_16_{at.outputs}_{at.groups}_True_{at.ahead}"
     ]
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
@@ -143,7 +143,7 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
         "__nv_bfloat16* y",
     ]
     assert "constexpr int VPT = 2;" in src and "constexpr int FORM = 1;" in src and "__shfl_down_sync" in src
-    assert f"constexpr int AHEAD = {ahead};" in src
+    assert f"constexpr int AHEAD = {at.ahead};" in src
 
 
 def test_every_tree_variant_of_the_self_check_is_recorded_and_wrapped():

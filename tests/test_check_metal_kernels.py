@@ -217,9 +217,10 @@ def test_the_exact_products_variants_compile_and_a_wrong_arity_fails(monkeypatch
         script.record_modules(recorder, "metal", modules=["dflash_mlx.kernels.exact_products"])
         prefix = f"custom_kernel_dflash_exact_product_v{exact_products_source.VERSION}__bfloat16_t_"
         # each order's 32-row launch (BN 8's x rows cut to 4, so that a chunk of x fits)
-        picked = [
-            prefix + order + f"_0_{rows}_2_2_0_" for order, rows in (("32_4_1_1", 32), ("32_4_8_1", 4), ("4_4_1_1", 32))
-        ]
+        picked = []
+        for lanes, split in ((32, 1), (32, 8), (4, 1)):
+            at = exact_products.launch_for("metal", exact_products.Order(lanes, 4, split, True), 32)
+            picked.append(f"{prefix}{lanes}_4_{split}_1_0_{at.rows}_{at.outputs}_{at.groups}_0_")
         recorder.variants = {n: v for n, v in recorder.variants.items() if any(n.startswith(p) for p in picked)}
         assert len(recorder.variants) == 3, sorted(recorder.variants)
         compiler = script.Compiler(CLANG)

@@ -156,7 +156,7 @@ def test_each_launch_covers_every_row_and_output(backend_name, k, n, rows):
     assert staged <= ep.STAGED_BYTES[backend_name] <= 16384 + 16384 * (backend_name == "cuda")
     assert t["MR"] == mr or staged * 2 > ep.STAGED_BYTES[backend_name]  # (cut only to fit)
     threads = t["GROUPS"] * order.split * 32
-    assert launch["threadgroup"] == (threads, 1, 1)
+    assert launch["threadgroup"] == (threads, 1, 1) and threads <= 1024
     gx, gy, gz = launch["grid"]
     assert gx % threads == 0 and gz == 1
     per_threadgroup = t["GROUPS"] * (32 // order.lanes) * t["RS"]
@@ -172,8 +172,9 @@ def test_the_self_check_runs_every_row_tile_and_each_order_at_its_k():
             variant = ep.Variant(mx.bfloat16, k, order, False)
             sizes = ep.check_sizes("metal", variant)
             assert all(ep.one_row_order("metal", k, n) == order for n in sizes), (k, sizes)
-            for _, _, rs in ep.TILES:  # (the last threadgroup partial)
-                assert any(n % (ep.GROUPS * (32 // order.lanes) * rs) for n in sizes), (k, sizes, rs)
+            for most, _, _ in ep.TILES:  # (the last threadgroup partial)
+                at = ep.launch_for("metal", order, most)
+                assert any(n % (at.groups * (32 // order.lanes) * at.outputs) for n in sizes), (k, sizes, at)
 
 
 def layers():

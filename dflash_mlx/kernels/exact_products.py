@@ -42,13 +42,14 @@ FEWEST_ROWS, MOST_ROWS = 2, 32
 CHECK_ROWS = (3, 8, 13, 27)
 # (most rows, x rows a threadgroup, outputs a lane group): a lane's
 # accumulators (rows x outputs, one float each) stay at most 64.
-TILES = ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2))
-GROUPS = 2  # simdgroups a threadgroup per K part
+TILES = ((4, 4, 8), (8, 8, 4), (16, 16, 2), (32, 32, 2))
+GROUPS = 8  # simdgroups a threadgroup per K part (fewer where the order splits K: 1024 threads at most)
 # Steps a chunk: a lane's weights loaded a chunk ahead (registers: twice AHEAD x
 # values a step x outputs a lane group), x staged a chunk at a time.
 AHEAD = {"metal": 2, "cuda": 2}
 # Bytes of float x a threadgroup stages at a time (a threadgroup's memory is 32 KiB on Metal).
 STAGED_BYTES = {"metal": 16384, "cuda": 32768}
+MOST_THREADS = 1024  # a threadgroup's
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def launch_for(backend_name: str, order: Order, rows: int, override: tuple | Non
     step_bytes = order.split * order.lanes * order.vpt * 4
     budget = STAGED_BYTES[backend_name]
     mr = min(mr, max(1, budget // step_bytes))
+    groups = min(groups, MOST_THREADS // (SIMD * order.split))
     return Launch(mr, rs, max(1, min(ahead, budget // (mr * step_bytes))), groups)
 
 
