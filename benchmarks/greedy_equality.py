@@ -6,6 +6,7 @@ Reported in BENCHMARKS.md, "Greedy output against mlx-lm's", and README.md's
     python benchmarks/greedy_equality.py --prompts 8 --max-tokens 128
     python benchmarks/greedy_equality.py --prompts 8 --blocks 8,16,auto
     python benchmarks/greedy_equality.py --shape qwen3-8b --quantize 4 --prompts 4 --blocks 4,16,auto
+    python benchmarks/greedy_equality.py --prompts 8 --blocks 16,t16,t32
 
 The built-in pair (or ``--model``/``--draft``) on the held-out prompts. On a
 CPU both are the same arithmetic and every prompt must match (the tests assert
@@ -15,7 +16,7 @@ that closely greedy can take either: this counts how often that happens and
 where the first difference falls. ``--shape`` runs a pair of random weights at
 a model's shapes instead (cycle.py's; ``--quantize``: the target's bits): no
 text to speak of, but every product, attention and cache path a target of that
-size and width takes.
+size and width takes. A block ``tN`` is a draft tree of N nodes from a block of 16.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main():
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="with --shape: the target's bits")
     ap.add_argument("--prompts", type=int, default=8, help="per set (code, chat)")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--blocks", default="16", help="comma-separated block sizes or 'auto'")
+    ap.add_argument("--blocks", default="16", help="comma-separated block sizes, 'auto', or tN (a tree of N nodes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.quantize and not args.shape:
@@ -70,12 +71,15 @@ def main():
     prompts = [p for ps in sets.values() for p in ps]
     references = [greedy_reference(model, p, args.max_tokens, eos=eos) for p in prompts]
     rows = []
-    for block in [b if b == "auto" else int(b) for b in args.blocks.split(",")]:
+    for block in [b if b == "auto" or b.startswith("t") else int(b) for b in args.blocks.split(",")]:
+        decoding = {"block_size": block}
+        if str(block).startswith("t"):
+            decoding = {"block_size": 16, "tree_budget": int(block[1:])}
         firsts = []
         for p, ref in zip(prompts, references):
             got = [
                 t
-                for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, block_size=block)
+                for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, **decoding)
                 for t in r.tokens
             ]
             n = min(len(ref), len(got))
