@@ -5,6 +5,7 @@ Reported in BENCHMARKS.md, "Target families at real shapes" (and docs/families.m
     python benchmarks/families.py --models qwen3.5-9b-like --bits 16,4 --blocks 4,16 --rollbacks default,replay,per-step
     python benchmarks/families.py --models gpt-oss-20b-like --official
     python benchmarks/families.py --models gpt-oss-20b-like --bits 4,mxfp4 --blocks 4,16
+    python benchmarks/families.py --models qwen3.5-9b-like --bits 16 --blocks 16,t16
     python benchmarks/families.py --small          # tiny shapes: a CPU smoke test, numbers meaningless
 
 Shapes, random weights, bf16 and/or 4-bit: a Qwen3.5-9B-like hybrid (gated
@@ -16,8 +17,8 @@ experts, top 4, sliding layers with sinks). For each it times
   token a step), ms per token: on a hybrid, the recurrence through the same
   kernel the cycle runs (on CUDA ours; mlx-lm's plain step there is a loop of
   small ops, on a Mac its own kernel);
-- cycle: one DFlash cycle through the library's loop at each block size and
-  delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
+- cycle: one DFlash cycle through the library's loop at each block size (or
+  ``tN``: a draft tree of N nodes from a block of 16) and delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
   in ms and in plain steps of both (a random drafter: the cycle's cost does
   not depend on how many drafts are accepted);
 - each time the median over the run's steps or cycles (a graph traced or a
@@ -209,12 +210,18 @@ def adapter_plain_ms(model, prompt, n: int) -> float:
     return median_interval(stamps)
 
 
-def cycle_ms(model, draft, tok, prompt, bs: int, n: int, rollback: str | None = None) -> float:
-    """ms per DFlash cycle, its delta-net layers (if any) rolling back by ``rollback`` (None: the default here)."""
+TREE_BLOCK = 16  # the block a draft tree grows from
+
+
+def cycle_ms(model, draft, tok, prompt, block: int | str, n: int, rollback: str | None = None) -> float:
+    """ms per DFlash cycle of ``block`` ("tN": a tree of N nodes), its delta-net
+    layers (if any) rolling back by ``rollback`` (None: the default here)."""
     cache = make_prompt_cache(model, draft)
     cache.target[:] = [DeltaCache(rollback) if isinstance(c, DeltaCache) else c for c in cache.target]
+    bs, tree = (TREE_BLOCK, int(block[1:])) if str(block).startswith("t") else (block, None)
     stamps = []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, block_size=bs, prompt_cache=cache):
+    decoding = {"block_size": bs, "tree_budget": tree, "prompt_cache": cache}
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, **decoding):
         stamps.append((time.perf_counter(), r.cycles))
     return median_interval(stamps)
 
@@ -261,7 +268,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--blocks", default="4,8,16")
+    parser.add_argument(
+        "--blocks", default="4,8,16", help="block sizes, or tN (a draft tree of N nodes), comma-separated"
+    )
     parser.add_argument("--models", default="qwen3.5-9b-like,gpt-oss-20b-like", help="which shapes, comma-separated")
     parser.add_argument(
         "--bits", default="16,4", help="weights: 16 (bf16), 4 or 8 (mlx-lm affine), mxfp4; comma-separated"
@@ -279,7 +288,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     n = 3 if args.small else 32
-    blocks = [int(b) for b in args.blocks.split(",")]
+    blocks = [b if b.startswith("t") else int(b) for b in args.blocks.split(",")]
     rollbacks = [r.strip() for r in args.rollbacks.split(",") if r.strip()]
     if not rollbacks or any(r not in ("default", *ROLLBACKS) for r in rollbacks):
         parser.error(f"--rollbacks takes default, {', '.join(ROLLBACKS)} (comma-separated), not {args.rollbacks!r}.")
@@ -321,7 +330,9 @@ def main() -> None:
                 cells = row["blocks"][bs] = {}
                 for rollback in rollbacks if hybrid else ["default"]:
                     strategy = None if rollback == "default" else rollback
-                    rb = rollback_ms(model, prompt, bs, 3 if args.small else 10, strategy)
+                    rb = rollback_ms(
+                        model, prompt, TREE_BLOCK if str(bs).startswith("t") else bs, 3 if args.small else 10, strategy
+                    )
                     c = cycle_ms(model, draft, tok, prompt, bs, n, strategy)
                     cells[rollback] = {
                         "rollback_ms": rb,
@@ -330,12 +341,12 @@ def main() -> None:
                         "cycle_in_adapter_steps": c / ours,
                     }
                     print(
-                        f"{label} block {bs:2}"
+                        f"{label} block {bs:>3}"
                         + (f" {rollback:8}" if hybrid else "")
                         + f": cycle {c:7.2f} ms = {c / plain:4.2f} mlx-lm steps = {c / ours:4.2f} adapter steps"
                         + (f" | rollback {rb:7.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else "")
                     )
-                if args.official:
+                if args.official and not str(bs).startswith("t"):
                     o = official_cycle_ms(cfg, bits, dtype, tok, prompt, bs, n)
                     cells["official_cycle_ms"] = o
                     print(
