@@ -209,9 +209,9 @@ DENSE = [
 WEIGHT_BYTES = 8 << 30  # the most a product's distinct weights take
 
 
-def launch_name(launch: tuple) -> str:
-    """A --launches shape for the table: outputs a lane group, steps a chunk, simdgroups."""
-    return f"{launch[0]} out {launch[1]} ahead" + (f" {launch[2]} sg" if len(launch) > 2 else "")
+def launch_name(at) -> str:
+    """A launch (exact_products.Launch) for the table: outputs a lane group, steps a chunk, simdgroups."""
+    return f"{at.outputs} out {at.ahead} ahead {at.groups} sg"
 
 
 def exact_main(args) -> None:
@@ -247,7 +247,8 @@ def exact_main(args) -> None:
             )
             rows += timed_rows({"mlx 1 row": lambda i: (one + i) @ weights[i].T}, args, repeat, **fields, exact=True)
             for launch in [None, *launches]:  # the same order, other launch shapes: each row's exactness its own
-                side = f"kernel {m} rows" if launch is None else "kernel " + launch_name(launch)
+                ran = ep.launch_for(where, variant.order, m, launch)  # (the shape that runs: cut to fit)
+                side = f"kernel {m} rows" if launch is None else "kernel " + launch_name(ran)
                 exact = mx.array_equal(kernel(x, weights[0], None, form=check.form, launch=launch), want).item()
                 product = lambda i, at=launch: kernel(x + i, weights[i], None, form=check.form, launch=at)  # noqa: E731
                 rows += timed_rows({side: product}, args, repeat, **fields, exact=exact)

@@ -330,9 +330,9 @@ def main() -> None:
                 cells = row["blocks"][bs] = {}
                 for rollback in rollbacks if hybrid else ["default"]:
                     strategy = None if rollback == "default" else rollback
-                    rb = rollback_ms(
-                        model, prompt, TREE_BLOCK if str(bs).startswith("t") else bs, 3 if args.small else 10, strategy
-                    )
+                    # (a tree keeps its accepted path, not a prefix of a block: no block rollback to time)
+                    tree = str(bs).startswith("t")
+                    rb = None if tree else rollback_ms(model, prompt, bs, 3 if args.small else 10, strategy)
                     c = cycle_ms(model, draft, tok, prompt, bs, n, strategy)
                     cells[rollback] = {
                         "rollback_ms": rb,

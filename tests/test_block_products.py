@@ -675,6 +675,8 @@ def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):
     monkeypatch.setattr(ep, "backend", lambda: "fake")
     monkeypatch.setitem(ep.BUILDERS, "fake", Exact)
     monkeypatch.setitem(ep.FORMS, "fake", (1,))
+    monkeypatch.setitem(ep.AHEAD, "fake", 2)
+    monkeypatch.setitem(ep.STAGED_BYTES, "fake", 32768)
     monkeypatch.setattr(ep, "ExactProductKernel", Exact)
     monkeypatch.setattr(bench, "DENSE", [("o", 64, 512)])
     argv = ["block_products.py", "--exact", "--skip-check", "--rows", "16,32", "--repeat", "2", "--runs", "1"]

@@ -131,7 +131,7 @@ def test_every_exact_product_variant_is_recorded_and_wrapped():
     assert len(names) == len(exact_products.DTYPES) * 3 * len(exact_products.FORMS["cuda"]) * tiles * 2
     at = exact_products.launch_for("cuda", exact_products.Order(32, 2, 1, False), 16)
     src = recorder.variants[
-        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_1_16_{at.outputs}_{at.groups}_True_{at.ahead}"
+        f"dflash_exact_product_v{exact_products.VERSION}_bfloat16_32_2_1_False_1_{at.rows}_{at.outputs}_{at.groups}_True_{at.ahead}"
     ]
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [

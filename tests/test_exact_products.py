@@ -154,6 +154,8 @@ def test_each_launch_covers_every_row_and_output(backend_name, k, n, rows):
     assert t["RS"] == rs and t["MR"] * t["RS"] <= 64  # accumulators a lane
     staged = t["MR"] * t["AHEAD"] * order.split * order.lanes * order.vpt * 4  # bytes of x a chunk
     assert staged <= ep.STAGED_BYTES[backend_name] <= 16384 + 16384 * (backend_name == "cuda")
+    at = ep.Launch(t["MR"], t["RS"], t["AHEAD"], t["GROUPS"])
+    assert staged <= ep.shared_bytes(order, at) <= 32768  # (with the split order's partial sums)
     assert t["MR"] == mr or staged * 2 > ep.STAGED_BYTES[backend_name]  # (cut only to fit)
     threads = t["GROUPS"] * order.split * 32
     assert launch["threadgroup"] == (threads, 1, 1) and threads <= 1024
@@ -163,6 +165,14 @@ def test_each_launch_covers_every_row_and_output(backend_name, k, n, rows):
     assert (gx // threads - 1) * per_threadgroup < n <= gx // threads * per_threadgroup
     assert (gy - 1) * t["MR"] < rows <= gy * t["MR"]
     assert not t["HAS_BIAS"] and launch["inputs"][2].shape == (8,)  # (a stand-in in device memory)
+
+
+def test_a_launch_shape_that_does_not_fit_a_threadgroup_is_refused():
+    split = ep.Order(32, 4, 8, True)
+    assert ep.launch_for("metal", split, 16, (8, 2, 8)).groups == 4  # (cut to 1,024 threads)
+    for override in ((64, 1, 4), (2, 2, 0)):  # the partial sums past 32 KiB; no simdgroups
+        with pytest.raises(ValueError, match="fits a threadgroup"):
+            ep.launch_for("metal", split, 16, override)
 
 
 def test_the_self_check_runs_every_row_tile_and_each_order_at_its_k():
@@ -492,8 +502,11 @@ def metal_case(rows: int, n: int, k: int, bias: bool, dtype=np.float16):
         (4, 264, 4096, False, np.float32, 2),
         (2, 40, 1000, False, np.float16, 2),  # one partial step: lanes past K add zeros
         (3, 72, 1100, False, np.float16, 2),  # 9 steps (an odd one out of AHEAD), the last partial
-        (3, 72, 1100, False, np.float16, 4),  # (CUDA's loads ahead, through the same body)
-        (13, 24, 4096, False, np.float16, 4),
+        (3, 72, 1100, False, np.float16, 4),  # chunks of 4 steps, the last of one
+        (27, 264, 4096, False, np.float16, 2),  # 32 rows a threadgroup, one step a chunk
+        (17, 72, 1100, False, np.float16, 2),  # (and the last step partial)
+        (20, 20, 40, False, np.float16, 2),  # SN 4 with K not a multiple of a step, 32 rows
+        (27, 20, 50, False, np.float32, 2),
     ],
 )
 def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(

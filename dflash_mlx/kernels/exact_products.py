@@ -47,9 +47,11 @@ GROUPS = 8  # simdgroups a threadgroup per K part (fewer where the order splits 
 # Steps a chunk: a lane's weights loaded a chunk ahead (registers: twice AHEAD x
 # values a step x outputs a lane group), x staged a chunk at a time.
 AHEAD = {"metal": 2, "cuda": 2}
-# Bytes of float x a threadgroup stages at a time (a threadgroup's memory is 32 KiB on Metal).
+# Bytes of float x a threadgroup stages at a time: half of Metal's 32 KiB a threadgroup
+# (the split order's partial sums take the rest), within CUDA's 48 KiB of static shared memory.
 STAGED_BYTES = {"metal": 16384, "cuda": 32768}
 MOST_THREADS = 1024  # a threadgroup's
+MOST_SHARED_BYTES = 32768  # a threadgroup's memory on Metal (CUDA's static limit is higher)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,17 @@ def launch_for(backend_name: str, order: Order, rows: int, override: tuple | Non
     budget = STAGED_BYTES[backend_name]
     mr = min(mr, max(1, budget // step_bytes))
     groups = min(groups, MOST_THREADS // (SIMD * order.split))
-    return Launch(mr, rs, max(1, min(ahead, budget // (mr * step_bytes))), groups)
+    at = Launch(mr, rs, max(1, min(ahead, budget // (mr * step_bytes))), groups)
+    if min(rs, ahead, groups) < 1 or shared_bytes(order, at) > MOST_SHARED_BYTES:
+        raise ValueError(f"no launch of {at} fits a threadgroup in the {order} order; take fewer outputs or rows.")
+    return at
+
+
+def shared_bytes(order: Order, at: Launch) -> int:
+    """Threadgroup memory a launch takes: the staged x chunk, and the split order's partial sums."""
+    staged = at.rows * at.ahead * order.split * order.lanes * order.vpt * 4
+    parts = order.split * at.groups * at.rows * (SIMD // order.lanes) * at.outputs * 4 if order.split > 1 else 0
+    return staged + parts
 
 
 class ExactProductKernel:
