@@ -236,13 +236,18 @@ def sent_bytes(target, rows: int, taps: int) -> int:
     return round(rows * row + ring * (taps + 1) * rows * row)  # the hidden state on, then taps and output to all
 
 
+def decoding(block: int | str) -> dict:
+    """stream_generate's arguments for a ``--blocks`` entry: a block size or
+    "auto", or "tN": draft trees of N rows from the drafter's block."""
+    return {"tree_budget": int(block[1:])} if str(block).startswith("t") else {"block_size": block}
+
+
 def dflash_cycle(model, draft, tokenizer, prompt, cycles: int, block: int | str) -> dict:
     """A cycle in the real loop; ``block`` "tN": draft trees of N rows."""
     from dflash_mlx import stream_generate
 
     marks, busy, n = [], [], 0
-    size = {"tree_budget": int(block[1:])} if isinstance(block, str) else {"block_size": block}
-    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, **size):
+    for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=cycles + 1, **decoding(block)):
         marks.append(time.perf_counter())
         busy.append(time.process_time())
         n = r.cycles

@@ -18,7 +18,7 @@ experts, top 4, sliding layers with sinks). For each it times
   kernel the cycle runs (on CUDA ours; mlx-lm's plain step there is a loop of
   small ops, on a Mac its own kernel);
 - cycle: one DFlash cycle through the library's loop at each block size (or
-  ``tN``: a draft tree of N nodes from a block of 16) and delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
+  ``tN``: a draft tree of N nodes from the drafter's block) and delta-net rollback (``--rollbacks``; ``default``: what this machine picks),
   in ms and in plain steps of both (a random drafter: the cycle's cost does
   not depend on how many drafts are accepted);
 - each time the median over the run's steps or cycles (a graph traced or a
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from cycle import decoding
 from mlx_lm.generate import generate_step
 from speed import official_draft
 
@@ -210,18 +211,15 @@ def adapter_plain_ms(model, prompt, n: int) -> float:
     return median_interval(stamps)
 
 
-TREE_BLOCK = 16  # the block a draft tree grows from
-
-
 def cycle_ms(model, draft, tok, prompt, block: int | str, n: int, rollback: str | None = None) -> float:
-    """ms per DFlash cycle of ``block`` ("tN": a tree of N nodes), its delta-net
-    layers (if any) rolling back by ``rollback`` (None: the default here)."""
+    """ms per DFlash cycle of ``block`` ("tN": a tree of N nodes from the
+    drafter's block), its delta-net layers (if any) rolling back by
+    ``rollback`` (None: the default here)."""
     cache = make_prompt_cache(model, draft)
     cache.target[:] = [DeltaCache(rollback) if isinstance(c, DeltaCache) else c for c in cache.target]
-    bs, tree = (TREE_BLOCK, int(block[1:])) if str(block).startswith("t") else (block, None)
+    bs = draft.config.block_size if str(block).startswith("t") else block
     stamps = []
-    decoding = {"block_size": bs, "tree_budget": tree, "prompt_cache": cache}
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, **decoding):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=n * bs, prompt_cache=cache, **decoding(block)):
         stamps.append((time.perf_counter(), r.cycles))
     return median_interval(stamps)
 

@@ -16,7 +16,7 @@ that closely greedy can take either: this counts how often that happens and
 where the first difference falls. ``--shape`` runs a pair of random weights at
 a model's shapes instead (cycle.py's; ``--quantize``: the target's bits): no
 text to speak of, but every product, attention and cache path a target of that
-size and width takes. A block ``tN`` is a draft tree of N nodes from a block of 16.
+size and width takes. A block ``tN`` is a draft tree of N nodes from the drafter's block.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def main():
     if args.shape and (args.model != "builtin" or args.draft):
         ap.error("--shape makes its own pair; leave out --model and --draft.")
 
+    from cycle import decoding
+
     from dflash_mlx import load, stream_generate
     from dflash_mlx.tiny import greedy_reference
 
@@ -72,16 +74,10 @@ def main():
     references = [greedy_reference(model, p, args.max_tokens, eos=eos) for p in prompts]
     rows = []
     for block in [b if b == "auto" or b.startswith("t") else int(b) for b in args.blocks.split(",")]:
-        decoding = {"block_size": block}
-        if str(block).startswith("t"):
-            decoding = {"block_size": 16, "tree_budget": int(block[1:])}
         firsts = []
         for p, ref in zip(prompts, references):
-            got = [
-                t
-                for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, **decoding)
-                for t in r.tokens
-            ]
+            replies = stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, **decoding(block))
+            got = [t for r in replies for t in r.tokens]
             n = min(len(ref), len(got))
             first = next((i for i in range(n) if ref[i] != got[i]), None if len(ref) == len(got) else n)
             firsts.append(first)
