@@ -23,11 +23,14 @@ def auto_memory_home(tmp_path_factory, monkeypatch):
     # A fake GPU's kernels serve wherever the dispatch table lets them: the
     # measurement that decides on a real machine (decisions.py) has its own tests.
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "on")
-    from dflash_mlx.kernels import decisions
+    # Kernel checks passed in an earlier test are not remembered in this one (passed_checks.py).
+    from dflash_mlx.kernels import decisions, passed_checks
 
     decisions.reset()
+    passed_checks.reset()
     yield
     decisions.reset()
+    passed_checks.reset()
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,22 @@
 """Choose the kernel or the fused op per call; check each kernel variant once.
 
 A variant (backend, dtype, head dim, window kind; a block's or a draft
-tree's) is used only after it has matched the ops path in this process (a
-failure sends it to the ops path for good, with one warning), and for a class
+tree's) is used only after it has matched the ops path in this process, or
+in an earlier one on this machine (passed_checks.py; a failure sends it to
+the ops path for good, with one warning), and for a class
 of shapes only where this machine measured it faster than MLX's fused
 attention (decisions.py)."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 
 from ..device import backend
 from ..kv.tree import TreeLayout, from_parents
-from . import decisions
+from . import decisions, passed_checks
 from .attention import BlockAttentionKernel
 from .attention_source import TREE_NODES
 from .ops import DTYPES, HEAD_DIMS, check_inputs, ops_attention
@@ -250,6 +251,7 @@ def checked_kernel(where: str, dtype, head_dim: int, windowed: bool, tree: bool 
             f"dflash_mlx: the {r.case} block-attention kernel failed its self-check ({r.detail}); "
             "using mx.fast.scaled_dot_product_attention for it instead."
         ),
+        kernel=TREE_DECISION if tree else DECISION,
     )
     return _kernels.get(where) if result.ok else None
 
@@ -281,27 +283,45 @@ def compare_with_ops(
     where: str, dtype, head_dim: int, windowed: bool, *, kernels: dict, builders: dict, outputs
 ) -> CheckResult:
     """Self-check: every (kernel, ops) pair from ``outputs(kernel)`` agrees within
-    TOLERANCE of the largest element; a build or launch error fails it, named."""
+    TOLERANCE of the largest element; a build or launch error fails it, named.
+    Inside serving.check_once a pass remembered on this machine stands for it."""
     name = str(dtype).split(".")[-1]
-    try:
-        kernel = kernels.get(where)
-        if kernel is None:
-            kernel = kernels[where] = builders[where](where)
-        worst, bit_equal = 0.0, True
-        for got, want in outputs(kernel):
-            got, want = got.astype(mx.float32), want.astype(mx.float32)
-            if got.shape != want.shape:
-                return CheckResult(where, name, head_dim, windowed, False, f"output shape {got.shape} != {want.shape}")
-            bit_equal = bit_equal and mx.array_equal(got, want).item()
-            err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
-            if not err == err:  # NaN
-                err = float("inf")
-            worst = max(worst, err)
-        ok = worst <= TOLERANCE[dtype]
-        detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
-        return CheckResult(where, name, head_dim, windowed, ok, detail, bit_equal=ok and bit_equal)
-    except Exception as e:  # a build or launch error: the kernel is not used
-        return CheckResult(where, name, head_dim, windowed, False, failure(e))
+
+    def check() -> CheckResult:
+        try:
+            kernel = kernels.get(where)
+            if kernel is None:
+                kernel = kernels[where] = builders[where](where)
+            worst, bit_equal = 0.0, True
+            for got, want in outputs(kernel):
+                got, want = got.astype(mx.float32), want.astype(mx.float32)
+                if got.shape != want.shape:
+                    return CheckResult(
+                        where, name, head_dim, windowed, False, f"output shape {got.shape} != {want.shape}"
+                    )
+                bit_equal = bit_equal and mx.array_equal(got, want).item()
+                err = (mx.abs(got - want).max() / (mx.abs(want).max() + 1e-6)).item()
+                if not err == err:  # NaN
+                    err = float("inf")
+                worst = max(worst, err)
+            ok = worst <= TOLERANCE[dtype]
+            detail = f"max relative error {worst:.1e}" + ("" if ok else f" > {TOLERANCE[dtype]:.0e}")
+            return CheckResult(where, name, head_dim, windowed, ok, detail, bit_equal=ok and bit_equal)
+        except Exception as e:  # a build or launch error: the kernel is not used
+            return CheckResult(where, name, head_dim, windowed, False, failure(e))
+
+    def restore(fields: dict) -> CheckResult | None:
+        return remembered_pass(fields, where, name, head_dim, windowed)
+
+    return passed_checks.checked(where, (kernels, builders), check, asdict, restore)
+
+
+def remembered_pass(fields: dict, where: str, dtype: str, head_dim: int, windowed: bool) -> CheckResult | None:
+    """The CheckResult of a pass kept as ``fields``, if it is one of this variant's."""
+    result = passed_checks.rebuilt(CheckResult, fields)
+    if result is None or not result.ok or (result.backend, result.dtype, result.head_dim) != (where, dtype, head_dim):
+        return None
+    return result if result.window == windowed else None
 
 
 def _check_cases(dtype, head_dim: int, windowed: bool):

@@ -302,6 +302,7 @@ def checked(where: str, dtype, head_dim: int, tree: bool = False) -> ExactAttent
             f"dflash_mlx: the {r.case} exact verify attention failed its self-check ({r.detail}); "
             "using MLX's attention for it instead."
         ),
+        kernel=TREE_DECISION if tree else DECISION,
     )
 
 

@@ -29,7 +29,8 @@ equals a plain run of them. CUDA contracts products into fused multiply-adds
 as Metal may: outputs equal mlx-lm's up to each backend's float rules.
 
 Each variant (backend, dtype, Dk) is used only after its self-check in this
-process (``prepare``, outside any compiled trace): against mlx-lm's ops
+process or an earlier one on this machine (``prepare``, outside any compiled
+trace; passed_checks.py): against mlx-lm's ops
 path within a tolerance, one launch against step-by-step launches and a
 limited run against a plain run of its prefix bit for bit, and on Metal
 against mlx-lm's own kernel bit for bit (the replay must reach the states of
@@ -49,9 +50,11 @@ from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
 from ..device import backend, constant_arange
 from .attention import make_factory
-from .dispatch import TOLERANCE, CheckResult
+from .dispatch import TOLERANCE, CheckResult, remembered_pass
 from .gated_delta_source import HEADER, INPUTS, OUTPUTS, TREE_INPUTS, TREE_OUTPUTS, VERSION, source
 from .launch_source import compacting
+from .passed_checks import checked as remembered_or_checked
+from .passed_checks import fields_of
 from .serving import check_once, failure
 from .serving import passed as check_passed
 
@@ -138,6 +141,7 @@ def launch(q: mx.array, v: mx.array) -> dict:
     return {"grid": (32, groups, q.shape[0] * Hv), "threadgroup": (32, warps, 1)}
 
 
+BUILDERS = {"metal": GatedDeltaKernel, "cuda": GatedDeltaKernel}
 _kernels: dict[str, GatedDeltaKernel] = {}
 _checks: dict[tuple, CheckResult] = {}
 
@@ -170,6 +174,7 @@ def prepare(dtype, key_dim: int, value_dim: int) -> None:
             f"dflash_mlx: the {where} {r.dtype} Dk={key_dim} gated delta-net kernel failed its "
             f"self-check ({r.detail}); using {instead} for it instead."
         ),
+        kernel="gated delta-net",
     )
 
 
@@ -259,6 +264,16 @@ def _bitwise(a: mx.array, b: mx.array) -> bool:
 
 
 def self_check(where: str, dtype, key_dim: int, value_dim: int) -> CheckResult:
+    """``run_check``, or inside serving.check_once a pass remembered on this machine."""
+
+    def restore(fields: dict) -> CheckResult | None:
+        return remembered_pass(fields, where, str(dtype).split(".")[-1], key_dim, False)
+
+    check = (where, dtype, key_dim, value_dim)
+    return remembered_or_checked(where, (_kernels, BUILDERS), lambda: run_check(*check), fields_of, restore)
+
+
+def run_check(where: str, dtype, key_dim: int, value_dim: int) -> CheckResult:
     """The kernel against mlx-lm's ops within TOLERANCE; a whole write
     against step-by-step launches and a limited run against its prefix's
     plain run bit for bit; on Metal against mlx-lm's kernel bit for bit."""

@@ -227,6 +227,7 @@ def prepare(dtype, head_dim: int) -> None:
             f"dflash_mlx: the {where} {r.dtype} head_dim={head_dim} q/k norm + RoPE kernel failed its "
             f"self-check ({r.detail}); using MLX's rms_norm and rope for it instead."
         ),
+        kernel="q/k norm + RoPE",
     )
 
 

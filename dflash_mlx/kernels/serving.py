@@ -1,5 +1,6 @@
 """The rules every custom kernel follows before it serves: its self-check runs
-once per variant (a failure warns once and keeps MLX's path), and a verify
+once per variant (a failure warns once and keeps MLX's path; a pass is
+remembered on this machine for later processes: passed_checks.py), and a verify
 product serves a layer's shape only where its rows through that layer's own
 weight equal the one-row products bit for bit, and (but on Metal, where
 exactness comes first: decisions.serves_exact) it measured faster here at
@@ -16,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from . import decisions
+from . import decisions, passed_checks
 
 MEASURED_ROWS = 16  # a verify of a block of 16
 # A verify product is timed at a block's most rows and at a draft tree's: a
@@ -74,12 +75,19 @@ def timed_in_turn(ours: Callable, theirs: Callable, inputs: list) -> tuple[Calla
     return lambda: ours(next(turns)), lambda: theirs(next(turns))
 
 
-def check_once(checks: dict, key, check: Callable[[], object], warning: Callable[[object], str]):
-    """``checks[key]``, running ``check()`` the first time; a failed result
-    (``.ok`` false) warns once with ``warning(result)``."""
+def check_once(
+    checks: dict, key, check: Callable[[], object], warning: Callable[[object], str], kernel: str | None = None
+):
+    """``checks[key]``, running ``check()`` the first time (where ``kernel``
+    names the kernel, a pass remembered on this machine stands for it:
+    passed_checks.py); a failed result (``.ok`` false) warns once with
+    ``warning(result)``."""
     result = checks.get(key)
     if result is None:
-        result = checks[key] = check()
+        with passed_checks.running(kernel, key, check) as now:
+            result = check()
+        passed_checks.note(result, now)
+        checks[key] = result
         if not result.ok:
             warnings.warn(warning(result), RuntimeWarning, stacklevel=4)
     return result
@@ -115,6 +123,7 @@ class CheckedVariants:
                 f"dflash_mlx: the {r.case} {self.what} failed its self-check ({r.detail}); "
                 f"using {self.instead} for it instead."
             ),
+            kernel=self.what,
         )
 
     def serves(self, where: str, variant, n: int, rows: int = MEASURED_ROWS) -> bool:
@@ -196,22 +205,34 @@ def first_exact(where: str, tries, kernels: tuple, pairs: Callable, result: Call
     put before a difference. The first try that matches gives
     ``result(True, passed, tried)``; else the last try's failure,
     ``result(False, detail, tried)``, or ``result(False, error)`` where the
-    build or a launch failed (no try compared)."""
+    build or a launch failed (no try compared). Inside serving.check_once a
+    pass remembered on this machine stands for the tries (passed_checks.py)."""
     made, builders = kernels
-    for tried in tries:
-        try:
-            if where not in made:
-                made[where] = builders[where](where)
-            for got, want, at in pairs(made[where], tried):
-                detail = bit_difference(got, want)
-                if detail is not None:
-                    break
-            else:
-                return result(True, passed, tried)
-            outcome = result(False, at + detail, tried)
-        except Exception as e:  # a build or launch error: the kernel is not used
-            outcome = result(False, failure(e))
-    return outcome
+    chosen = []
+
+    def check():
+        for tried in tries:
+            try:
+                if where not in made:
+                    made[where] = builders[where](where)
+                for got, want, at in pairs(made[where], tried):
+                    detail = bit_difference(got, want)
+                    if detail is not None:
+                        break
+                else:
+                    chosen.append(tried)
+                    return result(True, passed, tried)
+                outcome = result(False, at + detail, tried)
+            except Exception as e:  # a build or launch error: the kernel is not used
+                outcome = result(False, failure(e))
+        return outcome
+
+    def restore(fields: dict):
+        tried = fields.get("tried")  # (one of tries still, of its type: True is not 1)
+        fits = any(type(t) is type(tried) and t == tried for t in tries)
+        return result(True, passed, tried) if fits else None
+
+    return passed_checks.checked(where, kernels, check, lambda r: {"tried": chosen[-1]}, restore)
 
 
 def checked_here(checks: dict, where: str, report=None) -> list:

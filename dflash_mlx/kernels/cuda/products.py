@@ -7,22 +7,23 @@ with an RMSNorm prologue and a bias, residual or SwiGLU epilogue. Its sums run
 over K in another order than cuBLAS's (last-bit differences, as between any
 two products), so it takes only what the exact verify product
 (kernels/exact_products.py) does not, where no order can match MLX's one-row
-product anyway; each part is used only after matching MLX's ops here."""
+product anyway; each part is used only after matching MLX's ops here (in this
+process or an earlier one: passed_checks.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-import warnings
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
+from .. import passed_checks
 from ..attention import make_factory
 from ..attention_source import HEADER
 from ..dispatch import CheckResult, backend, compare_with_ops
 from ..launch_source import compacting
+from ..serving import check_once
 from .products_source import BODY, MMA_HEADER, VERSION
 
 MOST_ROWS = 16  # one matrix-unit tile's rows
@@ -176,17 +177,18 @@ def prepare(dtype) -> None:
     if where not in BUILDERS or dtype not in DTYPES:
         return
     key = (where, dtype)
-    if key not in _checks:
-        result = _checks[key] = self_check(where, dtype)
-        if result.ok:
-            _ready[key] = _kernels[where]
-        else:
-            warnings.warn(
-                f"dflash_mlx: the {where} {result.dtype} block-product kernel failed its self-check "
-                f"({result.detail}); using MLX's matrix products instead.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    result = check_once(
+        _checks,
+        key,
+        lambda: self_check(where, dtype),
+        lambda r: (
+            f"dflash_mlx: the {where} {r.dtype} block-product kernel failed its self-check "
+            f"({r.detail}); using MLX's matrix products instead."
+        ),
+        kernel="block product",
+    )
+    if result.ok:
+        _ready[key] = _kernels[where]
     # where a part fails, the products keep the kernel and that part its own launch
     _check_part(
         key,
@@ -209,19 +211,23 @@ def prepare(dtype) -> None:
 
 def _check_part(key: tuple, part: str, name: str, otherwise: str, passed_set: set, **check) -> None:
     """Check a part of the kernel once for a ``key`` whose products passed."""
-    if key not in _ready or key + (part,) in _checks:
+    if key not in _ready:
         return
     where, dtype = key
-    result = _checks[key + (part,)] = self_check(where, dtype, **check)
+    # (named by the check's options: the norm's covers a fused SwiGLU only where that passed)
+    kernel = " ".join(["block product", *sorted(option for option, on in check.items() if on)])
+    result = check_once(
+        _checks,
+        key + (part,),
+        lambda: self_check(where, dtype, **check),
+        lambda r: (
+            f"dflash_mlx: the {where} {r.dtype} block-product kernel's {name} failed its self-check "
+            f"({r.detail}); {otherwise}."
+        ),
+        kernel=kernel,
+    )
     if result.ok:
         passed_set.add(key)
-    else:
-        warnings.warn(
-            f"dflash_mlx: the {where} {result.dtype} block-product kernel's {name} failed its self-check "
-            f"({result.detail}); {otherwise}.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 def self_check_all(report=None) -> list[CheckResult]:
@@ -235,7 +241,7 @@ def self_check_all(report=None) -> list[CheckResult]:
                 result = _checks[key]
                 if len(key) == 3:
                     part = {"swiglu": "SwiGLU", "norm": "RMSNorm"}[key[2]]
-                    result = dataclasses.replace(result, dtype=f"{result.dtype} + {part}")
+                    result = passed_checks.replaced(result, dtype=f"{result.dtype} + {part}")
                 results.append(result)
                 if report is not None:
                     report(result)
