@@ -23,6 +23,8 @@ $ dflash-mlx doctor
 $ dflash-mlx doctor --seconds 5      # a shorter decoding probe
 
 $ dflash-mlx doctor --seconds 0      # machine and kernel checks only
+
+$ dflash-mlx doctor --recheck        # run every kernel check again, not trusting earlier passes
 """
 
 PROMPT = "def fibonacci(n):"
@@ -38,6 +40,14 @@ def doctor_command(
             "and DFlash in turn, after one untimed run of each; 0 skips it.",
         ),
     ] = 30.0,
+    recheck: Annotated[
+        bool,
+        typer.Option(
+            "--recheck",
+            help="Forget the kernel checks this machine passed before and run every one again "
+            "(later processes then trust these results).",
+        ),
+    ] = False,
 ):
     """Check this machine: MLX backend, kernel self-checks, a decoding probe.
 
@@ -56,7 +66,7 @@ def doctor_command(
         line(key, value)
 
     out.print("\n[bold]block-attention kernels[/]")
-    kernels(line, out.print)
+    kernels(line, out.print, recheck)
 
     out.print("\n[bold]matrix products[/] (a verify multiplies a block of rows; one row is a plain step)")
     products(line)
@@ -102,16 +112,22 @@ def machine() -> list[tuple[str, str]]:
 COLD_BUILDS = {"cuda": "; a machine's first run compiles them, which takes minutes on CUDA"}
 
 
-def kernels(line, note) -> None:
-    """A line per kernel variant's self-check, each as it completes; ``note``
-    prints to the console only (not the paste block)."""
-    from dflash_mlx.kernels import backend, self_check_all
+def kernels(line, note, recheck: bool = False) -> None:
+    """A line per kernel variant's self-check, each as it completes (a pass
+    an earlier process kept here says so; ``recheck`` forgets those first);
+    ``note`` prints to the console only (not the paste block)."""
+    from dflash_mlx.kernels import backend, passed_checks, self_check_all
 
     where = backend()
     if where == "cpu":
         line("kernels", "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention")
         return
+    if recheck:
+        passed_checks.forget()
+    kept = passed_checks.current().path
     note(f"  (each variant is built and checked in turn{COLD_BUILDS.get(where, '')})")
+    if kept is not None:
+        note(f"  (a variant an earlier process passed here is taken from {kept} unchecked: --recheck checks it)")
 
     def attention_line(r) -> None:
         check_line(line, f"check {r.dtype} d{r.head_dim}{' win' if r.window else ''}", r, "fused op used")
@@ -128,7 +144,13 @@ def kernels(line, note) -> None:
     results += small_kernel_checks(line)
     results += quantized_checks(line)
     failed = sum(not r.ok for r in results)
-    line("kernel checks", f"{len(results) - failed} of {len(results)} passed", "green" if not failed else "red")
+    remembered = sum(passed_checks.recalled(r) for r in results)
+    earlier = f" ({remembered} remembered from earlier checks here)" if remembered else ""
+    line(
+        "kernel checks",
+        f"{len(results) - failed} of {len(results)} passed{earlier}",
+        "green" if not failed else "red",
+    )
     decided(line)
 
 
@@ -203,8 +225,14 @@ def quantized_checks(line) -> list:
 
 
 def check_line(line, name: str, result, fallback: str) -> None:
-    """A kernel check's line: ok, or FAILED naming what runs instead."""
-    line(name, ("ok, " if result.ok else f"FAILED ({fallback}), ") + result.detail, "green" if result.ok else "red")
+    """A kernel check's line: ok (remembered: an earlier process's pass here),
+    or FAILED naming what runs instead."""
+    from dflash_mlx.kernels import passed_checks
+
+    verdict = "ok (remembered), " if passed_checks.recalled(result) else "ok, "
+    if not result.ok:
+        verdict = f"FAILED ({fallback}), "
+    line(name, verdict + result.detail, "green" if result.ok else "red")
 
 
 def small_kernel_checks(line) -> list:
