@@ -36,8 +36,10 @@ for that product's variant (every row tile's rows bit for bit against MLX's
 one-row product: ``check``), then, over ``--repeat`` distinct random weights,
 three sides: the kernel's ``--rows`` rows, MLX's ``quantized_matmul`` of the
 same rows, and MLX's one-row product (a plain step's), and whether the
-kernel's rows equal the one-row products here (``exact``). The kernel's goal:
-its 16 rows within 1.25x the one-row product's device time.
+kernel's rows equal the one-row products here (``exact``); ``--launches`` adds
+the kernel at other tiles (x rows a threadgroup, outputs a simdgroup,
+simdgroups), ``--products`` picks products. The kernel's goal: its 16 rows
+within 1.25x the one-row product's device time.
 
 For each of a qwen3 layer's four products (fused q/k/v, o, fused gate/up,
 down), and the gate/up product with its SwiGLU (MLX: the product, then
@@ -144,6 +146,7 @@ def quantized_main(args) -> None:
         raise SystemExit(f"the quantized verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
     dtype = getattr(mx, args.dtype)
     kernel = qp.QuantizedProductKernel(where)
+    launches = [tuple(int(v) for v in s.split(",")) for s in args.launches.split(":") if s]
     rows = []
     for model in args.models.split(","):
         if model not in QUANTIZED:
@@ -151,6 +154,8 @@ def quantized_main(args) -> None:
         (bits, group, mode), products = QUANTIZED[model]
         quant = dict(bits=bits, group=group, mode=mode)
         for name, n, k in products:
+            if args.products and name not in args.products.split(","):
+                continue
             variant = qp.Variant(dtype, mode, bits, group, k, n > qp.WIDE or k > qp.WIDE)
             check = qp.self_check(where, variant)
             weights = [random_quantized(n, k, bits, group, mode, dtype, seed=i) for i in range(args.repeat)]
@@ -160,11 +165,10 @@ def quantized_main(args) -> None:
                 one = x[:1]
                 mx.eval(x, one)
                 w, sc, bi = weights[0]
-                got = kernel(x, w, sc, bi, **quant)
                 want = qp.one_row_products(x, w, sc, bi, **quant)
-                exact = mx.array_equal(got, want, equal_nan=True).item()
-                sides = {
-                    f"kernel {m} rows": lambda i: kernel(x + i, *weights[i], **quant),
+                fields = dict(model=model, product=name, n=n, k=k, rows=m)
+                fields["check"] = "passed" if check.ok else f"FAILED: {check.detail}"
+                mlx_sides = {
                     f"mlx {m} rows": lambda i: mx.quantized_matmul(
                         x + i, *weights[i], transpose=True, group_size=group, bits=bits, mode=mode
                     ),
@@ -172,18 +176,13 @@ def quantized_main(args) -> None:
                         one + i, *weights[i], transpose=True, group_size=group, bits=bits, mode=mode
                     ),
                 }
-                rows += timed_rows(
-                    sides,
-                    args,
-                    args.repeat,
-                    model=model,
-                    product=name,
-                    n=n,
-                    k=k,
-                    rows=m,
-                    check="passed" if check.ok else f"FAILED: {check.detail}",
-                    exact=exact,
-                )
+                mlx_exact = mx.array_equal(mlx_sides[f"mlx {m} rows"](0), want).item()
+                rows += timed_rows(mlx_sides, args, args.repeat, **fields, exact=mlx_exact)
+                for at in [None, *launches]:  # the same order, other tiles: each row's exactness its own
+                    run = lambda i, at=at: kernel(x + i, *weights[i], **quant, fused=check.fused, launch_tile=at)  # noqa: E731
+                    exact = mx.array_equal(run(0), want, equal_nan=True).item()
+                    side = f"kernel {m} rows" if at is None else "kernel {}x{}x{}".format(*at)
+                    rows += timed_rows({side: run}, args, args.repeat, **fields, exact=exact)
             weights.clear()
     if printed_json(args, f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()} ({where})", rows):
         return
@@ -289,10 +288,13 @@ def main():
     ap.add_argument(
         "--launches",
         default="",
-        help="with --exact: launch shapes to add beside the shipped one, outputs a lane group,steps a "
-        "chunk[,simdgroups a threadgroup] separated by ':' (e.g. 2,1:4,2,8)",
+        help="launch shapes to add beside the shipped one, separated by ':'; with --exact outputs a lane "
+        "group,steps a chunk[,simdgroups a threadgroup] (e.g. 2,1:4,2,8); with --quantized x rows a "
+        "threadgroup,outputs a simdgroup,simdgroups a threadgroup (e.g. 16,1,8:8,2,4)",
     )
-    ap.add_argument("--products", default="", help="with --exact: comma-separated products to time (default: all)")
+    ap.add_argument(
+        "--products", default="", help="with --exact or --quantized: comma-separated products to time (default: all)"
+    )
     ap.add_argument(
         "--skip-check",
         action="store_true",

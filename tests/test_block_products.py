@@ -637,7 +637,7 @@ def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, ca
         def __init__(self, where):
             pass
 
-        def __call__(self, x, weight, scales, biases, *, bits, group, mode, fused=False):
+        def __call__(self, x, weight, scales, biases, *, bits, group, mode, fused=False, launch_tile=None):
             return qp.one_row_products(x, weight, scales, biases, bits=bits, group=group, mode=mode)
 
     qp.reset()
@@ -647,13 +647,17 @@ def test_the_benchmarks_quantized_sides_run_and_report_exactness(monkeypatch, ca
     monkeypatch.setitem(bench.QUANTIZED, "qwen3-8b", ((4, 64, "affine"), [("o", 64, 512)]))
     monkeypatch.setitem(bench.QUANTIZED, "gpt-oss-20b", ((4, 32, "mxfp4"), [("o", 32, 2880)]))
     argv = ["block_products.py", "--quantized", "--rows", "3", "--repeat", "2", "--runs", "1", "--repeat-rounds", "1"]
-    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "argv", argv + ["--launches", "8,2,4"])
     bench.main()
     qp.reset()
-    lines = [line for line in capsys.readouterr().out.splitlines() if " rows " in line or " row " in line]
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if " rows " in line or " row " in line]
     assert len(lines) == 6, lines  # two products, three sides each
     assert all(line.rstrip().endswith("True   passed") for line in lines), lines
     assert {line.split()[3] for line in lines} == {"kernel", "mlx"}
+    # and the kernel at the tile --launches adds, each product's rows its own exactness
+    tiled = [line for line in out if "kernel 8x2x4" in line]
+    assert len(tiled) == 2 and all(line.rstrip().endswith("True   passed") for line in tiled), tiled
 
 
 def test_the_benchmarks_exact_sides_run_at_a_trees_rows(monkeypatch, capsys):

@@ -133,8 +133,9 @@ def test_a_weight_past_wide_is_its_own_variant():
     narrow = qp.variant_of(quantized_linear(512, 64), mx.bfloat16)
     wide = qp.variant_of(quantized_linear(512, qp.WIDE + 8), mx.bfloat16)
     assert wide.wide and not narrow.wide and wide != narrow
-    assert {w.shape[0] for _, w, _, _ in qp.check_cases(wide)} == {qp.WIDE + 16, qp.WIDE + 24}
-    assert {qp.tile(3, "metal", n) for n in (qp.WIDE + 16, qp.WIDE + 24)} == {(4, 8), (4, 4)}
+    assert {w.shape[0] for _, w, _, _ in qp.check_cases(wide)} == set(qp.CHECK_WIDE_N)
+    # (the most outputs a simdgroup and fewer, as CHECK_N takes them)
+    assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_WIDE_N} == {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N}
 
 
 def record_launches(backend_name: str):
@@ -151,14 +152,17 @@ def test_each_launch_covers_every_row_and_output_once(backend_name, rows):
     assert y.shape == (1, rows, 96) and y.dtype == mx.bfloat16
     (launch,) = launches
     template = dict(launch["template"])
-    mr, rs = template["MR"], template["RS"]
-    assert (mr, rs) == qp.tile(rows, backend_name)
+    mr, rs, groups = template["MR"], template["RS"], template["GROUPS"]
+    assert (mr, rs, groups) == qp.tile(rows, backend_name, 96)
     assert mr * rs <= (64 if backend_name == "metal" else 16)  # accumulators a lane
-    assert launch["threadgroup"] == (64, 1, 1)
+    assert launch["threadgroup"] == (32 * groups, 1, 1)
     gx, gy, gz = launch["grid"]
-    assert gx % 64 == 0 and gz == 1
-    assert gx // 64 * 2 * rs == 96  # two simdgroups a threadgroup, rs outputs each
+    assert gx % (32 * groups) == 0 and gz == 1
+    assert gx // (32 * groups) * groups * rs == 96  # groups simdgroups a threadgroup, rs outputs each
     assert (gy - 1) * mr < rows <= gy * mr
+    # the staged rows fit the threadgroup memory, in whole turns of the tile
+    sr = template["SR"]
+    assert sr * 512 * 2 <= qp.STAGED_BYTES and mr % sr == 0
     assert template["T"] == mx.bfloat16 and template["S"] == mx.bfloat16 and not template["MXFP4"]
     assert template["PACKS"] == 2 and not template["FUSED"]
     assert launch["inputs"][0].shape == (rows, 1024)
@@ -177,13 +181,13 @@ def test_mxfp4_launches_with_e8m0_scales_and_no_biases():
 @pytest.mark.parametrize("backend_name", ["metal", "cuda"])
 def test_a_weight_of_fewer_outputs_takes_fewer_a_simdgroup(backend_name):
     for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1):
-        mr, most = qp.tile(rows, backend_name)
+        mr, most, groups = qp.tile(rows, backend_name)
         for n in (8, 16, 24, 64, 72, 4096):
-            assert qp.tile(rows, backend_name, n)[0] == mr
+            assert qp.tile(rows, backend_name, n)[::2] == (mr, groups)
             rs = qp.tile(rows, backend_name, n)[1]
-            assert n % (2 * rs) == 0 and (rs == most or n % (4 * rs))
+            assert n % (groups * rs) == 0 and (rs == most or n % (groups * 2 * rs))
     # the check's weights take both where they differ
-    assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N} == {8, 4}
+    assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N} == {8, 2}
 
 
 def test_the_self_check_runs_every_row_tile():
@@ -319,8 +323,10 @@ def test_every_variant_is_recorded_for_the_check_scripts():
     assert (mx.bfloat16, mx.uint8, 4, 32, True) in quants
     assert {values[5] for values in recorded} == {1, 2}  # words a lane a step
     assert {values[6] for values in recorded} == {False}  # (FUSED: CUDA's alone)
-    tiles = {values[7:] for values in recorded}
-    assert tiles == {(4, 8), (4, 4), (8, 4), (16, 4), (32, 2)}
+    tiles = {values[7:10] for values in recorded}
+    # every tile a weight's N (a multiple of 8) takes at any rows
+    served = {qp.tile(rows, "metal", n) for rows in range(2, 33) for n in range(8, 513, 8)}
+    assert served <= tiles
 
 
 def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matches(fake_gpu, monkeypatch):
@@ -421,6 +427,7 @@ def metal_one_row_order(x, w, scales, biases, bits: int, group: int, mode: str, 
         (4, 8, 512, 4, 64, "affine"),
         (13, 8, 768, 4, 32, "affine"),
         (27, 8, 384, 8, 32, "affine"),
+        (27, 8, 1024, 4, 128, "affine"),
         (5, 8, 2880, 4, 32, "mxfp4"),
     ],
 )
@@ -428,8 +435,9 @@ def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
     tmp_path, rows, n, k, bits, group, mode
 ):
     """Every row tile, both of Metal's one-row orders (qmv_fast's two words a lane a
-    step at K = 512, qmv's one at 768, 384 and gpt-oss's 2880), affine 4 and 8 bits
-    and mxfp4: the kernel's rows are the transcription's, bit for bit."""
+    step at K = 512 and 1024, qmv's one at 768, 384 and gpt-oss's 2880), affine 4
+    and 8 bits and mxfp4, x rows staged in one turn and (27 rows of 4 bits) in two:
+    the kernel's rows are the transcription's, bit for bit."""
     import ctypes
 
     import numpy as np

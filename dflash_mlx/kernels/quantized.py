@@ -33,7 +33,7 @@ import mlx.nn as nn
 from ..device import backend
 from .attention import make_factory
 from .launch_source import compacting
-from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, WARPS, source
+from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .serving import CheckedVariants, checked_here, first_exact
 
 DTYPES = (mx.bfloat16, mx.float16)
@@ -44,9 +44,12 @@ FEWEST_ROWS, MOST_ROWS = 2, 32
 WIDE = 16384
 # Rows a self-check runs: one case of each row tile (tile()), over weights of N
 # taking each backend's most outputs a simdgroup and (Metal) fewer (past WIDE:
-# WIDE + 16 and WIDE + 24).
+# WIDE + 32 and WIDE + 24).
 CHECK_ROWS = (3, 8, 13, 27)
 CHECK_N = (64, 72)
+CHECK_WIDE_N = (WIDE + 32, WIDE + 24)
+# N of the check scripts' launches: each tile's most outputs a simdgroup and every fewer one.
+RECORDED_N = (32, 16, 8)
 
 
 @dataclass(frozen=True)
@@ -94,26 +97,36 @@ def block_k(bits: int, words: int) -> int:
     return 32 * words * 32 // bits
 
 
-# (most rows, x rows a threadgroup, outputs a simdgroup) by backend. A simdgroup
-# reads its rows of x once a step for all its outputs, so more outputs save x
-# reads; its accumulators (rows x outputs) must stay in registers: one float each
-# on Metal (at most 64), 16 values each on CUDA (qmv's per-lane sums; at most 16
-# accumulators, 17-32 rows in two tiles).
+# (most rows, x rows a threadgroup, outputs a simdgroup, simdgroups a
+# threadgroup) by backend. The simdgroups of a threadgroup share its staged x
+# rows; a simdgroup shares them among its outputs. Its accumulators (rows x
+# outputs) must stay in registers: one float each on Metal (at most 64), 16
+# values each on CUDA (qmv's per-lane sums; at most 16 accumulators, 17-32
+# rows in two tiles).
 TILES = {
-    "metal": ((4, 4, 8), (8, 8, 4), (16, 16, 4), (32, 32, 2)),
-    "cuda": ((4, 4, 4), (8, 8, 2), (32, 16, 1)),
+    "metal": ((4, 4, 8, 4), (8, 8, 4, 4), (16, 16, 4, 4), (32, 32, 2, 4)),
+    "cuda": ((4, 4, 4, 4), (8, 8, 2, 4), (32, 16, 1, 4)),
 }
+# Threadgroup memory for a step's staged x rows: rows past it are staged in turns.
+STAGED_BYTES = 16384
 
 
-def tile(rows: int, backend_name: str, n: int = 0) -> tuple[int, int]:
-    """(x rows a threadgroup, outputs a simdgroup) for ``rows`` rows of a weight
-    of ``n`` outputs (whole threadgroups of WARPS simdgroups: fewer outputs a
-    simdgroup where ``n`` needs it; any n, 0, takes the most)."""
+def tile(rows: int, backend_name: str, n: int = 0) -> tuple[int, int, int]:
+    """(x rows a threadgroup, outputs a simdgroup, simdgroups a threadgroup) for
+    ``rows`` rows of a weight of ``n`` outputs, whole threadgroups of them:
+    fewer outputs a simdgroup, then fewer simdgroups, where ``n`` needs it (any
+    n, 0, takes the most)."""
     tiles = TILES["metal" if backend_name == "metal" else "cuda"]
-    mr, rs = next((mr, rs) for most, mr, rs in tiles if rows <= most)
-    while n % (WARPS * rs):
-        rs //= 2
-    return mr, rs
+    mr, rs, groups = next((mr, rs, groups) for most, mr, rs, groups in tiles if rows <= most)
+    while n % (groups * rs):
+        rs, groups = (rs // 2, groups) if rs > 1 else (rs, groups // 2)
+    return mr, rs, groups
+
+
+def staged_rows(mr: int, k: int, bits: int, backend_name: str) -> int:
+    """x rows a threadgroup stages at a time: its tile's, or as many as STAGED_BYTES holds."""
+    step = block_k(bits, packs(k, bits, backend_name))
+    return min(mr, STAGED_BYTES // (2 * step))
 
 
 class QuantizedProductKernel:
@@ -145,23 +158,27 @@ class QuantizedProductKernel:
         group: int,
         mode: str,
         fused: bool = False,
+        launch_tile: tuple[int, int, int] | None = None,
     ) -> mx.array:
         """x [..., K] of 2-32 rows times the quantized [N, K] weight: [..., N].
-        ``fused``: CUDA's affine dequantization in one rounding (see quantized_source)."""
+        ``fused``: CUDA's affine dequantization in one rounding (see quantized_source);
+        ``launch_tile``: a tile other than tile()'s (benchmarks)."""
         *lead, k = x.shape
         rows = x.size // k
         n = weight.shape[0]
         inputs = [x.reshape(rows, k), weight, scales, self.biases(x.dtype, biases)]
-        at = dict(rows=rows, tile_rows=rows, n=n, k=k, bits=bits, group=group, mode=mode, fused=fused)
-        return self.launch(inputs, x.dtype, scales.dtype, **at).reshape(*lead, n)
+        shape = dict(rows=rows, tile_rows=rows, n=n, k=k, bits=bits, group=group, mode=mode, fused=fused)
+        return self.launch(inputs, x.dtype, scales.dtype, **shape, launch_tile=launch_tile).reshape(*lead, n)
 
     def biases(self, dtype, biases: mx.array | None) -> mx.array:
         return self._no_biases[dtype] if biases is None else biases
 
-    def launch(self, inputs: list, dtype, scales_dtype, *, rows, tile_rows, n, k, bits, group, mode, fused) -> mx.array:
+    def launch(
+        self, inputs: list, dtype, scales_dtype, *, rows, tile_rows, n, k, bits, group, mode, fused, launch_tile=None
+    ) -> mx.array:
         """The kernel over ``inputs`` for a [rows, n] result in ``dtype``, its
-        row tile chosen for ``tile_rows`` rows."""
-        mr, rs = tile(tile_rows, self.backend, n)
+        tile chosen for ``tile_rows`` rows (``launch_tile``: another, for benchmarks)."""
+        mr, rs, groups = launch_tile or tile(tile_rows, self.backend, n)
         (y,) = self.kernel(
             inputs=inputs,
             template=[
@@ -174,9 +191,11 @@ class QuantizedProductKernel:
                 ("FUSED", fused and self.backend == "cuda" and mode == "affine"),
                 ("MR", mr),
                 ("RS", rs),
+                ("GROUPS", groups),
+                ("SR", staged_rows(mr, k, bits, self.backend)),
             ],
-            grid=(n // (WARPS * rs) * WARPS * SIMD, -(-rows // mr), 1),
-            threadgroup=(WARPS * SIMD, 1, 1),
+            grid=(n // (groups * rs) * groups * SIMD, -(-rows // mr), 1),
+            threadgroup=(groups * SIMD, 1, 1),
             output_shapes=[(rows, n)],
             output_dtypes=[dtype],
         )
@@ -315,7 +334,7 @@ def one_row_products(x: mx.array, weight, scales, biases, *, bits: int, group: i
 def check_cases(variant: Variant):
     """(x, weight, scales, biases): a weight of the variant's K and N class, and
     rows of every tile (partial ones too)."""
-    for n in (WIDE + 16, WIDE + 24) if variant.wide else CHECK_N:
+    for n in CHECK_WIDE_N if variant.wide else CHECK_N:
         w = mx.random.normal((n, variant.k), key=mx.random.key(variant.k + variant.bits + variant.group + n))
         w = (variant.k**-0.5 * w).astype(variant.dtype)
         quantized = mx.quantize(w, group_size=variant.group, bits=variant.bits, mode=variant.mode)
@@ -375,8 +394,8 @@ def record_variants(factory, backend_name: str) -> None:
     kernel = QuantizedProductKernel(backend_name, factory=factory)
     for dtype, scales_dtype, bits, group, mode in all_variants():
         # K of whole two-word blocks, and one past them (Metal's one-word steps)
-        # (every step order, and N of most outputs a simdgroup and of fewer)
-        for k, n in itertools.product((block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)), (16, 8)):
+        # (every step order, and N of most outputs a simdgroup and of each fewer)
+        for k, n in itertools.product((block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)), RECORDED_N):
             weight = mx.zeros((n, k * bits // 32), mx.uint32)
             scales = mx.zeros((n, k // group), scales_dtype)
             biases = mx.zeros((n, k // group), dtype) if mode == "affine" else None

@@ -30,10 +30,11 @@ from ..device import backend
 from .quantized import (
     CHECK_N,
     CHECK_ROWS,
+    CHECK_WIDE_N,
     DEQUANTIZATIONS,
     FEWEST_ROWS,
     MOST_ROWS,
-    WIDE,
+    RECORDED_N,
     QuantizedCheck,
     QuantizedProductKernel,
     Variant,
@@ -172,7 +173,7 @@ def verify_pairs(rows: int, experts: int, top_k: int, seed: int) -> tuple[mx.arr
 def check_cases(variant: Variant):
     """(x, lhs, rhs, weight, scales, biases): experts of the variant's K and N
     class, pairs of every row tile (partial ones too), each row to several experts."""
-    for n in (WIDE + 16, WIDE + 24) if variant.wide else CHECK_N:
+    for n in CHECK_WIDE_N if variant.wide else CHECK_N:
         seed = variant.k + variant.bits + variant.group + n
         w = mx.random.normal((CHECK_EXPERTS, n, variant.k), key=mx.random.key(seed))
         w = (variant.k**-0.5 * w).astype(variant.dtype)
@@ -249,7 +250,7 @@ def record_variants(factory, backend_name: str) -> None:
     tile) through ``factory`` (scripts/check_metal_kernels.py, check_cuda_kernels.py)."""
     kernel = QuantizedGatherKernel(backend_name, factory=factory)
     for dtype, scales_dtype, bits, group, mode in all_variants():
-        for k, n in itertools.product((block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)), (16, 8)):
+        for k, n in itertools.product((block_k(bits, 2), block_k(bits, 2) + block_k(bits, 1)), RECORDED_N):
             weight = mx.zeros((3, n, k * bits // 32), mx.uint32)
             scales = mx.zeros((3, n, k // group), scales_dtype)
             biases = mx.zeros((3, n, k // group), dtype) if mode == "affine" else None

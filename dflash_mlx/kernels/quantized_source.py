@@ -65,9 +65,8 @@ import textwrap
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
-VERSION = 1  # of BODY and the headers: a change must bump it
+VERSION = 2  # of BODY and the headers: a change must bump it
 SIMD = 32
-WARPS = 2  # simdgroups a threadgroup
 INPUTS = ["x", "w", "scales", "biases"]
 OUTPUTS = ["y"]
 
@@ -95,17 +94,31 @@ struct qv_x {
 inline void qv_zero(thread float& a) { a = 0; }
 inline float qv_total(thread float& a) { return a; }
 template <typename T, int BITS, bool MXFP4, int VPT>
-inline void qv_load(thread qv_x& xs, const device T* x) {
+inline void qv_stage(threadgroup T* xs, threadgroup float& staged_sum, const device T* x, bool live) {
+  typedef float U;
+  U sum = 0;
+  for (int i = 0; i < VPT; i++) {
+    xs[i] = live ? x[i] : static_cast<T>(0);
+  }
+  if (live && !MXFP4) {
+    if (BITS == 4) {
+      for (int i = 0; i < VPT; i += 4) {
+        sum += x[i] + x[i + 1] + x[i + 2] + x[i + 3];
+      }
+    } else {
+      for (int i = 0; i < VPT; i++) {
+        sum += x[i];
+      }
+    }
+  }
+  staged_sum = sum;
+}
+template <typename T, int BITS, bool MXFP4, int VPT>
+inline void qv_load(thread qv_x& xs, const threadgroup T* x, float sum) {
   typedef float U;
   thread U* x_thread = xs.v;
-  U sum = 0;
-  if (MXFP4) {
-    for (int i = 0; i < VPT; i++) {
-      x_thread[i] = x[i];
-    }
-  } else if (BITS == 4) {
+  if (BITS == 4 && !MXFP4) {
     for (int i = 0; i < VPT; i += 4) {
-      sum += x[i] + x[i + 1] + x[i + 2] + x[i + 3];
       x_thread[i] = x[i];
       x_thread[i + 1] = x[i + 1] / 16.0f;
       x_thread[i + 2] = x[i + 2] / 256.0f;
@@ -113,7 +126,6 @@ inline void qv_load(thread qv_x& xs, const device T* x) {
     }
   } else {
     for (int i = 0; i < VPT; i++) {
-      sum += x[i];
       x_thread[i] = x[i];
     }
   }
@@ -151,15 +163,24 @@ inline float qv_qdot_fp4(thread const uint32_t* w, const thread float* x_thread,
 }
 inline float qv_scale(uint8_t e) { return qv_e8m0(e); }
 template <typename S> inline float qv_scale(S s) { return s; }
+struct qv_w {
+  uint32_t w[2];
+  float s;
+  float b;
+};
+#define QV_W qv_w
 template <typename T, int BITS, bool MXFP4, int VPT, bool FUSED, typename S>
-inline void qv_add(thread float& result, thread const qv_x& xs, thread const uint32_t* w, S sc, T bi) {
-  typedef float U;
-  U s = qv_scale(sc);
+inline void qv_weights(thread qv_w& q, const device uint32_t* w, S sc, T bi) {
+  for (int p = 0; p < VPT * BITS / 32; ++p) q.w[p] = w[p];
+  q.s = qv_scale(sc);
+  q.b = bi;
+}
+template <typename T, int BITS, bool MXFP4, int VPT>
+inline void qv_add(thread float& result, thread const qv_x& xs, thread const qv_w& q) {
   if (MXFP4) {
-    result += qv_qdot_fp4<VPT>(w, xs.v, s);
+    result += qv_qdot_fp4<VPT>(q.w, xs.v, q.s);
   } else {
-    U b = bi;
-    result += qv_qdot<BITS, VPT>(w, xs.v, s, b, xs.sum);
+    result += qv_qdot<BITS, VPT>(q.w, xs.v, q.s, q.b, xs.sum);
   }
 }
 """,
@@ -172,7 +193,7 @@ template <> struct qv_two<__half> { typedef __half2 type; };
 __device__ __forceinline__ __nv_bfloat162 qv_pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
 __device__ __forceinline__ __half2 qv_pair(__half a, __half b) { return __halves2half2(a, b); }
 template <typename T> struct qv_x {
-  T v[16];
+  typename qv_two<T>::type p[8];  // the lane's values of a step, in pairs
 };
 template <typename T> struct qv_sums {
   typename qv_two<T>::type h[8];
@@ -187,15 +208,31 @@ template <typename T> __device__ __forceinline__ void qv_zero(qv_sums<T>& a) {
   }
 }
 template <typename T, int BITS, bool MXFP4, int VPT>
-__device__ __forceinline__ void qv_load(qv_x<T>& xs, const T* x) {
-  for (int i = 0; i < 16; ++i) xs.v[i] = i < (BITS == 8 ? 8 : 16) ? x[i] : from_float<T>(0.0f);
+__device__ __forceinline__ void qv_stage(T* xs, float& staged_sum, const T* x, bool live) {
+  for (int i = 0; i < VPT; ++i) xs[i] = live ? x[i] : from_float<T>(0.0f);
+}
+template <typename T, int BITS, bool MXFP4, int VPT>
+__device__ __forceinline__ void qv_load(qv_x<T>& xs, const T* x, float sum) {
+  typedef typename qv_two<T>::type T2;
+  for (int h = 0; h < (BITS == 8 ? 1 : 2); ++h) {
+    const uint4 u = reinterpret_cast<const uint4*>(x)[h];
+    xs.p[4 * h] = *reinterpret_cast<const T2*>(&u.x);
+    xs.p[4 * h + 1] = *reinterpret_cast<const T2*>(&u.y);
+    xs.p[4 * h + 2] = *reinterpret_cast<const T2*>(&u.z);
+    xs.p[4 * h + 3] = *reinterpret_cast<const T2*>(&u.w);
+  }
 }
 template <typename T> __device__ __forceinline__ T qv_scale_as(uint8_t e) {
   return from_float<T>(__uint_as_float(e == 0 ? 0x400000u : unsigned(e) << 23));
 }
 template <typename T> __device__ __forceinline__ T qv_scale_as(T s) { return s; }
+// A step's weights of one output, dequantized in the activation's type once for every row.
+template <typename T> struct qv_w {
+  typename qv_two<T>::type q[8];
+};
+#define QV_W qv_w<T>
 template <typename T, int BITS, bool MXFP4, int VPT, bool FUSED, typename S>
-__device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const uint32_t* w, S sc, T bi) {
+__device__ __forceinline__ void qv_weights(qv_w<T>& d, const uint32_t* w, S sc, T bi) {
   typedef typename qv_two<T>::type T2;
   const T s = qv_scale_as<T>(sc);
   const T2 s2 = qv_pair(s, s);
@@ -204,9 +241,7 @@ __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const u
     for (int i = 0; i < 8; i += 2) {
       T2 q = qv_pair(from_float<T>(float((w[i / 4] >> (8 * (i % 4))) & 0xffu)),
                      from_float<T>(float((w[i / 4] >> (8 * (i % 4 + 1))) & 0xffu)));
-      q = FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
-      a.f[i] = __fmaf_rn(to_float(xs.v[i]), to_float(q.x), a.f[i]);
-      a.f[i + 1] = __fmaf_rn(to_float(xs.v[i + 1]), to_float(q.y), a.f[i + 1]);
+      d.q[i / 2] = FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
     }
   } else {
     for (int i = 0; i < 16; i += 2) {
@@ -214,9 +249,19 @@ __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const u
       const unsigned hi = (w[i / 8] >> (4 * (i % 8 + 1))) & 0xfu;
       T2 q = MXFP4 ? qv_pair(from_float<T>(qv_fp4(lo)), from_float<T>(qv_fp4(hi)))
                    : qv_pair(from_float<T>(float(lo)), from_float<T>(float(hi)));
-      q = MXFP4 ? __hmul2_rn(q, s2) : FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
-      a.h[i / 2] = __hfma2(qv_pair(xs.v[i], xs.v[i + 1]), q, a.h[i / 2]);
+      d.q[i / 2] = MXFP4 ? __hmul2_rn(q, s2) : FUSED ? __hfma2(q, s2, b2) : __hadd2_rn(__hmul2_rn(q, s2), b2);
     }
+  }
+}
+template <typename T, int BITS, bool MXFP4, int VPT>
+__device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const qv_w<T>& d) {
+  if (BITS == 8) {
+    for (int i = 0; i < 8; i += 2) {
+      a.f[i] = __fmaf_rn(to_float(xs.p[i / 2].x), to_float(d.q[i / 2].x), a.f[i]);
+      a.f[i + 1] = __fmaf_rn(to_float(xs.p[i / 2].y), to_float(d.q[i / 2].y), a.f[i + 1]);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) a.h[i] = __hfma2(xs.p[i], d.q[i], a.h[i]);
   }
 }
 template <typename T, int BITS>
@@ -239,39 +284,62 @@ __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
 # Template constants: T (activations' dtype), S (scales' dtype: T, or uint8 for
 # mxfp4's e8m0), BITS, GROUP, MXFP4, PACKS (uint32 words a lane takes a step),
 # FUSED (CUDA's affine dequantization in one rounding; Metal's reads none),
-# MR (x rows a threadgroup), RS (outputs a simdgroup). x [rows, K]
-# row-contiguous; w [N, K * BITS / 32] uint32; scales and biases [N, K / GROUP]
-# (biases: any T array for mxfp4, never read). N is whole threadgroups of
-# WARPS * RS outputs and K whole groups (quantized.variant_of); the x rows past
-# the last are skipped whole, so every lane of a simdgroup reaches the reduction.
+# MR (x rows a threadgroup), RS (outputs a simdgroup), GROUPS (simdgroups a
+# threadgroup), SR (x rows staged at a time). x [rows, K] row-contiguous;
+# w [N, K * BITS / 32] uint32; scales and biases [N, K / GROUP] (biases: any T
+# array for mxfp4, never read). N is whole threadgroups of GROUPS * RS outputs
+# and K whole groups (quantized.variant_of).
+#
+# A step's weights are loaded once for all the tile's rows (and on CUDA
+# dequantized once); the threadgroup stages the step's x rows, SR at a time,
+# in threadgroup memory (on Metal with each lane's sum of its values, as the
+# one-row kernel's load_vector adds them), zeros past K and past M; a lane then
+# adds each row as the one-row kernel adds it. Rows past M are skipped whole,
+# so every lane of a simdgroup reaches the reduction; every thread runs every
+# step, so all reach the barriers.
 # The dense and gather bodies share these steps and differ only in the holes:
-# ROWS_M and OUTPUTS_N (M and N), X_ROW (a tile row's x row), and where a
+# ROWS_M and OUTPUTS_N (M and N), X_ROW (tile row m's x row), and where a
 # step's weights are loaded (BEFORE_ROWS, once a step; IN_ROW, before a row).
 _STEPS = """
   constexpr int VPT = PACKS * (BITS == 8 ? 4 : 8);
   constexpr int BLOCK = 32 * VPT;
+  constexpr int THREADS = GROUPS * 32;
   const int M = ROWS_M;
   const int K = x_shape[1];
   const int N = OUTPUTS_N;
   const int KW = K * BITS / 32;
   const int KG = K / GROUP;
   const int m0 = tg_y * MR;
-  const int n0 = (tg_x * 2 + warp) * RS;
+  const int n0 = (tg_x * GROUPS + warp) * RS;
+  TG_MEM TG_ALIGN T xs[SR * BLOCK];
+  TG_MEM float sums[SR * 32];
   QV_ACC acc[MR][RS];
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < RS; ++r) qv_zero(acc[m][r]);
   }
-  for (int k = lane * VPT; k < K; k += BLOCK) {
-    uint32_t wq[RS][PACKS];
-    S sc[RS];
-    T bi[RS];
+  const int steps = (K + BLOCK - 1) / BLOCK;
+  for (int s = 0; s < steps; ++s) {
+    const int k = s * BLOCK + lane * VPT;
+    QV_W wq[RS];
 BEFORE_ROWS
-    for (int m = 0; m < MR; ++m) {
-      if (m0 + m < M) {
+    for (int h = 0; h < MR; h += SR) {
+      TG_BARRIER();
+      for (int i = tid; i < SR * 32; i += THREADS) {
+        const int m = h + i / 32;
+        const int at = s * BLOCK + (i % 32) * VPT;
+        const bool live = m0 + m < M && at < K;
+        qv_stage<T, BITS, MXFP4, VPT>(xs + i * VPT, sums[i], live ? x + X_ROW * K + at : x, live);
+      }
+      TG_BARRIER();
+      if (k < K) {
+        for (int m = h; m < h + SR; ++m) {
+          if (m0 + m < M) {
 IN_ROW
-        QV_X xs;
-        qv_load<T, BITS, MXFP4, VPT>(xs, x + X_ROW * K + k);
-        for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT, FUSED>(acc[m][r], xs, wq[r], sc[r], bi[r]);
+            QV_X xv;
+            qv_load<T, BITS, MXFP4, VPT>(xv, xs + ((m - h) * 32 + lane) * VPT, sums[(m - h) * 32 + lane]);
+            for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT>(acc[m][r], xv, wq[r]);
+          }
+        }
       }
     }
   }
@@ -287,15 +355,16 @@ IN_ROW
 
 
 def _load_weights(index: str, row: str, indent: int) -> str:
-    """A step's weights, scales and biases of a lane's RS outputs into wq, sc
-    and bi: output r's from weight row ``row``, indexed in type ``index``."""
+    """A step's weights of a lane's RS outputs into wq (weight row ``row`` for
+    output r, indexed in type ``index``), where the lane's values lie inside K."""
     return textwrap.indent(
-        f"""for (int r = 0; r < RS; ++r) {{
-  const {index} row = {row};
-  const {index} at = row * KW + k * BITS / 32;
-  for (int p = 0; p < PACKS; ++p) wq[r][p] = w[at + p];
-  sc[r] = scales[row * KG + k / GROUP];
-  bi[r] = MXFP4 ? from_float<T>(0.0f) : biases[row * KG + k / GROUP];
+        f"""if (k < K) {{
+  for (int r = 0; r < RS; ++r) {{
+    const {index} row = {row};
+    const {index} at = row * KW + k * BITS / 32;
+    const T bias = MXFP4 ? from_float<T>(0.0f) : biases[row * KG + k / GROUP];
+    qv_weights<T, BITS, MXFP4, VPT, FUSED>(wq[r], w + at, scales[row * KG + k / GROUP], bias);
+  }}
 }}""",
         " " * indent,
     )
