@@ -633,6 +633,30 @@ def test_ctrl_c_during_a_shown_step_waits_for_the_step_to_be_shown():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
+def test_a_ctrl_c_swallowed_where_it_was_raised_stops_the_reply_at_the_next_step():
+    """The handler raises the first press at once, wherever Python happens to
+    be; inside a finalizer or a weakref callback Python ignores it. The press
+    still stops the reply, at the end of the next step shown, and a second
+    press absorbed meanwhile changes nothing."""
+    import signal
+
+    from dflash_mlx.cli.chat import Interrupts
+
+    stops = Interrupts()
+    stops.reply()
+    stops.armed = True
+    try:
+        stops(signal.SIGINT, None)  # raised while armed ...
+    except KeyboardInterrupt:
+        pass  # ... where Python ignores it
+    stops(signal.SIGINT, None)  # the second press: absorbed
+    with pytest.raises(KeyboardInterrupt):
+        with stops.held():
+            pass
+    with stops.held():  # acted on once
+        pass
+
+
 def test_stats_chart():
     from dflash_mlx.cli.chat import SessionStats, stats_chart
 

@@ -147,13 +147,16 @@ class Interrupts:
     usual. During a reply the first press stops the reply: raised at once
     while ``armed`` (the generator is running), or once the step being shown
     is done (``held``); every later press is absorbed until the prompt is
-    back, so that a second press never ends the session."""
+    back, so that a second press never ends the session. A press is never
+    lost: one that the handler raised where Python ignores exceptions (a
+    finalizer, a weakref callback) is raised again at the next step's end."""
 
     def __init__(self):
         self.replying = False
         self.armed = False
         self.pressed = False
-        self.raised = False
+        self.raised = False  # by the handler, wherever the press landed
+        self.stopped = False  # by check(), in the reply's own frames: it reaches the reply
 
     def __call__(self, *_):
         if not self.replying:
@@ -167,13 +170,15 @@ class Interrupts:
         self.replying = False
 
     def reply(self) -> None:
-        self.pressed = self.raised = self.armed = False
+        self.pressed = self.raised = self.stopped = self.armed = False
         self.replying = True
 
     def check(self) -> None:
-        """Raise a press not yet raised (once a reply)."""
-        if self.pressed and not self.raised:
-            self.raised = True
+        """Raise a press not yet acted on (once a reply). Called only where no
+        KeyboardInterrupt is on its way out, so a press the handler raised
+        before this point was swallowed and is raised here."""
+        if self.pressed and not self.stopped:
+            self.raised = self.stopped = True
             raise KeyboardInterrupt
 
     @contextmanager
