@@ -101,11 +101,11 @@ def block_k(bits: int, words: int) -> int:
 # threadgroup) by backend. The simdgroups of a threadgroup share its staged x
 # rows; a simdgroup shares them among its outputs. Its accumulators (rows x
 # outputs) must stay in registers: one float each on Metal (at most 64), 16
-# values each on CUDA (qmv's per-lane sums; at most 16 accumulators, 17-32
-# rows in two tiles).
+# values each on CUDA (qmv's per-lane sums; at most 16 accumulators: a verify
+# in tiles of 4 rows, whose weights come from the cache after the first).
 TILES = {
     "metal": ((4, 4, 8, 4), (8, 8, 4, 4), (16, 16, 4, 4), (32, 32, 2, 4)),
-    "cuda": ((4, 4, 4, 4), (8, 8, 2, 4), (32, 16, 1, 4)),
+    "cuda": ((32, 4, 4, 8),),
 }
 # Threadgroup memory for a step's staged x rows: rows past it are staged in turns.
 STAGED_BYTES = 16384
