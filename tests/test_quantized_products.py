@@ -134,7 +134,7 @@ def test_a_weight_past_wide_is_its_own_variant():
     wide = qp.variant_of(quantized_linear(512, qp.WIDE + 8), mx.bfloat16)
     assert wide.wide and not narrow.wide and wide != narrow
     assert {w.shape[0] for _, w, _, _ in qp.check_cases(wide)} == set(qp.CHECK_WIDE_N)
-    # (the most outputs a simdgroup and fewer, as CHECK_N takes them)
+    # (the most outputs a simdgroup and each fewer, as CHECK_N takes them)
     assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_WIDE_N} == {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N}
 
 
@@ -186,8 +186,16 @@ def test_a_weight_of_fewer_outputs_takes_fewer_a_simdgroup(backend_name):
             assert qp.tile(rows, backend_name, n)[::2] == (mr, groups)
             rs = qp.tile(rows, backend_name, n)[1]
             assert n % (groups * rs) == 0 and (rs == most or n % (groups * 2 * rs))
-    # the check's weights take both where they differ
-    assert {qp.tile(3, "metal", n)[1] for n in qp.CHECK_N} == {8, 2}
+
+
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+def test_the_self_check_launches_every_tile_a_layer_can_take(backend_name):
+    """Each (rows, outputs, simdgroups) tile a weight's N (a multiple of 8) takes
+    at 2-32 rows is one the check's cases launch, past WIDE too."""
+    for check_n, ns in ((qp.CHECK_N, range(8, 1025, 8)), (qp.CHECK_WIDE_N, range(qp.WIDE + 8, qp.WIDE + 1025, 8))):
+        served = {qp.tile(rows, backend_name, n) for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1) for n in ns}
+        checked = {qp.tile(rows, backend_name, n) for rows in qp.CHECK_ROWS for n in check_n}
+        assert served <= checked, served - checked
 
 
 def test_the_self_check_runs_every_row_tile():
@@ -508,12 +516,12 @@ def test_a_checked_variant_serves_only_where_this_machine_measured_it_faster(fak
 
 
 class WideOff(FakeKernel):
-    """Exact on the check's small weights, one rounding off past 64 outputs:
+    """Exact on the check's small weights, one rounding off past their outputs:
     a one-row kernel whose order changes with N."""
 
     def __call__(self, x, weight, scales, biases, **kw):
         y = super().__call__(x, weight, scales, biases, **kw)
-        return y.at[..., 0].add(mx.array(1e-2, y.dtype)) if weight.shape[0] > 72 else y
+        return y.at[..., 0].add(mx.array(1e-2, y.dtype)) if weight.shape[0] > max(qp.CHECK_N) else y
 
 
 def test_a_variant_that_checks_out_but_rounds_otherwise_at_a_layers_own_n_is_not_used(fake_gpu):

@@ -43,11 +43,11 @@ FEWEST_ROWS, MOST_ROWS = 2, 32
 # On sm90 MLX's one-row product takes its qmv kernel only up to this N and K.
 WIDE = 16384
 # Rows a self-check runs: one case of each row tile (tile()), over weights of N
-# taking each backend's most outputs a simdgroup and (Metal) fewer (past WIDE:
-# WIDE + 32 and WIDE + 24).
+# taking each tile's most outputs a simdgroup and each fewer (N of 32 k, 16 mod
+# 32 and 8 mod 16: every tile a weight's N takes; past WIDE alike).
 CHECK_ROWS = (3, 8, 13, 27)
-CHECK_N = (64, 72)
-CHECK_WIDE_N = (WIDE + 32, WIDE + 24)
+CHECK_N = (64, 80, 72)
+CHECK_WIDE_N = (WIDE + 32, WIDE + 16, WIDE + 24)
 # N of the check scripts' launches: each tile's most outputs a simdgroup and every fewer one.
 RECORDED_N = (32, 16, 8)
 
@@ -179,6 +179,9 @@ class QuantizedProductKernel:
         """The kernel over ``inputs`` for a [rows, n] result in ``dtype``, its
         tile chosen for ``tile_rows`` rows (``launch_tile``: another, for benchmarks)."""
         mr, rs, groups = launch_tile or tile(tile_rows, self.backend, n)
+        sr = staged_rows(mr, k, bits, self.backend)
+        if mr % sr or n % (groups * rs):
+            raise ValueError(f"tile {mr}x{rs}x{groups} does not cover {n} outputs in whole turns of {sr} rows")
         (y,) = self.kernel(
             inputs=inputs,
             template=[
@@ -192,7 +195,7 @@ class QuantizedProductKernel:
                 ("MR", mr),
                 ("RS", rs),
                 ("GROUPS", groups),
-                ("SR", staged_rows(mr, k, bits, self.backend)),
+                ("SR", sr),
             ],
             grid=(n // (groups * rs) * groups * SIMD, -(-rows // mr), 1),
             threadgroup=(groups * SIMD, 1, 1),
