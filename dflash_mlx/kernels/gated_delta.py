@@ -174,7 +174,7 @@ def prepare(dtype, key_dim: int, value_dim: int) -> None:
             f"dflash_mlx: the {where} {r.dtype} Dk={key_dim} gated delta-net kernel failed its "
             f"self-check ({r.detail}); using {instead} for it instead."
         ),
-        kernel="gated delta-net",
+        kernel=f"gated delta-net Dv={value_dim}",  # (the check's cases and grid follow Dv)
     )
 
 

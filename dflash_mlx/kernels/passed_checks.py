@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import platform
 import sys
@@ -41,9 +42,17 @@ PACKAGE = __name__.split(".")[0]  # whose Python files a kernel's hash reads
 
 
 def machine() -> dict[str, str]:
-    """decisions.machine() and the OS release: an OS update brings another
-    Metal compiler, which may round a kernel otherwise."""
-    return {**decisions.machine(), "os": platform.platform()}
+    """decisions.machine(), the OS release (an OS update brings another Metal
+    compiler, which may round a kernel otherwise) and mlx-lm's version (some
+    checks compare against its kernels)."""
+    return {**decisions.machine(), "os": platform.platform(), "mlx-lm": _version("mlx-lm")}
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 class Running:
@@ -129,17 +138,16 @@ def _hashed(made: list[dict], *module_names: str) -> str:
 
 
 def source_files(*module_names: str) -> set[Path]:
-    """The files of these modules and of the modules of ours they import."""
-    modules = set()
-    for name in module_names:
-        module = sys.modules.get(name)
-        if module is None:
+    """The files of these modules and of every module of ours they import, directly or not."""
+    modules: set[ModuleType] = set()
+    waiting = [sys.modules.get(name) for name in module_names]
+    while waiting:
+        module = waiting.pop()
+        if module is None or module in modules or module.__name__.split(".")[0] != PACKAGE:
             continue
         modules.add(module)
         for value in vars(module).values():
-            imported = value if isinstance(value, ModuleType) else sys.modules.get(_module_name(value))
-            if imported is not None and imported.__name__.split(".")[0] == PACKAGE:
-                modules.add(imported)
+            waiting.append(value if isinstance(value, ModuleType) else sys.modules.get(_module_name(value)))
     return {Path(m.__file__) for m in modules if getattr(m, "__file__", None)}
 
 
@@ -198,7 +206,8 @@ class PassedChecks:
 
     def keep(self, kernel: str, source: str, key: str, fields: dict | None) -> None:
         """Remember a pass's ``fields`` (None: forget the entry, a failure), over
-        what other processes kept in the file since it was read."""
+        what other processes kept in the file since it was read (unlocked: two
+        writing at once may lose an entry, which is then checked again)."""
         if self.path is None:
             return
         known = self._read(self.path, quiet=True)
