@@ -254,3 +254,25 @@ def test_doctor_says_which_passes_it_remembered_and_rechecks_on_request(monkeypa
     assert [set(s) for s in statuses] == [{"ok"}, {"ok (remembered)"}, {"ok"}] and len(statuses[1]) == 18
     assert "18 of 18 passed (18 remembered from earlier checks here)" in outs[1]
     assert "--recheck checks it" in outs[0] and "remembered from earlier" not in outs[2]
+
+
+def test_doctor_recheck_on_a_home_it_cannot_write_says_so_in_a_sentence(monkeypatch):
+    """A kept file that cannot be removed: one sentence naming the fix, exit 1, no traceback."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli.app import app
+
+    path = passed_checks.path_here()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+
+    def refused(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    result = CliRunner().invoke(app, ["doctor", "--seconds", "0", "--recheck"])
+    assert result.exit_code == 1
+    assert "cannot forget the kernel checks kept in" in result.output and "DFLASH_MLX_HOME" in result.output
+    assert "Traceback" not in result.output

@@ -15,6 +15,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .console import UserError, user_errors
+
 EXAMPLES = """\
 Examples:
 
@@ -54,6 +56,9 @@ def doctor_command(
     Run it first when DFlash is slow or wrong here, and paste the block it
     ends with into the bug report.
     """
+    if recheck:
+        with user_errors():
+            forget_kept_checks()
     out = Console(highlight=False)
     report: list[tuple[str, str]] = []
 
@@ -112,9 +117,22 @@ def machine() -> list[tuple[str, str]]:
 COLD_BUILDS = {"cuda": "; a machine's first run compiles them, which takes minutes on CUDA"}
 
 
+def forget_kept_checks() -> None:
+    """Forget the kernel checks this machine passed before (--recheck)."""
+    from dflash_mlx.kernels import passed_checks
+
+    try:
+        passed_checks.forget()
+    except OSError as e:
+        raise UserError(
+            f"cannot forget the kernel checks kept in {passed_checks.path_here()} ({e.strerror}); "
+            "remove that file by hand or set DFLASH_MLX_HOME to a writable folder."
+        ) from None
+
+
 def kernels(line, note, recheck: bool = False) -> None:
     """A line per kernel variant's self-check, each as it completes (a pass
-    an earlier process kept here says so; ``recheck`` forgets those first);
+    an earlier process kept here says so; with ``recheck``, forgotten before);
     ``note`` prints to the console only (not the paste block)."""
     from dflash_mlx.kernels import backend, passed_checks, self_check_all
 
@@ -122,11 +140,9 @@ def kernels(line, note, recheck: bool = False) -> None:
     if where == "cpu":
         line("kernels", "none: on the CPU every attention takes mx.fast.scaled_dot_product_attention")
         return
-    if recheck:
-        passed_checks.forget()
     kept = passed_checks.current().path
     note(f"  (each variant is built and checked in turn{COLD_BUILDS.get(where, '')})")
-    if kept is not None:
+    if kept is not None and not recheck:
         note(f"  (a variant an earlier process passed here is taken from {kept} unchecked: --recheck checks it)")
 
     def attention_line(r) -> None:
