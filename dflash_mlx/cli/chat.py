@@ -147,9 +147,9 @@ class Interrupts:
     usual. During a reply the first press stops the reply: raised at once
     while ``armed`` (the generator is running), or once the step being shown
     is done (``held``); every later press is absorbed until the prompt is
-    back, so that a second press never ends the session. A press is never
-    lost: one that the handler raised where Python ignores exceptions (a
-    finalizer, a weakref callback) is raised again at the next step's end."""
+    back, so that a second press never ends the session. A press that the
+    handler raised where Python ignores exceptions (a finalizer, a weakref
+    callback) is raised again at the next step's end."""
 
     def __init__(self):
         self.replying = False
