@@ -92,7 +92,9 @@ def test_every_quantized_product_variant_is_recorded_and_wrapped():
     assert len(names) == (len(list(quantized.all_variants())) + affine) * 3
     src = recorder.variants[f"dflash_quantized_product_v{quantized.VERSION}_bfloat16_uint8_4_32_True_2_False_4_4_8_4"]
     assert "using S = uint8_t;" in src and "constexpr bool MXFP4 = true;" in src
-    fused = recorder.variants[f"dflash_quantized_product_v{quantized.VERSION}_float16_float16_4_64_False_2_True_4_2_8_4"]
+    fused = recorder.variants[
+        f"dflash_quantized_product_v{quantized.VERSION}_float16_float16_4_64_False_2_True_4_2_8_4"
+    ]
     assert "constexpr bool FUSED = true;" in fused and "using T = __half;" in fused
     signature = re.search(r"__global__ void (\w+)\((.*?)\) \{", src, re.S).group(2)
     assert [p.strip() for p in signature.split(",")] == [
