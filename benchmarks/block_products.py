@@ -138,6 +138,11 @@ def random_quantized(n: int, k: int, bits: int, group: int, mode: str, dtype, se
     return words, scales, (-0.1 * mx.random.uniform(shape=(n, k // group), key=key)).astype(dtype)
 
 
+def launch_shapes(args) -> list[tuple[int, ...]]:
+    """--launches: shapes of comma-separated integers, separated by ':'."""
+    return [tuple(int(v) for v in shape.split(",")) for shape in args.launches.split(":") if shape]
+
+
 def quantized_main(args) -> None:
     from dflash_mlx.kernels import quantized as qp
 
@@ -146,7 +151,7 @@ def quantized_main(args) -> None:
         raise SystemExit(f"the quantized verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
     dtype = getattr(mx, args.dtype)
     kernel = qp.QuantizedProductKernel(where)
-    launches = [tuple(int(v) for v in s.split(",")) for s in args.launches.split(":") if s]
+    launches = launch_shapes(args)
     rows = []
     for model in args.models.split(","):
         if model not in QUANTIZED:
@@ -221,7 +226,7 @@ def exact_main(args) -> None:
         raise SystemExit(f"the exact verify product runs on Metal or CUDA; this device is {mx.default_device()}.")
     dtype = getattr(mx, args.dtype)
     kernel = ep.ExactProductKernel(where)
-    launches = [tuple(int(v) for v in s.split(",")) for s in args.launches.split(":") if s]
+    launches = launch_shapes(args)
     products = [p for p in DENSE if not args.products or p[0] in args.products.split(",")]
     rows = []
     for name, n, k in products:

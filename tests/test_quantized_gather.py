@@ -15,7 +15,7 @@ import pytest
 from family_models import family_config, make_family_target, run, scripted
 from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
-from test_quantized_products import metal_one_row_order
+from test_quantized_products import metal_one_row_order, served_tiles
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
 
 from dflash_mlx.kernels import quantized as qp
@@ -267,8 +267,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
 
     qg.record_variants(factory, "metal")
     assert len({values[:5] for values in recorded}) == 2 * (len(qp.AFFINE_BITS) * len(qp.GROUPS) + 1)
-    served = {qp.tile(rows, "metal", n) for rows in range(2, 33) for n in range(8, 513, 8)}
-    assert served <= {values[7:10] for values in recorded}
+    assert served_tiles("metal", range(8, 513, 8)) <= {values[7:10] for values in recorded}
 
 
 # --- Decoding ------------------------------------------------------------------------------------------------

@@ -188,12 +188,17 @@ def test_a_weight_of_fewer_outputs_takes_fewer_a_simdgroup(backend_name):
             assert n % (groups * rs) == 0 and (rs == most or n % (groups * 2 * rs))
 
 
+def served_tiles(backend_name: str, ns) -> set:
+    """Every tile a weight of each N in ``ns`` takes at 2-32 rows."""
+    return {qp.tile(rows, backend_name, n) for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1) for n in ns}
+
+
 @pytest.mark.parametrize("backend_name", ["metal", "cuda"])
 def test_the_self_check_launches_every_tile_a_layer_can_take(backend_name):
     """Each (rows, outputs, simdgroups) tile a weight's N (a multiple of 8) takes
     at 2-32 rows is one the check's cases launch, past WIDE too."""
     for check_n, ns in ((qp.CHECK_N, range(8, 1025, 8)), (qp.CHECK_WIDE_N, range(qp.WIDE + 8, qp.WIDE + 1025, 8))):
-        served = {qp.tile(rows, backend_name, n) for rows in range(qp.FEWEST_ROWS, qp.MOST_ROWS + 1) for n in ns}
+        served = served_tiles(backend_name, ns)
         checked = {qp.tile(rows, backend_name, n) for rows in qp.CHECK_ROWS for n in check_n}
         assert served <= checked, served - checked
 
@@ -333,8 +338,7 @@ def test_every_variant_is_recorded_for_the_check_scripts():
     assert {values[6] for values in recorded} == {False}  # (FUSED: CUDA's alone)
     tiles = {values[7:10] for values in recorded}
     # every tile a weight's N (a multiple of 8) takes at any rows
-    served = {qp.tile(rows, "metal", n) for rows in range(2, 33) for n in range(8, 513, 8)}
-    assert served <= tiles
+    assert served_tiles("metal", range(8, 513, 8)) <= tiles
 
 
 def test_on_cuda_the_check_tries_each_dequantization_and_keeps_the_one_that_matches(fake_gpu, monkeypatch):

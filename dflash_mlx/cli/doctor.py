@@ -245,9 +245,10 @@ def check_line(line, name: str, result, fallback: str) -> None:
     or FAILED naming what runs instead."""
     from dflash_mlx.kernels import passed_checks
 
-    verdict = "ok (remembered), " if passed_checks.recalled(result) else "ok, "
     if not result.ok:
         verdict = f"FAILED ({fallback}), "
+    else:
+        verdict = "ok (remembered), " if passed_checks.recalled(result) else "ok, "
     line(name, verdict + result.detail, "green" if result.ok else "red")
 
 

@@ -10,7 +10,7 @@ attention (decisions.py)."""
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -313,15 +313,15 @@ def compare_with_ops(
     def restore(fields: dict) -> CheckResult | None:
         return remembered_pass(fields, where, name, head_dim, windowed)
 
-    return passed_checks.checked(where, (kernels, builders), check, asdict, restore)
+    return passed_checks.checked(where, (kernels, builders), check, passed_checks.fields_of, restore)
 
 
 def remembered_pass(fields: dict, where: str, dtype: str, head_dim: int, windowed: bool) -> CheckResult | None:
     """The CheckResult of a pass kept as ``fields``, if it is one of this variant's."""
     result = passed_checks.rebuilt(CheckResult, fields)
-    if result is None or not result.ok or (result.backend, result.dtype, result.head_dim) != (where, dtype, head_dim):
-        return None
-    return result if result.window == windowed else None
+    variant = (where, dtype, head_dim, windowed)
+    fits = result is not None and (result.backend, result.dtype, result.head_dim, result.window) == variant
+    return result if fits and result.ok else None
 
 
 def _check_cases(dtype, head_dim: int, windowed: bool):
