@@ -2,7 +2,7 @@
 
 What a Mac would compile (the variant's source as MLX builds it, lowered as
 scripts/check_metal_kernels.py lowers it) becomes a shared library here: every
-thread of a threadgroup is a thread of this machine, a simdgroup's 32 lanes meet
+thread of a threadgroup is a fiber of one thread of this machine, a simdgroup's 32 lanes meet
 at a barrier for each SIMD builtin (``simd_sum`` and ``simd_max`` take the lanes
 in order, ``simd_shuffle_down`` and ``simd_shuffle_xor`` exchange within the 32),
 and ``threadgroup_barrier`` waits for the whole threadgroup. half arithmetic
@@ -19,63 +19,126 @@ import subprocess
 
 from repo_files import repo_module
 
-DRIVER = r"""
-#include <barrier>
+# The threads of a threadgroup as fibers on one OS thread: a fiber runs until it
+# waits at a barrier, then the next one runs; a barrier opens once all of its
+# fibers reached it. (Deterministic, and a missing barrier shows at once: a fiber
+# reads what the others have not written yet.)
+FIBERS = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
+namespace fibers {
+struct Barrier {
+  unsigned need, arrived = 0, generation = 0;
+};
+struct Fiber {
+  ucontext_t context;
+  unsigned index;
+  bool done;
+};
+static ucontext_t scheduler;
+static Fiber* current;
+static unsigned long moved;  // arrivals and ends: a round of the fibers without any is a deadlock
+static std::function<void(unsigned)> body;
+static std::vector<std::unique_ptr<char[]>> stacks;
+constexpr size_t STACK_BYTES = 1 << 18;
+static unsigned index() { return current->index; }
+static void enter() {
+  body(current->index);
+  current->done = true;
+  ++moved;
+}
+static void wait(Barrier& b) {
+  ++moved;
+  const unsigned generation = b.generation;
+  if (++b.arrived == b.need) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == generation) swapcontext(&current->context, &scheduler);
+}
+// Runs f(0) .. f(threads - 1), each a fiber, to their ends.
+static void run(unsigned threads, std::function<void(unsigned)> f) {
+  body = std::move(f);
+  while (stacks.size() < threads) stacks.emplace_back(new char[STACK_BYTES]);
+  std::vector<Fiber> all(threads);
+  for (unsigned i = 0; i < threads; ++i) {
+    all[i].index = i;
+    all[i].done = false;
+    getcontext(&all[i].context);
+    all[i].context.uc_stack.ss_sp = stacks[i].get();
+    all[i].context.uc_stack.ss_size = STACK_BYTES;
+    all[i].context.uc_link = &scheduler;
+    makecontext(&all[i].context, enter, 0);
+  }
+  for (unsigned left = threads; left;) {
+    const unsigned long before = moved;
+    for (Fiber& fiber : all) {
+      if (fiber.done) continue;
+      current = &fiber;
+      swapcontext(&scheduler, &fiber.context);
+      left -= fiber.done;
+    }
+    if (left && moved == before) {
+      std::fprintf(stderr, "deadlock: %u threads wait at barriers that never open\n", left);
+      std::abort();
+    }
+  }
+}
+}  // namespace fibers
+"""
+DRIVER = (
+    FIBERS
+    + r"""
 extern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
-static thread_local unsigned t_sg, t_lane;
 static float slots[64][32];
-static std::barrier<>* simd_bars[64];
-static std::barrier<>* group_bar;
-static void simd_meet(float v) { slots[t_sg][t_lane] = v; simd_bars[t_sg]->arrive_and_wait(); }
-static void simd_part() { simd_bars[t_sg]->arrive_and_wait(); }
+static fibers::Barrier simd_bars[64];
+static fibers::Barrier group_bar;
+static unsigned sg_now() { return fibers::index() / 32; }
+static unsigned lane_now() { return fibers::index() % 32; }
+static void simd_meet(float v) { slots[sg_now()][lane_now()] = v; fibers::wait(simd_bars[sg_now()]); }
+static void simd_part() { fibers::wait(simd_bars[sg_now()]); }
 extern "C" float harness_simd_sum(float v) {
   simd_meet(v);
   float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += slots[t_sg][i];
+  for (int i = 0; i < 32; ++i) s += slots[sg_now()][i];
   simd_part();
   return s;
 }
 extern "C" float harness_simd_max(float v) {
   simd_meet(v);
-  float m = slots[t_sg][0];
-  for (int i = 1; i < 32; ++i) m = slots[t_sg][i] > m ? slots[t_sg][i] : m;
+  float m = slots[sg_now()][0];
+  for (int i = 1; i < 32; ++i) m = slots[sg_now()][i] > m ? slots[sg_now()][i] : m;
   simd_part();
   return m;
 }
 extern "C" float harness_shuffle_down(float v, unsigned delta) {
   simd_meet(v);
-  const float got = t_lane + delta < 32 ? slots[t_sg][t_lane + delta] : v;
+  const float got = lane_now() + delta < 32 ? slots[sg_now()][lane_now() + delta] : v;
   simd_part();
   return got;
 }
 extern "C" float harness_shuffle_xor(float v, unsigned mask) {
   simd_meet(v);
-  const float got = slots[t_sg][(t_lane ^ mask) & 31u];
+  const float got = slots[sg_now()][(lane_now() ^ mask) & 31u];
   simd_part();
   return got;
 }
-extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
+extern "C" void harness_group_barrier() { fibers::wait(group_bar); }
 extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
   for (unsigned tgy = 0; tgy < gy; ++tgy)
     for (unsigned tgx = 0; tgx < gx; ++tgx) {
-      std::barrier<> group(simdgroups * 32);
-      group_bar = &group;
-      std::vector<std::unique_ptr<std::barrier<>>> bars;
-      for (unsigned sg = 0; sg < simdgroups; ++sg) {
-        bars.emplace_back(new std::barrier<>(32));
-        simd_bars[sg] = bars.back().get();
-      }
-      std::vector<std::thread> threads;
-      for (unsigned sg = 0; sg < simdgroups; ++sg)
-        for (unsigned lane = 0; lane < 32; ++lane)
-          threads.emplace_back([=] { t_sg = sg; t_lane = lane; harness_thread(bufs, sg, lane, tgx, tgy, gx, gy); });
-      for (auto& t : threads) t.join();
+      group_bar = {simdgroups * 32};
+      for (unsigned sg = 0; sg < simdgroups; ++sg) simd_bars[sg] = {32};
+      fibers::run(simdgroups * 32, [=](unsigned t) { harness_thread(bufs, t / 32, t % 32, tgx, tgy, gx, gy); });
     }
 }
 """
+)
 # Definitions of the builtins the stand-in header only declares (scripts/metal_stub.h).
 BUILTINS = r"""#pragma once
 #include "metal_stub_decls.h"
@@ -154,7 +217,7 @@ def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
         [CLANG_F16, "-std=c++17", *flags, *kernel_flags, "-fno-rtti", "-I", str(tmp_path)]
         + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
         [CLANG_F16, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
-        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lpthread"],
+        [CLANG_F16, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so")],
     ):
         run = subprocess.run(cmd, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]

@@ -9,7 +9,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_on_cpu import with_thread_entry
+from metal_on_cpu import FIBERS, with_thread_entry
 from repo_files import repo_module
 
 from dflash_mlx.kernels import attention_source as source
@@ -616,50 +616,41 @@ def test_bad_tree_input_is_one_sentence():
 #
 # A tree variant's partial pass as a Mac would compile it (its source as MLX builds it,
 # lowered as scripts/check_metal_kernels.py lowers it) is compiled by clang for this
-# machine, every thread of a threadgroup a thread here (the simdgroup functions
+# machine, every thread of a threadgroup a fiber here (the simdgroup functions
 # exchanging within its 32 lanes, threadgroup_barrier across the threadgroup, a
 # simdgroup_matrix held two elements a lane in Metal's layout, the body's COORDS), and
 # run over the launch's grid; its partials, merged, must equal MLX's attention with the
 # tree's mask. The matrix-unit pass runs with T = float (clang 14 has no _Float16 here):
 # the tree's rows and rule do not depend on T.
 
-TREE_DRIVER = r"""
-#include <barrier>
-#include <memory>
-#include <thread>
-#include <vector>
+TREE_DRIVER = (
+    FIBERS
+    + r"""
 extern "C" void harness_thread(void** bufs, unsigned tid, unsigned x, unsigned y, unsigned z, unsigned gx, unsigned gy, unsigned gz);
-static thread_local unsigned t_sg, t_lane;
 static unsigned slots[32][32][8];
-static std::barrier<>* simd_bars[32];
-static std::barrier<>* group_bar;
-extern "C" unsigned harness_lane() { return t_lane; }
+static fibers::Barrier simd_bars[32];
+static fibers::Barrier group_bar;
+extern "C" unsigned harness_lane() { return fibers::index() % 32; }
 // Each lane's n words to every lane of its simdgroup: the slots, valid until harness_done().
 extern "C" const unsigned* harness_share(const unsigned* v, unsigned n) {
-  for (unsigned i = 0; i < n; ++i) slots[t_sg][t_lane][i] = v[i];
-  simd_bars[t_sg]->arrive_and_wait();
-  return &slots[t_sg][0][0];
+  const unsigned sg = fibers::index() / 32;
+  for (unsigned i = 0; i < n; ++i) slots[sg][harness_lane()][i] = v[i];
+  fibers::wait(simd_bars[sg]);
+  return &slots[sg][0][0];
 }
-extern "C" void harness_done() { simd_bars[t_sg]->arrive_and_wait(); }
-extern "C" void harness_group_barrier() { group_bar->arrive_and_wait(); }
+extern "C" void harness_done() { fibers::wait(simd_bars[fibers::index() / 32]); }
+extern "C" void harness_group_barrier() { fibers::wait(group_bar); }
 extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
-        std::barrier<> group(threads);
-        group_bar = &group;
-        std::vector<std::unique_ptr<std::barrier<>>> bars;
-        for (unsigned sg = 0; sg < threads / 32; ++sg) {
-          bars.emplace_back(new std::barrier<>(32));
-          simd_bars[sg] = bars.back().get();
-        }
-        std::vector<std::thread> pool;
-        for (unsigned tid = 0; tid < threads; ++tid)
-          pool.emplace_back([=] { t_sg = tid / 32; t_lane = tid % 32; harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
-        for (auto& t : pool) t.join();
+        group_bar = {threads};
+        for (unsigned sg = 0; sg < threads / 32; ++sg) simd_bars[sg] = {32};
+        fibers::run(threads, [=](unsigned tid) { harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
       }
 }
 """
+)
 TREE_STUB = r"""#pragma once
 #include "metal_stub_decls.h"
 extern "C" unsigned harness_lane();
@@ -778,8 +769,7 @@ def build_tree_pass(script, source: str, names: list[str], tmp_path):
         [clang, "-std=c++17", *flags, "-nostdinc", "-nostdinc++", "-fno-exceptions", "-fno-rtti", "-I", str(tmp_path)]
         + [str(tmp_path / "kernel.cpp"), "-o", str(tmp_path / "k.o")],
         [clang, "-std=c++20", *flags, str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "d.o")],
-        [clang, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so")]
-        + ["-lpthread", "-lm"],
+        [clang, "-shared", str(tmp_path / "k.o"), str(tmp_path / "d.o"), "-o", str(tmp_path / "h.so"), "-lm"],
     ):
         run = subprocess.run(cmd, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]

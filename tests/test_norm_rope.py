@@ -411,7 +411,7 @@ def test_a_qwen3_layers_tree_verify_runs_the_checked_kernel(fake_gpu):
 # --- The Metal body, run on this CPU ---------------------------------------------------------------------------
 #
 # A variant's source as MLX builds it for a Mac, lowered and compiled by clang for this machine with
-# test_kernels.py's harness (a thread here for every thread of a threadgroup, simd_sum across its 32
+# test_kernels.py's harness (a fiber here for every thread of a threadgroup, simd_sum across its 32
 # lanes), plus the math functions the body calls; T = float.
 
 METAL_MATH = r"""

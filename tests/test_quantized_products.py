@@ -431,6 +431,50 @@ def metal_one_row_order(x, w, scales, biases, bits: int, group: int, mode: str, 
     return out
 
 
+def metal_operands(xs, module):
+    """x, the packed weight, scales and biases (zeros where the mode has none) as numpy arrays."""
+    import numpy as np
+
+    biases = module.get("biases")
+    bi = np.array(biases) if biases is not None else np.zeros(8, np.float16)
+    return xs, np.array(module.weight), np.array(module.scales), bi
+
+
+def run_metal_source(tmp_path, rows, n, k, bits, group, mode, skip_barrier=None):
+    """float16 rows of a random quantized layer, the layer, and the kernel's product
+    of them run on this CPU from its Metal source (``skip_barrier``: the index of a
+    threadgroup barrier left out of the source)."""
+    import ctypes
+
+    import numpy as np
+
+    from dflash_mlx.kernels.quantized_source import INPUTS, OUTPUTS
+
+    script = check_metal_script()
+    recorder = script.Recorder()
+    kernel = qp.QuantizedProductKernel("metal", factory=recorder.factory)
+    module = quantized_linear(k, n, bits, group, mode, dtype=mx.float16)
+    x = rows_of(rows, k, mx.float16)[0]
+    kernel(x, module.weight, module.scales, module.get("biases"), bits=bits, group=group, mode=mode)
+    ((name, variant),) = recorder.variants.items()
+    ((grid, group_size),) = variant.launches
+    source = variant.source
+    if skip_barrier is not None:
+        pieces = source.split("TG_BARRIER();")
+        assert len(pieces) > skip_barrier + 1
+        source = (
+            "TG_BARRIER();".join(pieces[: skip_barrier + 1]) + ";" + "TG_BARRIER();".join(pieces[skip_barrier + 1 :])
+        )
+    lib = build_on_cpu(script, source, INPUTS + ["x_shape", "w_shape"] + OUTPUTS, tmp_path)
+    xs = np.array(x)
+    y = np.zeros((rows, n), np.float16)
+    shapes = np.array(xs.shape, np.int32), np.array(module.weight.shape, np.int32)
+    arrays = (*metal_operands(xs, module), *shapes, y)  # held while the kernel reads them
+    buffers = (ctypes.c_void_p * 7)(*[a.ctypes.data for a in arrays])
+    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
+    return xs, module, y
+
+
 @pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
 @pytest.mark.parametrize(
     "rows, n, k, bits, group, mode",
@@ -450,33 +494,26 @@ def test_the_metal_source_run_on_the_cpu_reduces_each_row_in_mlxs_one_row_order(
     step at K = 512, qmv's one at 768, 384 and gpt-oss's 2880), affine 4
     and 8 bits and mxfp4, x rows staged in one turn and (27 rows of 4 bits) in two:
     the kernel's rows are the transcription's, bit for bit."""
-    import ctypes
-
     import numpy as np
 
-    from dflash_mlx.kernels.quantized_source import INPUTS, OUTPUTS
-
-    script = check_metal_script()
-    recorder = script.Recorder()
-    kernel = qp.QuantizedProductKernel("metal", factory=recorder.factory)
-    module = quantized_linear(k, n, bits, group, mode, dtype=mx.float16)
-    x = rows_of(rows, k, mx.float16)[0]
-    biases = module.get("biases")
-    kernel(x, module.weight, module.scales, biases, bits=bits, group=group, mode=mode)
-    ((name, variant),) = recorder.variants.items()
-    ((grid, group_size),) = variant.launches
-    lib = build_on_cpu(script, variant.source, INPUTS + ["x_shape", "w_shape"] + OUTPUTS, tmp_path)
-    xs, ws, sc = np.array(x), np.array(module.weight), np.array(module.scales)
-    bi = np.array(biases) if biases is not None else np.zeros(8, np.float16)
-    y = np.zeros((rows, n), np.float16)
-    shapes = np.array(xs.shape, np.int32), np.array(ws.shape, np.int32)
-    buffers = (ctypes.c_void_p * 7)(*[a.ctypes.data for a in (xs, ws, sc, bi, *shapes, y)])
-    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
-    want = metal_one_row_order(xs, ws, sc, bi, bits, group, mode, qp.packs(k, bits, "metal"))
+    xs, module, y = run_metal_source(tmp_path, rows, n, k, bits, group, mode)
+    want = metal_one_row_order(*metal_operands(xs, module), bits, group, mode, qp.packs(k, bits, "metal"))
     assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (y != want).sum()
     # and what MLX's CPU product computes, to the rounding of a float16 sum of products
     mlx = np.array(module(mx.array(xs)).astype(mx.float32))
     assert np.abs(y.astype(np.float32) - mlx).max() <= 2e-2 * np.abs(mlx).max()
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+@pytest.mark.parametrize("barrier", [0, 1], ids=["before staging", "after staging"])
+def test_a_missing_barrier_fails_the_comparison(tmp_path, barrier):
+    """The CPU run shows a kernel that stages x without its barriers (a turn's rows
+    read before the others wrote them, or overwritten before they were read)."""
+    import numpy as np
+
+    xs, module, y = run_metal_source(tmp_path, 27, 8, 512, 4, 128, "affine", skip_barrier=barrier)
+    want = metal_one_row_order(*metal_operands(xs, module), 4, 128, "affine", qp.packs(512, 4, "metal"))
+    assert not np.array_equal(y.view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("mode", ["affine", "mxfp4"])
