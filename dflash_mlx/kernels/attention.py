@@ -30,6 +30,13 @@ def make_factory(backend: str):
     raise ValueError(f"no kernel dialect for backend {backend!r}; use 'metal' or 'cuda'.")
 
 
+def unread_input(size: int, dtype: mx.Dtype) -> mx.array:
+    """An input a variant never reads (an absent bias, no sinks), made from
+    data: an array made by an op belongs to the stream of the thread that made
+    it, and a kernel object is built on one thread and launched from others."""
+    return mx.array([0] * size, dtype=dtype)
+
+
 class BlockAttentionKernel:
     """The kernels for one backend: the partial pass on the matrix units
     (bf16, fp16) or in SIMT arithmetic (fp32), then the merge; compiled by MLX
@@ -52,7 +59,7 @@ class BlockAttentionKernel:
         self._tiles: dict[tuple[int, bool], object] = {}  # (staging bytes, tree) -> kernel
         self._trees = None  # the SIMT pass over a tree, made at its first launch
         self._params: dict[tuple[float, bool], mx.array] = {}  # (scale, one chunk written whole) -> params
-        self._no_sinks = mx.zeros((1,), dtype=mx.float32)
+        self._no_sinks = unread_input(1, mx.float32)
 
     def _partial_pass(self, name: str, body: str, header: str, tree: bool = False, **launch):
         # A partial pass reads the queries through their strides (no copy of a

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import backend
-from .attention import make_factory
+from .attention import make_factory, unread_input
 from .exact_products_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .launch_source import compacting
 from .serving import CheckedVariants, checked_here, first_exact, passed
@@ -159,7 +159,7 @@ class ExactProductKernel:
             source=source(backend_name),
             header=HEADER[backend_name],
         )
-        self._no_bias = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (never read)
+        self._no_bias = {dtype: unread_input(8, dtype) for dtype in DTYPES}
 
     def __call__(
         self, x: mx.array, weight: mx.array, bias: mx.array | None, *, form: int = 0, launch: tuple | None = None

@@ -49,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
 from ..device import backend, constant_arange
-from .attention import make_factory
+from .attention import make_factory, unread_input
 from .dispatch import TOLERANCE, CheckResult, remembered_pass
 from .gated_delta_source import HEADER, INPUTS, OUTPUTS, TREE_INPUTS, TREE_OUTPUTS, VERSION, source
 from .launch_source import compacting
@@ -105,7 +105,7 @@ class GatedDeltaKernel:
             source=source(backend_name, tree=True),
             header=HEADER[backend_name],
         )
-        self._all_steps = mx.zeros((1,), mx.int32)  # (read by no variant: LIMITED is false)
+        self._all_steps = unread_input(1, mx.int32)  # (LIMITED is false)
 
     def __call__(self, q, k, v, g, beta, state, *, steps: mx.array | None = None):
         """(y [B, T, Hv, Dv], the state after all T steps, or after the first

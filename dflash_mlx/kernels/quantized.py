@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import backend
-from .attention import make_factory
+from .attention import make_factory, unread_input
 from .launch_source import compacting
 from .quantized_source import HEADER, INPUTS, OUTPUTS, SIMD, VERSION, source
 from .serving import CheckedVariants, checked_here, first_exact
@@ -145,7 +145,7 @@ class QuantizedProductKernel:
             source=source(backend_name, gather=self.GATHER),
             header=HEADER[backend_name],
         )
-        self._no_biases = {dtype: mx.zeros((8,), dtype) for dtype in DTYPES}  # (mxfp4: never read)
+        self._no_biases = {dtype: unread_input(8, dtype) for dtype in DTYPES}  # (mxfp4's)
 
     def __call__(
         self,

@@ -108,8 +108,12 @@ def fuse(linears: list[nn.Module]) -> nn.Module | None:
 
 
 def first_rows(linear: nn.Module, n: int) -> nn.Module:
-    """A linear layer of views of ``linear``'s first ``n`` output rows."""
-    return linear_like(linear, {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)})
+    """A linear layer of views of ``linear``'s first ``n`` output rows,
+    evaluated: a lazy view would belong to the stream of the thread that made
+    it, and projections made while loading serve a server's decode thread."""
+    views = {k: v[:n] for k, v in linear.items() if isinstance(v, mx.array)}
+    mx.eval(views)
+    return linear_like(linear, views)
 
 
 def linear_like(like: nn.Module | type, arrays: dict[str, mx.array]) -> nn.Module:

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
 from .. import passed_checks
-from ..attention import make_factory
+from ..attention import make_factory, unread_input
 from ..attention_source import HEADER
 from ..dispatch import CheckResult, backend, compare_with_ops
 from ..launch_source import compacting
@@ -58,7 +58,7 @@ class BlockProductKernel:
             for dtype in DTYPES
         }
         self.shape = shape
-        self._none = {dtype: mx.zeros((1,), dtype) for dtype in DTYPES}  # (an absent bias or residual)
+        self._none = {dtype: unread_input(1, dtype) for dtype in DTYPES}  # (an absent bias or residual)
 
     def __call__(
         self,

@@ -1,0 +1,125 @@
+"""The pair, its fused projections and the kernel objects are built on one thread
+(loading, the self-checks) and used from another (the server's decode thread).
+MLX gives each thread its own streams, and an array made by an op belongs to the
+stream of the thread that made it: evaluated from another thread, a lazy array
+they hold fails the request ("There is no Stream(gpu, 0) in current thread")."""
+
+import threading
+
+import mlx.core as mx
+import pytest
+from cli_fixtures import make_tiny_pair
+from repo_files import repo_module
+
+from dflash_mlx import generate, load
+from dflash_mlx.kernels.attention import BlockAttentionKernel
+from dflash_mlx.kernels.cuda.products import BlockProductKernel
+from dflash_mlx.kernels.exact_attention import ExactAttentionKernel
+from dflash_mlx.kernels.exact_products import ExactProductKernel
+from dflash_mlx.kernels.gated_delta import GatedDeltaKernel
+from dflash_mlx.kernels.norm_rope import NormRopeKernel
+from dflash_mlx.kernels.quantized import QuantizedProductKernel
+from dflash_mlx.kernels.quantized_gather import QuantizedGatherKernel
+from dflash_mlx.layers import fused
+
+KERNELS = {
+    "metal": [
+        BlockAttentionKernel,
+        ExactAttentionKernel,
+        ExactProductKernel,
+        GatedDeltaKernel,
+        NormRopeKernel,
+        QuantizedProductKernel,
+        QuantizedGatherKernel,
+    ],
+    "cuda": [BlockAttentionKernel, BlockProductKernel, ExactProductKernel, GatedDeltaKernel, QuantizedProductKernel],
+}
+
+
+def arrays_held(obj, path: str = "", seen: set | None = None) -> list[tuple[str, mx.array]]:
+    """The arrays ``obj`` holds: in its attributes, dicts, lists and tuples, and
+    in those of the dflash_mlx and mlx-lm objects it holds, at any depth."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [(path, obj)]
+    if isinstance(obj, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("dflash_mlx", "mlx_lm", "mlx"):
+        items = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    else:
+        return []
+    return [found for name, value in items for found in arrays_held(value, name, seen)]
+
+
+def on_another_thread(fn) -> Exception | None:
+    failed = []
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return failed[0] if failed else None
+
+
+def test_a_lazy_array_made_on_one_thread_cannot_be_evaluated_on_another():
+    """(What the test below guards against, shown on this MLX.)"""
+    lazy = mx.zeros((1,), mx.float32)
+    assert "in current thread" in str(on_another_thread(lambda: mx.eval(lazy + 1)))
+    made_from_data = mx.array([0.0], mx.float32)
+    assert on_another_thread(lambda: mx.eval(made_from_data + 1)) is None
+
+
+@pytest.mark.parametrize(
+    "backend, kernel",
+    [(b, k) for b, kernels in KERNELS.items() for k in kernels],
+    ids=lambda x: getattr(x, "__name__", x),
+)
+def test_a_kernel_object_holds_no_array_another_thread_cannot_read(backend, kernel):
+    recorder = repo_module("scripts/check_metal_kernels.py").Recorder()
+    built = kernel(backend, factory=recorder.factory)
+    for name, array in arrays_held(built, kernel.__name__):
+        failed = on_another_thread(lambda array=array: mx.eval(array + 0))
+        assert failed is None, f"{name} was made lazily on the building thread: {failed}"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_tiny_pair(tmp_path_factory.mktemp("threads"))
+
+
+def fails_here(array: mx.array) -> bool:
+    try:
+        mx.eval(array + 0)
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_a_loaded_pair_and_its_fused_projections_hold_nothing_lazy(pair):
+    model, draft, _ = load(str(pair.target), draft=str(pair.draft))
+    draft.fused_projections()  # (as a cycle makes them)
+    held = arrays_held(model, "model") + arrays_held(draft, "draft") + arrays_held(fused._fused, "fused")
+    assert any(".kv" in name for name, _ in held)  # the projections' views of keys and values are among them
+    lazy = []
+    assert on_another_thread(lambda: lazy.extend(name for name, a in held if fails_here(a))) is None
+    assert not lazy, f"made lazily on the loading thread: {lazy[:5]}"
+
+
+def test_a_pair_built_on_one_thread_decodes_on_another(pair):
+    model, draft, tokenizer = load(str(pair.target), draft=str(pair.draft))
+    draft.fused_projections()
+    replies = []
+    assert (
+        on_another_thread(lambda: replies.append(generate(model, draft, tokenizer, "def f(x):", max_tokens=12))) is None
+    )
+    assert replies == [generate(model, draft, tokenizer, "def f(x):", max_tokens=12)]
