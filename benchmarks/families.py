@@ -104,6 +104,9 @@ def gpt_oss_20b(small: bool) -> dict:
     }
 
 
+# --models: each family's shapes (``small``: tiny ones, a CPU smoke test)
+FAMILIES = {"qwen3.5-9b-like": qwen35_9b, "gpt-oss-20b-like": gpt_oss_20b}
+
 # --bits: mlx-lm's affine quantization, or mxfp4 as mlx-community's gpt-oss conversions hold it
 QUANTIZATIONS = {
     "4": {"bits": 4, "group_size": 64},
@@ -296,16 +299,15 @@ def main() -> None:
         "rows": [],
     }
     print(results["machine"])
-    shapes = {"qwen3.5-9b-like": qwen35_9b, "gpt-oss-20b-like": gpt_oss_20b}
     chosen = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not chosen or any(m not in shapes for m in chosen):
-        parser.error(f"--models takes {', '.join(shapes)} (comma-separated), not {args.models!r}.")
+    if not chosen or any(m not in FAMILIES for m in chosen):
+        parser.error(f"--models takes {', '.join(FAMILIES)} (comma-separated), not {args.models!r}.")
     weights = [None if b.strip() == "16" else b.strip() for b in args.bits.split(",") if b.strip()]
     if not weights or any(b is not None and b not in QUANTIZATIONS for b in weights):
         parser.error(f"--bits takes 16, {', '.join(QUANTIZATIONS)} (comma-separated), not {args.bits!r}.")
     dtype = mx.float32 if args.small else mx.bfloat16  # MLX's CPU backend gathers MoE experts in float32 only
     for name in chosen:
-        cfg = shapes[name](args.small)
+        cfg = FAMILIES[name](args.small)
         for bits in weights:
             model, draft = build(cfg, bits, dtype)
             tok = make_tokenizer(cfg["vocab_size"])

@@ -19,6 +19,10 @@ bandwidth, pays; BENCHMARKS.md "Bytes per cycle"):
         --prompt-tokens 1024 > cases.txt
     python benchmarks/gpu_time.py summarize ncu.csv cases.txt
 
+The families' shapes (benchmarks/families.py) take the same commands: ``cycle --shape
+qwen3.5-9b-like --quantize 4 --prompt-tokens 256``, ``cycle --shape gpt-oss-20b-like
+--quantize mxfp4 --block 4``.
+
 Wall-clock timings of a kernel on MLX's CUDA backend include the host's cost
 of encoding it, which at these sizes is as large as the kernel itself. Here
 only the profiled regions run under the profiler (``cudaProfilerStart``/
@@ -49,6 +53,7 @@ from collections import defaultdict
 
 import mlx.core as mx
 from cycle import SHAPES, prefilled, random_pair, synthetic_prompt
+from families import FAMILIES, QUANTIZATIONS, build
 
 LAYERS = 36
 
@@ -148,8 +153,21 @@ def attention_at(kernel, n: int, rows, chunks, query_heads: int, stagings) -> No
                 )
 
 
-def verify_cases(shape: str, prompts: list[int], block: int, quantize: int | None = None) -> None:
-    model, draft = random_pair(shape, quantize)
+def pair_for(shape: str, quantize: str | None, draft_bits: int | None = None):
+    """Random weights at ``shape``: a Qwen3 size (cycle.py's SHAPES, affine
+    ``quantize`` bits) or a family (families.py's, ``quantize`` one of its
+    --bits), bf16 otherwise; ``draft_bits``: the drafter's, Qwen3 sizes only."""
+    if shape in FAMILIES:
+        if draft_bits:
+            raise SystemExit("--draft-bits takes a Qwen3 --shape; leave it out with a family's.")
+        return build(FAMILIES[shape](False), quantize, mx.bfloat16)
+    if quantize == "mxfp4":
+        raise SystemExit("--quantize mxfp4 takes a family's --shape (gpt-oss-20b-like); pass 4 or 8 here.")
+    return random_pair(shape, int(quantize) if quantize else None, draft_bits=draft_bits)
+
+
+def verify_cases(shape: str, prompts: list[int], block: int, quantize: str | None = None) -> None:
+    model, draft = pair_for(shape, quantize)
     for P in prompts:
         verify_at(model, draft, P, block)
 
@@ -172,14 +190,14 @@ def cycle_cases(
     shape: str,
     prompts: list[int],
     block: int,
-    quantize: int | None = None,
+    quantize: str | None = None,
     draft_bits: int | None = None,
     trees: tuple[int, ...] = (),
 ) -> None:
     """A DFlash cycle, draft trees of each of ``trees`` rows and, beside
     them, one plain mlx-lm decoding step (``shape`` "builtin": the shipped
-    pair, bf16; ``quantize``: the target's bits; ``draft_bits``: the drafter's)."""
-    model, draft = random_pair(shape, quantize, draft_bits=draft_bits)
+    pair, bf16; ``quantize``: the target's weights; ``draft_bits``: the drafter's)."""
+    model, draft = pair_for(shape, quantize, draft_bits)
     for P in prompts:
         cycle_at(model, draft, P, block)
         for rows in trees:
@@ -336,16 +354,19 @@ def main():
     )
     ap.add_argument(
         "--shape",
-        choices=sorted(SHAPES) + ["builtin"],
+        choices=sorted(SHAPES) + sorted(FAMILIES) + ["builtin"],
         default="qwen3-8b",
-        help="a model's shapes (random weights); cycle: also builtin, the shipped pair",
+        help="a model's shapes (random weights; the families: families.py's); cycle: also builtin, the shipped pair",
     )
     ap.add_argument("--sequence", action="store_true", help="summarize: each case's kernels in launch order")
     ap.add_argument("--prompt-tokens", default="1024,16384")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--trees", default="", help="cycle: also draft trees of these comma-separated row counts")
     ap.add_argument(
-        "--quantize", type=int, default=None, help="verify, cycle: the target's bits (mlx-lm affine, group 64)"
+        "--quantize",
+        choices=sorted(QUANTIZATIONS),
+        default=None,
+        help="verify, cycle: the target's weights (mlx-lm affine bits, group 64; mxfp4 for a family's shape)",
     )
     ap.add_argument("--draft-bits", type=int, choices=[4, 8], help="cycle: the drafter's bits (--draft-bits)")
     ap.add_argument("--keys", default="4096,16384,32768", help="attention: comma-separated key counts")
