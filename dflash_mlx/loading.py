@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import compute_dtype, distributed
 from .draft import formats, precision
@@ -363,9 +365,16 @@ def load_draft(path_or_repo: str | Path, *, tqdm_class=None) -> DFlashDraft:
     if quantization:
         quantize_like(model, weights, quantization)
     model.load_weights(list(weights.items()))
-    mx.eval(model.parameters())
+    evaluate_held(model)
     model.eval()
     return model
+
+
+def evaluate_held(*modules: nn.Module) -> None:
+    """Evaluate every array ``modules`` hold, parameters or not (a RoPE's
+    frequency table): an array made by an op belongs to the stream of the
+    thread that made it, and a server decodes on a thread of its own."""
+    mx.eval([a for m in modules for _, a in tree_flatten(m) if isinstance(a, mx.array)])
 
 
 def family_runs(model_type: str | None) -> bool:
@@ -526,6 +535,8 @@ def load(
     drafter.bind(target)
     # Every rank must draft alike: a split target keeps what the ranks loaded.
     precision.apply(drafter, model, None if sharded and draft_bits == "auto" else draft_bits)
+    if not lazy:
+        evaluate_held(model, drafter)
     return model, drafter, tokenizer
 
 

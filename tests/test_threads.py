@@ -5,13 +5,14 @@ stream of the thread that made it: evaluated from another thread, a lazy array
 they hold fails the request ("There is no Stream(gpu, 0) in current thread")."""
 
 import threading
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from cli_fixtures import make_tiny_pair
 from repo_files import repo_module
 
-from dflash_mlx import generate, load
+from dflash_mlx import generate, load, tiny
 from dflash_mlx.kernels.attention import BlockAttentionKernel
 from dflash_mlx.kernels.cuda.products import BlockProductKernel
 from dflash_mlx.kernels.exact_attention import ExactAttentionKernel
@@ -45,14 +46,13 @@ def arrays_held(obj, path: str = "", seen: set | None = None) -> list[tuple[str,
     seen.add(id(obj))
     if isinstance(obj, mx.array):
         return [(path, obj)]
-    if isinstance(obj, dict):
-        items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    items = []
+    if isinstance(obj, dict):  # (an nn.Module too: its arrays and submodules)
+        items += [(f"{path}[{k!r}]", v) for k, v in obj.items()]
     elif isinstance(obj, (list, tuple)):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("dflash_mlx", "mlx_lm", "mlx"):
-        items = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
-    else:
-        return []
+        items += [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    if hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("dflash_mlx", "mlx_lm", "mlx"):
+        items += [(f"{path}.{k}", v) for k, v in vars(obj).items()]
     return [found for name, value in items for found in arrays_held(value, name, seen)]
 
 
@@ -92,9 +92,18 @@ def test_a_kernel_object_holds_no_array_another_thread_cannot_read(backend, kern
         assert failed is None, f"{name} was made lazily on the building thread: {failed}"
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return make_tiny_pair(tmp_path_factory.mktemp("threads"))
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def pair(request, tmp_path_factory):
+    """The tiny pair; and one whose target and drafter scale their RoPE as Llama
+    3.1 does (mlx-lm's Llama3RoPE computes a frequency table, no parameter)."""
+    if request.param == "qwen3":
+        return make_tiny_pair(tmp_path_factory.mktemp("threads"))
+    root = tmp_path_factory.mktemp("threads-llama")
+    tcfg = tiny.target_config("llama", vocab=64)
+    tiny.write_target(root / "target", tcfg, tiny.make_target(tcfg), tiny.make_tokenizer(64))
+    dcfg = tiny.draft_config(tcfg, rope_scaling=tcfg["rope_scaling"])
+    tiny.write_zlab_draft(root / "draft", dcfg, tiny.random_draft_weights(dcfg))
+    return SimpleNamespace(target=root / "target", draft=root / "draft")
 
 
 def fails_here(array: mx.array) -> bool:
@@ -110,6 +119,8 @@ def test_a_loaded_pair_and_its_fused_projections_hold_nothing_lazy(pair):
     draft.fused_projections()  # (as a cycle makes them)
     held = arrays_held(model, "model") + arrays_held(draft, "draft") + arrays_held(fused._fused, "fused")
     assert any(".kv" in name for name, _ in held)  # the projections' views of keys and values are among them
+    if getattr(model.args, "rope_scaling", None):
+        assert any("_freqs" in name for name, _ in held)  # and the RoPE's frequency table
     lazy = []
     assert on_another_thread(lambda: lazy.extend(name for name, a in held if fails_here(a))) is None
     assert not lazy, f"made lazily on the loading thread: {lazy[:5]}"
