@@ -491,7 +491,7 @@ def main():
     ap.add_argument("--clang", default=None, help="the clang++ to use (default: clang++ or clang++-N on PATH)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compilers run at once")
     ap.add_argument("--only", default=None, help="a regular expression: check only variants whose name matches")
-    ap.add_argument("--list", action="store_true", help="print every variant's name")
+    ap.add_argument("--list", action="store_true", help="print every variant's name (those --only picks) and stop")
     ap.add_argument(
         "--std",
         default="c++17",
@@ -512,6 +512,7 @@ def main():
     if args.list:
         for name, v in sorted(recorder.variants.items()):
             print(name, f"{len(v.launches)} launch shapes", "(decoding only)" if name in beyond else "(self-check)")
+        return
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
         for name, v in recorder.variants.items():
