@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from launch_recorder import recording_factory
-from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script, run_grid
 
 from dflash_mlx.kernels import exact_attention as ea
 from dflash_mlx.kernels.exact_attention_source import (
@@ -440,7 +440,7 @@ def run_metal_source(on_cpu, q, k, v, start: int, arch: int, storage: Storage, p
 
     def run(lib, variant, arrays):
         ((grid, group),) = variant.launches
-        lib.harness_run((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
+        run_grid(lib, (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), *_groups(grid, group))
 
     inputs = [q, k, v, offset, params, dims, *extra, shape(q), strides(q), shape(k), strides(k), strides(v)]
     names = TREE_INPUTS if tree is not None else []

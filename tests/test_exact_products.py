@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from launch_recorder import recording_factory
-from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script, run_grid
 from tiny import (
     draft_config,
     greedy_reference,
@@ -477,7 +477,7 @@ def run_metal_source(tmp_path, x, w, bias, plant=None):
     y = np.zeros((x.shape[0], w.shape[0]), x.dtype)
     shapes = np.array(x.shape, np.int32), np.array(w.shape, np.int32)
     buffers = (ctypes.c_void_p * 6)(*[a.ctypes.data for a in (x, w, b, *shapes, y)])
-    lib.harness_run(buffers, grid[0] // group[0], grid[1], group[0] // 32)
+    run_grid(lib, buffers, grid[0] // group[0], grid[1], group[0] // 32)
     assert dtype == mx.float16 or dtype == mx.float32
     return y
 

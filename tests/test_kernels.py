@@ -9,7 +9,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_on_cpu import FIBERS, with_thread_entry
+from metal_on_cpu import FIBERS, run_grid, with_thread_entry
 from repo_files import repo_module
 
 from dflash_mlx.kernels import attention_source as source
@@ -640,14 +640,16 @@ extern "C" const unsigned* harness_share(const unsigned* v, unsigned n) {
 }
 extern "C" void harness_done() { fibers::wait(simd_bars[fibers::index() / 32]); }
 extern "C" void harness_group_barrier() { fibers::wait(group_bar); }
-extern "C" void harness_run(void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
+extern "C" unsigned harness_run(void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
         group_bar = {threads};
         for (unsigned sg = 0; sg < threads / 32; ++sg) simd_bars[sg] = {32};
-        fibers::run(threads, [=](unsigned tid) { harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
+        const unsigned stuck = fibers::run(threads, [=](unsigned tid) { harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
+        if (stuck) return stuck;
       }
+  return 0;
 }
 """
 )
@@ -818,7 +820,7 @@ def run_tree_partials(tmp_path, q, k, v, kw, plant=None):
     names = list(arrays)
     lib = build_tree_pass(script, src, names, tmp_path)
     bufs = (ctypes.c_void_p * len(names))(*[arrays[n].ctypes.data for n in names])
-    lib.harness_run(bufs, grid[0] // group[0], grid[1], grid[2], group[0])
+    run_grid(lib, bufs, grid[0] // group[0], grid[1], grid[2], group[0])
     o, m, l = arrays["o_part"], arrays["m_part"], arrays["l_part"]
     top = m.max(axis=-1, keepdims=True)
     sinks = kw.get("sinks")

@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import test_kernels
+from metal_on_cpu import run_grid
 from repo_files import repo_module
 
 from dflash_mlx.kernels import launch_source
@@ -474,7 +475,7 @@ def run_metal_body(tmp_path, monkeypatch, rows: int, offset, plant=None):
     monkeypatch.setitem(test_kernels.TREE_ATTRIBUTES, "thread_position_in_grid", f"uint3(x * {group[0]} + tid, 0u, 0u)")
     lib = test_kernels.build_tree_pass(script, src, names, tmp_path)
     bufs = (ctypes.c_void_p * len(names))(*[pointers.get(n) or arrays[n].ctypes.data for n in names])
-    lib.harness_run(bufs, grid[0] // group[0], grid[1], grid[2], group[0])
+    run_grid(lib, bufs, grid[0] // group[0], grid[1], grid[2], group[0])
     want = nr.ops_norm_rope(q, k, qn, kn, rope, offset)
     return name, (arrays["q_out"], arrays["k_out"]), [np.array(w) for w in want]
 

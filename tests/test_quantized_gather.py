@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from family_models import family_config, make_family_target, run, scripted
-from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script, run_grid
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from test_quantized_products import metal_one_row_order, served_tiles
 from tiny import draft_config, greedy_reference, make_draft, random_draft_weights
@@ -80,7 +80,7 @@ def run_on_cpu(tmp_path, layer, x, lhs, rhs, plant=None):
     arrays = {"x": xs, "lhs": ls, "rhs": rs, "w": ws, "scales": sc, "biases": bi, "y": y}
     arrays.update(zip(("x_shape", "w_shape", "rhs_shape"), shapes))
     buffers = (ctypes.c_void_p * len(names))(*[arrays[n].ctypes.data for n in names])
-    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
+    run_grid(lib, buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
     return y, (xs, ls, rs, ws, sc, bi)
 
 

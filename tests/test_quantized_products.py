@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from launch_recorder import recording_factory
-from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script
+from metal_on_cpu import CLANG_F16, build_on_cpu, check_metal_script, run_grid
 from tiny import (
     draft_config,
     greedy_reference,
@@ -440,10 +440,10 @@ def metal_operands(xs, module):
     return xs, np.array(module.weight), np.array(module.scales), bi
 
 
-def run_metal_source(tmp_path, rows, n, k, bits, group, mode, skip_barrier=None):
+def run_metal_source(tmp_path, rows, n, k, bits, group, mode, barrier=None):
     """float16 rows of a random quantized layer, the layer, and the kernel's product
-    of them run on this CPU from its Metal source (``skip_barrier``: the index of a
-    threadgroup barrier left out of the source)."""
+    of them run on this CPU from its Metal source (``barrier``: (i, text), the
+    source's i-th threadgroup barrier replaced by ``text``)."""
     import ctypes
 
     import numpy as np
@@ -459,19 +459,18 @@ def run_metal_source(tmp_path, rows, n, k, bits, group, mode, skip_barrier=None)
     ((name, variant),) = recorder.variants.items()
     ((grid, group_size),) = variant.launches
     source = variant.source
-    if skip_barrier is not None:
+    if barrier is not None:
+        i, text = barrier
         pieces = source.split("TG_BARRIER();")
-        assert len(pieces) > skip_barrier + 1
-        source = (
-            "TG_BARRIER();".join(pieces[: skip_barrier + 1]) + ";" + "TG_BARRIER();".join(pieces[skip_barrier + 1 :])
-        )
+        assert len(pieces) > i + 1
+        source = "TG_BARRIER();".join(pieces[: i + 1]) + text + "TG_BARRIER();".join(pieces[i + 1 :])
     lib = build_on_cpu(script, source, INPUTS + ["x_shape", "w_shape"] + OUTPUTS, tmp_path)
     xs = np.array(x)
     y = np.zeros((rows, n), np.float16)
     shapes = np.array(xs.shape, np.int32), np.array(module.weight.shape, np.int32)
     arrays = (*metal_operands(xs, module), *shapes, y)  # held while the kernel reads them
     buffers = (ctypes.c_void_p * 7)(*[a.ctypes.data for a in arrays])
-    lib.harness_run(buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
+    run_grid(lib, buffers, grid[0] // group_size[0], grid[1], group_size[0] // 32)
     return xs, module, y
 
 
@@ -511,9 +510,15 @@ def test_a_missing_barrier_fails_the_comparison(tmp_path, barrier):
     read before the others wrote them, or overwritten before they were read)."""
     import numpy as np
 
-    xs, module, y = run_metal_source(tmp_path, 27, 8, 512, 4, 128, "affine", skip_barrier=barrier)
+    xs, module, y = run_metal_source(tmp_path, 27, 8, 512, 4, 128, "affine", barrier=(barrier, ";"))
     want = metal_one_row_order(*metal_operands(xs, module), 4, 128, "affine", qp.packs(512, 4, "metal"))
     assert not np.array_equal(y.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.skipif(CLANG_F16 is None, reason="no clang++ with _Float16 here (clang 15 on)")
+def test_a_barrier_only_some_threads_reach_fails_as_a_deadlock(tmp_path):
+    with pytest.raises(AssertionError, match="deadlock: .* threads of a threadgroup wait"):
+        run_metal_source(tmp_path, 4, 8, 512, 4, 64, "affine", barrier=(0, "if (tid == 0) TG_BARRIER();"))
 
 
 @pytest.mark.parametrize("mode", ["affine", "mxfp4"])
