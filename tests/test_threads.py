@@ -134,3 +134,27 @@ def test_a_pair_built_on_one_thread_decodes_on_another(pair):
         on_another_thread(lambda: replies.append(generate(model, draft, tokenizer, "def f(x):", max_tokens=12))) is None
     )
     assert replies == [generate(model, draft, tokenizer, "def f(x):", max_tokens=12)]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "qwen3_5", "deepseek_v3"])
+def test_each_familys_adapter_holds_nothing_lazy_once_loaded(family):
+    """The adapters' own state (sinks, windows, recurrent layers, MLA) and their
+    RoPE variants (YaRN, proportional), built as ``load`` builds them."""
+    from family_models import family_config, make_family_target
+    from tiny import make_draft
+
+    from dflash_mlx.loading import evaluate_held
+    from dflash_mlx.targets import adapt
+
+    cfg = family_config(family, vocab=48, layers=6 if family.startswith("gemma") else 4)
+    model = make_family_target(cfg)
+    dcfg = tiny.draft_config(cfg, layers=1, block_size=8)
+    draft = make_draft(dcfg, tiny.random_draft_weights(dcfg, seed=2))
+    target = adapt(model)
+    draft.bind(target)
+    evaluate_held(model, draft)
+    draft.fused_projections()
+    held = arrays_held(model, "model") + arrays_held(draft, "draft") + arrays_held(target, "target")
+    lazy = []
+    assert on_another_thread(lambda: lazy.extend(name for name, a in held if fails_here(a))) is None
+    assert not lazy, f"made lazily on the loading thread: {lazy[:5]}"
