@@ -86,19 +86,26 @@ static unsigned run(unsigned threads, std::function<void(unsigned)> f) {
   }
   return 0;
 }
+// A threadgroup's barriers: the whole group's and each simdgroup's (at most 1024 threads).
+static Barrier group_bar, simd_bars[32];
+// run() over a threadgroup of ``threads`` threads, its barriers fresh.
+static unsigned threadgroup(unsigned threads, std::function<void(unsigned)> f) {
+  group_bar = {threads};
+  for (unsigned sg = 0; sg < threads / 32; ++sg) simd_bars[sg] = {32};
+  return run(threads, std::move(f));
+}
 }  // namespace fibers
+extern "C" void harness_group_barrier() { fibers::wait(fibers::group_bar); }
 """
 DRIVER = (
     FIBERS
     + r"""
 extern "C" void harness_thread(void** bufs, unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy);
-static float slots[64][32];
-static fibers::Barrier simd_bars[64];
-static fibers::Barrier group_bar;
+static float slots[32][32];
 static unsigned sg_now() { return fibers::index() / 32; }
 static unsigned lane_now() { return fibers::index() % 32; }
-static void simd_meet(float v) { slots[sg_now()][lane_now()] = v; fibers::wait(simd_bars[sg_now()]); }
-static void simd_part() { fibers::wait(simd_bars[sg_now()]); }
+static void simd_meet(float v) { slots[sg_now()][lane_now()] = v; fibers::wait(fibers::simd_bars[sg_now()]); }
+static void simd_part() { fibers::wait(fibers::simd_bars[sg_now()]); }
 extern "C" float harness_simd_sum(float v) {
   simd_meet(v);
   float s = 0.0f;
@@ -125,13 +132,10 @@ extern "C" float harness_shuffle_xor(float v, unsigned mask) {
   simd_part();
   return got;
 }
-extern "C" void harness_group_barrier() { fibers::wait(group_bar); }
 extern "C" unsigned harness_run(void** bufs, unsigned gx, unsigned gy, unsigned simdgroups) {
   for (unsigned tgy = 0; tgy < gy; ++tgy)
     for (unsigned tgx = 0; tgx < gx; ++tgx) {
-      group_bar = {simdgroups * 32};
-      for (unsigned sg = 0; sg < simdgroups; ++sg) simd_bars[sg] = {32};
-      const unsigned stuck = fibers::run(simdgroups * 32, [=](unsigned t) { harness_thread(bufs, t / 32, t % 32, tgx, tgy, gx, gy); });
+      const unsigned stuck = fibers::threadgroup(simdgroups * 32, [=](unsigned t) { harness_thread(bufs, t / 32, t % 32, tgx, tgy, gx, gy); });
       if (stuck) return stuck;
     }
   return 0;

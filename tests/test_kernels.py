@@ -628,25 +628,20 @@ TREE_DRIVER = (
     + r"""
 extern "C" void harness_thread(void** bufs, unsigned tid, unsigned x, unsigned y, unsigned z, unsigned gx, unsigned gy, unsigned gz);
 static unsigned slots[32][32][8];
-static fibers::Barrier simd_bars[32];
-static fibers::Barrier group_bar;
 extern "C" unsigned harness_lane() { return fibers::index() % 32; }
 // Each lane's n words to every lane of its simdgroup: the slots, valid until harness_done().
 extern "C" const unsigned* harness_share(const unsigned* v, unsigned n) {
   const unsigned sg = fibers::index() / 32;
   for (unsigned i = 0; i < n; ++i) slots[sg][harness_lane()][i] = v[i];
-  fibers::wait(simd_bars[sg]);
+  fibers::wait(fibers::simd_bars[sg]);
   return &slots[sg][0][0];
 }
-extern "C" void harness_done() { fibers::wait(simd_bars[fibers::index() / 32]); }
-extern "C" void harness_group_barrier() { fibers::wait(group_bar); }
+extern "C" void harness_done() { fibers::wait(fibers::simd_bars[fibers::index() / 32]); }
 extern "C" unsigned harness_run(void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned threads) {
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
-        group_bar = {threads};
-        for (unsigned sg = 0; sg < threads / 32; ++sg) simd_bars[sg] = {32};
-        const unsigned stuck = fibers::run(threads, [=](unsigned tid) { harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
+        const unsigned stuck = fibers::threadgroup(threads, [=](unsigned tid) { harness_thread(bufs, tid, x, y, z, gx, gy, gz); });
         if (stuck) return stuck;
       }
   return 0;
