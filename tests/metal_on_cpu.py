@@ -24,10 +24,13 @@ from repo_files import repo_module
 # fibers reached it. (Deterministic, and a missing barrier shows at once: a fiber
 # reads what the others have not written yet.)
 FIBERS = r"""
+#include <cstring>
 #include <functional>
-#include <memory>
+#include <map>
 #include <vector>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 namespace fibers {
 struct Barrier {
   unsigned need, arrived = 0, generation = 0;
@@ -41,8 +44,17 @@ static ucontext_t scheduler;
 static Fiber* current;
 static unsigned long moved;  // arrivals and ends: a round of the fibers without any is a deadlock
 static std::function<void(unsigned)> body;
-static std::vector<std::unique_ptr<char[]>> stacks;
+static std::vector<char*> stacks;
 constexpr size_t STACK_BYTES = 1 << 18;
+// A stack with an unmapped page below it: a fiber that overflows its stack
+// faults there instead of writing into the next fiber's.
+static char* guarded_stack() {
+  const size_t page = sysconf(_SC_PAGESIZE);
+  void* at = mmap(nullptr, STACK_BYTES + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED) return nullptr;
+  mprotect(at, page, PROT_NONE);
+  return static_cast<char*>(at) + page;
+}
 static unsigned index() { return current->index; }
 static void enter() {
   body(current->index);
@@ -63,13 +75,13 @@ static void wait(Barrier& b) {
 // were left waiting at barriers that never open (a deadlock; they are dropped).
 static unsigned run(unsigned threads, std::function<void(unsigned)> f) {
   body = std::move(f);
-  while (stacks.size() < threads) stacks.emplace_back(new char[STACK_BYTES]);
+  while (stacks.size() < threads) stacks.push_back(guarded_stack());
   std::vector<Fiber> all(threads);
   for (unsigned i = 0; i < threads; ++i) {
     all[i].index = i;
     all[i].done = false;
     getcontext(&all[i].context);
-    all[i].context.uc_stack.ss_sp = stacks[i].get();
+    all[i].context.uc_stack.ss_sp = stacks[i];
     all[i].context.uc_stack.ss_size = STACK_BYTES;
     all[i].context.uc_link = &scheduler;
     makecontext(&all[i].context, enter, 0);
@@ -88,15 +100,39 @@ static unsigned run(unsigned threads, std::function<void(unsigned)> f) {
 }
 // A threadgroup's barriers: the whole group's and each simdgroup's (at most 1024 threads).
 static Barrier group_bar, simd_bars[32];
-// run() over a threadgroup of ``threads`` threads, its barriers fresh.
+// The kernel's threadgroup arrays are statics here: each threadgroup finds them
+// poisoned (all bits set: NaN as a float or half), not as the last one left them.
+static unsigned long group_number;
+static std::map<void*, unsigned long> poisoned;
+// run() over a threadgroup of ``threads`` threads, its barriers and memory fresh.
 static unsigned threadgroup(unsigned threads, std::function<void(unsigned)> f) {
+  ++group_number;
   group_bar = {threads};
   for (unsigned sg = 0; sg < threads / 32; ++sg) simd_bars[sg] = {32};
   return run(threads, std::move(f));
 }
 }  // namespace fibers
 extern "C" void harness_group_barrier() { fibers::wait(fibers::group_bar); }
+// Called by every thread at a threadgroup array's declaration; the first one of
+// each threadgroup to get there (before any thread of it could write) poisons it.
+extern "C" void harness_threadgroup_memory(void* at, unsigned long bytes) {
+  unsigned long& last = fibers::poisoned[at];
+  if (last == fibers::group_number) return;
+  last = fibers::group_number;
+  std::memset(at, 0xff, bytes);
+}
 """
+
+
+def with_poisoned_threadgroup_memory(text: str) -> str:
+    """A lowered source whose threadgroup arrays (statics here) are poisoned
+    at their declaration, once a threadgroup (FIBERS' harness_threadgroup_memory)."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        names = re.findall(r"constexpr size_t metal_stub_tg_bytes_\d+ = [^;]*\(sizeof\((\w+)\) \+ 15\)", line)
+        lines[i] += "".join(f" harness_threadgroup_memory((void*){n}, sizeof({n}));" for n in names)
+    declaration = 'extern "C" void harness_threadgroup_memory(void*, unsigned long);\n'
+    return declaration + "\n".join(lines)
 DRIVER = (
     FIBERS
     + r"""
@@ -216,6 +252,7 @@ def build_on_cpu(script, source: str, buffers: list[str], tmp_path):
     arguments in the order of the pointers passed."""
     text, problems = script.lower(source)
     assert not problems, problems
+    text = with_poisoned_threadgroup_memory(text)
     shutil.copy(script.STUB, tmp_path / "metal_stub_decls.h")
     (tmp_path / "metal_stub.h").write_text(BUILTINS)
     thread = "unsigned sg, unsigned lane, unsigned tgx, unsigned tgy, unsigned gx, unsigned gy"

@@ -9,7 +9,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_on_cpu import FIBERS, run_grid, with_thread_entry
+from metal_on_cpu import FIBERS, run_grid, with_poisoned_threadgroup_memory, with_thread_entry
 from repo_files import repo_module
 
 from dflash_mlx.kernels import attention_source as source
@@ -751,6 +751,7 @@ def build_tree_pass(script, source: str, names: list[str], tmp_path):
     script.THREADGROUP_MEMORY = 1 << 20  # (this module's own copy: float staging takes twice a Mac's bytes)
     text, problems = script.lower(source)
     assert not problems, problems
+    text = with_poisoned_threadgroup_memory(text)
     # (no half runs here: a type of its size for it, where this clang lacks _Float16)
     stub = Path(script.STUB).read_text().replace("typedef _Float16 half;", "typedef char16_t half;")
     (tmp_path / "metal_stub_decls.h").write_text(stub)
