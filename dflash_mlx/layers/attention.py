@@ -78,6 +78,8 @@ def attention_output(
             out = exact_attention.tree_attention(queries, keys, values, tree=tree, **at)
         if out is not None:
             return out, False
+    if window is not None and causal and tree is None and type(cache) is BufferKVCache:
+        keys, values, mask = within_window(cache, window, keys, values, mask, queries.shape[2])
     where = dispatch.backend()
     takes_kernel = tree is None or takes_tree(tree, queries, causal)
     if exact and prompt_chunk(start) and decisions.current().exact_first(where):
@@ -111,6 +113,20 @@ def attention_output(
             B, _, L, _ = out.shape
             return out.transpose(0, 2, 1, 3).reshape(B, L, -1), True
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
+
+
+def within_window(cache: BufferKVCache, window: int, keys, values, mask, rows: int):
+    """A sliding-window layer's keys, values and mask cut to the keys its
+    ``rows`` can see where the host knows where they are (a prompt chunk, a
+    plain step), as mlx-lm's rotating cache holds them: the layer then reads
+    the window, not the whole context."""
+    start = cache.window_start(rows, window)
+    if start == 0:
+        return keys, values, mask
+    keys, values = keys[..., start:, :], values[..., start:, :]
+    if rows == 1 and keys.shape[2] == window:
+        return keys, values, None  # one row over exactly its window: it sees every key
+    return keys, values, mask[..., start:]
 
 
 def prompt_chunk(start) -> bool:
