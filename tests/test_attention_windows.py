@@ -22,6 +22,7 @@ WINDOW = 8  # the tiny configs' sliding window
 SLIDING = {
     "gpt_oss": [True, False] * 2,
     "gemma3_text": [True, True, False] * 2,
+    "gemma4_text": [True, True, False] * 2,  # (its last two layers read layers 3 and 2's keys)
     "muse_glimmer": [True, True, True, False],
 }
 
