@@ -203,6 +203,11 @@ def test_a_verifys_expert_products_take_the_kernel_and_a_prompts_do_not(fake_gpu
         # each row what a plain step computes for it alone
         for i in range(rows):
             assert mx.array_equal(got[:, i], glu(x[:, i : i + 1], inds[:, i : i + 1])[:, 0]), (rows, i)
+        # a prompt's chunk of any rows: mlx-lm's own, as its prefill computes it
+        kernel.pairs.clear()
+        with linear.prompt_products():
+            assert mx.array_equal(experts.switch_glu(glu, x, inds), glu(x, inds))
+        assert kernel.pairs == []
 
 
 def test_an_expert_kernel_one_rounding_off_is_never_used(fake_gpu):

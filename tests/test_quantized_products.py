@@ -320,6 +320,24 @@ def test_decoding_a_quantized_target_through_the_kernel_is_its_greedy_output(fak
     assert kernel.rows and all(2 <= r <= 32 for r in kernel.rows)
 
 
+@pytest.mark.parametrize("prompt_tokens", [5, 33, 70])
+def test_a_prompts_chunks_never_take_the_verify_product(fake_gpu, prompt_tokens):
+    """A prompt's chunk of 2-32 rows is not a verify: its products are MLX's
+    own and unfused, as mlx-lm's prefill computes them (the verify product's
+    one-row order would give the cache other bits than mlx-lm's on a GPU)."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode.loop import prefill
+    from dflash_mlx.targets import adapt
+
+    kernel = fake_gpu(FakeKernel())
+    model, draft = quantized_pair(4, 64, "affine", seed=67)
+    target = adapt(model)
+    kernel.rows.clear()
+    prompt = [1 + i % 30 for i in range(prompt_tokens)]
+    prefill(target, draft, make_prompt_cache(model, draft), prompt, 32, None)
+    assert kernel.rows == []
+
+
 def test_every_variant_is_recorded_for_the_check_scripts():
     recorded = {}
 

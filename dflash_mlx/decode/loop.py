@@ -21,6 +21,7 @@ from ..distributed import AgreedStop
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupGate, LookupParams
 from ..draft.tree import TreeParams
+from ..layers.linear import prompt_products
 from ..targets import DenseTarget
 from .clock import CycleClock
 from .cycle import Cycle, Flight
@@ -75,7 +76,8 @@ def prefill(
     logits = None
     done = 0
     for chunk in cache.chunks(new, step):
-        logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
+        with prompt_products():
+            logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
         # the target's graph first: the extend's scratch would add to its attention's peak
         mx.eval(logits, hidden, [a for c in cache.target for a in c.state if a is not None])
         draft.extend(hidden, cache.draft)

@@ -18,12 +18,12 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..kernels import quantized_gather
-from .linear import apply_linear
+from .linear import apply_linear, verify_rows
 
 
 def takes(glu: nn.Module, x: mx.array) -> bool:
     """Whether ``switch_glu`` sends x's rows through the expert verify product."""
-    if type(glu) is not SwitchGLU:
+    if type(glu) is not SwitchGLU or not verify_rows(x):
         return False
     rows = x.size // x.shape[-1]
     return (

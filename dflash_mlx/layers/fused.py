@@ -18,7 +18,7 @@ from mlx_lm.models import llama, qwen3
 
 from ..kernels import decisions, dispatch
 from .blocks import dense_block, own_block
-from .linear import apply_linear, apply_linear_swiglu, prepare_products
+from .linear import apply_linear, apply_linear_swiglu, in_prompt, prepare_products
 
 # The most rows fused products serve: a verify's block or draft tree (at most
 # arguments.MAX_TREE_BUDGET rows); longer inputs run the layer's own modules.
@@ -68,7 +68,10 @@ class FusedProjections:
 def fused_rows(x: mx.array, exact: bool = True) -> bool:
     """Whether ``x``'s rows go through the fused products. Not a target's
     (``exact``) lone row where exactness comes first: MLX picks a one-row
-    product's order by its width, so a fused one rounds unlike mlx-lm's step."""
+    product's order by its width, so a fused one rounds unlike mlx-lm's step;
+    nor a prompt's chunk (linear.prompt_products)."""
+    if exact and in_prompt():
+        return False
     rows = x.size // x.shape[-1]
     if rows == 1 and exact:
         return not decisions.current().exact_first(dispatch.backend())

@@ -6,10 +6,13 @@ the quantized verify product likewise. On CUDA, 2-16 rows the exact product
 does not take (its check failed: no order can be matched there) go through
 the block-product kernel where it checked out (with the RMSNorm, residual or
 SwiGLU in its launch), which is no less exact than MLX's few-row product.
-Everything else, and the CPU, runs MLX's own product."""
+Everything else, a prompt's chunks (``prompt_products``) and the CPU among
+it, runs MLX's own product."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import mlx.core as mx
@@ -21,6 +24,32 @@ from ..kernels import exact_products, quantized, quantized_gather
 
 # Largest weight the kernel takes a norm into: each block reads the rows twice.
 NORM_MOST = 1 << 24
+
+# True while a prompt's chunks run (prompt_products).
+_in_prompt = contextvars.ContextVar("dflash_mlx_in_prompt", default=False)
+
+
+@contextlib.contextmanager
+def prompt_products():
+    """Within it, every product is MLX's own, unfused, as mlx-lm's prefill
+    computes it: the cache then holds mlx-lm's bits. A verify's products keep
+    a plain step's one-row order, which a prompt's chunk of 2-32 rows would
+    otherwise take too."""
+    token = _in_prompt.set(True)
+    try:
+        yield
+    finally:
+        _in_prompt.reset(token)
+
+
+def in_prompt() -> bool:
+    return _in_prompt.get()
+
+
+def verify_rows(x: mx.array) -> bool:
+    """Whether ``x`` holds several rows outside a prompt: a verify's, which
+    the verify products may take."""
+    return x.size // x.shape[-1] >= 2 and not in_prompt()
 
 
 def _products():
@@ -38,7 +67,7 @@ def _cuda_products():
 
 def apply_linear_swiglu(module: nn.Module, x: mx.array, norm: nn.Module | None = None) -> mx.array:
     """``swiglu(gate, up)`` of a fused gate/up product of ``norm(x)``."""
-    if x.size // x.shape[-1] >= 2 and module.weight.shape[0] % 2 == 0 and not exact_products.takes(module, x):
+    if verify_rows(x) and module.weight.shape[0] % 2 == 0 and not exact_products.takes(module, x):
         taken = _taking(module, x.shape[:-1], x.shape[-1], x.dtype, None)
         if taken is not None and taken[1] is None and _products().swiglu_passed(x.dtype):
             folded = _norm_operands(norm, x, module)
@@ -57,7 +86,13 @@ def apply_linear_output(module: nn.Module, out: mx.array, as_rows: bool, residua
 def apply_linear_heads(module: nn.Module, heads: mx.array, residual: mx.array | None = None) -> mx.array:
     """``apply_linear`` on heads [B, heads, L, D] as rows, read in place by the kernel."""
     B, h, L, d = heads.shape
-    if B == 1 and L >= 2 and d % 8 == 0 and not exact_products.serves(module, L, h * d, heads.dtype):
+    if (
+        B == 1
+        and L >= 2
+        and not in_prompt()
+        and d % 8 == 0
+        and not exact_products.serves(module, L, h * d, heads.dtype)
+    ):
         taken = _taking(module, (1, L), h * d, heads.dtype, residual)
         if taken is not None:
             kernel, bias = taken
@@ -69,7 +104,7 @@ def apply_linear(
     module: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
 ) -> mx.array:
     """``residual + module(norm(x))`` (either optional), in one launch where the kernel takes it."""
-    if x.size // x.shape[-1] >= 2:  # (a plain step's row: at once)
+    if verify_rows(x):  # (a plain step's row and a prompt's: at once)
         if exact_products.takes(module, x):
             # (the norm and the residual as the plain step runs them: MLX's ops)
             x = x if norm is None else norm(x)
@@ -84,7 +119,7 @@ def apply_linear(
                 return kernel(x, module.weight, bias, residual, norm=folded)
     if norm is not None:
         return apply_linear(module, norm(x), residual)
-    y = quantized.product(module, x)
+    y = quantized.product(module, x) if verify_rows(x) else None
     if y is None:
         y = module(x)
     return y if residual is None else residual + y
