@@ -571,7 +571,9 @@ def read_plainly(target, cache: list, ids: list[int]) -> None:
     """One of the prefill's forwards, as decode/loop.py's ``prefill`` runs it."""
     from mlx_lm.generate import generation_stream
 
-    with mx.stream(generation_stream):
+    from dflash_mlx.layers.linear import prompt_products
+
+    with mx.stream(generation_stream), prompt_products():
         logits, hidden = target(mx.array(ids)[None], cache, [target.here[0]], last_only=True)
         mx.eval(logits, hidden, [a for c in cache for a in c.state if a is not None])
 
@@ -606,18 +608,22 @@ class OwnPrefill:
 def own_prefill(target, prompt: list[int], step: int, *, chunks: bool = False, plant=None) -> OwnPrefill:
     """Our prefill of ``prompt`` as decode/loop.py's reads it, the last id's
     forward captured (``chunks``: each chunk's too)."""
+    from dflash_mlx.layers.linear import prompt_products
+
     cache = target.make_cache()
     *body, lone = prompt_reads(prompt, step)
     at, seen, starts = 0, [], []
     for ids in body:
         starts.append(at)
         if chunks:
-            seen.append(our_forward(target, cache, ids, at, last_only=True, plant=plant))
+            with prompt_products():
+                seen.append(our_forward(target, cache, ids, at, last_only=True, plant=plant))
         else:
             with planted(plant, target):
                 read_plainly(target, cache, ids)
         at += len(ids)
-    last = our_forward(target, cache, lone, at, last_only=True, plant=plant)
+    with prompt_products():
+        last = our_forward(target, cache, lone, at, last_only=True, plant=plant)
     rows = None
     if seen:
         replayed = [i for i in seen[0].replayed if all(i in v.replayed for v in seen)]
