@@ -11,7 +11,8 @@ import pytest
 from test_server_batch import chat_ids, mlx_lm_greedy, params, serve_waiting
 from test_server_fixtures import chat_pair  # noqa: F401
 
-from dflash_mlx.server.service import ServerConfig, Service
+from dflash_mlx.server.config import ServerConfig
+from dflash_mlx.server.service import Service
 
 
 @pytest.mark.parametrize("lookup, alone", [(True, False), ("auto", False), (True, True)])

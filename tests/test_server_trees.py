@@ -10,7 +10,8 @@ from test_server_batch import chat_ids, mlx_lm_greedy, params, serve_waiting
 from test_server_fixtures import chat_pair, serving  # noqa: F401
 
 import dflash_mlx.server.decoder
-from dflash_mlx.server.service import ServerConfig, Service
+from dflash_mlx.server.config import ServerConfig
+from dflash_mlx.server.service import Service
 
 PROMPT = "w12 w13 w14 w12 w13 w14 w12 w13"
 

@@ -11,6 +11,6 @@ Needs the `server` extra: pip install "dflash-mlx[server]".
 """
 
 from .app import create_app, run, running_in_thread
-from .service import ServerConfig
+from .config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app", "run", "running_in_thread"]

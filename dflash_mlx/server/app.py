@@ -14,13 +14,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .anthropic_api import count_tokens, messages
+from .config import ServerConfig
 from .errors import EXCEPTION_HANDLERS
 from .hosts import AllowedHosts, HostCheck
 from .metrics import CONTENT_TYPE, RequestCounter
 from .openai_api import chat_completions, completions, models
 from .ranks import Leader
 from .responses_api import responses, retrieve
-from .service import ServerConfig, Service
+from .service import Service
 
 
 async def health(request: Request) -> JSONResponse:

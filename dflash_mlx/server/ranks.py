@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 import mlx.core as mx
 
 from ..distributed import share_from_first_rank
+from .config import ServerConfig, make_decoder
 from .job import Job, QuietJob
-from .service import ServerConfig, make_decoder
 
 # What a job says about its generation; ``cancelled`` is rank 0's handler's alone.
 SHARED = tuple(f.name for f in fields(Job) if f.name != "cancelled")
