@@ -14,7 +14,7 @@ import typer
 from . import options
 from .console import UserError, console, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Template, flags, takes_groups
-from .pair import context_length, load_split, model_or_builtin
+from .pair import context_length, model_or_builtin
 from .progress import PrefillProgress
 from .prompt_input import read_prompt, uses_template
 
@@ -157,7 +157,9 @@ def cache_prompt_command(
         if group is None:
             target, draft, tokenizer = pair.load(name, adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         else:
-            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
+            target, draft, tokenizer = pair.load_split(
+                group, split, adapter_path=adapter_path, trust_remote_code=trust_remote_code
+            )
         chat = uses_template(tokenizer, template.ignore_chat_template)
         ids = prefix_ids(tokenizer, text, system_prompt, chat, kwargs)
         limit = context_length(target)

@@ -28,7 +28,7 @@ from . import options
 from .cache_prompt import check_rank_files, open_cache, rank_file, read_cache_file
 from .console import UserError, console, refuse_across_ranks, sigint_handled, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
-from .pair import load_split, room_for_reply
+from .pair import room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import supports_thinking, uses_template
 from .serve import PrefixCacheDir, PrefixCacheGB, check_prefix_cache
@@ -664,7 +664,9 @@ def chat_command(
         if group is None:
             target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         else:
-            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
+            target, draft, tokenizer = pair.load_split(
+                group, split, adapter_path=adapter_path, trust_remote_code=trust_remote_code
+            )
         check_drafter_block(block_size, draft)
         template.prepare(tokenizer)
         if not template.ignore_chat_template and not uses_template(tokenizer, False):

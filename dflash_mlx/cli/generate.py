@@ -13,7 +13,7 @@ from . import options
 from .cache_prompt import check_rank_files, open_cache, rank_file, read_cache_file
 from .console import err, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, check_trees, flags, takes_groups
-from .pair import load_split, room_for_reply
+from .pair import room_for_reply
 from .progress import PrefillProgress
 from .prompt_input import prompt_ids, read_prompt
 from .status import stats_line
@@ -83,7 +83,9 @@ def generate_command(
         if group is None:
             target, draft, tokenizer = pair.load(adapter_path=adapter_path, trust_remote_code=trust_remote_code)
         else:
-            target, draft, tokenizer = load_split(pair, group, split, adapter_path, trust_remote_code)
+            target, draft, tokenizer = pair.load_split(
+                group, split, adapter_path=adapter_path, trust_remote_code=trust_remote_code
+            )
         block_size = generation["block_size"]
         check_drafter_block(block_size, draft)
         template.prepare(tokenizer)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from . import options
 from .console import UserError, note
-from .pair import load_pair
+from .pair import load_pair, load_split
 from .prompt_input import thinking_note, use_default_template
 
 
@@ -82,6 +82,13 @@ class Pair:
         """(target, drafter, tokenizer): ``name`` (the target as resolved
         already) or --model, and ``loading``, load_pair's other arguments."""
         return load_pair(name or self.model, self.draft_model, dtype=self.dtype, draft_bits=self.bits(), **loading)
+
+    def load_split(self, group, split: str, **loading):
+        """(target, drafter, tokenizer), the target split across ``group``'s
+        ranks; ``loading``: load_split's other arguments."""
+        return load_split(
+            self.model, self.draft_model, group=group, split=split, dtype=self.dtype, draft_bits=self.bits(), **loading
+        )
 
 
 SAMPLER = ("temp", "top_p", "min_p", "top_k", "xtc_probability", "xtc_threshold", "min_tokens_to_keep")

@@ -4,15 +4,12 @@ downloads drawn as bars under a spinner."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn
 
 from .console import UserError, err, note
 from .progress import hub_progress_class
-
-if TYPE_CHECKING:
-    from .option_groups import Pair
 
 
 def model_or_builtin(model: Optional[str], draft: Optional[str] = None) -> str:
@@ -81,21 +78,31 @@ def load_pair(
     return pair
 
 
-def load_split(pair: Pair, group, split: str, adapter_path, trust_remote_code: bool):
+def load_split(
+    model: Optional[str],
+    draft: Optional[str],
+    *,
+    group,
+    split: str,
+    adapter_path: Optional[str] = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+    draft_bits: int | str | None = "auto",
+):
     """(target, drafter, tokenizer), the target split across ``group``'s ranks."""
     from dflash_mlx import loading
 
-    if pair.draft_model == "none":
+    if draft == "none":
         raise UserError("--draft-model none cannot run across ranks yet; name a drafter under mlx.launch.")
     return loading.load(
-        model_or_builtin(pair.model, pair.draft_model),
-        pair.draft_model,
+        model_or_builtin(model, draft),
+        draft,
         adapter_path=adapter_path,
         trust_remote_code=trust_remote_code,
-        dtype=pair.dtype,
+        dtype=dtype,
         flags=True,
         group=group,
-        draft_bits=pair.bits(),
+        draft_bits=draft_bits,
         split=split,
     )
 

@@ -15,7 +15,7 @@ import typer
 from . import options
 from .console import UserError, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Sampling, Template, check_drafter_block, flags, takes_groups
-from .pair import load_split, model_or_builtin
+from .pair import model_or_builtin
 
 EXAMPLES = """\
 Examples:
@@ -204,7 +204,7 @@ def serve_command(
             target, draft, tokenizer = pair.load(model_or_builtin(pair.model, pair.draft_model))
         else:
             config.check_across_ranks()
-            target, draft, tokenizer = load_split(pair, group, split, None, False)
+            target, draft, tokenizer = pair.load_split(group, split)
         check_drafter_block(generation["block_size"], draft)
         template.prepare(tokenizer)
         first = distributed.is_first_rank(group)
