@@ -133,6 +133,8 @@ def with_poisoned_threadgroup_memory(text: str) -> str:
         lines[i] += "".join(f" harness_threadgroup_memory((void*){n}, sizeof({n}));" for n in names)
     declaration = 'extern "C" void harness_threadgroup_memory(void*, unsigned long);\n'
     return declaration + "\n".join(lines)
+
+
 DRIVER = (
     FIBERS
     + r"""

@@ -19,10 +19,10 @@ from test_server import WEATHER_TOOL
 from test_server_fixtures import ID, chat_pair, kv_pair, scripted_pair, serving  # noqa: F401
 from test_server_metrics import scrape
 
+from dflash_mlx.server.config import ServerConfig
 from dflash_mlx.server.job import Done, GenerationParams, Job, Progress
 from dflash_mlx.server.path_choice import PathChoice
 from dflash_mlx.server.reply import Delta
-from dflash_mlx.server.config import ServerConfig
 from dflash_mlx.server.service import Service
 from dflash_mlx.server.templates import rendered_chat
 
