@@ -390,6 +390,37 @@ def test_decoding_through_the_kernel_is_the_targets_greedy_output(fake_gpu, dtyp
     assert kernel.rows and all(2 <= r <= 32 for r in kernel.rows)
 
 
+def test_a_short_prompts_prefill_never_takes_the_verify_product(fake_gpu, monkeypatch):
+    """A prompt of a few tokens is read as mlx-lm's prefill reads it, through
+    MLX's own products, not a verify's, whose one-row order would give the
+    target's cache other bits on a GPU (the drafter's context may take it)."""
+    from dflash_mlx import make_prompt_cache
+    from dflash_mlx.decode.loop import prefill
+    from dflash_mlx.targets import adapt
+
+    kernel = fake_gpu(FakeKernel())
+    tcfg = target_config("qwen3", vocab=32, layers=2, hidden=256)
+    model = make_target(tcfg, seed=73)
+    model.set_dtype(mx.bfloat16)
+    dcfg = draft_config(tcfg, layers=1, block_size=8, taps=[0, 1])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=74))
+    draft.set_dtype(mx.bfloat16)
+    target = adapt(model)
+    drafters = []
+    extend = draft.extend
+
+    def drafter_apart(*args, **kw):
+        before = len(kernel.rows)
+        extend(*args, **kw)
+        drafters.extend(kernel.rows[before:])
+        del kernel.rows[before:]
+
+    monkeypatch.setattr(draft, "extend", drafter_apart)
+    kernel.rows.clear()
+    prefill(target, draft, make_prompt_cache(model, draft), [1, 2, 3, 4, 5, 6, 7], 2048, None)
+    assert kernel.rows == [] and drafters  # (the drafter's context took it: the kernel served here)
+
+
 def test_every_variant_is_recorded_for_the_check_scripts():
     for backend_name in ("metal", "cuda"):
         recorded = set()
