@@ -67,8 +67,8 @@ def attention_output(
     first (the drafter's need not)."""
     tree = getattr(cache, "tree", None)
     # A verify's rows (their offset on the device, a cycle's) as the plain step
-    # computes each; a prompt's chunk (a host offset) as mlx-lm's prefill does.
-    verify = exact and isinstance(start, mx.array)
+    # computes each; a prompt's chunk as mlx-lm's prefill does.
+    verify = exact and isinstance(start, mx.array) and not linear.in_prompt()
     if type(cache) is BufferKVCache and verify and causal and window is None and sinks is None:
         # (the host's bound on the keys a row reads: on CUDA a buffer is read whole)
         at = dict(scale=scale, q_offset=start, filled=cache.bound)
@@ -130,9 +130,9 @@ def within_window(cache: BufferKVCache, window: int, keys, values, mask, rows: i
 
 
 def prompt_chunk(start) -> bool:
-    """Whether the rows are a prompt's chunk, read at a host offset (a
-    cycle's verify has its offset on the device)."""
-    return start is not None and not isinstance(start, mx.array)
+    """Whether the rows are a prompt's chunk: read inside linear.prompt_products,
+    or at a host offset (a cycle's verify has its offset on the device)."""
+    return linear.in_prompt() or (start is not None and not isinstance(start, mx.array))
 
 
 def one_row_step(queries, mask, where: str) -> bool:

@@ -34,7 +34,9 @@ def prompt_products():
     """Within it, every product is MLX's own, unfused, as mlx-lm's prefill
     computes it: the cache then holds mlx-lm's bits. A verify's products keep
     a plain step's one-row order, which a prompt's chunk of 2-32 rows would
-    otherwise take too."""
+    otherwise take too. Attention (layers/attention.py) reads a prompt's chunk
+    as mlx-lm's prefill does where exactness comes first (elsewhere the
+    block-attention kernel may serve it where this machine measured it faster)."""
     token = _in_prompt.set(True)
     try:
         yield
