@@ -24,6 +24,8 @@ from repo_files import repo_module
 # fibers reached it. (Deterministic, and a missing barrier shows at once: a fiber
 # reads what the others have not written yet.)
 FIBERS = r"""
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -51,8 +53,10 @@ constexpr size_t STACK_BYTES = 1 << 18;
 static char* guarded_stack() {
   const size_t page = sysconf(_SC_PAGESIZE);
   void* at = mmap(nullptr, STACK_BYTES + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (at == MAP_FAILED) return nullptr;
-  mprotect(at, page, PROT_NONE);
+  if (at == MAP_FAILED || mprotect(at, page, PROT_NONE) != 0) {
+    std::fputs("metal_on_cpu: no memory for a fiber's stack\n", stderr);
+    std::abort();
+  }
   return static_cast<char*>(at) + page;
 }
 static unsigned index() { return current->index; }
@@ -130,7 +134,7 @@ def with_poisoned_threadgroup_memory(text: str) -> str:
     lines = text.split("\n")
     for i, line in enumerate(lines):
         names = re.findall(r"constexpr size_t metal_stub_tg_bytes_\d+ = [^;]*\(sizeof\((\w+)\) \+ 15\)", line)
-        lines[i] += "".join(f" harness_threadgroup_memory((void*){n}, sizeof({n}));" for n in names)
+        lines[i] += "".join(f" harness_threadgroup_memory((void*)&{n}, sizeof({n}));" for n in names)
     declaration = 'extern "C" void harness_threadgroup_memory(void*, unsigned long);\n'
     return declaration + "\n".join(lines)
 
