@@ -347,3 +347,30 @@ def test_the_metal_check_compiles_the_gather_variants_and_catches_a_device_weigh
     monkeypatch.setattr(quantized_source, "GATHER_BODY", body)
     failed, log = check()
     assert len(failed) == 2 and "no matching function for call to 'qv_add'" in log, log
+
+
+def test_a_hybrid_targets_re_read_takes_each_stretch_as_it_was_written(fake_gpu):
+    """A delta-net state no cache kept is rebuilt by re-reading the ids from a
+    checkpoint: positions a prompt wrote through MLX's own experts (as mlx-lm's
+    prefill), positions written outside a prompt through the verify's kernel."""
+    from dflash_mlx.targets import adapt
+
+    cfg = family_config("qwen3_next", vocab=48, layers=2, hidden=256)
+    model = make_family_target(cfg, seed=5)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    kernel = fake_gpu(FakeGather())
+    linear.prepare_quantized(model, mx.bfloat16)
+    target = adapt(model)
+    cache = target.make_cache()
+    ids = [(7 * i) % 47 for i in range(240)]
+    for start in (0, 80):  # two prompt chunks longer than a kept write: a checkpoint at each start
+        with linear.prompt_products():
+            mx.eval(target(mx.array(ids[start : start + 80])[None], cache, [0])[0])
+    mx.eval(target(mx.array(ids[160:240])[None], cache, [0])[0])  # written outside a prompt
+    kernel.pairs.clear()
+    target.set_length(cache, 180)  # re-reads 160..179, not a prompt's
+    assert kernel.pairs
+    kernel.pairs.clear()
+    target.set_length(cache, 100)  # re-reads 80..99, a prompt's
+    assert kernel.pairs == []

@@ -604,7 +604,7 @@ def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | 
                 c.keys, c.values = padded(k, room), padded(v, room)
             c.set_length(n)
     if isinstance(cache.target, HybridCache):  # where a re-read of a cut-back state starts
-        cache.target.log = [(0, mx.array(tokens, mx.int32))]
+        cache.target.log = [(0, mx.array(tokens, mx.int32), True)]  # (re-read as a prompt)
     mx.eval(cache.arrays())
     cache.tokens = list(tokens)
     cache.reply_from = reply_from

@@ -6,6 +6,7 @@ never rewritten below the committed length."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -20,29 +21,45 @@ from ..kv.tree import keep_path
 from ..layers import experts
 from ..layers.attention import prepare
 from ..layers.blocks import attend
+from ..layers.linear import in_prompt, prompt_products
 from .base import DenseTarget
 from .recurrent import DeltaCache, PathRows, _value, measure_rollback
 
 
 class HybridCache(list):
-    """The per-layer caches plus a log of (start, ids) per write, for re-reads."""
+    """The per-layer caches plus a log of (start, ids, in a prompt) per write,
+    for re-reads."""
 
     def __init__(self, layers):
         super().__init__(layers)
-        self.log: list[tuple[int | mx.array, mx.array]] = []
+        self.log: list[tuple[int | mx.array, mx.array, bool]] = []
 
-    def ids(self, n: int) -> list[int]:
-        """The ids at positions 0..n-1, as last written."""
+    def ids(self, n: int) -> tuple[list[int], list[bool]]:
+        """The ids at positions 0..n-1 as last written, and whether a prompt wrote each."""
         seq: list[int] = []
-        for start, ids in self.log:
+        prompt: list[bool] = []
+        for start, ids, by_prompt in self.log:
             s = _value(start)
             if s >= n:
                 continue
-            seq[s:] = ids.tolist()[: n - s]
+            written = ids.tolist()[: n - s]
+            seq[s:] = written
+            prompt[s:] = [by_prompt] * len(written)
         if len(seq) < n:
             raise LookupError(f"positions up to {n} were never written")
-        self.log = [(0, mx.array(seq[:n], mx.int32))] if n else []
-        return seq[:n]
+        self.log = [(s, mx.array(seq[s:e], mx.int32), p) for s, e, p in runs(prompt[:n])]
+        return seq[:n], prompt[:n]
+
+
+def runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
+    """(start, end, flag) of each stretch of equal ``flags``."""
+    out = []
+    for i, f in enumerate(flags):
+        if out and out[-1][2] == f:
+            out[-1] = (out[-1][0], i + 1, f)
+        else:
+            out.append((i, i + 1, f))
+    return out
 
 
 class _Reading:
@@ -95,7 +112,8 @@ class HybridTarget(DenseTarget):
 
     def __call__(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool = False):
         if isinstance(cache, HybridCache):
-            cache.log.append((cache[0].offset, tokens[0]))  # (every layer's cache holds one length)
+            # (every layer's cache holds one length)
+            cache.log.append((cache[0].offset, tokens[0], in_prompt()))
         return super().__call__(tokens, cache, taps, last_only)
 
     def logits(self, h: mx.array, norm: nn.Module | None = None) -> mx.array:
@@ -118,8 +136,8 @@ class HybridTarget(DenseTarget):
             if isinstance(c, DeltaCache):
                 c.keep_path(rows)
         if isinstance(cache, HybridCache) and cache.log:
-            at, ids = cache.log[-1]  # (the tree's nodes, written last)
-            cache.log[-1] = (at, mx.take(ids, path))
+            at, ids, prompt = cache.log[-1]  # (the tree's nodes, written last)
+            cache.log[-1] = (at, mx.take(ids, path), prompt)
 
     def set_length(self, cache: list, length, bound: int | None = None, read: str = "bound") -> None:
         """An array length: a verify's rollback, on the device. An int: the
@@ -134,29 +152,34 @@ class HybridTarget(DenseTarget):
         for c in cache:
             if isinstance(c, BufferKVCache):
                 c.set_length(length, read=read)
-        ids = cache.ids(length) if isinstance(cache, HybridCache) else None
+        written = cache.ids(length) if isinstance(cache, HybridCache) else None
         if not all(c.restore(length) for c in delta):
-            if ids is None:
+            if written is None:
                 raise LookupError(f"no state kept at length {length}")
-            self._reread(cache, ids)
+            self._reread(cache, *written)
 
-    def _reread(self, cache: HybridCache, ids: list[int]) -> None:
+    def _reread(self, cache: HybridCache, ids: list[int], prompt: list[bool]) -> None:
         """Bring every delta-net layer to exactly ``len(ids)`` positions from
-        the nearest checkpoint all of them hold, re-reading the ids between."""
+        the nearest checkpoint all of them hold, re-reading the ids between,
+        each stretch as it was written (a prompt's through MLX's own products,
+        linear.prompt_products; a verify's through its products)."""
         n = len(ids)
         delta = [c for c in cache if isinstance(c, DeltaCache)]
         m = min(c.restorable(n) for c in delta)
         for c in delta:
             c.restore(m)
         reading = [c if isinstance(c, DeltaCache) else _Reading(c, m) for c in cache]
+        sent = []
         # Under a pipeline every rank re-reads from the same m (checkpoints at the same
         # lengths); on the decode loop's stream, after its exchanges, which share the connection.
         with mx.stream(generation_stream):
-            h, _ = self.run_stage(self.embed(mx.array(ids[m:], mx.int32)[None]), reading, ())
-            sent = self.pass_on(h)
+            for start, end, by_prompt in runs(prompt[m:]):
+                with prompt_products() if by_prompt else contextlib.nullcontext():
+                    h, _ = self.run_stage(self.embed(mx.array(ids[m + start : m + end], mx.int32)[None]), reading, ())
+                sent.append(self.pass_on(h))
         for c in delta:
             c.restore(n)
-        mx.eval([a for c in delta for a in c.state if a is not None] + ([] if sent is None else [sent]))
+        mx.eval([a for c in delta for a in c.state if a is not None] + [s for s in sent if s is not None])
 
 
 def check_stages(args, ranks: int) -> None:
