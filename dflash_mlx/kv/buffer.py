@@ -128,14 +128,6 @@ class DeviceLengthCache:
         self.offset = length
         self.bound = length if isinstance(length, int) else bound
 
-    def window_start(self, n: int, window: int) -> int:
-        """After a write of ``n`` rows, the first position any of them sees
-        through a sliding ``window``, where the host knows their positions (a
-        prompt chunk, an exact step; a verify at a device length: 0)."""
-        if self.read == "fixed" or not (isinstance(self.offset, int) or self.read == "exact"):
-            return 0
-        return max(0, self.bound - n - window + 1)
-
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """mlx-lm's cache protocol: append at ``offset`` and return the buffers."""
         out = self.write(keys, values, self.offset)
@@ -201,6 +193,14 @@ class BufferKVCache(DeviceLengthCache):
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
+
+    def window_start(self, n: int, window: int) -> int:
+        """After a write of ``n`` rows, the first position any of them sees
+        through a sliding ``window``, where the host knows their positions (a
+        prompt chunk, an exact step; a verify at a device length: 0)."""
+        if self.read == "fixed" or not (isinstance(self.offset, int) or self.read == "exact"):
+            return 0
+        return max(0, self.bound - n - window + 1)
 
     def _grow(self, n: int, keys: mx.array, values: mx.array) -> None:
         cap = self.room(n)

@@ -68,7 +68,7 @@ def attention_output(
     tree = getattr(cache, "tree", None)
     # A verify's rows (their offset on the device, a cycle's) as the plain step
     # computes each; a prompt's chunk as mlx-lm's prefill does.
-    verify = exact and isinstance(start, mx.array) and not linear.in_prompt()
+    verify = exact and start is not None and not prompt_chunk(start)
     if type(cache) is BufferKVCache and verify and causal and window is None and sinks is None:
         # (the host's bound on the keys a row reads: on CUDA a buffer is read whole)
         at = dict(scale=scale, q_offset=start, filled=cache.bound)

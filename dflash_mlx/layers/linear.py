@@ -106,7 +106,8 @@ def apply_linear(
     module: nn.Module, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None
 ) -> mx.array:
     """``residual + module(norm(x))`` (either optional), in one launch where the kernel takes it."""
-    if verify_rows(x):  # (a plain step's row and a prompt's: at once)
+    verifying = verify_rows(x)
+    if verifying:  # (a plain step's row and a prompt's: at once)
         if exact_products.takes(module, x):
             # (the norm and the residual as the plain step runs them: MLX's ops)
             x = x if norm is None else norm(x)
@@ -121,7 +122,7 @@ def apply_linear(
                 return kernel(x, module.weight, bias, residual, norm=folded)
     if norm is not None:
         return apply_linear(module, norm(x), residual)
-    y = quantized.product(module, x) if verify_rows(x) else None
+    y = quantized.product(module, x) if verifying else None
     if y is None:
         y = module(x)
     return y if residual is None else residual + y

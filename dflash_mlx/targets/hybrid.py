@@ -7,6 +7,7 @@ never rewritten below the committed length."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
@@ -53,12 +54,11 @@ class HybridCache(list):
 
 def runs(flags: list[bool]) -> list[tuple[int, int, bool]]:
     """(start, end, flag) of each stretch of equal ``flags``."""
-    out = []
-    for i, f in enumerate(flags):
-        if out and out[-1][2] == f:
-            out[-1] = (out[-1][0], i + 1, f)
-        else:
-            out.append((i, i + 1, f))
+    out, start = [], 0
+    for flag, stretch in itertools.groupby(flags):
+        end = start + sum(1 for _ in stretch)
+        out.append((start, end, flag))
+        start = end
     return out
 
 
