@@ -96,31 +96,3 @@ def test_prefill_and_verify_go_through_the_kernel_and_stay_exact(fake_gpu, famil
         assert starts >= set(range(0, n, 16))
         verifies = [rows for start, rows in forwards if start >= n]
         assert verifies and set(verifies) == {block}
-
-
-@pytest.mark.parametrize("family", ["gemma4_text", "gemma3_text"])
-def test_a_prompts_chunks_never_take_the_exact_verify_attention(monkeypatch, family):
-    """Gemma 4's layers hand attention their offset as an array even in a
-    prompt; a prompt's chunk still reads as mlx-lm's prefill does (MLX's
-    attention), never as a verify's rows, where exactness comes first."""
-    from test_exact_attention import FakeKernel
-
-    from dflash_mlx.cache.prompt import make_prompt_cache
-    from dflash_mlx.decode.loop import prefill
-    from dflash_mlx.kernels import exact_attention as ea
-
-    ea.reset()
-    monkeypatch.setattr(ea, "backend", lambda: "metal")
-    monkeypatch.setitem(ea.CHECK_CASES, "metal", ((1, 3, 37, 256),))
-    kernel = FakeKernel()
-    monkeypatch.setitem(ea.BUILDERS, "metal", lambda where: kernel)
-    try:
-        model, draft = pair(family, seed=23)
-        target = adapt(model)
-        assert any(c.ok for c in ea._checks.values())  # (the kernel passed its check: it could serve)
-        kernel.calls.clear()
-        prefill(target, draft, make_prompt_cache(model, draft), list(range(1, 12)), 16, None)
-        # (the prompt's chunk is its first 10 ids; a 3-row call is a variant's self-check)
-        assert [c for c in kernel.calls if c[0] != 3] == []
-    finally:
-        ea.reset()

@@ -844,3 +844,25 @@ def test_a_verify_takes_the_kernel_and_a_prompts_chunk_does_not(fake_gpu, monkey
         want = ea.one_row_attention(q, keys, values, scale=0.125, q_offset=start)
         assert mx.allclose(out, want, atol=1e-2) and (mx.array_equal(out, want) or not served)
     decisions.reset()
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma3_text"])
+def test_a_prompts_chunks_never_take_the_exact_verify_attention(fake_gpu, monkeypatch, family):
+    """Gemma 4's layers hand attention their offset as an array even in a
+    prompt; a prompt's chunk still reads as mlx-lm's prefill does (MLX's
+    attention), never as a verify's rows, where exactness comes first."""
+    from test_attention_routing_families import pair
+
+    from dflash_mlx.cache.prompt import make_prompt_cache
+    from dflash_mlx.decode.loop import prefill
+    from dflash_mlx.targets import adapt
+
+    monkeypatch.setitem(ea.CHECK_CASES, "metal", ((1, 3, 37, 256),))
+    kernel = fake_gpu(FakeKernel())
+    model, draft = pair(family, seed=23)
+    target = adapt(model)
+    assert any(c.ok for c in ea._checks.values())  # (the kernel passed its check: it could serve)
+    kernel.calls.clear()
+    prefill(target, draft, make_prompt_cache(model, draft), list(range(1, 12)), 16, None)
+    # (the prompt's chunk is its first 10 ids; a 3-row call is a variant's self-check)
+    assert [c for c in kernel.calls if c[0] != 3] == []
