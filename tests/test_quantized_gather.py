@@ -260,6 +260,53 @@ def test_the_variants_served_are_mlx_lms_quantized_experts():
     assert qg.variant_of(nn.QuantizedLinear(512, 16), dtype) is None
 
 
+def recorded_launches(backend_name: str) -> list[dict]:
+    launches = []
+
+    def factory(*, name, source, header, **made):
+        def launch(*, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
+            launches.append(dict(template=dict(template), grid=grid, threadgroup=threadgroup))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    qg.record_variants(factory, backend_name)
+    return launches
+
+
+def test_on_cuda_an_mxfp4_experts_lanes_take_fp_gather_qmvs_four_words_a_step():
+    """MLX's one-row gather of mxfp4 experts on CUDA is fp_gather_qmv (fp_qmv's
+    order: 32 values a lane a step, float sums), not the dense product's qmv:
+    the gather's mxfp4 variants take four words a lane, every other two (qmv's);
+    Metal's keep its qmv(_fast) words; the staged rows still fit."""
+    cuda = recorded_launches("cuda")
+    for launch in cuda:
+        t = launch["template"]
+        assert t["PACKS"] == (4 if t["MXFP4"] else 2), t
+        step = 32 * t["PACKS"] * 32 // t["BITS"]
+        assert t["MR"] % t["SR"] == 0 and t["SR"] * step * 2 <= qp.STAGED_BYTES
+    assert any(launch["template"]["MXFP4"] for launch in cuda)
+    assert {launch["template"]["PACKS"] for launch in recorded_launches("metal")} == {1, 2}
+    # the dense product's mxfp4 rows stay qmv's (its one row is qmv on CUDA)
+    assert qp.packs(2880, 4, "cuda") == 2 and qp.packs(2880, 4, "cuda", fp_gather=True) == 4
+    assert qp.packs(2880, 4, "metal", fp_gather=True) == qp.packs(2880, 4, "metal") == 1
+
+
+def test_the_cuda_header_follows_fp_gather_qmvs_lane_arithmetic():
+    """The lane's sums as fp_gather_qmv's PTX (MLX 0.32.4) has them: even and odd
+    values into two float fma chains, their sum times the e8m0 scale fma'd into
+    the lane's total; each multiply-add one rounding, written out (never left to
+    the compiler's contraction)."""
+    from dflash_mlx.kernels.quantized_source import HEADER
+
+    cuda = HEADER["cuda"]
+    assert "MXFP4 && VPT == 32" in cuda
+    assert "ex = __fmaf_rn(to_float(xs.p[i].x), to_float(d.q[i].x), ex);" in cuda
+    assert "od = __fmaf_rn(to_float(xs.p[i].y), to_float(d.q[i].y), od);" in cuda
+    assert "a.t = __fmaf_rn(__fadd_rn(ex, od), d.s, a.t);" in cuda
+    assert "0x400000u" in cuda and "0x7fffffffu" in cuda  # (e8m0: 0 is 2^-127, 255 NaN, as cutlass's)
+
+
 def test_every_variant_is_recorded_for_the_check_scripts():
     recorded = set()
 

@@ -83,12 +83,12 @@ class QuantizedCheck:
         return f"{self.backend} {self.variant.case}"
 
 
-def packs(k: int, bits: int, backend_name: str) -> int:
+def packs(k: int, bits: int, backend_name: str, fp_gather: bool = False) -> int:
     """uint32 words of weights a lane takes a step, as the backend's one-row
-    kernel does: 2 on CUDA (qmv); on Metal 2 where K is whole blocks of them
-    (qmv_fast), else 1 (qmv)."""
+    kernel does: on CUDA 2 (qmv), 4 for an mxfp4 expert's row (``fp_gather``:
+    fp_gather_qmv); on Metal 2 where K is whole blocks of them (qmv_fast), else 1 (qmv)."""
     if backend_name != "metal":
-        return 2
+        return 4 if fp_gather else 2
     return 2 if k % block_k(bits, 2) == 0 else 1
 
 
@@ -123,9 +123,9 @@ def tile(rows: int, backend_name: str, n: int = 0) -> tuple[int, int, int]:
     return mr, rs, groups
 
 
-def staged_rows(mr: int, k: int, bits: int, backend_name: str) -> int:
+def staged_rows(mr: int, k: int, bits: int, backend_name: str, fp_gather: bool = False) -> int:
     """x rows a threadgroup stages at a time: its tile's, or as many as STAGED_BYTES holds."""
-    step = block_k(bits, packs(k, bits, backend_name))
+    step = block_k(bits, packs(k, bits, backend_name, fp_gather))
     return min(mr, STAGED_BYTES // (2 * step))
 
 
@@ -179,7 +179,9 @@ class QuantizedProductKernel:
         """The kernel over ``inputs`` for a [rows, n] result in ``dtype``, its
         tile chosen for ``tile_rows`` rows (``launch_tile``: another, for benchmarks)."""
         mr, rs, groups = launch_tile or tile(tile_rows, self.backend, n)
-        sr = staged_rows(mr, k, bits, self.backend)
+        # (on CUDA MLX's one-row gather of mxfp4 experts is fp_gather_qmv, not qmv: its own lanes)
+        fp_gather = self.GATHER and mode == "mxfp4"
+        sr = staged_rows(mr, k, bits, self.backend, fp_gather)
         if mr % sr or n % (groups * rs):
             raise ValueError(f"tile {mr}x{rs}x{groups} does not cover {n} outputs in whole turns of {sr} rows")
         (y,) = self.kernel(
@@ -190,7 +192,7 @@ class QuantizedProductKernel:
                 ("BITS", bits),
                 ("GROUP", group),
                 ("MXFP4", mode == "mxfp4"),
-                ("PACKS", packs(k, bits, self.backend)),
+                ("PACKS", packs(k, bits, self.backend, fp_gather)),
                 ("FUSED", fused and self.backend == "cuda" and mode == "affine"),
                 ("MR", mr),
                 ("RS", rs),

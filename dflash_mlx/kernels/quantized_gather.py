@@ -4,7 +4,8 @@ for bit what MLX's one-row gather product computes (Metal, CUDA).
 
 A plain step sends its one row to its top-k experts: MLX's ``gather_qmm``
 takes its one-row ``gather_qmv``, which is ``qmv`` on the selected expert's
-weight. A verify's block has rows x top-k pairs, which mlx-lm sorts and MLX
+weight (on CUDA, mxfp4: ``fp_gather_qmv``, ``fp_qmv``'s order, not the dense
+one-row product's). A verify's block has rows x top-k pairs, which mlx-lm sorts and MLX
 multiplies by its tiled ``gather_qmm``: another summation order, so at a
 near-tie greedy DFlash could pick another token than plain decoding. This
 kernel (quantized_source.py's gather body) reduces each pair in the order

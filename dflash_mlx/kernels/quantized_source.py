@@ -48,6 +48,16 @@ before use, see quantized.py):
   modifier, which ptxas may fuse into one ``fma``: the dequantization here is
   either (FUSED) one ``__hfma2`` or ``__hmul2_rn`` then ``__hadd2_rn`` (never
   fused), and the self-check keeps whichever matches MLX's binary.
+- CUDA, an mxfp4 expert's one row (the gather, quantized_gather.py): MLX
+  0.32.4's one-row ``gather_qmm`` of mxfp4 is ``fp_gather_qmv<T, 8, 4, 4, 32,
+  true>`` (cuda/quantized/qmm/fp_qmv.cu; absent from the 0.32.2 tree, read
+  from the PTX the 0.32.4 wheel ships), ``fp_qmv``'s order on the pair's
+  expert, not qmv's: lane l takes the 32 values at ``l * 32 + j * 1024``
+  (n_per_thread 4: PACKS 4), one scale group a step; each step two float sums
+  from zero, the even values' and the odd values', each ``fma(x, value, sum)``
+  in order (x and the e2m1 value as float, exact); then the lane's total
+  ``fma(even + odd, scale, total)``, the e8m0 scale as float (0: 2^-127).
+  After the butterfly, a product by the global scale (1 for mxfp4, exact).
 - Across the simdgroup: Metal ``simd_sum``; CUDA ``cg::reduce`` over the warp,
   a butterfly ``v + shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1 (HEADER's
   ``simd_sum``). Then one rounding to the activation's type.
@@ -65,7 +75,7 @@ import textwrap
 from .attention_source import HEADER as BASE_HEADER
 from .attention_source import PRELUDE
 
-VERSION = 2  # of BODY and the headers: a change must bump it
+VERSION = 3  # of BODY and the headers: a change must bump it
 SIMD = 32
 INPUTS = ["x", "w", "scales", "biases"]
 OUTPUTS = ["y"]
@@ -91,6 +101,7 @@ struct qv_x {
 };
 #define QV_X qv_x
 #define QV_ACC float
+#define QV_UNROLL
 inline void qv_zero(thread float& a) { a = 0; }
 inline float qv_total(thread float& a) { return a; }
 template <typename T, int BITS, bool MXFP4, int VPT>
@@ -193,19 +204,28 @@ template <> struct qv_two<__half> { typedef __half2 type; };
 __device__ __forceinline__ __nv_bfloat162 qv_pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
 __device__ __forceinline__ __half2 qv_pair(__half a, __half b) { return __halves2half2(a, b); }
 template <typename T> struct qv_x {
-  typename qv_two<T>::type p[8];  // the lane's values of a step, in pairs
+  typename qv_two<T>::type p[16];  // the lane's values of a step, in pairs
 };
 template <typename T> struct qv_sums {
   typename qv_two<T>::type h[8];
   float f[8];
+  float t;  // fp_gather_qmv's lane total
+};
+// MLX's one-row product of an mxfp4 expert (gather) is fp_gather_qmv: four words a lane a step.
+template <bool MXFP4, int VPT> struct qv_fp_order {
+  static constexpr bool value = MXFP4 && VPT == 32;
 };
 #define QV_X qv_x<T>
 #define QV_ACC qv_sums<T>
+// (the tile's row and output loops unrolled, so accumulators and weights stay in
+// registers: left to nvrtc, the mxfp4 gather's wider step puts them in local memory)
+#define QV_UNROLL _Pragma("unroll")
 template <typename T> __device__ __forceinline__ void qv_zero(qv_sums<T>& a) {
   for (int i = 0; i < 8; ++i) {
     a.h[i] = qv_pair(from_float<T>(0.0f), from_float<T>(0.0f));
     a.f[i] = 0.0f;
   }
+  a.t = 0.0f;
 }
 template <typename T, int BITS, bool MXFP4, int VPT>
 __device__ __forceinline__ void qv_stage(T* xs, float& staged_sum, const T* x, bool live) {
@@ -214,7 +234,7 @@ __device__ __forceinline__ void qv_stage(T* xs, float& staged_sum, const T* x, b
 template <typename T, int BITS, bool MXFP4, int VPT>
 __device__ __forceinline__ void qv_load(qv_x<T>& xs, const T* x, float sum) {
   typedef typename qv_two<T>::type T2;
-  for (int h = 0; h < (BITS == 8 ? 1 : 2); ++h) {
+  for (int h = 0; h < VPT / 8; ++h) {
     const uint4 u = reinterpret_cast<const uint4*>(x)[h];
     xs.p[4 * h] = *reinterpret_cast<const T2*>(&u.x);
     xs.p[4 * h + 1] = *reinterpret_cast<const T2*>(&u.y);
@@ -226,14 +246,43 @@ template <typename T> __device__ __forceinline__ T qv_scale_as(uint8_t e) {
   return from_float<T>(__uint_as_float(e == 0 ? 0x400000u : unsigned(e) << 23));
 }
 template <typename T> __device__ __forceinline__ T qv_scale_as(T s) { return s; }
-// A step's weights of one output, dequantized in the activation's type once for every row.
+// An e2m1 value in the activation's type (exact), from its bits: magnitudes
+// 0.5 * 2^(e-1) * (2 + m) where e > 0, 0.5 * m where e == 0.
+template <typename T> __device__ __forceinline__ T qv_fp4_as(unsigned b);
+template <> __device__ __forceinline__ __nv_bfloat16 qv_fp4_as<__nv_bfloat16>(unsigned b) {
+  const unsigned v = b & 7u;
+  const unsigned mag = v == 0u ? 0u : v == 1u ? 0x3f00u : (v + 252u) << 6;
+  return __ushort_as_bfloat16((unsigned short)(mag | ((b & 8u) << 12)));
+}
+template <> __device__ __forceinline__ __half qv_fp4_as<__half>(unsigned b) {
+  const unsigned v = b & 7u;
+  const unsigned mag = v == 0u ? 0u : v == 1u ? 0x3800u : (v + 28u) << 9;
+  return __ushort_as_half((unsigned short)(mag | ((b & 8u) << 12)));
+}
+// cutlass's float_ue8m0_t as float: 0 is 2^-127, 255 NaN.
+__device__ __forceinline__ float qv_scale_float(uint8_t e) {
+  return __uint_as_float(e == 0 ? 0x400000u : e == 255 ? 0x7fffffffu : unsigned(e) << 23);
+}
+template <typename S> __device__ __forceinline__ float qv_scale_float(S s) { return to_float(s); }
+// A step's weights of one output, dequantized in the activation's type once for
+// every row (fp_gather_qmv: the e2m1 values, exact, and the group's scale as float).
 template <typename T> struct qv_w {
-  typename qv_two<T>::type q[8];
+  typename qv_two<T>::type q[16];
+  float s;
 };
 #define QV_W qv_w<T>
 template <typename T, int BITS, bool MXFP4, int VPT, bool FUSED, typename S>
 __device__ __forceinline__ void qv_weights(qv_w<T>& d, const uint32_t* w, S sc, T bi) {
   typedef typename qv_two<T>::type T2;
+  if (qv_fp_order<MXFP4, VPT>::value) {
+    for (int i = 0; i < 32; i += 2) {
+      const unsigned lo = (w[i / 8] >> (4 * (i % 8))) & 0xfu;
+      const unsigned hi = (w[i / 8] >> (4 * (i % 8 + 1))) & 0xfu;
+      d.q[i / 2] = qv_pair(qv_fp4_as<T>(lo), qv_fp4_as<T>(hi));
+    }
+    d.s = qv_scale_float(sc);
+    return;
+  }
   const T s = qv_scale_as<T>(sc);
   const T2 s2 = qv_pair(s, s);
   const T2 b2 = qv_pair(bi, bi);
@@ -255,7 +304,15 @@ __device__ __forceinline__ void qv_weights(qv_w<T>& d, const uint32_t* w, S sc, 
 }
 template <typename T, int BITS, bool MXFP4, int VPT>
 __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const qv_w<T>& d) {
-  if (BITS == 8) {
+  if (qv_fp_order<MXFP4, VPT>::value) {
+    // even values into one float sum, odd into another, then the lane total += (both) * scale
+    float ex = 0.0f, od = 0.0f;
+    for (int i = 0; i < 16; ++i) {
+      ex = __fmaf_rn(to_float(xs.p[i].x), to_float(d.q[i].x), ex);
+      od = __fmaf_rn(to_float(xs.p[i].y), to_float(d.q[i].y), od);
+    }
+    a.t = __fmaf_rn(__fadd_rn(ex, od), d.s, a.t);
+  } else if (BITS == 8) {
     for (int i = 0; i < 8; i += 2) {
       a.f[i] = __fmaf_rn(to_float(xs.p[i / 2].x), to_float(d.q[i / 2].x), a.f[i]);
       a.f[i + 1] = __fmaf_rn(to_float(xs.p[i / 2].y), to_float(d.q[i / 2].y), a.f[i + 1]);
@@ -264,10 +321,12 @@ __device__ __forceinline__ void qv_add(qv_sums<T>& a, const qv_x<T>& xs, const q
     for (int i = 0; i < 8; ++i) a.h[i] = __hfma2(xs.p[i], d.q[i], a.h[i]);
   }
 }
-template <typename T, int BITS>
+template <typename T, int BITS, bool MXFP4, int VPT>
 __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
   float sum = 0.0f;
-  if (BITS == 8) {
+  if (qv_fp_order<MXFP4, VPT>::value) {
+    sum = a.t;
+  } else if (BITS == 8) {
     for (int i = 0; i < 8; ++i) sum += a.f[i];
   } else {
     for (int i = 0; i < 8; ++i) {
@@ -277,7 +336,7 @@ __device__ __forceinline__ float qv_sum(const qv_sums<T>& a) {
   }
   return sum;
 }
-#define qv_total(a) qv_sum<T, BITS>(a)
+#define qv_total(a) qv_sum<T, BITS, MXFP4, VPT>(a)
 """,
 }
 
@@ -322,6 +381,7 @@ _STEPS = """
     const int k = s * BLOCK + lane * VPT;
     QV_W wq[RS];
 BEFORE_ROWS
+    QV_UNROLL
     for (int h = 0; h < MR; h += SR) {
       TG_BARRIER();
       for (int i = tid; i < SR * 32; i += THREADS) {
@@ -332,11 +392,13 @@ BEFORE_ROWS
       }
       TG_BARRIER();
       if (k < K) {
+        QV_UNROLL
         for (int m = h; m < h + SR; ++m) {
           if (m0 + m < M) {
 IN_ROW
             QV_X xv;
             qv_load<T, BITS, MXFP4, VPT>(xv, xs + ((m - h) * 32 + lane) * VPT, sums[(m - h) * 32 + lane]);
+            QV_UNROLL
             for (int r = 0; r < RS; ++r) qv_add<T, BITS, MXFP4, VPT>(acc[m][r], xv, wq[r]);
           }
         }
@@ -359,6 +421,7 @@ def _load_weights(index: str, row: str, indent: int) -> str:
     output r, indexed in type ``index``), where the lane's values lie inside K."""
     return textwrap.indent(
         f"""if (k < K) {{
+  QV_UNROLL
   for (int r = 0; r < RS; ++r) {{
     const {index} row = {row};
     const {index} at = row * KW + k * BITS / 32;
@@ -384,8 +447,10 @@ BODY = _body("x_shape[0]", "w_shape[0]", "(m0 + m)", before_rows=_load_weights("
 # is x row ``lhs[p]`` times expert ``rhs[p]``'s weight, w [E, N, K * BITS / 32],
 # scales and biases [E, N, K / GROUP]: MLX's one-row gather_qmv(_fast), which
 # moves its pointers to the expert and runs qmv(_fast)_impl, so each row is
-# reduced as BODY reduces it. A step's weights are read again only where the
-# tile's next row has another expert (rows sorted by expert share them).
+# reduced as BODY reduces it (on CUDA an mxfp4 expert's is fp_gather_qmv: the
+# header's fp_qmv order, four words a lane a step). A step's weights are read
+# again only where the tile's next row has another expert (rows sorted by
+# expert share them).
 GATHER_INPUTS = ["x", "lhs", "rhs", "w", "scales", "biases"]
 GATHER_BODY = _body(
     "rhs_shape[0]",
