@@ -186,6 +186,10 @@ def verify_at(model, draft, P: int, block: int) -> None:
     profiled(f"verify {block} rows after {P}", verify)
 
 
+# cycle's cases: the block's cycle (and --trees' trees), our plain step, one plain mlx-lm step.
+CYCLE_CASES = ("cycle", "ours", "plain")
+
+
 def cycle_cases(
     shape: str,
     prompts: list[int],
@@ -193,17 +197,22 @@ def cycle_cases(
     quantize: str | None = None,
     draft_bits: int | None = None,
     trees: tuple[int, ...] = (),
+    cases: tuple[str, ...] = CYCLE_CASES,
 ) -> None:
     """A DFlash cycle, draft trees of each of ``trees`` rows and, beside
     them, one plain mlx-lm decoding step (``shape`` "builtin": the shipped
-    pair, bf16; ``quantize``: the target's weights; ``draft_bits``: the drafter's)."""
+    pair, bf16; ``quantize``: the target's weights; ``draft_bits``: the
+    drafter's); only those of ``cases`` (CYCLE_CASES)."""
     model, draft = pair_for(shape, quantize, draft_bits)
     for P in prompts:
-        cycle_at(model, draft, P, block)
-        for rows in trees:
-            cycle_at(model, draft, P, rows, tree=True)
-        cycle_at(model, draft, P, 1)
-        plain_at(model, draft, P)
+        if "cycle" in cases:
+            cycle_at(model, draft, P, block)
+            for rows in trees:
+                cycle_at(model, draft, P, rows, tree=True)
+        if "ours" in cases:
+            cycle_at(model, draft, P, 1)
+        if "plain" in cases:
+            plain_at(model, draft, P)
 
 
 def cycle_at(model, draft, P: int, block: int, tree: bool = False) -> None:
@@ -363,6 +372,12 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--trees", default="", help="cycle: also draft trees of these comma-separated row counts")
     ap.add_argument(
+        "--cases",
+        default=",".join(CYCLE_CASES),
+        help="cycle: which run, comma-separated: cycle (the block's, and --trees'), ours (our plain step), "
+        "plain (mlx-lm's step; a case's bytes are given against it); under ncu, a long run in parts",
+    )
+    ap.add_argument(
         "--quantize",
         choices=sorted(QUANTIZATIONS),
         default=None,
@@ -392,7 +407,10 @@ def main():
     elif args.what == "cycle":
         prompts = [int(p) for p in args.prompt_tokens.split(",")]
         trees = tuple(int(t) for t in args.trees.split(",") if t)
-        cycle_cases(args.shape, prompts, args.block, args.quantize, args.draft_bits, trees)
+        cases = tuple(c for c in args.cases.split(",") if c)
+        if not cases or set(cases) - set(CYCLE_CASES):
+            raise SystemExit(f"--cases takes some of {','.join(CYCLE_CASES)}, comma-separated.")
+        cycle_cases(args.shape, prompts, args.block, args.quantize, args.draft_bits, trees, cases)
     else:
         verify_cases(args.shape, [int(p) for p in args.prompt_tokens.split(",")], args.block, args.quantize)
 

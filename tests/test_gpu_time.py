@@ -42,3 +42,18 @@ def test_mxfp4_takes_a_familys_shape(gpu_time):
         gpu_time.pair_for("qwen3-1.7b", "mxfp4")
     with pytest.raises(SystemExit, match="--draft-bits takes a Qwen3 --shape"):
         gpu_time.pair_for("gpt-oss-20b-like", "4", draft_bits=4)
+
+
+def test_cycle_runs_only_the_cases_asked_for(gpu_time, monkeypatch):
+    """--cases splits a long run under ncu: the block's cycle beside mlx-lm's step, our step apart."""
+    families = repo_module("benchmarks/families.py")
+    pair = families.build(families.FAMILIES["qwen3.5-9b-like"](True), "4", mx.float32)
+    monkeypatch.setattr(gpu_time, "pair_for", lambda *a, **k: pair)
+    gpu_time.cycle_cases("qwen3.5-9b-like", [40], 4, "4", cases=("cycle", "plain"))
+    assert gpu_time.ran == ["cycle block 4 after 40", "plain mlx-lm step after 40"]
+    gpu_time.ran.clear()
+    gpu_time.cycle_cases("qwen3.5-9b-like", [40], 4, "4", cases=("ours",))
+    assert gpu_time.ran == ["our plain step after 40"]
+    monkeypatch.setattr("sys.argv", ["gpu_time.py", "cycle", "--cases", "cycle,mine"])
+    with pytest.raises(SystemExit, match="--cases takes some of cycle,ours,plain"):
+        gpu_time.main()
