@@ -7,6 +7,7 @@ Reported in BENCHMARKS.md, "Long contexts".
     python benchmarks/long_context.py --shape tiny                          # a CPU, in seconds
     python benchmarks/long_context.py --pieces --shape qwen3-8b --prompt-tokens 1024,16384
     python benchmarks/long_context.py --memory --shape tiny --prompt-tokens 1024,16384
+    python benchmarks/long_context.py --memory --shape gemma3-27b-kv --prompt-tokens 1024,16384
 
 At each prompt length, random weights (the drafter accepts nothing, so a
 cycle commits one token: what ``auto`` must see and leave for plain steps),
@@ -119,6 +120,49 @@ def pieces(model, draft, shape: str, P: int, block: int) -> dict:
     out["plain_step_ms"] = synced_ms(plain)
     out["capacity"] = cap
     return out
+
+
+# --memory: a model's attention as it holds keys and values (its KV heads,
+# head dim, window and layer pattern), the rest small enough for a CPU; what
+# decides a long prompt's memory beside the weights, which the ratio leaves out
+KV_SHAPES = {
+    "gemma3-27b-kv": dict(
+        model_type="gemma3_text",
+        num_hidden_layers=12,  # 62 in the model: the same 5 sliding layers to a full one
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        query_pre_attn_scalar=168,
+    ),
+    "gpt-oss-20b-kv": dict(
+        model_type="gpt_oss",
+        num_hidden_layers=8,  # 24 in the model: alternating sliding and full layers
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+    ),
+}
+
+
+def kv_pair(shape: str):
+    """A random pair with ``shape``'s attention (KV_SHAPES), bf16."""
+    from families import target
+
+    from dflash_mlx.tiny import draft_config, make_draft, random_draft_weights
+
+    cfg = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, rms_norm_eps=1e-6, rope_theta=10000.0)
+    cfg.update(KV_SHAPES[shape])
+    model = target(cfg, None)
+    dcfg = draft_config(cfg, layers=1, block_size=16, taps=[1, cfg["num_hidden_layers"] - 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+    draft.set_dtype(mx.bfloat16)
+    return model, draft
 
 
 def tiny_pair():
@@ -280,7 +324,11 @@ def print_memory(model, draft, lengths: list[int], max_tokens: int, block: int) 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], help="default: qwen3-8b on a GPU, tiny on a CPU")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES) + ["tiny"] + sorted(KV_SHAPES),
+        help="default: qwen3-8b on a GPU, tiny on a CPU; *-kv: a model's attention, for --memory",
+    )
     ap.add_argument("--prompt-tokens", help="comma-separated; default: 8192,16384,32768 (tiny: 256,1024)")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens a reply")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up one")
@@ -302,7 +350,12 @@ def main():
         ap.error("--prompt-tokens takes comma-separated integers, say 8192,16384,32768.")
     if min(lengths) < 2 or args.max_tokens < 2 or args.repeat < 1:
         ap.error("prompts need 2 tokens or more, --max-tokens 2 or more and --repeat 1 or more.")
-    model, draft = tiny_pair() if shape == "tiny" else random_pair(shape, None)
+    if shape in KV_SHAPES and not args.memory:
+        ap.error(f"--shape {shape} is for --memory (a model's attention, the rest small).")
+    if shape in KV_SHAPES:
+        model, draft = kv_pair(shape)
+    else:
+        model, draft = tiny_pair() if shape == "tiny" else random_pair(shape, None)
     print(f"{platform.platform()}, mlx {mx.__version__}, device {mx.default_device()}; {shape}, random weights")
     if args.pieces:
         return print_pieces(model, draft, shape, lengths, args.block)

@@ -563,7 +563,7 @@ def prompt_reads(prompt: list[int], step: int) -> list[list[int]]:
 
     from dflash_mlx.cache.prompt import PromptCache
 
-    empty = SimpleNamespace(tokens=[], reply_next=False, reply_from=None)  # (a fresh cache: nothing read yet)
+    empty = SimpleNamespace(tokens=[], target=[], reply_next=False, reply_from=None)  # (a fresh cache: nothing read)
     return PromptCache.chunks(empty, prompt, step)
 
 

@@ -39,8 +39,10 @@ from mlx.utils import tree_flatten
 
 from .. import compute_dtype
 from ..draft.dflash import DFlashDraft
+from ..kv import window
 from ..kv.buffer import BufferKVCache
 from ..kv.quantized import QuantizedBufferKVCache
+from ..kv.window import WindowKVCache
 from ..targets import adapt
 from ..targets.hybrid import HybridCache
 from ..targets.recurrent import DeltaCache
@@ -189,7 +191,7 @@ def _savable(cache: PromptCache) -> None:
         raise ValueError(
             "a bounded prompt cache (max_kv_size) cannot be saved to a file; make the file without max_kv_size."
         )
-    kinds = (BufferKVCache, QuantizedBufferKVCache, DeltaCache)
+    kinds = (BufferKVCache, WindowKVCache, QuantizedBufferKVCache, DeltaCache)
     if not all(type(c) in kinds for c in cache.target + cache.draft):
         raise ValueError("this target's caches cannot be saved to a file; run without a prompt-cache file.")
 
@@ -214,19 +216,23 @@ def _describe(bits, group, start) -> str:
 def cache_arrays(cache: PromptCache, n: int | None = None) -> dict[str, mx.array]:
     """Every layer's tensors for the first ``n`` positions (all it holds by
     default), by the names a file gives them; a delta-net layer's states are
-    those after all of them."""
+    those after all of them; a sliding-window layer's, the positions it holds
+    of them (the last ones: ``fill`` reads where they start from their count)."""
     n = len(cache.tokens) if n is None else n
+    if n < window.earliest(cache.target):
+        raise ValueError(f"this prompt cache no longer holds a window before position {n}")
     arrays = {}
     for role, layers in (("target", cache.target), ("draft", cache.draft)):
         for i, c in enumerate(layers):
             if isinstance(c, DeltaCache):
                 arrays.update({f"{role}.{i}.conv": c.conv, f"{role}.{i}.ssm": c.ssm})
                 continue
+            held = c.row(n)
             for name, buf in (("keys", c.keys), ("values", c.values)):
                 if isinstance(buf, tuple):  # quantized: packed, scales, biases
-                    arrays.update({f"{role}.{i}.{name}.{j}": a[..., :n, :] for j, a in enumerate(buf)})
+                    arrays.update({f"{role}.{i}.{name}.{j}": a[..., :held, :] for j, a in enumerate(buf)})
                 else:
-                    arrays[f"{role}.{i}.{name}"] = buf[..., :n, :]
+                    arrays[f"{role}.{i}.{name}"] = buf[..., :held, :]
     return arrays
 
 
@@ -255,6 +261,8 @@ def snapshot(
     )
     if cache.reply_from is not None and cache.reply_from <= n:
         meta["reply_from"] = str(cache.reply_from)
+    if window.earliest(cache.target):
+        meta["earliest"] = str(window.earliest(cache.target))  # (the prefix store reads it)
     return Snapshot(arrays, meta)
 
 
@@ -413,11 +421,20 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 
 
 def _tensors(
-    path, arrays: dict[str, mx.array], name: str, n: int, dims: tuple[int, int] | None, packing: tuple | None
+    path,
+    arrays: dict[str, mx.array],
+    name: str,
+    n: int,
+    dims: tuple[int, int] | None,
+    packing: tuple | None,
+    *,
+    least: int | None = None,
 ) -> mx.array | tuple:
     """One layer's keys or values, as saved (a packed triple when ``packing``,
     (bits, group size), is given), checked to hold ``n`` positions of one
-    sequence with ``dims``, (KV heads, head dim), where known."""
+    sequence with ``dims``, (KV heads, head dim), where known; a sliding
+    layer's, the last ``least`` to ``n`` of them."""
+    least = n if least is None else least
     names = [f"{name}.{j}" for j in range(3)] if packing else [name]
     missing = [k for k in names if k not in arrays]
     if missing:
@@ -425,7 +442,7 @@ def _tensors(
     parts = [arrays[k] for k in names]
     for j, (k, a) in enumerate(zip(names, parts)):
         dtype_ok = a.dtype == mx.uint32 if packing and j == 0 else mx.issubdtype(a.dtype, mx.floating)
-        shape_ok = a.ndim == 4 and a.shape[0] == 1 and a.shape[2] == n and a.shape[:3] == parts[0].shape[:3]
+        shape_ok = a.ndim == 4 and a.shape[0] == 1 and least <= a.shape[2] <= n and a.shape[:3] == parts[0].shape[:3]
         if not (dtype_ok and shape_ok):
             raise damaged(
                 path,
@@ -555,10 +572,14 @@ def read_prompt_cache(path: str | Path, cache: PromptCache, fingerprint: str | N
                 dims = [(cfg.num_key_value_heads, cfg.head_dim)] * 2
             else:
                 dims = target_shapes[i] if target_shapes else [None, None]
+            # a sliding layer holds at least the window before position n
+            least = min(n, c.window - 1) if isinstance(c, WindowKVCache) else None
             for name, d in zip(("keys", "values"), dims):
                 key = f"{role}.{i}.{name}"
-                loaded[key] = _tensors(path, arrays, key, n, d, packing)
+                loaded[key] = _tensors(path, arrays, key, n, d, packing, least=least)
                 expected.update([f"{key}.{j}" for j in range(3)] if packing else [key])
+            if least is not None and loaded[f"{role}.{i}.keys"].shape[2] != loaded[f"{role}.{i}.values"].shape[2]:
+                raise damaged(path, f"the tensors {role}.{i}.keys and {role}.{i}.values hold different positions")
     extra = sorted(set(arrays) - expected)
     if extra:
         raise damaged(path, f"it holds the tensor {extra[0]}, which this pair has no layer for")
@@ -598,7 +619,9 @@ def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | 
                 continue
             room = -(-n // c.step) * c.step
             k, v = arrays[f"{role}.{i}.keys"], arrays[f"{role}.{i}.values"]
-            if isinstance(c, QuantizedBufferKVCache):
+            if isinstance(c, WindowKVCache):
+                c.hold(k, v, n - k.shape[2])
+            elif isinstance(c, QuantizedBufferKVCache):
                 c.keys, c.values = (tuple(padded(a, room) for a in parts) for parts in (k, v))
             else:
                 c.keys, c.values = padded(k, room), padded(v, room)

@@ -11,13 +11,16 @@ A cache's bits depend on how its positions were read (a product of one row
 rounds unlike a row of many), so ``chunks`` reads a prompt as mlx-lm's
 generate_step does (the last id alone), and the previous reply's uncached
 last token is read alone first, as mlx-lm decoded it. A bounded cache that
-wrapped cannot be cut back: it is read afresh.
+wrapped cannot be cut back: it is read afresh. Nor can a sliding-window
+layer be cut back past what it holds (kv/window.py), except to the start of
+the last reply, whose window it keeps: the rest is read again from there.
 """
 
 from __future__ import annotations
 
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import lookup_drafter
+from ..kv import window
 from ..kv.buffer import align, set_lengths
 from ..kv.quantized import QuantizedBufferKVCache, check_settings
 from ..kv.rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
@@ -128,17 +131,35 @@ class PromptCache:
                 break
             n += 1
         extends = n == len(self.tokens)
-        if not extends and self.max_kv_size is not None and self.target[0].wrapped:
-            self.target, self.draft = self._new_caches()  # positions it needs are overwritten: read afresh
+        kept = self.keeps(n)
+        if kept is None:
+            self.target, self.draft = self._new_caches()  # positions it needs are gone: read afresh
             n = 0
+        elif kept < n:
+            window.restore_pins(self.target)
+            n = kept
         self.reply_next = extends and self.reply_from is not None and n >= self.reply_from
         del self.tokens[n:]
         self.settle()
         return n
 
+    def keeps(self, n: int) -> int | None:
+        """How many positions cutting back to ``n`` (keep_prefix) keeps: ``n``,
+        fewer (a reply's start, where sliding layers kept their window), or
+        None: the cache must be read afresh."""
+        if n == len(self.tokens):
+            return n
+        if self.max_kv_size is not None and self.target[0].wrapped:
+            return None
+        if n >= window.earliest(self.target):
+            return n
+        pin = window.saved_pin(self.target)
+        return pin if pin is not None and pin <= n else None
+
     def chunks(self, new: list[int], step: int) -> list[list[int]]:
         """Split ``new`` into forwards of at most ``step`` ids (see the module docstring)."""
         self.reply_from = len(self.tokens) + len(new)
+        window.pin(self.target, self.reply_from)
         first = []
         if self.reply_next:
             first, new = [new[:1]], new[1:]

@@ -49,6 +49,7 @@ class Entry:
     path: Path
     tokens: np.ndarray
     size: int
+    earliest: int = 0  # the shortest prefix it serves (a sliding layer's window dropped the positions before)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -152,7 +153,7 @@ class PrefixStore:
                 self._refuse(p, files.ForeignCacheFile(f"{p} was made for another model pair or other KV settings."))
                 continue
             tokens = np.array(files.token_ids(p, meta), np.int64)
-            self.entries[p.name] = Entry(p, tokens, p.stat().st_size)
+            self.entries[p.name] = Entry(p, tokens, p.stat().st_size, int(meta.get("earliest", 0)))
 
     def _refuse(self, path: Path, error: ValueError) -> None:
         """Warn once about an entry never to be used; remove it if damaged."""
@@ -173,7 +174,7 @@ class PrefixStore:
         with self.lock:
             for entry in self.entries.values():
                 n = common_prefix(entry.tokens, want)
-                if n > best_len and (self.cut_back or n == len(entry.tokens)):
+                if n > best_len and n >= entry.earliest and (self.cut_back or n == len(entry.tokens)):
                     best, best_len = entry, n
         return (best, best_len) if best_len >= self.min_tokens else (None, 0)
 
@@ -225,14 +226,14 @@ class PrefixStore:
             return False
         with self.lock:
             self.queued.add(name)
-        self.jobs.put((name, tokens, snap))
+        self.jobs.put((name, tokens, snap, int(snap.meta.get("earliest", 0))))
         return True
 
     def _write_loop(self) -> None:
         while (job := self.jobs.get()) is not None:
-            name, tokens, snap = job
+            name, tokens, snap, earliest = job
             try:
-                self._write(name, tokens, snap)
+                self._write(name, tokens, snap, earliest)
             except Exception:  # a full or read-only disk: the cache stays in memory
                 log.exception("the prefix cache could not write %s", self.dir / name)
             finally:
@@ -241,16 +242,18 @@ class PrefixStore:
                 self.jobs.task_done()
         self.jobs.task_done()
 
-    def _write(self, name: str, tokens: np.ndarray, snap: files.Snapshot) -> None:
+    def _write(self, name: str, tokens: np.ndarray, snap: files.Snapshot, earliest: int) -> None:
         path = self.dir / name
         size = files.write_snapshot(path, snap, self._pause(time.monotonic() + self.patience))
         older = []
         with self.lock:
-            self.entries[name] = Entry(path, tokens, size)
+            self.entries[name] = Entry(path, tokens, size, earliest)
             self.writes += 1
             if self.cut_back:  # entries this one extends serve nothing it does not
                 older = [
-                    e for k, e in self.entries.items() if k != name and common_prefix(e.tokens, tokens) == len(e.tokens)
+                    e
+                    for k, e in self.entries.items()
+                    if k != name and common_prefix(e.tokens, tokens) == len(e.tokens) and e.earliest >= earliest
                 ]
                 for e in older:
                     del self.entries[e.path.name]

@@ -24,6 +24,7 @@ from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find, find_believed
 from ..draft.tree import TreeParams, accepted_path, build_tree, build_tree_compiled
 from ..kv.buffer import BufferKVCache, set_lengths
+from ..kv.window import is_buffer
 from ..targets import DenseTarget
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
 from .traces import traces_for
@@ -202,7 +203,7 @@ class Cycle:
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
             result, new_last, new_length, taps, scores, looked = self._run_compiled(size, last, length, bound)
         else:
-            at_host = exact_step and all(type(c) is BufferKVCache for c in self.caches.target)
+            at_host = exact_step and all(is_buffer(c) for c in self.caches.target)
             read = "exact" if exact_step else "bound"
             result, new_last, new_length, taps, scores, looked = self._build(
                 size, last, length, bound, self.seed, read=read, at_host=at_host
@@ -378,8 +379,10 @@ class Cycle:
         def make():
             def step(last, length, seed, enabled, tokens, *buffers):
                 cycle, layers = now["cycle"], now["layers"]
-                for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
-                    c.keys, c.values = k, v
+                given = iter(buffers)
+                for c in layers:
+                    for name in c.traced:
+                        setattr(c, name, next(given))
                 if history is not None:
                     cycle.lookup_enabled, cycle.history.tokens = enabled, tokens
                 traced_seed = seed if cycle.seed is not None else None
@@ -400,15 +403,19 @@ class Cycle:
         seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
         enabled = self.lookup_enabled
         tokens = history.tokens if history is not None else enabled
+        held = [{name: getattr(c, name) for name in c.traced} for c in layers]
         with traces.lock:
-            fn = traces.compiled_step(key, layers[0].capacity, make)
+            fn = traces.compiled_step(key, max(c.capacity for c in layers), make)
             try:
                 now.update(cycle=self, layers=layers, bound=bound)
                 result, new_last, new_length, *buffers = fn(
-                    last, length, seed, enabled, tokens, *[a for c in layers for a in (c.keys, c.values)]
+                    last, length, seed, enabled, tokens, *[a for arrays in held for a in arrays.values()]
                 )
             finally:
                 now.clear()
+                for c, arrays in zip(layers, held):  # a trace left tracers here
+                    for name, a in arrays.items():
+                        setattr(c, name, a)
                 self.lookup_enabled = enabled  # a trace left tracers here
                 if history is not None:
                     history.tokens = tokens

@@ -73,6 +73,7 @@ class DeviceLengthCache:
     shared: SharedPositions | None = None  # set by set_lengths
     tree = None  # a draft tree's TreeLayout (kv/tree.py) while a verify of one is built
     tree_rows = None  # (keys, values) a tree's verify wrote, until keep_path (kv/tree.py) takes them back
+    traced = ("keys", "values")  # what a compiled cycle takes in and hands back (decode/cycle.py)
 
     def __init__(self):
         self.keys = None
@@ -80,6 +81,15 @@ class DeviceLengthCache:
         self.offset: int | mx.array = 0
         self.bound = 0
         self.floor = 0  # the least capacity to grow to (see ``align``)
+
+    @property
+    def position(self) -> int | mx.array:
+        """The absolute position of the next row written (RoPE's)."""
+        return self.offset
+
+    def row(self, position):
+        """The buffer row holding an absolute ``position``."""
+        return position
 
     def room(self, n: int) -> int:
         """The capacity needed to hold ``n`` positions."""
@@ -251,8 +261,17 @@ def set_lengths(caches: list, length: int | mx.array, bound: int | None = None, 
 
 
 def align(caches: list) -> None:
-    """Let layers that grew unevenly (an interrupted write) regrow to one
-    capacity, so the mask made by the first layer fits every layer."""
-    floor = max((c.capacity for c in caches), default=0)
+    """Let layers of one kind (a sliding window's, or full attention) that
+    grew or dropped unevenly (an interrupted write) regrow to one capacity
+    and hold one span, so the mask made by the first of them fits them all."""
+    kinds: dict = {}
     for c in caches:
-        c.floor = floor
+        kinds.setdefault(getattr(c, "window", None), []).append(c)
+    for kind in kinds.values():
+        dropping = [c for c in kind if hasattr(c, "compact")]  # (kv/window.py's sliding layers)
+        base = max((c.base for c in dropping), default=0)
+        for c in dropping:
+            c.compact(base)
+        floor = max(c.capacity for c in kind)
+        for c in kind:
+            c.floor = floor

@@ -1,4 +1,4 @@
-"""A layer's attention over its cache: for a ``BufferKVCache``, a verify's
+"""A layer's attention over its cache: for a plain buffer, a verify's
 causal rows (a block's, or a draft tree's nodes) through the exact verify
 attention (each row as MLX's one-row call computes it), else the
 block-attention kernel (over a block, or a draft tree's nodes while the
@@ -13,7 +13,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..kernels import decisions, dispatch, exact_attention, norm_rope
 from ..kernels.attention_source import TREE_NODES
-from ..kv.buffer import BufferKVCache
+from ..kv.window import is_buffer
 from . import linear
 
 
@@ -69,7 +69,7 @@ def attention_output(
     # A verify's rows (their offset on the device, a cycle's) as the plain step
     # computes each; a prompt's chunk as mlx-lm's prefill does.
     verify = exact and start is not None and not prompt_chunk(start)
-    if type(cache) is BufferKVCache and verify and causal and window is None and sinks is None:
+    if is_buffer(cache) and verify and causal and window is None and sinks is None:
         # (the host's bound on the keys a row reads: on CUDA a buffer is read whole)
         at = dict(scale=scale, q_offset=start, filled=cache.bound)
         if tree is None:
@@ -78,13 +78,13 @@ def attention_output(
             out = exact_attention.tree_attention(queries, keys, values, tree=tree, **at)
         if out is not None:
             return out, False
-    if window is not None and causal and tree is None and type(cache) is BufferKVCache:
+    if window is not None and causal and tree is None and is_buffer(cache):
         keys, values, mask = within_window(cache, window, keys, values, mask, queries.shape[2])
     where = dispatch.backend()
     takes_kernel = tree is None or takes_tree(tree, queries, causal)
     if exact and prompt_chunk(start) and decisions.current().exact_first(where):
         takes_kernel = False  # the target's cache then holds what mlx-lm's prefill writes
-    if type(cache) is BufferKVCache and start is not None and takes_kernel and not one_row_step(queries, mask, where):
+    if is_buffer(cache) and start is not None and takes_kernel and not one_row_step(queries, mask, where):
         rows = queries.shape[1] // keys.shape[1] * queries.shape[2]
         kernel = dispatch.serving_kernel(
             where,
@@ -115,7 +115,7 @@ def attention_output(
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks), False
 
 
-def within_window(cache: BufferKVCache, window: int, keys, values, mask, rows: int):
+def within_window(cache, window: int, keys, values, mask, rows: int):
     """A sliding-window layer's keys, values and mask cut to the keys its
     ``rows`` can see where the host knows where they are (a prompt chunk, a
     plain step), as mlx-lm's rotating cache holds them: the layer then reads

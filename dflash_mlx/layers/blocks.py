@@ -47,10 +47,10 @@ def attend_output(
 
 
 def rope_positions(cache):
-    """Where the rows being written are rotated: from the cache's length on,
-    or at their depths in a draft tree (kv/tree.py)."""
+    """Where the rows being written are rotated: from the cache's length on
+    (its absolute position), or at their depths in a draft tree (kv/tree.py)."""
     tree = getattr(cache, "tree", None)
-    return cache.offset if tree is None else tree.positions(cache.offset)
+    return cache.position if tree is None else tree.positions(cache.position)
 
 
 def own_projections(attn: nn.Module) -> Callable:

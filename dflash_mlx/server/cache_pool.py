@@ -30,13 +30,6 @@ def cache_bytes(cache) -> int:
     return int(getattr(cache, "nbytes", 0) or 0)
 
 
-def can_cut_back(cache) -> bool:
-    """Whether the cache can be cut back to a shorter prefix: not a bounded
-    one (max_kv_size) that says it has ``wrapped`` (PromptCache.keep_prefix
-    would read such a prompt afresh, so it would not be continued at all)."""
-    return getattr(cache, "max_kv_size", None) is None or not cache.target[0].wrapped
-
-
 def can_copy(cache) -> bool:
     """Whether a prefix of the cache can be copied into a new one: plain or
     quantized attention caches, unbounded."""
@@ -55,8 +48,8 @@ class PromptCachePool:
     another conversation, or an edited one: it gets a new cache, so that it
     does not rewind one that may still be continued; the new cache starts as
     a copy of the longest shared prefix (``min_shared`` ids or more) a kept
-    cache or the store holds. A bounded cache that cannot be cut back is
-    continued only by a prompt that extends it in full."""
+    cache or the store holds. A cache that cannot be cut back to where a
+    prompt leaves it (PromptCache.keeps) is continued only as far as it can be."""
 
     def __init__(
         self,
@@ -80,9 +73,10 @@ class PromptCachePool:
         for entry in self.entries:
             cache, last_prompt = entry
             n = common_prefix(cache.tokens, prompt[:-1])
-            if n > best_len and n >= last_prompt - 1 and (n == len(cache.tokens) or can_cut_back(cache)):
-                best, best_len = entry, n
-            elif n > source_len and n >= self.min_shared and can_copy(cache):
+            kept = cache.keeps(n)  # (None: cut back there, it would be read afresh)
+            if kept and kept > best_len and n >= last_prompt - 1:
+                best, best_len = entry, kept
+            elif n > source_len and n >= self.min_shared and can_copy(cache) and kept == n:
                 source, source_len = cache, n
         return best, best_len, source, source_len
 

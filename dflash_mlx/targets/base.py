@@ -12,6 +12,7 @@ from mlx_lm.models.base import create_attention_mask
 from .. import distributed
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..kv.tree import TreeLayout, keep_path
+from ..kv.window import WindowKVCache, drop_passed, is_buffer
 from ..layers.attention import prepare
 from ..layers.fused import block, linear_like
 from ..layers.linear import NORM_MOST, apply_linear, linear_head, prepare_products, quantized_head
@@ -134,18 +135,27 @@ class DenseTarget:
     def make_cache(self) -> list:
         """One buffer per layer (per layer of this rank's stage); its length
         may live on the device."""
-        return [BufferKVCache() for _ in self.here]
+        windows = self.windows()
+        return [self.kv_cache(windows[i]) for i in self.here]
+
+    def kv_cache(self, window: int | None):
+        """A layer's cache: a sliding-window layer holds its window only
+        where our forwards rotate its rows (kv/window.py), since they are
+        what reads a position past the dropped ones."""
+        return WindowKVCache(window) if window is not None and self.rotates_rows else BufferKVCache()
 
     def windows(self) -> list[int | None]:
         """Each layer's sliding window, None for full attention."""
         return [None] * self.num_layers
 
     def masks(self, h: mx.array, cache: list) -> list:
-        """Each layer's mask, made by its cache."""
+        """Each layer's mask, made by the first cache of its kind (a sliding
+        layer's buffer holds other positions than a full layer's)."""
         windows = [self.windows()[i] for i in self.here]
-        made = {
-            w: create_attention_mask(h, cache[0], window_size=w, return_array=self.array_masks) for w in set(windows)
-        }
+        made = {}
+        for w, c in zip(windows, cache):
+            if w not in made:
+                made[w] = create_attention_mask(h, c, window_size=w, return_array=self.array_masks)
         return [made[w] for w in windows]
 
     def __call__(
@@ -173,6 +183,7 @@ class DenseTarget:
             h = mx.distributed.recv_like(h, rank + 1)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
+        drop_passed(cache)
         for i, layer, c, mask in zip(self.here, self.blocks, cache, self.masks(h, cache)):
             h = layer(h, mask, c)
             if i in order:
@@ -220,7 +231,7 @@ class DenseTarget:
         """Whether a draft tree can be verified over ``cache``: every layer
         runs our forwards, which rotate each row at its depth, over plain
         buffers whose rows ``keep_path`` moves."""
-        return self.rotates_rows and all(type(c) is BufferKVCache for c in cache)
+        return self.rotates_rows and all(is_buffer(c) for c in cache)
 
     def set_tree(self, cache: list, tree: TreeLayout | None) -> None:
         """Lay the next forward's rows out as ``tree`` (None: a block)."""

@@ -14,7 +14,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gemma3_text import clip_residual
 
 from ..kernels.norm_rope import rotate
-from ..kv.buffer import BufferKVCache
+from ..kv.window import drop_passed, is_buffer
 from ..layers.attention import attention, prepare
 from ..layers.blocks import attend, own_projections, rope_positions
 from .base import DenseTarget
@@ -90,7 +90,8 @@ class Gemma4Target(DenseTarget):
         return logits
 
     def make_cache(self) -> list:
-        return [BufferKVCache() for _ in self.kv_layers]
+        windows = self.windows()
+        return [self.kv_cache(windows[i]) for i in self.kv_layers]
 
     def windows(self):
         w = self.inner.window_size
@@ -134,6 +135,7 @@ class Gemma4Target(DenseTarget):
         if rank < stages - 1:  # mlx-lm's order: the last rank runs the first layers
             h = mx.distributed.recv_like(h, rank + 1)
         caches = dict(zip(self.kv_layers, cache))
+        drop_passed(cache)
         order = {layer: i for i, layer in enumerate(taps)}
         tapped: list = [None] * len(taps)
         shared: dict = {}
@@ -177,7 +179,7 @@ def gemma4_block(layer: nn.Module, window: int | None) -> Callable:
             k, v = cache.update_and_fetch(k, v)
         # A reusing layer attends over its source's buffer from the source's
         # offset: the same attention as mlx-lm's cacheless call.
-        over = source if cache is not None or type(source) is BufferKVCache else None
+        over = source if cache is not None or is_buffer(source) else None
         out = attention(q, k, v, cache=over, scale=attn.scale, mask=mask, start=offset, window=window)
         out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         h = h + layer.post_attention_layernorm(out)

@@ -68,6 +68,10 @@ class _Reading:
     def __init__(self, kv: BufferKVCache, start: int):
         self.kv, self.offset = kv, start
 
+    @property
+    def position(self) -> int:
+        return self.offset
+
     def update_and_fetch(self, keys, values):
         self.offset += keys.shape[2]
         return self.kv.keys, self.kv.values
