@@ -25,7 +25,8 @@ from dflash_mlx.kv.buffer import BufferKVCache, align
 from dflash_mlx.kv.window import WindowKVCache
 
 WINDOW = 8  # the tiny configs' sliding window
-MARGIN = 20  # more than two queued blocks of 8 (their rollback)
+MOST_ROWS = 12  # the largest verify below: trees of 12 rows (blocks of at most 8)
+MARGIN = 2 * MOST_ROWS + 4  # more than two queued verifies' rows (their rollback), as the library's 256
 FAMILIES = ["gemma3_text", "gemma4_text", "gpt_oss", "muse_glimmer"]
 PROMPT = [random.Random(0).randrange(40) for _ in range(37)]
 
@@ -78,7 +79,7 @@ def test_a_long_reply_drops_what_the_window_passed_and_stays_mlx_lms(pairs, fami
 def test_draft_trees_and_compiled_cycles_over_dropping_layers_stay_mlx_lms(pairs, monkeypatch):
     model, draft = pairs("gpt_oss")
     cache = make_prompt_cache(model, draft)
-    tokens, ref, _ = decoded(model, draft, PROMPT, 100, block_size=8, tree_budget=12, prompt_cache=cache)
+    tokens, ref, _ = decoded(model, draft, PROMPT, 100, block_size=8, tree_budget=MOST_ROWS, prompt_cache=cache)
     assert tokens == ref and sliding(cache)[0].base > 0
     monkeypatch.setattr(Cycle, "compile_graphs", True)
     cache = make_prompt_cache(model, draft)
@@ -164,3 +165,54 @@ def test_a_file_and_the_prefix_store_hold_the_window_and_where_it_starts(pairs, 
     assert entry is not None and shared == n and entry.earliest == base + WINDOW - 1
     assert store.find(cache.tokens[: base + 2] + [1, 2]) == (None, 0)
     store.close()
+
+
+def test_an_interrupt_while_going_back_to_the_reply_start_leaves_a_fresh_cache(pairs, monkeypatch):
+    model, draft = pairs("gemma3_text")
+    cache = make_prompt_cache(model, draft)
+    reply, _, _ = decoded(model, draft, PROMPT, 100, block_size=5, prompt_cache=cache)
+    rewritten = PROMPT + reply[:50] + [3, 4, 5]
+    real, calls = WindowKVCache.restore_pin, []
+
+    def interrupted(self):
+        calls.append(self)
+        if len(calls) == 2:  # one layer went back, the next is stopped
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(WindowKVCache, "restore_pin", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.keep_prefix(rewritten)
+    monkeypatch.setattr(WindowKVCache, "restore_pin", real)
+    assert cache.tokens == [] and cache.consistent()
+    got, ref, _ = decoded(model, draft, rewritten, 12, block_size=5, prompt_cache=cache)
+    assert got == ref
+
+
+def test_a_chat_takes_the_stored_cache_where_its_own_keeps_less(pairs, tmp_path):
+    model, draft = pairs("gpt_oss")
+    stored = make_prompt_cache(model, draft)
+    decoded(model, draft, PROMPT[:30] + [5] * 10, 4, block_size=4, prompt_cache=stored)
+    store = PrefixStore(tmp_path, 10**9, lambda: make_prompt_cache(model, draft), min_tokens=16)
+    assert store.save(stored)
+    store.flush()
+    # the chat's own cache shares more of the edited prompt, but went on and dropped it
+    own = make_prompt_cache(model, draft)
+    decoded(model, draft, PROMPT + [1] * 90, 60, block_size=4, prompt_cache=own)
+    edited = PROMPT + [9, 9]
+    assert own.keeps(len(PROMPT)) is None
+    loaded = store.load_longer(edited, own)
+    assert loaded is not None and loaded.tokens == stored.tokens
+    store.close()
+
+
+def test_a_file_whose_sliding_layers_dropped_positions_is_a_format_earlier_releases_refuse(pairs, tmp_path):
+    model, draft = pairs("gpt_oss")
+    short = make_prompt_cache(model, draft)
+    decoded(model, draft, PROMPT[:20], 4, block_size=4, prompt_cache=short)
+    files.save_prompt_cache(tmp_path / "short.safetensors", short)
+    long = make_prompt_cache(model, draft)
+    decoded(model, draft, PROMPT, 100, block_size=4, prompt_cache=long)
+    files.save_prompt_cache(tmp_path / "long.safetensors", long)
+    assert files.read_metadata(tmp_path / "short.safetensors")["version"] == files.VERSION
+    assert files.read_metadata(tmp_path / "long.safetensors")["version"] == files.WINDOWED_VERSION

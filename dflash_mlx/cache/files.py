@@ -50,6 +50,9 @@ from .prompt import PromptCache
 
 FORMAT = "dflash-mlx prompt cache"
 VERSION = "1"
+# A file whose sliding layers hold only their window (kv/window.py): earlier
+# releases, which read every layer as holding every position, must refuse it.
+WINDOWED_VERSION = "2"
 TENSORS_SUM, META_SUM = "tensors_xxh3", "metadata_crc32"
 OLD_TENSORS_SUM = "tensors_crc32"  # what files of earlier releases hold
 # A flat JSON list of ids, matched before json.loads so that no nesting is parsed.
@@ -254,7 +257,7 @@ def snapshot(
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(
         format=FORMAT,
-        version=VERSION,
+        version=WINDOWED_VERSION if window.earliest(cache.target) else VERSION,
         tokens=json.dumps(cache.tokens),
         **(identity or pair_identity(cache.model, cache.draft_model)),
         **_kv_meta(*kv_settings(cache)),
@@ -335,7 +338,7 @@ def _missing(path: Path) -> ValueError:
 
 
 def _check_metadata(path: Path, meta: dict[str, str]) -> None:
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in (VERSION, WINDOWED_VERSION):
         raise ForeignCacheFile(
             f"{path} was written by another version of dflash-mlx (format {meta.get('version')}); make it again."
         )
@@ -605,7 +608,7 @@ def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | 
     target's (group size, bits) when its keys are). Buffers are new arrays."""
     n = len(tokens)
     if packed:
-        cache.target[:] = [QuantizedBufferKVCache(*packed) if isinstance(c, BufferKVCache) else c for c in cache.target]
+        cache.target[:] = [QuantizedBufferKVCache(*packed) if type(c) is BufferKVCache else c for c in cache.target]
 
     def padded(a: mx.array, room: int) -> mx.array:
         return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])

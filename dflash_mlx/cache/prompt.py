@@ -136,7 +136,12 @@ class PromptCache:
             self.target, self.draft = self._new_caches()  # positions it needs are gone: read afresh
             n = 0
         elif kept < n:
-            window.restore_pins(self.target)
+            try:
+                window.restore_pins(self.target)
+            except BaseException:  # an interrupt part-way: layers at two lengths, so none is kept
+                self.target, self.draft = self._new_caches()
+                self.tokens.clear()
+                raise
             n = kept
         self.reply_next = extends and self.reply_from is not None and n >= self.reply_from
         del self.tokens[n:]

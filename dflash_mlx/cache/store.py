@@ -199,7 +199,9 @@ class PrefixStore:
         would keep of it; None where none does (a conversation's own cache
         goes on)."""
         entry, n = self.find(prompt)
-        held = 0 if cache is None else common_prefix(np.asarray(cache.tokens, np.int64), np.asarray(prompt[:-1]))
+        held = 0
+        if cache is not None:  # (what a cut back there keeps: a sliding layer may keep less)
+            held = cache.keeps(common_prefix(np.asarray(cache.tokens, np.int64), np.asarray(prompt[:-1]))) or 0
         return self.load(entry) if entry is not None and n > held else None
 
     # -- writing ------------------------------------------------------------------

@@ -395,7 +395,7 @@ class Cycle:
                     *([taps] if defer else []),
                     *([a for a in scores if a is not None] if top is not None else []),
                     *([looked, cycle.history.tokens] if history is not None else []),
-                    *[a for c in layers for a in (c.keys, c.values)],
+                    *[a for c in layers for a in (c.keys, c.values)],  # (a trace changes no other traced array)
                 )
 
             return mx.compile(step)

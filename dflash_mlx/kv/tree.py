@@ -89,25 +89,26 @@ def keep_path(caches: list, start, path: mx.array) -> None:
     node's just past the path. Others gather the path's rows, then scatter them."""
     caches = [c for c in caches if c.keys is not None]
     n = path.shape[0]
-    back, moves = {}, {}  # made once for the buffers whose rows are positions
+    made: dict = {}  # each index array once per row of ``start`` (the full layers share one)
+
+    def once(what, row, make, *args):
+        key = (what, id(row))
+        if key not in made:
+            made[key] = row, make(row, *args)  # (the row kept alive: its id stays its own)
+        return made[key][1]
+
     for c in caches:
         row = c.row(start)  # (a sliding layer's buffer starts past dropped positions)
         written = getattr(c, "tree_rows", None)
         if written is None:
-            if row is not start or True not in moves:
-                moves[row is start] = row + path, row + device.constant_arange(n)
-            at, to = moves[row is start]
+            at = once("at", row, mx.add, path)
+            to = once("to", row, mx.add, device.constant_arange(n))
             keys, values = mx.take(c.keys, at, axis=2), mx.take(c.values, at, axis=2)
             c.keys, c.values = put_positions(c.keys, keys, to), put_positions(c.values, values, to)
             continue
         keys, values = written
         nodes = keys.shape[2]
-        if row is not start:
-            to = _destinations(row, path, nodes)
-        elif nodes in back:
-            to = back[nodes]
-        else:
-            to = back[nodes] = _destinations(start, path, nodes)
+        to = once(nodes, row, _destinations, path, nodes)
         c.keys, c.values = put_positions(c.keys, keys, to), put_positions(c.values, values, to)
         c.tree_rows = None
 

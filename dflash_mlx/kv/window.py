@@ -5,7 +5,7 @@ q - W + 1 .. q. So the layer needs, for the rows still to come, only the
 last W - 1 positions before them; mlx-lm holds exactly those in a ring.
 Here the buffer holds the positions from ``base`` on, in time order (row i
 is position base + i), and drops the oldest in one copy once ``margin``
-more than the window and its margin have passed. Lengths handed in and
+positions beyond the window and its margin have gathered. Lengths handed in and
 RoPE positions are absolute; ``offset`` and ``bound`` count from ``base``,
 so masks, kernels, trees and rollback, which all work in buffer rows, work
 unchanged. ``margin`` positions behind the window stay: a verify's rollback
