@@ -96,10 +96,9 @@ class WindowKVCache(BufferKVCache):
         if drop <= 0:
             return
         held = max(self.bound - drop, 0)
-        room = max(self.steady_capacity, -(-held // self.step) * self.step)
-        pad = [(0, 0), (0, 0), (0, room - held), (0, 0)]
-        keys = mx.pad(self.keys[..., drop : drop + held, :], pad)
-        values = mx.pad(self.values[..., drop : drop + held, :], pad)
+        room = self.steady_room(held)
+        keys = padded(self.keys[..., drop : drop + held, :], room)
+        values = padded(self.values[..., drop : drop + held, :], room)
         offset = self.offset - drop
         # one assignment: an interrupt leaves the cache as it was or compacted in full
         self.keys, self.values, self.offset, self.bound, self.base, self.shift, self.floor = (
@@ -111,6 +110,10 @@ class WindowKVCache(BufferKVCache):
             mx.array(keep_from, mx.int32),
             0,
         )
+
+    def steady_room(self, held: int) -> int:
+        """The buffer's length once it holds ``held`` positions after a drop."""
+        return max(self.steady_capacity, -(-held // self.step) * self.step)
 
     @property
     def steady_capacity(self) -> int:
@@ -126,21 +129,18 @@ class WindowKVCache(BufferKVCache):
             return None
         pin, keys, values = self.saved
         held = keys.shape[2]
-        room = max(self.steady_capacity, -(-held // self.step) * self.step)
-        pad = [(0, 0), (0, 0), (0, room - held), (0, 0)]
-        self.keys, self.values = mx.pad(keys, pad), mx.pad(values, pad)
+        room = self.steady_room(held)
+        self.keys, self.values = padded(keys, room), padded(values, room)
         self.base, self.shift, self.floor, self.saved = pin - held, mx.array(pin - held, mx.int32), 0, None
         self.set_length(pin)
         return pin
 
     def hold(self, keys: mx.array, values: mx.array, base: int) -> None:
         """Hold ``keys``/``values`` [B, H, n, d] as positions base..base+n-1 (a file's)."""
-        n = keys.shape[2]
-        room = max(-(-n // self.step) * self.step, 0)
-        pad = [(0, 0), (0, 0), (0, room - n), (0, 0)]
-        self.keys, self.values = mx.pad(keys, pad), mx.pad(values, pad)
+        room = -(-keys.shape[2] // self.step) * self.step
+        self.keys, self.values = padded(keys, room), padded(values, room)
         self.base, self.shift, self.pin, self.saved = base, mx.array(base, mx.int32), None, None
-        self.set_length(base + n)
+        self.set_length(base + keys.shape[2])
 
     @property
     def state(self):
@@ -150,6 +150,11 @@ class WindowKVCache(BufferKVCache):
     def nbytes(self) -> int:
         held = 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
         return held + (0 if self.saved is None else self.saved[1].nbytes + self.saved[2].nbytes)
+
+
+def padded(rows: mx.array, room: int) -> mx.array:
+    """``rows`` [B, H, n, d] followed by zeros up to ``room`` positions."""
+    return mx.pad(rows, [(0, 0), (0, 0), (0, room - rows.shape[2]), (0, 0)])
 
 
 def is_buffer(cache) -> bool:
