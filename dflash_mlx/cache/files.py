@@ -253,19 +253,20 @@ def snapshot(
         raise ValueError("this prompt cache is empty; read a prompt into it first.")
     arrays = {k: _bits(a) for k, a in cache_arrays(cache).items()}
     arrays = {k: (dtype, mx.contiguous(a)) for k, (dtype, a) in arrays.items()}
+    earliest = window.earliest(cache.target)
     mx.eval([a for _, a in arrays.values()])
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.update(
         format=FORMAT,
-        version=WINDOWED_VERSION if window.earliest(cache.target) else VERSION,
+        version=WINDOWED_VERSION if earliest else VERSION,
         tokens=json.dumps(cache.tokens),
         **(identity or pair_identity(cache.model, cache.draft_model)),
         **_kv_meta(*kv_settings(cache)),
     )
     if cache.reply_from is not None and cache.reply_from <= n:
         meta["reply_from"] = str(cache.reply_from)
-    if window.earliest(cache.target):
-        meta["earliest"] = str(window.earliest(cache.target))  # (the prefix store reads it)
+    if earliest:
+        meta["earliest"] = str(earliest)  # (the prefix store reads it)
     return Snapshot(arrays, meta)
 
 

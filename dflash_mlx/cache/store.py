@@ -228,14 +228,14 @@ class PrefixStore:
             return False
         with self.lock:
             self.queued.add(name)
-        self.jobs.put((name, tokens, snap, int(snap.meta.get("earliest", 0))))
+        self.jobs.put((name, tokens, snap))
         return True
 
     def _write_loop(self) -> None:
         while (job := self.jobs.get()) is not None:
-            name, tokens, snap, earliest = job
+            name, tokens, snap = job
             try:
-                self._write(name, tokens, snap, earliest)
+                self._write(name, tokens, snap)
             except Exception:  # a full or read-only disk: the cache stays in memory
                 log.exception("the prefix cache could not write %s", self.dir / name)
             finally:
@@ -244,8 +244,9 @@ class PrefixStore:
                 self.jobs.task_done()
         self.jobs.task_done()
 
-    def _write(self, name: str, tokens: np.ndarray, snap: files.Snapshot, earliest: int) -> None:
+    def _write(self, name: str, tokens: np.ndarray, snap: files.Snapshot) -> None:
         path = self.dir / name
+        earliest = int(snap.meta.get("earliest", 0))
         size = files.write_snapshot(path, snap, self._pause(time.monotonic() + self.patience))
         older = []
         with self.lock:
