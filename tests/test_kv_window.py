@@ -21,7 +21,7 @@ from dflash_mlx.cache import files
 from dflash_mlx.cache.store import PrefixStore
 from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.kv import window
-from dflash_mlx.kv.buffer import BufferKVCache, align
+from dflash_mlx.kv.buffer import BufferKVCache, align, set_lengths
 from dflash_mlx.kv.window import WindowKVCache
 
 WINDOW = 8  # the tiny configs' sliding window
@@ -85,6 +85,27 @@ def test_draft_trees_and_compiled_cycles_over_dropping_layers_stay_mlx_lms(pairs
     cache = make_prompt_cache(model, draft)
     tokens, ref, _ = decoded(model, draft, PROMPT, 100, block_size=6, prompt_cache=cache)
     assert tokens == ref and sliding(cache)[0].base > 0
+
+
+def test_a_windows_layers_count_their_rows_from_one_subtraction(pairs):
+    """A length set on the device for every layer at once gives a window's
+    layers one ``length - base`` and RoPE the absolute length itself: no
+    operation of its own per sliding layer in every cycle."""
+    model, draft = pairs("gemma3_text")
+    cache = make_prompt_cache(model, draft)
+    decoded(model, draft, PROMPT, 60, block_size=8, prompt_cache=cache)
+    layers, end = sliding(cache), len(cache.tokens)
+    assert len(layers) > 1 and layers[0].base > 0
+    length = mx.array(end, mx.int32)
+    set_lengths(cache.target, length, end)
+    assert all(c.offset is layers[0].offset for c in layers)
+    assert all(c.position is length for c in layers)
+    assert layers[0].offset.item() == end - layers[0].base
+    full = [c for c in cache.target if c not in layers]
+    assert all(c.offset is length and c.position is length for c in full)
+    # a layer given its own length counts its own rows
+    layers[1].set_length(mx.array(end - 1, mx.int32), end)
+    assert layers[1].offset is not layers[0].offset and layers[1].position.item() == end - 1
 
 
 def test_a_conversation_continues_from_the_end_the_last_reply_or_afresh(pairs):

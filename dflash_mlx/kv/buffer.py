@@ -45,10 +45,22 @@ class SharedPositions:
     for all caches given ``length`` together, so that layers do not each
     launch the same two kernels."""
 
-    def __init__(self, length: mx.array):
+    def __init__(self, length: mx.array, position: mx.array | None = None):
         self.length = length
+        # RoPE's position of row ``length``: the length itself, or where rows
+        # count from a base (kv/window.py), the absolute length
+        self.position = length if position is None else position
         self.made: dict[int, mx.array] = {}
         self.ends: dict[int, mx.array] = {}
+        self.based: dict = {}
+
+    def from_base(self, key, shift: mx.array) -> SharedPositions:
+        """The same length in rows of buffers holding positions from a base on
+        (``shift``: the base on the device), made once for every buffer of
+        ``key`` (window, base), which holds one base for all of them."""
+        if key not in self.based:
+            self.based[key] = SharedPositions(self.length - shift, self.length)
+        return self.based[key]
 
     def at(self, n: int) -> mx.array:
         if n not in self.made:
@@ -256,8 +268,8 @@ class BufferKVCache(DeviceLengthCache):
 def set_lengths(caches: list, length: int | mx.array, bound: int | None = None, read: str = "bound") -> None:
     shared = SharedPositions(length) if isinstance(length, mx.array) else None
     for c in caches:
+        c.shared = shared  # (before: a sliding layer takes its rows' length from it)
         c.set_length(length, bound, read)
-        c.shared = shared
 
 
 def align(caches: list) -> None:

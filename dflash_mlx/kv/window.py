@@ -45,6 +45,9 @@ class WindowKVCache(BufferKVCache):
     @property
     def position(self):
         """The absolute position of the next row written (RoPE's)."""
+        shared = self.shared
+        if shared is not None and self.offset is shared.length:
+            return shared.position
         return self.offset + (self.shift if isinstance(self.offset, mx.array) else self.base)
 
     def row(self, position):
@@ -59,7 +62,13 @@ class WindowKVCache(BufferKVCache):
         """Keep the first ``length`` positions (absolute, as every layer's)."""
         if isinstance(length, int) and length < self.earliest:
             raise LookupError(f"positions before {length} were dropped from a sliding-window layer")
-        super().set_length(self.row(length), None if bound is None else bound - self.base, read)
+        shared = self.shared
+        if shared is not None and length is shared.length:  # one subtraction for the window's layers
+            self.shared = shared.from_base((self.window, self.base), self.shift)
+            rows = self.shared.length
+        else:
+            rows = self.row(length)
+        super().set_length(rows, None if bound is None else bound - self.base, read)
 
     def reserve(self, n: int) -> None:
         """Drop what is passed, then grow to hold ``n`` positions (absolute)."""
