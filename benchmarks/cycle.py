@@ -9,6 +9,7 @@ README.md's Qwen3-8B rows.
     python benchmarks/cycle.py --shape builtin --prompt-tokens 256 --blocks 16 --cycles 64
     python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024 --blocks 16,t16,t32 --cycles 32
     python benchmarks/cycle.py --shape tiny --prompt-tokens 256 --blocks 16,t24,t32 --cycles 32 --repeat 5 --count-ops
+    python benchmarks/cycle.py --shape gemma3-27b-layers --prompt-tokens 64 --blocks 16,t16 --count-ops
     mlx.launch --backend nccl -n 2 python benchmarks/cycle.py --shape qwen3-8b --split pipeline --blocks 16
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
@@ -31,7 +32,8 @@ almost nothing, so every cycle commits about one token and shows a cycle's cost
 each is a Metal dispatch): as built eagerly (the CPU's path), and through
 mx.compile (the GPU's path, elementwise chains fused), views left out.
 ``--shape tiny`` has Qwen3-8B's layer counts at tiny widths: a cycle's
-operations without its compute.
+operations without its compute; ``--shape gemma3-27b-layers`` Gemma 3 27B's
+(62 layers, 52 of them sliding).
 
 Under ``mlx.launch`` the target is split across the ranks (``--split``
 pipeline or tensor, docs/distributed.md), the drafter whole on each, and only
@@ -46,6 +48,7 @@ per plain step, from the exchanges' shapes (a ring all-sum sends
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -68,12 +71,29 @@ SHAPES = {
 }
 
 
+# Other families' layer counts and attention windows at "tiny"'s widths
+# (``--count-ops``: a cycle's kernels, where sliding layers keep their own
+# bookkeeping): Gemma 3 27B, five sliding layers to a full one.
+LAYOUTS = {
+    "gemma3-27b-layers": {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 62,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": 32,
+        "rope_local_base_freq": 10000.0,
+    },
+}
+
+
 def configs(shape: str) -> tuple[dict, dict]:
-    """The qwen3 target's and the DFlash drafter's configs at a model's shapes
-    (SHAPES), as their config.json files would hold them."""
+    """The target's (qwen3, or a LAYOUTS family's) and the DFlash drafter's
+    configs at a model's shapes (SHAPES), as their config.json files would hold them."""
     from dflash_mlx.draft.dflash import default_target_layer_ids
 
-    h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES[shape]
+    layout = LAYOUTS.get(shape, {})
+    h, layers, heads, kv, hd, ffn, vocab, dlayers = SHAPES["tiny" if layout else shape]
+    layers = layout.get("num_hidden_layers", layers)
     target = {
         "model_type": "qwen3",
         "hidden_size": h,
@@ -87,6 +107,7 @@ def configs(shape: str) -> tuple[dict, dict]:
         "max_position_embeddings": 40960,
         "rope_theta": 1e6,
         "tie_word_embeddings": False,
+        **layout,
     }
     draft = {
         "architectures": ["DFlashDraftModel"],
@@ -110,11 +131,11 @@ def configs(shape: str) -> tuple[dict, dict]:
 def random_target(shape: str, quantize: int | None = None, group=None, split: str | None = None):
     """An mlx-lm qwen3 model at a model's shapes, random bf16 weights (or
     quantized), split over ``group`` by ``split`` before any weight is made."""
-    from mlx_lm.models.qwen3 import Model, ModelArgs
-
     from dflash_mlx import distributed
 
-    model = Model(ModelArgs.from_dict(configs(shape)[0]))
+    cfg = configs(shape)[0]
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.bfloat16)
     if quantize:
         nn.quantize(model, group_size=64, bits=quantize)
@@ -345,7 +366,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--shape",
-        choices=sorted(SHAPES) + ["builtin"],
+        choices=sorted(SHAPES) + sorted(LAYOUTS) + ["builtin"],
         default="small",
         help="a model's sizes with random weights, or builtin: the shipped pair",
     )
