@@ -16,7 +16,9 @@ greedy, ``--max-tokens`` new tokens a reply, a warm-up round then the median
 of ``--repeat``: decode tok/s after the first token of mlx-lm's own decoding,
 of our own loop held at plain steps (what ``auto`` runs once it chose plain),
 of block 16 and of ``auto``, ``auto``'s share of plain decoding's rate, and
-what ``auto`` did in its last reply (plain steps, drafting cycles, why).
+what ``auto`` did in its last reply (plain steps, drafting cycles, why), with
+a plain step's launch in our loop, held at plain and inside ``auto``, by round
+(where the host is the bottleneck a plain step costs its launch).
 ``auto``'s chooser is new at each length, as a new process's is: it starts
 from what the last one remembered (``DFLASH_MLX_AUTO_MEMORY=0``: from
 nothing). The prompt is prefilled once a length, each reply reusing the cache.
@@ -50,6 +52,7 @@ import argparse
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 from cycle import SHAPES, prefilled, random_pair, synced_ms, synthetic_prompt
@@ -224,6 +227,29 @@ def our_plain_tokens(model, draft, cache, prompt: list[int], n: int):
         yield k
 
 
+@contextmanager
+def plain_launches(seconds: list[float]):
+    """Append each plain step's launch time in our loop (its graph built and
+    handed to the device) to ``seconds``. Where the host is the bottleneck a
+    plain step costs its launch, while a compiled drafting cycle's is short."""
+    from dflash_mlx.decode.cycle import Cycle
+
+    launch = Cycle.launch
+
+    def timed(self, size, *args, **kwargs):
+        tic = time.perf_counter()
+        flight = launch(self, size, *args, **kwargs)
+        if size == 1:
+            seconds.append(time.perf_counter() - tic)
+        return flight
+
+    Cycle.launch = timed
+    try:
+        yield
+    finally:
+        Cycle.launch = launch
+
+
 def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
     """Plain mlx-lm, block 16 and auto after a ``P``-token prompt (see the module docstring)."""
     from mlx_lm.models.cache import make_prompt_cache as lm_cache
@@ -242,16 +268,20 @@ def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
     forget(draft)
     block = min(16, draft.config.block_size)
     rates: dict[str, list[float]] = {"plain": [], "our plain": [], "block": [], "auto": []}
+    launches: dict[str, list[float]] = {"our plain": [], "auto": []}  # median ms a round
     for round_ in range(repeat + 1):  # the first round warms up
-        got = {
-            "plain": decode_tps(plain_tokens(model, lm, prompt, max_tokens)),
-            "our plain": decode_tps(our_plain_tokens(model, draft, ours, prompt, max_tokens)),
-            "block": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, block)),
-            "auto": decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, "auto")),
-        }
+        ours_s, auto_s = [], []
+        got = {"plain": decode_tps(plain_tokens(model, lm, prompt, max_tokens))}
+        with plain_launches(ours_s):
+            got["our plain"] = decode_tps(our_plain_tokens(model, draft, ours, prompt, max_tokens))
+        got["block"] = decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, block))
+        with plain_launches(auto_s):
+            got["auto"] = decode_tps(dflash_tokens(model, draft, tokenizer, ours, prompt, max_tokens, "auto"))
         if round_:
             for mode, tps in got.items():
                 rates[mode].append(tps)
+            for mode, taken in (("our plain", ours_s), ("auto", auto_s)):
+                launches[mode].append(round(1000 * statistics.median(taken), 2) if taken else None)
     chooser = chooser_for(draft, *auto_range(adapt(model), draft))
     row = {mode: statistics.median(tps) for mode, tps in rates.items()}
     del lm, ours
@@ -265,6 +295,8 @@ def side_by_side(model, draft, P: int, max_tokens: int, repeat: int) -> dict:
         "auto_reason": chooser.reason,
         # the chooser's own median cycle times by block (1: its plain step), ms
         "auto_times_ms": {b: round(1000 * t, 2) for b, t in chooser._median_times().items()},
+        # a plain step's launch in our loop held at plain and inside auto, median ms by round
+        "plain_launch_ms": launches,
     }
 
 
@@ -376,6 +408,7 @@ def main():
         r = side_by_side(model, draft, P, args.max_tokens, args.repeat)
         did = f"{r['auto_plain_steps']} plain steps, {r['auto_drafting_cycles']} drafting cycles; {r['auto_reason']}"
         did += f"; its times ms {r['auto_times_ms']}"
+        did += f"; plain launch ms by round, ours {r['plain_launch_ms']['our plain']}, in auto {r['plain_launch_ms']['auto']}"
         print(
             f"{P:>8} {r['plain']:>12.1f} {r['our plain']:>11.1f} {r['block']:>12.1f} {r['auto']:>11.1f} "
             f"{r['block'] / r['plain']:>11.2f}x {r['auto'] / r['plain']:>10.2f}x  {did}",
