@@ -143,3 +143,42 @@ def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
         tokens(model, draft, [3, 1, 4], max_tokens=8, temperature=temperature, seed=0, block_size=4)
     kept = traces_for(adapt(model), draft).compiled
     assert [k[1].temperature for k in kept] == [0.6, 0.7]
+
+
+def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
+    """``auto`` leaves a cycle's time out of its size's cost when its launch
+    built graphs. A compiled cycle traces where its buffers' widths are new to
+    it; the drafter's host bound runs a queued cycle ahead of the launch's, so
+    a guess from it flagged cycles that traced nothing and missed the one that
+    traced, whose trace was then timed as the size's cost."""
+    from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
+
+    tcfg = target_config("qwen3", vocab=256, layers=4)
+    model = make_target(tcfg, seed=3)  # a drafter that is seldom right: a cycle commits about one token
+    dcfg = draft_config(tcfg, layers=1, block_size=16, taps=[0, 2])
+    draft = make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+    traced, compile = [], mx.compile
+
+    def counting(fn):
+        def step(*args):
+            traced.append(True)
+            return fn(*args)
+
+        return compile(step)
+
+    monkeypatch.setattr(mx, "compile", counting)
+    seen, launch = [], Cycle.launch
+
+    def spy(self, size, *args, **kw):
+        before = len(traced)
+        flight = launch(self, size, *args, **kw)
+        if size > 1:
+            seen.append((len(traced) > before, flight.new_shape))
+        return flight
+
+    monkeypatch.setattr(Cycle, "launch", spy)
+    cache = make_prompt_cache(model, draft)
+    prompt = [(7 * i) % 251 + 1 for i in range(700)]
+    got = tokens(model, draft, prompt, max_tokens=64, block_size=16, prompt_cache=cache)  # across 768 positions
+    assert got == greedy_reference(model, prompt, 64)
+    assert any(t for t, _ in seen) and all(t == flagged for t, flagged in seen), seen

@@ -128,6 +128,7 @@ class Cycle:
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
         self.deferred_bound = 0
+        self.traced_now = False  # whether the last compiled cycle traced its graph
         self._plans: dict[int, Plan] = {}
         self._planned_over = None  # the first target cache the plans were made over (quantizing replaces it)
 
@@ -202,6 +203,7 @@ class Cycle:
         exact_step = size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
             result, new_last, new_length, taps, scores, looked = self._run_compiled(size, last, length, bound)
+            new_shape = self.traced_now  # (the shape's guess misses widths that grow apart)
         else:
             at_host = exact_step and all(is_buffer(c) for c in self.caches.target)
             read = "exact" if exact_step else "bound"
@@ -404,8 +406,10 @@ class Cycle:
         enabled = self.lookup_enabled
         tokens = history.tokens if history is not None else enabled
         held = [{name: getattr(c, name) for name in c.traced} for c in layers]
+        # every input length that varies: a new one traces anew (mx.compile keys on shapes)
+        width = tuple(sorted({c.capacity for c in layers})) + (tokens.shape if history is not None else ())
         with traces.lock:
-            fn = traces.compiled_step(key, max(c.capacity for c in layers), make)
+            fn, self.traced_now = traces.compiled_step(key, width, make)
             try:
                 now.update(cycle=self, layers=layers, bound=bound)
                 result, new_last, new_length, *buffers = fn(

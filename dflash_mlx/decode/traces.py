@@ -24,7 +24,7 @@ class Traces:
     to ``most_settings`` keys, each retraced afresh past ``most_widths`` widths."""
 
     weights: list
-    compiled: OrderedDict = field(default_factory=OrderedDict)  # key -> (compiled step, widths it traced)
+    compiled: OrderedDict = field(default_factory=OrderedDict)  # key -> (compiled step, input widths it traced)
     shapes: set = field(default_factory=set)  # (block size, buffer width) pairs built
     now: dict = field(default_factory=dict)  # what a running trace reads; set under ``lock``
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -32,17 +32,20 @@ class Traces:
     most_settings = 16
     most_widths = 32
 
-    def compiled_step(self, key: tuple, width: int, make) -> Callable:
-        """The compiled cycle for ``key``, made by ``make`` when missing or full."""
+    def compiled_step(self, key: tuple, width: tuple, make) -> tuple[Callable, bool]:
+        """The compiled cycle for ``key``, made by ``make`` when missing or
+        full, and whether calling it now traces: ``width`` (the shapes of its
+        inputs that vary) is new to it."""
         fn, widths = self.compiled.get(key, (None, set()))
         if fn is None or (width not in widths and len(widths) >= self.most_widths):
             fn, widths = make(), set()
+        traces = width not in widths
         widths.add(width)
         self.compiled[key] = (fn, widths)
         self.compiled.move_to_end(key)
         while len(self.compiled) > self.most_settings:
             self.compiled.popitem(last=False)
-        return fn
+        return fn, traces
 
 
 _traces: dict[int, tuple[weakref.ref, Traces]] = {}
