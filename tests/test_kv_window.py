@@ -100,7 +100,11 @@ def test_a_windows_layers_count_their_rows_from_one_subtraction(pairs):
     set_lengths(cache.target, length, end)
     assert all(c.offset is layers[0].offset for c in layers)
     assert all(c.position is length for c in layers)
+    assert all(c.row(length) is layers[0].offset for c in layers)  # (a tree's accepted path, kv/tree.py)
     assert layers[0].offset.item() == end - layers[0].base
+    # a layer that dropped a position since counts its rows afresh
+    layers[2].compact(layers[2].base + 1)
+    assert layers[2].row(length).item() == end - layers[2].base
     full = [c for c in cache.target if c not in layers]
     assert all(c.offset is length and c.position is length for c in full)
     # a layer given its own length counts its own rows

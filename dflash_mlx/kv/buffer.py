@@ -45,21 +45,22 @@ class SharedPositions:
     for all caches given ``length`` together, so that layers do not each
     launch the same two kernels."""
 
-    def __init__(self, length: mx.array, position: mx.array | None = None):
+    def __init__(self, length: mx.array, position: mx.array | None = None, base: int | None = None):
         self.length = length
         # RoPE's position of row ``length``: the length itself, or where rows
-        # count from a base (kv/window.py), the absolute length
+        # count from ``base`` (kv/window.py), the absolute length
         self.position = length if position is None else position
+        self.base = base
         self.made: dict[int, mx.array] = {}
         self.ends: dict[int, mx.array] = {}
         self.based: dict = {}
 
-    def from_base(self, key, shift: mx.array) -> SharedPositions:
+    def from_base(self, key: tuple, shift: mx.array) -> SharedPositions:
         """The same length in rows of buffers holding positions from a base on
         (``shift``: the base on the device), made once for every buffer of
         ``key`` (window, base), which holds one base for all of them."""
         if key not in self.based:
-            self.based[key] = SharedPositions(self.length - shift, self.length)
+            self.based[key] = SharedPositions(self.length - shift, self.length, key[-1])
         return self.based[key]
 
     def at(self, n: int) -> mx.array:

@@ -51,6 +51,9 @@ class WindowKVCache(BufferKVCache):
         return self.offset + (self.shift if isinstance(self.offset, mx.array) else self.base)
 
     def row(self, position):
+        shared = self.shared
+        if shared is not None and position is shared.position and shared.base == self.base:
+            return shared.length  # (made once for every layer of this window)
         return position - (self.shift if isinstance(position, mx.array) else self.base)
 
     @property
