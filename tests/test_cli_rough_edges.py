@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -144,3 +145,13 @@ def test_verbose_false_is_quiet(pair, value):
     assert result.exit_code == 0, result.output
     assert "Peak memory:" not in result.stderr and "prompt:" not in result.stderr
     assert "peak memory" in result.stderr  # the usual stats line
+
+
+# -- serve: what uvicorn would only say after the load, or not at all -------------
+def test_serve_refuses_a_port_in_use(pair):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("serve", "--model", pair.target, "--draft-model", pair.draft, "--port", port)
+    assert_user_error(result, f"port {port} on 127.0.0.1 is in use; choose another --port")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -59,6 +61,29 @@ PrefixCacheGB = Annotated[
 def check_prefix_cache(directory: Optional[Path], gb: float) -> None:
     if directory is not None and not gb > 0:
         raise UserError(f"--prefix-cache-gb must be more than 0, got {gb:g}.")
+
+
+def check_listen(host: str, port: int) -> None:
+    """That ``host``:``port`` can be bound now, as uvicorn binds it, so that a
+    port in use or an address not on this machine is one sentence, not
+    uvicorn's log and exit status 3."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except socket.gaierror:
+            raise UserError(
+                f"--host {host} is not an address or a name this machine resolves; pass one such as 127.0.0.1."
+            ) from None
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(
+                    f"port {port} on {host} is in use; choose another --port, or stop what listens there."
+                ) from None
+            raise UserError(
+                f"cannot listen on {host}:{port} ({e.strerror}); choose another --host or --port."
+            ) from None
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -219,6 +244,7 @@ def serve_command(
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             follower.run()
         else:
+            check_listen(host, port)
             note(f"serving {config.model_name} on http://{host}:{port}/v1 (OpenAI) and /v1/messages (Anthropic)")
             run(app, host=host, port=port, log_level=log_level)
     # The server has shut down (worker joined, sockets closed). Decoding ran in
