@@ -148,6 +148,19 @@ def test_verbose_false_is_quiet(pair, value):
 
 
 # -- serve: what uvicorn would only say after the load, or not at all -------------
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--log-level", "loud"], "--log-level must be one of critical, error, warning, info, debug, trace"),
+        (["--api-key", ""], "--api-key is empty"),
+        (["--api-key", "  "], "--api-key is empty"),
+    ],
+)
+def test_serve_refuses_flags_before_loading(flags, message):
+    result = run("serve", "--model", "/nonexistent/target", *flags)
+    assert_user_error(result, message)
+
+
 def test_serve_refuses_a_port_in_use(pair):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -63,6 +63,10 @@ def check_prefix_cache(directory: Optional[Path], gb: float) -> None:
         raise UserError(f"--prefix-cache-gb must be more than 0, got {gb:g}.")
 
 
+# uvicorn's log levels (it takes them in any case)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def check_listen(host: str, port: int) -> None:
     """That ``host``:``port`` can be bound now, as uvicorn binds it, so that a
     port in use or an address not on this machine is one sentence, not
@@ -193,6 +197,10 @@ def serve_command(
             raise UserError(f"--batching must be auto, off or always, got {batching!r}.")
         if max_batch < 1:
             raise UserError(f"--max-batch must be 1 or more, got {max_batch}.")
+        if log_level.lower() not in LOG_LEVELS:
+            raise UserError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}.")
+        if api_key is not None and not api_key.strip():
+            raise UserError("--api-key is empty; pass the key clients must send, or leave --api-key out.")
         body_limit = parse_size(max_body_bytes, "--max-body-bytes")
         if body_limit < 1024:
             raise UserError(f"--max-body-bytes must be at least 1KB, got {max_body_bytes!r}.")
