@@ -66,7 +66,7 @@ class WindowKVCache(BufferKVCache):
         if isinstance(length, int) and length < self.earliest:
             raise LookupError(f"positions before {length} were dropped from a sliding-window layer")
         shared = self.shared
-        if shared is not None and length is shared.length:  # one subtraction for the window's layers
+        if shared is not None and shared.base is None and length is shared.length:  # once for the window's layers
             self.shared = shared.from_base((self.window, self.base), self.shift)
             rows = self.shared.length
         else:
