@@ -51,6 +51,9 @@ class Scenario:
     # replies in all where set, the first one not scored (speed.py: a warm-up
     # round, then 2); else --cycles cycles, the first tenth not scored
     rounds: int = 0
+    # a plain step's time times this, by reply (a host-bound plain step on a
+    # host whose speed changes between replies; a compiled cycle's launch is short)
+    host: Callable[[int], float] = lambda reply: 1.0
 
 
 def gpu(b: int, context: int = 0) -> float:
@@ -89,6 +92,18 @@ def h100_8b_measured(b: int, context: int = 0) -> float:
     any block 11.4 + 0.0925 a 1k context: a block-16 cycle is 1.09 and 1.22
     plain steps at 16k and 32k (measured: 1.09, 1.23)."""
     return 0.0118 if b == 1 else (11.4 + 0.0925 * context / 1024) / 1000
+
+
+def h200_8b_16k(b: int, context: int = 0) -> float:
+    """Qwen3-8B shapes at 16k on an H200 (long_context.py, nothing accepted):
+    a plain step 6.2 ms on a fast host (11.0 on a slow one, ``flipping``),
+    a compiled block-16 cycle 10.7 ms either way."""
+    return 0.0062 if b == 1 else (8.0 + 0.17 * b) / 1000
+
+
+def flipping(reply: int) -> float:
+    """The H200's host: a plain step 1.8x slower in about half the replies."""
+    return 1.8 if random.Random(1000 + reply).random() < 0.5 else 1.0
 
 
 def one_in_four(reply: int) -> bool:
@@ -216,6 +231,16 @@ SCENARIOS = [
         prompt=lambda r: 32768,
     ),
     Scenario(
+        "H200 8B, 16k, nothing accepted, host speed flips by reply",
+        h200_8b_16k,
+        lambda i: 0.0,
+        0.002,
+        0.05,
+        reply=64,
+        prompt=lambda r: 16384,
+        host=flipping,
+    ),
+    Scenario(
         "H100 8B, prompts of 1k and 32k in turn, at 0.4",
         h100_8b,
         lambda i: 0.4,
@@ -244,13 +269,13 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
     start = cycles // 10
     if scenario.rounds:
         cycles, start = scenario.rounds * scenario.reply, scenario.reply
-    context = 0
+    context, host = 0, 1.0
     for i in range(cycles):
         if scenario.restart and i == scenario.restart:
             state, chooser, speed, last = chooser.state(), BlockChooser(4, 16), scenario.slower, None
             chooser.restore(state, PRIOR_CYCLES)
         if scenario.reply and i % scenario.reply == 0:
-            context = scenario.prompt(i // scenario.reply)
+            context, host = scenario.prompt(i // scenario.reply), scenario.host(i // scenario.reply)
             chooser.new_reply(context)
         b = chooser.choose()
         p = scenario.acceptance(i)
@@ -261,11 +286,15 @@ def run(scenario: Scenario, cycles: int, seed: int) -> tuple[float, Counter]:
         jitter = speed * math.exp(level + (rng.gauss(0.0, scenario.noise) if scenario.noise else 0.0))
         if scenario.reply and i % scenario.reply < 3:
             jitter *= scenario.cold
-        t = scenario.seconds(b, context) * jitter + (scenario.change if last not in (None, b) else 0.0)
+
+        def cost(k: int) -> float:
+            return scenario.seconds(k, context) * (host if k == 1 else 1.0)
+
+        t = cost(b) * jitter + (scenario.change if last not in (None, b) else 0.0)
         chooser.record(b, accepted, t)
         last = b
         if i >= start:
-            rates = [sum(p**j for j in range(k)) / scenario.seconds(k, context) for k in [1, *chooser.sizes]]
+            rates = [sum(p**j for j in range(k)) / cost(k) for k in [1, *chooser.sizes]]
             best_rate = max(rates)
             ideal, spent = ideal + jitter * (accepted + 1) / best_rate, spent + t
             used[b] += 1
