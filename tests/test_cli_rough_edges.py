@@ -168,3 +168,10 @@ def test_serve_refuses_a_port_in_use(pair):
         port = taken.getsockname()[1]
         result = run("serve", "--model", pair.target, "--draft-model", pair.draft, "--port", port)
     assert_user_error(result, f"port {port} on 127.0.0.1 is in use; choose another --port")
+
+
+# -- --split, which only mlx.launch reads ------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "chat", "cache-prompt", "serve"])
+def test_split_typo_is_refused_on_one_machine_too(command):
+    result = run(command, "--model", "/nonexistent/target", "--split", "tensr")
+    assert_user_error(result, "--split must be pipeline, tensor or auto, got 'tensr'.")

@@ -218,12 +218,23 @@ PromptCacheFile = Annotated[
         show_default=False,
     ),
 ]
+
+
+def split_choice(ctx, param, value: str) -> str:
+    """--split, refused on one machine too, where it is not used: a typo
+    would otherwise surface only under mlx.launch."""
+    if value not in ("auto", "pipeline", "tensor"):
+        raise cx.ClickException(f"--split must be pipeline, tensor or auto, got {value!r}.")
+    return value
+
+
 Split = Annotated[
     str,
     typer.Option(
         "--split",
         help="Under mlx.launch, how the target is split across the ranks: pipeline, tensor or auto "
         "(pipeline where the family has it).",
+        callback=split_choice,
     ),
 ]
 PrefillStepSize = Annotated[
