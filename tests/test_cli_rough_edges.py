@@ -175,3 +175,12 @@ def test_serve_refuses_a_port_in_use(pair):
 def test_split_typo_is_refused_on_one_machine_too(command):
     result = run(command, "--model", "/nonexistent/target", "--split", "tensr")
     assert_user_error(result, "--split must be pipeline, tensor or auto, got 'tensr'.")
+
+
+# -- --extra-eos-token as an id ------------------------------------------------------
+@pytest.mark.parametrize("token", ["64", "1000000", "-1"])  # the tiny vocabulary is 64 tokens
+def test_extra_eos_token_id_outside_the_vocabulary(pair, token):
+    result = run(
+        "generate", "--model", pair.target, "--draft-model", pair.draft, "-p", "w1", "--extra-eos-token", token
+    )
+    assert_user_error(result, f"--extra-eos-token '{token}' is not a token of this tokenizer")

@@ -267,12 +267,14 @@ def add_eos_tokens(tokenizer, tokens: Optional[list[str]]) -> None:
     for token in tokens or ():
         try:
             token_id = int(token)
+            if token_id not in tokenizer.get_vocab().values():  # mlx-lm would add any integer
+                token_id = None
         except ValueError:
             token_id = tokenizer.convert_tokens_to_ids(token)
             unk = getattr(tokenizer, "unk_token_id", None)
             if token_id is not None and token_id == unk and token != getattr(tokenizer, "unk_token", None):
                 token_id = None  # an unknown text maps to the unknown token
-        if token_id is None or token_id < 0:
+        if token_id is None:
             raise UserError(
                 f"--extra-eos-token {token!r} is not a token of this tokenizer; pass one token's exact text or its id."
             )
