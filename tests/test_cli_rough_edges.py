@@ -184,3 +184,14 @@ def test_extra_eos_token_id_outside_the_vocabulary(pair, token):
         "generate", "--model", pair.target, "--draft-model", pair.draft, "-p", "w1", "--extra-eos-token", token
     )
     assert_user_error(result, f"--extra-eos-token '{token}' is not a token of this tokenizer")
+
+
+# -- cache-prompt's output, checked before the load ----------------------------------
+def test_cache_prompt_into_a_directory(pair, tmp_path):
+    args = ["cache-prompt", "--model", pair.target, "--draft-model", pair.draft, "-p", "w1 w2"]
+    result = run(*args, "--prompt-cache-file", tmp_path)
+    assert_user_error(result, f"--prompt-cache-file {tmp_path} is a directory; name a file in it")
+    (tmp_path / "notes.txt").write_text("mine")
+    result = run(*args, "--prompt-cache-file", tmp_path / "notes.txt" / "prefix.safetensors")
+    assert_user_error(result, f"lies under {tmp_path / 'notes.txt'}, which is a file; choose another path.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -73,6 +73,18 @@ def check_rank_files(path: Optional[Path], group) -> None:
         )
 
 
+def check_output_file(path: Path) -> None:
+    """Before the load, that --prompt-cache-file can be written as a file:
+    it is no directory, and no file stands where a directory must be made."""
+    if path.is_dir():
+        raise UserError(
+            f"--prompt-cache-file {path} is a directory; name a file in it, e.g. {path / 'prefix.safetensors'}."
+        )
+    there = next(p for p in path.absolute().parents if p.exists())
+    if not there.is_dir():
+        raise UserError(f"--prompt-cache-file {path} lies under {there}, which is a file; choose another path.")
+
+
 def read_cache_file(path: Path) -> dict:
     """The prefix a prompt-cache file holds: its text, system prompt and
     template settings (from the file's metadata), checked before any load."""
@@ -145,6 +157,7 @@ def cache_prompt_command(
             raise UserError(
                 "no --prompt-cache-file given; name the file to write, e.g. --prompt-cache-file prefix.safetensors."
             )
+        check_output_file(prompt_cache_file)
         text = read_prompt(prompt)
         kwargs = template.kwargs()
         if prefill_step_size < 1:
