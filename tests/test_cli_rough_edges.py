@@ -195,3 +195,11 @@ def test_cache_prompt_into_a_directory(pair, tmp_path):
     result = run(*args, "--prompt-cache-file", tmp_path / "notes.txt" / "prefix.safetensors")
     assert_user_error(result, f"lies under {tmp_path / 'notes.txt'}, which is a file; choose another path.")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_convert_under_a_file(pair, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    out = tmp_path / "notes.txt" / "drafter"
+    result = run("convert", "--hf-path", pair.draft, "--mlx-path", out)
+    assert_user_error(result, f"--mlx-path {out} lies under {tmp_path / 'notes.txt'}, which is a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from .console import console, user_errors
+from .console import UserError, console, user_errors
 from .options import Verbose
 
 EXAMPLES = """\
@@ -58,6 +58,7 @@ def convert_command(
 
         if target == "builtin":
             target = model_or_builtin(target)
+        _check_destination(Path(mlx_path).expanduser())
         path = convert(
             hf_path,
             mlx_path,
@@ -73,6 +74,13 @@ def convert_command(
         )
         _usual_mode(Path(path))
     console.print(Text(f"Converted {hf_path} -> {path}", style="green"))
+
+
+def _check_destination(out: Path) -> None:
+    """Before the checkpoint is read or downloaded: no directory can be made under a file."""
+    there = next(p for p in out.absolute().parents if p.exists())
+    if not there.is_dir():
+        raise UserError(f"--mlx-path {out} lies under {there}, which is a file; choose another --mlx-path.")
 
 
 def _usual_mode(path: Path) -> None:
