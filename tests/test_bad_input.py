@@ -168,3 +168,48 @@ def test_config_variants_parse(setup):
     c = DraftConfig.from_dict(nested)
     assert c.block_size == 10
     assert DraftConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+# -- the server's request bodies ---------------------------------------------------
+
+
+def parse(schema: str, body: dict):
+    """The body as the server reads it, with ``schema`` from server/schemas.py."""
+    from dflash_mlx.server import schemas
+
+    return schemas.parse_json(json.dumps(body).encode(), getattr(schemas, schema))
+
+
+def refused(schema: str, body: dict, message: str) -> None:
+    from dflash_mlx.server.errors import APIError
+
+    with pytest.raises(APIError) as e:
+        parse(schema, body)
+    assert e.value.status == 400 and e.value.message == message, e.value.message
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "tool,message",
+    [
+        ({"type": "function"}, "tools.0.function: Field required."),
+        ({"type": "function", "function": {}}, "tools.0.function.name: Field required."),
+        ({"type": "function", "function": {"name": 5}}, "tools.0.function.name: Input should be a valid string."),
+        (
+            {"type": "function", "function": {"name": "f", "parameters": "x"}},
+            "tools.0.function.parameters: Input should be a valid dictionary.",
+        ),
+        ({"type": "web_search", "function": {"name": "f"}}, "tools.0.type: Input should be 'function'."),
+        ({"name": "f"}, "tools.0.type: Field required."),
+    ],
+)
+def test_chat_tool_that_is_not_a_function(tool, message):
+    refused("ChatRequest", {**CHAT, "tools": [tool]}, message)
+
+
+def test_chat_tool_reaches_the_template_as_sent():
+    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    body = parse("ChatRequest", {**CHAT, "tools": [tool]})
+    assert [t.model_dump(exclude_none=True) for t in body.tools] == [tool]

@@ -97,7 +97,9 @@ def completion_logprobs(reply: _Reply, entries: list[TokenLogprob]) -> dict | No
 
 # -- chat ---------------------------------------------------------------------------
 async def chat_job(service: Service, body: ChatRequest) -> Job:
-    tools = None if body.tool_choice == "none" else body.tools
+    tools = None
+    if body.tools is not None and body.tool_choice != "none":
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     kwargs = service.template_kwargs(
         body.chat_template_kwargs, enable_thinking=body.enable_thinking, reasoning_effort=body.reasoning_effort

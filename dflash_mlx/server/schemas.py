@@ -110,10 +110,24 @@ class _OpenAI(Sampling):
         return _not_neutral(self, self.NEUTRAL, self.WHY)
 
 
+class FunctionSpec(_Body):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Body):
+    """A chat completion's tool: a function, as the template renders it."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatRequest(_OpenAI):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[TemplateKwargs] = None
