@@ -213,3 +213,29 @@ def test_chat_tool_reaches_the_template_as_sent():
     tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
     body = parse("ChatRequest", {**CHAT, "tools": [tool]})
     assert [t.model_dump(exclude_none=True) for t in body.tools] == [tool]
+
+
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("schema", ["AnthropicRequest", "CountTokensRequest"])
+@pytest.mark.parametrize(
+    "tool,message",
+    [
+        ({}, "tools.0.name: Field required."),
+        ({"name": 5}, "tools.0.name: Input should be a valid string."),
+        ({"name": "f", "input_schema": "x"}, "tools.0.input_schema: Input should be a valid dictionary."),
+    ],
+)
+def test_anthropic_tool_without_a_name_or_schema(schema, tool, message):
+    body = MESSAGES if schema == "AnthropicRequest" else {k: v for k, v in MESSAGES.items() if k != "max_tokens"}
+    refused(schema, {**body, "tools": [tool]}, message)
+
+
+def test_anthropic_tool_reaches_the_template_as_a_function():
+    from dflash_mlx.server.templates import anthropic_tools
+
+    tool = {"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}
+    body = parse("AnthropicRequest", {**MESSAGES, "tools": [tool]})
+    function = {"name": "f", "description": "", "parameters": {"type": "object"}}
+    assert anthropic_tools(body.tools) == [{"type": "function", "function": function}]

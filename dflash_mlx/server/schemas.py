@@ -176,13 +176,23 @@ class AnthropicMessage(_Body):
     content: Union[str, list[dict[str, Any]]]
 
 
+class AnthropicTool(BaseModel):
+    """A tool the template renders: its name and schema checked, the rest
+    (cache_control, type "custom") accepted as clients send it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: Optional[str] = None
+    input_schema: Optional[dict[str, Any]] = None
+
+
 class _AnthropicPrompt(_Body):
     """What /v1/messages and /v1/messages/count_tokens share: the prompt."""
 
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Optional[Union[str, list[dict[str, Any]]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
 

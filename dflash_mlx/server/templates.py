@@ -168,17 +168,13 @@ def anthropic_messages(system: Any, messages: list) -> list[dict]:
     return out
 
 
-def anthropic_tools(tools: Optional[list[dict]]) -> Optional[list[dict]]:
+def anthropic_tools(tools: Optional[list]) -> Optional[list[dict]]:
     if not tools:
         return None
     return [
         {
             "type": "function",
-            "function": {
-                "name": _string(t, "name"),
-                "description": _string(t, "description"),
-                "parameters": t.get("input_schema", {}),
-            },
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema or {}},
         }
         for t in tools
     ]
