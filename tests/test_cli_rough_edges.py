@@ -203,3 +203,10 @@ def test_convert_under_a_file(pair, tmp_path):
     result = run("convert", "--hf-path", pair.draft, "--mlx-path", out)
     assert_user_error(result, f"--mlx-path {out} lies under {tmp_path / 'notes.txt'}, which is a file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+# -- doctor ----------------------------------------------------------------------------
+@pytest.mark.parametrize("seconds", ["-1", "nan"])  # both skipped the probe as if 0 (inf ran it for ever)
+def test_doctor_refuses_seconds_that_are_no_duration(seconds):
+    result = run("doctor", "--seconds", seconds)
+    assert_user_error(result, f"--seconds must be a finite number, 0 or more (0 skips the probe), got {seconds}.")

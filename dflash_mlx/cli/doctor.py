@@ -3,6 +3,7 @@ check out on it, and how fast DFlash decodes here next to plain decoding."""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
@@ -56,8 +57,10 @@ def doctor_command(
     Run it first when DFlash is slow or wrong here, and paste the block it
     ends with into the bug report.
     """
-    if recheck:
-        with user_errors():
+    with user_errors():
+        if not 0 <= seconds < math.inf:
+            raise UserError(f"--seconds must be a finite number, 0 or more (0 skips the probe), got {seconds:g}.")
+        if recheck:
             forget_kept_checks()
     out = Console(highlight=False)
     report: list[tuple[str, str]] = []
