@@ -330,6 +330,9 @@ def test_resume_with_other_shape(tiny, tmp_path):
 def test_bad_flags(tiny, tmp_path):
     with pytest.raises(ValueError, match="--block-size must be at least 2"):
         train(_cfg(tiny, tmp_path / "d", block_size=1))
+    with pytest.raises(ValueError, match="and at most 256, got 1000"):  # a drafter load() would refuse
+        train(_cfg(tiny, tmp_path / "d", block_size=1000))
+    assert not (tmp_path / "d").exists()
     with pytest.raises(ValueError, match=r"--target-layer-ids \[9\] do not exist"):
         train(_cfg(tiny, tmp_path / "e", target_layer_ids=[9]))
     assert not (tmp_path / "e").exists()

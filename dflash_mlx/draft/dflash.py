@@ -40,7 +40,7 @@ _REQUIRED = (
 
 # Upper bounds that no real drafter reaches; past them a config is damaged.
 _MAX_LAYERS = 1024
-_MAX_BLOCK = 256
+MAX_BLOCK_SIZE = 256  # (the trainer makes no larger drafter)
 _MAX_DIM = 1 << 24
 _MAX_POSITIONS = 1 << 31
 
@@ -188,10 +188,10 @@ class DraftConfig:
                 "each target layer may be tapped once."
             )
         block_size = dflash.get("block_size", cfg.get("block_size", 16))
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= _MAX_BLOCK:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(
                 f"the drafter's block_size must be an integer >= 2 (one committed token plus drafts) and at "
-                f"most {_MAX_BLOCK}, got {block_size!r}; fix config.json."
+                f"most {MAX_BLOCK_SIZE}, got {block_size!r}; fix config.json."
             )
         softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
         hidden = _count("hidden_size", cfg["hidden_size"], _MAX_DIM)

@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic_dir import partial_dir, remove_dead_leftovers, replace_dir
-from ..draft.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
+from ..draft.dflash import MAX_BLOCK_SIZE, DFlashDraft, DraftConfig, default_target_layer_ids
 from .data import Sequence
 from .forward import draft_logits, target_taps
 
@@ -67,9 +67,10 @@ class TrainConfig:
 
         for name in ("draft_layers", "steps", "batch_size", "blocks_per_seq", "save_every", "gen_batch"):
             positive(name)
-        if self.block_size < 2:
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(
-                f"--block-size must be at least 2 (the anchor token plus one draft), got {self.block_size}."
+                f"--block-size must be at least 2 (the anchor token plus one draft) and at most "
+                f"{MAX_BLOCK_SIZE}, got {self.block_size}."
             )
         if self.seq_len < 8:
             raise ValueError(f"--seq-len must be at least 8 tokens, got {self.seq_len}.")
