@@ -150,7 +150,8 @@ def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
     built graphs. A compiled cycle traces where its buffers' widths are new to
     it; the drafter's host bound runs a queued cycle ahead of the launch's, so
     a guess from it flagged cycles that traced nothing and missed the one that
-    traced, whose trace was then timed as the size's cost."""
+    traced, whose trace was then timed as the size's cost, and told the
+    chooser so beforehand."""
     from tiny import draft_config, make_draft, make_target, random_draft_weights, target_config
 
     tcfg = target_config("qwen3", vocab=256, layers=4)
@@ -170,10 +171,10 @@ def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
     seen, launch = [], Cycle.launch
 
     def spy(self, size, *args, **kw):
-        before = len(traced)
+        before, forecast = len(traced), self.would_build(size, args[2])  # (last, length, bound)
         flight = launch(self, size, *args, **kw)
         if size > 1:
-            seen.append((len(traced) > before, flight.new_shape))
+            seen.append((len(traced) > before, flight.new_shape, forecast))
         return flight
 
     monkeypatch.setattr(Cycle, "launch", spy)
@@ -181,4 +182,5 @@ def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
     prompt = [(7 * i) % 251 + 1 for i in range(700)]
     got = tokens(model, draft, prompt, max_tokens=64, block_size=16, prompt_cache=cache)  # across 768 positions
     assert got == greedy_reference(model, prompt, 64)
-    assert any(t for t, _ in seen) and all(t == flagged for t, flagged in seen), seen
+    # flagged when it traced, and foretold as the chooser asks before choosing
+    assert any(t for t, *_ in seen) and all(t == flagged == foretold for t, flagged, foretold in seen), seen

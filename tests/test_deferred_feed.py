@@ -113,7 +113,7 @@ def test_drafting_after_plain_steps_grows_the_drafters_buffers_as_the_targets(mo
     launch = Cycle.launch
 
     def spy(self, block_size, *args, **kw):
-        shape = self._shape(block_size)
+        shape = self._shape(block_size, args[2])  # (last, length, bound)
         flight = launch(self, block_size, *args, **kw)
         if block_size > 1:
             predicted.append(shape[-1])  # the drafter's width

@@ -152,9 +152,9 @@ class Cycle:
             return None, None
         return token_logprobs(last_logits[None], token, self.logprobs)
 
-    def would_build(self, size: int) -> bool:
-        """Whether a cycle of ``size`` launched now would build new graphs."""
-        return self._shape(size) not in self.traces.shapes
+    def would_build(self, size: int, bound: int) -> bool:
+        """Whether a cycle of ``size`` launched now at ``bound`` would build new graphs."""
+        return self._shape(size, bound) not in self.traces.shapes
 
     def plan(self, size: int) -> Plan:
         """What a cycle of ``size`` verifies, decided once a size over the same caches."""
@@ -176,22 +176,24 @@ class Cycle:
         block = size if tree is None else min(size, tree.block_size)
         return Plan(block, block)
 
-    def _shape(self, size: int) -> tuple[int, int, int]:
-        """(size, rows, the drafter's buffer width after its block): what its graphs are built for."""
+    def _shape(self, size: int, bound: int) -> tuple[int, int, int]:
+        """(size, rows, the drafter's buffer width after its block) for a
+        launch at ``bound``: what its graphs are built for. (Not the drafter's
+        own bound: a queued cycle's block runs it ahead of the launch's.)"""
         plan = self.plan(size)
         block, rows = plan.block, plan.rows
         if not self.caches.draft:
-            return size, rows, self.history.room(self.history.bound + block + 1)
+            return size, rows, self.history.room(bound + block + 1)
         first = self.caches.draft[0]
         if size > 1 and self.deferred:
             return size, rows, first.room(self.deferred_bound + len(self.deferred) + block)
-        return size, rows, first.width_after(block)
+        return size, rows, first.room(bound + block)
 
     def launch(self, size: int, last: mx.array, length: mx.array, bound: int, exact: bool = False) -> Flight:
         """Build a cycle's graph and queue it without waiting for the device.
         ``bound``: a host-side upper bound on ``length``; ``exact``: it is the
         length. An exact plain step runs uncompiled: its widths change every step."""
-        shape = self._shape(size)
+        shape = self._shape(size, bound)
         new_shape = shape not in self.traces.shapes
         self.traces.shapes.add(shape)
         if size > 1 and self.deferred:

@@ -171,13 +171,18 @@ def _cycles(
             flight = clock.launch(lambda: cycle.launch(bs, last, length, bound, exact))
             return flight, None if agreed is None else agreed.flag()
 
-    def choose() -> int:
+    def choose(bound: int) -> int:
+        """The size of the next cycle, which launches at ``bound``."""
         if chooser is None:
             return block
+
+        def would_build(size: int) -> bool:
+            return cycle.would_build(size, bound)
+
         if agreed is None:
-            return chooser.choose(cycle.would_build)
+            return chooser.choose(would_build)
         # across ranks rank 0's choice comes through an exchange queued behind the cycle in flight
-        return clock.wait_for(lambda: chooser.choose(cycle.would_build))
+        return clock.wait_for(lambda: chooser.choose(would_build))
 
     if chooser is not None:
         chooser.new_reply(len(ids))
@@ -194,7 +199,9 @@ def _cycles(
         yield Step([first], None, 1, "stop" if first in eos else "length", *first_scores)
         return
     cycle.start_lookup(ids + [first])
-    flight, flag = launch(cache.block_from_here(choose()), last, mx.array(len(ids), mx.int32), len(ids), exact=True)
+    flight, flag = launch(
+        cache.block_from_here(choose(len(ids))), last, mx.array(len(ids), mx.int32), len(ids), exact=True
+    )
     with clock.caller():
         yield Step([first], None, 1, None, *first_scores)
     cache.check_owner(owner)
@@ -205,7 +212,7 @@ def _cycles(
         following = None
         if n + 1 < max_tokens:
             bound = len(cache.tokens) + flight.block_size
-            bs = choose()
+            bs = choose(bound)
             exact = flight.block_size == 1
             if cache.may_queue(bound, bs):  # not across the start of KV quantization
                 if chooser is not None and bs != flight.block_size:
