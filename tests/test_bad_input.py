@@ -210,7 +210,9 @@ def test_chat_tool_that_is_not_a_function(tool, message):
 
 
 def test_chat_tool_reaches_the_template_as_sent():
-    tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+    """Keys beyond what the template renders (some clients add their own) pass on as sent."""
+    function = {"name": "f", "description": "d", "parameters": {"type": "object"}, "x-client": {"v": 1}}
+    tool = {"type": "function", "function": function, "cache_control": {"type": "ephemeral"}}
     body = parse("ChatRequest", {**CHAT, "tools": [tool]})
     assert [t.model_dump(exclude_none=True) for t in body.tools] == [tool]
 

@@ -110,16 +110,21 @@ class _OpenAI(Sampling):
         return _not_neutral(self, self.NEUTRAL, self.WHY)
 
 
-class FunctionSpec(_Body):
+class FunctionSpec(BaseModel):
+    """A chat tool's function: what the template renders checked, any other
+    key a client adds passed on as sent."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
 
-class ChatTool(_Body):
+class ChatTool(BaseModel):
     """A chat completion's tool: a function, as the template renders it."""
 
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["function"]
     function: FunctionSpec
 
