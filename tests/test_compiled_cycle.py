@@ -145,7 +145,8 @@ def test_kept_traces_are_bounded(compiled, agreeing_pair, monkeypatch):
     assert [k[1].temperature for k in kept] == [0.6, 0.7]
 
 
-def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch, lookup):
     """``auto`` leaves a cycle's time out of its size's cost when its launch
     built graphs. A compiled cycle traces where its buffers' widths are new to
     it; the drafter's host bound runs a queued cycle ahead of the launch's, so
@@ -180,7 +181,7 @@ def test_a_cycle_counts_as_built_exactly_when_it_traced(compiled, monkeypatch):
     monkeypatch.setattr(Cycle, "launch", spy)
     cache = make_prompt_cache(model, draft)
     prompt = [(7 * i) % 251 + 1 for i in range(700)]
-    got = tokens(model, draft, prompt, max_tokens=64, block_size=16, prompt_cache=cache)  # across 768 positions
+    got = tokens(model, draft, prompt, max_tokens=64, block_size=16, prompt_cache=cache, lookup=lookup)  # across 768
     assert got == greedy_reference(model, prompt, 64)
     # flagged when it traced, and foretold as the chooser asks before choosing
     assert any(t for t, *_ in seen) and all(t == flagged == foretold for t, flagged, foretold in seen), seen
