@@ -14,6 +14,13 @@ from pathlib import Path
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:partial-(?P<pid>\d+)-.*|old-(?P<old_pid>\d+))$")
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The file standing where a directory above ``path`` would have to be
+    made (checked before slow work, so the writer fails at once), or None."""
+    there = next(p for p in path.absolute().parents if p.exists())
+    return None if there.is_dir() else there
+
+
 def _runs(pid: int) -> bool:
     if pid == os.getpid():
         return True

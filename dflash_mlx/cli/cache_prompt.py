@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..atomic_dir import file_in_the_way
 from . import options
 from .console import UserError, console, note, speak_on_first_rank_only, user_errors
 from .option_groups import Kv, Pair, Template, flags, takes_groups
@@ -80,8 +81,8 @@ def check_output_file(path: Path) -> None:
         raise UserError(
             f"--prompt-cache-file {path} is a directory; name a file in it, e.g. {path / 'prefix.safetensors'}."
         )
-    there = next(p for p in path.absolute().parents if p.exists())
-    if not there.is_dir():
+    there = file_in_the_way(path)
+    if there is not None:
         raise UserError(f"--prompt-cache-file {path} lies under {there}, which is a file; choose another path.")
 
 

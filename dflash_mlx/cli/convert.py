@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
+from ..atomic_dir import file_in_the_way
 from .console import UserError, console, user_errors
 from .options import Verbose
 
@@ -78,8 +79,8 @@ def convert_command(
 
 def _check_destination(out: Path) -> None:
     """Before the checkpoint is read or downloaded: no directory can be made under a file."""
-    there = next(p for p in out.absolute().parents if p.exists())
-    if not there.is_dir():
+    there = file_in_the_way(out)
+    if there is not None:
         raise UserError(f"--mlx-path {out} lies under {there}, which is a file; choose another --mlx-path.")
 
 
