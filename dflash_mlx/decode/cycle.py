@@ -128,7 +128,6 @@ class Cycle:
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
         self.deferred_bound = 0
-        self.traced_now = False  # whether the last compiled cycle traced its graph
         self._plans: dict[int, Plan] = {}
         self._planned_over = None  # the first target cache the plans were made over (quantizing replaces it)
 
@@ -204,8 +203,9 @@ class Cycle:
             self.history.bound = bound + block
         exact_step = size == 1 and exact
         if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
-            result, new_last, new_length, taps, scores, looked = self._run_compiled(size, last, length, bound)
-            new_shape = self.traced_now  # (the shape's guess misses widths that grow apart)
+            # new_shape: whether it traced, not the shape's guess (which misses widths that grow apart)
+            out = self._run_compiled(size, last, length, bound)
+            result, new_last, new_length, taps, scores, looked, new_shape = out
         else:
             at_host = exact_step and all(is_buffer(c) for c in self.caches.target)
             read = "exact" if exact_step else "bound"
@@ -353,9 +353,10 @@ class Cycle:
         return looked_up, matched, matched & self.lookup_enabled
 
     def _run_compiled(self, size: int, last: mx.array, length: mx.array, bound: int):
-        """``_build`` through mx.compile, traced per key and buffer width. The
-        trace reads this call's cycle, caches and bound from ``traces.now``, so
-        a retrace in a later call builds that call's graph; the seed is an input."""
+        """``_build``'s outputs through mx.compile, traced per key and input
+        widths, and whether this call traced. The trace reads this call's
+        cycle, caches and bound from ``traces.now``, so a retrace in a later
+        call builds that call's graph; the seed is an input."""
         layers = self.caches.target + self.caches.draft
         plan = self.plan(size)
         for c in layers:
@@ -411,7 +412,7 @@ class Cycle:
         # every input length that varies: a new one traces anew (mx.compile keys on shapes)
         width = tuple(sorted({c.capacity for c in layers})) + (tokens.shape if history is not None else ())
         with traces.lock:
-            fn, self.traced_now = traces.compiled_step(key, width, make)
+            fn, traced = traces.compiled_step(key, width, make)
             try:
                 now.update(cycle=self, layers=layers, bound=bound)
                 result, new_last, new_length, *buffers = fn(
@@ -437,4 +438,4 @@ class Cycle:
         self.target.set_length(self.caches.target, new_length, bound + size)
         if not defer:
             set_lengths(self.caches.draft, new_length, bound + size)
-        return result, new_last, new_length, taps, scores, looked
+        return result, new_last, new_length, taps, scores, looked, traced
