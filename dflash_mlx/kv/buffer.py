@@ -55,12 +55,13 @@ class SharedPositions:
         self.ends: dict[int, mx.array] = {}
         self.based: dict = {}
 
-    def from_base(self, key: tuple, shift: mx.array) -> SharedPositions:
-        """The same length in rows of buffers holding positions from a base on
-        (``shift``: the base on the device), made once for every buffer of
-        ``key`` (window, base), which holds one base for all of them."""
+    def from_base(self, window: int, base: int, shift: mx.array) -> SharedPositions:
+        """The same length in rows of buffers holding positions from ``base``
+        on (``shift``: the base on the device), made once for every layer of a
+        sliding ``window`` at that base (a window's layers drop together)."""
+        key = (window, base)
         if key not in self.based:
-            self.based[key] = SharedPositions(self.length - shift, self.length, key[-1])
+            self.based[key] = SharedPositions(self.length - shift, self.length, base)
         return self.based[key]
 
     def at(self, n: int) -> mx.array:
@@ -106,7 +107,11 @@ class DeviceLengthCache:
 
     def room(self, n: int) -> int:
         """The capacity needed to hold ``n`` positions."""
-        return max(self.capacity, self.floor, -(-n // self.step) * self.step)
+        return max(self.capacity, self.floor, self.rounded(n))
+
+    def rounded(self, n: int) -> int:
+        """``n`` positions rounded up to whole steps of the buffer's growth."""
+        return -(-n // self.step) * self.step
 
     def width_after(self, n: int) -> int:
         """The buffer's length once ``n`` more positions are written."""

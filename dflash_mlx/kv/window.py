@@ -67,7 +67,7 @@ class WindowKVCache(BufferKVCache):
             raise LookupError(f"positions before {length} were dropped from a sliding-window layer")
         shared = self.shared
         if shared is not None and shared.base is None and length is shared.length:  # once for the window's layers
-            self.shared = shared.from_base((self.window, self.base), self.shift)
+            self.shared = shared.from_base(self.window, self.base, self.shift)
             rows = self.shared.length
         else:
             rows = self.row(length)
@@ -125,14 +125,14 @@ class WindowKVCache(BufferKVCache):
 
     def steady_room(self, held: int) -> int:
         """The buffer's length once it holds ``held`` positions after a drop."""
-        return max(self.steady_capacity, -(-held // self.step) * self.step)
+        return max(self.steady_capacity, self.rounded(held))
 
     @property
     def steady_capacity(self) -> int:
         """The buffer's length between compactions: the window, its margin,
         the margin gathered before the next drop and a verify's rows beyond
         it (a prompt's longer chunk grows it until the next drop)."""
-        return -(-(self.window + 2 * self.margin + MAX_TREE_BUDGET) // self.step) * self.step
+        return self.rounded(self.window + 2 * self.margin + MAX_TREE_BUDGET)
 
     def restore_pin(self) -> int | None:
         """Make the cache hold the saved window before ``pin`` and end there;
@@ -149,7 +149,7 @@ class WindowKVCache(BufferKVCache):
 
     def hold(self, keys: mx.array, values: mx.array, base: int) -> None:
         """Hold ``keys``/``values`` [B, H, n, d] as positions base..base+n-1 (a file's)."""
-        room = -(-keys.shape[2] // self.step) * self.step
+        room = self.rounded(keys.shape[2])
         self.keys, self.values = padded(keys, room), padded(values, room)
         self.base, self.shift, self.pin, self.saved = base, mx.array(base, mx.int32), None, None
         self.set_length(base + keys.shape[2])
