@@ -129,7 +129,7 @@ def configs(shape: str) -> tuple[dict, dict]:
 
 
 def random_target(shape: str, quantize: int | None = None, group=None, split: str | None = None):
-    """An mlx-lm qwen3 model at a model's shapes, random bf16 weights (or
+    """An mlx-lm model (qwen3, or a LAYOUTS family) at a model's shapes, random bf16 weights (or
     quantized), split over ``group`` by ``split`` before any weight is made."""
     from dflash_mlx import distributed
 
