@@ -48,6 +48,7 @@ per plain step, from the exchanges' shapes (a ring all-sum sends
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -73,7 +74,8 @@ SHAPES = {
 
 # Other families' layer counts and attention windows at "tiny"'s widths
 # (``--count-ops``: a cycle's kernels, where sliding layers keep their own
-# bookkeeping): Gemma 3 27B, five sliding layers to a full one.
+# bookkeeping): Gemma 3 27B, five sliding layers to a full one; Qwen3.5-9B,
+# three gated delta-net layers to an attention one.
 LAYOUTS = {
     "gemma3-27b-layers": {
         "model_type": "gemma3_text",
@@ -82,6 +84,17 @@ LAYOUTS = {
         "sliding_window_pattern": 6,
         "query_pre_attn_scalar": 32,
         "rope_local_base_freq": 10000.0,
+    },
+    "qwen3.5-9b-layers": {
+        "model_type": "qwen3_5",
+        "num_hidden_layers": 32,
+        "full_attention_interval": 4,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 1,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
     },
 }
 
@@ -137,6 +150,7 @@ def random_target(shape: str, quantize: int | None = None, group=None, split: st
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.bfloat16)
+    model.eval()  # as mlx-lm's load leaves it: its recurrence kernels run only outside training
     if quantize:
         nn.quantize(model, group_size=64, bits=quantize)
     if split == "pipeline":
@@ -341,25 +355,64 @@ def graph_ops(outputs: list) -> Counter:
     return ops
 
 
-def cycle_ops(model, draft, prompt, block: int | str, compiled: bool) -> Counter:
+@contextlib.contextmanager
+def recurrence_as_one_launch():
+    """Where no gated delta-net kernel runs (the CPU), each recurrence call
+    one stand-in operation, as a GPU's kernel launch is, and replay rollback
+    as there: for counting and building a cycle, never for its values."""
+    from dflash_mlx.device import backend
+    from dflash_mlx.targets import recurrent
+
+    if backend() != "cpu":
+        yield
+        return
+
+    def recurrence(q, k, v, g, beta, state, steps=None, use_kernel=True):
+        return v * 1, state + 0
+
+    def tree_recurrence(q, k, v, g, beta, state, parents=None, keep_all=True, use_kernel=True):
+        return v * 1, mx.broadcast_to(state, (q.shape[1] + 1, *state.shape)) + 0
+
+    real = recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback
+    recurrent.recurrence, recurrent.tree_recurrence = recurrence, tree_recurrence
+    recurrent.DeltaCache.rollback = "replay"
+    try:
+        yield
+    finally:
+        recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback = real
+
+
+def cycle_graph(model, draft, prompt, block: int | str, compiled: bool, builds: int = 9) -> tuple[Counter, float]:
     """The operations of one greedy cycle of ``block`` ("tN": a tree of N
-    rows) after ``prompt``, built and never evaluated: eagerly, or through
-    mx.compile (what a GPU runs)."""
+    rows) after ``prompt``, eagerly or through mx.compile (what a GPU runs),
+    and the host's median ms to build it (a compiled cycle: to replay its
+    trace), never evaluating inside the timing."""
     from dflash_mlx.decode.cycle import Cycle
     from dflash_mlx.decode.sampling import SamplingParams
     from dflash_mlx.draft.tree import TreeParams
 
-    target, cache = prefilled(model, draft, prompt)
-    tree = TreeParams(draft.config.block_size) if isinstance(block, str) else None
-    size = int(str(block).lstrip("t"))
-    cycle = Cycle(target, draft, cache, SamplingParams(), 0, tree=tree)
-    last, length = mx.array([1], mx.int32), mx.array(len(prompt), mx.int32)
-    if compiled:
-        cycle.compiled = True
-        out = cycle._run_compiled(size, last, length, len(prompt))
-    else:
-        out = cycle._build(size, last, length, len(prompt), None, read="bound")
-    return graph_ops([a for a in out if isinstance(a, mx.array)] + cache.arrays())
+    with recurrence_as_one_launch():
+        target, cache = prefilled(model, draft, prompt)
+        tree = TreeParams(draft.config.block_size) if isinstance(block, str) else None
+        size = int(str(block).lstrip("t"))
+        cycle = Cycle(target, draft, cache, SamplingParams(), 0, tree=tree)
+        cycle.compiled = compiled
+        last, length, ops, times = mx.array([1], mx.int32), mx.array(len(prompt), mx.int32), None, []
+        for _ in range(builds):
+            bound = len(prompt) + size  # (nothing is accepted: at least the length)
+            tic = time.perf_counter()
+            if compiled:
+                out = cycle._run_compiled(size, last, length, bound)
+            else:
+                out = cycle._build(size, last, length, bound, None, read="bound")
+                target.set_length(cache.target, out[2], bound + size)
+            times.append(time.perf_counter() - tic)
+            if ops is None:
+                ops = graph_ops([a for a in out if isinstance(a, mx.array)] + cache.arrays())
+            mx.eval(out[0], *cache.arrays())
+            cache.settle()
+            length = mx.array(len(prompt), mx.int32)
+    return ops, 1000 * sorted(times[1:])[len(times[1:]) // 2]  # (the first: a trace)
 
 
 def main():
@@ -415,8 +468,9 @@ def main():
             row.update(sorted(runs[block], key=lambda r: r["cycle_ms"])[args.repeat // 2])
             row.update(synced_pieces(model, draft, prompt, block))
             if args.count_ops:
-                row["eager_ops"] = sum(cycle_ops(model, draft, prompt, block, compiled=False).values())
-                row["compiled_ops"] = sum(cycle_ops(model, draft, prompt, block, compiled=True).values())
+                for mode, compiled in (("eager", False), ("compiled", True)):
+                    ops, build_ms = cycle_graph(model, draft, prompt, block, compiled)
+                    row[f"{mode}_ops"], row[f"{mode}_build_ms"] = sum(ops.values()), build_ms
             row["cycle_in_plain_steps"] = row["cycle_ms"] / step
             row["projected_speedup"] = args.tau * step / row["cycle_ms"]
             if group is not None:
@@ -453,7 +507,10 @@ def main():
             f"{r['cycle_in_plain_steps']:>6.2f} {r['projected_speedup']:>8.2f}"
         )
         if "eager_ops" in r:
-            print(f"{'':>12} device operations a cycle: {r['eager_ops']} eager, {r['compiled_ops']} compiled")
+            print(
+                f"{'':>12} device operations a cycle: {r['eager_ops']} eager, {r['compiled_ops']} compiled; "
+                f"host ms to build it: {r['eager_build_ms']:.2f} eager, {r['compiled_build_ms']:.2f} compiled"
+            )
         if "cycle_sent_bytes" in r:
             print(
                 f"{'':>12} sent per rank: {r['cycle_sent_bytes'] / 1024:.1f} KiB a cycle, "

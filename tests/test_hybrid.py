@@ -5,7 +5,9 @@ equals mlx-lm's (this machine's default rollback, and replay) over
 block sizes, prompt lengths, an EOS, a prompt cache across turns (extended,
 shortened, repeated); an interrupt at any write, with blocks or trees,
 leaves the next turn exact;
-seeded sampling gives the target's own sampled text."""
+seeded sampling gives the target's own sampled text. Each runs with its
+cycles built eagerly (the CPU's default) and through mx.compile (a GPU's),
+where the delta-net states and their last writes go in and come back."""
 
 import random
 
@@ -17,8 +19,11 @@ from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.decode.cycle import Cycle
+from dflash_mlx.decode.traces import traces_for
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
+from dflash_mlx.targets.hybrid import HybridTarget
 from dflash_mlx.targets.recurrent import ROLLBACKS, DeltaCache
 
 VOCAB = 48
@@ -35,6 +40,12 @@ def make_pair(family: str, seed: int = 1, **extra):
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     return make_pair(request.param)
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request, monkeypatch):
+    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("rollback", ROLLBACKS)
@@ -75,14 +86,14 @@ def test_rollback_at_every_accepted_count_equals_plain_decoding(family, rollback
 
 
 @pytest.mark.parametrize("rollback", [None, "replay"])  # this machine's default, and Metal's and CUDA's
-def test_greedy_equals_mlx_lm(pair, rollback, monkeypatch):
+def test_greedy_equals_mlx_lm(pair, rollback, compiled, monkeypatch):
     monkeypatch.setattr(DeltaCache, "rollback", rollback)
     model, draft = pair
     accepted = greedy_over_blocks(model, draft, VOCAB, (1, 12, 300), (2, 3, 8, 16), prefill_step_size=100)
     assert set(range(5)) <= accepted and max(accepted) >= 7  # short rollbacks and long blocks kept
 
 
-def test_eos_and_prompt_cache_across_turns(pair):
+def test_eos_and_prompt_cache_across_turns(pair, compiled):
     model, draft = pair
     prompt, ref = check_eos(model, draft, VOCAB, 25)
 
@@ -100,6 +111,27 @@ def test_eos_and_prompt_cache_across_turns(pair):
         out, _ = run(model, draft, turn, vocab=VOCAB, max_tokens=10, block_size=7, prompt_cache=cache)
         assert out == greedy_reference(model, turn, 10)
         assert cache.consistent()
+
+
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+def test_turns_end_from_the_cycles_kept_writes(rollback, compiled, monkeypatch):
+    """A reply's end (a queued cycle ran past it) and the next turn's cut
+    back are restored from the last cycles' writes, compiled as eager:
+    nothing is re-read from a checkpoint."""
+    monkeypatch.setattr(DeltaCache, "rollback", rollback)
+    reread = []
+    real = HybridTarget._reread
+    monkeypatch.setattr(HybridTarget, "_reread", lambda *a: reread.append(1) or real(*a))
+    model, draft = make_pair("qwen3_5")
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8, 3, 5]
+    cache = make_prompt_cache(model, draft)
+    for max_tokens in (13, 7, 5, 9):
+        want = greedy_reference(model, prompt, max_tokens)
+        got, _ = run(model, draft, prompt, want, vocab=VOCAB, max_tokens=max_tokens, block_size=8, prompt_cache=cache)
+        assert got == want and cache.consistent()
+        prompt = prompt + got[:-1]  # the next turn cuts the last token back
+    assert not reread
+    assert compiled == any(key[0] == 8 for key in traces_for(adapt(model), draft).compiled)
 
 
 class Interrupt:
@@ -122,7 +154,7 @@ class Interrupt:
 
 
 @pytest.mark.parametrize("block_size, tree_budget", [(3, None), (16, None), (8, 12)])
-def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block_size, tree_budget):
+def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, compiled, block_size, tree_budget):
     model, draft = make_pair("qwen3_5", seed=4)
     rng = random.Random(block_size)
     cache = make_prompt_cache(model, draft)
@@ -169,7 +201,7 @@ def test_an_interrupt_at_any_write_leaves_the_next_turn_exact(monkeypatch, block
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_moe"])
-def test_seeded_sampling_is_the_targets_own(family):
+def test_seeded_sampling_is_the_targets_own(family, compiled):
     """With a seed, the sampled text is the one the target alone samples with
     the same noise, at every block size (the picks are fixed per position)."""
     if family == "qwen3_moe":

@@ -22,10 +22,11 @@ from .. import compute_dtype
 from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find, find_believed
-from ..draft.tree import TreeParams, accepted_path, build_tree, build_tree_compiled
+from ..draft.tree import TreeParams, accepted_path, build_tree
 from ..kv.buffer import BufferKVCache, set_lengths
 from ..kv.window import is_buffer
 from ..targets import DenseTarget
+from ..targets.recurrent import DeltaCache
 from .sampling import SamplingParams, accept_proposals, accepted_count, pick, position_key, seed_words
 from .traces import traces_for
 
@@ -75,6 +76,12 @@ def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
     return mx.concatenate([chosen, mx.take_along_axis(values, order, axis=-1)], axis=-1), top
 
 
+def traceable(caches) -> bool:
+    """Whether every cache can be handed to a compiled cycle: plain buffers
+    and delta-net states, not quantized or rotating ones."""
+    return all(isinstance(c, (BufferKVCache, DeltaCache)) for c in caches)
+
+
 class Cycle:
     # None: compile where launches dominate a cycle (a GPU, or a CPU on a fast
     # BLAS with g++ to build fused kernels), not where the products do.
@@ -108,11 +115,8 @@ class Cycle:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
                 compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None
             )
-        # Only caches that are plain buffers can be handed to a compiled graph.
         buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
-        self.compiled = compiled and buffers
-        # A cycle that cannot be compiled still builds its tree compiled where launches dominate.
-        self.build_tree = build_tree_compiled if compiled and not self.compiled else build_tree
+        self.compiled = compiled and traceable(caches.target + caches.draft)
         self.sampling = sampling
         self.temperature = sampling.temperature
         self.seed = seed_words(seed) if self.temperature > 0 else None
@@ -202,7 +206,7 @@ class Cycle:
             self.history.reserve(bound + block + 1)
             self.history.bound = bound + block
         exact_step = size == 1 and exact
-        if self.compiled and isinstance(self.caches.target[0], BufferKVCache) and not exact_step:
+        if self.compiled and not exact_step and traceable(self.caches.target):  # (quantizing replaces them)
             # new_shape: whether it traced, not the shape's guess (which misses widths that grow apart)
             out = self._run_compiled(size, last, length, bound)
             result, new_last, new_length, taps, scores, looked, new_shape = out
@@ -269,7 +273,7 @@ class Cycle:
             guesses = self.draft(self._masked(last, block_size), None, draft_cache, self.draft_fused).squeeze(0)
             if self.lookup is not None:
                 looked_up, matched, hit = self._look_up(length, block_size - 1, guesses)
-            verify, tree = self.build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
+            verify, tree = build_tree(guesses, plan.rows, self.tree.top_k, looked_up, hit, root=last)
         elif block_size > 1:
             if self.lookup_only:
                 drafts, n = find(self.history.tokens, length, block_size - 1, self.lookup)
@@ -354,10 +358,14 @@ class Cycle:
 
     def _run_compiled(self, size: int, last: mx.array, length: mx.array, bound: int):
         """``_build``'s outputs through mx.compile, traced per key and input
-        widths, and whether this call traced. The trace reads this call's
+        shapes, and whether this call traced. The trace reads this call's
         cycle, caches and bound from ``traces.now``, so a retrace in a later
-        call builds that call's graph; the seed is an input."""
+        call builds that call's graph; the seed is an input. Each part
+        (a layer's cache, or a record the target keeps beside them) hands its
+        ``traced`` arrays in and its ``traced_outputs`` back, and takes them
+        after the call: a replay runs no Python of the cycle."""
         layers = self.caches.target + self.caches.draft
+        parts = [self.caches.target] * hasattr(self.caches.target, "traced") + layers
         plan = self.plan(size)
         for c in layers:
             c.reserve(bound + max(plan.rows, plan.block))  # grow outside: shapes are fixed inside
@@ -382,10 +390,10 @@ class Cycle:
             key += ("tree", plan.rows, self.tree)
 
         def make():
-            def step(last, length, seed, enabled, tokens, *buffers):
-                cycle, layers = now["cycle"], now["layers"]
-                given = iter(buffers)
-                for c in layers:
+            def step(last, length, seed, enabled, tokens, *inputs):
+                cycle, parts = now["cycle"], now["parts"]
+                given = iter(inputs)
+                for c in parts:
                     for name in c.traced:
                         setattr(c, name, next(given))
                 if history is not None:
@@ -400,7 +408,7 @@ class Cycle:
                     *([taps] if defer else []),
                     *([a for a in scores if a is not None] if top is not None else []),
                     *([looked, cycle.history.tokens] if history is not None else []),
-                    *[a for c in layers for a in (c.keys, c.values)],  # (a trace changes no other traced array)
+                    *[a for c in parts for a in c.traced_outputs()],
                 )
 
             return mx.compile(step)
@@ -408,33 +416,33 @@ class Cycle:
         seed = self.seed if self.seed is not None else mx.zeros((2,), mx.uint32)
         enabled = self.lookup_enabled
         tokens = history.tokens if history is not None else enabled
-        held = [{name: getattr(c, name) for name in c.traced} for c in layers]
-        # every input length that varies: a new one traces anew (mx.compile keys on shapes)
-        width = tuple(sorted({c.capacity for c in layers})) + (tokens.shape if history is not None else ())
+        held = [c.enter_trace(length, bound) for c in parts]
+        inputs = [getattr(c, name) for c in parts for name in c.traced]
+        # mx.compile keys on its inputs' shapes: a new one traces anew
+        width = frozenset(a.shape for a in inputs) | {tokens.shape}
         with traces.lock:
             fn, traced = traces.compiled_step(key, width, make)
             try:
-                now.update(cycle=self, layers=layers, bound=bound)
-                result, new_last, new_length, *buffers = fn(
-                    last, length, seed, enabled, tokens, *[a for arrays in held for a in arrays.values()]
-                )
+                now.update(cycle=self, parts=parts, bound=bound)
+                result, new_last, new_length, *outputs = fn(last, length, seed, enabled, tokens, *inputs)
             finally:
                 now.clear()
-                for c, arrays in zip(layers, held):  # a trace left tracers here
-                    for name, a in arrays.items():
-                        setattr(c, name, a)
+                for c, h in zip(parts, held):  # a trace left tracers here
+                    c.leave_trace(h)
                 self.lookup_enabled = enabled  # a trace left tracers here
                 if history is not None:
                     history.tokens = tokens
-        taps = buffers.pop(0) if defer else None
+        taps = outputs.pop(0) if defer else None
         scores = None
         if top is not None:
-            scores = (buffers.pop(0), buffers.pop(0) if top > 0 else None)
+            scores = (outputs.pop(0), outputs.pop(0) if top > 0 else None)
         looked = None
         if history is not None:
-            looked, history.tokens = buffers.pop(0), buffers.pop(0)
-        for c, k, v in zip(layers, buffers[0::2], buffers[1::2]):
-            c.keys, c.values = k, v
+            looked, history.tokens = outputs.pop(0), outputs.pop(0)
+        at = 0
+        for c in parts:
+            c.take_outputs(outputs[at : at + c.traced_returns], length)
+            at += c.traced_returns
         self.target.set_length(self.caches.target, new_length, bound + size)
         if not defer:
             set_lengths(self.caches.draft, new_length, bound + size)

@@ -118,24 +118,6 @@ def build_tree(
     return tokens, from_parents(parents, depth_count, depths)
 
 
-def _tree_arrays(logits, rows, top_k, looked_up, hit, root):
-    tokens, layout = build_tree(logits, rows, top_k, looked_up, hit, root)
-    return tokens, layout.parents, layout.depths, layout.ancestors
-
-
-_compiled_tree_arrays = mx.compile(_tree_arrays)
-
-
-def build_tree_compiled(
-    logits: mx.array, rows: int, top_k: int, looked_up: mx.array | None = None, hit=None, root=0
-) -> tuple[mx.array, TreeLayout]:
-    """``build_tree`` through mx.compile (traced once a size), its
-    elementwise steps fused: for a cycle built uncompiled where launches
-    still dominate (a hybrid target's on a GPU)."""
-    tokens, parents, depths, ancestors = _compiled_tree_arrays(logits, rows, top_k, looked_up, hit, root)
-    return tokens, TreeLayout(parents, depths, ancestors)
-
-
 @dataclass(frozen=True)
 class _Constants:
     """What a tree's build reads that depends on its size alone."""

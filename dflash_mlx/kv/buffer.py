@@ -87,7 +87,9 @@ class DeviceLengthCache:
     shared: SharedPositions | None = None  # set by set_lengths
     tree = None  # a draft tree's TreeLayout (kv/tree.py) while a verify of one is built
     tree_rows = None  # (keys, values) a tree's verify wrote, until keep_path (kv/tree.py) takes them back
-    traced = ("keys", "values")  # what a compiled cycle takes in and hands back (decode/cycle.py)
+    # What a compiled cycle (decode/cycle.py) takes in, and how many arrays it hands back.
+    traced = ("keys", "values")
+    traced_returns = 2
 
     def __init__(self):
         self.keys = None
@@ -147,6 +149,21 @@ class DeviceLengthCache:
         """Grow an existing buffer ahead of time to hold ``n`` positions."""
         if self.keys is not None:
             self._grow(n, self.keys, self.values)
+
+    def enter_trace(self, length: mx.array, bound: int) -> dict:
+        """Before a compiled cycle: the arrays a trace replaces with tracers."""
+        return {name: getattr(self, name) for name in self.traced}
+
+    def leave_trace(self, held: dict) -> None:
+        for name, a in held.items():
+            setattr(self, name, a)
+
+    def traced_outputs(self) -> tuple:
+        """At a compiled cycle's end (a trace changes no other traced array)."""
+        return self.keys, self.values
+
+    def take_outputs(self, outputs, start: mx.array) -> None:
+        self.keys, self.values = outputs
 
     def set_length(self, length: int | mx.array, bound: int | None = None, read: str = "bound") -> None:
         """Keep the first ``length`` positions (rollback is this move). An

@@ -35,6 +35,23 @@ class HybridCache(list):
         super().__init__(layers)
         self.log: list[tuple[int | mx.array, mx.array, bool]] = []
 
+    # A compiled cycle's write is logged by the host after each call (a replay
+    # runs none of the adapter's code): as DeltaCache's, decode/cycle.py.
+    traced = ()
+    traced_returns = 1
+
+    def enter_trace(self, length: mx.array, bound: int) -> int:
+        return len(self.log)
+
+    def leave_trace(self, held: int) -> None:
+        del self.log[held:]
+
+    def traced_outputs(self) -> tuple:
+        return (self.log[-1][1],)  # the ids the cycle wrote (a tree's: its kept path's)
+
+    def take_outputs(self, outputs, start: mx.array) -> None:
+        self.log.append((start, outputs[0], False))
+
     def ids(self, n: int) -> tuple[list[int], list[bool]]:
         """The ids at positions 0..n-1 as last written, and whether a prompt wrote each."""
         seq: list[int] = []

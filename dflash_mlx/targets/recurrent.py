@@ -265,7 +265,12 @@ class Write:
 
 class DeltaCache:
     """A gated delta-net layer's state at ``offset`` positions (``bound`` a
-    host-side upper bound), with the last writes and a few checkpoints."""
+    host-side upper bound), with the last writes and a few checkpoints.
+
+    In a compiled cycle (decode/cycle.py) the state goes in and comes back
+    with the cycle's write, which the host keeps after each call (a replay
+    runs none of this class's code): ``enter_trace``, ``traced_outputs``,
+    ``take_outputs``, ``leave_trace``."""
 
     keep = 3
     checkpoints = 4
@@ -274,6 +279,9 @@ class DeltaCache:
     rollback: str | None = None  # None: the cheapest exact one here (default_rollback)
     per_step_longest = 16
     tree: TreeLayout | None = None  # a draft tree's layout while a verify of one is built (kv/tree.py)
+    traced = ("conv", "ssm")  # what a compiled cycle takes in
+    traced_returns = 8  # ... and hands back (traced_outputs)
+    use_kernel = True  # the last write's: outside training, the recurrence's kernel where there is one
 
     def __init__(self, rollback: str | None = None):
         if rollback is not None:
@@ -328,7 +336,7 @@ class DeltaCache:
         q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
         beta, g = mx.sigmoid(b), compute_g(layer.A_log, a, layer.dt_bias)
         state0 = self.ssm if self.ssm is not None else mx.zeros((B, *v.shape[-2:], k.shape[-1]), mx.float32)
-        use_kernel = not layer.training
+        use_kernel = self.use_kernel = not layer.training
         rollback = self.rollback or default_rollback(
             q, v, g, beta, state0, use_kernel=use_kernel, tree=tree is not None
         )
@@ -375,7 +383,7 @@ class DeltaCache:
         """Keep the pending write whole."""
         if self.pending is not None:
             self.pending.states = None  # T states are too many to keep: an older write replays
-            self.writes.append(self.pending)
+            self.writes = deque([*self.writes, self.pending], maxlen=self.keep)  # (a new deque: see enter_trace)
             self.pending = None
 
     def set_length(self, length: int | mx.array, bound: int | None = None) -> None:
@@ -396,6 +404,44 @@ class DeltaCache:
             self.conv, self.ssm = w.after(s)
             self._settle_pending()
         self.offset, self.bound = length, bound
+
+    def enter_trace(self, length: mx.array, bound: int):
+        """Before a compiled cycle at ``length``: the last write cut there (so
+        the trace starts from a settled state at a device length, as every
+        replay does), and the host state a trace changes, for ``leave_trace``."""
+        if self.pending is not None or isinstance(self.offset, int):
+            self.set_length(length, bound)
+        return self.conv, self.ssm, self.offset, self.bound, self.writes
+
+    def leave_trace(self, held) -> None:
+        """The host state ``enter_trace`` returned (a trace left tracers here)."""
+        self.conv, self.ssm, self.offset, self.bound, self.writes = held
+        self.pending = None
+
+    def traced_outputs(self) -> tuple:
+        """At a compiled cycle's end: the state, then the cycle's write's
+        recurrence inputs (its state before is the cycle's input)."""
+        w = self.writes[-1]
+        return self.conv, self.ssm, w.conv_input, w.q, w.k, w.v, w.g, w.beta
+
+    def take_outputs(self, outputs, start: mx.array) -> None:
+        """After a compiled cycle from ``start`` (``leave_trace`` done): its
+        ``traced_outputs`` as the state and the last write."""
+        conv, ssm, conv_input, q, k, v, g, beta = outputs
+        write = Write(
+            start=start,
+            conv_input=conv_input,
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            state0=self.ssm,
+            state=None,
+            use_kernel=self.use_kernel,
+        )
+        self.writes = deque([*self.writes, write], maxlen=self.keep)
+        self.conv, self.ssm = conv, ssm
 
     def restore(self, n: int) -> bool:
         """Make the state exactly the one after ``n`` positions; False if none is kept."""
