@@ -49,8 +49,16 @@ def run(
     monkeypatch.setattr(Cycle, "compile_graphs", compiled)
     monkeypatch.setattr(speculative.block_memory, "chooser", lambda *a: Scripted(script))
     cache = cache or make_prompt_cache(model, draft)
+    if hasattr(draft, "set_script"):  # (the hybrid pair's drafter proposes the target's reply)
+        draft.set_script(prompt + greedy_reference(model, prompt, max_tokens))
     gen = stream_generate(
-        model, draft, make_tokenizer(24), prompt, max_tokens=max_tokens, block_size="auto", prompt_cache=cache
+        model,
+        draft,
+        make_tokenizer(draft.config.vocab_size),
+        prompt,
+        max_tokens=max_tokens,
+        block_size="auto",
+        prompt_cache=cache,
     )
     responses = []
     for r in gen:
@@ -67,10 +75,21 @@ def context(cache) -> list[np.ndarray]:
     return [np.array(a[:, :, :n].astype(mx.float32)) for c in cache.draft for a in (c.keys, c.values)]
 
 
+@pytest.fixture(params=["dense", "hybrid"])
+def pair(request, agreeing_pair):
+    """A pair whose drafts get accepted: a dense target's, or a hybrid
+    target's (gated delta-net layers) with a drafter proposing its reply."""
+    if request.param == "dense":
+        return agreeing_pair
+    from test_hybrid import make_pair
+
+    return make_pair("qwen3_5")
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("prompt", [[3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
-def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, prompt, compiled):
-    model, draft = agreeing_pair
+def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, pair, prompt, compiled):
+    model, draft = pair
     now, cache_now = run(monkeypatch, model, draft, prompt, defer=False, compiled=compiled)
     later, cache_later = run(monkeypatch, model, draft, prompt, defer=True, compiled=compiled)
     tokens = [t for r in later for t in r.tokens]
@@ -85,8 +104,8 @@ def test_deferred_feed_changes_nothing_but_the_time(monkeypatch, agreeing_pair, 
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, agreeing_pair, compiled):
-    model, draft = agreeing_pair
+def test_closing_during_plain_steps_feeds_what_was_committed(monkeypatch, pair, compiled):
+    model, draft = pair
     # responses 1 (the first token), 2-3: two plain steps; a third is queued (not
     # committed) when the generator closes, so three states wait and two are kept
     now, cache_now = run(monkeypatch, model, draft, [2, 9, 4], defer=False, stop_after=3, compiled=compiled)

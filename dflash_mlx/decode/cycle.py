@@ -115,7 +115,6 @@ class Cycle:
             compiled = mx.default_device().type == mx.DeviceType.gpu or (
                 compute_dtype.on_fast_blas(target.dtype) and shutil.which("g++") is not None
             )
-        buffers = all(isinstance(c, BufferKVCache) for c in caches.target + caches.draft)
         self.compiled = compiled and traceable(caches.target + caches.draft)
         self.sampling = sampling
         self.temperature = sampling.temperature
@@ -126,7 +125,10 @@ class Cycle:
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
         self.defers = (
-            self.defer_feed and buffers and bool(caches.draft) and all(type(c) is BufferKVCache for c in caches.draft)
+            self.defer_feed
+            and traceable(caches.target)
+            and bool(caches.draft)
+            and all(type(c) is BufferKVCache for c in caches.draft)
         )
         # Plain steps' tapped states not in the drafter's context yet, from deferred_from on.
         self.deferred: list[mx.array] = []
