@@ -199,6 +199,13 @@ class Write:
     parents: mx.array | None = None  # a draft tree's nodes until ``kept``: node order, not steps
     rows: mx.array | None = None  # a path kept from a tree: the rows of ``states`` after 0..T steps
 
+    # what the write's cut and restores read, beside the state it began from
+    INPUTS = ("conv_input", "q", "k", "v", "g", "beta")
+
+    @property
+    def inputs(self) -> tuple[mx.array, ...]:
+        return tuple(getattr(self, name) for name in self.INPUTS)
+
     @property
     def steps(self) -> int:
         return self.q.shape[1]
@@ -280,7 +287,7 @@ class DeltaCache:
     per_step_longest = 16
     tree: TreeLayout | None = None  # a draft tree's layout while a verify of one is built (kv/tree.py)
     traced = ("conv", "ssm")  # what a compiled cycle takes in
-    traced_returns = 8  # ... and hands back (traced_outputs)
+    traced_returns = 2 + len(Write.INPUTS)  # ... and hands back (traced_outputs)
     use_kernel = True  # the last write's: outside training, the recurrence's kernel where there is one
 
     def __init__(self, rollback: str | None = None):
@@ -421,25 +428,14 @@ class DeltaCache:
     def traced_outputs(self) -> tuple:
         """At a compiled cycle's end: the state, then the cycle's write's
         recurrence inputs (its state before is the cycle's input)."""
-        w = self.writes[-1]
-        return self.conv, self.ssm, w.conv_input, w.q, w.k, w.v, w.g, w.beta
+        return self.conv, self.ssm, *self.writes[-1].inputs
 
     def take_outputs(self, outputs, start: mx.array) -> None:
         """After a compiled cycle from ``start`` (``leave_trace`` done): its
         ``traced_outputs`` as the state and the last write."""
-        conv, ssm, conv_input, q, k, v, g, beta = outputs
-        write = Write(
-            start=start,
-            conv_input=conv_input,
-            q=q,
-            k=k,
-            v=v,
-            g=g,
-            beta=beta,
-            state0=self.ssm,
-            state=None,
-            use_kernel=self.use_kernel,
-        )
+        conv, ssm, *inputs = outputs
+        inputs = dict(zip(Write.INPUTS, inputs))
+        write = Write(start=start, **inputs, state0=self.ssm, state=None, use_kernel=self.use_kernel)
         self.writes = deque([*self.writes, write], maxlen=self.keep)
         self.conv, self.ssm = conv, ssm
 
