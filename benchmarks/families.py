@@ -5,7 +5,7 @@ Reported in BENCHMARKS.md, "Target families at real shapes" (and docs/families.m
     python benchmarks/families.py --models qwen3.5-9b-like --bits 16,4 --blocks 4,16 --rollbacks default,replay,per-step
     python benchmarks/families.py --models gpt-oss-20b-like --official
     python benchmarks/families.py --models gpt-oss-20b-like --bits 4,mxfp4 --blocks 4,16
-    python benchmarks/families.py --models qwen3.5-9b-like --bits 16 --blocks 16,t16
+    python benchmarks/families.py --models qwen3.5-9b-like --bits 16 --blocks 16,t16 --repeat 5
     python benchmarks/families.py --small          # tiny shapes: a CPU smoke test, numbers meaningless
 
 Shapes, random weights, bf16 and/or 4-bit: a Qwen3.5-9B-like hybrid (gated
@@ -22,7 +22,9 @@ experts, top 4, sliding layers with sinks). For each it times
   in ms and in plain steps of both (a random drafter: the cycle's cost does
   not depend on how many drafts are accepted);
 - each time the median over the run's steps or cycles (a graph traced or a
-  kernel built mid-run moves the mean, not the median);
+  kernel built mid-run moves the mean, not the median); with ``--repeat N``,
+  N rounds each timing the plain steps and every cycle in turn, and the
+  medians of the times and of each round's ratios;
 - rollback (hybrid): what the rollback adds to the delta-net layers' verify
   when half of a verify's steps are kept, ms per cycle over the layers;
 - with ``--official``: the official Z Lab MLX loop's cycle on the same shapes.
@@ -265,6 +267,11 @@ def rollback_ms(model, prompt, bs: int, reps: int, rollback: str | None = None) 
     return verify(rollback, cut=True) - plain
 
 
+def strategy(rollback: str) -> str | None:
+    """A ``--rollbacks`` entry as DeltaCache takes it (None: this machine's default)."""
+    return None if rollback == "default" else rollback
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test")
@@ -282,6 +289,13 @@ def main() -> None:
         help="time the official Z Lab MLX loop's cycle too (pip install --no-deps dflash==0.1.0)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default 256; 32 with --small)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds, each timing both plain steps and every cycle in turn; medians of the times and of "
+        "each round's ratios (for a machine whose speed drifts)",
+    )
     parser.add_argument(
         "--rollbacks",
         default="default",
@@ -312,9 +326,20 @@ def main() -> None:
             model, draft = build(cfg, bits, dtype)
             tok = make_tokenizer(cfg["vocab_size"])
             prompt = [(7 * i) % (cfg["vocab_size"] - 1) for i in range(32 if args.small else args.prompt_tokens)]
-            plain = plain_ms(model, prompt, n)
-            ours = adapter_plain_ms(model, prompt, n)
             hybrid = any(isinstance(c, DeltaCache) for c in adapt(model).make_cache())
+            cases = [(bs, r) for bs in blocks for r in (rollbacks if hybrid else ["default"])]
+            rounds = []
+            for _ in range(max(1, args.repeat)):  # in turn, so that a drifting machine moves each alike
+                plain, ours = plain_ms(model, prompt, n), adapter_plain_ms(model, prompt, n)
+                rounds.append(
+                    (
+                        plain,
+                        ours,
+                        {case: cycle_ms(model, draft, tok, prompt, case[0], n, strategy(case[1])) for case in cases},
+                    )
+                )
+            plain = statistics.median(r[0] for r in rounds)
+            ours = statistics.median(r[1] for r in rounds)
             row = {
                 "model": name,
                 "weights": (bits if bits == "mxfp4" else f"{bits}-bit")
@@ -322,6 +347,7 @@ def main() -> None:
                 else ("float32" if args.small else "bf16"),
                 "plain_ms": plain,
                 "adapter_plain_ms": ours,
+                "rounds": len(rounds),
                 "blocks": {},
             }
             label = f"{name:18} {row['weights']:7}"
@@ -329,21 +355,23 @@ def main() -> None:
             for bs in blocks:
                 cells = row["blocks"][bs] = {}
                 for rollback in rollbacks if hybrid else ["default"]:
-                    strategy = None if rollback == "default" else rollback
                     # (a tree keeps its accepted path, not a prefix of a block: no block rollback to time)
                     tree = str(bs).startswith("t")
-                    rb = None if tree else rollback_ms(model, prompt, bs, 3 if args.small else 10, strategy)
-                    c = cycle_ms(model, draft, tok, prompt, bs, n, strategy)
+                    rb = None if tree else rollback_ms(model, prompt, bs, 3 if args.small else 10, strategy(rollback))
+                    times = [r[2][bs, rollback] for r in rounds]
+                    c = statistics.median(times)
+                    in_steps = statistics.median(t / r[0] for t, r in zip(times, rounds))
+                    in_ours = statistics.median(t / r[1] for t, r in zip(times, rounds))
                     cells[rollback] = {
                         "rollback_ms": rb,
                         "cycle_ms": c,
-                        "cycle_in_steps": c / plain,
-                        "cycle_in_adapter_steps": c / ours,
+                        "cycle_in_steps": in_steps,
+                        "cycle_in_adapter_steps": in_ours,
                     }
                     print(
                         f"{label} block {bs:>3}"
                         + (f" {rollback:8}" if hybrid else "")
-                        + f": cycle {c:7.2f} ms = {c / plain:4.2f} mlx-lm steps = {c / ours:4.2f} adapter steps"
+                        + f": cycle {c:7.2f} ms = {in_steps:4.2f} mlx-lm steps = {in_ours:4.2f} adapter steps"
                         + (f" | rollback {rb:7.3f} ms ({rb / c:.1%} of the cycle)" if rb is not None else "")
                     )
                 if args.official and not str(bs).startswith("t"):
