@@ -362,7 +362,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--shape",
-        choices=sorted(SHAPES) + ["tiny"] + sorted(KV_SHAPES) + sorted(FAMILIES),
+        choices=sorted(SHAPES) + sorted(KV_SHAPES) + sorted(FAMILIES),  # ("tiny": tiny_pair here)
         help="default: qwen3-8b on a GPU, tiny on a CPU; *-kv and *-like (families.py): for --memory",
     )
     ap.add_argument("--bits", choices=sorted(QUANTIZATIONS), help="--memory on a *-like shape: its weights")
