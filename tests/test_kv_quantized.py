@@ -1,7 +1,8 @@
 """The quantized target KV cache (kv_bits, kv_group_size, quantized_kv_start):
 greedy DFlash equals mlx-lm's own greedy decoding with its QuantizedKVCache
 under the same settings, token for token; prompt-cache turns and interrupts
-stay exact; the cache is smaller."""
+stay exact, with cycles built eagerly and through mx.compile (a GPU's); the
+cache is smaller."""
 
 import random
 
@@ -11,6 +12,7 @@ from mlx_lm.generate import generate_step
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.kv.quantized import QuantizedBufferKVCache
 
@@ -24,6 +26,12 @@ def qpair():
     model = make_target(tcfg, seed=3)
     dcfg = draft_config(tcfg, layers=2, block_size=16)
     return model, make_draft(dcfg, random_draft_weights(dcfg, seed=4))
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request, monkeypatch):
+    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
+    return request.param
 
 
 def reference(model, prompt, n, kv_bits=None, kv_group_size=32, quantized_kv_start=0):
@@ -56,8 +64,11 @@ def run(pair, prompt, cache, n, block_size):
 
 
 @pytest.mark.parametrize("bits,start", [(4, 0), (8, 20), (2, 10), (4, 40)])
-def test_greedy_equals_mlx_lm_with_its_quantized_cache(qpair, bits, start):
+def test_greedy_equals_mlx_lm_with_its_quantized_cache(qpair, bits, start, compiled, monkeypatch):
     model, draft = qpair
+    taken = []  # the quantized buffers a compiled cycle handed back
+    real = QuantizedBufferKVCache.take_outputs
+    monkeypatch.setattr(QuantizedBufferKVCache, "take_outputs", lambda c, *a: taken.append(1) or real(c, *a))
     rng = random.Random(bits * 100 + start)
     differs = 0
     for i, length in enumerate([1, 17, 45]):
@@ -72,6 +83,7 @@ def test_greedy_equals_mlx_lm_with_its_quantized_cache(qpair, bits, start):
             assert all(type(c) is BufferKVCache for c in cache.draft) and cache.consistent()
     if bits <= 4:
         assert differs  # the quantized cache changed mlx-lm's own output: the comparison is not vacuous
+    assert bool(taken) == compiled  # the quantized cycles were the compiled ones, not an eager fallback
 
 
 def test_the_cache_stays_unquantized_below_the_start(qpair):
@@ -83,7 +95,7 @@ def test_the_cache_stays_unquantized_below_the_start(qpair):
 
 
 @pytest.mark.parametrize("start", [0, 20])
-def test_prompt_cache_turns_stay_exact(qpair, start):
+def test_prompt_cache_turns_stay_exact(qpair, start, compiled):
     """Each turn continues the cache; mlx-lm reads the whole conversation
     afresh (its first chunk, where quantizing starts, is the same)."""
     model, draft = qpair
@@ -97,7 +109,7 @@ def test_prompt_cache_turns_stay_exact(qpair, start):
         conversation += want + [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 9))]
 
 
-def test_an_interrupt_at_any_write_leaves_the_cache_exact(qpair, monkeypatch):
+def test_an_interrupt_at_any_write_leaves_the_cache_exact(qpair, monkeypatch, compiled):
     model, draft = qpair
     tok = make_tokenizer(VOCAB)
     rng = random.Random(7)

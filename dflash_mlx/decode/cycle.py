@@ -24,6 +24,7 @@ from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find, find_believed
 from ..draft.tree import TreeParams, accepted_path, build_tree
 from ..kv.buffer import BufferKVCache, set_lengths
+from ..kv.quantized import QuantizedBufferKVCache
 from ..kv.window import is_buffer
 from ..targets import DenseTarget
 from ..targets.recurrent import DeltaCache
@@ -77,9 +78,9 @@ def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
 
 
 def traceable(caches) -> bool:
-    """Whether every cache can be handed to a compiled cycle: plain buffers
-    and delta-net states, not quantized or rotating ones."""
-    return all(isinstance(c, (BufferKVCache, DeltaCache)) for c in caches)
+    """Whether every cache can be handed to a compiled cycle: plain and
+    quantized buffers and delta-net states, not rotating ones."""
+    return all(isinstance(c, (BufferKVCache, QuantizedBufferKVCache, DeltaCache)) for c in caches)
 
 
 class Cycle:
@@ -208,7 +209,7 @@ class Cycle:
             self.history.reserve(bound + block + 1)
             self.history.bound = bound + block
         exact_step = size == 1 and exact
-        if self.compiled and not exact_step and traceable(self.caches.target):  # (quantizing replaces them)
+        if self.compiled and not exact_step:
             # new_shape: whether it traced, not the shape's guess (which misses widths that grow apart)
             out = self._run_compiled(size, last, length, bound)
             result, new_last, new_length, taps, scores, looked, new_shape = out
@@ -364,10 +365,10 @@ class Cycle:
         cycle, caches and bound from ``traces.now``, so a retrace in a later
         call builds that call's graph; the seed is an input. Each part
         (a layer's cache, or a record the target keeps beside them) hands its
-        ``traced`` arrays in and its ``traced_outputs`` back, and takes them
+        ``traced_inputs`` in and its ``traced_outputs`` back, and takes them
         after the call: a replay runs no Python of the cycle."""
         layers = self.caches.target + self.caches.draft
-        parts = [self.caches.target] * hasattr(self.caches.target, "traced") + layers
+        parts = [self.caches.target] * hasattr(self.caches.target, "traced_outputs") + layers
         plan = self.plan(size)
         for c in layers:
             c.reserve(bound + max(plan.rows, plan.block))  # grow outside: shapes are fixed inside
@@ -396,8 +397,7 @@ class Cycle:
                 cycle, parts = now["cycle"], now["parts"]
                 given = iter(inputs)
                 for c in parts:
-                    for name in c.traced:
-                        setattr(c, name, next(given))
+                    c.set_traced(given)
                 if history is not None:
                     cycle.lookup_enabled, cycle.history.tokens = enabled, tokens
                 traced_seed = seed if cycle.seed is not None else None
@@ -419,7 +419,7 @@ class Cycle:
         enabled = self.lookup_enabled
         tokens = history.tokens if history is not None else enabled
         held = [c.enter_trace(length, bound) for c in parts]
-        inputs = [getattr(c, name) for c in parts for name in c.traced]
+        inputs = [a for c in parts for a in c.traced_inputs()]
         # mx.compile keys on its inputs' shapes: a new one traces anew
         width = frozenset(a.shape for a in inputs) | {tokens.shape}
         with traces.lock:

@@ -154,6 +154,14 @@ class DeviceLengthCache:
         """Before a compiled cycle: the arrays a trace replaces with tracers."""
         return {name: getattr(self, name) for name in self.traced}
 
+    def traced_inputs(self) -> list:
+        return [getattr(self, name) for name in self.traced]
+
+    def set_traced(self, given) -> None:
+        """Inside a trace: the tracers of ``traced_inputs``, from the iterator ``given``."""
+        for name in self.traced:
+            setattr(self, name, next(given))
+
     def leave_trace(self, held: dict) -> None:
         for name, a in held.items():
             setattr(self, name, a)

@@ -77,6 +77,22 @@ class QuantizedBufferKVCache(DeviceLengthCache):
             return self.keys, self.values
         return tuple(a[..., :width, :] for a in self.keys), tuple(a[..., :width, :] for a in self.values)
 
+    # A compiled cycle (decode/cycle.py) takes and hands back each tuple's three arrays.
+    traced_returns = 6
+
+    def traced_inputs(self) -> list:
+        return [*self.keys, *self.values]
+
+    def set_traced(self, given) -> None:
+        self.keys = tuple(next(given) for _ in self.keys)
+        self.values = tuple(next(given) for _ in self.values)
+
+    def traced_outputs(self) -> tuple:
+        return (*self.keys, *self.values)
+
+    def take_outputs(self, outputs, start: mx.array) -> None:
+        self.keys, self.values = tuple(outputs[:3]), tuple(outputs[3:])
+
     @property
     def state(self) -> tuple:
         return () if self.keys is None else (*self.keys, *self.values)

@@ -37,11 +37,16 @@ class HybridCache(list):
 
     # A compiled cycle's write is logged by the host after each call (a replay
     # runs none of the adapter's code): as DeltaCache's, decode/cycle.py.
-    traced = ()
     traced_returns = 1
 
     def enter_trace(self, length: mx.array, bound: int) -> int:
         return len(self.log)
+
+    def traced_inputs(self) -> list:
+        return []
+
+    def set_traced(self, given) -> None:
+        pass
 
     def leave_trace(self, held: int) -> None:
         del self.log[held:]

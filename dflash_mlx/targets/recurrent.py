@@ -276,8 +276,8 @@ class DeltaCache:
 
     In a compiled cycle (decode/cycle.py) the state goes in and comes back
     with the cycle's write, which the host keeps after each call (a replay
-    runs none of this class's code): ``enter_trace``, ``traced_outputs``,
-    ``take_outputs``, ``leave_trace``."""
+    runs none of this class's code): ``enter_trace``, ``traced_inputs``,
+    ``set_traced``, ``traced_outputs``, ``take_outputs``, ``leave_trace``."""
 
     keep = 3
     checkpoints = 4
@@ -286,8 +286,7 @@ class DeltaCache:
     rollback: str | None = None  # None: the cheapest exact one here (default_rollback)
     per_step_longest = 16
     tree: TreeLayout | None = None  # a draft tree's layout while a verify of one is built (kv/tree.py)
-    traced = ("conv", "ssm")  # what a compiled cycle takes in
-    traced_returns = 2 + len(Write.INPUTS)  # ... and hands back (traced_outputs)
+    traced_returns = 2 + len(Write.INPUTS)  # what a compiled cycle hands back (traced_outputs)
     use_kernel = True  # the last write's: outside training, the recurrence's kernel where there is one
 
     def __init__(self, rollback: str | None = None):
@@ -419,6 +418,12 @@ class DeltaCache:
         if self.pending is not None or isinstance(self.offset, int):
             self.set_length(length, bound)
         return self.conv, self.ssm, self.offset, self.bound, self.writes
+
+    def traced_inputs(self) -> list:
+        return [self.conv, self.ssm]
+
+    def set_traced(self, given) -> None:
+        self.conv, self.ssm = next(given), next(given)
 
     def leave_trace(self, held) -> None:
         """The host state ``enter_trace`` returned (a trace left tracers here)."""
