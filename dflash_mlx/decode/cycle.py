@@ -420,8 +420,8 @@ class Cycle:
         tokens = history.tokens if history is not None else enabled
         held = [c.enter_trace(length, bound) for c in parts]
         inputs = [a for c in parts for a in c.traced_inputs()]
-        # mx.compile keys on its inputs' shapes: a new one traces anew
-        width = frozenset(a.shape for a in inputs) | {tokens.shape}
+        # mx.compile keys on its inputs' shapes, in order: a new one traces anew
+        width = (*(a.shape for a in inputs), tokens.shape)
         with traces.lock:
             fn, traced = traces.compiled_step(key, width, make)
             try:
