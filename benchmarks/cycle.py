@@ -10,6 +10,7 @@ README.md's Qwen3-8B rows.
     python benchmarks/cycle.py --shape qwen3-8b --prompt-tokens 1024 --blocks 16,t16,t32 --cycles 32
     python benchmarks/cycle.py --shape tiny --prompt-tokens 256 --blocks 16,t24,t32 --cycles 32 --repeat 5 --count-ops
     python benchmarks/cycle.py --shape gemma3-27b-layers --prompt-tokens 64 --blocks 16,t16 --count-ops
+    python benchmarks/cycle.py --shape qwen3.5-9b-layers --prompt-tokens 64 --blocks 16,t16 --count-ops
     mlx.launch --backend nccl -n 2 python benchmarks/cycle.py --shape qwen3-8b --split pipeline --blocks 16
 
 Random weights at a model's shapes (nothing to download): the drafter accepts
@@ -30,10 +31,14 @@ almost nothing, so every cycle commits about one token and shows a cycle's cost
 
 ``--count-ops`` adds the device operations one cycle's graph holds (on a Mac
 each is a Metal dispatch): as built eagerly (the CPU's path), and through
-mx.compile (the GPU's path, elementwise chains fused), views left out.
-``--shape tiny`` has Qwen3-8B's layer counts at tiny widths: a cycle's
-operations without its compute; ``--shape gemma3-27b-layers`` Gemma 3 27B's
-(62 layers, 52 of them sliding).
+mx.compile (the GPU's path, elementwise chains fused), views left out; and
+the host's median ms to build the cycle (eagerly) or replay its trace. On
+the CPU each delta-net recurrence counts as one operation, as its kernel
+launch on a GPU. ``--shape tiny`` has Qwen3-8B's layer counts at tiny
+widths: a cycle's operations without its compute; ``--shape
+gemma3-27b-layers`` Gemma 3 27B's (62 layers, 52 of them sliding);
+``--shape qwen3.5-9b-layers`` Qwen3.5-9B's (32 layers, 24 of them gated
+delta-net).
 
 Under ``mlx.launch`` the target is split across the ranks (``--split``
 pipeline or tensor, docs/distributed.md), the drafter whole on each, and only
