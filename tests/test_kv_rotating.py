@@ -2,7 +2,9 @@
 own greedy decoding with max_kv_size (its RotatingKVCache, keep=4) token for
 token, for prompts shorter and longer than the bound, replies running well
 past it, several blocks and prefill steps; turns give what mlx-lm gives when
-it reuses its own cache; memory stays bounded, the drafter's included."""
+it reuses its own cache; memory stays bounded, the drafter's included. The
+decoding tests run with cycles built eagerly and through mx.compile (a
+GPU's), where the ring goes in and comes back."""
 
 import random
 
@@ -13,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.kv.rotating import DraftWindowCache, RotatingBufferKVCache
 
 VOCAB = 48
@@ -25,6 +28,18 @@ def pair():
     model = make_target(tcfg, seed=5)
     dcfg = draft_config(tcfg, layers=2, block_size=16)
     return model, make_draft(dcfg, random_draft_weights(dcfg, seed=6))
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request, monkeypatch):
+    """Cycles built eagerly or compiled; with them compiled, each test's
+    rings must have gone through a trace (not an eager fallback)."""
+    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
+    taken = []
+    real = RotatingBufferKVCache.take_outputs
+    monkeypatch.setattr(RotatingBufferKVCache, "take_outputs", lambda c, *a: taken.append(1) or real(c, *a))
+    yield request.param
+    assert bool(taken) == request.param
 
 
 def greedy(x):
@@ -66,7 +81,7 @@ def run(pair, prompt, cache, n, block_size, step):
 
 
 @pytest.mark.parametrize("step", [2048, 7])
-def test_greedy_equals_mlx_lm_with_its_rotating_cache(pair, step):
+def test_greedy_equals_mlx_lm_with_its_rotating_cache(pair, compiled, step):
     model, draft = pair
     rng = random.Random(step)
     differs = 0
@@ -82,7 +97,7 @@ def test_greedy_equals_mlx_lm_with_its_rotating_cache(pair, step):
     assert differs  # the bound changed mlx-lm's own output: the comparison is not vacuous
 
 
-def test_auto_block_and_long_replies(pair):
+def test_auto_block_and_long_replies(pair, compiled):
     model, draft = pair
     prompt = [5, 9, 2, 7, 1, 3]
     want = reference(model, prompt, 150, 2048)
@@ -109,7 +124,7 @@ def test_memory_stays_bounded(pair):
 
 
 @pytest.mark.parametrize("step", [2048, 5])
-def test_turns_give_what_mlx_lm_gives_reusing_its_cache(pair, step):
+def test_turns_give_what_mlx_lm_gives_reusing_its_cache(pair, compiled, step):
     """Each turn gives the whole conversation; mlx-lm is given each turn's
     new tokens with its own cache, as mlx_lm.chat does."""
     model, draft = pair
@@ -126,7 +141,7 @@ def test_turns_give_what_mlx_lm_gives_reusing_its_cache(pair, step):
         new = [rng.randrange(VOCAB - 1) for _ in range(rng.randrange(1, 12))]
 
 
-def test_a_prompt_that_leaves_the_conversation_is_read_afresh(pair):
+def test_a_prompt_that_leaves_the_conversation_is_read_afresh(pair, compiled):
     model, draft = pair
     cache = make_prompt_cache(model, draft, max_kv_size=M)
     first = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -249,7 +264,7 @@ def test_cli_max_kv_size(tmp_path, monkeypatch):
     )
 
 
-def test_a_reply_stopped_early_keeps_the_turns_exact(pair):
+def test_a_reply_stopped_early_keeps_the_turns_exact(pair, compiled):
     """A reply closed after a few cycles (a Ctrl-C) leaves the bounded cache
     exact: the next turn still gives what mlx-lm gives reusing its cache."""
     model, draft = pair

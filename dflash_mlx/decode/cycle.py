@@ -23,8 +23,7 @@ from ..device import constant_arange, device_scalar
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import LookupDraft, LookupParams, TokenHistory, agreeing, find, find_believed
 from ..draft.tree import TreeParams, accepted_path, build_tree
-from ..kv.buffer import BufferKVCache, set_lengths
-from ..kv.quantized import QuantizedBufferKVCache
+from ..kv.buffer import BufferKVCache, DeviceLengthCache, set_lengths
 from ..kv.window import is_buffer
 from ..targets import DenseTarget
 from ..targets.recurrent import DeltaCache
@@ -78,9 +77,9 @@ def token_logprobs(logits: mx.array, tokens: mx.array, k: int):
 
 
 def traceable(caches) -> bool:
-    """Whether every cache can be handed to a compiled cycle: plain and
-    quantized buffers and delta-net states, not rotating ones."""
-    return all(isinstance(c, (BufferKVCache, QuantizedBufferKVCache, DeltaCache)) for c in caches)
+    """Whether every cache can be handed to a compiled cycle: plain,
+    quantized and rotating buffers, and delta-net states."""
+    return all(isinstance(c, (DeviceLengthCache, DeltaCache)) for c in caches)
 
 
 class Cycle:

@@ -115,6 +115,13 @@ class RotatingBufferKVCache(DeviceLengthCache):
             else:
                 self._commit()
         super().set_length(length, bound, read)
+        if not isinstance(length, int):  # (after a compiled cycle, whose writes ran no host code)
+            self.written = max(self.written, bound)
+
+    def enter_trace(self, length, bound: int) -> dict:
+        if self.staged is not None:  # (committed inside, a trace would replay this chunk's writes)
+            self._commit()
+        return super().enter_trace(length, bound)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.staged is not None:
