@@ -289,29 +289,3 @@ def test_seeded_samples_with_trees_are_the_plain_samplers():
             )
             assert [t for r in responses for t in r.tokens] == want, (seed, budget)
             assert any(r.accepted for r in responses[1:])
-
-
-def test_a_hybrid_cycle_compiles_with_its_trees(monkeypatch):
-    """Where launches dominate, a hybrid target's cycles (blocks and trees)
-    run through mx.compile, delta-net states handed in and back, and the
-    text is still mlx-lm's."""
-    from dflash_mlx.decode import loop
-    from dflash_mlx.decode.cycle import Cycle
-
-    made = []
-
-    class Recorded(Cycle):
-        compile_graphs = True
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(loop, "Cycle", Recorded)
-    model, draft = scripted_pair("qwen3_5")
-    prompt = [2, 7, 1, 8, 2, 8, 1, 8]
-    want = greedy_reference(model, prompt, 24)
-    got, responses = run(model, draft, prompt, want, vocab=VOCAB, max_tokens=24, tree_budget=20)
-    assert got == want and any(r.accepted for r in responses[1:])
-    assert made[0].compiled
-    assert any("tree" in key for key in made[0].traces.compiled)
