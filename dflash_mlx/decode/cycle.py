@@ -124,12 +124,7 @@ class Cycle:
         self.selects = draft.selects_candidates
         self.draft_fused = draft.fused_projections()
         self.traces = traces_for(target, draft)
-        self.defers = (
-            self.defer_feed
-            and traceable(caches.target)
-            and bool(caches.draft)
-            and all(type(c) is BufferKVCache for c in caches.draft)
-        )
+        self.defers = self.defer_feed and bool(caches.draft) and all(type(c) is BufferKVCache for c in caches.draft)
         # Plain steps' tapped states not in the drafter's context yet, from deferred_from on.
         self.deferred: list[mx.array] = []
         self.deferred_from: mx.array | None = None
