@@ -184,7 +184,8 @@ def stream_generate(
     """
     lookup_setting = _lookup_setting(lookup, draft)
     tree_budget = check_tree_budget(tree_budget, draft is not None)
-    target = adapt(model)
+    # a prompt cache's adapter serves its model's later calls (traces_for remakes its layers on new weights)
+    target = prompt_cache.adapter if getattr(prompt_cache, "model", None) is model else adapt(model)
     if draft is None:
         draft = lookup_drafter(model)
     draft.bind(target)
@@ -210,7 +211,7 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt, target.vocab_size)
     if prompt_cache is None:
-        prompt_cache = make_prompt_cache(target.model, draft)
+        prompt_cache = make_prompt_cache(target, draft)
     prompt_cache.check_pair(target, draft)
     hi = draft.config.block_size
     tree = _tree(target, prompt_cache, tree_budget, args.block_size, hi)

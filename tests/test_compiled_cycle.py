@@ -117,6 +117,47 @@ def test_an_adapter_kept_across_new_weights_runs_the_new_ones(compile_graphs, mo
     assert tokens(target, draft, prompt, max_tokens=20, block_size=4) == want
 
 
+def test_a_prompt_caches_adapter_serves_its_calls(agreeing_pair, monkeypatch):
+    """Calls on a prompt cache run the adapter it was made with: none is
+    built per call (a server's request paid for one, and its pool's new
+    caches for more)."""
+    from dflash_mlx.targets import DenseTarget
+
+    model, draft = agreeing_pair
+    cache = make_prompt_cache(model, draft)
+    built = []
+    init = DenseTarget.__init__
+    monkeypatch.setattr(DenseTarget, "__init__", lambda self, m: (built.append(m), init(self, m))[1])
+    prompt = [3, 1, 4, 1, 5]
+    for more in ([], [2, 6], [5]):
+        prompt = prompt + more
+        assert tokens(model, draft, prompt, max_tokens=12, block_size=4, prompt_cache=cache) == greedy_reference(
+            model, prompt, 12
+        )
+        prompt = prompt + greedy_reference(model, prompt, 12)
+    assert built == []
+    assert tokens(model, draft, [3, 1, 4], max_tokens=4, block_size=4) == greedy_reference(model, [3, 1, 4], 4)
+    assert len(built) == 1  # without a cache, the call adapts the model itself
+
+
+@pytest.mark.parametrize("compile_graphs", [True, False])
+def test_a_prompt_caches_adapter_follows_new_weights(compile_graphs, monkeypatch):
+    """The model quantized after its prompt cache was made: the cache's
+    adapter, serving a later call, runs the new weights."""
+    import mlx.nn as nn
+
+    monkeypatch.setattr(Cycle, "compile_graphs", compile_graphs)
+    _, model, draft = small_pair(47)
+    cache = make_prompt_cache(model, draft)
+    assert tokens(model, draft, [1, 2, 3, 4], max_tokens=12, block_size=4, prompt_cache=cache) == greedy_reference(
+        model, [1, 2, 3, 4], 12
+    )
+    nn.quantize(model, group_size=32, bits=4)
+    prompt = [5, 6, 7, 8, 9]  # nothing cached: every position read with the new weights
+    want = greedy_reference(model, prompt, 20)
+    assert tokens(model, draft, prompt, max_tokens=20, block_size=4, prompt_cache=cache) == want
+
+
 @pytest.mark.parametrize("compile_graphs", [True, False])
 def test_weights_changed_before_the_first_call_are_the_ones_that_run(compile_graphs, monkeypatch):
     """New weights (a cast, ``model.set_dtype`` after ``load``) between

@@ -11,6 +11,7 @@ from dflash_mlx import make_prompt_cache
 from dflash_mlx.arguments import check_lookup, check_tree_budget
 from dflash_mlx.cache.store import PrefixStore
 from dflash_mlx.generation import served_tree_budget
+from dflash_mlx.targets import adapt
 
 from .cache_pool import PromptCachePool
 from .decoder import Decoder
@@ -83,9 +84,11 @@ def make_decoder(model, draft, tokenizer, config: ServerConfig, metrics: Optiona
     check_lookup(config.lookup, draft is not None)
     check_tree_budget(config.tree_budget, draft is not None)
 
+    target = adapt(model)  # one adapter for every cache the server makes
+
     def new_cache():
         return make_prompt_cache(
-            model,
+            target,
             draft,
             kv_bits=config.kv_bits,
             kv_group_size=config.kv_group_size,
