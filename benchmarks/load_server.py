@@ -24,8 +24,9 @@ temporary one by default) and times three requests of --prompt-tokens token ids
 that share all but their last 16: the first (a miss, all prefilled), a second in
 the same process, and a third in a new process over the same directory, its
 files first dropped from the page cache (posix_fadvise) where the system allows.
-Each process first answers a short unrelated request, so no figure pays for
-warming up. A request's time is a one-token completion's, measured by the
+Each process first answers an unrelated request of the same length, so no
+figure pays for a process's first use of a long context's kernels (its time is
+reported as ``warm_up``). A request's time is a one-token completion's, measured by the
 client: queue, cache lookup and load, prefill and the first token. The built-in
 pair's context is 2048 positions; for longer prompts its target is served from a
 copy whose config allows the length (the same weights). With --shape the pair is
@@ -325,19 +326,22 @@ def timed_completion(client: httpx.Client, url: str, args, prompt: list[int]) ->
     }
 
 
-def prefix_prompts(vocab: int, n: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """A short warm-up prompt and three prompts of ``n`` ids sharing all but their last 16."""
+def prefix_prompts(vocab: int, n: int, phase: str) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A warm-up prompt of ``n`` ids its own to ``phase`` (each process warms
+    up on one the store has not seen), and three prompts of ``n`` ids sharing
+    all but their last 16."""
     import random
 
     rng = random.Random(0)
     shared = [rng.randrange(3, vocab) for _ in range(n - 16)]
-    warm = [rng.randrange(3, vocab) for _ in range(48)]
-    return warm, *(shared + [rng.randrange(3, vocab) for _ in range(16)] for _ in range(3))
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(16)] for _ in range(3)]
+    warm_rng = random.Random(phase)
+    return [warm_rng.randrange(3, vocab) for _ in range(n)], *prompts
 
 
 def serve_phase(args, prompts: list[list[int]]) -> tuple[list[dict], dict]:
     """Serve the pair over args.prefix_cache_dir and time ``prompts`` one
-    after another (a warm-up first); the server's prefix-cache counters."""
+    after another; the server's prefix-cache counters."""
     import socket
 
     from dflash_mlx.server import ServerConfig, create_app, running_in_thread
@@ -365,7 +369,7 @@ def serve_phase(args, prompts: list[list[int]]) -> tuple[list[dict], dict]:
     counters = {
         line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("dflash_prefix_")
     }
-    return times[1:], counters
+    return times, counters
 
 
 def drop_from_page_cache(directory: Path) -> bool:
@@ -380,6 +384,19 @@ def drop_from_page_cache(directory: Path) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def disk_read_rate(directory: Path) -> float | None:
+    """GB/s reading the largest entry once dropped from the page cache (what
+    a restart's load is bound by); None where the cache cannot be dropped."""
+    entries = sorted(directory.rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    if not entries or not drop_from_page_cache(directory):
+        return None
+    start = time.perf_counter()
+    with open(entries[-1], "rb") as f:
+        while f.read(1 << 24):
+            pass
+    return round(entries[-1].stat().st_size / (time.perf_counter() - start) / 1e9, 3)
 
 
 def prefix_reuse(args) -> dict:
@@ -398,10 +415,10 @@ def prefix_reuse(args) -> dict:
 
         args.model, args.draft_model = random_pair(args.shape, Path(tempfile.mkdtemp(prefix="dflash-pair-")))
     vocab = load_config(Path(args.model if args.model not in (None, "builtin") else builtin.TARGET))["vocab_size"]
-    warm, first, second, third = prefix_prompts(vocab, args.prompt_tokens)
+    warm, first, second, third = prefix_prompts(vocab, args.prompt_tokens, args.phase)
     if args.phase == "restart":
         times, counters = serve_phase(args, [warm, third])
-        return {"restart": times[0], "counters": counters}
+        return {"warm_up": times[0], "restart": times[1], "counters": counters}
     if args.prefix_cache_dir is None:
         args.prefix_cache_dir = tempfile.mkdtemp(prefix="dflash-prefix-cache-")
     times, counters = serve_phase(args, [warm, first, second])
@@ -414,15 +431,20 @@ def prefix_reuse(args) -> dict:
     if args.block_size is not None:
         command += ["--block-size", str(args.block_size)]
     restart = json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    read_gb_s = disk_read_rate(Path(args.prefix_cache_dir))
+    warm_up, times = times[0], times[1:]
     first_s = times[0]["seconds"]
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx_device()}",
         "prompt_tokens": args.prompt_tokens,
         "pair": args.shape or "builtin",
+        "warm_up": warm_up,
+        "warm_up_after_restart": restart["warm_up"],
         "first": times[0],
         "same_process": times[1],
         "restart": restart["restart"],
         "page_cache_dropped": dropped,
+        "disk_read_gb_s": read_gb_s,
         "same_process_vs_first": round(times[1]["seconds"] / first_s, 4),
         "restart_vs_first": round(restart["restart"]["seconds"] / first_s, 4),
         "counters_first_process": counters,
