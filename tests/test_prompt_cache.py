@@ -20,7 +20,7 @@ from tiny import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.cache.prompt import StaleGenerationError
+from dflash_mlx.cache.prompt import StaleGenerationError, common_prefix
 from dflash_mlx.draft.dflash import DraftConfig
 from dflash_mlx.kv.buffer import BufferKVCache
 
@@ -261,3 +261,22 @@ def test_a_prompt_is_read_as_mlx_lms_generate_step_reads_it(agreeing_pair, new, 
     follow = [1, 2, 3, *reply, 4, 5]
     held = cache.keep_prefix(follow)
     assert cache.chunks(follow[held:], step)[0] == [reply[-1]]
+
+
+def test_common_prefix_is_the_ids_shared_from_the_start():
+    """Lists, tuples and arrays alike, where they part inside, at and
+    around the slices it compares at once, and when one ends first."""
+    rng = random.Random(5)
+
+    def plain(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for _ in range(400):
+        a = [rng.randrange(3) for _ in range(rng.choice([0, 1, 511, 512, 513, 1100]))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(600))]
+        want = plain(a, b)
+        for x, y in ((a, b), (b, a), (tuple(a), b), (np.array(a, np.int64), b), (a, np.array(b, np.int32))):
+            assert common_prefix(x, y) == want

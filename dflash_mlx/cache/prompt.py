@@ -18,6 +18,10 @@ the last reply, whose window it keeps: the rest is read again from there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import lookup_drafter
 from ..kv import window
@@ -26,6 +30,27 @@ from ..kv.quantized import QuantizedBufferKVCache, check_settings
 from ..kv.rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 from ..targets import DenseTarget, adapt
 from .decoding import decoding
+
+# Ids compared a slice at a time (in C) before the one slice that differs is walked.
+_SPAN = 512
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many ids ``a`` and ``b`` (lists, or 1-D numpy arrays) share from their start."""
+    m = min(len(a), len(b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        differ = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+        return int(differ[0]) if differ.size else m
+    a, b = (x if type(x) is list else list(x) for x in (a, b))  # (a list never equals a tuple)
+    n = 0
+    while n < m:
+        end = min(n + _SPAN, m)
+        if a[n:end] != b[n:end]:
+            while a[n] == b[n]:
+                n += 1
+            return n
+        n = end
+    return m
 
 
 class StaleGenerationError(RuntimeError):
@@ -125,11 +150,7 @@ class PromptCache:
     def keep_prefix(self, ids: list[int]) -> int:
         """Forget everything after the common prefix of ``tokens`` and
         ``ids[:-1]`` (the last id is re-read for its logits); return its length."""
-        n = 0
-        for a, b in zip(self.tokens, ids[:-1]):
-            if a != b:
-                break
-            n += 1
+        n = common_prefix(self.tokens, ids[:-1])
         extends = n == len(self.tokens)
         kept = self.keeps(n)
         if kept is None:

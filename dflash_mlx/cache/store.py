@@ -39,7 +39,7 @@ from ..kv.quantized import QuantizedBufferKVCache
 from ..targets.recurrent import DeltaCache
 from . import files
 from .decoding import decoding
-from .prompt import PromptCache
+from .prompt import PromptCache, common_prefix
 
 log = logging.getLogger("dflash_mlx.cache")
 
@@ -50,12 +50,6 @@ class Entry:
     tokens: np.ndarray
     size: int
     earliest: int = 0  # the shortest prefix it serves (a sliding layer's window dropped the positions before)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    differ = np.flatnonzero(a[:m] != b[:m])
-    return int(differ[0]) if differ.size else m
 
 
 def _folder(identity: dict[str, str], kv: tuple) -> str:
@@ -201,7 +195,7 @@ class PrefixStore:
         entry, n = self.find(prompt)
         held = 0
         if cache is not None:  # (what a cut back there keeps: a sliding layer may keep less)
-            held = cache.keeps(common_prefix(np.asarray(cache.tokens, np.int64), np.asarray(prompt[:-1]))) or 0
+            held = cache.keeps(common_prefix(cache.tokens, prompt[:-1])) or 0
         return self.load(entry) if entry is not None and n > held else None
 
     # -- writing ------------------------------------------------------------------

@@ -10,17 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
+from ..cache.prompt import common_prefix
 from ..cache.store import PrefixStore, copy_prefix
 from ..targets.recurrent import DeltaCache
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def cache_bytes(cache) -> int:
