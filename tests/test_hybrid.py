@@ -134,6 +134,37 @@ def test_turns_end_from_the_cycles_kept_writes(rollback, compiled, monkeypatch):
     assert compiled == any(key[0] == 8 for key in traces_for(adapt(model), draft).compiled)
 
 
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+def test_a_plain_step_keeps_its_write_without_a_cut(rollback, compiled, monkeypatch):
+    """A plain step's one-step write is kept whole (a cycle's cut keeps at
+    least the token it read): its end state is the one its forward left, no
+    recurrence runs again for the cut, and every turn is still the target's."""
+    import dflash_mlx.generation as generation
+    from dflash_mlx.auto.chooser import BlockChooser
+    from dflash_mlx.targets.recurrent import Write
+
+    class PlainSteps(BlockChooser):
+        def choose(self, would_build=None) -> int:
+            return 1
+
+    monkeypatch.setattr(generation.block_memory, "chooser", lambda *a: PlainSteps(4, 16))
+    monkeypatch.setattr(DeltaCache, "rollback", rollback)
+    cuts = []
+    real = Write.after
+    monkeypatch.setattr(Write, "after", lambda self, s: cuts.append(self.steps) or real(self, s))
+    model, draft = make_pair("qwen3_5")
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8, 3, 5]
+    cache = make_prompt_cache(model, draft)
+    for max_tokens in (9, 6):
+        want = greedy_reference(model, prompt, max_tokens)
+        got, _ = run(
+            model, draft, prompt, want, vocab=VOCAB, max_tokens=max_tokens, block_size="auto", prompt_cache=cache
+        )
+        assert got == want and cache.consistent()
+        prompt = prompt + got[:-1] + [4]
+    assert 1 not in cuts
+
+
 class Interrupt:
     """KeyboardInterrupt at the ``at``-th write into any layer, attention or
     delta-net, of either model."""

@@ -403,11 +403,14 @@ class DeltaCache:
             self._checkpoint(self.offset, self.conv, self.ssm)
         if self.pending is not None:
             w = self.pending
-            # (a [1] array: what the replay kernel reads; 16 bytes, as CUDA's kernels read small arrays best)
-            s = mx.clip(mx.broadcast_to(length - w.start, (4,)), 0, w.steps)[:1]
-            if s.dtype != mx.int32:
-                s = s.astype(mx.int32)
-            self.conv, self.ssm = w.after(s)
+            # A cycle's cut keeps at least its write's first step (the token it read last), so a
+            # one-step write (a plain step's) is kept whole: forward left its end state in place.
+            if w.steps > 1 or w.state is None:
+                # (a [1] array: what the replay kernel reads; 16 bytes, as CUDA's kernels read small arrays best)
+                s = mx.clip(mx.broadcast_to(length - w.start, (4,)), 0, w.steps)[:1]
+                if s.dtype != mx.int32:
+                    s = s.astype(mx.int32)
+                self.conv, self.ssm = w.after(s)
             self._settle_pending()
         self.offset, self.bound = length, bound
 
