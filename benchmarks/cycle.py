@@ -32,9 +32,10 @@ almost nothing, so every cycle commits about one token and shows a cycle's cost
 ``--count-ops`` adds the device operations one cycle's graph holds (on a Mac
 each is a Metal dispatch): as built eagerly (the CPU's path), and through
 mx.compile (the GPU's path, elementwise chains fused), views left out; and
-the host's median ms to build the cycle (eagerly) or replay its trace. On
-the CPU each delta-net recurrence counts as one operation, as its kernel
-launch on a GPU. ``--shape tiny`` has Qwen3-8B's layer counts at tiny
+the host's median ms to build the cycle (eagerly) or replay its trace; and
+a plain step's operations, mlx-lm's and ours (eager, as ``auto``'s exact
+plain steps run, and compiled). On the CPU each delta-net recurrence, ours
+and mlx-lm's, counts as one operation, as its kernel launch on a GPU. ``--shape tiny`` has Qwen3-8B's layer counts at tiny
 widths: a cycle's operations without its compute; ``--shape
 gemma3-27b-layers`` Gemma 3 27B's (62 layers, 52 of them sliding);
 ``--shape qwen3.5-9b-layers`` Qwen3.5-9B's (32 layers, 24 of them gated
@@ -65,6 +66,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 
 SHAPES = {
@@ -378,13 +380,34 @@ def recurrence_as_one_launch():
     def tree_recurrence(q, k, v, g, beta, state, parents=None, keep_all=True, use_kernel=True):
         return v * 1, mx.broadcast_to(state, (q.shape[1] + 1, *state.shape)) + 0
 
-    real = recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback
+    def mlx_lm_recurrence(q, k, v, g, beta, state, mask=None):  # (mlx-lm's, one Metal kernel on a Mac)
+        return v * 1, state + 0
+
+    from mlx_lm.models import gated_delta
+
+    real = recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback, gated_delta.gated_delta_ops
     recurrent.recurrence, recurrent.tree_recurrence = recurrence, tree_recurrence
     recurrent.DeltaCache.rollback = "replay"
+    gated_delta.gated_delta_ops = mlx_lm_recurrence
     try:
         yield
     finally:
-        recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback = real
+        recurrent.recurrence, recurrent.tree_recurrence, recurrent.DeltaCache.rollback, gated_delta.gated_delta_ops = (
+            real
+        )
+
+
+def mlx_lm_step_ops(model, prompt: list[int]) -> int:
+    """The device operations of mlx-lm's own plain step after ``prompt``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with recurrence_as_one_launch():
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=cache)
+        mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
+        logits = model(mx.array([[prompt[-1]]]), cache=cache)
+        states = [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+        return sum(graph_ops([logits, *states]).values())
 
 
 def cycle_graph(model, draft, prompt, block: int | str, compiled: bool, builds: int = 9) -> tuple[Counter, float]:
@@ -418,6 +441,9 @@ def cycle_graph(model, draft, prompt, block: int | str, compiled: bool, builds: 
             cache.settle()
             length = mx.array(len(prompt), mx.int32)
     return ops, 1000 * sorted(times[1:])[len(times[1:]) // 2]  # (the first: a trace)
+
+
+MODES = (("eager", False), ("compiled", True))
 
 
 def main():
@@ -456,7 +482,7 @@ def main():
     tokenizer = make_tokenizer(64)
     vocab = draft.config.vocab_size
     blocks = [b if b.startswith("t") else int(b) for b in args.blocks.split(",")]
-    rows = []
+    rows, plain_ops = [], []
     for P in [int(p) for p in args.prompt_tokens.split(",")]:
         prompt = synthetic_prompt(vocab, P)
         if not args.cold:
@@ -468,12 +494,15 @@ def main():
         for _ in range(args.repeat):  # interleaved, so that a busy machine slows every block alike
             for block in blocks:
                 runs[block].append(dflash_cycle(model, draft, tokenizer, prompt, args.cycles, block))
+        if args.count_ops:
+            ours = {mode: sum(cycle_graph(model, draft, prompt, 1, compiled)[0].values()) for mode, compiled in MODES}
+            plain_ops.append((P, mlx_lm_step_ops(model, prompt), ours))
         for block in blocks:
             row = {"prompt_tokens": P, "block": block, "plain_step_ms": step}
             row.update(sorted(runs[block], key=lambda r: r["cycle_ms"])[args.repeat // 2])
             row.update(synced_pieces(model, draft, prompt, block))
             if args.count_ops:
-                for mode, compiled in (("eager", False), ("compiled", True)):
+                for mode, compiled in MODES:
                     ops, build_ms = cycle_graph(model, draft, prompt, block, compiled)
                     row[f"{mode}_ops"], row[f"{mode}_build_ms"] = sum(ops.values()), build_ms
             row["cycle_in_plain_steps"] = row["cycle_ms"] / step
@@ -494,6 +523,8 @@ def main():
         "tau": args.tau,
         "rows": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
     }
+    if plain_ops:
+        record["plain_step_ops"] = [{"prompt_tokens": P, "mlx_lm": n, **ours} for P, n, ours in plain_ops]
     if not distributed.is_first_rank(group):
         return
     if args.json:
@@ -505,6 +536,11 @@ def main():
         f"{'prompt':>6} {'block':>5} {'step ms':>8} {'cycle ms':>9} {'verify ms':>10} {'draft ms':>9} "
         f"{'steps':>6} {'x plain':>8}"
     )
+    for r in record.get("plain_step_ops", []):
+        print(
+            f"{r['prompt_tokens']:>6} plain step, device operations: mlx-lm's {r['mlx_lm']}; "
+            f"ours {r['eager']} eager, {r['compiled']} compiled"
+        )
     for r in record["rows"]:
         print(
             f"{r['prompt_tokens']:>6} {r['block']:>5} {r['plain_step_ms']:>8.2f} {r['cycle_ms']:>9.2f} "
