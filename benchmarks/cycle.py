@@ -35,7 +35,8 @@ mx.compile (the GPU's path, elementwise chains fused), views left out; and
 the host's median ms to build the cycle (eagerly) or replay its trace; and
 a plain step's operations, mlx-lm's and ours (eager, as ``auto``'s exact
 plain steps run, and compiled). On the CPU each delta-net recurrence, ours
-and mlx-lm's, counts as one operation, as its kernel launch on a GPU. ``--shape tiny`` has Qwen3-8B's layer counts at tiny
+and mlx-lm's, counts as one operation, as its kernel launch on a GPU.
+``--shape tiny`` has Qwen3-8B's layer counts at tiny
 widths: a cycle's operations without its compute; ``--shape
 gemma3-27b-layers`` Gemma 3 27B's (62 layers, 52 of them sliding);
 ``--shape qwen3.5-9b-layers`` Qwen3.5-9B's (32 layers, 24 of them gated
