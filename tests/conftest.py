@@ -44,6 +44,16 @@ def agreeing_pair():
     return model, make_draft(dcfg, random_draft_weights(dcfg, seed=22))
 
 
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def compiled(request, monkeypatch):
+    """Cycles built eagerly or through mx.compile (a GPU's path); a module
+    that must check more about its compiled runs defines its own."""
+    from dflash_mlx.decode.cycle import Cycle
+
+    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
+    return request.param
+
+
 @pytest.fixture
 def measured(monkeypatch):
     """Kernel decisions measured (DFLASH_MLX_KERNELS=measure) with given

@@ -19,7 +19,6 @@ from test_sampling import plain_sampled
 from tiny import draft_config, greedy_reference, make_draft, make_tokenizer, random_draft_weights
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.decode.traces import traces_for
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.targets import adapt
@@ -40,12 +39,6 @@ def make_pair(family: str, seed: int = 1, **extra):
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     return make_pair(request.param)
-
-
-@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("rollback", ROLLBACKS)

@@ -12,7 +12,6 @@ from mlx_lm.generate import generate_step
 from tiny import draft_config, make_draft, make_target, make_tokenizer, random_draft_weights, target_config
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.kv.buffer import BufferKVCache
 from dflash_mlx.kv.quantized import QuantizedBufferKVCache
 
@@ -26,12 +25,6 @@ def qpair():
     model = make_target(tcfg, seed=3)
     dcfg = draft_config(tcfg, layers=2, block_size=16)
     return model, make_draft(dcfg, random_draft_weights(dcfg, seed=4))
-
-
-@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
-    return request.param
 
 
 def reference(model, prompt, n, kv_bits=None, kv_group_size=32, quantized_kv_start=0):

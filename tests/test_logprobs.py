@@ -10,7 +10,6 @@ import pytest
 from tiny import make_tokenizer
 
 from dflash_mlx import stream_generate
-from dflash_mlx.decode.cycle import Cycle
 
 
 def reference_logprobs(model, prompt: list[int], reply: list[int]) -> np.ndarray:
@@ -39,12 +38,6 @@ def check_against_reference(model, prompt, tokens, responses, k):
         ids = [i for i, _ in pairs]
         assert ids == np.argsort(-row, kind="stable")[:k].tolist()
         np.testing.assert_allclose([v for _, v in pairs], row[ids], rtol=1e-4, atol=1e-4)
-
-
-@pytest.fixture(params=[False, True], ids=["uncompiled", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("block_size", [4, "auto", 2])

@@ -174,12 +174,6 @@ def decoded(model, draft, prompt, **kw):
     return [t for r in responses for t in r.tokens], responses
 
 
-@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_5"])
 def test_greedy_with_lookup_equals_mlx_lm(family, compiled):
     """Dense, sliding-window and hybrid targets, beside a drafter and alone,

@@ -24,7 +24,6 @@ from tiny import (
 )
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.decode.cycle import Cycle
 from dflash_mlx.draft.tree import TreeParams, accepted_path, build_tree
 from dflash_mlx.kv.tree import chain, from_parents
 from dflash_mlx.targets import adapt
@@ -180,12 +179,6 @@ def test_a_tree_verify_gives_each_node_its_paths_logits(family):
 def decoded(model, draft, prompt, **kw):
     responses = list(stream_generate(model, draft, make_tokenizer(VOCAB), prompt, **kw))
     return [t for r in responses for t in r.tokens], responses
-
-
-@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(Cycle, "compile_graphs", request.param)
-    return request.param
 
 
 @pytest.mark.parametrize("family", TREE_FAMILIES)
