@@ -402,13 +402,15 @@ def mlx_lm_step_ops(model, prompt: list[int]) -> int:
     """The device operations of mlx-lm's own plain step after ``prompt``."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    def states(cache) -> list:
+        return [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
+
     with recurrence_as_one_launch():
         cache = make_prompt_cache(model)
         model(mx.array(prompt)[None], cache=cache)
-        mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
+        mx.eval(states(cache))
         logits = model(mx.array([[prompt[-1]]]), cache=cache)
-        states = [a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)]
-        return sum(graph_ops([logits, *states]).values())
+        return sum(graph_ops([logits, *states(cache)]).values())
 
 
 def cycle_graph(model, draft, prompt, block: int | str, compiled: bool, builds: int = 9) -> tuple[Counter, float]:
