@@ -97,7 +97,7 @@ def make_decoder(model, draft, tokenizer, config: ServerConfig, metrics: Optiona
         )
 
     # settings this pair cannot use: a ValueError now, not on every request
-    tree_budget = served_tree_budget(model, new_cache(), config.tree_budget)
+    tree_budget = served_tree_budget(target, new_cache(), config.tree_budget)
     store = None
     if config.prefix_cache_dir is not None:
         store = PrefixStore(
