@@ -132,15 +132,12 @@ def test_a_plain_step_keeps_its_write_without_a_cut(rollback, compiled, monkeypa
     """A plain step's one-step write is kept whole (a cycle's cut keeps at
     least the token it read): its end state is the one its forward left, no
     recurrence runs again for the cut, and every turn is still the target's."""
+    from test_deferred_feed import Scripted
+
     import dflash_mlx.generation as generation
-    from dflash_mlx.auto.chooser import BlockChooser
     from dflash_mlx.targets.recurrent import Write
 
-    class PlainSteps(BlockChooser):
-        def choose(self, would_build=None) -> int:
-            return 1
-
-    monkeypatch.setattr(generation.block_memory, "chooser", lambda *a: PlainSteps(4, 16))
+    monkeypatch.setattr(generation.block_memory, "chooser", lambda *a: Scripted([1]))
     monkeypatch.setattr(DeltaCache, "rollback", rollback)
     cuts = []  # the writes cut at a device length (a reply's end may restore one at a host length)
     real = Write.after
