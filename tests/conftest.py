@@ -74,3 +74,22 @@ def measured(monkeypatch):
         return timed
 
     return install
+
+
+@pytest.fixture
+def buffer_copies(monkeypatch):
+    """The growths that copy a filled key/value buffer into a larger one, as
+    (capacity before, after); allocating an empty buffer is not one."""
+    from dflash_mlx.kv.buffer import BufferKVCache
+
+    copies = []
+    grow = BufferKVCache._grow
+
+    def counted(self, n, keys, values):
+        before = self.capacity
+        grow(self, n, keys, values)
+        if before and self.capacity != before:
+            copies.append((before, self.capacity))
+
+    monkeypatch.setattr(BufferKVCache, "_grow", counted)
+    return copies

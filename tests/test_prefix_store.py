@@ -340,3 +340,23 @@ def test_chat_reads_and_writes_the_prefix_cache_across_sessions(tmp_path):
     with pytest.warns(UserWarning, match="the prefix cache skips an entry, removed"):
         session()
     assert len(list(cache_dir.glob("*/*.safetensors"))) == 1  # written again by the third
+
+
+def test_a_copied_or_loaded_prefix_is_made_at_its_prompts_size(pair, tmp_path, buffer_copies):
+    """A prefix taken from memory or disk comes in buffers that hold the new
+    prompt and a first cycle, so its reply copies no buffer again."""
+    shared = [(i * 5) % 23 + 1 for i in range(250)]
+    first, second = shared + [3, 4, 5], shared + [(i * 3) % 17 + 2 for i in range(40)]
+    want = greedy_reference(pair[0], second, 10)
+    pool = PromptCachePool(lambda: make_prompt_cache(*pair), store=store_over(pair, tmp_path), min_shared=32)
+    cache, _ = pool.take(first)
+    run(pair, first, cache)
+    pool.give_back(cache, len(first))
+    pool.store.flush()
+    for taken in (pool, PromptCachePool(lambda: make_prompt_cache(*pair), store=store_over(pair, tmp_path))):
+        cache, n = taken.take(second)
+        assert n == len(shared) and taken.hits == 1
+        buffer_copies.clear()
+        assert run(pair, second, cache) == want
+        assert buffer_copies == []
+    assert pool.memory_hits == 1

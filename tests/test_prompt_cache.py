@@ -280,3 +280,22 @@ def test_common_prefix_is_the_ids_shared_from_the_start():
         want = plain(a, b)
         for x, y in ((a, b), (b, a), (tuple(a), b), (np.array(a, np.int64), b), (a, np.array(b, np.int32))):
             assert common_prefix(x, y) == want
+
+
+@pytest.mark.parametrize("compiled_cycles", [False, True], ids=["eager", "compiled"])
+def test_a_long_prompt_grows_each_buffer_once(agreeing_pair, buffer_copies, monkeypatch, compiled_cycles):
+    """A prompt read in many chunks, then a reply's first cycles: the buffers
+    are made once at the prompt's size, never copied a chunk at a time."""
+    from dflash_mlx.decode.cycle import Cycle
+
+    monkeypatch.setattr(Cycle, "compile_graphs", compiled_cycles)
+    model, draft = agreeing_pair
+    prompt = [(i * 5) % 21 + 2 for i in range(700)]
+    cache = make_prompt_cache(model, draft)
+    got = run(agreeing_pair, prompt, cache, max_tokens=24, block_size=8, prefill_step_size=64)
+    assert got == greedy_reference(model, prompt, 24)
+    assert buffer_copies == []
+    follow = cache.tokens + got[-1:] + [(i * 3) % 19 + 2 for i in range(300)]
+    assert run(agreeing_pair, follow, cache, max_tokens=8, prefill_step_size=64) == greedy_reference(model, follow, 8)
+    # the follow-up grows the kept buffers once, to the new prompt's size
+    assert len({after for _, after in buffer_copies}) == 1

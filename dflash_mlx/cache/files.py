@@ -603,13 +603,20 @@ def read_prompt_cache(path: str | Path, cache: PromptCache, fingerprint: str | N
     return meta
 
 
+def _packed(c: BufferKVCache, packed: tuple) -> QuantizedBufferKVCache:
+    q = QuantizedBufferKVCache(*packed)
+    q.floor = c.floor
+    return q
+
+
 def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | None, packed: tuple | None) -> None:
     """Make ``cache``, fresh, hold ``tokens`` from ``arrays`` (named as
     cache_arrays names them, quantized parts as tuples; ``packed``: the
-    target's (group size, bits) when its keys are). Buffers are new arrays."""
+    target's (group size, bits) when its keys are). Buffers are new arrays,
+    as large as the cache expects to grow (PromptCache.expect)."""
     n = len(tokens)
     if packed:
-        cache.target[:] = [QuantizedBufferKVCache(*packed) if type(c) is BufferKVCache else c for c in cache.target]
+        cache.target[:] = [_packed(c, packed) if type(c) is BufferKVCache else c for c in cache.target]
 
     def padded(a: mx.array, room: int) -> mx.array:
         return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
@@ -621,7 +628,7 @@ def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | 
                 c.offset = c.bound = n
                 c.saved = [(0, None, None), (n, c.conv, c.ssm)]
                 continue
-            room = -(-n // c.step) * c.step
+            room = c.room(n)  # (its floor: what the caller expects it to hold)
             k, v = arrays[f"{role}.{i}.keys"], arrays[f"{role}.{i}.values"]
             if isinstance(c, WindowKVCache):
                 c.hold(k, v, n - k.shape[2])

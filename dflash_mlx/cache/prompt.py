@@ -25,11 +25,15 @@ import numpy as np
 from ..draft.dflash import DFlashDraft
 from ..draft.lookup import lookup_drafter
 from ..kv import window
-from ..kv.buffer import align, set_lengths
+from ..kv.buffer import DeviceLengthCache, align, set_lengths
 from ..kv.quantized import QuantizedBufferKVCache, check_settings
 from ..kv.rotating import DraftWindowCache, RotatingBufferKVCache, check_max_kv_size
 from ..targets import DenseTarget, adapt
 from .decoding import decoding
+
+# Positions past a prompt that its buffers are given with it: a first cycle
+# then writes without growing (a copy of every buffer) right after the prompt.
+REPLY_ROOM = 64
 
 # Ids compared a slice at a time (in C) before the one slice that differs is walked.
 _SPAN = 512
@@ -111,6 +115,15 @@ class PromptCache:
         set_lengths(self.draft, n)
         align(self.target)
         align(self.draft)
+
+    def expect(self, n: int) -> None:
+        """Let the layers that hold every position grow once, to ``n`` ids and
+        REPLY_ROOM more, rather than a step at a time: a long prompt's chunks
+        then copy no buffer, and a cache made to continue from a prefix is
+        made at the size the prompt needs."""
+        for c in self.target + self.draft:
+            if isinstance(c, DeviceLengthCache) and getattr(c, "window", None) is None:
+                c.floor = max(c.floor, c.rounded(n + REPLY_ROOM))
 
     def claim(self, owner: object) -> None:
         """Make ``owner`` the only generation allowed to change the cache."""

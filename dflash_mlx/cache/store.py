@@ -172,10 +172,12 @@ class PrefixStore:
                     best, best_len = entry, n
         return (best, best_len) if best_len >= self.min_tokens else (None, 0)
 
-    def load(self, entry: Entry) -> PromptCache | None:
-        """A fresh cache holding ``entry``; None (with a warning, unless the
-        file was merely evicted meanwhile) if the file cannot serve."""
+    def load(self, entry: Entry, expect: int = 0) -> PromptCache | None:
+        """A fresh cache holding ``entry``, made to grow to ``expect`` ids (a
+        prompt's; PromptCache.expect); None (with a warning, unless the file
+        was merely evicted meanwhile) if the file cannot serve."""
         cache = self.new_cache()
+        cache.expect(expect)
         try:
             files.read_prompt_cache(entry.path, cache, self.identity["fingerprint"])
         except ValueError as e:
@@ -196,7 +198,7 @@ class PrefixStore:
         held = 0
         if cache is not None:  # (what a cut back there keeps: a sliding layer may keep less)
             held = cache.keeps(common_prefix(cache.tokens, prompt[:-1])) or 0
-        return self.load(entry) if entry is not None and n > held else None
+        return self.load(entry, expect=len(prompt)) if entry is not None and n > held else None
 
     # -- writing ------------------------------------------------------------------
     def save(self, cache: PromptCache) -> bool:

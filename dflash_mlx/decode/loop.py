@@ -73,6 +73,7 @@ def prefill(
     """Prefill what the cache lacks of ``ids``; returns the last logits [V]."""
     taps = list(draft.config.target_layer_ids)
     new = ids[cache.keep_prefix(ids) :]
+    cache.expect(len(ids))
     logits = None
     done = 0
     for chunk in cache.chunks(new, step):

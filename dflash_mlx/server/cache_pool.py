@@ -84,11 +84,13 @@ class PromptCachePool:
         if self.store is not None:
             entry, stored = self.store.find(prompt)
             if stored > max(best_len, source_len):
-                cache = self.store.load(entry)
+                cache = self.store.load(entry, expect=len(prompt))
                 if cache is not None:
                     return self._hit(cache, stored, disk=True)
         if source_len > best_len:
-            return self._hit(copy_prefix(source, source_len, self.make_cache()), source_len)
+            fresh = self.make_cache()
+            fresh.expect(len(prompt))
+            return self._hit(copy_prefix(source, source_len, fresh), source_len)
         if best is None:
             self.misses += 1
             return self.make_cache(), 0
