@@ -545,3 +545,39 @@ def test_a_request_holds_the_prefix_caches_writer_from_its_preparing_on(chat_pai
 
     asyncio.run(main())
     assert (seen["preparing"], seen["serving"], seen["after"]) == (1, 1, 0)
+
+
+def test_a_request_sent_while_the_last_ones_cache_is_kept_is_still_one_client(chat_pair):
+    """A client that sends its next request the moment its reply arrives,
+    while the server still keeps the last one's cache: one client, its new
+    conversation served by DFlash, not batched as a second client's."""
+    import threading
+
+    model, draft, tokenizer = chat_pair
+    first = chat_ids(tokenizer, "w5 w6 w7 w8")
+
+    async def main():
+        service = Service(model, draft, tokenizer, ServerConfig())  # DFlash's speed not measured yet
+        service.choice.window_s = 600.0
+        pool = service.worker.decoder.pool
+        give_back, sent = pool.give_back, threading.Event()
+
+        def kept_late(cache, prompt_length):
+            sent.wait(30)  # the reply is out; the next request arrives before the cache is kept
+            give_back(cache, prompt_length)
+
+        pool.give_back = kept_late
+        service.worker.start()
+        try:
+            job = Job(first, params(4))
+            service.worker.submit(job)
+            events = [e async for e in job.events()]
+            follow = Job(chat_ids(tokenizer, "w20 w21"), params(4))
+            service.worker.submit(follow)
+            sent.set()
+            done = [e async for e in follow.events()][-1]
+            return events[-1].usage.dflash.get("path", "dflash"), path({"done": done}), service.choice.clients()
+        finally:
+            await asyncio.to_thread(service.worker.stop)
+
+    assert asyncio.run(main()) == ("dflash", "dflash", 1)

@@ -68,6 +68,7 @@ class Job:
     starts_in_reasoning: bool = False
     tools: Optional[list[dict]] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    answered: bool = False  # its Done or Failed is posted: its client may already send the next request
 
     def __post_init__(self):
         self._loop = asyncio.get_running_loop()
@@ -75,6 +76,7 @@ class Job:
 
     # -- worker thread side --
     def post(self, event: Event) -> None:
+        self.answered = self.answered or isinstance(event, (Done, Failed))
         self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
     def prefill_progress(self, done: int, total: int) -> None:

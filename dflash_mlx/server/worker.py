@@ -69,9 +69,12 @@ class Worker:
 
     @property
     def together(self) -> int:
-        """Requests in the server: waiting, or being decoded (not a batch's
-        finished ones, so a client's next request does not count its last)."""
-        return self.queued + (self.batcher.live if self.batching else len(self.running))
+        """Requests in the server: waiting, or being decoded. Not a batch's
+        finished ones, nor a DFlash job answered while its cache is kept: a
+        client's next request does not count its last."""
+        if self.batching:
+            return self.queued + self.batcher.live
+        return self.queued + sum(not job.answered for job in self.running)
 
     def _batchable(self, job: Job) -> bool:
         """Whether the batch may serve ``job``: one it serves as DFlash would,
