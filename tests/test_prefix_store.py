@@ -360,3 +360,18 @@ def test_a_copied_or_loaded_prefix_is_made_at_its_prompts_size(pair, tmp_path, b
         assert run(pair, second, cache) == want
         assert buffer_copies == []
     assert pool.memory_hits == 1
+
+
+def test_a_snapshot_copies_no_buffer(pair):
+    """Handing a cache to the store holds its arrays as they are: no copy of
+    its keys and values on the caller's thread (a later write copies instead,
+    and the file still holds what the snapshot saw: the test above)."""
+    import mlx.core as mx
+
+    cache = make_prompt_cache(*pair)
+    run(pair, SHARED * 3 + [3], cache)
+    mx.eval(cache.arrays())
+    before = mx.get_active_memory()
+    snap = files.snapshot(cache)
+    assert snap.nbytes > 100_000
+    assert mx.get_active_memory() - before < snap.nbytes / 10

@@ -13,7 +13,7 @@ quantized cache is saved packed with its settings and loads only under
 them; a bounded cache (``max_kv_size``) is not saved.
 
 Saving is two steps, so a server can write after its reply: ``snapshot``
-copies the arrays on the device (the caller's thread, MLX's), ``write_snapshot``
+holds views of the cache's arrays (the caller's thread, MLX's), ``write_snapshot``
 brings them to the host, checksums and writes them one tensor at a time (any
 thread; it can pause before each, as the prefix store's writer does while a
 generation decodes).
@@ -81,10 +81,12 @@ class ForeignCacheFile(ValueError):
 
 @dataclasses.dataclass
 class Snapshot:
-    """A cache's tensors as (safetensors dtype, evaluated contiguous array of
-    their bits), and its metadata; what ``write_snapshot`` writes. Taking one
-    copies on the device only: the bytes reach the host as they are written,
-    on the writer's thread, not the caller's."""
+    """A cache's tensors as (safetensors dtype, evaluated array of their
+    bits), and its metadata; what ``write_snapshot`` writes. Taking one copies
+    nothing: MLX writes an array in place only while nothing else holds its
+    memory, so a write into the cache after it copies the buffer first and
+    the snapshot keeps what it saw. The bytes reach the host as they are
+    written, on the writer's thread, not the caller's."""
 
     tensors: dict[str, tuple[str, mx.array]]
     meta: dict[str, str]
@@ -95,11 +97,11 @@ class Snapshot:
 
 
 def _bits(a: mx.array) -> tuple[str, mx.array]:
-    """(dtype name, the array as numpy can hold its bytes): numpy has no
-    bfloat16, so its bits as uint16."""
+    """(dtype name, a view of the array as numpy can hold its bytes, never
+    the array itself): numpy has no bfloat16, so its bits as uint16."""
     if a.dtype not in DTYPES:
         raise ValueError(f"a prompt cache cannot hold {a.dtype} tensors.")
-    return DTYPES[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    return DTYPES[a.dtype], a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype)
 
 
 def _host(a: mx.array) -> tuple[str, np.ndarray]:
@@ -252,7 +254,6 @@ def snapshot(
     if n == 0:
         raise ValueError("this prompt cache is empty; read a prompt into it first.")
     arrays = {k: _bits(a) for k, a in cache_arrays(cache).items()}
-    arrays = {k: (dtype, mx.contiguous(a)) for k, (dtype, a) in arrays.items()}
     earliest = window.earliest(cache.target)
     mx.eval([a for _, a in arrays.values()])
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
@@ -306,7 +307,7 @@ def write_snapshot(path: str | Path, snap: Snapshot, pause: Callable[[], None] |
                 if pause is not None:
                     pause()
                 dtype, a = snap.tensors[name]
-                host = np.asarray(a)  # (on a GPU, where its bytes reach the host)
+                host = np.ascontiguousarray(a)  # (on a GPU, where its bytes reach the host)
                 _sum_tensor(summed, name, dtype, host)
                 f.write(memoryview(host).cast("B"))
             final = _header(snap, names, summed.hexdigest())
