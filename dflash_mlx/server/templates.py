@@ -44,9 +44,9 @@ def chat_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]], te
 def text_prompt(tokenizer, prompt: str | list, vocab_size: Optional[int]) -> list[int]:
     """A raw completion prompt: text (with the tokenizer's BOS unless the
     text starts with it), one text in a list, or token ids."""
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        bad = next((t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-        if bad is not None:
+    if isinstance(prompt, list) and all(issubclass(k, int) for k in set(map(type, prompt))):
+        if prompt and (min(prompt) < 0 or (vocab_size is not None and max(prompt) >= vocab_size)):
+            bad = next(t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size))
             raise APIError(
                 400, f"prompt: the token id {bad} is outside the vocabulary [0, {vocab_size}).", param="prompt"
             )
