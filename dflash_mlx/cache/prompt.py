@@ -120,8 +120,10 @@ class PromptCache:
         """Let the layers that hold every position grow once, to ``n`` ids and
         REPLY_ROOM more, rather than a step at a time: a long prompt's chunks
         then copy no buffer, and a cache made to continue from a prefix is
-        made at the size the prompt needs."""
-        for c in self.target + self.draft:
+        made at the size the prompt needs. Not a target layer still to be
+        quantized: it would hold the prompt at full precision first."""
+        layers = self.draft if self.quantization_pending else self.target + self.draft
+        for c in layers:
             if isinstance(c, DeviceLengthCache) and getattr(c, "window", None) is None:
                 c.floor = max(c.floor, c.rounded(n + REPLY_ROOM))
 

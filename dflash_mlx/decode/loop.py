@@ -73,10 +73,10 @@ def prefill(
     """Prefill what the cache lacks of ``ids``; returns the last logits [V]."""
     taps = list(draft.config.target_layer_ids)
     new = ids[cache.keep_prefix(ids) :]
-    cache.expect(len(ids))
     logits = None
     done = 0
     for chunk in cache.chunks(new, step):
+        cache.expect(len(ids))  # (each chunk: layers quantized by the last one take it too)
         with prompt_products():
             logits, hidden = target(mx.array(chunk)[None], cache.target, taps, last_only=True)
         # the target's graph first: the extend's scratch would add to its attention's peak
