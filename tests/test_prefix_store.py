@@ -375,3 +375,25 @@ def test_a_snapshot_copies_no_buffer(pair):
     snap = files.snapshot(cache)
     assert snap.nbytes > 100_000
     assert mx.get_active_memory() - before < snap.nbytes / 10
+
+
+def test_the_writer_lets_go_of_a_snapshot_once_it_is_written(pair, tmp_path, monkeypatch):
+    """A snapshot held past its file would make the cache's next write copy
+    every buffer, however long ago the file was written."""
+    import gc
+    import weakref
+
+    taken = []
+    snapshot = files.snapshot
+
+    def recorded(*args, **kwargs):
+        snap = snapshot(*args, **kwargs)
+        taken.append(weakref.ref(snap))
+        return snap
+
+    monkeypatch.setattr(files, "snapshot", recorded)
+    store = store_over(pair, tmp_path)
+    saved(pair, store, SHARED + [3])
+    gc.collect()
+    assert len(taken) == 1 and taken[0]() is None
+    store.close()

@@ -237,6 +237,8 @@ class PrefixStore:
             finally:
                 with self.lock:
                     self.queued.discard(name)
+                # written: its views no longer make the cache's next write copy its buffers
+                job = snap = None
                 self.jobs.task_done()
         self.jobs.task_done()
 
