@@ -581,3 +581,39 @@ def test_a_request_sent_while_the_last_ones_cache_is_kept_is_still_one_client(ch
             await asyncio.to_thread(service.worker.stop)
 
     assert asyncio.run(main()) == ("dflash", "dflash", 1)
+
+
+def test_a_request_cancelled_while_its_cache_is_kept_is_not_company(chat_pair):
+    """A client that stops its reply (it goes away) and sends its next
+    request at once is one client too."""
+    import threading
+
+    model, draft, tokenizer = chat_pair
+
+    async def main():
+        service = Service(model, draft, tokenizer, ServerConfig())
+        service.choice.window_s = 600.0
+        pool = service.worker.decoder.pool
+        give_back, sent = pool.give_back, threading.Event()
+
+        def kept_late(cache, prompt_length):
+            sent.wait(30)
+            give_back(cache, prompt_length)
+
+        pool.give_back = kept_late
+        service.worker.start()
+        try:
+            stopped = Job(chat_ids(tokenizer, "w5 w6"), params(200))
+            service.worker.submit(stopped)
+            events = stopped.events()
+            await events.__anext__()  # it is decoding
+            stopped.cancel()
+            follow = Job(chat_ids(tokenizer, "w20 w21"), params(4))
+            service.worker.submit(follow)
+            sent.set()
+            done = [e async for e in follow.events()][-1]
+            return path({"done": done}), service.choice.clients()
+        finally:
+            await asyncio.to_thread(service.worker.stop)
+
+    assert asyncio.run(main()) == ("dflash", 1)

@@ -70,11 +70,11 @@ class Worker:
     @property
     def together(self) -> int:
         """Requests in the server: waiting, or being decoded. Not a batch's
-        finished ones, nor a DFlash job answered while its cache is kept: a
-        client's next request does not count its last."""
+        finished ones, nor a DFlash job answered or cancelled while its cache
+        is kept: a client's next request does not count its last."""
         if self.batching:
             return self.queued + self.batcher.live
-        return self.queued + sum(not job.answered for job in self.running)
+        return self.queued + sum(not (job.answered or job.cancelled.is_set()) for job in self.running)
 
     def _batchable(self, job: Job) -> bool:
         """Whether the batch may serve ``job``: one it serves as DFlash would,
