@@ -27,7 +27,9 @@ files first dropped from the page cache (posix_fadvise) where the system allows.
 Each process first answers an unrelated request of the same length, so no
 figure pays for a process's first use of a long context's kernels (its time is
 reported as ``warm_up``). A request's time is a one-token completion's, measured by the
-client: queue, cache lookup and load, prefill and the first token. The built-in
+client: queue, cache lookup and load, prefill and the first token; beside it the
+path that served it and ``generation_first_token_s``, the generation's own share
+(its prefill and first token, from the reply's ``usage.dflash.prompt_tps``). The built-in
 pair's context is 2048 positions; for longer prompts its target is served from a
 copy whose config allows the length (the same weights). With --shape the pair is
 random weights at a model's shapes (benchmarks/cycle.py's), written to a
@@ -319,11 +321,16 @@ def timed_completion(client: httpx.Client, url: str, args, prompt: list[int]) ->
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
     usage = response.json()["usage"]
-    return {
+    dflash = usage.get("dflash") or {}
+    timed = {
         "seconds": round(seconds, 4),
         "prompt_tokens": usage["prompt_tokens"],
         "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "path": dflash.get("path"),  # "batched": served by the batch, without the prefix cache
     }
+    if dflash.get("prompt_tps"):  # the generation's own time to its first token; the rest is the server's
+        timed["generation_first_token_s"] = round(usage["prompt_tokens"] / dflash["prompt_tps"], 4)
+    return timed
 
 
 def prefix_prompts(vocab: int, n: int, phase: str) -> tuple[list[int], list[int], list[int], list[int]]:
