@@ -604,12 +604,6 @@ def read_prompt_cache(path: str | Path, cache: PromptCache, fingerprint: str | N
     return meta
 
 
-def _packed(c: BufferKVCache, packed: tuple) -> QuantizedBufferKVCache:
-    q = QuantizedBufferKVCache(*packed)
-    q.floor = c.floor
-    return q
-
-
 def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | None, packed: tuple | None) -> None:
     """Make ``cache``, fresh, hold ``tokens`` from ``arrays`` (named as
     cache_arrays names them, quantized parts as tuples; ``packed``: the
@@ -617,7 +611,7 @@ def fill(cache: PromptCache, arrays: dict, tokens: list[int], reply_from: int | 
     as large as the cache expects to grow (PromptCache.expect)."""
     n = len(tokens)
     if packed:
-        cache.target[:] = [_packed(c, packed) if type(c) is BufferKVCache else c for c in cache.target]
+        cache.target[:] = [QuantizedBufferKVCache(*packed) if type(c) is BufferKVCache else c for c in cache.target]
 
     def padded(a: mx.array, room: int) -> mx.array:
         return mx.pad(a, [(0, 0), (0, 0), (0, room - n), (0, 0)])
