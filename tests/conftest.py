@@ -78,18 +78,23 @@ def measured(monkeypatch):
 
 @pytest.fixture
 def buffer_copies(monkeypatch):
-    """The growths that copy a filled key/value buffer into a larger one, as
-    (capacity before, after); allocating an empty buffer is not one."""
+    """The growths that copy a filled key/value buffer, plain or quantized,
+    into a larger one, as (capacity before, after); allocating an empty
+    buffer is not one."""
     from dflash_mlx.kv.buffer import BufferKVCache
+    from dflash_mlx.kv.quantized import QuantizedBufferKVCache
 
     copies = []
-    grow = BufferKVCache._grow
 
-    def counted(self, n, keys, values):
-        before = self.capacity
-        grow(self, n, keys, values)
-        if before and self.capacity != before:
-            copies.append((before, self.capacity))
+    def counting(grow):
+        def counted(self, n, keys, values):
+            before = self.capacity
+            grow(self, n, keys, values)
+            if before and self.capacity != before:
+                copies.append((before, self.capacity))
 
-    monkeypatch.setattr(BufferKVCache, "_grow", counted)
+        return counted
+
+    for kind in (BufferKVCache, QuantizedBufferKVCache):
+        monkeypatch.setattr(kind, "_grow", counting(kind._grow))
     return copies

@@ -547,14 +547,13 @@ def test_a_request_holds_the_prefix_caches_writer_from_its_preparing_on(chat_pai
     assert (seen["preparing"], seen["serving"], seen["after"]) == (1, 1, 0)
 
 
-def test_a_request_sent_while_the_last_ones_cache_is_kept_is_still_one_client(chat_pair):
-    """A client that sends its next request the moment its reply arrives,
-    while the server still keeps the last one's cache: one client, its new
-    conversation served by DFlash, not batched as a second client's."""
+def next_request_while_kept(pair, earlier) -> tuple[str, int]:
+    """``earlier(worker)`` submits a request and returns once its client is
+    done with it; then, while the server still keeps that request's cache,
+    an unrelated request: the path that served it and the clients counted."""
     import threading
 
-    model, draft, tokenizer = chat_pair
-    first = chat_ids(tokenizer, "w5 w6 w7 w8")
+    model, draft, tokenizer = pair
 
     async def main():
         service = Service(model, draft, tokenizer, ServerConfig())  # DFlash's speed not measured yet
@@ -563,51 +562,13 @@ def test_a_request_sent_while_the_last_ones_cache_is_kept_is_still_one_client(ch
         give_back, sent = pool.give_back, threading.Event()
 
         def kept_late(cache, prompt_length):
-            sent.wait(30)  # the reply is out; the next request arrives before the cache is kept
+            sent.wait(30)  # the next request arrives before the cache is kept
             give_back(cache, prompt_length)
 
         pool.give_back = kept_late
         service.worker.start()
         try:
-            job = Job(first, params(4))
-            service.worker.submit(job)
-            events = [e async for e in job.events()]
-            follow = Job(chat_ids(tokenizer, "w20 w21"), params(4))
-            service.worker.submit(follow)
-            sent.set()
-            done = [e async for e in follow.events()][-1]
-            return events[-1].usage.dflash.get("path", "dflash"), path({"done": done}), service.choice.clients()
-        finally:
-            await asyncio.to_thread(service.worker.stop)
-
-    assert asyncio.run(main()) == ("dflash", "dflash", 1)
-
-
-def test_a_request_cancelled_while_its_cache_is_kept_is_not_company(chat_pair):
-    """A client that stops its reply (it goes away) and sends its next
-    request at once is one client too."""
-    import threading
-
-    model, draft, tokenizer = chat_pair
-
-    async def main():
-        service = Service(model, draft, tokenizer, ServerConfig())
-        service.choice.window_s = 600.0
-        pool = service.worker.decoder.pool
-        give_back, sent = pool.give_back, threading.Event()
-
-        def kept_late(cache, prompt_length):
-            sent.wait(30)
-            give_back(cache, prompt_length)
-
-        pool.give_back = kept_late
-        service.worker.start()
-        try:
-            stopped = Job(chat_ids(tokenizer, "w5 w6"), params(200))
-            service.worker.submit(stopped)
-            events = stopped.events()
-            await events.__anext__()  # it is decoding
-            stopped.cancel()
+            await earlier(service.worker)
             follow = Job(chat_ids(tokenizer, "w20 w21"), params(4))
             service.worker.submit(follow)
             sent.set()
@@ -616,4 +577,32 @@ def test_a_request_cancelled_while_its_cache_is_kept_is_not_company(chat_pair):
         finally:
             await asyncio.to_thread(service.worker.stop)
 
-    assert asyncio.run(main()) == ("dflash", 1)
+    return asyncio.run(main())
+
+
+def test_a_request_sent_while_the_last_ones_cache_is_kept_is_still_one_client(chat_pair):
+    """A client that sends its next request the moment its reply arrives,
+    while the server still keeps the last one's cache: one client, its new
+    conversation served by DFlash, not batched as a second client's."""
+    paths = []
+
+    async def answered(worker):
+        job = Job(chat_ids(chat_pair[2], "w5 w6 w7 w8"), params(4))
+        worker.submit(job)
+        paths.append(path({"done": [e async for e in job.events()][-1]}))
+
+    assert next_request_while_kept(chat_pair, answered) == ("dflash", 1)
+    assert paths == ["dflash"]
+
+
+def test_a_request_cancelled_while_its_cache_is_kept_is_not_company(chat_pair):
+    """A client that stops its reply (it goes away) and sends its next
+    request at once is one client too."""
+
+    async def stopped(worker):
+        job = Job(chat_ids(chat_pair[2], "w5 w6"), params(200))
+        worker.submit(job)
+        await job.events().__anext__()  # it is decoding
+        job.cancel()
+
+    assert next_request_while_kept(chat_pair, stopped) == ("dflash", 1)
